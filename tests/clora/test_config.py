@@ -1,0 +1,148 @@
+"""The typed config: loading, environment overrides, validation that lists every problem, the CLI surface."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clora.cli import build_parser
+from clora.config import Config, ConfigError, env_variables, load_config, show_config
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "clora.toml"
+    p.write_text(text)
+    return p
+
+
+def test_example_config_is_valid():
+    cfg = load_config(REPO / "clora.example.toml", environ={})
+    assert [t.name for t in cfg.tenants] == ["acme", "digits-lab"]
+    assert cfg.tenant("digits-lab").mode == "rollouts"
+    assert cfg.tenant_by_key("sk-acme-change-me").name == "acme"
+
+
+def test_defaults_without_a_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, environ={})
+    assert cfg == Config()
+    assert cfg.model_path == Path(".clora/models/tiny-0")
+
+
+def test_env_overrides_file(tmp_path):
+    p = write(tmp_path, 'data_dir = "/from/file"\n[kafka]\nbootstrap = "file:9092"\n')
+    cfg = load_config(p, environ={"CLORA_DATA_DIR": "/from/env", "CLORA_KAFKA_BOOTSTRAP": "env:1234"})
+    assert cfg.data_dir == Path("/from/env")
+    assert cfg.kafka.bootstrap == "env:1234"
+
+
+def test_config_env_var_names_the_file(tmp_path):
+    p = write(tmp_path, 'log_level = "DEBUG"\n')
+    assert load_config(None, environ={"CLORA_CONFIG": str(p)}).log_level == "DEBUG"
+
+
+def test_every_problem_is_listed_at_once(tmp_path):
+    p = write(
+        tmp_path,
+        """
+bogus = 1
+[serving]
+port = 70000
+[[tenants]]
+name = "bad name!"
+api_key = "short"
+scorer = "regex:("
+[[tenants]]
+name = "b"
+api_key = "long-enough-key"
+scorer = "telepathy"
+""",
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(p, environ={})
+    msg = str(e.value)
+    for fragment in ("bogus", "serving.port", "tenants.0.name", "tenants.0.api_key", "tenants.0.scorer",
+                     "tenants.1.scorer", "telepathy"):
+        assert fragment in msg, fragment
+    assert "5 problem" in msg or "6 problem" in msg
+
+
+def test_cross_field_problems(tmp_path):
+    p = write(
+        tmp_path,
+        """
+[[tenants]]
+name = "a"
+api_key = "same-key-123"
+lora = { rank = 64 }
+[[tenants]]
+name = "a"
+api_key = "same-key-123"
+""",
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(p, environ={})
+    msg = str(e.value)
+    assert "'a' appears more than once" in msg
+    assert "share an api_key" in msg
+    assert "lora.rank 64 exceeds serving.max_lora_rank 16" in msg
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "data_dir = [unclosed"), environ={})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml", environ={})
+
+
+def test_show_masks_keys():
+    cfg = load_config(REPO / "clora.example.toml", environ={})
+    text = show_config(cfg)
+    assert "sk-acme" not in text
+    assert json.loads(text)["tenants"][0]["api_key"] == "********"
+
+
+def test_every_field_has_a_description():
+    from pydantic import BaseModel
+
+    def walk(model):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                walk(field.annotation)
+
+    walk(Config)
+    from clora.config import LoraConfig, TenantConfig
+
+    walk(TenantConfig)
+    walk(LoraConfig)
+
+
+def test_env_variables_listed():
+    assert env_variables()["CLORA_DATA_DIR"] == "data_dir"
+    assert env_variables()["CLORA_KAFKA_BOOTSTRAP"] == "kafka.bootstrap"
+
+
+def test_every_subcommand_has_help():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    names = set(sub.choices)
+    assert {"config", "broker", "bench"} <= names
+    for name, p in sub.choices.items():
+        assert p.format_help().startswith("usage: clora " + name), name
+
+
+def test_cli_help_and_bad_config_exit_code(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "clora", "--help"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0 and "commands" in out.stdout
+    bad = write(tmp_path, "[kafka]\npartitions = 0\n")
+    out = subprocess.run([sys.executable, "-m", "clora", "config", "show", "--config", str(bad)],
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 2
+    assert "kafka.partitions" in out.stderr

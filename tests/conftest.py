@@ -1,0 +1,51 @@
+"""Fixtures every test tier shares.
+
+- `data_dir`: a fresh clora data directory per test.
+- `tiny_model`: the local tiny model, built once and cached under the repository's `.clora/models` (the
+  same cache `make setup` and the demo use), so a test session never rebuilds it.
+- `broker`: the real embedded Kafka-compatible broker on a free port, started once per session with
+  clora's topics, stopped at the end.
+
+Services bind to 127.0.0.1 only and are stopped by the handle that started them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_CACHE = REPO / ".clora" / "models"
+
+# Keep vLLM's CPU KV cache small: tests run on a shared 2-core machine.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "data"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    from learner.tiny_model import ensure_tiny
+
+    return ensure_tiny(MODEL_CACHE, seed=0)
+
+
+@pytest.fixture(scope="session")
+def broker():
+    from clora.config import KafkaConfig
+    from ingest.broker import EmbeddedBroker, free_port
+
+    kafka = KafkaConfig()
+    b = EmbeddedBroker("127.0.0.1", free_port())
+    b.start([kafka.interactions_topic, kafka.feedback_topic, kafka.dead_letter_topic], partitions=kafka.partitions)
+    try:
+        yield b
+    finally:
+        b.stop()
