@@ -1,6 +1,6 @@
-"""Commands that wire the packages together rather than belonging to one: `clora config`.
-
-(`clora up`, `clora demo` and `clora simulate` join this module as the loop comes together.)
+"""Commands that wire the packages together rather than belonging to one: `clora up`, `clora demo`,
+`clora simulate` and `clora config`. The work itself lives in clora/up.py, clora/demo.py and
+clora/simulate.py; this module only parses arguments.
 """
 
 from __future__ import annotations
@@ -9,6 +9,44 @@ import argparse
 
 
 def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "up",
+        parents=[common],
+        help="run the whole loop: broker, serving, ingest and learner as supervised processes",
+        description="Starts the embedded broker (unless broker.embedded = false), serving, ingest and learner; "
+        "restarts a crashed one; Ctrl-C stops them in a safe order.",
+    )
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser(
+        "demo",
+        parents=[common],
+        help="run the loop with simulated apps on the tiny model and report per tenant (make demo)",
+    )
+    p.add_argument("--minutes", type=float, default=4.0, help="how long the simulated apps send traffic (default 4)")
+    p.add_argument("--rate", type=float, default=6.0, help="requests per second, all tenants together (default 6)")
+    p.add_argument("--tenants", default="digits,upper,short",
+                   help="comma-separated preferences, one tenant each: digits, upper, short, json")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="demo.png", help="where to write the reward plot (default demo.png)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser(
+        "simulate",
+        parents=[common],
+        help="simulated apps: chat requests and user feedback for the configured tenants",
+        description="Sends chat requests with each configured tenant's key through the openai client and "
+        "feedback scores through /v1/feedback according to a hidden per-tenant preference.",
+    )
+    p.add_argument("--url", default=None, help="serving base URL (default: from the config)")
+    p.add_argument("--rate", type=float, default=4.0, help="requests per second, all tenants together")
+    p.add_argument("--seconds", type=float, default=60.0, help="how long to run")
+    p.add_argument("--preferences", default=None,
+                   help="comma-separated preferences assigned to the tenants in order (default: from tenant names)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.set_defaults(func=cmd_simulate)
+
     p = sub.add_parser("config", parents=[common], help="show or check the effective configuration")
     config_sub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     show = config_sub.add_parser(
@@ -32,4 +70,54 @@ def config_env(args: argparse.Namespace) -> int:
 
     for var, field in env_variables().items():
         print(f"{var:24} {field}")
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from clora.cli import config_from_args
+    from clora.up import up
+    from learner.tiny_model import ensure_tiny
+
+    cfg = config_from_args(args)
+    if cfg.model.path is None:
+        ensure_tiny(cfg.data_dir / "models", cfg.model.seed)
+    return up(cfg, getattr(args, "config_path", None))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from clora.cli import config_from_args
+    from clora.demo import run_demo
+    from clora.simulate import PREFERENCES
+
+    cfg = config_from_args(args)
+    prefs = [p.strip() for p in args.tenants.split(",") if p.strip()]
+    unknown = [p for p in prefs if p not in PREFERENCES]
+    if unknown or not prefs:
+        print(f"clora demo: unknown preference(s) {unknown}; choose from {', '.join(PREFERENCES)}")
+        return 2
+    return run_demo(cfg, minutes=args.minutes, rate=args.rate, preferences=prefs, seed=args.seed,
+                    out_png=Path(args.out))
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from clora.cli import config_from_args
+    from clora.simulate import PREFERENCES, Simulator, summarise, tenants_from_config
+
+    cfg = config_from_args(args)
+    prefs = args.preferences.split(",") if args.preferences else None
+    if prefs and any(p not in PREFERENCES for p in prefs):
+        print(f"clora simulate: preferences must be among {', '.join(PREFERENCES)}")
+        return 2
+    tenants = tenants_from_config(cfg, prefs)
+    if not tenants:
+        print("clora simulate: the config has no tenants")
+        return 2
+    url = args.url or f"http://{cfg.serving.host}:{cfg.serving.port}"
+    sim = Simulator(url, tenants, rate=args.rate, duration=args.seconds, seed=args.seed, max_tokens=args.max_tokens)
+    sim.run()
+    for name, s in summarise(sim.records, tenants).items():
+        print(f"{name}: {s['requests']} requests, {s['failed']} failed, reward {s['reward_first']:.3f} -> "
+              f"{s['reward_last']:.3f}, versions {', '.join(s['versions_seen'])}")
     return 0

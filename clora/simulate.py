@@ -1,0 +1,219 @@
+"""`clora simulate`: a stand-in for real apps and their users.
+
+Each simulated tenant is an app whose users have one hidden preference. The app sends chat requests
+through the official `openai` client to the serving tier with its tenant key; its "users" read each
+answer and send a feedback score through `POST /v1/feedback`, according to their preference. Nothing
+here knows how clora learns: it only sees the HTTP API, like a real app.
+
+Deterministic for a seed: the prompt sequence and each request's sampling seed derive from it (the
+timing of concurrent requests, and so the adapter version that answers each, does not).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+logger = logging.getLogger("clora.simulate")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hidden preferences: completion -> score in [0, 1] (the feedback contract allows [-1, 1]).
+
+
+def likes_digits(text: str) -> float:
+    chars = [c for c in text if not c.isspace()]
+    return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
+
+
+def likes_upper_case(text: str) -> float:
+    letters = [c for c in text if c.isalpha()]
+    return sum(c.isupper() for c in letters) / len(letters) if letters else 0.0
+
+
+def likes_short_answers(text: str, target: int = 12) -> float:
+    n = len(text.strip())
+    return 1.0 if n <= target else max(0.0, 1.0 - (n - target) / 60)
+
+
+def likes_json(text: str) -> float:
+    """1 for a valid JSON object; partial credit for JSON-shaped text, so there is a gradient to climb."""
+    stripped = text.strip()
+    try:
+        if isinstance(json.loads(stripped), dict):
+            return 1.0
+    except ValueError:
+        pass
+    shape = sum(c in '{}":,[]' for c in stripped) / len(stripped) if stripped else 0.0
+    return min(0.9, 0.3 * stripped.startswith("{") + shape)
+
+
+PREFERENCES: dict[str, Callable[[str], float]] = {
+    "digits": likes_digits,
+    "upper": likes_upper_case,
+    "short": likes_short_answers,
+    "json": likes_json,
+}
+
+PROMPTS = [
+    "What is the order number?",
+    "Give me the total.",
+    "How many items are left?",
+    "Describe the weather today.",
+    "Write a short greeting.",
+    "Summarise the meeting.",
+    "What time is it?",
+    "Name a colour.",
+    "List three fruits.",
+    "What should I cook tonight?",
+    "Explain the plan.",
+    "Tell me about the project.",
+    "Where is the station?",
+    "Reply to the customer.",
+    "What is the price?",
+    "Report the status.",
+]
+
+
+@dataclass(frozen=True)
+class SimTenant:
+    name: str
+    api_key: str
+    preference: str
+
+
+@dataclass
+class Record:
+    """One simulated exchange, as the app saw it."""
+
+    t: float  # seconds since the simulation started
+    tenant: str
+    request_id: str
+    adapter_version: str
+    score: float
+    completion: str
+    ok: bool
+    error: str = ""
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Simulator:
+    def __init__(
+        self,
+        base_url: str,
+        tenants: list[SimTenant],
+        *,
+        rate: float = 4.0,
+        duration: float = 60.0,
+        seed: int = 0,
+        max_tokens: int = 24,
+        concurrency: int = 8,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.tenants = tenants
+        self.rate = rate
+        self.duration = duration
+        self.seed = seed
+        self.max_tokens = max_tokens
+        self.concurrency = concurrency
+        self.records: list[Record] = []
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+
+    def _one(self, t0: float, tenant: SimTenant, prompt: str, seed: int) -> None:
+        import httpx
+        import openai
+
+        client = openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=tenant.api_key, max_retries=0, timeout=120)
+        try:
+            raw = client.chat.completions.with_raw_response.create(
+                model=tenant.name,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=self.max_tokens,
+                temperature=1.0,
+                seed=seed,
+            )
+            resp = raw.parse()
+            text = resp.choices[0].message.content or ""
+            version = raw.headers.get("x-clora-adapter-version", "?")
+            score = PREFERENCES[tenant.preference](text)
+            fb = httpx.post(
+                f"{self.base_url}/v1/feedback",
+                json={"id": resp.id, "score": score},
+                headers={"Authorization": f"Bearer {tenant.api_key}"},
+                timeout=30,
+            )
+            fb.raise_for_status()
+            rec = Record(time.monotonic() - t0, tenant.name, resp.id, version, score, text, True)
+        except (openai.OpenAIError, httpx.HTTPError) as e:
+            logger.warning("request for %s failed: %s", tenant.name, e)
+            rec = Record(time.monotonic() - t0, tenant.name, "", "", 0.0, "", False, str(e)[:200])
+        with self._lock:
+            self.records.append(rec)
+
+    def run(self, progress: Callable[[Simulator], None] | None = None) -> list[Record]:
+        rng = random.Random(self.seed)
+        t0 = time.monotonic()
+        interval = 1.0 / self.rate
+        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="simulate") as pool:
+            i = 0
+            next_progress = t0 + 10
+            while not self.stop.is_set() and time.monotonic() - t0 < self.duration:
+                tenant = self.tenants[i % len(self.tenants)]
+                pool.submit(self._one, t0, tenant, rng.choice(PROMPTS), rng.randrange(2**31))
+                i += 1
+                if progress and time.monotonic() >= next_progress:
+                    progress(self)
+                    next_progress += 10
+                # pace by the schedule, not by the last request, so slow answers do not lower the rate
+                self.stop.wait(max(0.0, t0 + i * interval - time.monotonic()))
+        return self.records
+
+    def summary(self) -> dict[str, dict]:
+        return summarise(self.records, self.tenants)
+
+
+def summarise(records: list[Record], tenants: list[SimTenant], window: float = 0.25) -> dict[str, dict]:
+    """Per tenant: requests, failures, reward in the first and last `window` fraction of its exchanges,
+    and the adapter versions that answered, in order of first appearance."""
+    out = {}
+    for tenant in tenants:
+        recs = sorted((r for r in records if r.tenant == tenant.name), key=lambda r: r.t)
+        ok = [r for r in recs if r.ok]
+        k = max(1, int(len(ok) * window))
+        versions = list(dict.fromkeys(r.adapter_version for r in ok))
+        out[tenant.name] = {
+            "preference": tenant.preference,
+            "requests": len(recs),
+            "failed": len(recs) - len(ok),
+            "reward_first": sum(r.score for r in ok[:k]) / k if ok else float("nan"),
+            "reward_last": sum(r.score for r in ok[-k:]) / k if ok else float("nan"),
+            "versions_seen": versions,
+        }
+    return out
+
+
+def records_to_json(records: list[Record]) -> str:
+    return json.dumps([asdict(r) for r in records])
+
+
+def tenants_from_config(cfg, preferences: list[str] | None = None) -> list[SimTenant]:
+    """Simulated tenants for the configured ones; a tenant's preference is taken from its name when the name
+    contains one (e.g. `digits-app`), else assigned round-robin."""
+    names = list(PREFERENCES)
+    out = []
+    for i, t in enumerate(cfg.tenants):
+        pref = next((p for p in names if re.search(rf"\b{p}", t.name)), None)
+        if preferences:
+            pref = preferences[i % len(preferences)]
+        out.append(SimTenant(t.name, t.api_key.get_secret_value(), pref or names[i % len(names)]))
+    return out

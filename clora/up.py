@@ -1,0 +1,244 @@
+"""`clora up`: the whole loop on one machine as supervised child processes.
+
+Children, in start order: the embedded broker (unless an external Kafka is configured), serving, ingest,
+learner. Each is the same process a deployment runs alone (`python -m serving`, ...), so `up` adds no
+behaviour of its own: it starts them, waits until each is healthy, prefixes their output, restarts a
+child that crashes (with exponential backoff, and says so), and stops them in a safe order on
+Ctrl-C/SIGTERM:
+
+  serving first (no new traffic; its last interaction events reach Kafka or its disk spool),
+  learner (finishes or abandons its step; the checkpoint protocol makes either safe),
+  ingest (drains the topics and commits: the embedded broker keeps topics in memory only),
+  broker last.
+
+Children get SIGTERM if `clora up` itself dies (Linux parent-death signal), so nothing is orphaned.
+What this module does not do: any work of the children, or choosing ports (the config does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("clora.up")
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: children may outlive a killed parent, as with any plain subprocess
+
+
+@dataclass
+class ChildSpec:
+    name: str
+    argv: list[str]
+    healthy: Callable[[], bool]
+    start_timeout: float = 120.0
+    stop_timeout: float = 60.0
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class Child:
+    def __init__(self, spec: ChildSpec, emit: Callable[[str, str], None]) -> None:
+        self.spec = spec
+        self.emit = emit
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self.started_at = 0.0
+        self.restart_at: float | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            self.spec.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.spec.env},
+            start_new_session=True,  # Ctrl-C reaches only `up`, which stops children in order
+            preexec_fn=_die_with_parent,
+            text=True,
+            errors="replace",
+            bufsize=1,
+        )
+        self.started_at = time.monotonic()
+        self.restart_at = None
+        threading.Thread(target=self._pump, args=(self.proc,), daemon=True, name=f"log-{self.spec.name}").start()
+
+    def _pump(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self.emit(self.spec.name, line.rstrip("\n"))
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_healthy(self, stop: threading.Event) -> None:
+        deadline = time.monotonic() + self.spec.start_timeout
+        while not stop.is_set():
+            if not self.alive():
+                raise RuntimeError(f"{self.spec.name} exited with code {self.proc.returncode} while starting")
+            if self.spec.healthy():
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.spec.name} was not healthy within {self.spec.start_timeout:.0f}s")
+            stop.wait(0.3)
+
+    def stop(self) -> int | None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return None if proc is None else proc.returncode
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(self.spec.stop_timeout)
+        except subprocess.TimeoutExpired:
+            self.emit("up", f"{self.spec.name} did not stop within {self.spec.stop_timeout:.0f}s; killing it")
+            proc.kill()
+            return proc.wait()
+
+
+class Supervisor:
+    """Starts children in order, restarts crashed ones with backoff, stops them in `stop_order`."""
+
+    def __init__(
+        self,
+        specs: list[ChildSpec],
+        stop_order: list[str],
+        *,
+        emit: Callable[[str, str], None] | None = None,
+        max_backoff: float = 30.0,
+    ) -> None:
+        self.emit = emit or _print_prefixed
+        self.children = {s.name: Child(s, self.emit) for s in specs}
+        self.stop_order = stop_order + [n for n in self.children if n not in stop_order]
+        self.max_backoff = max_backoff
+        self.stopping = threading.Event()
+
+    def start_all(self) -> None:
+        for child in self.children.values():
+            if self.stopping.is_set():
+                return
+            self.emit("up", f"starting {child.spec.name}")
+            child.start()
+            child.wait_healthy(self.stopping)
+            self.emit("up", f"{child.spec.name} is healthy ({time.monotonic() - child.started_at:.1f}s)")
+
+    def watch_once(self) -> None:
+        """Restarts children that died; called periodically by `run`."""
+        now = time.monotonic()
+        for child in self.children.values():
+            if child.alive() or self.stopping.is_set():
+                continue
+            if child.restart_at is None:
+                if now - child.started_at > 60:  # it ran well for a while: start the backoff afresh
+                    child.restarts = 0
+                delay = min(self.max_backoff, 2.0**child.restarts)
+                child.restart_at = now + delay
+                self.emit(
+                    "up",
+                    f"{child.spec.name} exited with code {child.proc.returncode}; restarting in {delay:.0f}s "
+                    f"(restart #{child.restarts + 1})",
+                )
+            elif now >= child.restart_at:
+                child.restarts += 1
+                child.start()
+
+    def run(self, until: Callable[[], bool] = lambda: False) -> None:
+        """Watches until stopped (signal) or `until()` is true."""
+        while not self.stopping.is_set() and not until():
+            self.watch_once()
+            self.stopping.wait(0.5)
+
+    def stop_all(self) -> None:
+        self.stopping.set()
+        for name in self.stop_order:
+            child = self.children[name]
+            if child.proc is None:
+                continue
+            self.emit("up", f"stopping {name}")
+            code = child.stop()
+            self.emit("up", f"{name} stopped (exit code {code})")
+
+
+_emit_lock = threading.Lock()
+
+
+def _print_prefixed(name: str, line: str) -> None:
+    with _emit_lock:
+        print(f"{name:>8} | {line}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The clora stack
+
+
+def stack_specs(cfg, config_path: str | None) -> tuple[list[ChildSpec], list[str]]:
+    """The children of `clora up` for this config, and their stop order."""
+    import httpx
+
+    from ingest.broker import port_in_use
+
+    py = [sys.executable, "-m"]
+    conf = ["--config", config_path] if config_path else []
+    specs = []
+    if cfg.broker.embedded:
+        specs.append(
+            ChildSpec(
+                "broker",
+                [*py, "clora", "broker", *conf],
+                healthy=lambda: port_in_use(cfg.broker.host, cfg.broker.port),
+                start_timeout=30,
+                stop_timeout=10,
+            )
+        )
+
+    def serving_healthy() -> bool:
+        try:
+            return httpx.get(f"http://{cfg.serving.host}:{cfg.serving.port}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    started: dict[str, float] = {}
+
+    def alive_for(name: str, seconds: float) -> Callable[[], bool]:
+        def check() -> bool:
+            started.setdefault(name, time.monotonic())
+            return time.monotonic() - started[name] >= seconds
+
+        return check
+
+    specs.append(ChildSpec("serving", [*py, "serving", *conf], healthy=serving_healthy, start_timeout=300))
+    specs.append(ChildSpec("ingest", [*py, "ingest", "--drain-on-stop", *conf], healthy=alive_for("ingest", 3)))
+    specs.append(ChildSpec("learner", [*py, "learner", *conf], healthy=alive_for("learner", 3), stop_timeout=120))
+    return specs, ["serving", "learner", "ingest", "broker"]
+
+
+def up(cfg, config_path: str | None, *, until: Callable[[], bool] = lambda: False,
+       emit: Callable[[str, str], None] | None = None) -> int:
+    """Runs the stack until Ctrl-C/SIGTERM (or `until()`); returns an exit code."""
+    specs, order = stack_specs(cfg, config_path)
+    sup = Supervisor(specs, order, emit=emit)
+    previous = {s: signal.signal(s, lambda *_: sup.stopping.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        sup.start_all()
+        if not sup.stopping.is_set():
+            sup.emit("up", f"clora is up: http://{cfg.serving.host}:{cfg.serving.port}/v1 (Ctrl-C to stop)")
+        sup.run(until)
+        return 0
+    except RuntimeError as e:
+        sup.emit("up", f"error: {e}")
+        return 1
+    finally:
+        sup.stop_all()
+        for s, handler in previous.items():
+            signal.signal(s, handler)

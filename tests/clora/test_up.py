@@ -1,0 +1,71 @@
+"""The supervisor behind `clora up`, on real child processes: start order and health, restart with backoff,
+stop order, no orphans."""
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+from clora.up import ChildSpec, Supervisor
+
+pytestmark = pytest.mark.unit
+
+SLEEPER = [sys.executable, "-c", "import time, signal, sys; print('ready', flush=True); time.sleep(600)"]
+
+
+def spec(name, argv=SLEEPER, **kw):
+    return ChildSpec(name, argv, healthy=lambda: True, stop_timeout=5, **kw)
+
+
+def collect():
+    lines = []
+    lock = threading.Lock()
+
+    def emit(name, line):
+        with lock:
+            lines.append((name, line))
+
+    return lines, emit
+
+
+def test_start_stop_order_and_no_orphans():
+    lines, emit = collect()
+    sup = Supervisor([spec("a"), spec("b"), spec("c")], stop_order=["b", "c", "a"], emit=emit)
+    sup.start_all()
+    pids = [c.proc.pid for c in sup.children.values()]
+    sup.stop_all()
+    starts = [line.split()[1] for n, line in lines if n == "up" and line.startswith("starting")]
+    stops = [line.split()[1] for n, line in lines if n == "up" and line.startswith("stopping")]
+    assert starts == ["a", "b", "c"]
+    assert stops == ["b", "c", "a"]
+    assert ("a", "ready") in lines  # output is prefixed with the child's name
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_crashed_child_is_restarted_with_backoff(tmp_path):
+    counter = tmp_path / "starts"
+    crasher = [sys.executable, "-c",
+               f"import sys; open({str(counter)!r}, 'a').write('x'); sys.exit(3)"]
+    lines, emit = collect()
+    sup = Supervisor([spec("crashy", crasher, )], stop_order=[], emit=emit, max_backoff=0.5)
+    sup.children["crashy"].start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(counter.read_text() if counter.exists() else "") < 3:
+        sup.watch_once()
+        time.sleep(0.05)
+    sup.stop_all()
+    assert len(counter.read_text()) >= 3
+    notes = [line for n, line in lines if n == "up" and "restarting in" in line]
+    assert notes and "exited with code 3" in notes[0]
+
+
+def test_unhealthy_child_fails_start():
+    sup = Supervisor([ChildSpec("dies", [sys.executable, "-c", "raise SystemExit(4)"], healthy=lambda: False)],
+                     stop_order=[], emit=lambda *a: None)
+    with pytest.raises(RuntimeError, match="dies exited with code 4 while starting"):
+        sup.start_all()
+    sup.stop_all()
