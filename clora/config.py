@@ -102,6 +102,9 @@ class ServingConfig(_Strict):
     max_num_seqs: int = Field(64, ge=1, description="Sequences decoded together in one engine step.")
     default_max_tokens: int = Field(32, ge=1, description="Completion length when a request sets none.")
     dtype: str = Field("auto", description="Engine dtype: auto, float32, bfloat16, float16.")
+    kv_cache_gib: float = Field(
+        1.0, ge=0, description="KV cache the engine reserves, GiB (small on CPU hosts); 0: vLLM sizes it from free memory."
+    )
     registry_poll_seconds: float = Field(0.5, gt=0, description="How often the registry is checked for new versions.")
 
 

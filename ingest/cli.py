@@ -1,4 +1,7 @@
-"""Command-line surface of the ingest package: `clora broker` (the embedded Kafka broker) and `clora ingest`."""
+"""Command-line surface of the ingest package: `clora broker` (the embedded Kafka broker) and `clora ingest`.
+
+Only argparse is imported here; the commands import their heavy modules when they run.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +19,31 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p.add_argument("--host", default=None, help="address to bind (default: broker.host from the config, 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port to listen on (default: broker.port, 9092)")
     p.set_defaults(func=run_broker)
+
+    p = sub.add_parser(
+        "ingest",
+        parents=[common],
+        help="consume interaction and feedback events from Kafka into Parquet",
+        description="Consumes clora's interaction and feedback topics into the data directory: validates, "
+        "scores, joins feedback to interactions, dead-letters bad messages, commits offsets only after the "
+        "Parquet write is durable. Run several (same kafka.group_id) to split the partitions.",
+    )
+    add_ingest_arguments(p)
+    p.set_defaults(func=run_ingest)
+
+
+def add_ingest_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `clora ingest`, shared with `python -m ingest`."""
+    parser.add_argument(
+        "--once", action="store_true", help="exit once every assigned partition is read to its end (tests, the demo)"
+    )
+    parser.add_argument("--max-seconds", type=float, default=None, metavar="N", help="exit after N seconds")
+
+
+def run_ingest(args: argparse.Namespace) -> int:
+    from ingest.process import run_from_args
+
+    return run_from_args(args)
 
 
 def run_broker(args: argparse.Namespace) -> int:

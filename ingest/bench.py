@@ -1,0 +1,295 @@
+"""`clora bench ingest`: Kafka -> Parquet ingest rate against a bare kafka-python consumer, and memory over a
+10x longer stream.
+
+    clora bench ingest --events 20000 --out bench-results
+
+What it does, all in one run on one embedded broker it starts on a free port:
+  1. produces --events realistic ~1 KB messages (chat interactions of 8 tenants with several scorers,
+     feedback for 10% of them, 5% malformed) to fresh topics;
+  2. (a) a bare kafka-python consumer reads them all (same fetch settings, no processing);
+     (b) clora's Ingest (in this process) decodes, scores, joins and writes them to a fresh data dir.
+     Both rates are messages / (last record handled - first poll with partitions assigned), so connection
+     and group join are left out and the first fetch is in. Targets: ingest >= 0.7 x bare, and >= 20,000 events/s;
+  3. produces 10x as many to other topics and runs `python -m ingest --once` on the short and on the long
+     stream, sampling each process's RSS (Linux /proc) every 0.2 s: memory must not grow with the stream.
+
+Prints a table; writes ingest.json and ingest.png under --out. Timings on a shared machine are compared
+as ratios within one run. Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from ingest.events import FeedbackEvent, InteractionEvent, encode
+
+logger = logging.getLogger(__name__)
+
+TENANTS = {  # tenant -> scorer
+    "acme": "digits",
+    "globex": "feedback",
+    "initech": "inline",
+    "umbrella": "length:200",
+    "hooli": "contains:sure",
+    "stark": "json_valid",
+    "wayne": "feedback",
+    "wonka": "uppercase",
+}
+PARTITIONS = 4
+WORDS = (
+    "the model answer question tenant adapter learn reward user assistant data query result value "
+    "context system prompt token batch stream kafka parquet feedback score quick brown fox lazy dog"
+).split()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--events", type=int, default=20_000, help="messages in the rate test (default 20000)")
+    parser.add_argument("--rss-factor", type=int, default=10, help="the long stream is this many times longer (default 10)")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Workload
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def workload(n: int, seed: int = 0):
+    """n Kafka messages as (topic kind, key, value): interactions, 10% feedback, 5% malformed."""
+    rng = random.Random(seed)
+    names = list(TENANTS)
+    malformed = [b"{truncated", b"\xff\xfe\x00", b'{"type":"interaction","id":"x","ts":0}', b'{"type":"click","tenant":"acme"}']
+    for i in range(n):
+        tenant = names[i % len(names)]
+        if i % 20 == 10:
+            yield "interactions", tenant, malformed[(i // 20) % len(malformed)] + str(i).encode()
+        elif i % 10 == 5:
+            yield "feedback", tenant, encode(FeedbackEvent(id=f"req-{i - 5:09d}", tenant=tenant, score=rng.choice([-1.0, 0.5, 1.0]), source="thumbs"))
+        else:
+            ev = InteractionEvent(
+                id=f"req-{i:09d}",
+                tenant=tenant,
+                messages=[
+                    {"role": "system", "content": "You are a helpful assistant for " + tenant + "."},
+                    {"role": "user", "content": _text(rng, 40)},
+                ],
+                completion=_text(rng, 70) + f" {rng.randint(0, 10**6)}",
+                adapter_version=f"{tenant}@{rng.randint(1, 9)}",
+                reward=rng.random() if tenant == "initech" else None,
+                metadata={"app": "bench", "latency_ms": rng.randint(20, 900), "model": tenant},
+            )
+            yield "interactions", tenant, encode(ev)
+
+
+def produce(bootstrap: str, topics: dict[str, str], n: int, seed: int) -> int:
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, batch_size=512 * 1024, acks=1)
+    size = 0
+    for kind, tenant, value in workload(n, seed):
+        producer.send(topics[kind], key=tenant.encode(), value=value)
+        size += len(value)
+    producer.flush()
+    producer.close()
+    return size
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The two consumers
+
+
+def bare_consumer(bootstrap: str, topics: list[str], n: int) -> dict:
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        enable_auto_commit=False,
+        max_poll_records=5000,
+        fetch_max_bytes=64 * 1024 * 1024,
+        max_partition_fetch_bytes=8 * 1024 * 1024,
+    )
+    consumer.assign([TopicPartition(t, p) for t in topics for p in range(PARTITIONS)])
+    consumer.seek_to_beginning()
+    got = 0
+    first = time.monotonic()
+    deadline = first + 600
+    while got < n and time.monotonic() < deadline:
+        for records in consumer.poll(timeout_ms=500, max_records=5000).values():
+            got += len(records)
+    last = time.monotonic()
+    consumer.close()
+    return {"messages": got, "seconds": last - first, "rate": got / (last - first)}
+
+
+def clora_ingest(bootstrap: str, topics: dict[str, str], root: Path, n: int) -> dict:
+    from ingest.batch import Processor
+    from ingest.consumer import Ingest
+    from ingest.metrics import IngestMetrics
+
+    metrics = IngestMetrics()
+    ingest = Ingest(
+        root=str(root),
+        bootstrap=bootstrap,
+        interactions_topic=topics["interactions"],
+        feedback_topic=topics["feedback"],
+        dead_letter_topic=topics["dead"],
+        group_id=f"bench-{os.getpid()}-{time.time_ns()}",
+        processor=Processor(TENANTS, unknown_tenant="create", max_message_bytes=1_000_000),
+        flush_rows=5000,
+        flush_seconds=1.0,
+        expiry_ms=72 * 3_600_000,
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=2000,
+        metrics=metrics,
+    )
+    ingest.run(threading.Event(), once=True, max_seconds=600)
+    seconds = ingest.last_flush_at - ingest.assigned_at
+    return {
+        "messages": metrics.total["messages"],
+        "seconds": seconds,
+        "rate": metrics.total["messages"] / seconds,
+        "rows": {d: metrics.total[d] for d in ("interactions", "trajectories", "feedback", "dead_letters")},
+        "dead_letter_reasons": dict(metrics.reasons),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Memory over a long stream
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except FileNotFoundError:
+        return None
+    return None
+
+
+def rss_run(bootstrap: str, topics: dict[str, str], workdir: Path, name: str) -> dict:
+    """Runs `python -m ingest --once` on the topics; samples its RSS every 0.2 s."""
+    config = workdir / f"{name}.toml"
+    config.write_text(
+        "\n".join(
+            [
+                f'data_dir = "{workdir / name}"',
+                'log_level = "WARNING"',
+                "[kafka]",
+                f'bootstrap = "{bootstrap}"',
+                f'interactions_topic = "{topics["interactions"]}"',
+                f'feedback_topic = "{topics["feedback"]}"',
+                f'dead_letter_topic = "{topics["dead"]}"',
+                f'group_id = "bench-rss-{name}-{time.time_ns()}"',
+                *[f'[[tenants]]\nname = "{t}"\napi_key = "bench-key-{t}"\nscorer = "{s}"' for t, s in TENANTS.items()],
+            ]
+        )
+        + "\n"
+    )
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "ingest", "--config", str(config), "--once"], env=env)
+    samples = []
+    while proc.poll() is None:
+        rss = _rss_mb(proc.pid)
+        if rss is not None:
+            samples.append((round(time.monotonic() - started, 2), round(rss, 1)))
+        time.sleep(0.2)
+    if proc.returncode != 0:
+        raise RuntimeError(f"python -m ingest exited with {proc.returncode} on the {name} stream")
+    return {"samples": samples, "peak_mb": max(r for _, r in samples), "seconds": time.monotonic() - started}
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    from ingest.broker import EmbeddedBroker, ensure_topics, free_port
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    n, factor = args.events, args.rss_factor
+    short = {"interactions": "bench.short.i", "feedback": "bench.short.f", "dead": "bench.short.d"}
+    long = {"interactions": "bench.long.i", "feedback": "bench.long.f", "dead": "bench.long.d"}
+    with EmbeddedBroker("127.0.0.1", free_port()) as broker, tempfile.TemporaryDirectory(prefix="clora-bench-") as tmp:
+        broker.start()
+        ensure_topics(broker.bootstrap, [*short.values(), *long.values()], PARTITIONS)
+        t = time.monotonic()
+        size = produce(broker.bootstrap, short, n, seed=0)
+        print(f"produced {n} messages ({size / n:.0f} bytes each on average) in {time.monotonic() - t:.1f}s", flush=True)
+        bare = bare_consumer(broker.bootstrap, [short["interactions"], short["feedback"]], n)
+        print(f"bare consumer: {bare['rate']:.0f} messages/s", flush=True)
+        ingest = clora_ingest(broker.bootstrap, short, Path(tmp) / "rate", n)
+        print(f"clora ingest:  {ingest['rate']:.0f} messages/s", flush=True)
+        produce(broker.bootstrap, long, n * factor, seed=1)
+        rss_short = rss_run(broker.bootstrap, short, Path(tmp), "short")
+        rss_long = rss_run(broker.bootstrap, long, Path(tmp), "long")
+
+    ratio = ingest["rate"] / bare["rate"]
+    result = {
+        "events": n,
+        "mean_message_bytes": size / n,
+        "bare_consumer": bare,
+        "clora_ingest": ingest,
+        "ratio": ratio,
+        "targets": {"ratio": 0.7, "events_per_s": 20_000},
+        "meets_ratio": ratio >= 0.7,
+        "meets_rate": ingest["rate"] >= 20_000,
+        "rss": {"short": {"events": n, **rss_short}, "long": {"events": n * factor, **rss_long}},
+        "cpus": os.cpu_count(),
+    }
+    (out / "ingest.json").write_text(json.dumps(result, indent=2))
+    _plot(result, out / "ingest.png")
+
+    print()
+    print(f"{'':28}{'messages/s':>12}{'seconds':>10}")
+    print(f"{'bare kafka-python consumer':28}{bare['rate']:>12.0f}{bare['seconds']:>10.2f}")
+    print(f"{'clora ingest -> Parquet':28}{ingest['rate']:>12.0f}{ingest['seconds']:>10.2f}")
+    print(f"ratio ingest / bare: {ratio:.2f} (target 0.70: {'met' if result['meets_ratio'] else 'NOT met'}); "
+          f"rate target 20000/s: {'met' if result['meets_rate'] else 'NOT met'}")
+    print(f"rows: {ingest['rows']}; dead letters by reason: {ingest['dead_letter_reasons']}")
+    print(f"peak RSS of python -m ingest: {rss_short['peak_mb']:.0f} MB over {n} events, "
+          f"{rss_long['peak_mb']:.0f} MB over {n * factor} events")
+    print(f"wrote {out / 'ingest.json'} and {out / 'ingest.png'}")
+    return 0
+
+
+def _plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = ["bare consumer", "clora ingest"]
+    rates = [result["bare_consumer"]["rate"], result["clora_ingest"]["rate"]]
+    ax1.bar(names, rates, color=["#999999", "#1f77b4"])
+    ax1.axhline(0.7 * rates[0], color="red", linestyle="--", label="0.7 x bare")
+    ax1.axhline(20_000, color="orange", linestyle=":", label="20,000/s")
+    ax1.set_ylabel("messages / s")
+    ax1.set_title(f"{result['events']} messages of ~{result['mean_message_bytes']:.0f} B")
+    ax1.legend()
+    for key in ("short", "long"):
+        r = result["rss"][key]
+        xs, ys = zip(*r["samples"]) if r["samples"] else ((), ())
+        ax2.plot(xs, ys, label=f"{r['events']} events (peak {r['peak_mb']:.0f} MB)")
+    ax2.set_xlabel("seconds since start")
+    ax2.set_ylabel("RSS (MB)")
+    ax2.set_title("python -m ingest --once: memory")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,302 @@
+"""The ingest loop: Kafka -> batch.py -> Parquet, offsets committed only after the write is durable.
+
+    poll(500 ms) -> buffer -> (flush_rows reached or flush_seconds passed) -> flush:
+        1. Processor.process(buffer)            decode, score, deduplicate, join (batch.py)
+        2. dead letters -> dead-letter topic     producer.flush() waits for the broker's ack
+        3. Parquet: interactions, feedback, trajectories, dead_letters, each one file per tenant named by
+           the batch's offset ranges and its rows' keys, written tmp -> fsync -> link (storage.parquet)
+        4. commit the offsets after the last record of each partition
+
+Exactly once under SIGKILL: a crash anywhere before 4 replays the batch from the last commit. A replay of
+the same ranges lands on the same file names (a no-op); a replay cut differently is caught by the
+per-dataset key indexes (pending.py), so no row is stored twice and a lost trajectory is derived again.
+The dead-letter *topic* is at least once (a crash between 2 and 4 sends those again); dead_letters/ in
+Parquet is exactly once.
+
+Rebalances (several `clora ingest` processes in one group split the partitions): on revocation the
+buffer is flushed and committed, then the in-memory view is dropped; on assignment it is rebuilt from the
+datasets, so whatever the previous owner wrote is seen. The range assignor keeps both topics' partition
+i on one process, which is what lets feedback find its interaction (both are keyed by tenant).
+
+Stopping: `stop` (an Event the process's signal handler sets) is checked after every poll; the buffer is
+flushed and committed before the consumer closes.
+Batches flush at flush_rows records, after flush_seconds, or as soon as a poll comes back empty. `once` exits when every assigned partition is read to
+its end. Memory: the buffer holds at most flush_rows records; the store view is bounded as pending.py says.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Iterable
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.coordinator.assignors.range import RangePartitionAssignor
+from kafka.errors import CommitFailedError, KafkaError
+from kafka.structs import OffsetAndMetadata
+
+from ingest.batch import Output, Processor, Record
+from ingest.events import utc_now
+from ingest.metrics import IngestMetrics
+from ingest.pending import PendingStore
+from ingest.rows import DeadLetterRow, FeedbackRow, InteractionRow, TrajectoryRow, epoch_ms, to_table
+from storage.parquet import write_dataset
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 500
+
+
+def batch_file_id(ranges: dict[tuple[str, int], tuple[int, int]], keys: Iterable[tuple]) -> str:
+    """The file id of one dataset's rows from one batch: `<ranges>-<digest of the row keys>`.
+
+    The ranges part makes a replayed range recognisable (`<topic>.<partition>.<first>-<last>` for one
+    range, a hash for several). The digest of the rows' keys makes the name unique to the content, so a
+    replay that derives other rows from the same range (say, feedback that has meanwhile joined) never
+    lands on an existing name and gets skipped; a replay that derives the same rows is a no-op.
+    """
+    if len(ranges) == 1:
+        ((topic, partition), (first, last)), = ranges.items()
+        prefix = f"{topic}.{partition}.{first:012d}-{last:012d}".lstrip("._-")
+    else:
+        prefix = ""
+    if not prefix or len(prefix) > 150:
+        text = "|".join(f"{t}:{p}:{a}-{b}" for (t, p), (a, b) in sorted(ranges.items()))
+        prefix = "batch-" + hashlib.sha256(text.encode()).hexdigest()[:24]
+    digest = hashlib.sha256("\x00".join(map(repr, keys)).encode()).hexdigest()[:12]
+    return f"{prefix}-{digest}"
+
+
+def write_output(root: str, store: PendingStore, out: Output) -> None:
+    """Writes one processed batch, one write_dataset per dataset; the store view learns of each write only
+    once its files are durable."""
+    ranges = out.ranges
+    if out.interactions:
+        keys = [(r.tenant, r.id) for r in out.interactions]
+        table = to_table(out.interactions, InteractionRow)
+        paths = write_dataset(root, "interactions", table, file_id=batch_file_id(ranges, keys))
+        store.stored_interactions(out.interactions, paths)
+    if out.feedback:
+        keys = [(r.kafka_topic, r.kafka_partition, r.kafka_offset) for r in out.feedback]
+        table = to_table(out.feedback, FeedbackRow)
+        write_dataset(root, "feedback", table, file_id=batch_file_id(ranges, keys))
+        store.stored_feedback(keys)
+    if out.trajectories:
+        keys = [(r.tenant, r.id) for r in out.trajectories]
+        table = to_table(out.trajectories, TrajectoryRow)
+        write_dataset(root, "trajectories", table, file_id=batch_file_id(ranges, keys))
+        store.stored_trajectories(keys)
+    if out.dead_letters:
+        keys = [tuple(d.at) for d in out.dead_letters]
+        table = to_table([d.row for d in out.dead_letters], DeadLetterRow)
+        write_dataset(root, "dead_letters", table, file_id=batch_file_id(ranges, keys))
+        store.stored_dead_letters(keys)
+
+
+def now_ms() -> int:
+    return epoch_ms(utc_now())
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    """Routes kafka-python's rebalance callbacks to the Ingest that owns the consumer."""
+
+    def __init__(self, ingest: Ingest) -> None:
+        self.ingest = ingest
+
+    def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
+        self.ingest.revoked(list(revoked))
+
+    def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+        self.ingest.assigned(list(assigned))
+
+
+class Ingest:
+    """One consumer in the ingest group. Build it, then `run(stop)`."""
+
+    def __init__(
+        self,
+        *,
+        root: str,
+        bootstrap: str,
+        interactions_topic: str,
+        feedback_topic: str,
+        dead_letter_topic: str,
+        group_id: str,
+        processor: Processor,
+        flush_rows: int,
+        flush_seconds: float,
+        expiry_ms: int,
+        session_timeout_ms: int,
+        heartbeat_interval_ms: int,
+        metrics: IngestMetrics,
+    ) -> None:
+        self.root = root
+        self.bootstrap = bootstrap
+        self.topics = [interactions_topic, feedback_topic]
+        self.dead_letter_topic = dead_letter_topic
+        self.group_id = group_id
+        self.processor = processor
+        self.flush_rows = flush_rows
+        self.flush_seconds = flush_seconds
+        self.expiry_ms = expiry_ms
+        self.session_timeout_ms = session_timeout_ms
+        self.heartbeat_interval_ms = heartbeat_interval_ms
+        self.metrics = metrics
+        self.store: PendingStore | None = None
+        self.buffer: list[Record] = []
+        self.buffer_since = 0.0
+        self.consumer: KafkaConsumer | None = None
+        self.producer: KafkaProducer | None = None
+        self.assigned_at: float | None = None  # monotonic, first assignment; for the benchmark's rate
+        self.last_flush_at: float | None = None
+
+    # --- the loop -------------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event, *, once: bool = False, max_seconds: float | None = None) -> None:
+        deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        self.consumer = KafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            group_id=self.group_id,
+            client_id=f"clora-ingest-{self.group_id}",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            session_timeout_ms=self.session_timeout_ms,
+            heartbeat_interval_ms=self.heartbeat_interval_ms,
+            partition_assignment_strategy=(RangePartitionAssignor,),
+            max_poll_records=self.flush_rows,
+            fetch_max_bytes=64 * 1024 * 1024,
+            max_partition_fetch_bytes=8 * 1024 * 1024,
+        )
+        self.producer = KafkaProducer(
+            bootstrap_servers=self.bootstrap,
+            acks="all",
+            linger_ms=5,
+            max_request_size=self.processor.max_message_bytes + 65536,
+        )
+        crashed = False
+        try:
+            self.consumer.subscribe(self.topics, listener=_Rebalance(self))
+            logger.info("ingest: consuming %s as group %r", ", ".join(self.topics), self.group_id)
+            while not stop.is_set():
+                room = self.flush_rows - len(self.buffer)
+                polled = self.consumer.poll(timeout_ms=POLL_MS, max_records=max(room, 1))
+                for tp, messages in polled.items():
+                    if not self.buffer:
+                        self.buffer_since = time.monotonic()
+                    self.buffer.extend(Record(tp.topic, tp.partition, m.offset, m.value) for m in messages)
+                # Flush when the batch is full, old enough, or when the poll came back empty (caught up: waiting
+                # longer would only add latency).
+                if self.buffer and (
+                    not polled
+                    or len(self.buffer) >= self.flush_rows
+                    or time.monotonic() - self.buffer_since >= self.flush_seconds
+                ):
+                    self.flush()
+                if self.metrics.due():
+                    self.metrics.set_lag(self.lag())
+                    self.metrics.log()
+                if once and not polled and not self.buffer and self.drained():
+                    logger.info("ingest: every assigned partition is read to its end (--once)")
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    logger.info("ingest: --max-seconds reached")
+                    break
+        except BaseException:
+            crashed = True
+            raise
+        finally:
+            try:
+                if not crashed:
+                    self.flush()
+            finally:
+                self.metrics.set_lag(self.lag())
+                self.metrics.log()
+                self.consumer.close(autocommit=False)
+                self.producer.close()
+
+    # --- flushing -------------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Writes the buffer durably, then commits its offsets. Raises (and commits nothing) if a write fails."""
+        if not self.buffer:
+            return
+        if self.store is None:  # records are only buffered while partitions are assigned
+            raise RuntimeError(f"{len(self.buffer)} buffered records but no store view: a rebalance bug")
+        started = time.monotonic()
+        records, self.buffer = self.buffer, []
+        out = self.processor.process(records, self.store, now_ms())
+        self._send_dead_letters(out)
+        write_output(self.root, self.store, out)
+        self._commit(out.ranges)
+        self.store.expire(now_ms())
+        self.last_flush_at = time.monotonic()
+        self.metrics.flushed(len(records), out, self.last_flush_at - started, len(self.store.pending))
+
+    def _send_dead_letters(self, out: Output) -> None:
+        for rejected in out.dead_letters:
+            row = rejected.row
+            raw = rejected.raw if len(rejected.raw) <= self.processor.max_message_bytes else row.raw
+            self.producer.send(
+                self.dead_letter_topic,
+                key=row.tenant.encode(),
+                value=raw,
+                headers=[
+                    ("clora.reason", row.reason.encode()),
+                    ("clora.detail", (row.detail or "")[:1000].encode()),
+                    ("clora.source", f"{rejected.at.topic}:{rejected.at.partition}:{rejected.at.offset}".encode()),
+                ],
+            )
+        if out.dead_letters:
+            self.producer.flush()
+
+    def _commit(self, ranges: dict[tuple[str, int], tuple[int, int]]) -> None:
+        offsets = {TopicPartition(t, p): OffsetAndMetadata(last + 1, "", -1) for (t, p), (_, last) in ranges.items()}
+        try:
+            self.consumer.commit(offsets)
+        except CommitFailedError as e:
+            # The group moved on (this process was too slow or a rebalance began). The rows are durable; the
+            # next owner replays these offsets and the key indexes skip them.
+            logger.warning("ingest: offset commit failed after a durable write (%s); the replay will be deduplicated", e)
+
+    # --- rebalancing ----------------------------------------------------------------------------------
+
+    def revoked(self, partitions: list[TopicPartition]) -> None:
+        logger.info("ingest: revoked partitions %s", _names(partitions))
+        if self.buffer:
+            self.flush()
+        self.store = None
+
+    def assigned(self, partitions: list[TopicPartition]) -> None:
+        logger.info("ingest: assigned partitions %s", _names(partitions))
+        self.store = PendingStore.load(self.root, expiry_ms=self.expiry_ms, now_ms=now_ms())
+        self.assigned_at = self.assigned_at or time.monotonic()
+        self.metrics.set_pending(len(self.store.pending))
+
+    # --- progress -------------------------------------------------------------------------------------
+
+    def lag(self) -> dict[tuple[str, int], int]:
+        """Messages not yet consumed, per assigned partition (from the last fetch's high-water marks)."""
+        lag = {}
+        for tp in self.consumer.assignment():
+            high = self.consumer.highwater(tp)
+            if high is None:
+                continue
+            try:
+                lag[(tp.topic, tp.partition)] = max(0, high - self.consumer.position(tp, timeout_ms=1000))
+            except KafkaError as e:
+                logger.debug("no position for %s yet: %s", tp, e)
+        return lag
+
+    def drained(self) -> bool:
+        assignment = self.consumer.assignment()
+        if not assignment or self.store is None:
+            return False
+        ends = self.consumer.end_offsets(list(assignment))
+        return all(self.consumer.position(tp) >= ends[tp] for tp in assignment)
+
+
+def _names(partitions: list[TopicPartition]) -> str:
+    return ",".join(f"{tp.topic}:{tp.partition}" for tp in sorted(partitions)) or "none"

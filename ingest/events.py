@@ -1,0 +1,332 @@
+"""Wire events: what Kafka carries, decoded and validated at the edge.
+
+One JSON object per Kafka message, UTF-8, message key = tenant. Two event types (the contract in the
+README, "Events"):
+
+    interaction  {"type":"interaction","id","tenant","ts","messages"|"prompt","completion",
+                  "adapter_version"?,"completion_token_ids"?,"completion_logprobs"?,"reward"?,"metadata"?}
+    feedback     {"type":"feedback","id","tenant","ts","score" in [-1, 1],"source"?}
+
+`decode` turns bytes into an `InteractionEvent`, a `FeedbackEvent` or a `DeadLetter` naming a short, stable
+reason (the keys of `REASONS`); it never raises, so one bad message can never stop the consumer. Past
+`decode`, code trusts the types. `encode` is its inverse: the serving tier and apps build the dataclasses
+and send `encode(event)`; `decode(encode(e)) == e` for every valid event.
+
+Unknown fields are ignored (newer producers may add some). Not here: scoring (scorers.py), what a row
+looks like on disk (rows.py), or whether a tenant is known (batch.py, which has the config).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, ClassVar
+
+from clora.config import TENANT_NAME
+
+# Reason codes of dead letters: short, stable strings (dashboards and alerts key on them).
+REASONS: dict[str, str] = {
+    "too_large": "the message is larger than ingest.max_message_bytes",
+    "not_utf8": "the message bytes are not UTF-8",
+    "not_json": "the message is not JSON (or is nested too deeply to parse)",
+    "not_object": "the JSON is not an object",
+    "missing_tenant": "no tenant, or a tenant that is not a non-empty string",
+    "bad_tenant": "the tenant name is not a valid tenant name (letters, digits, '.', '_', '-')",
+    "unknown_type": "type is neither \"interaction\" nor \"feedback\"",
+    "missing_id": "no id, or an id that is not a non-empty string of at most 256 characters",
+    "bad_field": "a field has the wrong type or an impossible value (the detail names it)",
+    "missing_completion": "an interaction without a completion string",
+    "reward_not_finite": "an interaction's inline reward is NaN or infinite",
+    "score_out_of_range": "a feedback score outside [-1, 1] (or NaN)",
+    "unknown_tenant": "the tenant is not configured and ingest.unknown_tenant is \"reject\"",
+    "scorer_error": "the tenant's scorer raised or returned a bad value (the detail has the traceback summary)",
+}
+
+MAX_ID_CHARS = 256
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234e38
+
+# A JSON escape of a UTF-16 surrogate: only then can json.loads produce a string that is not valid UTF-8.
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+# Built once: json.dumps with keyword arguments builds a new encoder per call, which dominates small dumps.
+_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def to_json(value: Any) -> str:
+    """Compact JSON text (UTF-8 kept as is); raises ValueError on NaN or infinities."""
+    return _COMPACT.encode(value)
+
+
+def utc_now() -> datetime:
+    """Now, in UTC, truncated to the millisecond (what storage keeps)."""
+    now = datetime.now(timezone.utc)
+    return now.replace(microsecond=now.microsecond // 1000 * 1000)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The types
+
+
+@dataclass(frozen=True, slots=True)
+class InteractionEvent:
+    """One model call: what was asked, what came back, and (optionally) how good it was.
+
+    Give `messages` (chat) or `prompt` (plain text), or both: the serving tier sends both, `prompt` then
+    being the exact text the chat template produced. `ts` defaults to now.
+    """
+
+    id: str
+    tenant: str
+    completion: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    ts: datetime = field(default_factory=utc_now)
+    adapter_version: str | None = None
+    completion_token_ids: list[int] | None = None
+    completion_logprobs: list[float] | None = None
+    reward: float | None = None
+    metadata: dict[str, Any] | None = None
+
+    type: ClassVar[str] = "interaction"
+
+    def __post_init__(self) -> None:
+        if self.prompt is None and self.messages is None:
+            raise ValueError(f"interaction {self.id!r} needs messages or a prompt")
+        if self.ts.tzinfo is None:
+            raise ValueError(f"interaction {self.id!r}: ts {self.ts} must be timezone-aware")
+
+    @property
+    def rendered_prompt(self) -> str:
+        """The prompt as text: `prompt` when given, else the messages, one "role: content" line each."""
+        if self.prompt is not None:
+            return self.prompt
+        return render_messages(self.messages or [])
+
+
+@dataclass(frozen=True, slots=True)
+class FeedbackEvent:
+    """A score in [-1, 1] for the interaction with this `id` (sent before or after that interaction)."""
+
+    id: str
+    tenant: str
+    score: float
+    ts: datetime = field(default_factory=utc_now)
+    source: str | None = None
+
+    type: ClassVar[str] = "feedback"
+
+    def __post_init__(self) -> None:
+        if not -1.0 <= self.score <= 1.0:  # also rejects NaN
+            raise ValueError(f"feedback for {self.id!r}: score {self.score} is outside [-1, 1]")
+        if self.ts.tzinfo is None:
+            raise ValueError(f"feedback for {self.id!r}: ts {self.ts} must be timezone-aware")
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """Why a message was rejected. `tenant`/`id` are filled when they could be read (for the operator)."""
+
+    reason: str
+    detail: str
+    tenant: str | None = None
+    id: str | None = None
+
+
+Event = InteractionEvent | FeedbackEvent
+
+
+def render_messages(messages: list[dict[str, Any]]) -> str:
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Encoding
+
+
+def format_ts(ts: datetime) -> str:
+    """ISO-8601 in UTC with milliseconds and a Z, e.g. 2025-01-31T12:00:00.123Z."""
+    return ts.astimezone(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def encode(event: Event) -> bytes:
+    """The event as the JSON bytes of one Kafka message (optional fields that are None are left out)."""
+    out: dict[str, Any] = {"type": event.type, "id": event.id, "tenant": event.tenant, "ts": format_ts(event.ts)}
+    if isinstance(event, InteractionEvent):
+        optional = {
+            "messages": event.messages,
+            "prompt": event.prompt,
+            "completion": event.completion,
+            "adapter_version": event.adapter_version,
+            "completion_token_ids": event.completion_token_ids,
+            "completion_logprobs": event.completion_logprobs,
+            "reward": event.reward,
+            "metadata": event.metadata,
+        }
+    else:
+        optional = {"score": event.score, "source": event.source}
+    out.update((k, v) for k, v in optional.items() if v is not None)
+    return to_json(out).encode("utf-8")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Decoding
+
+
+class _Reject(Exception):
+    """Internal: carries a dead letter out of the field checks."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _optional_str(data: dict, name: str) -> str | None:
+    v = data.get(name)
+    if v is not None and not isinstance(v, str):
+        raise _Reject("bad_field", f"{name} must be a string or null, got {type(v).__name__}")
+    return v
+
+
+def parse_ts(v: Any) -> datetime:
+    """ISO-8601 text (naive means UTC) or epoch milliseconds -> aware UTC datetime, to the millisecond."""
+    try:
+        if isinstance(v, str):
+            ts = datetime.fromisoformat(v)
+            ts = ts.replace(tzinfo=timezone.utc) if ts.tzinfo is None else ts.astimezone(timezone.utc)
+        elif _is_number(v) and math.isfinite(v):
+            ts = EPOCH + timedelta(milliseconds=int(v))
+        else:
+            raise _Reject("bad_field", f"ts must be ISO-8601 text or epoch milliseconds, got {v!r:.80}")
+    except (ValueError, OverflowError, OSError) as e:
+        raise _Reject("bad_field", f"ts {v!r:.80} is not a usable time: {e}") from e
+    return ts.replace(microsecond=ts.microsecond // 1000 * 1000)
+
+
+def _messages(v: Any) -> list[dict[str, Any]]:
+    if not isinstance(v, list) or not v:
+        raise _Reject("bad_field", "messages must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(v):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise _Reject("bad_field", f"messages[{i}] must be an object with string role and content")
+    return v
+
+
+def _token_ids(v: Any) -> list[int] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(type(t) is int and 0 <= t <= INT32_MAX for t in v):
+        raise _Reject("bad_field", "completion_token_ids must be a list of non-negative 32-bit integers")
+    return v
+
+
+def _logprobs(v: Any) -> list[float] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(_is_number(x) and abs(x) <= FLOAT32_MAX for x in v):
+        raise _Reject("bad_field", "completion_logprobs must be a list of finite numbers")
+    return [float(x) for x in v]
+
+
+def _interaction(data: dict, id_: str, tenant: str, ts: datetime) -> InteractionEvent:
+    completion = data.get("completion")
+    if not isinstance(completion, str):
+        raise _Reject("missing_completion", "completion must be a string")
+    prompt = _optional_str(data, "prompt")
+    messages = data.get("messages")
+    if messages is not None:
+        messages = _messages(messages)
+    elif prompt is None:
+        raise _Reject("bad_field", "an interaction needs messages or a prompt")
+    token_ids = _token_ids(data.get("completion_token_ids"))
+    logprobs = _logprobs(data.get("completion_logprobs"))
+    if token_ids is not None and logprobs is not None and len(token_ids) != len(logprobs):
+        raise _Reject(
+            "bad_field",
+            f"completion_token_ids ({len(token_ids)}) and completion_logprobs ({len(logprobs)}) differ in length",
+        )
+    reward = data.get("reward")
+    if reward is not None:
+        if not _is_number(reward):
+            raise _Reject("bad_field", f"reward must be a number or null, got {type(reward).__name__}")
+        if not math.isfinite(reward):
+            raise _Reject("reward_not_finite", f"reward is {reward}")
+        reward = float(reward)
+    metadata = data.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise _Reject("bad_field", f"metadata must be an object or null, got {type(metadata).__name__}")
+        try:
+            to_json(metadata)
+        except ValueError as e:
+            raise _Reject("bad_field", f"metadata holds a non-finite number: {e}") from e
+    return InteractionEvent(
+        id=id_,
+        tenant=tenant,
+        completion=completion,
+        prompt=prompt,
+        messages=messages,
+        ts=ts,
+        adapter_version=_optional_str(data, "adapter_version"),
+        completion_token_ids=token_ids,
+        completion_logprobs=logprobs,
+        reward=reward,
+        metadata=metadata,
+    )
+
+
+def _feedback(data: dict, id_: str, tenant: str, ts: datetime) -> FeedbackEvent:
+    score = data.get("score")
+    if not _is_number(score):
+        raise _Reject("bad_field", f"score must be a number, got {type(score).__name__}")
+    if not -1.0 <= score <= 1.0:
+        raise _Reject("score_out_of_range", f"score {score} is outside [-1, 1]")
+    return FeedbackEvent(id=id_, tenant=tenant, score=float(score), ts=ts, source=_optional_str(data, "source"))
+
+
+def decode(raw: bytes, *, max_bytes: int) -> Event | DeadLetter:
+    """One Kafka message value -> a valid event, or a DeadLetter with its reason. Never raises."""
+    if len(raw) > max_bytes:
+        return DeadLetter("too_large", f"{len(raw)} bytes is more than the limit of {max_bytes}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return DeadLetter("not_utf8", str(e))
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        return DeadLetter("not_json", f"{type(e).__name__}: {e}"[:300])
+    if not isinstance(data, dict):
+        return DeadLetter("not_object", f"the JSON is a {type(data).__name__}, not an object")
+    if _SURROGATE_ESCAPE.search(text):
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except (UnicodeEncodeError, ValueError) as e:
+            return DeadLetter("bad_field", f"a string holds an unpaired UTF-16 surrogate: {e}")
+    tenant = data.get("tenant")
+    if not isinstance(tenant, str) or not tenant:
+        return DeadLetter("missing_tenant", f"tenant must be a non-empty string, got {tenant!r:.80}")
+    if not TENANT_NAME.match(tenant):
+        return DeadLetter("bad_tenant", f"tenant {tenant!r:.80} does not match {TENANT_NAME.pattern}")
+    kind = data.get("type")
+    if kind not in ("interaction", "feedback"):
+        return DeadLetter("unknown_type", f"type must be \"interaction\" or \"feedback\", got {kind!r:.80}", tenant)
+    id_ = data.get("id")
+    if not isinstance(id_, str) or not id_ or len(id_) > MAX_ID_CHARS:
+        return DeadLetter("missing_id", f"id must be a non-empty string of at most {MAX_ID_CHARS} characters, got {id_!r:.80}", tenant)
+    try:
+        ts = parse_ts(data.get("ts"))
+        return _interaction(data, id_, tenant, ts) if kind == "interaction" else _feedback(data, id_, tenant, ts)
+    except _Reject as r:
+        return DeadLetter(r.reason, r.detail, tenant, id_)

@@ -1,0 +1,94 @@
+"""What the ingest process reports about itself: a log line every LOG_EVERY_S seconds, and Prometheus metrics.
+
+Reported: events/s, rows written per dataset, duplicates skipped, dead letters by reason, consumer lag per
+partition, pending feedback, flush time. Prometheus metrics live in a registry of their own (so several
+Ingest objects in one test process do not collide) and are served on 127.0.0.1:`port` when the port is
+non-zero (config `ingest.metrics_port`).
+
+Not here: how the numbers are produced (consumer.py calls `flushed` and `lag`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+from prometheus_client import CollectorRegistry, Counter as PromCounter, Gauge, Histogram, start_http_server
+
+from ingest.batch import Output
+
+logger = logging.getLogger(__name__)
+
+LOG_EVERY_S = 10.0
+
+
+class IngestMetrics:
+    def __init__(self, *, port: int = 0, host: str = "127.0.0.1") -> None:
+        self.registry = CollectorRegistry()
+        self.messages = PromCounter("clora_ingest_messages", "Kafka messages processed", registry=self.registry)
+        self.rows = PromCounter("clora_ingest_rows", "Rows written, by dataset", ["dataset"], registry=self.registry)
+        self.duplicates = PromCounter("clora_ingest_duplicates", "Messages already stored, skipped", registry=self.registry)
+        self.dead = PromCounter("clora_ingest_dead_letters", "Dead letters, by reason", ["reason"], registry=self.registry)
+        self.lag_gauge = Gauge("clora_ingest_lag", "Consumer lag, by topic and partition", ["topic", "partition"], registry=self.registry)
+        self.pending_gauge = Gauge("clora_ingest_pending_feedback", "Feedback waiting for its interaction", registry=self.registry)
+        self.flush_seconds = Histogram("clora_ingest_flush_seconds", "Time to write one batch", registry=self.registry)
+        self.total = Counter()  # the same counts as plain numbers, for logs, --once summaries and tests
+        self.reasons: Counter = Counter()
+        self.lag: dict[tuple[str, int], int] = {}
+        self.pending = 0
+        self._last_log = time.monotonic()
+        self._last_messages = 0
+        self.server = None
+        if port:
+            self.server, _ = start_http_server(port, addr=host, registry=self.registry)
+            logger.info("metrics on http://%s:%d/metrics", host, port)
+
+    def flushed(self, messages: int, out: Output, seconds: float, pending: int) -> None:
+        self.messages.inc(messages)
+        self.total["messages"] += messages
+        for dataset, n in (
+            ("interactions", len(out.interactions)),
+            ("trajectories", len(out.trajectories)),
+            ("feedback", len(out.feedback)),
+            ("dead_letters", len(out.dead_letters)),
+        ):
+            self.rows.labels(dataset).inc(n)
+            self.total[dataset] += n
+        self.duplicates.inc(out.duplicates)
+        self.total["duplicates"] += out.duplicates
+        for reason, n in out.reasons.items():
+            self.dead.labels(reason).inc(n)
+        self.reasons.update(out.reasons)
+        self.flush_seconds.observe(seconds)
+        self.set_pending(pending)
+
+    def set_pending(self, n: int) -> None:
+        self.pending = n
+        self.pending_gauge.set(n)
+
+    def set_lag(self, lag: dict[tuple[str, int], int]) -> None:
+        self.lag = lag
+        for (topic, partition), n in lag.items():
+            self.lag_gauge.labels(topic, str(partition)).set(n)
+
+    def due(self) -> bool:
+        return time.monotonic() - self._last_log >= LOG_EVERY_S
+
+    def log(self) -> None:
+        now = time.monotonic()
+        rate = (self.total["messages"] - self._last_messages) / max(now - self._last_log, 1e-9)
+        self._last_log, self._last_messages = now, self.total["messages"]
+        lag = ", ".join(f"{t}:{p}={n}" for (t, p), n in sorted(self.lag.items())) or "-"
+        reasons = ", ".join(f"{r}={n}" for r, n in sorted(self.reasons.items())) or "none"
+        logger.info(
+            "ingest: %.0f events/s; totals: %d messages, %d interactions, %d trajectories, %d feedback, "
+            "%d duplicates; dead letters: %s; pending feedback: %d; lag: %s",
+            rate, self.total["messages"], self.total["interactions"], self.total["trajectories"],
+            self.total["feedback"], self.total["duplicates"], reasons, self.pending, lag,
+        )
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server = None

@@ -1,0 +1,170 @@
+"""What the store already holds, and which feedback still waits for its interaction.
+
+Design: there is no second store. The Parquet datasets are the durable state of the join:
+  - a pending interaction is a row of `interactions/` whose (tenant, id) has no row in `trajectories/`;
+  - pending feedback is a row of `feedback/` whose (tenant, id) has no row in `trajectories/`.
+Both are written (durably, before offsets are committed) like every other row, so a SIGKILL loses nothing
+that was acknowledged, and feedback can meet its interaction days later, across restarts. Nothing is kept
+under `state/ingest`; this module only rebuilds, at start and after every partition assignment, an
+in-memory view of those datasets:
+
+  interactions    KeyIndex (tenant, id) -> number of the file holding the row (to read it back on a join)
+  trajectories    KeyIndex (tenant, id): already scored (the first score wins)
+  feedback        KeyIndex (topic, partition, offset): feedback messages already stored
+  dead_letters    KeyIndex (topic, partition, offset): rejected messages already stored
+  pending         dict (tenant, id) -> the earliest unjoined FeedbackRow, ingested within the expiry
+
+Memory: 12 bytes per stored row for the indexes (index.py), plus one entry per piece of feedback that is
+waiting (feedback for interactions not seen yet: rare, and dropped from memory after the expiry), plus one
+path per interactions file (compaction keeps that small). Interaction rows themselves stay on disk and are
+read back only when feedback arrives for them.
+
+Expiry (`expiry_ms`, config `ingest.pending_expiry_hours`): feedback joins an interaction only when their
+event times are at most that far apart; pending feedback leaves memory once it was ingested that long ago.
+
+The join relies on co-partitioning: both topics keyed by tenant with the same partition count, and the
+range assignor, so one process sees all of a tenant's interactions and feedback (consumer.py).
+What this module leaves to others: deciding what a message means (batch.py) and writing (consumer.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ingest.index import KeyIndex
+from ingest.rows import FeedbackRow, InteractionRow, interaction_rows
+from storage.layout import as_datadir
+from storage.parquet import live_files, read_dataset, read_file, retry_vanished
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (tenant, id)
+
+
+class PendingStore:
+    """In-memory view of the stored datasets; see the module docstring. Build it with `load`."""
+
+    def __init__(self, root: str | Path, *, expiry_ms: int) -> None:
+        self.root = as_datadir(root)
+        self.expiry_ms = expiry_ms
+        self.interactions = KeyIndex()
+        self.trajectories = KeyIndex()
+        self.feedback = KeyIndex()
+        self.dead_letters = KeyIndex()
+        self.pending: dict[Key, FeedbackRow] = {}
+        self.files: list[str] = []  # interactions file number -> path
+
+    # --- building -------------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, root: str | Path, *, expiry_ms: int, now_ms: int) -> PendingStore:
+        store = cls(root, expiry_ms=expiry_ms)
+        retry_vanished(store._load_interactions, "loading interaction ids")
+        store.trajectories = retry_vanished(lambda: store._load_index("trajectories", ["tenant", "id"]), "loading trajectory ids")
+        store.feedback = retry_vanished(
+            lambda: store._load_index("feedback", ["kafka_topic", "kafka_partition", "kafka_offset"]), "loading feedback offsets"
+        )
+        store.dead_letters = retry_vanished(
+            lambda: store._load_index("dead_letters", ["kafka_topic", "kafka_partition", "kafka_offset"]),
+            "loading dead-letter offsets",
+        )
+        store._load_pending(now_ms)
+        logger.info(
+            "store loaded: %d interactions (%d files), %d trajectories, %d feedback, %d dead letters, %d pending feedback",
+            len(store.interactions), len(store.files), len(store.trajectories), len(store.feedback),
+            len(store.dead_letters), len(store.pending),
+        )
+        return store
+
+    def _load_interactions(self) -> None:
+        self.files = live_files(self.root, "interactions")
+        keys: list[Key] = []
+        numbers: list[int] = []
+        for number, path in enumerate(self.files):
+            t = read_file(self.root, path, columns=["tenant", "id"])
+            keys.extend(zip(t.column("tenant").to_pylist(), t.column("id").to_pylist()))
+            numbers.extend([number] * t.num_rows)
+        self.interactions = KeyIndex.from_keys(keys, numbers)
+
+    def _load_index(self, dataset: str, columns: list[str]) -> KeyIndex:
+        keys: list[tuple] = []
+        for path in live_files(self.root, dataset):
+            t = read_file(self.root, path, columns=columns)
+            keys.extend(zip(*(t.column(c).to_pylist() for c in columns)))
+        return KeyIndex.from_keys(keys)
+
+    def _load_pending(self, now_ms: int) -> None:
+        table = read_dataset(self.root, "feedback")
+        if table.num_rows == 0:
+            return
+        table = table.filter(pc.greater_equal(table.column("ingested_at").cast(pa.int64()), now_ms - self.expiry_ms))
+        table = table.sort_by([("ingested_at", "ascending"), ("kafka_offset", "ascending")])
+        ms = {c: table.column(c).cast(pa.int64()).to_pylist() for c in ("ts", "ingested_at")}
+        columns = [ms[f] if f in ms else table.column(f).to_pylist() for f in FeedbackRow._fields]
+        for values in zip(*columns):
+            row = FeedbackRow(*values)
+            key = (row.tenant, row.id)
+            if key not in self.pending and key not in self.trajectories:
+                self.pending[key] = row
+
+    # --- questions ------------------------------------------------------------------------------------
+
+    def within_expiry(self, a_ms: int, b_ms: int) -> bool:
+        return abs(a_ms - b_ms) <= self.expiry_ms
+
+    def fetch_interactions(self, keys: Iterable[Key]) -> dict[Key, InteractionRow]:
+        """Reads back stored interaction rows, one read per file that holds some of them."""
+        by_file: dict[int, set[str]] = defaultdict(set)
+        tenants_of: dict[int, str] = {}
+        for tenant, id_ in keys:
+            number = self.interactions.get((tenant, id_))
+            if number is not None:
+                by_file[number].add(id_)
+                tenants_of[number] = tenant
+        found: dict[Key, InteractionRow] = {}
+        for number, ids in by_file.items():
+            try:
+                table = read_file(self.root, self.files[number])
+            except FileNotFoundError:  # compacted away since it was indexed: read the tenant's live files
+                logger.info("interactions file %s is gone (compacted); reading tenant %s", self.files[number], tenants_of[number])
+                table = read_dataset(self.root, "interactions", tenants_of[number])
+            table = table.filter(pc.is_in(table.column("id"), value_set=pa.array(sorted(ids), pa.string())))
+            for row in interaction_rows(table):
+                found.setdefault((row.tenant, row.id), row)
+        return found
+
+    # --- after a durable write ------------------------------------------------------------------------
+
+    def stored_interactions(self, rows: list[InteractionRow], paths: list[Path]) -> None:
+        numbers = {}
+        for path in paths:  # one file per tenant: <dataset>/tenant=<t>/<file_id>.parquet
+            numbers[path.parent.name.removeprefix("tenant=")] = len(self.files)
+            self.files.append(str(path))
+        for row in rows:
+            self.interactions.add((row.tenant, row.id), numbers[row.tenant])
+
+    def stored_trajectories(self, keys: Iterable[Key]) -> None:
+        for key in keys:
+            self.trajectories.add(key)
+            self.pending.pop(key, None)
+
+    def stored_feedback(self, offsets: Iterable[tuple[str, int, int]]) -> None:
+        for at in offsets:
+            self.feedback.add(at)
+
+    def stored_dead_letters(self, offsets: Iterable[tuple[str, int, int]]) -> None:
+        for at in offsets:
+            self.dead_letters.add(at)
+
+    def expire(self, now_ms: int) -> int:
+        """Drops pending feedback ingested more than the expiry ago; returns how many went."""
+        old = [k for k, row in self.pending.items() if now_ms - row.ingested_at > self.expiry_ms]
+        for k in old:
+            del self.pending[k]
+        return len(old)

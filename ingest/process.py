@@ -1,0 +1,76 @@
+"""The ingest process: `main()` (python -m ingest) and `run_from_args` (clora ingest) -> `run(cfg)`.
+
+This is the only place that reads the config: it builds the Processor, the metrics and the Ingest loop
+from it, installs SIGTERM/SIGINT handlers that ask the loop to stop after its current poll (the buffer is
+then flushed and committed), and runs. Exit code 0 on a clean stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from clora.config import Config
+from ingest.batch import Processor
+from ingest.consumer import Ingest
+from ingest.metrics import IngestMetrics
+
+logger = logging.getLogger(__name__)
+
+
+def build(cfg: Config, metrics: IngestMetrics | None = None) -> Ingest:
+    processor = Processor(
+        {t.name: t.scorer for t in cfg.tenants},
+        unknown_tenant=cfg.ingest.unknown_tenant,
+        max_message_bytes=cfg.ingest.max_message_bytes,
+    )
+    return Ingest(
+        root=str(cfg.data_dir),
+        bootstrap=cfg.kafka.bootstrap,
+        interactions_topic=cfg.kafka.interactions_topic,
+        feedback_topic=cfg.kafka.feedback_topic,
+        dead_letter_topic=cfg.kafka.dead_letter_topic,
+        group_id=cfg.kafka.group_id,
+        processor=processor,
+        flush_rows=cfg.ingest.flush_rows,
+        flush_seconds=cfg.ingest.flush_seconds,
+        expiry_ms=int(cfg.ingest.pending_expiry_hours * 3_600_000),
+        session_timeout_ms=cfg.kafka.session_timeout_ms,
+        heartbeat_interval_ms=cfg.kafka.heartbeat_interval_ms,
+        metrics=metrics or IngestMetrics(port=cfg.ingest.metrics_port),
+    )
+
+
+def run(cfg: Config, *, once: bool = False, max_seconds: float | None = None) -> int:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    ingest = build(cfg)
+    try:
+        ingest.run(stop, once=once, max_seconds=max_seconds)
+    finally:
+        ingest.metrics.close()
+    logger.info("ingest stopped")
+    return 0
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from clora.cli import config_from_args
+
+    cfg = config_from_args(args)
+    return run(cfg, once=args.once, max_seconds=args.max_seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from clora.cli import common_parser
+    from ingest.cli import add_ingest_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="python -m ingest",
+        parents=[common_parser()],
+        description="Consume interaction and feedback events from Kafka into Parquet (same as `clora ingest`).",
+    )
+    add_ingest_arguments(parser)
+    return run_from_args(parser.parse_args(argv))

@@ -1,0 +1,159 @@
+"""Storage rows: wire events turned into the rows of storage's Parquet schemas, and rows into Arrow tables.
+
+The three type families never merge (STYLE.md): events.py holds what Kafka carries, this module what
+Parquet holds (one NamedTuple per dataset, fields in the schema's column order), and the learner has its
+own batches. Timestamps are kept as epoch milliseconds here (cheap to build, exact) and typed as
+timestamp[ms, UTC] when the table is made.
+
+Not here: deciding which rows to write (batch.py) or writing them (storage.parquet, called by consumer.py).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from typing import NamedTuple
+
+import pyarrow as pa
+
+from ingest.events import DeadLetter, FeedbackEvent, InteractionEvent, to_json
+from storage.layout import UNKNOWN_TENANT
+from storage.schema import DEAD_LETTERS, FEEDBACK, INTERACTIONS, TRAJECTORIES
+
+# How much of a rejected message is kept in dead_letters.raw (and nothing of it is lost on the topic).
+RAW_PREFIX_BYTES = 4096
+
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+class Coords(NamedTuple):
+    """Where a message came from: its Kafka topic, partition and offset."""
+
+    topic: str
+    partition: int
+    offset: int
+
+
+class InteractionRow(NamedTuple):
+    id: str
+    tenant: str
+    ts: int  # epoch ms
+    prompt: str | None
+    messages_json: str | None
+    completion: str | None
+    adapter_version: str | None
+    completion_token_ids: list[int] | None
+    completion_logprobs: list[float] | None
+    metadata_json: str | None
+    kafka_topic: str | None
+    kafka_partition: int | None
+    kafka_offset: int | None
+    ingested_at: int  # epoch ms
+
+
+class TrajectoryRow(NamedTuple):
+    id: str
+    tenant: str
+    ts: int
+    prompt: str | None
+    messages_json: str | None
+    completion: str | None
+    reward: float
+    reward_source: str
+    adapter_version: str | None
+    completion_token_ids: list[int] | None
+    completion_logprobs: list[float] | None
+    metadata_json: str | None
+    kafka_topic: str | None
+    kafka_partition: int | None
+    kafka_offset: int | None
+    ingested_at: int
+
+
+class FeedbackRow(NamedTuple):
+    id: str
+    tenant: str
+    ts: int
+    score: float
+    source: str | None
+    kafka_topic: str | None
+    kafka_partition: int | None
+    kafka_offset: int | None
+    ingested_at: int
+
+
+class DeadLetterRow(NamedTuple):
+    tenant: str
+    reason: str
+    detail: str | None
+    raw: bytes | None
+    kafka_topic: str | None
+    kafka_partition: int | None
+    kafka_offset: int | None
+    ingested_at: int
+
+
+SCHEMA_OF = {InteractionRow: INTERACTIONS, TrajectoryRow: TRAJECTORIES, FeedbackRow: FEEDBACK, DeadLetterRow: DEAD_LETTERS}
+
+_MS = timedelta(milliseconds=1)
+
+
+def epoch_ms(ts: datetime) -> int:
+    return (ts - EPOCH) // _MS
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Events -> rows
+
+
+def interaction_row(ev: InteractionEvent, at: Coords, ingested_at: int) -> InteractionRow:
+    return InteractionRow(
+        ev.id,
+        ev.tenant,
+        epoch_ms(ev.ts),
+        ev.rendered_prompt,
+        None if ev.messages is None else to_json(ev.messages),
+        ev.completion,
+        ev.adapter_version,
+        ev.completion_token_ids,
+        ev.completion_logprobs,
+        None if ev.metadata is None else to_json(ev.metadata),
+        at.topic,
+        at.partition,
+        at.offset,
+        ingested_at,
+    )
+
+
+def trajectory_row(row: InteractionRow, reward: float, source: str, ingested_at: int) -> TrajectoryRow:
+    """A scored interaction; it keeps the interaction's Kafka provenance."""
+    return TrajectoryRow(*row[:6], reward, source, *row[6:13], ingested_at)
+
+
+def feedback_row(ev: FeedbackEvent, at: Coords, ingested_at: int) -> FeedbackRow:
+    return FeedbackRow(ev.id, ev.tenant, epoch_ms(ev.ts), ev.score, ev.source, at.topic, at.partition, at.offset, ingested_at)
+
+
+def dead_letter_row(dl: DeadLetter, raw: bytes, at: Coords, ingested_at: int) -> DeadLetterRow:
+    return DeadLetterRow(
+        dl.tenant or UNKNOWN_TENANT, dl.reason, dl.detail, raw[:RAW_PREFIX_BYTES], at.topic, at.partition, at.offset, ingested_at
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rows <-> Arrow (tests/ingest/test_rows.py checks each NamedTuple's fields equal its schema's columns)
+
+
+def to_table(rows: list[NamedTuple], row_type: type) -> pa.Table:
+    """Rows of one NamedTuple type -> a table with that dataset's schema."""
+    schema = SCHEMA_OF[row_type]
+    if not rows:
+        return schema.empty_table()
+    columns = zip(*rows, strict=True)
+    return pa.Table.from_arrays([pa.array(col, type=f.type) for col, f in zip(columns, schema, strict=True)], schema=schema)
+
+
+def interaction_rows(table: pa.Table) -> list[InteractionRow]:
+    """Interaction rows read back from Parquet (timestamps back to epoch ms)."""
+    ms = {"ts": table.column("ts").cast(pa.int64()), "ingested_at": table.column("ingested_at").cast(pa.int64())}
+    columns = [ms[name].to_pylist() if name in ms else table.column(name).to_pylist() for name in InteractionRow._fields]
+    return [InteractionRow(*values) for values in zip(*columns)]

@@ -1,0 +1,170 @@
+"""Scorers: pure functions (completion, prompt) -> reward, built from a tenant's `scorer` spec string.
+
+A spec is "kind" or "kind:argument" (validated in clora/config.py, `TenantConfig.scorer`):
+
+    feedback            no function: the reward comes from feedback events (or an inline reward)
+    inline              no function: the reward travels in the interaction event (`reward`); feedback
+                        events still score interactions that came without one
+    contains:TEXT       1.0 if TEXT occurs in the completion, else 0.0
+    regex:PATTERN       1.0 if the pattern matches anywhere in the completion (re.search), else 0.0
+    length:N            1 - |len(completion) - N| / N, floored at 0: 1.0 at N characters, 0.0 at 0 or 2N
+    json_valid          1.0 if the completion parses as strict JSON (no NaN/Infinity), else 0.0
+    digits              fraction of the completion's characters that are ASCII digits (0.0 when empty)
+    uppercase           fraction of the completion's letters that are upper case (0.0 without letters)
+    python:MOD:FUNC     FUNC(completion, prompt) from importable module MOD; must return a finite number
+                        in [-1, 1]
+
+Ingest scores interactions with these; the learner's rollouts mode imports `build_scorer` too. `apply`
+runs a scorer and turns any failure into one `ScorerError` whose message is a traceback summary (ingest
+dead-letters that event with reason `scorer_error`). Nothing here does I/O beyond importing a python scorer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import re
+import traceback
+from collections.abc import Callable
+
+Scorer = Callable[[str, str], float]  # (completion, prompt) -> reward in [-1, 1]
+
+# Kinds whose reward comes from events rather than from a function.
+EVENT_REWARDS = ("feedback", "inline")
+
+
+class ScorerSpecError(ValueError):
+    """A scorer spec that cannot be turned into a function (unknown kind, bad argument, failed import)."""
+
+
+class ScorerError(RuntimeError):
+    """A scorer raised or returned something other than a finite number in [-1, 1]."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The scorers
+
+
+def contains(text: str) -> Scorer:
+    def score(completion: str, prompt: str) -> float:
+        return 1.0 if text in completion else 0.0
+
+    return score
+
+
+def regex(pattern: str) -> Scorer:
+    try:
+        compiled = re.compile(pattern)
+    except re.error as e:
+        raise ScorerSpecError(f"scorer regex {pattern!r} does not compile: {e}") from e
+
+    def score(completion: str, prompt: str) -> float:
+        return 1.0 if compiled.search(completion) else 0.0
+
+    return score
+
+
+def length(target: int) -> Scorer:
+    if target <= 0:
+        raise ScorerSpecError(f"scorer length needs a positive target, got {target}")
+
+    def score(completion: str, prompt: str) -> float:
+        return max(0.0, 1.0 - abs(len(completion) - target) / target)
+
+    return score
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
+def json_valid(completion: str, prompt: str) -> float:
+    try:
+        json.loads(completion, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        return 0.0
+    return 1.0
+
+
+def digits(completion: str, prompt: str) -> float:
+    if not completion:
+        return 0.0
+    return sum(map(completion.count, "0123456789")) / len(completion)
+
+
+def uppercase(completion: str, prompt: str) -> float:
+    letters = sum(map(str.isalpha, completion))
+    if not letters:
+        return 0.0
+    return sum(ch.isupper() for ch in completion if ch.isalpha()) / letters
+
+
+def python(target: str) -> Scorer:
+    module_name, _, func_name = target.partition(":")
+    if not module_name or not func_name:
+        raise ScorerSpecError(f"scorer python needs module:function, got {target!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ScorerSpecError(f"scorer python: cannot import module {module_name!r}: {e}") from e
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise ScorerSpecError(f"scorer python: {module_name!r} has no callable {func_name!r}")
+    return fn
+
+
+# kind -> builder taking the spec's argument; kinds without an argument map to the scorer itself.
+_WITH_ARGUMENT: dict[str, Callable[[str], Scorer]] = {
+    "contains": contains,
+    "regex": regex,
+    "length": lambda arg: length(_positive_int(arg)),
+    "python": python,
+}
+_PLAIN: dict[str, Scorer] = {"json_valid": json_valid, "digits": digits, "uppercase": uppercase}
+
+
+def _positive_int(arg: str) -> int:
+    if not arg.isdigit():
+        raise ScorerSpecError(f"scorer length needs a positive integer target, got {arg!r}")
+    return int(arg)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Building and applying
+
+
+def is_function(spec: str) -> bool:
+    """Whether `spec` names a function (as opposed to a reward carried by events)."""
+    return spec.partition(":")[0] not in EVENT_REWARDS
+
+
+def build_scorer(spec: str) -> Scorer:
+    """The function a spec names. `feedback` and `inline` name none: they raise ScorerSpecError."""
+    kind, sep, arg = spec.partition(":")
+    if kind in EVENT_REWARDS:
+        raise ScorerSpecError(f"scorer {spec!r} takes its reward from events; it has no function")
+    if kind in _PLAIN:
+        if sep:
+            raise ScorerSpecError(f"scorer {kind!r} takes no argument, got {spec!r}")
+        return _PLAIN[kind]
+    if kind in _WITH_ARGUMENT:
+        if not arg:
+            raise ScorerSpecError(f"scorer {kind!r} needs an argument: {kind}:...")
+        return _WITH_ARGUMENT[kind](arg)
+    known = ", ".join([*EVENT_REWARDS, *_PLAIN, *_WITH_ARGUMENT])
+    raise ScorerSpecError(f"unknown scorer kind {kind!r} in {spec!r}; expected one of {known}")
+
+
+def apply(scorer: Scorer, completion: str, prompt: str) -> float:
+    """Runs `scorer`; returns its reward as a float, or raises ScorerError with a traceback summary."""
+    try:
+        reward = scorer(completion, prompt)
+    except Exception as e:  # a user-supplied scorer may raise anything; it must not stop the consumer
+        summary = "".join(traceback.format_exception(e, limit=-3)).strip()
+        raise ScorerError(f"scorer raised {type(e).__name__}: {e}\n{summary}"[:2000]) from e
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise ScorerError(f"scorer returned {reward!r:.80}, not a finite number")
+    if not -1.0 <= reward <= 1.0:
+        raise ScorerError(f"scorer returned {reward}, outside [-1, 1]")
+    return float(reward)

@@ -1,0 +1,101 @@
+"""The learner package's command-line surface: `clora model` (and, beside it, the learner process's own
+command).
+
+`clora model tiny` builds (or reuses) the tiny local base model; `clora model random` writes a
+random-weight model of a real architecture's shape for GPU benchmarks. Each command group has its own
+`_add_*_commands(sub, common)` helper, called from `add_commands`. Only argparse is imported at module
+level, so `clora --help` stays fast; the builders are imported inside the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# The keys of tiny_model.RANDOM_SHAPES, repeated so that `clora --help` imports nothing (a test keeps them equal).
+MODEL_SHAPES = ("qwen3-4b", "qwen3-0.6b", "tiny-test")
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    _add_model_commands(sub, common)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# clora model
+
+
+def _add_model_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    model = sub.add_parser(
+        "model",
+        parents=[common],
+        help="build clora's own base models (tiny local model, random weights of a real shape)",
+        description="Build base models without downloading anything.",
+    )
+    model_sub = model.add_subparsers(dest="model_command", metavar="KIND", title="kinds", required=True)
+
+    tiny = model_sub.add_parser(
+        "tiny",
+        parents=[common],
+        help="the tiny Qwen3-architecture model with random weights (a few million parameters)",
+        description="Build the tiny local model. Without --out it goes to <data_dir>/models/tiny-<seed> "
+        "and an existing complete build there is reused.",
+    )
+    tiny.add_argument("--out", type=Path, default=None, metavar="DIR", help="directory to write the model to")
+    tiny.add_argument("--seed", type=int, default=None, help="weight seed (default: model.seed of the config)")
+    tiny.add_argument("--force", action="store_true", help="replace --out if it already exists")
+    tiny.set_defaults(func=_model_tiny)
+
+    random = model_sub.add_parser(
+        "random",
+        parents=[common],
+        help="random weights with the shape of a real model, for GPU benchmarks",
+        description="Write a random-weight model of a real architecture's shape (safetensors shards of "
+        "about 2 GB, tensors drawn one at a time) with the tiny model's tokenizer.",
+    )
+    random.add_argument("--shape", required=True, choices=MODEL_SHAPES, help="architecture shape")
+    random.add_argument("--out", type=Path, required=True, metavar="DIR", help="directory to write the model to")
+    random.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype (default bfloat16)")
+    random.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    random.add_argument("--force", action="store_true", help="replace --out if it already exists")
+    random.set_defaults(func=_model_random)
+
+
+def _model_tiny(args: argparse.Namespace) -> int:
+    from clora.cli import config_from_args
+    from learner.tiny_model import build_tiny, ensure_tiny
+
+    cfg = config_from_args(args)
+    seed = cfg.model.seed if args.seed is None else args.seed
+    try:
+        if args.out is None:
+            path = ensure_tiny(cfg.data_dir / "models", seed)
+        else:
+            path = build_tiny(args.out, seed=seed, overwrite=args.force)
+    except FileExistsError as e:
+        print(f"clora model tiny: {e} (--force replaces it)", file=sys.stderr)
+        return 1
+    _print_built(path)
+    return 0
+
+
+def _model_random(args: argparse.Namespace) -> int:
+    from clora.cli import config_from_args
+    from learner.tiny_model import build_random
+
+    config_from_args(args)
+    try:
+        path = build_random(args.shape, args.out, dtype=args.dtype, seed=args.seed, overwrite=args.force)
+    except FileExistsError as e:
+        print(f"clora model random: {e} (--force replaces it)", file=sys.stderr)
+        return 1
+    _print_built(path)
+    return 0
+
+
+def _print_built(path: Path) -> None:
+    from learner.tiny_model import read_marker
+
+    print(path)
+    print(f"parameters: {read_marker(path)['parameters']:,}")

@@ -1,0 +1,151 @@
+"""The learner's maths: advantages, importance ratios, the clipped policy-gradient loss, KL estimators.
+
+Every function here is tensor-in, tensor-out: no model, no tokenizer, no I/O, no config. Shapes follow one
+convention: per-sequence values are `[B]`, per-token values are `[B, T]` with a 0/1 `mask` of the same shape
+marking real completion tokens (padding is 0). Log-probabilities are natural logs of the probability of
+the token that was actually sampled.
+
+What is deliberately not here: how log-probs are computed (policy.py), where rewards come from (logs_mode.py,
+rollouts.py) and what a step does with the loss (update.py).
+
+References: the clipped surrogate is PPO's (Schulman et al. 2017); group-normalised advantages are GRPO's
+(Shao et al. 2024, DeepSeekMath); the k1/k2/k3 KL estimators are from Schulman's note "Approximating KL
+divergence" (2020).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Aggregation = Literal["token-mean", "seq-mean"]
+
+# ---------------------------------------------------------------------------------------------------------
+# Advantages
+
+
+def group_ids(keys: list[str]) -> Tensor:
+    """Integer group id per element: equal keys (say, equal prompts) share an id, numbered by first sight."""
+    seen: dict[str, int] = {}
+    return torch.tensor([seen.setdefault(k, len(seen)) for k in keys], dtype=torch.long)
+
+
+def _group_stats(rewards: Tensor, groups: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per element: its group's size, mean and sample standard deviation (0 for groups of one)."""
+    n_groups = int(groups.max()) + 1 if groups.numel() else 0
+    size = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, groups, torch.ones_like(rewards))
+    total = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, groups, rewards)
+    mean = total / size
+    sq_dev = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, groups, (rewards - mean[groups]) ** 2)
+    var = sq_dev / (size - 1).clamp(min=1)
+    return size[groups], mean[groups], var.sqrt()[groups]
+
+
+def baseline_advantages(rewards: Tensor, groups: Tensor, baseline: float) -> Tensor:
+    """reward - baseline, where the baseline is the group mean for groups of two or more and `baseline`
+    (a running mean the caller keeps) for elements alone in their group.
+
+    A group mean is the better baseline when it exists (same prompt, several completions: the prompt's own
+    difficulty cancels); a single completion has no such peer, so it is compared with the running mean.
+    """
+    size, mean, _ = _group_stats(rewards, groups)
+    return torch.where(size >= 2, rewards - mean, rewards - baseline)
+
+
+def grpo_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:
+    """GRPO: (reward - group mean) / (group sample std + eps). A group of one, or a group whose rewards are
+    all equal, gets advantage 0: it says nothing about which completion was better."""
+    size, mean, std = _group_stats(rewards, groups)
+    return torch.where(size >= 2, (rewards - mean) / (std + eps), torch.zeros_like(rewards))
+
+
+def running_mean(previous: float | None, rewards: Tensor, momentum: float = 0.9) -> float:
+    """Exponential moving average of batch-mean rewards: momentum * previous + (1 - momentum) * batch mean.
+    With no previous value it starts at the batch mean. Non-finite rewards are ignored."""
+    finite = rewards[torch.isfinite(rewards)]
+    if finite.numel() == 0:
+        return previous if previous is not None else 0.0
+    batch = float(finite.mean())
+    return batch if previous is None else momentum * previous + (1.0 - momentum) * batch
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ratios and the clipped policy-gradient loss
+
+
+def importance_ratio(logprobs: Tensor, old_logprobs: Tensor) -> Tensor:
+    """pi(token) / pi_old(token) = exp(logp - logp_old), per token."""
+    return torch.exp(logprobs - old_logprobs)
+
+
+def clipped_pg_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_eps: float
+) -> tuple[Tensor, Tensor]:
+    """PPO's clipped surrogate, per token: -min(r * A, clip(r, 1 - eps, 1 + eps) * A).
+
+    `advantages` is per sequence [B] (broadcast over tokens) or per token [B, T]. Returns (loss [B, T],
+    clipped [B, T] bool), where `clipped` marks tokens whose clipped term is the active one, i.e. whose
+    gradient the clip has switched off (r > 1 + eps with A > 0, or r < 1 - eps with A < 0).
+    """
+    adv = advantages.unsqueeze(-1) if advantages.dim() == logprobs.dim() - 1 else advantages
+    ratio = importance_ratio(logprobs, old_logprobs)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv
+    loss = -torch.minimum(unclipped, clipped)
+    active = ((ratio > 1.0 + clip_eps) & (adv > 0)) | ((ratio < 1.0 - clip_eps) & (adv < 0))
+    return loss, active
+
+
+# ---------------------------------------------------------------------------------------------------------
+# KL to the reference (base) model, per token, on tokens sampled from the policy
+
+
+def kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k1 = log pi(x) - log ref(x): unbiased for KL(pi || ref), high variance, can be negative."""
+    return logprobs - ref_logprobs
+
+
+def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k2 = (log pi(x) - log ref(x))^2 / 2: biased, low variance, never negative."""
+    return 0.5 * (logprobs - ref_logprobs) ** 2
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k3 = (r - 1) - log r with r = ref(x) / pi(x): unbiased for KL(pi || ref), low variance, never negative."""
+    log_r = ref_logprobs - logprobs
+    return torch.expm1(log_r) - log_r
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Aggregation over tokens
+
+
+def masked_sum(values: Tensor, mask: Tensor) -> Tensor:
+    return (values * mask).sum()
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of `values` where mask is 1; 0 when the mask is empty."""
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def aggregate(per_token: Tensor, mask: Tensor, how: Aggregation = "token-mean") -> Tensor:
+    """Reduces a per-token loss to a scalar.
+
+    token-mean: every real token weighs the same (long completions weigh more in total).
+    seq-mean:   each sequence's mean over its tokens, then the mean over sequences (every sequence weighs
+                the same); sequences with no tokens count as 0 but still in the denominator.
+    """
+    if how == "token-mean":
+        return masked_mean(per_token, mask)
+    if how == "seq-mean":
+        per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        return per_seq.mean()
+    raise ValueError(f"unknown aggregation {how!r}; expected 'token-mean' or 'seq-mean'")
+
+
+def clip_fraction(clipped: Tensor, mask: Tensor) -> Tensor:
+    """Share of real tokens whose gradient the clip switched off."""
+    return masked_mean(clipped.to(mask.dtype), mask)

@@ -1,0 +1,400 @@
+"""One base model, one LoRA adapter and one optimizer per tenant: the learner's whole model state.
+
+The base model is loaded once. Each tenant gets a named LoRA adapter on the same peft `PeftModel`
+(`add_adapter` / `set_adapter`), with its own rank, alpha and target modules, and its own torch AdamW over
+that adapter's parameters only. Memory is therefore base + N x (adapter + optimizer state), and switching
+tenants is `set_adapter` (pointer moves, no copies; `clora bench learner` measures it). The base weights
+are frozen and shared; KL to the base is computed by running the same model with the adapter disabled
+(`disable_adapter()`), so no second copy of the base is ever held.
+
+Adapter names: torch module names cannot contain ".", which tenant names may, and peft strips the
+adapter name from state-dict keys by plain substring replacement; so each tenant's adapter is called
+`clora_<tenant with non [A-Za-z0-9_] replaced>` (plus a hash suffix when anything was replaced), a name
+that cannot occur inside a module path.
+
+Files (PEFT format, as `vllm serve --lora-modules` and `PeftModel.from_pretrained` read them):
+    adapter_config.json          the tenant's LoraConfig (inference_mode true)
+    adapter_model.safetensors    standard keys, e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight
+A checkpoint is a directory with `adapter/` (those files) and `optimizer.pt` (the AdamW state dict,
+loaded with `weights_only=True`).
+
+Deliberately not here: losses (maths.py, update.py), what to train on (logs_mode.py, rollouts.py), when to
+save (loop.py), where files go (storage/).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from learner.batch import TokenBatch
+from learner.types import Sample, TenantSpec
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+CHECKPOINT_ADAPTER_DIR = "adapter"
+_LORA_PARTS = ("lora_A", "lora_B")
+
+
+class PolicyError(RuntimeError):
+    """A tenant's adapter or checkpoint cannot be used (unknown tenant, wrong shape, missing or bad files)."""
+
+
+def adapter_name(tenant: str) -> str:
+    """The peft adapter name of `tenant` (see the module note)."""
+    safe = re.sub(r"[^A-Za-z0-9_]", "_", tenant)
+    if safe != tenant:
+        safe += "_" + hashlib.sha256(tenant.encode()).hexdigest()[:8]
+    return f"clora_{safe}"
+
+
+def tenant_seed(tenant: str, seed: int) -> int:
+    """Seed of a tenant's fresh adapter: the same tenant and seed always start from the same weights."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{tenant}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A tenant's adapter weights and optimizer state, copied in memory (to undo a rejected step)."""
+
+    weights: dict[str, Tensor]
+    optimizer: dict
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class Policy:
+    """The shared base model and every tenant's adapter and optimizer (see the module note)."""
+
+    def __init__(self, model_path: str | Path, *, device: str = "auto", seed: int = 0):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = Path(model_path)
+        self.device = pick_device(device)
+        self.seed = seed
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            base = AutoModelForCausalLM.from_pretrained(self.model_path, dtype="auto")
+        except (OSError, ValueError) as e:
+            raise PolicyError(f"cannot load the base model from {self.model_path}: {e}") from e
+        if self.device.type == "cpu" and base.dtype != torch.float32:
+            base = base.float()  # half precision matmuls are slow or missing on CPU
+        base.to(self.device)
+        base.eval()
+        base.requires_grad_(False)
+        self.model = base  # becomes a PeftModel with the first tenant
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
+        self._specs: dict[str, TenantSpec] = {}
+        self._optimizers: dict[str, torch.optim.Optimizer] = {}
+        self._params: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
+        self._active: str | None = None
+
+    # --- tenants --------------------------------------------------------------------------------------
+    @property
+    def tenants(self) -> list[str]:
+        return sorted(self._specs)
+
+    def has(self, tenant: str) -> bool:
+        return tenant in self._specs
+
+    def spec(self, tenant: str) -> TenantSpec:
+        self._require(tenant)
+        return self._specs[tenant]
+
+    def add_tenant(self, spec: TenantSpec) -> None:
+        """Creates the tenant's adapter (freshly initialised, seeded by tenant name) and its optimizer."""
+        from peft import LoraConfig, get_peft_model
+
+        if spec.name in self._specs:
+            raise PolicyError(f"tenant {spec.name!r} already has an adapter")
+        name = adapter_name(spec.name)
+        config = LoraConfig(
+            r=spec.rank,
+            lora_alpha=spec.alpha,
+            target_modules=list(spec.target_modules),
+            lora_dropout=spec.dropout,
+            bias="none",
+            task_type="CAUSAL_LM",
+            base_model_name_or_path=str(self.model_path),
+        )
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(tenant_seed(spec.name, self.seed))
+            try:
+                if not self._specs:
+                    self.model = get_peft_model(self.model, config, adapter_name=name)
+                else:
+                    self.model.add_adapter(name, config)
+            except ValueError as e:  # peft: target modules not found in the base model, and the like
+                raise PolicyError(f"cannot add an adapter for tenant {spec.name!r}: {e}") from e
+        params = sorted(
+            (n, p) for n, p in self.model.named_parameters() if _adapter_of(n) == name
+        )
+        if not params:
+            raise PolicyError(f"tenant {spec.name!r}: target modules {list(spec.target_modules)} matched no layer")
+        for _, p in params:
+            p.requires_grad_(True)
+        self._params[spec.name] = params
+        self._optimizers[spec.name] = torch.optim.AdamW([p for _, p in params], lr=spec.learning_rate, weight_decay=0.0)
+        self._specs[spec.name] = spec
+        self._active = None  # peft may have moved the active adapter
+        logger.info(
+            "tenant %s: adapter r=%d alpha=%g on %s (%d tensors, %.1f KiB)",
+            spec.name, spec.rank, spec.alpha, ",".join(spec.target_modules), len(params), self.adapter_bytes(spec.name) / 1024,
+        )
+
+    def update_spec(self, spec: TenantSpec) -> None:
+        """Applies config changes that need no new adapter (learning rate, batch size, mode, scorer).
+        A changed adapter shape cannot apply to an existing adapter: it is logged and ignored."""
+        old = self.spec(spec.name)
+        if not old.same_adapter_shape(spec):
+            logger.warning(
+                "tenant %s: the config changes the adapter shape (r=%d alpha=%g targets=%s); the existing adapter "
+                "keeps r=%d alpha=%g targets=%s",
+                spec.name, spec.rank, spec.alpha, list(spec.target_modules), old.rank, old.alpha, list(old.target_modules),
+            )
+            spec = TenantSpec(**{**spec.__dict__, **{k: getattr(old, k) for k in ("rank", "alpha", "target_modules", "dropout")}})
+        for group in self._optimizers[spec.name].param_groups:
+            group["lr"] = spec.learning_rate
+        self._specs[spec.name] = spec
+
+    def use(self, tenant: str) -> None:
+        """Makes `tenant`'s adapter the active one (the tenant switch)."""
+        self._require(tenant)
+        if self._active != tenant:
+            self.model.set_adapter(adapter_name(tenant))
+            self._active = tenant
+
+    @contextlib.contextmanager
+    def adapter(self, tenant: str | None) -> Iterator[None]:
+        """Runs the block with `tenant`'s adapter, or with no adapter at all (the base model) for None."""
+        if tenant is not None:
+            self.use(tenant)
+            yield
+        elif self._specs:
+            with self.model.disable_adapter():
+                yield
+        else:
+            yield
+
+    # --- log-probs and the optimizer ------------------------------------------------------------------
+    def token_logprobs(self, batch: TokenBatch, tenant: str | None, *, grad: bool = False) -> Tensor:
+        """log pi(completion token | prefix) for every completion position, [B, C] (float32). Positions past
+        a completion's end hold values of padding tokens: mask them with batch.completion_mask."""
+        batch = batch.to(self.device)
+        with self.adapter(tenant), torch.set_grad_enabled(grad):
+            self.model.train(grad)
+            try:
+                out = self.model(
+                    input_ids=batch.input_ids,
+                    attention_mask=batch.attention_mask,
+                    position_ids=batch.position_ids,
+                    logits_to_keep=batch.completion_width + 1,
+                    use_cache=False,
+                )
+            finally:
+                self.model.train(False)
+            logits = out.logits[:, :-1].float()
+            return _gather_logprobs(logits, batch.completion_ids)
+
+    def zero_grad(self, tenant: str) -> None:
+        self._require(tenant)
+        self._optimizers[tenant].zero_grad(set_to_none=True)
+
+    def optimizer_step(self, tenant: str, *, max_grad_norm: float) -> float:
+        """Clips the tenant's gradient to `max_grad_norm`, steps its optimizer, clears the gradient; returns
+        the gradient norm before clipping (inf or nan when the gradient was not finite)."""
+        self._require(tenant)
+        params = [p for _, p in self._params[tenant]]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        self._optimizers[tenant].step()
+        self._optimizers[tenant].zero_grad(set_to_none=True)
+        return float(norm)
+
+    def trainable(self, tenant: str) -> list[torch.nn.Parameter]:
+        self._require(tenant)
+        return [p for _, p in self._params[tenant]]
+
+    # --- state: snapshots, files ----------------------------------------------------------------------
+    def snapshot(self, tenant: str) -> Snapshot:
+        self._require(tenant)
+        return Snapshot(
+            weights={n: p.detach().clone() for n, p in self._params[tenant]},
+            optimizer=copy.deepcopy(self._optimizers[tenant].state_dict()),
+        )
+
+    def restore(self, tenant: str, snapshot: Snapshot) -> None:
+        self._require(tenant)
+        with torch.no_grad():
+            for n, p in self._params[tenant]:
+                p.copy_(snapshot.weights[n])
+        self._optimizers[tenant].load_state_dict(copy.deepcopy(snapshot.optimizer))
+
+    def weights_finite(self, tenant: str) -> bool:
+        self._require(tenant)
+        return all(bool(torch.isfinite(p).all()) for _, p in self._params[tenant])
+
+    def adapter_bytes(self, tenant: str) -> int:
+        self._require(tenant)
+        return sum(p.numel() * p.element_size() for _, p in self._params[tenant])
+
+    def optimizer_bytes(self, tenant: str) -> int:
+        self._require(tenant)
+        state = self._optimizers[tenant].state
+        return sum(t.numel() * t.element_size() for s in state.values() for t in s.values() if torch.is_tensor(t))
+
+    def save_adapter(self, tenant: str, directory: str | Path) -> None:
+        """Writes the tenant's adapter in PEFT format into `directory` (which must exist)."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        self._require(tenant)
+        name = adapter_name(tenant)
+        directory = Path(directory)
+        state = get_peft_model_state_dict(self.model, adapter_name=name)
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        config = copy.deepcopy(self.model.peft_config[name])
+        config.inference_mode = True
+        config.save_pretrained(str(directory))
+
+    def load_adapter(self, tenant: str, directory: str | Path) -> None:
+        """Loads adapter weights saved by `save_adapter` (or any PEFT adapter of the same shape)."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        self._require(tenant)
+        directory = Path(directory)
+        try:
+            state = load_file(str(directory / ADAPTER_WEIGHTS), device=str(self.device))
+        except (OSError, ValueError) as e:
+            raise PolicyError(f"tenant {tenant!r}: cannot read adapter weights in {directory}: {e}") from e
+        expected = {k for k in _peft_keys(self.model, adapter_name(tenant))}
+        if set(state) != expected:
+            missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+            raise PolicyError(
+                f"tenant {tenant!r}: adapter in {directory} does not fit its adapter "
+                f"({len(missing)} missing keys e.g. {missing[:2]}, {len(extra)} unexpected e.g. {extra[:2]})"
+            )
+        try:
+            set_peft_model_state_dict(self.model, state, adapter_name=adapter_name(tenant))
+        except RuntimeError as e:  # size mismatch
+            raise PolicyError(f"tenant {tenant!r}: adapter in {directory} has other shapes: {e}") from e
+
+    def save_checkpoint(self, tenant: str, directory: str | Path) -> None:
+        """adapter/ (PEFT format) + optimizer.pt into `directory`."""
+        directory = Path(directory)
+        (directory / CHECKPOINT_ADAPTER_DIR).mkdir(parents=True, exist_ok=True)
+        self.save_adapter(tenant, directory / CHECKPOINT_ADAPTER_DIR)
+        torch.save(self._optimizers[tenant].state_dict(), directory / OPTIMIZER_FILE)
+
+    def load_checkpoint(self, tenant: str, directory: str | Path) -> None:
+        directory = Path(directory)
+        self.load_adapter(tenant, directory / CHECKPOINT_ADAPTER_DIR)
+        try:
+            state = torch.load(directory / OPTIMIZER_FILE, map_location=self.device, weights_only=True)
+            self._optimizers[tenant].load_state_dict(state)
+        except (OSError, ValueError, RuntimeError, KeyError) as e:
+            raise PolicyError(f"tenant {tenant!r}: cannot restore the optimizer from {directory}: {e}") from e
+
+    def reset_optimizer(self, tenant: str) -> None:
+        """A fresh optimizer state (after the adapter was replaced from outside, e.g. a rollback)."""
+        spec = self.spec(tenant)
+        self._optimizers[tenant] = torch.optim.AdamW(self.trainable(tenant), lr=spec.learning_rate, weight_decay=0.0)
+
+    # --- sampling -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        tenant: str | None,
+        prompts: Sequence[str],
+        *,
+        n: int = 1,
+        max_new_tokens: int = 32,
+        temperature: float = 1.0,
+        greedy: bool = False,
+    ) -> list[list[Sample]]:
+        """`n` completions of each rendered prompt with `tenant`'s adapter (None: the base model)."""
+        if not prompts:
+            return []
+        enc = self.tokenizer(list(prompts), add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
+        enc = {k: v.to(self.device) for k, v in enc.items()}
+        kwargs = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        with self.adapter(tenant):
+            out = self.model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                num_return_sequences=n,
+                pad_token_id=self.pad_token_id,
+                eos_token_id=self.eos_token_id,
+                **kwargs,
+            )
+        width = enc["input_ids"].shape[1]
+        samples = [self._sample(row[width:].tolist(), tenant) for row in out]
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _sample(self, ids: list[int], tenant: str | None) -> Sample:
+        finished = self.eos_token_id in ids
+        if finished:
+            ids = ids[: ids.index(self.eos_token_id) + 1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return Sample(text=text, token_ids=tuple(ids), finished=finished, version=None)
+
+    # --- internals ------------------------------------------------------------------------------------
+    def _require(self, tenant: str) -> None:
+        if tenant not in self._specs:
+            raise PolicyError(f"tenant {tenant!r} has no adapter (known: {', '.join(self._specs) or 'none'})")
+
+
+def _adapter_of(param_name: str) -> str | None:
+    parts = param_name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part in _LORA_PARTS:
+            return parts[i + 1]
+    return None
+
+
+def _peft_keys(model, name: str) -> list[str]:
+    """The state-dict keys `save_adapter` writes for adapter `name` (without the adapter name)."""
+    from peft import get_peft_model_state_dict
+
+    return list(get_peft_model_state_dict(model, adapter_name=name))
+
+
+def _gather_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
+    """log_softmax(logits)[token] without keeping a second [B, C, V] tensor alive: logit - logsumexp."""
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def read_adapter_shape(directory: str | Path) -> dict:
+    """r, lora_alpha and target_modules of a saved adapter (for rebuilding it with the shape it was saved in)."""
+    path = Path(directory) / ADAPTER_CONFIG
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PolicyError(f"cannot read {path}: {e}") from e
+    targets = data.get("target_modules") or []
+    return {
+        "rank": int(data["r"]),
+        "alpha": float(data["lora_alpha"]),
+        "target_modules": tuple(sorted(targets) if isinstance(targets, (list, set)) else [targets]),
+        "dropout": float(data.get("lora_dropout", 0.0)),
+    }

@@ -1,0 +1,92 @@
+"""The learner's internal types: what it knows about a tenant, one training example, one sampled completion.
+
+These are neither wire events (ingest/, serving/) nor storage rows (storage/schema.py): the learner builds
+them from Parquet rows or from sampled completions at the edge (logs_mode.py, rollouts.py) and trains on
+them. Token batches, the tensors a step consumes, live in batch.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from clora.config import TenantConfig
+
+
+@dataclass(frozen=True)
+class TenantSpec:
+    """A tenant as the learner sees it: from the config, or the config's defaults for a tenant that ingest
+    created on the fly (`configured=False`, no api key, reward from events)."""
+
+    name: str
+    mode: str  # "logs" | "rollouts"
+    scorer: str  # the scorer spec (ingest/scorers.py)
+    api_key: str  # "" when the tenant is not in the config (it cannot be sampled through serving)
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    dropout: float
+    learning_rate: float
+    batch_size: int
+    group_size: int
+    prompts_file: Path | None
+    configured: bool
+
+    @classmethod
+    def from_config(cls, t: TenantConfig, *, configured: bool = True) -> TenantSpec:
+        return cls(
+            name=t.name,
+            mode=t.mode,
+            scorer=t.scorer,
+            api_key=t.api_key.get_secret_value() if configured else "",
+            rank=t.lora.rank,
+            alpha=t.lora.alpha,
+            target_modules=tuple(t.lora.target_modules),
+            dropout=t.lora.dropout,
+            learning_rate=t.learning_rate,
+            batch_size=t.batch_size,
+            group_size=t.group_size,
+            prompts_file=t.prompts_file,
+            configured=configured,
+        )
+
+    @classmethod
+    def default(cls, name: str) -> TenantSpec:
+        """The config's defaults, for a tenant that exists in storage but not in the config."""
+        return cls.from_config(TenantConfig.model_construct(name=name), configured=False)
+
+    def same_adapter_shape(self, other: TenantSpec) -> bool:
+        return (self.rank, self.alpha, sorted(self.target_modules), self.dropout) == (
+            other.rank,
+            other.alpha,
+            sorted(other.target_modules),
+            other.dropout,
+        )
+
+
+@dataclass(frozen=True)
+class Example:
+    """One completion to learn from: tokens, reward, and (logs mode) what the behaviour policy assigned.
+
+    `behaviour_logprobs` has one entry per completion token, or is None when the trajectory carried none
+    that fit (the update then uses the current policy's detached log-probs: ratio 1, plain policy gradient).
+    `group` is what makes examples comparable (the prompt text): equal groups share a baseline.
+    """
+
+    id: str
+    group: str
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    reward: float
+    behaviour_logprobs: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sampled completion: its text, its tokens when the sampler knows them, whether it ended on its
+    own (end-of-sequence) rather than at the length limit, and the adapter version that produced it."""
+
+    text: str
+    token_ids: tuple[int, ...] | None
+    finished: bool
+    version: str | None = None

@@ -1,0 +1,109 @@
+"""One clipped policy-gradient update of one tenant's adapter: the step both training modes share.
+
+Given a token batch, per-sequence advantages and (optionally) the behaviour policy's per-token log-probs,
+`pg_update` does, in order:
+  1. reference log-probs of the base model (the same model with the adapter disabled), no gradient;
+  2. for each micro-batch: the tenant's log-probs with gradient, the clipped surrogate (maths.py) plus
+     `kl_coef` x k3 KL to the base, aggregated with the batch-wide denominator, backward;
+  3. gradient clipping and one AdamW step (policy.py);
+  4. the tenant's log-probs again, no gradient, for the post-update KL to the base that the publish gate
+     reads (the KL of the adapter that would be published, not of its parent).
+
+Old log-probs: where the behaviour value of a token is unknown (NaN), the current policy's detached
+log-prob stands in, which makes the ratio exactly 1 there (on-policy / plain REINFORCE with a baseline).
+
+The logs and rollouts modes differ only in where the batch, the advantages and the old log-probs come
+from (logs_mode.py, rollouts.py). Nothing here decides whether the result is kept (gate.py, loop.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from learner import maths
+from learner.batch import TokenBatch
+from learner.policy import Policy
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    loss: float  # the aggregated loss that was back-propagated (policy gradient + KL penalty)
+    pg_loss: float  # its policy-gradient part
+    kl: float  # mean k3 KL to the base over completion tokens, after the update
+    kl_before: float  # the same before the update (the parent's)
+    clip_frac: float  # share of tokens whose gradient the clip switched off
+    grad_norm: float  # before clipping
+    tokens: int  # completion tokens trained on
+
+    @property
+    def finite(self) -> bool:
+        return all(math.isfinite(x) for x in (self.loss, self.kl, self.grad_norm))
+
+
+def pg_update(
+    policy: Policy,
+    tenant: str,
+    batch: TokenBatch,
+    advantages: Tensor,
+    *,
+    old_logprobs: Tensor | None = None,
+    clip_eps: float,
+    kl_coef: float = 0.0,
+    max_grad_norm: float = 1.0,
+    aggregation: maths.Aggregation = "token-mean",
+    micro_batch_size: int | None = None,
+) -> UpdateResult:
+    """See the module note. `advantages` is [B]; `old_logprobs` is [B, C] with NaN where unknown, or None."""
+    device = policy.device
+    mask = batch.completion_mask.to(device)
+    advantages = advantages.to(device, torch.float32)
+    if advantages.shape != (batch.size,):
+        raise ValueError(f"advantages have shape {tuple(advantages.shape)}, expected ({batch.size},)")
+    if old_logprobs is not None and old_logprobs.shape != mask.shape:
+        raise ValueError(f"old_logprobs have shape {tuple(old_logprobs.shape)}, expected {tuple(mask.shape)}")
+
+    ref = policy.token_logprobs(batch, None)
+    step = micro_batch_size or batch.size
+    total_tokens = mask.sum().clamp(min=1)
+    policy.zero_grad(tenant)
+    loss_sum = pg_sum = clipped_sum = kl_before_sum = 0.0
+    for start in range(0, batch.size, step):
+        rows = slice(start, min(start + step, batch.size))
+        mb_mask = mask[rows]
+        logp = policy.token_logprobs(batch.rows(rows), tenant, grad=True)
+        old = logp.detach()
+        if old_logprobs is not None:
+            known = old_logprobs[rows].to(device)
+            old = torch.where(torch.isnan(known), old, known)
+        pg, clipped = maths.clipped_pg_loss(logp, old, advantages[rows], clip_eps)
+        kl_tok = maths.kl_k3(logp, ref[rows])
+        per_token = pg + kl_coef * kl_tok if kl_coef else pg
+        # Each micro-batch's share of the batch-wide aggregate, so the summed gradient equals the one of
+        # the whole batch at once.
+        if aggregation == "token-mean":
+            weight = mb_mask.sum() / total_tokens
+        else:
+            weight = torch.tensor(mb_mask.shape[0] / batch.size, device=device)
+        loss = maths.aggregate(per_token, mb_mask, aggregation) * weight
+        loss.backward()
+        loss_sum += float(loss)
+        pg_sum += float(maths.aggregate(pg.detach(), mb_mask, aggregation) * weight)
+        clipped_sum += float(maths.masked_sum(clipped.float(), mb_mask))
+        kl_before_sum += float(maths.masked_sum(kl_tok.detach(), mb_mask))
+    grad_norm = policy.optimizer_step(tenant, max_grad_norm=max_grad_norm)
+
+    after = policy.token_logprobs(batch, tenant)
+    n = float(total_tokens)
+    return UpdateResult(
+        loss=loss_sum,
+        pg_loss=pg_sum,
+        kl=float(maths.masked_mean(maths.kl_k3(after, ref), mask)),
+        kl_before=kl_before_sum / n,
+        clip_frac=clipped_sum / n,
+        grad_norm=grad_norm,
+        tokens=batch.n_tokens,
+    )

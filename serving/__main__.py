@@ -1,0 +1,137 @@
+"""The serving process: `python -m serving [--config clora.toml] [--host H] [--port P]` (or `clora serve`).
+
+`main()` reads the config and hands plain values to `run()`, which builds, in order: the base model
+(the tiny local one unless `model.path` is set), the engine, the adapter set (synced with the registry
+once before the port opens, so the first request already gets each tenant's newest version), the
+event log, and the HTTP app; then it serves until SIGINT/SIGTERM and stops them in reverse order (the
+event log drains to Kafka or its spool before the process exits). `/health` answers only once all of
+that is ready, which is what scripts and tests wait for.
+
+The engine's core runs in a child process started with "spawn", so everything here stays behind
+`if __name__ == "__main__"` (Python skips a package's `__main__` module in spawned children).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import logging
+import signal
+import sys
+from pathlib import Path
+
+logger = logging.getLogger("serving")
+
+
+def base_model_path(cfg) -> Path:
+    """The configured base model, or the tiny local model (built on first use)."""
+    if cfg.model.path is not None:
+        return Path(cfg.model.path)
+    from learner.tiny_model import ensure_tiny
+
+    return ensure_tiny(cfg.data_dir / "models", cfg.model.seed)
+
+
+async def serve(cfg, host: str, port: int) -> None:
+    import uvicorn
+
+    from ingest.broker import ensure_topics
+    from serving.adapter_check import base_linear_shapes, validate_adapter
+    from serving.adapters import AdapterSet
+    from serving.api import Api, create_app
+    from serving.auth import Authenticator
+    from serving.engine import build_engine
+    from serving.events_log import EventLog
+    from serving.metrics import ServingMetrics
+    from storage.layout import DataDir
+    from storage.registry import Registry
+
+    s = cfg.serving
+    model_path = base_model_path(cfg)
+    metrics = ServingMetrics()
+    engine = build_engine(
+        model_path,
+        max_loras=s.max_loras,
+        max_cpu_loras=s.max_cpu_loras,
+        max_lora_rank=s.max_lora_rank,
+        max_model_len=s.max_model_len,
+        max_num_seqs=s.max_num_seqs,
+        dtype=s.dtype,
+        kv_cache_bytes=int(s.kv_cache_gib * 2**30) or None,
+    )
+    events = None
+    stop = asyncio.Event()
+    await engine.start()
+    watcher = None
+    try:
+        registry = Registry(cfg.data_dir, keep_last=cfg.learner.keep_versions)
+        tenants = [t.name for t in cfg.tenants]
+        check = functools.partial(
+            validate_adapter, max_rank=s.max_lora_rank, base_shapes=base_linear_shapes(model_path)
+        )
+        adapters = AdapterSet(engine, registry, tenants, check, metrics)
+        await adapters.refresh()
+        try:
+            ensure_topics(cfg.kafka.bootstrap, [cfg.kafka.interactions_topic, cfg.kafka.feedback_topic],
+                          cfg.kafka.partitions)
+        except Exception as e:  # an unreachable broker must not keep serving down; events spool meanwhile
+            logger.warning("could not check Kafka topics at %s (%s); continuing", cfg.kafka.bootstrap, e)
+        events = EventLog(
+            bootstrap=cfg.kafka.bootstrap,
+            interactions_topic=cfg.kafka.interactions_topic,
+            feedback_topic=cfg.kafka.feedback_topic,
+            spool_dir=DataDir(cfg.data_dir).state / "serving-spool",
+            metrics=metrics,
+        ).start()
+        api = Api(
+            engine=engine,
+            adapters=adapters,
+            authenticator=Authenticator((t.name, t.api_key.get_secret_value()) for t in cfg.tenants),
+            tenants=tenants,
+            base_name=cfg.model.name,
+            events=events,
+            metrics=metrics,
+            registry=registry,
+            default_max_tokens=s.default_max_tokens,
+        )
+        watcher = asyncio.create_task(adapters.watch(s.registry_poll_seconds, stop))
+        server = uvicorn.Server(
+            uvicorn.Config(create_app(api), host=host, port=port, log_level="warning", access_log=False,
+                           timeout_graceful_shutdown=10)
+        )
+        logger.info("serving %s with %d tenant(s) on http://%s:%d", model_path, len(tenants), host, port)
+        # uvicorn handles SIGINT/SIGTERM itself, then re-raises the signal to the handler it found; make that
+        # one harmless so the shutdown below (event log drain, engine stop) runs.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+        await server.serve()
+    finally:
+        stop.set()
+        if watcher is not None:
+            await watcher
+        if events is not None:
+            events.close()
+        engine.shutdown()
+        logger.info("serving stopped")
+
+
+def run(cfg, host: str | None = None, port: int | None = None) -> int:
+    asyncio.run(serve(cfg, host or cfg.serving.host, port or cfg.serving.port))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from clora.cli import common_parser, config_from_args
+    from serving.cli import add_arguments
+
+    parser = argparse.ArgumentParser(prog="python -m serving", parents=[common_parser()],
+                                     description="Run the clora serving process.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    return run(cfg, args.host, args.port)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

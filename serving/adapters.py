@@ -1,0 +1,301 @@
+"""Hot-swap: which adapter version each tenant's requests get, kept in step with the registry.
+
+`AdapterSet.refresh()` reads the registry's change counter (`Registry.generation()`, one small file) and,
+when it moved, each configured tenant's newest published version. A version that differs from the
+tenant's current one is validated (serving/adapter_check.py, in a worker thread), loaded into the engine
+under a fresh int id, and only then made current. A version that fails either step is refused: the
+reason is logged, `adapters_refused_total` counts it, and the tenant keeps the version it had (a refused
+version is not retried; publishing a new one is the fix). `watch()` calls `refresh()` every
+`poll_seconds` until stopped.
+
+Requests take a `Lease` (`acquire`) for the whole generation and give it back when the response is done
+(`release`): a generation never changes adapter mid-way, because the engine request carries its own
+`AdapterHandle`. Every loaded version counts its leases; a version that is no longer current leaves the
+engine when its last lease is released (or at once if it had none). Explicitly requested older
+versions (`<tenant>@<n>`) are loaded on demand the same way and leave when unused.
+
+Everything here runs on the event loop (one thread), so the tables need no locks; the slow parts
+(registry reads, validation) go to worker threads and the engine calls are awaited.
+
+What this module does not do: decide who may ask for what (auth.py), or how the engine batches adapters
+(vLLM's scheduler queues requests when more than `max_loras` adapters are wanted at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Protocol
+
+from serving.adapter_check import AdapterRejected
+from serving.engine import AdapterHandle
+from serving.errors import ModelNotFound
+from serving.metrics import ServingMetrics
+
+logger = logging.getLogger(__name__)
+
+BASE_LABEL = "base"
+
+
+class AdapterEngine(Protocol):
+    def new_handle(self, name: str, path: Path) -> AdapterHandle: ...
+    async def load_adapter(self, adapter: AdapterHandle) -> None: ...
+    async def unload_adapter(self, adapter: AdapterHandle) -> None: ...
+
+
+class VersionSource(Protocol):
+    """The part of `storage.registry.Registry` serving reads."""
+
+    def generation(self) -> int: ...
+    def published(self) -> dict: ...  # tenant -> AdapterVersion (newest published)
+    def get(self, tenant: str, number: int): ...  # AdapterVersion; raises VersionNotFound (a KeyError)
+
+
+class UnknownVersion(ModelNotFound):
+    """`<tenant>@<n>` names a version that does not exist or cannot be served (never published, retired)."""
+
+
+@dataclass
+class _Loaded:
+    tenant: str
+    number: int
+    handle: AdapterHandle
+    leases: int = 0
+    current: bool = False
+
+
+@dataclass
+class Lease:
+    """The adapter one request runs on (None: the base model) and its label for headers and events."""
+
+    adapter: AdapterHandle | None
+    label: str
+    _release: Callable[[], None] | None = None
+
+    def release(self) -> None:
+        """Gives the adapter back; idempotent."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+class AdapterSet:
+    def __init__(
+        self,
+        engine: AdapterEngine,
+        registry: VersionSource,
+        tenants: Iterable[str],
+        check: Callable[[Path], object],
+        metrics: ServingMetrics,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`check(path)` validates an adapter directory and raises `AdapterRejected` (adapter_check.py)."""
+        self.engine = engine
+        self.registry = registry
+        self.tenants = tuple(tenants)
+        self.check = check
+        self.metrics = metrics
+        self.clock = clock
+        self._loaded: dict[tuple[str, int], _Loaded] = {}
+        self._current: dict[str, _Loaded] = {}
+        self._refused: dict[tuple[str, int], str] = {}
+        self._loading: dict[tuple[str, int], asyncio.Future] = {}
+        self._generation: int | None = None
+        self._refresh_lock = asyncio.Lock()
+        self._background: set[asyncio.Task] = set()
+        for tenant in self.tenants:
+            metrics.adapter_version.labels(tenant).set(0)
+
+    # --- what requests see --------------------------------------------------------------------------------
+    def current(self, tenant: str) -> str:
+        """The label of what "<tenant>" serves now: "acme@3", or "base"."""
+        loaded = self._current.get(tenant)
+        return loaded.handle.name if loaded else BASE_LABEL
+
+    def refused(self) -> dict[str, str]:
+        """version name -> why it was refused."""
+        return {f"{t}@{n}": reason for (t, n), reason in self._refused.items()}
+
+    def base_lease(self) -> Lease:
+        return Lease(None, BASE_LABEL)
+
+    async def acquire(self, tenant: str, version: int | None = None) -> Lease:
+        """A lease on the tenant's current version (`version` None) or on version `version` of the tenant."""
+        if version is None or (tenant in self._current and self._current[tenant].number == version):
+            loaded = self._current.get(tenant)
+            if loaded is None:
+                return self.base_lease()
+            return self._lease(loaded)
+        loaded = self._loaded.get((tenant, version)) or await self._load_explicit(tenant, version)
+        return self._lease(loaded)  # no await since the load: nothing can unload it in between
+
+    def _lease(self, loaded: _Loaded) -> Lease:
+        loaded.leases += 1
+        return Lease(loaded.handle, loaded.handle.name, lambda: self._release(loaded))
+
+    def _release(self, loaded: _Loaded) -> None:
+        loaded.leases -= 1
+        self._maybe_unload(loaded)
+
+    # --- keeping up with the registry ---------------------------------------------------------------------
+    async def watch(self, poll_seconds: float, stop: asyncio.Event) -> None:
+        """Calls `refresh` every `poll_seconds` until `stop` is set; an error is logged and retried next poll."""
+        while not stop.is_set():
+            try:
+                await self.refresh()
+            except Exception:  # a broken registry read must not stop hot-swap for good
+                logger.exception("adapter refresh failed; retrying in %.1fs", poll_seconds)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=poll_seconds)
+            except asyncio.TimeoutError:
+                pass
+
+    async def refresh(self) -> None:
+        """Makes every tenant's newest published version current (validated and loaded first)."""
+        async with self._refresh_lock:
+            generation = await asyncio.to_thread(self.registry.generation)
+            if generation == self._generation:
+                return
+            published = await asyncio.to_thread(self.registry.published)
+            settled = True
+            for tenant in self.tenants:
+                version = published.get(tenant)
+                current = self._current.get(tenant)
+                if version is None:
+                    if current is not None:
+                        logger.info("tenant %s has no published adapter any more; serving the base model", tenant)
+                        self._set_current(tenant, None)
+                    continue
+                if current is not None and current.number == version.number:
+                    continue
+                if (tenant, version.number) in self._refused:
+                    continue
+                settled &= await self._swap_in(tenant, version)
+            if settled:  # a transient failure leaves the generation unseen, so the next poll tries again
+                self._generation = generation
+
+    async def _swap_in(self, tenant: str, version) -> bool:
+        """Validates, loads and makes current; False when it failed for a reason worth retrying."""
+        started = time.monotonic()
+        try:
+            loaded = await self._load(tenant, version.number, Path(version.path))
+        except AdapterRejected as e:
+            self._refuse(tenant, version.number, str(e))
+            return True
+        except Exception as e:  # the engine's own load errors have no common type
+            self._refuse(tenant, version.number, f"the engine could not load it: {type(e).__name__}: {e}")
+            return True
+        self._set_current(tenant, loaded)
+        published_at = getattr(version, "published_at", None)
+        lag = self.clock() - published_at.timestamp() if isinstance(published_at, datetime) else None
+        self.metrics.swapped(tenant, version.number, time.monotonic() - started, lag)
+        logger.info(
+            "tenant %s now served by %s (swap %.3fs%s)",
+            tenant, loaded.handle.name, time.monotonic() - started,
+            f", {lag:.3f}s after publish" if lag is not None else "",
+        )
+        return True
+
+    def _set_current(self, tenant: str, loaded: _Loaded | None) -> None:
+        old = self._current.pop(tenant, None)
+        if loaded is not None:
+            loaded.current = True
+            self._current[tenant] = loaded
+        else:
+            self.metrics.adapter_version.labels(tenant).set(0)
+        if old is not None and old is not loaded:
+            old.current = False
+            self._maybe_unload(old)
+
+    def _refuse(self, tenant: str, number: int, reason: str) -> None:
+        self._refused[(tenant, number)] = reason
+        self.metrics.refused.labels(tenant).inc()
+        logger.error("adapter %s@%d refused; tenant %s stays on %s: %s", tenant, number, tenant,
+                     self.current(tenant), reason)
+
+    # --- loading and unloading ----------------------------------------------------------------------------
+    async def _load(self, tenant: str, number: int, path: Path) -> _Loaded:
+        """Validates and loads one version (once, however many callers ask at the same time)."""
+        key = (tenant, number)
+        if key in self._loaded:
+            return self._loaded[key]
+        pending = self._loading.get(key)
+        if pending is not None:
+            loaded = await asyncio.shield(pending)
+            if self._loaded.get(key) is loaded:
+                return loaded
+            return await self._load(tenant, number, path)  # it was used and unloaded while we waited
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._loading[key] = future
+        try:
+            await asyncio.to_thread(self.check, path)
+            handle = self.engine.new_handle(f"{tenant}@{number}", path)
+            await self.engine.load_adapter(handle)
+            loaded = _Loaded(tenant, number, handle)
+            self._loaded[key] = loaded
+            future.set_result(loaded)
+            return loaded
+        except BaseException as e:
+            future.set_exception(e)
+            future.exception()  # mark retrieved: concurrent waiters (if any) re-raise it themselves
+            raise
+        finally:
+            del self._loading[key]
+
+    async def _load_explicit(self, tenant: str, number: int) -> _Loaded:
+        """Loads `<tenant>@<number>` on request; UnknownVersion unless it is published and intact."""
+        from storage.registry import VersionNotFound
+
+        name = f"{tenant}@{number}"
+        if (tenant, number) in self._refused:
+            raise UnknownVersion(f"model {name!r} cannot be served: {self._refused[(tenant, number)]}")
+        try:
+            version = await asyncio.to_thread(self.registry.get, tenant, number)
+        except VersionNotFound:
+            raise UnknownVersion(f"model {name!r} does not exist") from None
+        if version.status != "published":
+            raise UnknownVersion(f"model {name!r} is {version.status}, not published")
+        try:
+            return await self._load(tenant, number, Path(version.path))
+        except AdapterRejected as e:
+            self._refuse(tenant, number, str(e))
+            raise UnknownVersion(f"model {name!r} cannot be served: {e}") from e
+
+    def _maybe_unload(self, loaded: _Loaded) -> None:
+        if loaded.current or loaded.leases > 0:
+            return
+        key = (loaded.tenant, loaded.number)
+        if self._loaded.get(key) is not loaded:
+            return
+        del self._loaded[key]
+        self._spawn(self._unload(loaded.handle))
+
+    async def _unload(self, handle: AdapterHandle) -> None:
+        try:
+            await self.engine.unload_adapter(handle)
+            logger.info("adapter %s (id %d) left the engine", handle.name, handle.lora_id)
+        except Exception:  # the engine drops it on eviction anyway; nothing else to do
+            logger.exception("could not unload adapter %s (id %d)", handle.name, handle.lora_id)
+
+    def _spawn(self, coro: Awaitable) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        """Waits for pending unloads (tests and shutdown)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    def snapshot(self) -> dict[str, dict]:
+        """For /health and tests: every loaded version with its lease count."""
+        return {
+            v.handle.name: {"lora_id": v.handle.lora_id, "leases": v.leases, "current": v.current}
+            for v in self._loaded.values()
+        }

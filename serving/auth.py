@@ -1,0 +1,76 @@
+"""Who is calling and which model they may use: bearer key -> tenant, request `model` -> what to run.
+
+The key alone decides the tenant (a tenant never names itself or hands over a path or an adapter id).
+The `model` field of a request then chooses among what that tenant may use:
+
+- the base model's name (`model.name` in the config, "base" by default): no adapter;
+- the tenant's own name: its newest published adapter version (the base model while none is published);
+- `<tenant>@<n>`: version n of the tenant's own adapter.
+
+Naming another tenant (or another tenant's version) is 403; a name that is no tenant and not the base is
+404. Whether version n exists is for the adapter set to say (serving/adapters.py, also a 404). The
+errors are serving/errors.py's, which know their HTTP status and OpenAI error shape.
+
+Pure logic: no HTTP, no registry, no engine.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from serving.errors import Forbidden, ModelNotFound, Unauthenticated
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """What a request runs on: the base model (tenant still set: it is who asked) or the tenant's adapter.
+
+    `version` is None for "the newest published" (or for the base model); an int for an explicit version.
+    """
+
+    tenant: str
+    adapter: bool
+    version: int | None = None
+
+
+class Authenticator:
+    """Bearer key -> tenant name. Keys are compared in constant time."""
+
+    def __init__(self, keys: Iterable[tuple[str, str]]) -> None:
+        """`keys`: (tenant name, api key) pairs, e.g. from the config's tenants."""
+        self._keys = [(name, key.encode()) for name, key in keys]
+
+    def tenant(self, authorization: str | None) -> str:
+        """The tenant whose key is in an `Authorization: Bearer <key>` header value; `Unauthenticated` if none."""
+        if not authorization:
+            raise Unauthenticated("missing Authorization header: send 'Authorization: Bearer <tenant key>'")
+        scheme, _, key = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise Unauthenticated("the Authorization header must be 'Bearer <tenant key>'")
+        given = key.strip().encode()
+        found = None
+        for name, expected in self._keys:  # no early exit: the time taken does not depend on which key matched
+            if hmac.compare_digest(given, expected):
+                found = name
+        if found is None:
+            raise Unauthenticated("unknown API key")
+        return found
+
+
+def resolve_model(model: str, *, tenant: str, tenants: Iterable[str], base_name: str) -> ModelChoice:
+    """Maps a request's `model` to a `ModelChoice` for `tenant`, or raises Forbidden / ModelNotFound."""
+    known = set(tenants)
+    if model == base_name:
+        return ModelChoice(tenant, adapter=False)
+    name, at, version_text = model.partition("@")
+    if name not in known:
+        raise ModelNotFound(f"model {model!r} does not exist; use {base_name!r}, {tenant!r} or '{tenant}@<version>'")
+    if name != tenant:
+        raise Forbidden(f"model {model!r} belongs to another tenant; your key may use {tenant!r} and {base_name!r}")
+    if not at:
+        return ModelChoice(tenant, adapter=True)
+    if not version_text.isdigit() or int(version_text) < 1:
+        raise ModelNotFound(f"model {model!r}: the version after '@' must be a positive integer")
+    return ModelChoice(tenant, adapter=True, version=int(version_text))

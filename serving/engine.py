@@ -1,0 +1,363 @@
+"""The one vLLM engine of a serving process: built from plain arguments, driven by token ids.
+
+Every tenant's request goes into the same `AsyncLLM` (vLLM's V1 engine), each with its own LoRA adapter
+or none; the engine's scheduler batches them together and its punica kernels (PunicaWrapperCPU here,
+SGMV/BGMV on GPU) apply each row's adapter. At most `max_loras` distinct adapters share one engine
+step; requests for more wait in the scheduler's queue (they are never refused for it), and up to
+`max_cpu_loras` adapters stay loaded between uses (older ones are reloaded from their path on demand).
+
+This module speaks the engine's language only: token ids in; text, token ids, the log-probability of
+every sampled token (always; RL needs them) and a finish reason out, in one piece (`generate`) or as
+deltas (`stream`). Chat templates are applied here too, because the tokenizer is the engine's.
+
+Log-probabilities are vLLM's default `raw_logprobs`: log-softmax of the model's logits before
+temperature, top-p or penalties, i.e. the log-probability under the policy at temperature 1, which is
+what a learner recomputes with the same weights.
+
+On CPU, vLLM 0.32's torch punica ops (`vllm/lora/ops/torch_ops`) index the adapter slot table with the
+row's adapter index, and rows without an adapter carry index -1: Python indexing turns that into the
+*last* slot, so a base-model row batched with adapter rows gets the last slot's adapter (observed:
+base requests answered with another tenant's completion). The GPU kernels skip -1. So on CPU the engine
+serves the base model through an all-zero rank-1 adapter (`write_zero_adapter`, loaded at start): no
+row ever has index -1, and the output is exactly the base model's. It takes one of the `max_loras`
+slots while base requests are in the batch.
+
+What this module does not do: decide which adapter a request gets (serving/adapters.py), authenticate,
+log events, or speak HTTP. vLLM is imported only inside functions, so `clora --help` and unit tests stay
+light.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from serving.errors import BadRequest, Unavailable
+
+logger = logging.getLogger(__name__)
+
+# KV cache reserved on CPU hosts: small, because clora's models are small and the machine is shared.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+# The layers a LoRA may wrap in the Qwen/Llama family (what the zero adapter covers).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ZERO_ADAPTER_NAME = "base"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Types the rest of serving uses (no vLLM types leak out of this module)
+
+
+@dataclass(frozen=True)
+class AdapterHandle:
+    """One adapter version loaded (or loadable) in the engine: a unique int id per (tenant, version)."""
+
+    name: str  # "acme@3"
+    lora_id: int  # >= 1, never reused within a process
+    path: Path
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to sample: what an OpenAI request may set, plus `top_logprobs` alternatives to report per token."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    top_logprobs: int = 0  # the sampled token's own log-probability is always returned
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()  # (token id, text, logprob) of the best alternatives
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output of one choice (`index`) since the previous delta; `finish_reason` set on its last one."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+
+
+@dataclass
+class Choice:
+    """One finished (or accumulating) choice."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Building
+
+
+def build_engine(
+    model_path: str | Path,
+    *,
+    max_loras: int,
+    max_cpu_loras: int,
+    max_lora_rank: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    dtype: str = "auto",
+    kv_cache_bytes: int | None = DEFAULT_CPU_KV_CACHE_BYTES,
+    seed: int = 0,
+    enable_lora: bool = True,
+    zero_adapter_dir: Path | None = None,
+) -> Engine:
+    """Starts the engine (its core runs in a child process; callers need the `__main__` guard).
+
+    `kv_cache_bytes` sets the KV cache size explicitly (vLLM's `kv_cache_memory_bytes`, which on CPU
+    replaces the VLLM_CPU_KVCACHE_SPACE variable and skips the warm-up pass); None lets vLLM size it
+    from `gpu_memory_utilization` (what a GPU host wants). `enable_lora=False` gives a plain engine (the
+    benchmarks' base-model baseline). On CPU, the zero adapter that stands in for "no adapter" is written
+    to `zero_adapter_dir` (a temporary directory if None); call `await engine.start()` before serving.
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    lora_args = dict(
+        enable_lora=True,
+        max_loras=max_loras,
+        max_cpu_loras=max(max_cpu_loras, max_loras),  # vLLM requires max_cpu_loras >= max_loras
+        max_lora_rank=max_lora_rank,
+    ) if enable_lora else {}
+    args = AsyncEngineArgs(
+        model=str(model_path),
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        dtype=dtype,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        seed=seed,
+        disable_log_stats=True,
+        enable_prefix_caching=True,
+        **lora_args,
+    )
+    logger.info(
+        "starting the engine on %s (lora=%s, max_loras=%d, max_cpu_loras=%d, max_lora_rank=%d, max_model_len=%d, "
+        "max_num_seqs=%d, dtype=%s, kv_cache_bytes=%s)",
+        model_path, enable_lora, max_loras, max_cpu_loras, max_lora_rank, max_model_len, max_num_seqs, dtype,
+        kv_cache_bytes,
+    )
+    zero_adapter = None
+    if enable_lora and current_platform.is_cpu():
+        from serving.adapter_check import base_linear_shapes
+
+        directory = Path(zero_adapter_dir or tempfile.mkdtemp(prefix="clora-zero-adapter-"))
+        zero_adapter = write_zero_adapter(directory, base_linear_shapes(Path(model_path)))
+    return Engine(AsyncLLM.from_engine_args(args), max_model_len=max_model_len, zero_adapter_dir=zero_adapter)
+
+
+def write_zero_adapter(out_dir: Path, base_shapes: dict[str, tuple[int, int]]) -> Path:
+    """A PEFT LoRA of rank 1 whose weights are all zero, over every `LORA_TARGETS` layer of the base model."""
+    import torch
+    from safetensors.torch import save_file
+
+    modules = sorted(m for m in base_shapes if m.rsplit(".", 1)[-1] in LORA_TARGETS)
+    if not modules:
+        raise ValueError(f"the base model has none of the layers {LORA_TARGETS}; cannot build the zero adapter")
+    tensors = {}
+    for module in modules:
+        out_features, in_features = base_shapes[module]
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.zeros(1, in_features)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.zeros(out_features, 1)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": 1,
+        "lora_alpha": 1,
+        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules}),
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+    }
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The engine
+
+
+class Engine:
+    """Token ids in, choices out; adapters by `AdapterHandle`. Wraps one vLLM `AsyncLLM`."""
+
+    def __init__(self, llm: Any, *, max_model_len: int, zero_adapter_dir: Path | None = None) -> None:
+        self.llm = llm
+        self.max_model_len = max_model_len
+        self.tokenizer = llm.get_tokenizer()
+        self._ids = itertools.count(1)
+        self._zero_dir = zero_adapter_dir
+        self.zero_adapter = self.new_handle(ZERO_ADAPTER_NAME, zero_adapter_dir) if zero_adapter_dir else None
+
+    async def start(self) -> None:
+        """Loads what must be in place before the first request (the zero adapter, on CPU)."""
+        if self.zero_adapter is not None:
+            await self.load_adapter(self.zero_adapter)
+
+    # --- prompts ------------------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Text -> token ids, without adding special tokens (a chat template has already placed them)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+        """The tokenizer's chat template applied to `messages`, with the assistant turn opened."""
+        try:
+            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja raises its own types (TemplateError, UndefinedError, TypeError, ...)
+            raise BadRequest(f"the chat template cannot render these messages: {e}") from e
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # --- adapters -----------------------------------------------------------------------------------------
+    def new_handle(self, name: str, path: Path) -> AdapterHandle:
+        """A handle with an engine-wide unique id (vLLM caches adapters by id, so ids are never reused)."""
+        return AdapterHandle(name=name, lora_id=next(self._ids), path=Path(path))
+
+    async def load_adapter(self, adapter: AdapterHandle) -> None:
+        """Loads the adapter's weights into the engine now, so the first request that uses it does not."""
+        if not await self.llm.add_lora(_lora_request(adapter)):
+            raise RuntimeError(f"the engine did not load adapter {adapter.name} from {adapter.path}")
+
+    async def unload_adapter(self, adapter: AdapterHandle) -> None:
+        await self.llm.remove_lora(adapter.lora_id)
+
+    async def loaded_adapters(self) -> set[int]:
+        return set(await self.llm.list_loras())
+
+    # --- generation ---------------------------------------------------------------------------------------
+    def check_prompt(self, prompt_ids: Sequence[int], sampling: Sampling) -> Sampling:
+        """Refuses a prompt that leaves no room to generate; shortens max_tokens to what fits."""
+        room = self.max_model_len - len(prompt_ids)
+        if not prompt_ids:
+            raise BadRequest("the prompt is empty")
+        if room < 1:
+            raise BadRequest(
+                f"the prompt is {len(prompt_ids)} tokens; this server's max_model_len is {self.max_model_len}"
+            )
+        return replace(sampling, max_tokens=room) if sampling.max_tokens > room else sampling
+
+    async def stream(
+        self, prompt_ids: list[int], sampling: Sampling, adapter: AdapterHandle | None, request_id: str
+    ) -> AsyncIterator[Delta]:
+        """Deltas of every choice as the engine produces them; the last delta of a choice has its finish reason.
+
+        Leaving the iteration early (client gone, task cancelled) aborts the request in the engine.
+        """
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs.engine import tokens_input
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        sampling = self.check_prompt(prompt_ids, sampling)
+        params = _sampling_params(sampling)
+        adapter = adapter or self.zero_adapter
+        lora = _lora_request(adapter) if adapter is not None else None
+        try:
+            async for output in self.llm.generate(tokens_input(list(prompt_ids)), params, request_id, lora_request=lora):
+                for out in output.outputs:
+                    yield Delta(
+                        index=out.index,
+                        text=out.text,
+                        token_ids=list(out.token_ids),
+                        logprobs=_token_logprobs(out.token_ids, out.logprobs, sampling.top_logprobs, self.token_text),
+                        finish_reason=out.finish_reason,
+                    )
+        except VLLMClientError as e:
+            raise BadRequest(str(e)) from e
+        except EngineDeadError as e:
+            raise Unavailable("the engine has stopped; the server must be restarted") from e
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: Sampling, adapter: AdapterHandle | None, request_id: str
+    ) -> list[Choice]:
+        """Runs the request to the end; one `Choice` per `sampling.n`, ordered by index."""
+        choices = {i: Choice(i) for i in range(sampling.n)}
+        async for delta in self.stream(prompt_ids, sampling, adapter, request_id):
+            choices[delta.index].add(delta)
+        return [choices[i] for i in range(sampling.n)]
+
+    @property
+    def errored(self) -> bool:
+        return bool(self.llm.errored)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+        if self._zero_dir is not None and self._zero_dir.name.startswith("clora-zero-adapter-"):
+            shutil.rmtree(self._zero_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Conversions to and from vLLM types
+
+
+def _lora_request(adapter: AdapterHandle):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=adapter.name, lora_int_id=adapter.lora_id, lora_path=str(adapter.path))
+
+
+def _sampling_params(sampling: Sampling):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=sampling.n,
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        stop=list(sampling.stop) or None,
+        seed=sampling.seed,
+        logprobs=sampling.top_logprobs,  # 0: the sampled token's logprob only
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _token_logprobs(token_ids: Sequence[int], logprobs: Any, top_k: int, token_text) -> list[TokenLogprob]:
+    """vLLM's per-position {token id: Logprob} -> one `TokenLogprob` per sampled token.
+
+    vLLM returns the top-k entries plus the sampled token (k + 1 entries when it is not among them).
+    """
+    if logprobs is None:
+        raise RuntimeError("the engine returned no logprobs although every request asks for them")
+    out = []
+    for position, token_id in enumerate(token_ids):
+        entries = logprobs[position]
+        chosen = entries[token_id]
+        best = sorted(entries.items(), key=lambda item: -item[1].logprob)[:top_k]
+        top = tuple(
+            (tid, lp.decoded_token if lp.decoded_token is not None else token_text(tid), float(lp.logprob))
+            for tid, lp in best
+        )
+        text = chosen.decoded_token if chosen.decoded_token is not None else token_text(token_id)
+        out.append(TokenLogprob(token_id=token_id, token=text, logprob=float(chosen.logprob), top=top))
+    return out

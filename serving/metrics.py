@@ -1,0 +1,91 @@
+"""Prometheus metrics of the serving process, per tenant, served on `/metrics`.
+
+One `ServingMetrics` per process, on its own `CollectorRegistry` (so tests and benchmarks can build
+several without clashing in the global one). Names start with `clora_serving_`:
+
+    requests_total{tenant,endpoint,status}      finished HTTP requests (status: HTTP code)
+    prompt_tokens_total{tenant}, completion_tokens_total{tenant}
+    request_seconds{tenant,endpoint}            request latency, arrival to last token
+    adapter_version{tenant}                     version number now served as "<tenant>" (0: base model)
+    adapter_swaps_total{tenant}                 versions made current
+    adapter_swap_seconds{tenant}                validate + load of a new version
+    adapter_publish_to_live_seconds{tenant}     registry publish time -> version current here
+    adapters_refused_total{tenant}              versions refused (corrupt or unfit adapters)
+    events_total{kind,outcome}                  interaction/feedback events: sent, spooled, resent, dropped
+    spool_events                                events waiting in the on-disk spool
+
+What this module does not do: decide when to count (the callers do) or serve HTTP (api.py does).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServingMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "clora_serving_requests", "Finished HTTP requests.", ["tenant", "endpoint", "status"], registry=r
+        )
+        self.prompt_tokens = Counter("clora_serving_prompt_tokens", "Prompt tokens processed.", ["tenant"], registry=r)
+        self.completion_tokens = Counter(
+            "clora_serving_completion_tokens", "Completion tokens generated.", ["tenant"], registry=r
+        )
+        self.latency = Histogram(
+            "clora_serving_request_seconds",
+            "Request latency, arrival to last token.",
+            ["tenant", "endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.adapter_version = Gauge(
+            "clora_serving_adapter_version", "Adapter version served for the tenant (0: base model).", ["tenant"],
+            registry=r,
+        )
+        self.swaps = Counter("clora_serving_adapter_swaps", "Adapter versions made current.", ["tenant"], registry=r)
+        self.swap_seconds = Histogram(
+            "clora_serving_adapter_swap_seconds", "Validate and load time of a new adapter version.", ["tenant"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.publish_to_live = Histogram(
+            "clora_serving_adapter_publish_to_live_seconds",
+            "From the registry's publish time to the version being current here.",
+            ["tenant"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.refused = Counter(
+            "clora_serving_adapters_refused", "Adapter versions refused (corrupt or unfit).", ["tenant"], registry=r
+        )
+        self.events = Counter(
+            "clora_serving_events", "Events produced, by outcome.", ["kind", "outcome"], registry=r
+        )
+        self.spool_events = Gauge("clora_serving_spool_events", "Events waiting in the on-disk spool.", registry=r)
+
+    def request_done(
+        self, tenant: str, endpoint: str, status: int, seconds: float, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        self.requests.labels(tenant, endpoint, str(status)).inc()
+        self.latency.labels(tenant, endpoint).observe(seconds)
+        self.prompt_tokens.labels(tenant).inc(prompt_tokens)
+        self.completion_tokens.labels(tenant).inc(completion_tokens)
+
+    def request_refused(self, tenant: str, endpoint: str, status: int) -> None:
+        self.requests.labels(tenant, endpoint, str(status)).inc()
+
+    def swapped(self, tenant: str, version: int, seconds: float, publish_to_live: float | None) -> None:
+        self.adapter_version.labels(tenant).set(version)
+        self.swaps.labels(tenant).inc()
+        self.swap_seconds.labels(tenant).observe(seconds)
+        if publish_to_live is not None:
+            self.publish_to_live.labels(tenant).observe(max(0.0, publish_to_live))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,286 @@
+"""The OpenAI wire format: request bodies parsed at the edge, response bodies and stream chunks built here.
+
+Requests are validated into pydantic models (unknown fields are ignored, as OpenAI's own server ignores
+fields newer clients send); a malformed body becomes one 400 naming every bad field. Responses are plain
+dicts built from the engine's `Choice`/`Delta` (serving/engine.py) by pure functions, so the shapes can be
+checked without an engine: `chat.completion`, `chat.completion.chunk`, `text_completion`, and the two
+logprobs layouts (chat: `content[{token, logprob, bytes, top_logprobs}]`; completions: `tokens`,
+`token_logprobs`, `top_logprobs`, `text_offset`).
+
+Not here: authentication, adapters, the engine call, or events (api.py wires those).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from serving.engine import Choice, Delta, Sampling, TokenLogprob
+from serving.errors import BadRequest
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError(f"at most 4 stop sequences, got {len(v)}")
+        return v
+
+    def stop_tuple(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str = Field(min_length=1)
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The content as text: a string, or the text parts of a content list joined."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRequest(f"only text content parts are supported, got {part.get('type')!r}")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def plain_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def sampling(self, default_max_tokens: int) -> Sampling:
+        if self.top_logprobs and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true")
+        return Sampling(
+            max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            n=self.n,
+            stop=self.stop_tuple(),
+            seed=self.seed,
+            top_logprobs=(self.top_logprobs or 0) if self.logprobs else 0,
+        )
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt (text or token ids); several prompts in one request are refused."""
+        if self.echo:
+            raise BadRequest("echo is not supported")
+        if self.suffix:
+            raise BadRequest("suffix is not supported")
+        p = self.prompt
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            if len(p) != 1:
+                raise BadRequest(f"send one prompt per request (got {len(p)}); use n for several completions")
+            return p[0]
+        if isinstance(p, list) and not p:
+            raise BadRequest("the prompt is empty")
+        return p
+
+    def sampling(self, default_max_tokens: int) -> Sampling:
+        return Sampling(
+            max_tokens=self.max_tokens or default_max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            n=self.n,
+            stop=self.stop_tuple(),
+            seed=self.seed,
+            top_logprobs=self.logprobs or 0,
+        )
+
+
+class FeedbackRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = Field(min_length=1, max_length=256)
+    score: float = Field(ge=-1, le=1, allow_inf_nan=False)
+    source: str | None = Field(None, max_length=128)
+
+
+def parse(model: type[BaseModel], raw: bytes) -> Any:
+    """Bytes of a JSON body -> the request model; one BadRequest listing every problem otherwise."""
+    try:
+        data = json.loads(raw or b"null")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg'].removeprefix('Value error, ')}"
+            for err in e.errors()
+        )
+        raise BadRequest(f"invalid request: {problems}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Responses
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": lp.token,
+                "logprob": lp.logprob,
+                "bytes": _bytes(lp.token),
+                "top_logprobs": [{"token": t, "logprob": v, "bytes": _bytes(t)} for _, t, v in lp.top],
+            }
+            for lp in logprobs
+        ]
+    }
+
+
+def completion_logprobs(logprobs: list[TokenLogprob], text_start: int = 0) -> dict[str, Any]:
+    offsets, at = [], text_start
+    for lp in logprobs:
+        offsets.append(at)
+        at += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{t: v for _, t, v in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_response(
+    response_id: str, model: str, choices: list[Choice], prompt_tokens: int, with_logprobs: bool
+) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c.logprobs) if with_logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
+    }
+
+
+def completion_response(
+    response_id: str, model: str, choices: list[Choice], prompt_tokens: int, with_logprobs: bool
+) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": completion_logprobs(c.logprobs) if with_logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
+    }
+
+
+def chat_chunk(
+    response_id: str, model: str, created: int, delta: Delta | None, *, index: int = 0, role: bool = False,
+    with_logprobs: bool = False,
+) -> dict[str, Any]:
+    """One `chat.completion.chunk`: the opening one (`role`), a content delta, or (delta None) usage only."""
+    if delta is None and not role:
+        choices = []
+    else:
+        content: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": delta.text}
+        choices = [
+            {
+                "index": index if delta is None else delta.index,
+                "delta": content,
+                "logprobs": chat_logprobs(delta.logprobs) if with_logprobs and delta is not None else None,
+                "finish_reason": None if delta is None else delta.finish_reason,
+            }
+        ]
+    return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+
+
+def completion_chunk(
+    response_id: str, model: str, created: int, delta: Delta | None, *, with_logprobs: bool = False,
+    text_start: int = 0,
+) -> dict[str, Any]:
+    choices = []
+    if delta is not None:
+        choices = [
+            {
+                "index": delta.index,
+                "text": delta.text,
+                "logprobs": completion_logprobs(delta.logprobs, text_start) if with_logprobs else None,
+                "finish_reason": delta.finish_reason,
+            }
+        ]
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+
+
+def sse(data: dict[str, Any] | Literal["[DONE]"]) -> bytes:
+    """One server-sent event, as OpenAI streams them."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()

@@ -1,0 +1,210 @@
+"""The serving tier's on-disk spool: Kafka messages that could not be sent yet, kept until they are.
+
+When the broker is unreachable, serving/events_log.py appends the messages here and sends them later.
+A message leaves the spool only after Kafka acknowledged it, so the spool gives at-least-once delivery;
+every event carries an idempotency key (tenant, id) that ingest deduplicates on, so what lands in
+storage is exactly once.
+
+Layout: one directory of segment files, one JSON object per line
+(`{"topic": ..., "key": ..., "value": <the message text>}`), appended, flushed and fsynced per batch:
+
+    <stamp>-<pid>-<rand>.tmp     being created (ignored by everyone)
+    <stamp>-<pid>-<rand>.open    the segment a live writer appends to; it holds an exclusive flock on it
+    <stamp>-<pid>-<rand>.jsonl   sealed: complete, waiting to be sent
+
+A sender `claim`s a segment by taking a non-blocking exclusive flock: a sealed segment, or an `.open`
+one whose writer died (its lock went with it). So several serving processes may share one spool
+directory, and the segments a crashed process left behind are sent by whichever process claims them
+first. The `.tmp` name exists because a file is locked only after it is created: no sender can claim a
+new segment before its writer holds the lock. A claimed segment is deleted once every message in it
+was acknowledged; if sending fails half-way the segment stays and is sent again in full later (the
+duplicates are harmless, see above). A line torn by a crash in the middle of a write is skipped with
+a warning: the batch it belonged to had not been reported as spooled.
+
+Names sort by creation time, so segments are sent in the order they were written.
+
+What this module does not do: talk to Kafka (events_log.py does) or decide when to spool.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SEGMENT_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class Message:
+    """One Kafka message: topic, key (the tenant) and value (the event's JSON text)."""
+
+    topic: str
+    key: str
+    value: str
+
+    def to_line(self) -> bytes:
+        return json.dumps({"topic": self.topic, "key": self.key, "value": self.value}, ensure_ascii=False).encode() + b"\n"
+
+    @classmethod
+    def from_line(cls, line: bytes) -> Message:
+        data = json.loads(line)
+        return cls(topic=data["topic"], key=data["key"], value=data["value"])
+
+
+class SpoolError(OSError):
+    """The spool directory cannot be written."""
+
+
+class Spool:
+    def __init__(self, directory: str | Path, *, segment_bytes: int = SEGMENT_BYTES) -> None:
+        self.directory = Path(directory)
+        self.segment_bytes = segment_bytes
+        self._file = None  # the open segment: a binary file object holding its flock
+        self._path: Path | None = None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SpoolError(f"cannot create the spool directory {self.directory}: {e}") from e
+
+    # --- writing ------------------------------------------------------------------------------------------
+    def append(self, messages: Sequence[Message]) -> None:
+        """Appends the messages durably (written, flushed and fsynced before this returns)."""
+        if not messages:
+            return
+        if self._file is None:
+            self._open_segment()
+        data = b"".join(m.to_line() for m in messages)
+        try:
+            self._file.write(data)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as e:
+            raise SpoolError(f"cannot append {len(messages)} messages to {self._path}: {e}") from e
+        if self._file.tell() >= self.segment_bytes:
+            self.seal()
+
+    def seal(self) -> None:
+        """Closes the open segment (if any) so it can be claimed and sent."""
+        if self._file is None:
+            return
+        file, path = self._file, self._path
+        self._file = self._path = None
+        try:
+            if file.tell() == 0:
+                path.unlink()
+            else:
+                path.rename(path.with_suffix(".jsonl"))
+                _fsync_dir(self.directory)
+        finally:
+            file.close()  # releases the lock only after the rename
+
+    def _open_segment(self) -> None:
+        stem = f"{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = self.directory / f"{stem}.tmp"
+        try:
+            file = open(tmp, "ab")  # noqa: SIM115 (kept open: it holds the segment's lock)
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            path = tmp.with_suffix(".open")
+            tmp.rename(path)
+            _fsync_dir(self.directory)
+        except OSError as e:
+            raise SpoolError(f"cannot open a spool segment in {self.directory}: {e}") from e
+        self._file, self._path = file, path
+
+    # --- reading ------------------------------------------------------------------------------------------
+    def segments(self) -> list[Path]:
+        """Segments that may be claimed (sealed ones, and open ones of other writers), oldest first."""
+        own = self._path
+        found = [p for p in self.directory.iterdir() if p.suffix in (".jsonl", ".open") and p != own]
+        return sorted(found, key=lambda p: p.name)
+
+    def pending(self) -> int:
+        """Messages this process should send: in its own segment, in sealed ones, in orphaned open ones.
+
+        Segments another live writer still appends to are that writer's business and not counted.
+        """
+        count = 0
+        for p in [*self.segments(), *([self._path] if self._path else [])]:
+            try:
+                with open(p, "rb") as f:
+                    if p.suffix == ".open" and p != self._path and not _unlocked(f):
+                        continue
+                    count += sum(1 for line in f if line.endswith(b"\n"))
+            except FileNotFoundError:  # claimed and deleted meanwhile
+                continue
+        return count
+
+    @contextmanager
+    def claim(self, segment: Path) -> Iterator[Claim | None]:
+        """Locks `segment` for sending; yields None if another process holds it (or it is gone)."""
+        try:
+            file = open(segment, "rb")  # noqa: SIM115 (closed below)
+        except FileNotFoundError:
+            yield None
+            return
+        try:
+            try:
+                fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield None
+                return
+            if os.fstat(file.fileno()).st_nlink == 0:  # deleted by a sender that held it before us
+                yield None
+                return
+            yield Claim(segment, _read_messages(segment, file.read()))
+        finally:
+            file.close()
+
+    def close(self) -> None:
+        self.seal()
+
+
+@dataclass
+class Claim:
+    """A locked segment's messages; `done()` deletes the segment once they are all acknowledged."""
+
+    path: Path
+    messages: list[Message]
+
+    def done(self) -> None:
+        self.path.unlink(missing_ok=True)
+        _fsync_dir(self.path.parent)
+
+
+def _read_messages(path: Path, data: bytes) -> list[Message]:
+    messages = []
+    for number, line in enumerate(data.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            messages.append(Message.from_line(line))
+        except (ValueError, KeyError, TypeError) as e:
+            logger.warning("spool segment %s line %d is torn or corrupt, skipped: %s", path.name, number, e)
+    return messages
+
+
+def _unlocked(file) -> bool:
+    """Whether nobody holds the file's lock (tested by taking it; closing the file releases it)."""
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

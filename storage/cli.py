@@ -1,0 +1,247 @@
+"""`clora query`, `clora adapters list|show|rollback|retire` and `clora compact`.
+
+Argument parsing only; the work is in query.py, registry.py and compact.py. Only argparse is imported at
+module level so `clora --help` stays fast. The data dir comes from `cfg.data_dir`, keep_last from
+`cfg.learner.keep_versions`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+FORMATS = ("table", "csv", "json", "parquet")
+MAX_CELL = 60  # characters of one cell in the readable table
+
+
+def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "query",
+        parents=[common],
+        help="run SQL over the stored data (views: interactions, feedback, trajectories, dead_letters, "
+        "train_steps, adapters)",
+        description="Runs one DuckDB SQL statement over the data dir, e.g. "
+        "clora query \"select tenant, count(*), avg(reward) from trajectories group by 1\"",
+    )
+    p.add_argument("sql", help="the SQL statement")
+    p.add_argument("--format", choices=FORMATS, default="table", help="output format (default: a readable table)")
+    p.add_argument("--out", metavar="FILE", default=None, help="write to FILE instead of stdout (required for parquet)")
+    p.set_defaults(func=cmd_query)
+
+    p = sub.add_parser("adapters", parents=[common], help="list, inspect, roll back or retire adapter versions")
+    actions = p.add_subparsers(dest="adapters_command", metavar="ACTION", required=True)
+    a = actions.add_parser("list", parents=[common], help="one line per version")
+    a.add_argument("--tenant", default=None, help="only this tenant's versions")
+    a.set_defaults(func=cmd_adapters_list)
+    a = actions.add_parser("show", parents=[common], help="every field of one version, as JSON")
+    a.add_argument("version", help="tenant@n")
+    a.set_defaults(func=cmd_adapters_show)
+    a = actions.add_parser(
+        "rollback", parents=[common], help="serve an older version again (republished as a new newest version)"
+    )
+    a.add_argument("version", help="tenant@n to roll back to")
+    a.set_defaults(func=cmd_adapters_rollback)
+    a = actions.add_parser("retire", parents=[common], help="delete a version's files (its record stays)")
+    a.add_argument("version", help="tenant@n")
+    a.set_defaults(func=cmd_adapters_retire)
+
+    p = sub.add_parser(
+        "compact",
+        parents=[common],
+        help="merge small Parquet files per tenant (safe while ingest and the learner run)",
+    )
+    p.add_argument("--dataset", default=None, help="only this dataset (default: all, and the learner cursors)")
+    p.add_argument("--tenant", default=None, help="only this tenant")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="delete merged inputs only once the merged file is this old, so running queries finish "
+        "(default 60; 0 deletes them now)",
+    )
+    p.set_defaults(func=cmd_compact)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# query
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    import duckdb
+
+    from clora.cli import config_from_args
+    from storage.query import query
+
+    cfg = config_from_args(args)
+    if args.format == "parquet" and not args.out:
+        print("clora query: --format parquet needs --out FILE", file=sys.stderr)
+        return 2
+    try:
+        table = query(cfg.data_dir, args.sql)
+    except duckdb.Error as e:  # parser, binder, IO errors: the message, not a traceback
+        print(f"clora query: {e}", file=sys.stderr)
+        return 1
+    write_table(table, args.format, args.out)
+    return 0
+
+
+def write_table(table, fmt: str, out: str | None) -> None:
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        pq.write_table(table, out)
+        return
+    text = {"table": format_table, "csv": format_csv, "json": format_json}[fmt](table)
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+
+
+def format_table(table) -> str:
+    """Aligned columns, long cells cut to MAX_CELL characters, and a row count."""
+    names = table.column_names
+    rows = [[_cell(v) for v in row.values()] for row in table.to_pylist()]
+    widths = [max([len(n)] + [len(r[i]) for r in rows]) for i, n in enumerate(names)]
+    lines = [
+        "  ".join(n.ljust(w) for n, w in zip(names, widths)),
+        "  ".join("-" * w for w in widths),
+        *("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows),
+    ]
+    lines.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "NULL"
+    if isinstance(v, float):
+        s = f"{v:.6g}"
+    elif hasattr(v, "isoformat"):
+        s = v.isoformat(sep=" ") if hasattr(v, "hour") else v.isoformat()
+    else:
+        s = str(v)
+    s = s.replace("\n", "\\n")
+    return s if len(s) <= MAX_CELL else s[: MAX_CELL - 1] + "…"
+
+
+def format_csv(table) -> str:
+    import csv
+    import io
+
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(table.column_names)
+    for row in table.to_pylist():
+        w.writerow(["" if v is None else v for v in row.values()])
+    return buf.getvalue()
+
+
+def format_json(table) -> str:
+    """A JSON array of row objects (timestamps as ISO 8601, bytes as latin-1 text)."""
+    import json
+
+    def default(v):
+        if hasattr(v, "isoformat"):
+            return v.isoformat()
+        if isinstance(v, bytes):
+            return v.decode("latin-1")
+        return str(v)
+
+    return json.dumps(table.to_pylist(), default=default, ensure_ascii=False, indent=1) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# adapters
+
+
+def _registry(args: argparse.Namespace):
+    from clora.cli import config_from_args
+    from storage.registry import Registry
+
+    cfg = config_from_args(args)
+    return Registry(cfg.data_dir, keep_last=cfg.learner.keep_versions)
+
+
+def _fail(command: str, e: Exception) -> int:
+    print(f"clora adapters {command}: {e}", file=sys.stderr)
+    return 1
+
+
+def cmd_adapters_list(args: argparse.Namespace) -> int:
+    from storage.layout import StorageError
+    from storage.query import adapters_table
+
+    registry = _registry(args)
+    try:
+        versions = registry.versions(args.tenant)
+    except StorageError as e:
+        return _fail("list", e)
+    columns = ["name", "status", "latest", "parent", "created_at", "published_at", "reason", "metrics"]
+    sys.stdout.write(format_table(adapters_table(versions).select(columns)))
+    return 0
+
+
+def cmd_adapters_show(args: argparse.Namespace) -> int:
+    import json
+
+    from storage.layout import StorageError
+
+    registry = _registry(args)
+    try:
+        v = registry.get_name(args.version)
+    except StorageError as e:
+        return _fail("show", e)
+    print(json.dumps({**v.to_json(), "path": str(v.path), "files_present": v.path.is_dir()}, indent=2))
+    return 0
+
+
+def cmd_adapters_rollback(args: argparse.Namespace) -> int:
+    from storage.layout import StorageError
+    from storage.registry import parse_version
+
+    registry = _registry(args)
+    try:
+        v = registry.rollback(*parse_version(args.version))
+    except StorageError as e:
+        return _fail("rollback", e)
+    print(f"{v.name} published (a copy of {v.parent}); serving picks it up at its next registry poll")
+    return 0
+
+
+def cmd_adapters_retire(args: argparse.Namespace) -> int:
+    from storage.layout import StorageError
+    from storage.registry import parse_version
+
+    registry = _registry(args)
+    try:
+        v = registry.retire(*parse_version(args.version))
+    except StorageError as e:
+        return _fail("retire", e)
+    print(f"{v.name} retired; its files are deleted")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# compact
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    from clora.cli import config_from_args
+    from storage.compact import compact
+    from storage.layout import StorageError
+
+    cfg = config_from_args(args)
+    try:
+        results = compact(cfg.data_dir, args.dataset, args.tenant, grace_s=args.grace)
+    except StorageError as e:
+        print(f"clora compact: {e}", file=sys.stderr)
+        return 1
+    for r in results:
+        if r.inputs or r.removed or r.waiting or r.skipped:
+            print(r)
+    merged = sum(r.inputs for r in results)
+    print(f"compacted {merged} files in {sum(1 for r in results if r.outputs)} partition(s)")
+    return 0

@@ -1,0 +1,186 @@
+"""Compaction: many small Parquet files per tenant partition become a few large ones, while others write.
+
+Ingest writes a file per flush (about one a second per tenant), which makes reads slow after a day. For
+each partition, compaction merges the small live files into `compacted-<time>-<uuid>.parquet`. The merged
+file's footer lists every name it supersedes (its inputs, plus whatever its compacted inputs superseded),
+and readers (parquet.live_files) skip superseded names. So:
+
+  1. the merged file is written under a hidden name, fsynced, renamed in, the directory fsynced;
+     -> from now on every clora reader reads the merged file and skips the inputs: no row twice, none lost;
+  2. the inputs are deleted once the merged file is `grace_s` old (by default on a later run, 60 s on).
+     -> a reader that listed the partition before (1) and is still reading finds its files in place; one
+        slower than the grace period gets FileNotFoundError and lists again (parquet.retry_vanished).
+
+Deferring the deletes (rather than deleting right after the rename) is what keeps long DuckDB queries
+from failing mid-way when a compaction finishes under them; the price is superseded inputs lying on disk
+for a while, invisible to clora readers. A crash between (1) and (2) leaves exactly that state too, and
+the next run cleans it up. Writers are not disturbed: a file ingest writes during a run is simply not an
+input, and a replay of an input's file id is recognised as superseded (see parquet.py). Inputs are
+converted to the current schema on the way, so compaction also upgrades old files.
+
+Plain glob readers (DuckDB/Spark/pandas pointed at the tree, not `clora query`) do count the superseded
+inputs twice until they are deleted; run `clora compact --grace 0` before handing the tree to such a tool.
+
+The superseded-name lists are kept for ever (a replayed write must still be recognised): a few tens of
+bytes per file ever written to the partition, read once per process per compacted file (cached).
+
+One compactor per partition at a time (a non-blocking flock; a busy partition is skipped). `compact` also
+folds each tenant's learner cursor into a snapshot (cursors.Cursors.compact). Not done here: deleting old
+data (retention) or re-sorting rows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from storage.cursors import Cursors
+from storage.files import FileLock, LockBusy, fsync_dir, remove_stale_hidden, write_new_file
+from storage.layout import DATASETS, as_datadir, check_dataset
+from storage.parquet import (
+    COMPACTED_PREFIX,
+    COMPRESSION,
+    SUPERSEDES_KEY,
+    partition_listing,
+    partition_tenants,
+    read_file,
+    read_supersedes,
+)
+from storage.schema import SCHEMAS, conform
+
+logger = logging.getLogger(__name__)
+
+TARGET_BYTES = 64 * 1024 * 1024  # files at least this large are left alone; merged files aim at this size
+STALE_TMP_S = 3600.0  # hidden temp files older than this belong to crashed writers
+GRACE_S = 60.0  # superseded inputs are deleted once the file superseding them is this old
+
+
+@dataclass
+class CompactionResult:
+    dataset: str
+    tenant: str
+    inputs: int = 0  # files merged by this run
+    rows: int = 0
+    outputs: list[str] = field(default_factory=list)
+    removed: int = 0  # superseded files (of this or earlier runs) and stale temp files deleted
+    waiting: int = 0  # superseded files kept until their grace period is over
+    skipped: str | None = None
+
+    def __str__(self) -> str:
+        where = f"{self.dataset}/tenant={self.tenant}"
+        if self.skipped:
+            return f"{where}: skipped ({self.skipped})"
+        return (
+            f"{where}: {self.inputs} files -> {len(self.outputs)} ({self.rows} rows); "
+            f"{self.removed} superseded files deleted, {self.waiting} waiting for the grace period"
+        )
+
+
+def compact(
+    root,
+    dataset: str | None = None,
+    tenant: str | None = None,
+    *,
+    target_bytes: int = TARGET_BYTES,
+    min_files: int = 2,
+    grace_s: float = GRACE_S,
+) -> list[CompactionResult]:
+    """Compacts every partition (of one dataset / one tenant if given) and the learner cursors."""
+    dd = as_datadir(root)
+    results = []
+    for ds in [check_dataset(dataset)] if dataset else DATASETS:
+        for t in [tenant] if tenant else partition_tenants(dd, ds):
+            results.append(
+                compact_partition(dd, ds, t, target_bytes=target_bytes, min_files=min_files, grace_s=grace_s)
+            )
+    if dataset is None:
+        cursors = Cursors(dd)
+        tenants = [tenant] if tenant else sorted(p.name for p in dd.cursors.glob("*") if p.is_dir())
+        for t in tenants:
+            folded = cursors.compact(t)
+            if folded:
+                logger.info("cursor of %s: folded %d step files into a snapshot", t, folded)
+    return results
+
+
+def compact_partition(
+    root,
+    dataset: str,
+    tenant: str,
+    *,
+    target_bytes: int = TARGET_BYTES,
+    min_files: int = 2,
+    grace_s: float = GRACE_S,
+) -> CompactionResult:
+    dd = as_datadir(root)
+    result = CompactionResult(dataset, tenant)
+    directory = dd.partition(dataset, tenant)
+    try:
+        with FileLock(dd.locks / f"compact-{dataset}-{tenant}.lock", blocking=False):
+            on_disk, superseded = partition_listing(dd, dataset, tenant)
+            live = sorted((i for i in on_disk if i.base_name not in superseded), key=lambda i: i.base_name)
+            for batch in _batches([i for i in live if i.size < target_bytes], target_bytes):
+                if len(batch) >= min_files:
+                    name, rows = _merge(dd, dataset, directory, batch)
+                    result.inputs += len(batch)
+                    result.rows += rows
+                    result.outputs.append(name)
+            result.removed, result.waiting = _remove_superseded(dd, dataset, tenant, grace_s)
+            result.removed += remove_stale_hidden(directory, older_than_s=STALE_TMP_S)
+    except LockBusy:
+        result.skipped = "another compaction holds this partition"
+    logger.info("%s", result)
+    return result
+
+
+def _batches(infos: list, target_bytes: int) -> list[list]:
+    """Groups small files (in name order) into runs of about target_bytes."""
+    batches, current, size = [], [], 0
+    for info in infos:
+        if current and size + info.size > target_bytes:
+            batches.append(current)
+            current, size = [], 0
+        current.append(info)
+        size += info.size
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _merge(dd, dataset: str, directory: Path, batch: list) -> tuple[str, int]:
+    """Writes the merged file; from the moment it is renamed in, it (not the batch) is what readers read."""
+    schema = SCHEMAS[dataset]
+    names = set()
+    tables = []
+    for info in batch:
+        names.add(info.base_name)
+        if info.base_name.startswith(COMPACTED_PREFIX):
+            names.update(read_supersedes(dd.filesystem, info.path))  # transitive: a replay of those stays a no-op
+        tables.append(conform(read_file(dd, info.path), schema, strict=False))
+    merged = pa.concat_tables(tables)
+    merged = merged.replace_schema_metadata({**schema.metadata, SUPERSEDES_KEY: json.dumps(sorted(names)).encode()})
+    name = f"{COMPACTED_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:12]}.parquet"
+    write_new_file(directory / name, lambda tmp: pq.write_table(merged, tmp, compression=COMPRESSION))
+    logger.debug("%s: merged %d files (%d rows) into %s", directory, len(batch), merged.num_rows, name)
+    return name, merged.num_rows
+
+
+def _remove_superseded(dd, dataset: str, tenant: str, grace_s: float) -> tuple[int, int]:
+    """Deletes superseded files whose superseding file is older than grace_s; returns (deleted, kept)."""
+    on_disk, superseded = partition_listing(dd, dataset, tenant)
+    now_ns = time.time_ns()
+    age = {i.base_name: (now_ns - i.mtime_ns) / 1e9 for i in on_disk}
+    doomed = [i for i in on_disk if i.base_name in superseded]
+    due = [i for i in doomed if age.get(superseded[i.base_name], 0.0) >= grace_s]
+    for info in due:
+        Path(info.path).unlink(missing_ok=True)
+    if due:
+        fsync_dir(dd.partition(dataset, tenant))
+    return len(due), len(doomed) - len(due)

@@ -1,0 +1,170 @@
+"""Durable, atomic file operations on the local data directory: the only place that knows POSIX rules.
+
+Every write in storage/ follows one pattern: build the thing under a hidden temporary name in the same
+directory, fsync it, rename it into place (a rename within one directory is atomic), then fsync the
+directory so the rename itself survives a power cut. Readers never take locks; they see the old state or
+the new one. Hidden names start with "." so neither our listings nor hive readers (which skip "." and "_"
+prefixes) ever pick up a half-written file.
+
+The advisory `FileLock` (flock) only serialises *writers* that must not interleave (registry number
+allocation, one compactor per partition, one cursor committer per tenant). A lock dies with its process,
+so a SIGKILLed writer never leaves it held.
+
+Moving to object storage (S3, GCS) changes this module and little else:
+- `write_new_file` becomes one PUT with `If-None-Match: *` (objects appear atomically; no temp, no fsync);
+- `atomic_write_bytes` becomes a plain PUT (last writer wins, which is what its callers assume);
+- directory renames are not available, so `publish_dir` would upload under the final prefix and rely on
+  the commit marker its callers already write last (registry metadata JSON, cursor commit.json);
+- `FileLock` needs a lease (conditional PUT on a lock object, or an external lock service).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+TMP_PREFIX = "."
+
+
+def tmp_name(final: Path, tag: str = "tmp") -> Path:
+    """A hidden, unique sibling of `final` (same directory, so the later rename is atomic)."""
+    return final.with_name(f"{TMP_PREFIX}{final.name}.{uuid.uuid4().hex[:12]}.{tag}")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsyncs every file and directory under `root` (callbacks such as PEFT's save do not fsync)."""
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            fsync_file(Path(dirpath) / name)
+        fsync_dir(Path(dirpath))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Replaces `path` with `data` atomically and durably."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_new_file(path: Path, write: Callable[[Path], None]) -> bool:
+    """Creates `path` by calling `write(tmp)` and moving tmp into place, only if `path` does not exist yet.
+
+    Returns False (and writes nothing) when `path` already exists. The final step is a hard link, which
+    fails instead of replacing, so a concurrent creator can never clobber a file a reader already opened.
+    """
+    if path.exists():
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_name(path)
+    try:
+        write(tmp)
+        fsync_file(tmp)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError as e:  # file systems without hard links
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                raise
+            if path.exists():
+                return False
+            os.rename(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return True
+
+
+def publish_dir(staging: Path, final: Path) -> None:
+    """Renames a fully written (and fsynced) staging directory to `final`; `final` must not exist."""
+    if final.exists():
+        raise FileExistsError(f"{final} already exists")
+    os.rename(staging, final)
+    fsync_dir(final.parent)
+
+
+def remove_tree(path: Path) -> None:
+    """Deletes a directory so that no reader ever sees it half-deleted under its own name: rename to a
+    hidden trash name first (atomic), then delete the trash at leisure."""
+    if not path.exists():
+        return
+    trash = tmp_name(path, "trash")
+    os.rename(path, trash)
+    fsync_dir(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_stale_hidden(directory: Path, *, older_than_s: float, keep: Callable[[Path], bool] = lambda p: False) -> int:
+    """Deletes hidden leftovers (temp files, staging and trash dirs) of crashed writers; returns how many.
+
+    Only entries older than `older_than_s` go, so a writer that is still busy keeps its temp file.
+    """
+    removed = 0
+    if not directory.is_dir():
+        return 0
+    cutoff = time.time() - older_than_s
+    for entry in directory.iterdir():
+        if not entry.name.startswith(TMP_PREFIX) or keep(entry):
+            continue
+        try:
+            if entry.lstat().st_mtime > cutoff:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            removed += 1
+        except FileNotFoundError:
+            continue
+    return removed
+
+
+class LockBusy(Exception):
+    """A non-blocking FileLock found the lock held by another process."""
+
+
+@contextlib.contextmanager
+def FileLock(path: Path, *, blocking: bool = True) -> Iterator[None]:  # noqa: N802 (reads like a class)
+    """An exclusive advisory lock on `path` (created if needed), held for the `with` block."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError as e:
+            raise LockBusy(f"{path} is held by another process") from e
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock

@@ -1,0 +1,411 @@
+"""The adapter registry: versions "<tenant>@<n>", their files, lineage, metrics and status.
+
+On disk:
+    adapters/<tenant>/<n>/            PEFT files (adapter_config.json + adapter_model.safetensors)
+    registry/<tenant>/<n>.json        the version's metadata: the source of truth, and its commit point
+    registry/HEAD.json                {"format", "generation", "published": {tenant: newest published}}
+    locks/registry.lock               serialises writers (number allocation, status changes)
+
+A version exists when its metadata file exists. `create` writes the adapter files into a hidden staging
+directory, fsyncs them, renames the directory to adapters/<tenant>/<n>/ and only then writes
+registry/<tenant>/<n>.json (atomically, temp + rename). A crash at any point leaves either nothing visible
+or a complete version; an adapter directory without metadata is an orphan that the next `create` of that
+number deletes. Retiring goes the other way round: metadata says "retired" first, files are deleted after,
+so a version whose files are gone has always already been marked retired.
+
+Status moves: candidate -> published | rejected; anything -> retired. `rollback` never rewrites history:
+it copies an older version's files into a new, newest, published version whose parent is the old one.
+After every publish (and rollback) published versions beyond the newest `keep_last` are retired.
+
+Change notification: `generation()`, a counter in HEAD.json that every change increments, read with one
+small-file read (tens of microseconds). Serving polls it (serving.registry_poll_seconds, 0.5 s) and calls
+`published()` only when it moved. Chosen over inotify/fsevents because it works the same for several
+serving replicas on other hosts over a shared or object-store data dir (inotify does not cross NFS and
+object stores have no watches), it needs no daemon or socket, a missed or coalesced event cannot
+happen (a poll always sees the latest state), and 0.5 s of extra staleness is small next to a training
+step. HEAD.json is derived: every writer rebuilds it from the version files under the lock, so a writer
+that crashed between the two is repaired by the next change.
+
+Readers never lock. This module needs no peft or torch: it moves files and JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from storage.files import FileLock, atomic_write_bytes, fsync_tree, publish_dir, remove_stale_hidden, remove_tree
+from storage.layout import DataDir, StorageError, as_datadir, check_tenant
+
+FORMAT = 1
+STATUSES = ("candidate", "published", "rejected", "retired")
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+STALE_STAGING_S = 3600.0
+
+_VERSION_NAME = re.compile(r"^(?P<tenant>[^@]+)@(?P<number>[0-9]+)$")
+
+
+class RegistryError(StorageError):
+    """A registry operation that cannot be done (bad status move, missing files, bad name)."""
+
+
+class VersionNotFound(RegistryError, KeyError):
+    """The named version does not exist."""
+
+    def __init__(self, tenant: str, number: int):
+        super().__init__(f"adapter version {tenant}@{number} does not exist")
+        self.tenant, self.number = tenant, number
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.args[0]
+
+
+def parse_version(name: str) -> tuple[str, int]:
+    """"acme@3" -> ("acme", 3)."""
+    m = _VERSION_NAME.match(name or "")
+    if not m:
+        raise RegistryError(f"{name!r} is not a version name; expected <tenant>@<number>, e.g. acme@3")
+    return check_tenant(m["tenant"]), int(m["number"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The version record
+
+
+@dataclass(frozen=True)
+class AdapterVersion:
+    tenant: str
+    number: int
+    parent: str | None
+    status: str
+    path: Path
+    created_at: datetime
+    published_at: datetime | None = None
+    metrics: dict = field(default_factory=dict, hash=False)
+    trajectory_range: dict = field(default_factory=dict, hash=False)
+    gate: dict | None = field(default=None, hash=False)
+    reason: str | None = None
+    retired_at: datetime | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.tenant}@{self.number}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The persisted form. `path` is not stored: it follows from the data dir, which may move."""
+        return {
+            "format": FORMAT,
+            "tenant": self.tenant,
+            "number": self.number,
+            "name": self.name,
+            "parent": self.parent,
+            "status": self.status,
+            "created_at": _iso(self.created_at),
+            "published_at": _iso(self.published_at),
+            "retired_at": _iso(self.retired_at),
+            "metrics": self.metrics,
+            "trajectory_range": self.trajectory_range,
+            "gate": self.gate,
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], dd: DataDir) -> AdapterVersion:
+        fmt = data.get("format")
+        if fmt != FORMAT:
+            raise RegistryError(f"registry record {data.get('name')!r} has format {fmt!r}; this clora reads {FORMAT}")
+        return cls(
+            tenant=data["tenant"],
+            number=int(data["number"]),
+            parent=data.get("parent"),
+            status=data["status"],
+            path=dd.adapter_dir(data["tenant"], data["number"]),
+            created_at=_parse_ts(data["created_at"]),
+            published_at=_parse_ts(data.get("published_at")),
+            metrics=data.get("metrics") or {},
+            trajectory_range=data.get("trajectory_range") or {},
+            gate=data.get("gate"),
+            reason=data.get("reason"),
+            retired_at=_parse_ts(data.get("retired_at")),
+        )
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _iso(ts: datetime | None) -> str | None:
+    return None if ts is None else ts.isoformat()
+
+
+def _parse_ts(s: str | None) -> datetime | None:
+    return None if s is None else datetime.fromisoformat(s)
+
+
+def _dumps(data: Any) -> bytes:
+    return json.dumps(data, indent=1, sort_keys=True).encode()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The registry
+
+
+class Registry:
+    def __init__(self, root, *, keep_last: int = 5):
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+        self.dd = as_datadir(root)
+        self.keep_last = keep_last
+        self._head = self.dd.registry / "HEAD.json"
+        self._lock_path = self.dd.locks / "registry.lock"
+
+    def __repr__(self) -> str:
+        return f"Registry({str(self.dd.root)!r}, keep_last={self.keep_last})"
+
+    # --- reads (lock-free) ----------------------------------------------------------------------------
+    def generation(self) -> int:
+        """A counter that grows on every change; 0 for an empty registry. One small-file read."""
+        try:
+            return int(json.loads(self._head.read_bytes())["generation"])
+        except FileNotFoundError:
+            return 0
+
+    def get(self, tenant: str, number: int) -> AdapterVersion:
+        try:
+            data = json.loads(self._meta_path(tenant, number).read_bytes())
+        except FileNotFoundError:
+            raise VersionNotFound(tenant, number) from None
+        return AdapterVersion.from_json(data, self.dd)
+
+    def get_name(self, name: str) -> AdapterVersion:
+        return self.get(*parse_version(name))
+
+    def versions(self, tenant: str | None = None) -> list[AdapterVersion]:
+        """Every version (of one tenant or all), ordered by tenant then number."""
+        out = []
+        for t in [check_tenant(tenant)] if tenant is not None else self.tenants():
+            for n in self._numbers(t):
+                try:
+                    out.append(self.get(t, n))
+                except VersionNotFound:  # cannot happen today (metadata is never deleted); harmless if it does
+                    continue
+        return out
+
+    def tenants(self) -> list[str]:
+        if not self.dd.registry.is_dir():
+            return []
+        return sorted(p.name for p in self.dd.registry.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+    def latest_published(self, tenant: str) -> AdapterVersion | None:
+        published = [v for v in self.versions(tenant) if v.status == "published"]
+        return published[-1] if published else None
+
+    def published(self) -> dict[str, AdapterVersion]:
+        """tenant -> its newest published version, from HEAD.json (one read)."""
+        try:
+            head = json.loads(self._head.read_bytes())
+        except FileNotFoundError:
+            return {}
+        return {t: AdapterVersion.from_json(d, self.dd) for t, d in head["published"].items()}
+
+    # --- writes ---------------------------------------------------------------------------------------
+    def create(
+        self,
+        tenant: str,
+        *,
+        parent: str | None,
+        write: Callable[[Path], None],
+        metrics: dict | None = None,
+        trajectory_range: dict | None = None,
+    ) -> AdapterVersion:
+        """A new "candidate" version from the PEFT files `write(staging_dir)` saves."""
+        return self._create(
+            tenant, parent=parent, write=write, metrics=metrics or {}, trajectory_range=trajectory_range or {}
+        )
+
+    def publish(self, tenant: str, number: int, *, gate: dict | None = None) -> AdapterVersion:
+        with self._locked():
+            v = self._expect(tenant, number, "candidate", "publish")
+            v = replace(v, status="published", published_at=_now(), gate=_jsonable(gate, "gate"))
+            self._write_meta(v)
+            retired = self._enforce_keep_last(tenant)
+            self._write_head()
+        self._remove_files(retired)
+        return v
+
+    def reject(self, tenant: str, number: int, *, reason: str, gate: dict | None = None) -> AdapterVersion:
+        with self._locked():
+            v = self._expect(tenant, number, "candidate", "reject")
+            v = replace(v, status="rejected", reason=reason, gate=_jsonable(gate, "gate"))
+            self._write_meta(v)
+            self._write_head()
+        return v
+
+    def rollback(self, tenant: str, to_number: int) -> AdapterVersion:
+        """Serves `tenant@to_number` again by republishing its files as a new, newest version."""
+        old = self.get(tenant, to_number)
+        if old.status == "retired" or old.published_at is None:
+            raise RegistryError(
+                f"cannot roll back to {old.name}: it is {old.status}"
+                + (" and its files are gone" if old.status == "retired" else " and was never published")
+            )
+
+        def copy(staging: Path) -> None:
+            try:
+                shutil.copytree(old.path, staging, dirs_exist_ok=True)
+            except FileNotFoundError as e:
+                raise RegistryError(f"cannot roll back to {old.name}: its files vanished ({e})") from e
+
+        return self._create(
+            tenant,
+            parent=old.name,
+            write=copy,
+            metrics=old.metrics,
+            trajectory_range=old.trajectory_range,
+            status="published",
+            gate={"rollback_to": old.name},
+            reason=f"rollback to {old.name}",
+        )
+
+    def retire(self, tenant: str, number: int) -> AdapterVersion:
+        """Deletes the version's files; its metadata stays, with status "retired"."""
+        with self._locked():
+            v = self.get(tenant, number)
+            if v.status != "retired":
+                v = self._mark_retired(v)
+                self._write_head()
+        self._remove_files([v])
+        return v
+
+    # --- internals ------------------------------------------------------------------------------------
+    def _create(
+        self,
+        tenant: str,
+        *,
+        parent: str | None,
+        write: Callable[[Path], None],
+        metrics: dict,
+        trajectory_range: dict,
+        status: str = "candidate",
+        gate: dict | None = None,
+        reason: str | None = None,
+    ) -> AdapterVersion:
+        check_tenant(tenant)
+        if parent is not None:
+            self.get_name(parent)  # lineage must point at a real version
+        metrics = _jsonable(metrics, "metrics")
+        trajectory_range = _jsonable(trajectory_range, "trajectory_range")
+        tenant_dir = self.dd.adapters / tenant
+        tenant_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_hidden(tenant_dir, older_than_s=STALE_STAGING_S)
+
+        # The slow part (saving weights) happens outside the lock, in a hidden directory.
+        staging = tenant_dir / f".staging-{uuid.uuid4().hex}"
+        staging.mkdir()
+        try:
+            write(staging)
+            _check_peft_files(staging, tenant)
+            fsync_tree(staging)
+            with self._locked():
+                number = max(self._numbers(tenant), default=0) + 1
+                final = self.dd.adapter_dir(tenant, number)
+                remove_tree(final)  # an orphan of a create that crashed before its metadata landed
+                publish_dir(staging, final)
+                now = _now()
+                v = AdapterVersion(
+                    tenant=tenant,
+                    number=number,
+                    parent=parent,
+                    status=status,
+                    path=final,
+                    created_at=now,
+                    published_at=now if status == "published" else None,
+                    metrics=metrics,
+                    trajectory_range=trajectory_range,
+                    gate=gate,
+                    reason=reason,
+                )
+                self._write_meta(v)  # the commit point
+                retired = self._enforce_keep_last(tenant) if status == "published" else []
+                self._write_head()
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+        self._remove_files(retired)
+        return v
+
+    def _locked(self):
+        return FileLock(self._lock_path)
+
+    def _meta_path(self, tenant: str, number: int) -> Path:
+        return self.dd.registry / check_tenant(tenant) / f"{int(number)}.json"
+
+    def _numbers(self, tenant: str) -> list[int]:
+        d = self.dd.registry / tenant
+        if not d.is_dir():
+            return []
+        return sorted(int(p.stem) for p in d.iterdir() if p.suffix == ".json" and p.stem.isdigit())
+
+    def _expect(self, tenant: str, number: int, status: str, action: str) -> AdapterVersion:
+        v = self.get(tenant, number)
+        if v.status != status:
+            raise RegistryError(f"cannot {action} {v.name}: it is {v.status}, not {status}")
+        return v
+
+    def _write_meta(self, v: AdapterVersion) -> None:
+        atomic_write_bytes(self._meta_path(v.tenant, v.number), _dumps(v.to_json()))
+
+    def _mark_retired(self, v: AdapterVersion) -> AdapterVersion:
+        v = replace(v, status="retired", retired_at=_now())
+        self._write_meta(v)
+        return v
+
+    def _enforce_keep_last(self, tenant: str) -> list[AdapterVersion]:
+        """Marks published versions beyond the newest keep_last retired; returns them (files not yet removed).
+        Also returns versions already retired whose files a crashed writer left behind."""
+        versions = self.versions(tenant)
+        published = [v for v in versions if v.status == "published"]
+        excess = published[: max(0, len(published) - self.keep_last)]
+        leftovers = [v for v in versions if v.status == "retired" and v.path.exists()]
+        return leftovers + [self._mark_retired(v) for v in excess]
+
+    def _remove_files(self, versions: list[AdapterVersion]) -> None:
+        for v in versions:
+            remove_tree(v.path)
+
+    def _write_head(self) -> None:
+        """Rebuilds HEAD.json from the version files (so it repairs itself) with generation + 1."""
+        published = {}
+        for t in self.tenants():
+            latest = self.latest_published(t)
+            if latest is not None:
+                published[t] = latest.to_json()
+        head = {"format": FORMAT, "generation": self.generation() + 1, "published": published}
+        atomic_write_bytes(self._head, _dumps(head))
+
+
+def _check_peft_files(directory: Path, tenant: str) -> None:
+    missing = []
+    if not (directory / ADAPTER_CONFIG).is_file():
+        missing.append(ADAPTER_CONFIG)
+    if not any((directory / w).is_file() for w in ADAPTER_WEIGHTS):
+        missing.append(" or ".join(ADAPTER_WEIGHTS))
+    if missing:
+        raise RegistryError(f"adapter for tenant {tenant!r} is incomplete: write() did not save {', '.join(missing)}")
+
+
+def _jsonable(value: dict | None, what: str) -> dict | None:
+    if value is None:
+        return None
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as e:
+        raise RegistryError(f"{what} must be JSON-serialisable: {e}") from e

@@ -1,0 +1,226 @@
+"""Decoding at the edge: every valid event decodes to its type, every bad message to a DeadLetter with a
+reason from REASONS, and nothing (arbitrary bytes, arbitrary JSON) ever makes decode raise."""
+
+import json
+import math
+from datetime import datetime, timezone
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ingest.events import REASONS, DeadLetter, FeedbackEvent, InteractionEvent, decode, encode
+
+pytestmark = pytest.mark.unit
+
+MAX = 10_000
+TS = datetime(2025, 3, 1, 12, 30, 15, 123000, tzinfo=timezone.utc)
+
+
+def interaction(**over):
+    d = {"type": "interaction", "id": "r1", "tenant": "acme", "ts": "2025-03-01T12:30:15.123Z",
+         "messages": [{"role": "user", "content": "2+2?"}], "completion": "4"}
+    d.update(over)
+    return {k: v for k, v in d.items() if v is not ...}
+
+
+def raw(d) -> bytes:
+    return json.dumps(d).encode()
+
+
+def reason(d_or_bytes) -> str:
+    b = d_or_bytes if isinstance(d_or_bytes, bytes) else raw(d_or_bytes)
+    out = decode(b, max_bytes=MAX)
+    assert isinstance(out, DeadLetter), out
+    return out.reason
+
+
+def test_interaction_with_messages():
+    ev = decode(raw(interaction(adapter_version="acme@2", metadata={"app": "x"})), max_bytes=MAX)
+    assert ev == InteractionEvent(id="r1", tenant="acme", completion="4", messages=[{"role": "user", "content": "2+2?"}],
+                                  ts=TS, adapter_version="acme@2", metadata={"app": "x"})
+    assert ev.rendered_prompt == "user: 2+2?"
+
+
+def test_interaction_with_prompt_and_all_optional_fields():
+    ev = decode(raw(interaction(messages=..., prompt="2+2=", ts=1740832215123, completion_token_ids=[19, 7],
+                                completion_logprobs=[-0.5, 0], reward=1)), max_bytes=MAX)
+    assert isinstance(ev, InteractionEvent)
+    assert ev.ts == TS  # epoch milliseconds
+    assert ev.rendered_prompt == "2+2="
+    assert ev.completion_token_ids == [19, 7] and ev.completion_logprobs == [-0.5, 0.0]
+    assert ev.reward == 1.0 and isinstance(ev.reward, float)
+
+
+def test_prompt_wins_over_messages_for_the_rendered_text():
+    ev = decode(raw(interaction(prompt="<|user|>2+2?<|assistant|>")), max_bytes=MAX)
+    assert ev.rendered_prompt == "<|user|>2+2?<|assistant|>"
+
+
+def test_naive_and_offset_timestamps_are_utc():
+    assert decode(raw(interaction(ts="2025-03-01T12:30:15.123")), max_bytes=MAX).ts == TS
+    assert decode(raw(interaction(ts="2025-03-01T14:30:15.123456+02:00")), max_bytes=MAX).ts == TS
+
+
+def test_feedback():
+    ev = decode(raw({"type": "feedback", "id": "r1", "tenant": "acme", "ts": "2025-03-01T12:30:15.123Z",
+                     "score": -1, "source": "thumbs"}), max_bytes=MAX)
+    assert ev == FeedbackEvent(id="r1", tenant="acme", score=-1.0, ts=TS, source="thumbs")
+
+
+def test_unknown_fields_are_ignored():
+    assert isinstance(decode(raw(interaction(future_field=[1, 2])), max_bytes=MAX), InteractionEvent)
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        (b"\xff\xfe", "not_utf8"),
+        (b"{not json", "not_json"),
+        (b"", "not_json"),
+        (b"[" * 100_000 + b"]" * 100_000, "too_large"),
+        (b"[" * 5000 + b"]" * 5000, "not_json"),  # deeper than the parser's recursion limit
+        (b"[1, 2]", "not_object"),
+        (interaction(tenant=...), "missing_tenant"),
+        (interaction(tenant=""), "missing_tenant"),
+        (interaction(tenant=7), "missing_tenant"),
+        (interaction(tenant="../etc"), "bad_tenant"),
+        (interaction(type="click"), "unknown_type"),
+        (interaction(type=...), "unknown_type"),
+        (interaction(id=...), "missing_id"),
+        (interaction(id="x" * 257), "missing_id"),
+        (interaction(completion=...), "missing_completion"),
+        (interaction(completion=["4"]), "missing_completion"),
+        (interaction(messages=..., prompt=...), "bad_field"),
+        (interaction(messages=[]), "bad_field"),
+        (interaction(messages=[{"role": "user"}]), "bad_field"),
+        (interaction(ts=...), "bad_field"),
+        (interaction(ts="yesterday"), "bad_field"),
+        (interaction(ts=10**20), "bad_field"),
+        (interaction(ts=True), "bad_field"),
+        (interaction(reward="high"), "bad_field"),
+        (interaction(reward=True), "bad_field"),
+        (interaction(metadata=[1]), "bad_field"),
+        (interaction(completion_token_ids=[1, -2]), "bad_field"),
+        (interaction(completion_token_ids=[1, 2**31]), "bad_field"),
+        (interaction(completion_token_ids=[1], completion_logprobs=[-1.0, -2.0]), "bad_field"),
+        (interaction(adapter_version=3), "bad_field"),
+        ({"type": "feedback", "id": "r1", "tenant": "acme", "ts": 0, "score": 1.5}, "score_out_of_range"),
+        ({"type": "feedback", "id": "r1", "tenant": "acme", "ts": 0}, "bad_field"),
+        ({"type": "feedback", "id": "r1", "tenant": "acme", "ts": 0, "score": 1, "source": 5}, "bad_field"),
+    ],
+)
+def test_bad_messages_have_their_reason(message, expected):
+    assert reason(message) == expected
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (b'{"type":"interaction","id":"r","tenant":"a","ts":0,"prompt":"p","completion":"c","reward":NaN}', "reward_not_finite"),
+    (b'{"type":"interaction","id":"r","tenant":"a","ts":0,"prompt":"p","completion":"c","reward":1e999}', "reward_not_finite"),
+    (b'{"type":"feedback","id":"r","tenant":"a","ts":0,"score":NaN}', "score_out_of_range"),
+    (b'{"type":"interaction","id":"r","tenant":"a","ts":0,"prompt":"p","completion":"c","metadata":{"x":Infinity}}', "bad_field"),
+    (b'{"type":"interaction","id":"r","tenant":"a","ts":0,"prompt":"\\ud800","completion":"c"}', "bad_field"),
+    (b'{"type":"interaction","id":"r","tenant":"a","ts":0,"prompt":"p","completion":"c","completion_logprobs":[NaN]}', "bad_field"),
+])
+def test_non_finite_numbers_and_lone_surrogates(text, expected):
+    assert reason(text) == expected
+
+
+def test_paired_surrogate_escape_is_fine():
+    ev = decode(b'{"type":"interaction","id":"r","tenant":"a","ts":0,"prompt":"\\ud83d\\ude00","completion":"c"}', max_bytes=MAX)
+    assert isinstance(ev, InteractionEvent) and ev.prompt == "\U0001F600"
+
+
+def test_dead_letter_keeps_tenant_and_id_when_readable():
+    dl = decode(raw(interaction(completion=...)), max_bytes=MAX)
+    assert (dl.tenant, dl.id) == ("acme", "r1")
+
+
+def test_constructors_check_what_they_can():
+    with pytest.raises(ValueError, match="messages or a prompt"):
+        InteractionEvent(id="r", tenant="a", completion="c")
+    with pytest.raises(ValueError, match="outside"):
+        FeedbackEvent(id="r", tenant="a", score=2.0)
+    with pytest.raises(ValueError, match="timezone"):
+        FeedbackEvent(id="r", tenant="a", score=0.0, ts=datetime(2025, 1, 1))
+
+
+def test_encode_is_compact_json_and_defaults_ts_to_now():
+    before = datetime.now(timezone.utc)
+    ev = InteractionEvent(id="r1", tenant="acme", prompt="hi", completion="yo")
+    data = json.loads(encode(ev))
+    assert data["type"] == "interaction" and "messages" not in data and "reward" not in data
+    assert abs((datetime.fromisoformat(data["ts"]) - before).total_seconds()) < 5
+    assert decode(encode(ev), max_bytes=MAX) == ev
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Properties
+
+texts = st.text(max_size=30)
+tenants = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,20}", fullmatch=True)
+times = st.datetimes(min_value=datetime(1971, 1, 1), max_value=datetime(9000, 1, 1), timezones=st.just(timezone.utc)).map(
+    lambda t: t.replace(microsecond=t.microsecond // 1000 * 1000)
+)
+finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | texts,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(texts, inner, max_size=4),
+    max_leaves=20,
+)
+
+
+def _interactions():
+    return st.builds(
+        InteractionEvent,
+        id=st.text(min_size=1, max_size=40),
+        tenant=tenants,
+        completion=texts,
+        prompt=texts,
+        messages=st.none() | st.lists(st.fixed_dictionaries({"role": texts, "content": texts}), min_size=1, max_size=3),
+        ts=times,
+        adapter_version=st.none() | texts,
+        completion_token_ids=st.none() | st.lists(st.integers(0, 2**31 - 1), max_size=5),
+        reward=st.none() | finite,
+        metadata=st.none() | st.dictionaries(texts, st.integers() | texts, max_size=3),
+    )
+
+
+def _feedbacks():
+    return st.builds(FeedbackEvent, id=st.text(min_size=1, max_size=40), tenant=tenants,
+                     score=st.floats(-1, 1), ts=times, source=st.none() | texts)
+
+
+def _well_formed(ev):
+    return isinstance(ev, (InteractionEvent, FeedbackEvent)) or (isinstance(ev, DeadLetter) and ev.reason in REASONS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_decode_to_an_event_or_a_dead_letter(b):
+    assert _well_formed(decode(b, max_bytes=200))
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values)
+def test_arbitrary_json_decodes_to_an_event_or_a_dead_letter(value):
+    assert _well_formed(decode(json.dumps(value).encode(), max_bytes=MAX))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["type", "id", "tenant", "ts", "messages", "prompt", "completion", "score",
+                                         "reward", "metadata", "completion_token_ids", "completion_logprobs",
+                                         "adapter_version", "source"]),
+                       json_values | st.sampled_from(["interaction", "feedback", "acme", "2025-01-01T00:00:00Z"])))
+def test_event_shaped_json_decodes_to_an_event_or_a_dead_letter(value):
+    out = decode(json.dumps(value).encode(), max_bytes=MAX)
+    assert _well_formed(out)
+    if isinstance(out, InteractionEvent):  # what passed the edge is what storage needs
+        assert isinstance(out.completion, str) and isinstance(out.rendered_prompt, str)
+        assert out.reward is None or math.isfinite(out.reward)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_interactions() | _feedbacks())
+def test_encode_then_decode_is_the_identity(ev):
+    assert decode(encode(ev), max_bytes=10**6) == ev

@@ -1,0 +1,54 @@
+"""Storage rows: each NamedTuple matches its Parquet schema, and rows survive a trip through Arrow."""
+
+from datetime import datetime, timezone
+
+import pytest
+
+from ingest.events import DeadLetter, FeedbackEvent, InteractionEvent
+from ingest.rows import (
+    RAW_PREFIX_BYTES,
+    SCHEMA_OF,
+    Coords,
+    DeadLetterRow,
+    InteractionRow,
+    dead_letter_row,
+    epoch_ms,
+    feedback_row,
+    interaction_row,
+    interaction_rows,
+    to_table,
+    trajectory_row,
+)
+
+pytestmark = pytest.mark.unit
+
+AT = Coords("clora.interactions", 2, 41)
+
+
+@pytest.mark.parametrize("row_type", list(SCHEMA_OF))
+def test_row_fields_are_the_schema_columns(row_type):
+    assert row_type._fields == tuple(SCHEMA_OF[row_type].names)
+
+
+def test_interaction_and_trajectory_rows():
+    ts = datetime(2025, 1, 2, 3, 4, 5, 678000, tzinfo=timezone.utc)
+    ev = InteractionEvent(id="r", tenant="acme", completion="4", messages=[{"role": "user", "content": "2+2"}],
+                          ts=ts, metadata={"k": "v"}, completion_token_ids=[5], completion_logprobs=[-0.25])
+    row = interaction_row(ev, AT, ingested_at=1000)
+    assert row.ts == epoch_ms(ts) == 1735787045678
+    assert row.prompt == "user: 2+2" and row.messages_json == '[{"role":"user","content":"2+2"}]'
+    assert row.metadata_json == '{"k":"v"}'
+    assert (row.kafka_topic, row.kafka_partition, row.kafka_offset) == AT
+    traj = trajectory_row(row, 0.5, "feedback", ingested_at=2000)
+    assert traj.reward == 0.5 and traj.reward_source == "feedback" and traj.ingested_at == 2000
+    assert traj.completion_token_ids == [5] and traj.kafka_offset == 41
+    assert interaction_rows(to_table([row], InteractionRow)) == [row]
+
+
+def test_feedback_and_dead_letter_rows():
+    fb = feedback_row(FeedbackEvent(id="r", tenant="acme", score=-1.0, source="thumbs"), AT, 5)
+    assert (fb.score, fb.source, fb.ingested_at) == (-1.0, "thumbs", 5)
+    dl = dead_letter_row(DeadLetter("not_json", "bad"), b"x" * (RAW_PREFIX_BYTES + 10), AT, 5)
+    assert dl.tenant == "_unknown" and len(dl.raw) == RAW_PREFIX_BYTES
+    table = to_table([dl], DeadLetterRow)
+    assert table.column("reason").to_pylist() == ["not_json"]

@@ -1,0 +1,128 @@
+"""learner/maths.py against numbers worked out by hand (the arithmetic is written beside each check)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from learner import maths
+
+pytestmark = pytest.mark.unit
+
+
+def close(actual, expected, tol=1e-5):
+    assert torch.allclose(torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64), atol=tol), (actual, expected)
+
+
+def test_group_ids_number_keys_by_first_sight():
+    assert maths.group_ids(["b", "a", "b", "c", "a"]).tolist() == [0, 1, 0, 2, 1]
+
+
+def test_baseline_advantages_use_group_mean_for_groups_and_baseline_for_singletons():
+    # prompts: p, p, q, p, r ; rewards 1, 0, 0.5, 0.5, 0.2 ; running baseline 0.3
+    # group p = {1, 0, 0.5}: mean 0.5 -> advantages 0.5, -0.5, 0.0
+    # q and r are alone: 0.5 - 0.3 = 0.2, 0.2 - 0.3 = -0.1
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2])
+    groups = maths.group_ids(["p", "p", "q", "p", "r"])
+    close(maths.baseline_advantages(rewards, groups, baseline=0.3), [0.5, -0.5, 0.2, 0.0, -0.1])
+
+
+def test_grpo_advantages_normalise_by_group_sample_std():
+    # group a = {1, 0, 0, 1}: mean 0.5, deviations +-0.5, sample var = 4 * 0.25 / 3 = 1/3, std = 0.57735
+    #   -> +-0.5 / 0.57735 = +-0.866025
+    # group b = {2, 2}: std 0 -> (2 - 2) / eps = 0
+    # group c = {7} alone -> 0
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 7.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 2])
+    close(maths.grpo_advantages(rewards, groups), [0.866025, -0.866025, -0.866025, 0.866025, 0, 0, 0], tol=1e-4)
+
+
+def test_running_mean_starts_at_batch_mean_then_moves_by_momentum():
+    # first batch mean (0 + 1) / 2 = 0.5 ; next 0.9 * 0.5 + 0.1 * 1.0 = 0.55
+    first = maths.running_mean(None, torch.tensor([0.0, 1.0]))
+    assert first == pytest.approx(0.5)
+    assert maths.running_mean(first, torch.tensor([1.0, 1.0])) == pytest.approx(0.55)
+    # non-finite rewards are ignored: mean of {1.0} = 1.0 -> 0.9 * 0.5 + 0.1 = 0.55
+    assert maths.running_mean(0.5, torch.tensor([float("nan"), 1.0])) == pytest.approx(0.55)
+    assert maths.running_mean(0.5, torch.tensor([float("nan")])) == 0.5
+
+
+def test_importance_ratio():
+    # exp(log 0.5 - log 0.25) = 2 ; exp(0) = 1
+    close(maths.importance_ratio(torch.tensor([math.log(0.5), -1.0]), torch.tensor([math.log(0.25), -1.0])), [2.0, 1.0])
+
+
+def test_clipped_pg_loss_by_hand():
+    # eps = 0.2. Tokens (ratio, advantage):
+    #  r=1.5, A=+1: min(1.5, 1.2) = 1.2 -> loss -1.2, clipped (r > 1.2 and A > 0)
+    #  r=0.5, A=+1: min(0.5, 0.8) = 0.5 -> loss -0.5, not clipped (the unclipped term is active)
+    #  r=1.5, A=-2: min(-3.0, -2.4) = -3.0 -> loss 3.0, not clipped
+    #  r=0.5, A=-2: min(-1.0, -1.6) = -1.6 -> loss 1.6, clipped (r < 0.8 and A < 0)
+    ratio = torch.tensor([[1.5, 0.5], [1.5, 0.5]])
+    old = torch.zeros(2, 2)
+    logp = ratio.log()
+    adv = torch.tensor([1.0, -2.0])  # per sequence, broadcast over tokens
+    loss, clipped = maths.clipped_pg_loss(logp, old, adv, clip_eps=0.2)
+    close(loss, [[-1.2, -0.5], [3.0, 1.6]])
+    assert clipped.tolist() == [[True, False], [False, True]]
+    # a ratio of 1 is the plain policy gradient: loss = -A
+    loss, clipped = maths.clipped_pg_loss(torch.zeros(1, 3), torch.zeros(1, 3), torch.tensor([0.7]), 0.2)
+    close(loss, [[-0.7, -0.7, -0.7]])
+    assert not clipped.any()
+
+
+def test_clipped_pg_loss_gradient_is_advantage_weighted_ratio():
+    # d/dlogp of -(r * A) at r = 1 is -A ; a clipped token gets no gradient
+    logp = torch.tensor([[0.0, math.log(1.5)]], requires_grad=True)
+    loss, _ = maths.clipped_pg_loss(logp, torch.zeros(1, 2), torch.tensor([2.0]), 0.2)
+    loss.sum().backward()
+    close(logp.grad, [[-2.0, 0.0]])
+
+
+def test_kl_estimators_by_hand():
+    # pi(x) = 0.5, ref(x) = 0.25: log r = log(0.25/0.5) = -log 2 = -0.693147
+    #  k1 = -log r = 0.693147 ; k2 = 0.5 * 0.693147^2 = 0.240227 ; k3 = (0.5 - 1) + 0.693147 = 0.193147
+    logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    close(maths.kl_k1(logp, ref), [0.693147])
+    close(maths.kl_k2(logp, ref), [0.240227])
+    close(maths.kl_k3(logp, ref), [0.193147])
+    # identical distributions: every estimator is 0
+    for fn in (maths.kl_k1, maths.kl_k2, maths.kl_k3):
+        close(fn(ref, ref), [0.0])
+
+
+def test_k3_is_unbiased_for_kl_on_a_small_distribution():
+    # pi = (0.5, 0.5), ref = (0.25, 0.75): KL(pi||ref) = 0.5 ln 2 + 0.5 ln(2/3) = 0.346574 - 0.202733 = 0.143841
+    # E_pi[k3] = 0.5 * ((0.5 - 1) - ln 0.5) + 0.5 * ((1.5 - 1) - ln 1.5) = 0.5 * 0.193147 + 0.5 * 0.094535 = 0.143841
+    pi, ref = torch.tensor([0.5, 0.5]).log(), torch.tensor([0.25, 0.75]).log()
+    expectation = (pi.exp() * maths.kl_k3(pi, ref)).sum()
+    close(expectation, 0.143841)
+    close((pi.exp() * maths.kl_k1(pi, ref)).sum(), 0.143841)
+
+
+def test_token_mean_and_seq_mean_differ_as_expected():
+    # seq 0 has tokens 1, 2, 3 ; seq 1 has token 10 (then padding, which must not count)
+    # token-mean = (1 + 2 + 3 + 10) / 4 = 4.0
+    # seq-mean   = ((1 + 2 + 3) / 3 + 10 / 1) / 2 = (2 + 10) / 2 = 6.0
+    values = torch.tensor([[1.0, 2.0, 3.0], [10.0, 99.0, 99.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    close(maths.aggregate(values, mask, "token-mean"), 4.0)
+    close(maths.aggregate(values, mask, "seq-mean"), 6.0)
+    with pytest.raises(ValueError, match="unknown aggregation 'sum'"):
+        maths.aggregate(values, mask, "sum")
+
+
+def test_empty_mask_gives_zero_not_nan():
+    values = torch.tensor([[5.0, 5.0]])
+    mask = torch.zeros(1, 2)
+    close(maths.masked_mean(values, mask), 0.0)
+    close(maths.aggregate(values, mask, "seq-mean"), 0.0)
+
+
+def test_clip_fraction_counts_only_real_tokens():
+    # clipped on 1 of the 3 real tokens; the clipped padding token does not count -> 1/3
+    clipped = torch.tensor([[True, False, False, True]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    close(maths.clip_fraction(clipped, mask), 1 / 3)

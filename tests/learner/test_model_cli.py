@@ -1,0 +1,61 @@
+"""`clora model tiny|random` through the real argparse tree."""
+
+from __future__ import annotations
+
+import pytest
+
+from clora.cli import build_parser
+from learner.cli import MODEL_SHAPES
+from learner.tiny_model import RANDOM_SHAPES, is_complete, read_marker
+
+pytestmark = pytest.mark.unit
+
+
+def run(argv: list[str]) -> int:
+    args = build_parser(("learner.cli",)).parse_args(argv)
+    return args.func(args)
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """An empty working directory and environment, so no clora.toml or CLORA_* variable leaks in."""
+    monkeypatch.chdir(tmp_path)
+    for var in ("CLORA_CONFIG", "CLORA_DATA_DIR", "CLORA_MODEL_PATH", "CLORA_LOG_LEVEL"):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path
+
+
+def test_shape_choices_match_the_builder():
+    assert set(MODEL_SHAPES) == set(RANDOM_SHAPES)
+
+
+def test_tiny_defaults_to_the_data_dir_and_config_seed(workdir, capsys):
+    (workdir / "clora.toml").write_text(f'data_dir = "{workdir / "data"}"\n[model]\nseed = 7\n')
+    assert run(["model", "tiny"]) == 0
+    out = workdir / "data" / "models" / "tiny-7"
+    assert is_complete(out) and read_marker(out)["seed"] == 7
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == str(out)
+    assert printed[1] == f"parameters: {read_marker(out)['parameters']:,}"
+
+
+def test_tiny_with_out_refuses_an_existing_directory_without_force(workdir, capsys):
+    out = workdir / "mine"
+    assert run(["model", "tiny", "--out", str(out), "--seed", "2"]) == 0
+    assert read_marker(out)["seed"] == 2
+    assert run(["model", "tiny", "--out", str(out)]) == 1
+    assert "--force" in capsys.readouterr().err
+    assert run(["model", "tiny", "--out", str(out), "--force"]) == 0
+
+
+def test_random_builds_the_named_shape(workdir, capsys):
+    out = workdir / "r"
+    assert run(["model", "random", "--shape", "tiny-test", "--out", str(out), "--dtype", "float32"]) == 0
+    marker = read_marker(out)
+    assert (marker["shape"], marker["dtype"]) == ("tiny-test", "float32")
+    assert capsys.readouterr().out.splitlines()[0] == str(out)
+
+
+def test_random_rejects_an_unknown_shape(workdir):
+    with pytest.raises(SystemExit):
+        run(["model", "random", "--shape", "llama-70b", "--out", str(workdir / "x")])

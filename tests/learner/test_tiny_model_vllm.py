@@ -1,0 +1,141 @@
+"""The tiny model in the real vLLM engine, with and without a PEFT LoRA adapter.
+
+One in-process engine for the module (VLLM_ENABLE_V1_MULTIPROCESSING=0: no engine-core subprocess, a
+start of a few seconds). float32, as the learner computes, so the engine's logprobs can be compared with
+transformers' and peft's. An explicit KV-cache size skips vLLM's CPU memory-fraction check, which looks
+at one NUMA node and fails on small machines.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from learner.tiny_model import build_tiny
+
+pytestmark = pytest.mark.integration
+
+TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [
+    [{"role": "user", "content": "Give me 5 digits."}],
+    [{"role": "system", "content": "Reply in UPPER CASE."}, {"role": "user", "content": "Say hello."}],
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return build_tiny(tmp_path_factory.mktemp("models") / "tiny-0", seed=0)
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny, tmp_path_factory) -> Path:
+    """A PEFT LoRA (r=8) on every projection, with random non-zero B so it changes the model."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny),
+        LoraConfig(r=8, lora_alpha=16, target_modules=TARGET_MODULES, task_type="CAUSAL_LM"),
+    )
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    out = tmp_path_factory.mktemp("adapters") / "t1"
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        engine = LLM(
+            model=str(tiny),
+            dtype="float32",
+            enable_lora=True,
+            max_lora_rank=16,
+            max_loras=2,
+            max_model_len=512,
+            max_num_seqs=4,
+            kv_cache_memory_bytes=256 * 1024**2,
+            enforce_eager=True,
+            seed=0,
+        )
+        yield engine
+        del engine
+
+
+def lora_request(adapter: Path):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest("t1", 1, str(adapter))
+
+
+def greedy(max_tokens: int = 12, logprobs: int | None = None):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs)
+
+
+def test_base_model_generates_varied_tokens_when_sampling(llm):
+    from vllm import SamplingParams
+
+    outputs = llm.chat(PROMPTS, SamplingParams(temperature=1.0, max_tokens=24, seed=3))
+    for output in outputs:
+        ids = list(output.outputs[0].token_ids)
+        assert len(ids) >= 12
+        assert len(set(ids)) >= len(ids) // 2, ids
+        assert output.outputs[0].text
+
+
+def test_adapter_changes_the_generated_text(llm, adapter):
+    base = llm.chat(PROMPTS, greedy())
+    tuned = llm.chat(PROMPTS, greedy(), lora_request=lora_request(adapter))
+    for b, t in zip(base, tuned):
+        assert list(b.outputs[0].token_ids) != list(t.outputs[0].token_ids)
+
+
+def test_one_batch_mixes_base_and_adapter_rows(llm, adapter):
+    prompt = "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    alone_base = llm.generate([prompt], greedy())[0].outputs[0].token_ids
+    alone_tuned = llm.generate([prompt], greedy(), lora_request=lora_request(adapter))[0].outputs[0].token_ids
+    mixed = llm.generate([prompt, prompt], greedy(), lora_request=[None, lora_request(adapter)])
+    assert list(mixed[0].outputs[0].token_ids) == list(alone_base)
+    assert list(mixed[1].outputs[0].token_ids) == list(alone_tuned)
+
+
+def sequence_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+    import torch
+
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logprobs = model(ids).logits[0].log_softmax(-1)
+    start = len(prompt_ids)
+    return [logprobs[start - 1 + i, tok].item() for i, tok in enumerate(completion_ids)]
+
+
+@pytest.mark.parametrize("with_adapter", [False, True], ids=["base", "adapter"])
+def test_engine_logprobs_match_transformers_and_peft(llm, tiny, adapter, with_adapter):
+    """What the learner computes for a completion is what the engine sampled it with."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    request = lora_request(adapter) if with_adapter else None
+    output = llm.chat(PROMPTS[:1], greedy(max_tokens=8, logprobs=0), lora_request=request)[0]
+    completion = output.outputs[0]
+    engine_logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, completion.token_ids)]
+
+    model = AutoModelForCausalLM.from_pretrained(tiny).eval()
+    if with_adapter:
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    reference = sequence_logprobs(model, list(output.prompt_token_ids), list(completion.token_ids))
+    assert len(engine_logprobs) == len(completion.token_ids) > 0
+    assert all(math.isfinite(x) for x in engine_logprobs)
+    assert engine_logprobs == pytest.approx(reference, abs=1e-4)

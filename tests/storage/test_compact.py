@@ -1,0 +1,194 @@
+"""storage.compact: fewer files, same rows, even while ingest writes and readers read, and across crashes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from storage.compact import compact, compact_partition
+from storage.parquet import live_files, read_dataset, read_ids, write_dataset
+from storage.query import query
+
+pytestmark = pytest.mark.unit
+
+
+def _write_files(data_dir, make_trajectories, n_files: int, per_file: int = 4, tenant: str = "acme", prefix: str = "f"):
+    ids = []
+    for f in range(n_files):
+        batch = [f"{prefix}{f:04d}-{k}" for k in range(per_file)]
+        write_dataset(data_dir, "trajectories", make_trajectories(batch, tenant, start=f * per_file), file_id=f"{prefix}{f:04d}")
+        ids += batch
+    return ids
+
+
+def _files_on_disk(data_dir, tenant="acme"):
+    return sorted(p.name for p in (data_dir / "trajectories" / f"tenant={tenant}").iterdir())
+
+
+def test_compaction_merges_files_and_keeps_rows(data_dir, make_trajectories):
+    ids = _write_files(data_dir, make_trajectories, 10)
+    _write_files(data_dir, make_trajectories, 3, tenant="globex")
+    before = read_dataset(data_dir, "trajectories").sort_by("id")
+
+    results = compact(data_dir, grace_s=0)
+    merged = {(r.dataset, r.tenant): r for r in results}
+    assert merged[("trajectories", "acme")].inputs == 10 and merged[("trajectories", "acme")].rows == 40
+    assert merged[("trajectories", "globex")].inputs == 3
+    names = _files_on_disk(data_dir)
+    assert len(names) == 1 and names[0].startswith("compacted-")
+    assert read_dataset(data_dir, "trajectories").sort_by("id").equals(before)
+    assert {i for _, i in read_ids(data_dir, "trajectories", "acme")} == set(ids)
+
+    # A replay of a compacted batch (ingest crashed before committing its offsets) is still a no-op.
+    again = write_dataset(data_dir, "trajectories", make_trajectories(ids[:4], "acme"), file_id="f0000")
+    assert again == [data_dir / "trajectories" / "tenant=acme" / names[0]]
+    assert _files_on_disk(data_dir) == names
+    assert read_dataset(data_dir, "trajectories", "acme").num_rows == 40
+
+    # Nothing left to do the second time.
+    assert sum(r.inputs for r in compact(data_dir, grace_s=0)) == 0
+
+
+def test_compacting_compacted_files_keeps_replays_idempotent(data_dir, make_trajectories):
+    _write_files(data_dir, make_trajectories, 3, prefix="a")
+    compact(data_dir, "trajectories", grace_s=0)
+    _write_files(data_dir, make_trajectories, 2, prefix="b")
+    compact(data_dir, "trajectories", grace_s=0)
+    assert len(_files_on_disk(data_dir)) == 1
+    # a0001 went into the first compacted file, which went into the second: still recognised.
+    write_dataset(data_dir, "trajectories", make_trajectories(["a0001-0"], "acme"), file_id="a0001")
+    assert len(_files_on_disk(data_dir)) == 1
+    assert read_dataset(data_dir, "trajectories").num_rows == 20
+
+
+def test_inputs_stay_for_the_grace_period_but_are_not_read(data_dir, make_trajectories):
+    _write_files(data_dir, make_trajectories, 4)
+    first = compact_partition(data_dir, "trajectories", "acme", grace_s=3600)
+    assert (first.inputs, first.removed, first.waiting) == (4, 0, 4)
+    assert len(_files_on_disk(data_dir)) == 5
+    assert read_dataset(data_dir, "trajectories").num_rows == 16
+    assert query(data_dir, "select count(*) as n from trajectories").to_pylist() == [{"n": 16}]
+    later = compact_partition(data_dir, "trajectories", "acme", grace_s=0)
+    assert (later.inputs, later.removed, later.waiting) == (0, 4, 0)
+    assert len(_files_on_disk(data_dir)) == 1
+
+
+def test_target_size_splits_output_and_skips_large_files(data_dir, make_trajectories):
+    _write_files(data_dir, make_trajectories, 8)
+    size = (data_dir / "trajectories" / "tenant=acme" / "f0000.parquet").stat().st_size
+    result = compact_partition(data_dir, "trajectories", "acme", target_bytes=size * 4 + 1)
+    assert result.inputs == 8 and len(result.outputs) == 2
+    assert read_dataset(data_dir, "trajectories").num_rows == 32
+
+
+CRASH_BETWEEN_RENAME_AND_DELETE = r"""
+import os, pathlib, sys
+from storage.compact import compact_partition
+
+unlink = pathlib.Path.unlink
+
+def die(self, missing_ok=False):    # the merged file is in place; the process dies before deleting an input
+    if not self.name.startswith("."):
+        os._exit(9)
+    unlink(self, missing_ok=missing_ok)
+
+pathlib.Path.unlink = die
+compact_partition(sys.argv[1], "trajectories", "acme", grace_s=0)
+"""
+
+
+def test_crash_between_merge_and_delete_double_counts_nothing(data_dir, make_trajectories, python_subprocess, monkeypatch):
+    run, _ = python_subprocess
+    ids = _write_files(data_dir, make_trajectories, 5)
+    result = run(CRASH_BETWEEN_RENAME_AND_DELETE, str(data_dir))
+    assert result.returncode == 9, result.stderr
+    on_disk = _files_on_disk(data_dir)
+    assert len(on_disk) == 6 and on_disk[0].startswith("compacted-"), "merged file and all inputs are on disk"
+
+    # Every reader counts each row once.
+    assert live_files(data_dir, "trajectories") == [str(data_dir / "trajectories" / "tenant=acme" / on_disk[0])]
+    assert read_dataset(data_dir, "trajectories").num_rows == len(ids)
+    assert query(data_dir, "select count(*) as n, count(distinct id) as d from trajectories").to_pylist() == [
+        {"n": len(ids), "d": len(ids)}
+    ]
+
+    # More data arrives; a compaction that (say) crashes again before cleaning up merges the old merged
+    # file with it: the new file must also supersede the leftovers of the first one.
+    more = _write_files(data_dir, make_trajectories, 2, prefix="g")
+    monkeypatch.setattr("storage.compact._remove_superseded", lambda *args: (0, 0))
+    compact_partition(data_dir, "trajectories", "acme", grace_s=0)
+    monkeypatch.undo()
+    assert len(live_files(data_dir, "trajectories")) == 1
+    assert len(_files_on_disk(data_dir)) == 1 + 1 + 5 + 2, "both merged files and every input are on disk"
+    assert {i for _, i in read_ids(data_dir, "trajectories")} == set(ids + more)
+    assert read_dataset(data_dir, "trajectories").num_rows == len(ids + more)
+
+    # The next run deletes the leftovers.
+    cleaned = compact_partition(data_dir, "trajectories", "acme", grace_s=0)
+    assert cleaned.removed == 5 + 3, "the first run's inputs and the second run's"
+    assert len(_files_on_disk(data_dir)) == 1
+    assert read_dataset(data_dir, "trajectories").num_rows == len(ids + more)
+
+
+def test_compaction_under_concurrent_writes_loses_and_duplicates_nothing(data_dir, make_trajectories):
+    """Ingest writes (and replays) files, a compactor runs in a loop, readers check every snapshot."""
+    n_files, per_file = 120, 5
+    written: list[str] = []
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def ingest():
+        try:
+            for f in range(n_files):
+                batch = [f"id{f:04d}-{k}" for k in range(per_file)]
+                tenant = "acme" if f % 3 else "globex"
+                write_dataset(data_dir, "trajectories", make_trajectories(batch, tenant, start=f), file_id=f"b{f:04d}")
+                written.extend((tenant, i) for i in batch)
+                if f % 7 == 0 and f:  # a replay of an earlier batch, which may be compacted by now
+                    g = f // 3  # old enough to be compacted and, after the grace period, deleted
+                    old = make_trajectories([f"id{g:04d}-{k}" for k in range(per_file)], "acme" if g % 3 else "globex", start=g)
+                    write_dataset(data_dir, "trajectories", old, file_id=f"b{g:04d}")
+                time.sleep(0.002)
+        except BaseException as e:
+            errors.append(e)
+
+    compactions = []
+
+    def compactor():
+        try:
+            while not stop.is_set():
+                compactions.extend(compact(data_dir, "trajectories", min_files=2, grace_s=0.2))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=ingest), threading.Thread(target=compactor)]
+    for t in threads:
+        t.start()
+    checks = 0
+    previous: set = set()
+    try:
+        while threads[0].is_alive():
+            table = read_dataset(data_dir, "trajectories")
+            keys = list(zip(table.column("tenant").to_pylist(), table.column("id").to_pylist()))
+            assert len(keys) == len(set(keys)), "a reader saw a row twice"
+            assert previous <= set(keys), "a reader lost rows it had seen before"
+            previous = set(keys)
+            counts = query(data_dir, "select count(*) as n, count(distinct tenant || '/' || id) as d from trajectories")
+            n, d = counts.column("n")[0].as_py(), counts.column("d")[0].as_py()
+            assert n == d and n >= len(previous), "a query saw a row twice or lost one"
+            checks += 1
+    finally:
+        threads[0].join()
+        stop.set()
+        threads[1].join()
+    assert not errors, errors
+    assert checks > 5
+
+    assert sum(r.removed for r in compactions) > 0, "inputs were deleted while readers were reading"
+    compact(data_dir, "trajectories", grace_s=0)
+    assert read_ids(data_dir, "trajectories") == set(written)
+    assert read_dataset(data_dir, "trajectories").num_rows == n_files * per_file
+    for tenant in ("acme", "globex"):
+        assert len(_files_on_disk(data_dir, tenant)) == 1

@@ -1,0 +1,176 @@
+"""storage.layout, storage.schema and storage.parquet: paths, schemas, idempotent writes, clear errors."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from storage.layout import DATASETS, DataDir, InvalidName
+from storage.parquet import live_files, read_dataset, read_ids, write_dataset
+from storage.schema import INTERACTIONS, SCHEMA_VERSION, SCHEMAS, TRAJECTORIES, SchemaMismatch
+
+pytestmark = pytest.mark.unit
+
+
+# ---------------------------------------------------------------------------------------------------------
+# layout and schema
+
+
+def test_datadir_paths(tmp_path):
+    dd = DataDir(tmp_path)
+    assert dd.root == tmp_path
+    assert dd.dataset("trajectories") == tmp_path / "trajectories"
+    assert dd.adapters == tmp_path / "adapters"
+    assert dd.state == tmp_path / "state"
+    assert dd.models == tmp_path / "models"
+    assert dd.registry.parent == tmp_path
+    with pytest.raises(InvalidName, match="nope"):
+        dd.dataset("nope")
+
+
+def test_every_schema_carries_its_version():
+    assert set(SCHEMAS) == set(DATASETS)
+    for name, schema in SCHEMAS.items():
+        assert schema.metadata[b"clora.schema_version"] == str(SCHEMA_VERSION).encode()
+        assert schema.metadata[b"clora.dataset"] == name.encode()
+
+
+def test_trajectory_columns_and_types():
+    ts = pa.timestamp("ms", tz="UTC")
+    expected = {
+        "id": pa.string(),
+        "tenant": pa.string(),
+        "ts": ts,
+        "prompt": pa.string(),
+        "messages_json": pa.string(),
+        "completion": pa.string(),
+        "reward": pa.float64(),
+        "reward_source": pa.string(),
+        "adapter_version": pa.string(),
+        "completion_token_ids": pa.list_(pa.int32()),
+        "completion_logprobs": pa.list_(pa.float32()),
+        "metadata_json": pa.string(),
+        "kafka_topic": pa.string(),
+        "kafka_partition": pa.int32(),
+        "kafka_offset": pa.int64(),
+        "ingested_at": ts,
+    }
+    assert {f.name: f.type for f in TRAJECTORIES} == expected
+    assert TRAJECTORIES.field("adapter_version").nullable
+    assert set(INTERACTIONS.names) == set(TRAJECTORIES.names) - {"reward", "reward_source"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# writing
+
+
+def test_write_partitions_by_tenant_and_reads_back(data_dir, make_trajectories):
+    table = pa.concat_tables([make_trajectories(["a", "b"], "acme"), make_trajectories(["c"], "globex")])
+    paths = write_dataset(data_dir, "trajectories", table, file_id="p0-0-2")
+    assert paths == [
+        data_dir / "trajectories" / "tenant=acme" / "p0-0-2.parquet",
+        data_dir / "trajectories" / "tenant=globex" / "p0-0-2.parquet",
+    ]
+    back = read_dataset(data_dir, "trajectories")
+    assert back.schema == TRAJECTORIES
+    assert sorted(back.column("id").to_pylist()) == ["a", "b", "c"]
+    assert read_dataset(data_dir, "trajectories", "globex").column("id").to_pylist() == ["c"]
+    assert read_ids(data_dir, "trajectories") == {("acme", "a"), ("acme", "b"), ("globex", "c")}
+    assert read_ids(data_dir, "trajectories", "acme") == {("acme", "a"), ("acme", "b")}
+    # Self-describing files: the footer names the schema version, and the tenant column is in the file.
+    schema = pq.read_schema(paths[0])
+    assert schema.metadata[b"clora.schema_version"] == str(SCHEMA_VERSION).encode()
+    assert "tenant" in schema.names
+    assert not [p for p in paths[0].parent.iterdir() if p.name.startswith(".")], "no temp files left behind"
+
+
+def test_same_file_id_twice_is_one_file(data_dir, make_trajectories):
+    first = write_dataset(data_dir, "trajectories", make_trajectories(["a", "b"]), file_id="batch-7")
+    mtime = first[0].stat().st_mtime_ns
+    again = write_dataset(data_dir, "trajectories", make_trajectories(["a", "b"]), file_id="batch-7")
+    assert again == first
+    assert first[0].stat().st_mtime_ns == mtime, "a replayed write must leave the existing file alone"
+    assert len(live_files(data_dir, "trajectories")) == 1
+    assert read_dataset(data_dir, "trajectories").num_rows == 2
+
+
+def test_empty_dataset_reads_as_empty_table_with_schema(data_dir):
+    for name, schema in SCHEMAS.items():
+        table = read_dataset(data_dir, name)
+        assert table.num_rows == 0 and table.schema == schema
+    assert read_ids(data_dir, "feedback") == set()
+    assert write_dataset(data_dir, "trajectories", TRAJECTORIES.empty_table(), file_id="nothing") == []
+
+
+def test_casts_compatible_types(data_dir, make_trajectories):
+    table = make_trajectories(["a"])
+    table = table.set_column(table.schema.get_field_index("kafka_partition"), "kafka_partition", pa.array([3], pa.int64()))
+    table = table.set_column(table.schema.get_field_index("reward"), "reward", pa.array([1], pa.int64()))
+    table = table.drop_columns(["metadata_json", "adapter_version"])  # nullable: filled with nulls
+    write_dataset(data_dir, "trajectories", table, file_id="f")
+    back = read_dataset(data_dir, "trajectories")
+    assert back.column("kafka_partition").to_pylist() == [3]
+    assert back.column("reward").to_pylist() == [1.0]
+    assert back.column("metadata_json").to_pylist() == [None]
+
+
+@pytest.mark.parametrize(
+    "change, column",
+    [
+        (lambda t: t.set_column(t.schema.get_field_index("reward"), "reward", pa.array(["high"])), "reward"),
+        (lambda t: t.set_column(t.schema.get_field_index("ts"), "ts", pa.array(["yesterday"])), "ts"),
+        (lambda t: t.append_column("rewrad", pa.array([1.0])), "rewrad"),
+        (lambda t: t.drop_columns(["ingested_at"]), "ingested_at"),
+        (lambda t: t.set_column(t.schema.get_field_index("id"), "id", pa.array([None], pa.string())), "id"),
+        (
+            lambda t: t.set_column(
+                t.schema.get_field_index("completion_token_ids"), "completion_token_ids", pa.array([["x"]])
+            ),
+            "completion_token_ids",
+        ),
+    ],
+    ids=["wrong-type", "string-for-timestamp", "unknown-column", "missing-required", "null-required", "list-of-strings"],
+)
+def test_schema_mismatch_names_the_column(data_dir, make_trajectories, change, column):
+    with pytest.raises(SchemaMismatch, match=repr(column)):
+        write_dataset(data_dir, "trajectories", change(make_trajectories(["a"])), file_id="f")
+    assert live_files(data_dir, "trajectories") == []
+
+
+@pytest.mark.parametrize("file_id", ["", "../escape", "a/b", ".hidden", "_meta", "compacted-x", "sp ace"])
+def test_bad_file_ids_are_refused(data_dir, make_trajectories, file_id):
+    with pytest.raises(InvalidName):
+        write_dataset(data_dir, "trajectories", make_trajectories(["a"]), file_id=file_id)
+
+
+def test_bad_tenant_is_refused_but_dead_letters_take_unknown(data_dir, make_trajectories):
+    with pytest.raises(InvalidName, match="../x"):
+        write_dataset(data_dir, "trajectories", make_trajectories(["a"], tenant="../x"), file_id="f")
+    with pytest.raises(InvalidName, match="_unknown"):
+        write_dataset(data_dir, "trajectories", make_trajectories(["a"], tenant="_unknown"), file_id="f")
+    dead = pa.table(
+        {
+            "tenant": ["_unknown"],
+            "reason": ["invalid_json"],
+            "detail": ["Expecting value"],
+            "raw": [b"{not json"],
+            "kafka_topic": ["clora.interactions"],
+            "kafka_partition": [0],
+            "kafka_offset": [5],
+            "ingested_at": pa.array([0], pa.timestamp("ms", tz="UTC")),
+        }
+    )
+    write_dataset(data_dir, "dead_letters", dead, file_id="dl-0")
+    assert read_dataset(data_dir, "dead_letters").column("raw").to_pylist() == [b"{not json"]
+
+
+def test_files_of_an_older_schema_stay_readable(data_dir, make_trajectories):
+    """A file lacking a (nullable) column that a later schema added reads with nulls there."""
+    old = make_trajectories(["a"]).drop_columns(["completion_logprobs"])
+    directory = data_dir / "trajectories" / "tenant=acme"
+    directory.mkdir(parents=True)
+    pq.write_table(old, directory / "old.parquet")
+    back = read_dataset(data_dir, "trajectories")
+    assert back.schema == TRAJECTORIES
+    assert back.column("completion_logprobs").to_pylist() == [None]

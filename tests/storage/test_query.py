@@ -1,0 +1,118 @@
+"""storage.query: the DuckDB views agree with the files, exist when empty, and reflect the registry."""
+
+from __future__ import annotations
+
+import duckdb
+import pyarrow as pa
+import pytest
+
+from storage.layout import DATASETS
+from storage.parquet import write_dataset
+from storage.query import VIEWS, connect, query
+from storage.registry import Registry
+from storage.schema import SCHEMAS
+
+pytestmark = pytest.mark.unit
+
+
+def _fill(data_dir, make_trajectories):
+    for f, (tenant, reward) in enumerate([("acme", 0.2), ("acme", 0.6), ("globex", -0.5), ("initech", 1.0)]):
+        ids = [f"{tenant}-{f}-{k}" for k in range(f + 2)]
+        write_dataset(data_dir, "trajectories", make_trajectories(ids, tenant, start=f * 10, reward=reward), file_id=f"f{f}")
+
+
+def test_query_matches_duckdb_reading_the_files(data_dir, make_trajectories):
+    _fill(data_dir, make_trajectories)
+    sql = "select tenant, count(*), avg(reward) from {} group by 1 order by 1"
+    ours = [tuple(r.values()) for r in query(data_dir, sql.format("trajectories")).to_pylist()]
+    direct = duckdb.sql(
+        sql.format(f"read_parquet('{data_dir}/trajectories/*/*.parquet', hive_partitioning = true)")
+    ).fetchall()
+    # Same groups and counts; the averages equal up to float summation order.
+    assert [(t, n) for t, n, _ in ours] == [(t, n) for t, n, _ in direct]
+    assert [a for _, _, a in ours] == pytest.approx([a for _, _, a in direct], rel=1e-12)
+    assert ours[0] == ("acme", 5, pytest.approx((2 * 0.2 + 3 * 0.6) / 5))
+    assert [t for t, _, _ in ours] == ["acme", "globex", "initech"]
+
+
+def test_views_exist_with_columns_when_nothing_is_stored(data_dir):
+    con = connect(data_dir)
+    for name in DATASETS:
+        assert con.sql(f"select count(*) from {name}").fetchall() == [(0,)]
+        columns = [row[0] for row in con.sql(f"describe {name}").fetchall()]
+        assert columns == SCHEMAS[name].names
+    assert con.sql("select count(*) from adapters").fetchall() == [(0,)]
+    assert "status" in [row[0] for row in con.sql("describe adapters").fetchall()]
+    assert query(data_dir, "select avg(reward) as r from trajectories").to_pylist() == [{"r": None}]
+    assert set(VIEWS) == {*DATASETS, "adapters"}
+
+
+def test_views_have_every_column_even_if_files_are_older(data_dir, make_trajectories):
+    """Files from an older schema (missing a column) still give a view with the column, as nulls."""
+    import pyarrow.parquet as pq
+
+    old = make_trajectories(["a"]).drop_columns(["completion_logprobs"])
+    (data_dir / "trajectories" / "tenant=acme").mkdir(parents=True)
+    pq.write_table(old, data_dir / "trajectories" / "tenant=acme" / "old.parquet")
+    rows = query(data_dir, "select id, completion_logprobs, ts from trajectories").to_pylist()
+    assert rows[0]["id"] == "a" and rows[0]["completion_logprobs"] is None
+    assert query(data_dir, "select typeof(ts) as t from trajectories").to_pylist() == [{"t": "TIMESTAMP WITH TIME ZONE"}]
+
+
+def test_numeric_tenant_names_stay_strings(data_dir, make_trajectories):
+    write_dataset(data_dir, "trajectories", make_trajectories(["a"], tenant="123"), file_id="f")
+    write_dataset(data_dir, "trajectories", make_trajectories(["b"], tenant="acme"), file_id="f")
+    assert query(data_dir, "select tenant from trajectories order by 1").column("tenant").to_pylist() == ["123", "acme"]
+
+
+def test_adapters_and_train_steps_views_follow_the_registry(data_dir, peft_writer, make_train_steps):
+    reg = Registry(data_dir, keep_last=2)
+    for n in (1, 2, 3):
+        reg.create("acme", parent=f"acme@{n - 1}" if n > 1 else None, write=peft_writer, metrics={"reward": n / 10})
+        reg.publish("acme", n, gate={"passed": True})
+        write_dataset(data_dir, "train_steps", make_train_steps("acme", [n], version=f"acme@{n}"), file_id=f"s{n}")
+    reg.create("acme", parent="acme@3", write=peft_writer, metrics={"reward": 0.05})
+    reg.reject("acme", 4, reason="reward fell")
+    reg.rollback("acme", 2)  # acme@5, a copy of acme@2; keep_last=2 retires acme@3? no: 2, 3 and 5 are published
+
+    rows = {
+        r["name"]: r
+        for r in query(data_dir, "select name, status, latest, parent, reason, metric_reward from adapters").to_pylist()
+    }
+    assert {n: r["status"] for n, r in rows.items()} == {
+        "acme@1": "retired",  # keep-last-2 at the third publish
+        "acme@2": "retired",  # keep-last-2 when the rollback published acme@5
+        "acme@3": "published",
+        "acme@4": "rejected",
+        "acme@5": "published",
+    }
+    assert rows["acme@5"]["latest"] and not rows["acme@3"]["latest"]
+    assert rows["acme@5"]["parent"] == "acme@2" and rows["acme@5"]["metric_reward"] == pytest.approx(0.2)
+    assert rows["acme@4"]["reason"] == "reward fell"
+
+    reg.retire("acme", 5)
+    latest = query(data_dir, "select name from adapters where latest").column("name").to_pylist()
+    assert latest == ["acme@3"], "retiring the newest falls back to the previous published version"
+    assert query(data_dir, "select gate->>'passed' as passed from adapters where name = 'acme@3'").to_pylist() == [
+        {"passed": "true"}
+    ]
+
+    steps = query(
+        data_dir,
+        "select s.step, s.version, a.status from train_steps s join adapters a on a.name = s.version order by 1",
+    ).to_pylist()
+    assert steps == [
+        {"step": 1, "version": "acme@1", "status": "retired"},
+        {"step": 2, "version": "acme@2", "status": "retired"},
+        {"step": 3, "version": "acme@3", "status": "published"},
+    ]
+
+
+def test_bad_sql_raises_duckdb_error(data_dir):
+    with pytest.raises(duckdb.Error, match="nope"):
+        query(data_dir, "select * from nope")
+
+
+def test_statement_without_result(data_dir):
+    assert query(data_dir, "create table scratch (a int)").num_columns in (0, 1)
+    assert isinstance(query(data_dir, "select 1 as one"), pa.Table)
