@@ -8,6 +8,7 @@ module level so `clora --help` stays fast. The data dir comes from `cfg.data_dir
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
 
 FORMATS = ("table", "csv", "json", "parquet")
@@ -119,8 +120,10 @@ def _cell(v) -> str:
         return "NULL"
     if isinstance(v, float):
         s = f"{v:.6g}"
-    elif hasattr(v, "isoformat"):
-        s = v.isoformat(sep=" ") if hasattr(v, "hour") else v.isoformat()
+    elif isinstance(v, datetime.datetime):
+        s = v.isoformat(sep=" ", timespec="milliseconds")
+    elif hasattr(v, "isoformat"):  # date, time
+        s = v.isoformat()
     else:
         s = str(v)
     s = s.replace("\n", "\\n")

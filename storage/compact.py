@@ -47,6 +47,7 @@ from storage.layout import DATASETS, as_datadir, check_dataset
 from storage.parquet import (
     COMPACTED_PREFIX,
     COMPRESSION,
+    ROW_GROUP_ROWS,
     SUPERSEDES_KEY,
     partition_listing,
     partition_tenants,
@@ -136,7 +137,7 @@ def compact_partition(
             result.removed += remove_stale_hidden(directory, older_than_s=STALE_TMP_S)
     except LockBusy:
         result.skipped = "another compaction holds this partition"
-    logger.info("%s", result)
+    logger.log(logging.INFO if result.inputs or result.removed or result.skipped else logging.DEBUG, "%s", result)
     return result
 
 
@@ -166,8 +167,13 @@ def _merge(dd, dataset: str, directory: Path, batch: list) -> tuple[str, int]:
         tables.append(conform(read_file(dd, info.path), schema, strict=False))
     merged = pa.concat_tables(tables)
     merged = merged.replace_schema_metadata({**schema.metadata, SUPERSEDES_KEY: json.dumps(sorted(names)).encode()})
-    name = f"{COMPACTED_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:12]}.parquet"
-    write_new_file(directory / name, lambda tmp: pq.write_table(merged, tmp, compression=COMPRESSION))
+    now_ns = time.time_ns()  # names sort by creation time (parquet._superseded_by relies on it)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now_ns // 10**9)) + f".{now_ns % 10**9:09d}"
+    name = f"{COMPACTED_PREFIX}{stamp}-{uuid.uuid4().hex[:8]}.parquet"
+    write_new_file(
+        directory / name,
+        lambda tmp: pq.write_table(merged, tmp, compression=COMPRESSION, row_group_size=ROW_GROUP_ROWS),
+    )
     logger.debug("%s: merged %d files (%d rows) into %s", directory, len(batch), merged.num_rows, name)
     return name, merged.num_rows
 

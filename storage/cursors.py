@@ -27,13 +27,14 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from storage.files import FileLock, fsync_tree, publish_dir, remove_stale_hidden, remove_tree, write_new_file
 from storage.layout import StorageError, as_datadir, check_tenant
-from storage.parquet import live_files, partition_tenants, read_file, retry_vanished
+from storage.parquet import live_files, partition_tenants, read_file, read_rows, retry_vanished
 from storage.schema import TRAJECTORIES, conform
 
 FORMAT = 1
@@ -59,8 +60,10 @@ class Cursors:
         self.keep_checkpoints = keep_checkpoints
         # Caches keyed by file path: data files are never rewritten in place (only replaced by new names),
         # so a path that is still listed still holds what was cached.
-        self._trajectory_index: dict[str, pa.Table] = {}  # trajectory file -> its (id, ingested_at)
+        self._file_ids: dict[str, pa.Table] = {}  # trajectory file -> its (id, ingested_at) columns
         self._id_files: dict[str, pa.Array] = {}  # cursor ids file -> its ids
+        # tenant -> (its files and cursor files, untrained index, distinct untrained ids)
+        self._index_cache: dict[str, tuple[tuple, pa.Table, int]] = {}
 
     def __repr__(self) -> str:
         return f"Cursors({str(self.dd.root)!r})"
@@ -102,7 +105,7 @@ class Cursors:
                 by_file.setdefault(f, []).append((r, pos))
             parts = []
             for f, wanted in by_file.items():
-                part = conform(read_file(self.dd, paths[f]), TRAJECTORIES, strict=False).take([r for r, _ in wanted])
+                part = conform(read_rows(self.dd, paths[f], [r for r, _ in wanted]), TRAJECTORIES, strict=False)
                 parts.append(part.append_column("_pos", pa.array([pos for _, pos in wanted], pa.int64())))
             merged = pa.concat_tables(parts)
             return merged.take(pc.sort_indices(merged.column("_pos"))).drop_columns(["_pos"])
@@ -119,8 +122,8 @@ class Cursors:
                     check_tenant(tenant)
                 except StorageError:
                     continue
-                index, _ = self._untrained_index(tenant)
-                out[tenant] = pc.count_distinct(index.column("id")).as_py() if index.num_rows else 0
+                self._untrained_index(tenant)
+                out[tenant] = self._index_cache[tenant][2]
             return out
 
         return retry_vanished(read, "computing backlog")
@@ -133,6 +136,8 @@ class Cursors:
         """
         check_tenant(tenant)
         step = int(step)
+        if step < 0:
+            raise CursorError(f"step must be >= 0, got {step}")
         tenant_dir = self.dd.tenant_cursors(tenant)
         with FileLock(self._lock_path(tenant)):
             last = self.latest_step(tenant)
@@ -173,9 +178,8 @@ class Cursors:
             newer = [(s, p) for s, p in self._steps(tenant) if s > base]
             if not newer or (len(newer) == 1 and not snapshots):
                 return 0
-            ids = sorted(self._trained(tenant))
             top = newer[-1][0]
-            table = pa.table({"id": pa.array(ids, pa.string())}, schema=_IDS_SCHEMA)
+            table = pa.table({"id": pc.unique(self._trained_array(tenant))}, schema=_IDS_SCHEMA)
             write_new_file(tenant_dir / f"trained-{top:020d}.parquet", lambda tmp: pq.write_table(table, tmp))
             # The snapshot covers everything up to `top`: older snapshots and checkpoint-less step dirs go.
             for _, path in snapshots:
@@ -205,57 +209,71 @@ class Cursors:
         return frozenset(self._trained_array(tenant).to_pylist())
 
     def _trained_array(self, tenant: str) -> pa.Array:
-        """Every id trained for `tenant` (duplicates possible): the newest snapshot plus later steps' ids.
-        Each file is read once per instance; the cursor moving costs one small file read."""
+        return retry_vanished(
+            lambda: self._read_trained(self._trained_sources(tenant), tenant), f"reading the cursor of {tenant}"
+        )
 
-        def read() -> pa.Array:
-            snapshots = self._snapshots(tenant)
-            base, sources = -1, []
-            if snapshots:
-                base, path = snapshots[-1]
-                sources.append(path)
-            sources += [p / "ids.parquet" for s, p in self._steps(tenant) if s > base]
-            keys = {str(p) for p in sources}
-            prefix = f"{self.dd.tenant_cursors(tenant)}/"
-            for stale in [k for k in self._id_files if k.startswith(prefix) and k not in keys]:
-                del self._id_files[stale]
-            arrays = []
-            for path in sources:
-                ids = self._id_files.get(str(path))
-                if ids is None:
-                    ids = self._id_files[str(path)] = pq.read_table(path, columns=["id"]).column("id").combine_chunks()
-                arrays.append(ids)
-            return pa.concat_arrays(arrays) if arrays else pa.array([], pa.string())
+    def _trained_sources(self, tenant: str) -> list[Path]:
+        """The files that hold the cursor: the newest snapshot, then the ids of every later step."""
+        snapshots = self._snapshots(tenant)
+        base, sources = -1, []
+        if snapshots:
+            base, path = snapshots[-1]
+            sources.append(path)
+        return sources + [p / "ids.parquet" for s, p in self._steps(tenant) if s > base]
 
-        return retry_vanished(read, f"reading the cursor of {tenant}")
+    def _read_trained(self, sources: list[Path], tenant: str) -> pa.Array:
+        """Every id in `sources` (duplicates possible). Each file is read once per instance, so the cursor
+        moving by one step costs one small file read."""
+        keys = {str(p) for p in sources}
+        prefix = f"{self.dd.tenant_cursors(tenant)}/"
+        for stale in [k for k in self._id_files if k.startswith(prefix) and k not in keys]:
+            del self._id_files[stale]
+        arrays = []
+        for path in sources:
+            ids = self._id_files.get(str(path))
+            if ids is None:
+                ids = self._id_files[str(path)] = pq.read_table(path, columns=["id"]).column("id").combine_chunks()
+            arrays.append(ids)
+        return pa.concat_arrays(arrays) if arrays else pa.array([], pa.string())
 
     def _untrained_index(self, tenant: str) -> tuple[pa.Table, list[str]]:
         """(id, ingested_at, file, row) of every not yet trained trajectory of `tenant`, and the file paths
-        that `file` indexes. Per-file (id, ingested_at) columns are cached, so a scheduler tick reads only
-        files that appeared since the last one."""
+        that `file` indexes.
+
+        Cheap when nothing moved (a directory listing and a cache hit): the result is kept until the file
+        list or the cursor changes, and each file's (id, ingested_at) is read once per instance.
+        """
         paths = live_files(self.dd, "trajectories", tenant)
+        sources = self._trained_sources(tenant)
+        key = (tuple(paths), tuple(str(p) for p in sources))
+        cached = self._index_cache.get(tenant)
+        if cached is not None and cached[0] == key:
+            return cached[1], paths
+
         live = set(paths)
         prefix = f"{self.dd.dataset('trajectories')}/tenant={tenant}/"
-        for stale in [p for p in self._trajectory_index if p.startswith(prefix) and p not in live]:
-            del self._trajectory_index[stale]
+        for stale in [p for p in self._file_ids if p.startswith(prefix) and p not in live]:
+            del self._file_ids[stale]
         parts = []
         for f, path in enumerate(paths):
-            cols = self._trajectory_index.get(path)
+            cols = self._file_ids.get(path)
             if cols is None:
-                t = conform(read_file(self.dd, path, columns=["id", "ingested_at"]), _INDEX_SCHEMA, strict=False)
-                cols = self._trajectory_index[path] = t
+                cols = conform(read_file(self.dd, path, columns=["id", "ingested_at"]), _INDEX_SCHEMA, strict=False)
+                self._file_ids[path] = cols
+            n = cols.num_rows
             parts.append(
-                cols.append_column("file", pa.array([f] * cols.num_rows, pa.int32())).append_column(
-                    "row", pa.array(range(cols.num_rows), pa.int64())
-                )
+                cols.append_column("file", pa.array(np.full(n, f, np.int32))).append_column("row", pa.array(np.arange(n)))
             )
-        if not parts:
-            empty = pa.schema([*_INDEX_SCHEMA, pa.field("file", pa.int32()), pa.field("row", pa.int64())]).empty_table()
-            return empty, paths
-        index = pa.concat_tables(parts)
-        trained = self._trained_array(tenant)
-        if len(trained):
-            index = index.filter(pc.invert(pc.is_in(index.column("id"), value_set=trained)))
+        if parts:
+            index = pa.concat_tables(parts)
+            trained = self._read_trained(sources, tenant)
+            if len(trained):
+                index = index.filter(pc.invert(pc.is_in(index.column("id"), value_set=trained)))
+        else:
+            index = pa.schema([*_INDEX_SCHEMA, pa.field("file", pa.int32()), pa.field("row", pa.int64())]).empty_table()
+        distinct = pc.count_distinct(index.column("id")).as_py() if index.num_rows else 0
+        self._index_cache[tenant] = (key, index, distinct)
         return index, paths
 
     def _prune_checkpoints(self, tenant: str) -> None:

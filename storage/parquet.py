@@ -21,6 +21,7 @@ This module knows nothing of what the rows mean; schemas live in schema.py.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import threading
@@ -61,6 +62,7 @@ PARQUET_SUFFIX = ".parquet"
 COMPACTED_PREFIX = "compacted-"
 SUPERSEDES_KEY = b"clora.supersedes"
 COMPRESSION = "zstd"
+ROW_GROUP_ROWS = 16384  # compacted files: small enough that a batch read touches little of a large file
 READ_ATTEMPTS = 8
 
 T = TypeVar("T")
@@ -155,10 +157,14 @@ def _list_partition(dd: DataDir, directory: Path) -> list[pafs.FileInfo]:
 
 
 def _superseded_by(dd: DataDir, directory: Path, infos: list[pafs.FileInfo] | None = None) -> dict[str, str]:
-    """name -> the compacted file (in this partition) that supersedes it."""
+    """name -> the newest compacted file (in this partition) that supersedes it.
+
+    Newest (names sort by creation time) because a later merge of a compacted file supersedes what that
+    file superseded: the newest superseder is the live file that now holds the rows.
+    """
     infos = _list_partition(dd, directory) if infos is None else infos
     out: dict[str, str] = {}
-    for info in sorted(infos, key=lambda i: i.base_name):
+    for info in sorted(infos, key=lambda i: i.base_name, reverse=True):
         if info.base_name.startswith(COMPACTED_PREFIX):
             for name in _footers.get(dd.filesystem, info):
                 out.setdefault(name, info.base_name)
@@ -226,6 +232,20 @@ def read_file(dd: DataDir, path: str, columns: list[str] | None = None) -> pa.Ta
     """One file as stored (no hive columns are added: every file carries its own tenant column)."""
     with dd.filesystem.open_input_file(path) as f:
         return pq.read_table(f, columns=columns)
+
+
+def read_rows(dd: DataDir, path: str, rows: list[int]) -> pa.Table:
+    """Rows `rows` (positions in the file, in that order) of one file, reading only the row groups that
+    hold them: the learner takes a batch out of a large compacted file without reading all of it."""
+    with dd.filesystem.open_input_file(path) as f:
+        pf = pq.ParquetFile(f)
+        sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
+        starts = [sum(sizes[:g]) for g in range(len(sizes))]
+        group_of = [bisect.bisect_right(starts, r) - 1 for r in rows]
+        groups = sorted(set(group_of))
+        table = pf.read_row_groups(groups)
+    at = {g: sum(sizes[h] for h in groups[:k]) for k, g in enumerate(groups)}  # where group g starts in `table`
+    return table.take([at[g] + r - starts[g] for r, g in zip(rows, group_of)])
 
 
 def read_dataset(root, dataset: str, tenant: str | None = None) -> pa.Table:

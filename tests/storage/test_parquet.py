@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from storage.layout import DATASETS, DataDir, InvalidName
-from storage.parquet import live_files, read_dataset, read_ids, write_dataset
+from storage.parquet import live_files, read_dataset, read_ids, read_rows, write_dataset
 from storage.schema import INTERACTIONS, SCHEMA_VERSION, SCHEMAS, TRAJECTORIES, SchemaMismatch
 
 pytestmark = pytest.mark.unit
@@ -174,3 +174,14 @@ def test_files_of_an_older_schema_stay_readable(data_dir, make_trajectories):
     back = read_dataset(data_dir, "trajectories")
     assert back.schema == TRAJECTORIES
     assert back.column("completion_logprobs").to_pylist() == [None]
+
+
+def test_read_rows_reads_the_rows_asked_for_in_order(tmp_path, make_trajectories):
+    table = make_trajectories([f"id{i:02d}" for i in range(20)])
+    path = tmp_path / "groups.parquet"
+    pq.write_table(table, path, row_group_size=3)
+    assert pq.ParquetFile(path).metadata.num_row_groups == 7
+    rows = [19, 0, 7, 8, 3, 7]
+    got = read_rows(DataDir(tmp_path), str(path), rows)
+    assert got.column("id").to_pylist() == [f"id{i:02d}" for i in rows]
+    assert got.equals(table.take(rows))

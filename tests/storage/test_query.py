@@ -116,3 +116,23 @@ def test_bad_sql_raises_duckdb_error(data_dir):
 def test_statement_without_result(data_dir):
     assert query(data_dir, "create table scratch (a int)").num_columns in (0, 1)
     assert isinstance(query(data_dir, "select 1 as one"), pa.Table)
+
+
+def test_an_open_connection_blocks_no_writer(data_dir, make_trajectories, peft_writer):
+    """Views are a snapshot of the file list; writers, compaction and the registry go on meanwhile."""
+    from storage.compact import compact
+
+    _fill(data_dir, make_trajectories)
+    con = connect(data_dir)
+    try:
+        before = con.sql("select count(*) from trajectories").fetchall()
+        write_dataset(data_dir, "trajectories", make_trajectories(["new"], "acme", start=99), file_id="new")
+        compact(data_dir, grace_s=3600)  # merges, keeps the inputs (grace period) so `con` can still read them
+        reg = Registry(data_dir)
+        reg.create("acme", parent=None, write=peft_writer)
+        reg.publish("acme", 1)
+        assert con.sql("select count(*) from trajectories").fetchall() == before, "a snapshot"
+    finally:
+        con.close()
+    assert query(data_dir, "select count(*) as n from trajectories").to_pylist() == [{"n": before[0][0] + 1}]
+    assert query(data_dir, "select name from adapters where latest").to_pylist() == [{"name": "acme@1"}]
