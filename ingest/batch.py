@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from ingest.events import DeadLetter, FeedbackEvent, InteractionEvent, decode
 from ingest.pending import Key, PendingStore
@@ -50,8 +50,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_SCORER = "feedback"  # the scorer of tenants created on the fly (ingest.unknown_tenant = "create")
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
+class Record(NamedTuple):
     """One consumed Kafka message (value None for a tombstone)."""
 
     topic: str
@@ -110,8 +109,20 @@ class Processor:
 
     def process(self, records: list[Record], store: PendingStore, now_ms: int) -> Output:
         out = Output()
+        for rec in records:
+            first, _ = out.ranges.get((rec.topic, rec.partition), (rec.offset, rec.offset))
+            out.ranges[(rec.topic, rec.partition)] = (first, rec.offset)
+
+        # Pass 1: decode, then ask the store about every key of the batch at once (vectorised lookups).
+        decoded = [(Coords(r.topic, r.partition, r.offset), r.value or b"") for r in records]
+        events = [decode(raw, max_bytes=self.max_message_bytes) for _, raw in decoded]
+        keys = {(ev.tenant, ev.id) for ev in events if not isinstance(ev, DeadLetter)}
+        stored_interactions = store.interactions.present(keys)
+        scored = store.trajectories.present(keys)  # grows with this batch's trajectories
+        stored_feedback = store.feedback.present(at for (at, _), ev in zip(decoded, events) if isinstance(ev, FeedbackEvent))
+        stored_dead = store.dead_letters.present(at for at, _ in decoded)
+
         new_interactions: dict[Key, InteractionRow] = {}
-        scored: set[Key] = set()
         to_fetch: dict[Key, FeedbackRow] = {}  # feedback whose interaction is on disk
 
         def score(row: InteractionRow, reward: float, source: str) -> None:
@@ -120,18 +131,14 @@ class Processor:
             store.pending.pop((row.tenant, row.id), None)
 
         def reject(dl: DeadLetter, raw: bytes, at: Coords) -> None:
-            if at in store.dead_letters:
+            if at in stored_dead:
                 out.duplicates += 1
                 return
             out.dead_letters.append(Rejected(dead_letter_row(dl, raw, at, now_ms), raw, at))
             out.reasons[dl.reason] += 1
 
-        for rec in records:
-            at = Coords(rec.topic, rec.partition, rec.offset)
-            first, _ = out.ranges.get((rec.topic, rec.partition), (rec.offset, rec.offset))
-            out.ranges[(rec.topic, rec.partition)] = (first, rec.offset)
-            raw = rec.value or b""
-            ev = decode(raw, max_bytes=self.max_message_bytes)
+        # Pass 2: one decision per record, in Kafka order.
+        for (at, raw), ev in zip(decoded, events):
             if isinstance(ev, DeadLetter):
                 reject(ev, raw, at)
                 continue
@@ -144,19 +151,18 @@ class Processor:
             if isinstance(ev, InteractionEvent):
                 row = interaction_row(ev, at, now_ms)
                 reward = None
-                if spec in self.functions and key not in scored and key not in store.trajectories:
+                if spec in self.functions and key not in scored:
                     try:
                         reward = apply(self.functions[spec], row.completion, row.prompt)
                     except ScorerError as e:
                         reject(DeadLetter("scorer_error", f"scorer {spec!r}: {e}", ev.tenant, ev.id), raw, at)
                         continue
-                is_new = key not in new_interactions and key not in store.interactions
-                if is_new:
+                if key in new_interactions:
+                    out.duplicates += 1
+                else:
                     out.interactions.append(row)
                     new_interactions[key] = row
-                else:
-                    out.duplicates += 1
-                if key in scored or key in store.trajectories:
+                if key in scored:
                     continue
                 if reward is not None:
                     score(row, reward, spec)
@@ -167,19 +173,19 @@ class Processor:
                     if fb is not None and store.within_expiry(fb.ts, row.ts):
                         score(row, fb.score, fb.source or "feedback")
 
-            elif isinstance(ev, FeedbackEvent):
+            else:
                 fb = feedback_row(ev, at, now_ms)
-                if at in store.feedback:
+                if at in stored_feedback:
                     out.duplicates += 1
                 else:
                     out.feedback.append(fb)
-                if key in scored or key in store.trajectories or spec in self.functions:
+                if key in scored or spec in self.functions:
                     continue
                 row = new_interactions.get(key)
                 if row is not None:
                     if store.within_expiry(fb.ts, row.ts):
                         score(row, fb.score, fb.source or "feedback")
-                elif key in store.interactions:
+                elif key in stored_interactions:
                     to_fetch.setdefault(key, fb)
                 else:
                     store.pending.setdefault(key, fb)
@@ -188,6 +194,8 @@ class Processor:
             stored = store.fetch_interactions(to_fetch)
             for key, fb in to_fetch.items():
                 row = stored.get(key)
+                if key in scored:
+                    continue
                 if row is None:  # indexed but not found (a hash collision): wait like any early feedback
                     store.pending.setdefault(key, fb)
                 elif store.within_expiry(fb.ts, row.ts):

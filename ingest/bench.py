@@ -69,11 +69,17 @@ def workload(n: int, seed: int = 0):
     """n Kafka messages as (topic kind, key, value): interactions, 10% feedback, 5% malformed."""
     rng = random.Random(seed)
     names = list(TENANTS)
-    malformed = [b"{truncated", b"\xff\xfe\x00", b'{"type":"interaction","id":"x","ts":0}', b'{"type":"click","tenant":"acme"}']
+    malformed = [  # one of each: the reasons show up by name in the results
+        lambda i: b'{"type":"interaction","id":"req-%d","tenant":' % i,
+        lambda i: b"\xff\xfe" + str(i).encode(),
+        lambda i: json.dumps({"type": "interaction", "id": f"req-{i}", "ts": 0, "prompt": "p", "completion": "c"}).encode(),
+        lambda i: json.dumps({"type": "click", "id": f"req-{i}", "tenant": "acme", "ts": 0}).encode(),
+        lambda i: json.dumps({"type": "feedback", "id": f"req-{i}", "tenant": "acme", "ts": 0, "score": 5}).encode(),
+    ]
     for i in range(n):
         tenant = names[i % len(names)]
         if i % 20 == 10:
-            yield "interactions", tenant, malformed[(i // 20) % len(malformed)] + str(i).encode()
+            yield "interactions", tenant, malformed[(i // 20) % len(malformed)](i)
         elif i % 10 == 5:
             yield "feedback", tenant, encode(FeedbackEvent(id=f"req-{i - 5:09d}", tenant=tenant, score=rng.choice([-1.0, 0.5, 1.0]), source="thumbs"))
         else:
@@ -136,6 +142,7 @@ def clora_ingest(bootstrap: str, topics: dict[str, str], root: Path, n: int) -> 
     from ingest.batch import Processor
     from ingest.consumer import Ingest
     from ingest.metrics import IngestMetrics
+    from ingest.process import tune_gc
 
     metrics = IngestMetrics()
     ingest = Ingest(
@@ -153,6 +160,7 @@ def clora_ingest(bootstrap: str, topics: dict[str, str], root: Path, n: int) -> 
         heartbeat_interval_ms=2000,
         metrics=metrics,
     )
+    tune_gc()  # as `python -m ingest` does
     ingest.run(threading.Event(), once=True, max_seconds=600)
     seconds = ingest.last_flush_at - ingest.assigned_at
     return {

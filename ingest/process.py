@@ -8,6 +8,7 @@ then flushed and committed), and runs. Exit code 0 on a clean stop.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import threading
@@ -18,6 +19,19 @@ from ingest.consumer import Ingest
 from ingest.metrics import IngestMetrics
 
 logger = logging.getLogger(__name__)
+
+
+def tune_gc() -> None:
+    """Makes the cyclic garbage collector run ~70x less often.
+
+    Ingest allocates ~20 container objects per message (decoded JSON, events, rows); with the default
+    gen-0 threshold of 700 the collector runs every ~35 messages and costs ~20% of throughput, while
+    nothing ingest allocates forms cycles that need prompt collection. Objects alive at start (modules,
+    the Kafka clients) are frozen out of every later collection.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
 
 
 def build(cfg: Config, metrics: IngestMetrics | None = None) -> Ingest:
@@ -48,6 +62,7 @@ def run(cfg: Config, *, once: bool = False, max_seconds: float | None = None) ->
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop.set())
     ingest = build(cfg)
+    tune_gc()
     try:
         ingest.run(stop, once=once, max_seconds=max_seconds)
     finally:

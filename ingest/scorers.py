@@ -97,7 +97,7 @@ def uppercase(completion: str, prompt: str) -> float:
     letters = sum(map(str.isalpha, completion))
     if not letters:
         return 0.0
-    return sum(ch.isupper() for ch in completion if ch.isalpha()) / letters
+    return sum(map(str.isupper, filter(str.isalpha, completion))) / letters
 
 
 def python(target: str) -> Scorer:

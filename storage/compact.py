@@ -52,7 +52,7 @@ from storage.parquet import (
     partition_listing,
     partition_tenants,
     read_file,
-    read_supersedes,
+    supersedes,
 )
 from storage.schema import SCHEMAS, conform
 
@@ -163,7 +163,7 @@ def _merge(dd, dataset: str, directory: Path, batch: list) -> tuple[str, int]:
     for info in batch:
         names.add(info.base_name)
         if info.base_name.startswith(COMPACTED_PREFIX):
-            names.update(read_supersedes(dd.filesystem, info.path))  # transitive: a replay of those stays a no-op
+            names.update(supersedes(dd, info))  # transitive: a replay of those stays a no-op
         tables.append(conform(read_file(dd, info.path), schema, strict=False))
     merged = pa.concat_tables(tables)
     merged = merged.replace_schema_metadata({**schema.metadata, SUPERSEDES_KEY: json.dumps(sorted(names)).encode()})
@@ -179,12 +179,19 @@ def _merge(dd, dataset: str, directory: Path, batch: list) -> tuple[str, int]:
 
 
 def _remove_superseded(dd, dataset: str, tenant: str, grace_s: float) -> tuple[int, int]:
-    """Deletes superseded files whose superseding file is older than grace_s; returns (deleted, kept)."""
+    """Deletes files that have been superseded for at least grace_s; returns (deleted, kept for now).
+
+    "Superseded since" is the time the *first* compacted file naming it appeared (later merges name it
+    again, and must not push its deletion back for ever)."""
     on_disk, superseded = partition_listing(dd, dataset, tenant)
+    since: dict[str, int] = {}
+    for info in on_disk:
+        if info.base_name.startswith(COMPACTED_PREFIX):
+            for name in supersedes(dd, info):
+                since[name] = min(since.get(name, info.mtime_ns), info.mtime_ns)
     now_ns = time.time_ns()
-    age = {i.base_name: (now_ns - i.mtime_ns) / 1e9 for i in on_disk}
     doomed = [i for i in on_disk if i.base_name in superseded]
-    due = [i for i in doomed if age.get(superseded[i.base_name], 0.0) >= grace_s]
+    due = [i for i in doomed if (now_ns - since.get(i.base_name, now_ns)) / 1e9 >= grace_s]
     for info in due:
         Path(info.path).unlink(missing_ok=True)
     if due:

@@ -139,6 +139,11 @@ class _FooterCache:
 _footers = _FooterCache()
 
 
+def supersedes(dd: DataDir, info: pafs.FileInfo) -> tuple[str, ...]:
+    """The names a compacted file supersedes (from its footer; cached, the file never changes)."""
+    return _footers.get(dd.filesystem, info)
+
+
 def read_supersedes(fs: pafs.FileSystem, path: str) -> tuple[str, ...]:
     with fs.open_input_file(path) as f:
         meta = pq.read_metadata(f).metadata or {}
@@ -166,7 +171,7 @@ def _superseded_by(dd: DataDir, directory: Path, infos: list[pafs.FileInfo] | No
     out: dict[str, str] = {}
     for info in sorted(infos, key=lambda i: i.base_name, reverse=True):
         if info.base_name.startswith(COMPACTED_PREFIX):
-            for name in _footers.get(dd.filesystem, info):
+            for name in supersedes(dd, info):
                 out.setdefault(name, info.base_name)
     return out
 

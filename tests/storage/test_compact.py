@@ -75,6 +75,19 @@ def test_inputs_stay_for_the_grace_period_but_are_not_read(data_dir, make_trajec
     assert len(_files_on_disk(data_dir)) == 1
 
 
+def test_grace_period_counts_from_the_first_merge(data_dir, make_trajectories):
+    """Each run re-merges the (small) compacted file with new files; that must not postpone deletes for ever."""
+    _write_files(data_dir, make_trajectories, 3, prefix="a")
+    first = compact_partition(data_dir, "trajectories", "acme", grace_s=0.3)
+    assert (first.inputs, first.removed, first.waiting) == (3, 0, 3)
+    _write_files(data_dir, make_trajectories, 2, prefix="b")
+    time.sleep(0.35)
+    second = compact_partition(data_dir, "trajectories", "acme", grace_s=0.3)
+    # a* have been superseded since the first run: deleted; the first merged file and b* only just now.
+    assert (second.inputs, second.removed, second.waiting) == (3, 3, 3)
+    assert read_dataset(data_dir, "trajectories").num_rows == 20
+
+
 def test_target_size_splits_output_and_skips_large_files(data_dir, make_trajectories):
     _write_files(data_dir, make_trajectories, 8)
     size = (data_dir / "trajectories" / "tenant=acme" / "f0000.parquet").stat().st_size

@@ -1,0 +1,159 @@
+"""Hot-swap bookkeeping against a real registry and real validation, with a fake engine that records
+what is loaded: newest published version becomes current, leases pin old versions until released,
+corrupt versions are refused, explicit versions load on demand."""
+
+import asyncio
+import functools
+
+import pytest
+
+from make_adapter import write_peft_adapter
+from serving.adapter_check import base_linear_shapes, validate_adapter
+from serving.adapters import AdapterSet, UnknownVersion
+from serving.engine import AdapterHandle
+from serving.metrics import ServingMetrics
+from storage.registry import Registry
+
+pytestmark = pytest.mark.unit
+
+
+class FakeEngine:
+    """Records loads/unloads; ids are handed out like the real engine's."""
+
+    def __init__(self):
+        self.loaded: dict[int, str] = {}
+        self.next_id = 1
+
+    def new_handle(self, name, path):
+        handle = AdapterHandle(name, self.next_id, path)
+        self.next_id += 1
+        return handle
+
+    async def load_adapter(self, adapter):
+        self.loaded[adapter.lora_id] = adapter.name
+
+    async def unload_adapter(self, adapter):
+        del self.loaded[adapter.lora_id]
+
+
+@pytest.fixture
+def world(tmp_path, tiny_model):
+    registry = Registry(tmp_path / "data")
+    check = functools.partial(validate_adapter, max_rank=16, base_shapes=base_linear_shapes(tiny_model))
+    engine = FakeEngine()
+    adapters = AdapterSet(engine, registry, ["acme", "globex"], check, ServingMetrics())
+
+    def publish(tenant, seed, corrupt=False):
+        def write(d):
+            write_peft_adapter(tiny_model, d, seed=seed, rank=4)
+            if corrupt:
+                (d / "adapter_model.safetensors").write_bytes(b"not safetensors")
+        v = registry.create(tenant, parent=None, write=write)
+        registry.publish(tenant, v.number)
+        return v.number
+
+    return registry, engine, adapters, publish
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_newest_published_becomes_current_and_old_leaves_when_released(world):
+    registry, engine, adapters, publish = world
+
+    async def scenario():
+        await adapters.refresh()
+        assert adapters.current("acme") == "base"
+        base = await adapters.acquire("acme")
+        assert base.adapter is None and base.label == "base"
+
+        publish("acme", seed=1)
+        await adapters.refresh()
+        held = await adapters.acquire("acme")
+        assert held.label == "acme@1" and set(engine.loaded.values()) == {"acme@1"}
+
+        publish("acme", seed=2)
+        await adapters.refresh()
+        assert adapters.current("acme") == "acme@2"
+        assert set(engine.loaded.values()) == {"acme@1", "acme@2"}  # acme@1 still has a lease
+        fresh = await adapters.acquire("acme")
+        assert fresh.label == "acme@2"
+        held.release()
+        held.release()  # idempotent
+        await adapters.drain()
+        assert set(engine.loaded.values()) == {"acme@2"}
+        fresh.release()
+        await adapters.drain()
+        assert set(engine.loaded.values()) == {"acme@2"}  # current stays loaded
+        assert adapters.metrics.adapter_version.labels("acme")._value.get() == 2
+
+    run(scenario())
+
+
+def test_corrupt_version_is_refused_and_tenant_keeps_its_version(world):
+    registry, engine, adapters, publish = world
+
+    async def scenario():
+        publish("acme", seed=1)
+        await adapters.refresh()
+        bad = publish("acme", seed=2, corrupt=True)
+        await adapters.refresh()
+        assert adapters.current("acme") == "acme@1"
+        assert f"acme@{bad}" in adapters.refused()
+        assert "cannot be read" in adapters.refused()[f"acme@{bad}"]
+        assert adapters.metrics.refused.labels("acme")._value.get() == 1
+        with pytest.raises(UnknownVersion, match="cannot be served"):
+            await adapters.acquire("acme", bad)
+        await adapters.refresh()  # not retried on every poll
+        assert adapters.metrics.refused.labels("acme")._value.get() == 1
+        publish("acme", seed=3)  # the fix is a new version
+        await adapters.refresh()
+        assert adapters.current("acme") == "acme@3"
+
+    run(scenario())
+
+
+def test_explicit_versions_load_on_demand_and_unknown_ones_are_404(world):
+    registry, engine, adapters, publish = world
+
+    async def scenario():
+        publish("acme", seed=1)
+        publish("acme", seed=2)
+        await adapters.refresh()
+        assert set(engine.loaded.values()) == {"acme@2"}
+        old = await adapters.acquire("acme", 1)
+        again = await adapters.acquire("acme", 1)
+        assert old.label == again.label == "acme@1" and old.adapter == again.adapter
+        assert set(engine.loaded.values()) == {"acme@1", "acme@2"}
+        old.release()
+        again.release()
+        await adapters.drain()
+        assert set(engine.loaded.values()) == {"acme@2"}
+        current = await adapters.acquire("acme", 2)
+        assert current.adapter.name == "acme@2"
+        for missing in (3, 99):
+            with pytest.raises(UnknownVersion, match="does not exist"):
+                await adapters.acquire("acme", missing)
+        registry.retire("acme", 1)
+        with pytest.raises(UnknownVersion, match="retired"):
+            await adapters.acquire("acme", 1)
+
+    run(scenario())
+
+
+def test_concurrent_requests_for_one_version_load_it_once(world):
+    registry, engine, adapters, publish = world
+
+    async def scenario():
+        publish("globex", seed=1)
+        publish("globex", seed=2)
+        leases = await asyncio.gather(*[adapters.acquire("globex", 1) for _ in range(5)])
+        assert len({lease.adapter.lora_id for lease in leases}) == 1
+        assert list(engine.loaded.values()) == ["globex@1"]
+        for lease in leases:
+            lease.release()
+        await adapters.drain()
+        assert engine.loaded == {}
+
+    run(scenario())

@@ -1,0 +1,82 @@
+"""OpenAI request parsing at the edge and response/chunk shapes, without an engine."""
+
+import json
+
+import pytest
+
+from serving import protocol
+from serving.engine import Choice, Delta, TokenLogprob
+from serving.errors import BadRequest
+
+pytestmark = pytest.mark.unit
+
+
+def test_chat_request_defaults_and_sampling():
+    req = protocol.parse(protocol.ChatRequest, json.dumps(
+        {"model": "acme", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}],
+         "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 3, "stop": "\n", "future_field": 1}).encode())
+    assert req.plain_messages() == [{"role": "user", "content": "hi there"}]
+    s = req.sampling(default_max_tokens=32)
+    assert (s.max_tokens, s.top_logprobs, s.stop, s.n, s.temperature) == (7, 3, ("\n",), 1, 1.0)
+    no_logprobs = protocol.parse(protocol.ChatRequest, b'{"model":"m","messages":[{"role":"user","content":"x"}]}')
+    assert no_logprobs.sampling(32).top_logprobs == 0 and no_logprobs.sampling(32).max_tokens == 32
+
+
+def test_bad_bodies_list_every_problem():
+    with pytest.raises(BadRequest) as e:
+        protocol.parse(protocol.ChatRequest, b'{"model": "", "messages": [], "temperature": 9}')
+    for field in ("model", "messages", "temperature"):
+        assert field in e.value.message
+    with pytest.raises(BadRequest, match="not JSON"):
+        protocol.parse(protocol.ChatRequest, b"{nope")
+    with pytest.raises(BadRequest, match="JSON object"):
+        protocol.parse(protocol.ChatRequest, b"[1]")
+    with pytest.raises(BadRequest, match="score"):
+        protocol.parse(protocol.FeedbackRequest, b'{"id": "x", "score": 1.5}')
+
+
+def test_completion_prompt_forms():
+    one = protocol.parse(protocol.CompletionRequest, b'{"model":"m","prompt":["only"]}')
+    assert one.single_prompt() == "only"
+    ids = protocol.parse(protocol.CompletionRequest, b'{"model":"m","prompt":[5, 6, 7]}')
+    assert ids.single_prompt() == [5, 6, 7]
+    with pytest.raises(BadRequest, match="one prompt per request"):
+        protocol.parse(protocol.CompletionRequest, b'{"model":"m","prompt":["a","b"]}').single_prompt()
+    with pytest.raises(BadRequest, match="echo"):
+        protocol.parse(protocol.CompletionRequest, b'{"model":"m","prompt":"a","echo":true}').single_prompt()
+
+
+def _choice():
+    lps = [TokenLogprob(5, "He", -0.5, ((5, "He", -0.5), (9, "Hi", -1.0))), TokenLogprob(6, "llo", -0.25, ((6, "llo", -0.25),))]
+    c = Choice(0)
+    c.add(Delta(0, "Hello", [5, 6], lps, "stop"))
+    return c
+
+
+def test_chat_response_shape():
+    body = protocol.chat_response("chatcmpl-1", "acme@2", [_choice()], prompt_tokens=4, with_logprobs=True)
+    assert body["object"] == "chat.completion" and body["model"] == "acme@2"
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "Hello"} and choice["finish_reason"] == "stop"
+    first = choice["logprobs"]["content"][0]
+    assert first["token"] == "He" and first["logprob"] == -0.5 and first["bytes"] == [72, 101]
+    assert [t["token"] for t in first["top_logprobs"]] == ["He", "Hi"]
+    assert protocol.chat_response("x", "m", [_choice()], 1, with_logprobs=False)["choices"][0]["logprobs"] is None
+
+
+def test_completion_logprobs_layout():
+    lp = protocol.completion_logprobs(_choice().logprobs, text_start=3)
+    assert lp == {"tokens": ["He", "llo"], "token_logprobs": [-0.5, -0.25],
+                  "top_logprobs": [{"He": -0.5, "Hi": -1.0}, {"llo": -0.25}], "text_offset": [3, 5]}
+
+
+def test_stream_chunks_and_sse():
+    d = Delta(1, "lo", [6], [], None)
+    chunk = protocol.chat_chunk("c", "m", 10, d)
+    assert chunk["choices"] == [{"index": 1, "delta": {"content": "lo"}, "logprobs": None, "finish_reason": None}]
+    opening = protocol.chat_chunk("c", "m", 10, None, index=0, role=True)
+    assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert protocol.chat_chunk("c", "m", 10, None)["choices"] == []
+    assert protocol.sse("[DONE]") == b"data: [DONE]\n\n"
+    assert json.loads(protocol.sse(chunk)[6:]) == chunk

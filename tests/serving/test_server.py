@@ -1,0 +1,240 @@
+"""The serving process end to end: real engine on the tiny model, real broker, the official openai client.
+
+One server for the whole session (`server` in conftest.py); each test works with its own tenants so
+the order of tests does not matter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+
+import httpx
+import openai
+import pytest
+import safetensors.torch
+
+from make_adapter import publish_adapter, write_peft_adapter
+from storage.registry import Registry
+
+pytestmark = pytest.mark.integration
+
+MESSAGES = [{"role": "user", "content": "Give me 5 digits."}]
+
+
+def client(server, tenant, async_=False):
+    cls = openai.AsyncOpenAI if async_ else openai.OpenAI
+    return cls(base_url=server.base_url + "/v1", api_key=server.keys[tenant], max_retries=0, timeout=120)
+
+
+def read_events(bootstrap, topic, ids, timeout=30.0) -> dict[str, dict]:
+    """The events with these ids on `topic` (read from the beginning, no consumer group)."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=500)
+    try:
+        partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+        consumer.assign(partitions)
+        consumer.seek_to_beginning(*partitions)
+        found: dict[str, dict] = {}
+        deadline = time.monotonic() + timeout
+        while set(ids) - set(found) and time.monotonic() < deadline:
+            for message in consumer:
+                event = json.loads(message.value)
+                if event["id"] in ids:
+                    assert message.key.decode() == event["tenant"]
+                    found[event["id"]] = event
+        return found
+    finally:
+        consumer.close()
+
+
+def chat(server, tenant, model=None, **kwargs):
+    kwargs = {"max_tokens": 8, "temperature": 0, **kwargs}
+    raw = client(server, tenant).chat.completions.with_raw_response.create(
+        model=model or tenant, messages=MESSAGES, **kwargs
+    )
+    return raw.headers, raw.parse()
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_three_tenants_share_the_engine_each_with_its_own_adapter(server, tiny_model):
+    for tenant, seed in (("acme", 11), ("globex", 12)):
+        n = publish_adapter(server.data_dir, tenant, tiny_model, seed=seed)
+        server.wait_for_version(tenant, f"{tenant}@{n}")
+    expected_label = {"acme": server.health()["adapters"]["acme"], "globex": server.health()["adapters"]["globex"],
+                      "initech": "base"}
+    alone = {t: chat(server, t)[1].choices[0].message.content for t in expected_label}
+    assert len(set(alone.values())) == 3  # each adapter changes the output
+
+    async def one(tenant):
+        raw = await client(server, tenant, async_=True).chat.completions.with_raw_response.create(
+            model=tenant, messages=MESSAGES, max_tokens=8, temperature=0
+        )
+        return tenant, raw.headers, raw.parse()
+
+    async def together():
+        return await asyncio.gather(*[one(t) for t in expected_label for _ in range(3)])
+
+    results = asyncio.run(together())
+    for tenant, headers, completion in results:
+        assert headers["x-clora-adapter-version"] == expected_label[tenant]
+        assert completion.model == expected_label[tenant]
+        assert headers["x-request-id"] == completion.id
+        # Mixed into one batch (max_loras=2 < three adapters: some waited their turn), every row still
+        # ran on its own adapter -- base-model rows included.
+        assert completion.choices[0].message.content == alone[tenant], tenant
+
+    ids = {c.id: (t, h["x-clora-adapter-version"]) for t, h, c in results}
+    events = read_events(server.bootstrap, "clora.interactions", set(ids))
+    assert set(events) == set(ids)
+    for event_id, event in events.items():
+        tenant, label = ids[event_id]
+        assert event["tenant"] == tenant
+        assert event.get("adapter_version") == (None if label == "base" else label)
+        assert event["messages"] == MESSAGES and event["prompt"].startswith("<|im_start|>user")
+        assert len(event["completion_token_ids"]) == len(event["completion_logprobs"]) > 0
+        assert all(lp <= 0 for lp in event["completion_logprobs"])
+        assert event["metadata"]["usage"]["completion_tokens"] == len(event["completion_token_ids"])
+
+
+def test_models_logprobs_completions_and_feedback(server):
+    models = [m.id for m in client(server, "initech").models.list()]
+    assert models[:2] == ["base", "initech"]
+
+    headers, completion = chat(server, "initech", logprobs=True, top_logprobs=2)
+    content = completion.choices[0].logprobs.content
+    assert len(content) == completion.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in content)
+
+    text = client(server, "initech").completions.create(model="base", prompt="1 2 3", max_tokens=5, logprobs=1)
+    assert text.choices[0].finish_reason in ("stop", "length") and len(text.choices[0].logprobs.tokens) <= 5
+
+    response = httpx.post(server.base_url + "/v1/feedback", json={"id": completion.id, "score": 0.75},
+                          headers={"Authorization": f"Bearer {server.keys['initech']}"})
+    assert response.status_code == 202 and response.headers["x-request-id"]
+    [event] = read_events(server.bootstrap, "clora.feedback", {completion.id}).values()
+    assert (event["tenant"], event["score"], event["source"]) == ("initech", 0.75, "http")
+
+    metrics = urllib.request.urlopen(server.base_url + "/metrics").read().decode()
+    assert 'clora_serving_requests_total{endpoint="chat",status="200",tenant="initech"}' in metrics
+
+
+def test_refusals_use_the_openai_error_shape(server):
+    anonymous = openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        anonymous.chat.completions.create(model="acme", messages=MESSAGES)
+    assert e.value.body["type"] == "authentication_error"
+    no_key = httpx.post(server.base_url + "/v1/chat/completions", json={"model": "base", "messages": MESSAGES})
+    assert no_key.status_code == 401 and set(no_key.json()["error"]) == {"message", "type", "code"}
+    assert no_key.headers["x-request-id"]
+
+    with pytest.raises(openai.PermissionDeniedError) as e:
+        chat(server, "initech", model="acme")
+    assert e.value.body["code"] == "model_not_permitted"
+    for model in ("initech@999", "nobody"):
+        with pytest.raises(openai.NotFoundError) as e:
+            chat(server, "initech", model=model)
+        assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client(server, "initech").chat.completions.create(model="base", messages=[])
+    assert "messages" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client(server, "initech").completions.create(model="base", prompt="word " * 400)
+
+
+def test_hot_swap_under_streaming_load(server, tiny_model):
+    tenant = "umbrella"
+    first = publish_adapter(server.data_dir, tenant, tiny_model, seed=21)
+    server.wait_for_version(tenant, f"{tenant}@{first}")
+    seen: list[tuple[float, str, str, str, int, str]] = []  # (start, label, id, text, tokens, finish)
+    failures: list[BaseException] = []
+    published_at: list[float] = []
+
+    async def stream_once(c):
+        started = time.monotonic()
+        async with c.chat.completions.with_streaming_response.create(
+            model=tenant, messages=MESSAGES, max_tokens=24, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        ) as response:
+            label = response.headers["x-clora-adapter-version"]
+            text, finish, usage, rid = "", None, None, None
+            async for chunk in await response.parse():
+                rid = chunk.id
+                if chunk.usage:
+                    usage = chunk.usage
+                for choice in chunk.choices:
+                    text += choice.delta.content or ""
+                    finish = choice.finish_reason or finish
+        seen.append((started, label, rid, text, usage.completion_tokens, finish))
+
+    async def load(stop_after_new: int):
+        c = client(server, tenant, async_=True)
+        second = None
+
+        async def worker():
+            while second is None or sum(1 for s in seen if s[1] == second) < stop_after_new:
+                try:
+                    await stream_once(c)
+                except Exception as e:  # every failure is reported below
+                    failures.append(e)
+                    return
+
+        async def publisher():
+            nonlocal second
+            await asyncio.sleep(1.0)  # let streams be in flight
+            published_at.append(time.monotonic())
+            n = await asyncio.to_thread(publish_adapter, server.data_dir, tenant, tiny_model, seed=22)
+            second = f"{tenant}@{n}"
+
+        await asyncio.gather(publisher(), *[worker() for _ in range(4)])
+        return second
+
+    second = asyncio.run(load(stop_after_new=4))
+    assert failures == []
+    labels = [s[1] for s in sorted(seen)]
+    assert set(labels) == {f"{tenant}@{first}", second}
+    assert labels.index(second) > 0 and f"{tenant}@{first}" not in labels[labels.index(second):]
+    for _, label, _, text, tokens, finish in seen:  # nothing truncated: every stream ran to its end
+        assert finish in ("stop", "length")
+        assert finish == "stop" or tokens == 24
+    # Every output is exactly what its version produces (weights never changed mid-generation).
+    expected = {label: chat(server, tenant, model=label, max_tokens=24)[1].choices[0].message.content
+                for label in set(labels)}
+    for _, label, _, text, _, _ in seen:
+        assert text == expected[label]
+    events = read_events(server.bootstrap, "clora.interactions", {s[2] for s in seen})
+    assert {e["id"]: e["adapter_version"] for e in events.values()} == {s[2]: s[1] for s in seen}
+
+
+def test_corrupt_adapter_is_refused_and_service_continues(server, tiny_model):
+    tenant = "hooli"
+    good = publish_adapter(server.data_dir, tenant, tiny_model, seed=31)
+    server.wait_for_version(tenant, f"{tenant}@{good}")
+
+    def write_with_nan(directory):
+        write_peft_adapter(tiny_model, directory, seed=32)
+        path = directory / "adapter_model.safetensors"
+        tensors = safetensors.torch.load_file(path)
+        name = sorted(tensors)[0]
+        tensors[name][0, 0] = float("nan")
+        safetensors.torch.save_file(tensors, path)
+
+    registry = Registry(server.data_dir)
+    bad = registry.create(tenant, parent=f"{tenant}@{good}", write=write_with_nan)
+    registry.publish(tenant, bad.number)
+    deadline = time.monotonic() + 30
+    while bad.name not in server.health()["refused_adapters"]:
+        assert time.monotonic() < deadline, server.health()
+        time.sleep(0.05)
+    assert "non-finite" in server.health()["refused_adapters"][bad.name]
+    headers, completion = chat(server, tenant)
+    assert headers["x-clora-adapter-version"] == f"{tenant}@{good}"
+    with pytest.raises(openai.NotFoundError):
+        chat(server, tenant, model=bad.name)
+    metrics = urllib.request.urlopen(server.base_url + "/metrics").read().decode()
+    assert f'clora_serving_adapters_refused_total{{tenant="{tenant}"}} 1.0' in metrics
