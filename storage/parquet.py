@@ -150,8 +150,16 @@ def read_supersedes(fs: pafs.FileSystem, path: str) -> tuple[str, ...]:
     return tuple(json.loads(meta.get(SUPERSEDES_KEY, b"[]")))
 
 
+def _list_dir(dd: DataDir, directory: Path) -> list[pafs.FileInfo]:
+    """The entries of `directory`; none if it does not exist (yet)."""
+    try:
+        return dd.filesystem.get_file_info(pafs.FileSelector(str(directory), allow_not_found=True))
+    except FileNotFoundError:  # created by a writer between pyarrow's existence check and its listing
+        return []
+
+
 def _list_partition(dd: DataDir, directory: Path) -> list[pafs.FileInfo]:
-    infos = dd.filesystem.get_file_info(pafs.FileSelector(str(directory), allow_not_found=True))
+    infos = _list_dir(dd, directory)
     return [
         i
         for i in infos
@@ -192,7 +200,7 @@ def partition_files(dd: DataDir, dataset: str, tenant: str) -> list[pafs.FileInf
 def partition_tenants(root, dataset: str) -> list[str]:
     """Tenants that have a partition directory in `dataset`, sorted."""
     dd = as_datadir(root)
-    infos = dd.filesystem.get_file_info(pafs.FileSelector(str(dd.dataset(dataset)), allow_not_found=True))
+    infos = _list_dir(dd, dd.dataset(dataset))
     tenants = []
     for i in infos:
         if i.type == pafs.FileType.Directory and i.base_name.startswith("tenant="):

@@ -4,15 +4,16 @@ Views: interactions, feedback, trajectories, dead_letters, train_steps (one per 
 in schema.py) and adapters (one row per registry version).
 
 Each dataset view reads an explicit list of files, `parquet.live_files`, rather than a glob: a glob would
-count rows twice while a compaction is between renaming its merged file in and deleting the inputs. The
+count rows twice while compacted inputs still lie on disk (until compaction's grace period is over). The
 files are read with hive_partitioning and union_by_name (files written by older schema versions lack new
 columns), and are unioned BY NAME with an empty table of the current schema, so every view has every
 column, with the right type, even when a dataset has no files yet (a query then returns 0 rows).
 
 The views are a snapshot of the file list at `connect()` time: files written later appear on the next
-connect, and `query` (one connection per call) retries once more if a compaction deleted a file it was
-about to read. Nothing here takes a lock or opens a file for writing, so queries never block ingest,
-the learner or compaction, and any number of processes may query at once.
+connect. Compaction deletes merged inputs only after a grace period (compact.GRACE_S, 60 s), so a
+connection younger than that can always read its files; `query` (one connection per call) lists again and
+retries if a file vanished anyway. Nothing here takes a lock or opens a file for writing, so queries never
+block ingest, the learner or compaction, and any number of processes may query at once.
 
 Moving the data dir to object storage: DuckDB reads s3:// paths with its httpfs extension; live_files
 would list through the pyarrow S3 filesystem (see layout.py).
