@@ -136,6 +136,20 @@ class LearnerConfig(_Strict):
     gate_reward_tolerance: float = Field(
         0.1, ge=0, description="Publish gate: held-out reward may fall at most this much below the parent's."
     )
+    gate_max_abs_reward: float = Field(
+        100.0, gt=0, description="Publish gate: a batch with a non-finite reward or one beyond +-this is rejected."
+    )
+    gate_prompts: int = Field(
+        4, ge=0, description="Publish gate: probe prompts greedy-decoded to compare rewards with the parent (0: off)."
+    )
+    rollout_sampler: Literal["serving", "local"] = Field(
+        "serving",
+        description="Rollouts mode: sample through the serving tier's HTTP API, or with the learner's own model.",
+    )
+    max_new_tokens: int = Field(32, ge=1, description="Completion length of rollouts and of the gate's probes.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient norm clip of every update.")
+    device: str = Field("auto", description="Device of the learner's model: auto (cuda if present), cpu, cuda, cuda:N.")
 
 
 class LoraConfig(_Strict):

@@ -28,7 +28,7 @@ name = "{p}-app"
 api_key = "sk-demo-{p}-0000"
 scorer = "feedback"
 mode = "logs"
-learning_rate = 5e-3
+learning_rate = 1e-2
 batch_size = 16
 lora = {{ rank = 8, alpha = 16 }}
 """

@@ -157,7 +157,7 @@ class Processor:
                     except ScorerError as e:
                         reject(DeadLetter("scorer_error", f"scorer {spec!r}: {e}", ev.tenant, ev.id), raw, at)
                         continue
-                if key in new_interactions:
+                if key in new_interactions or key in stored_interactions:
                     out.duplicates += 1
                 else:
                     out.interactions.append(row)

@@ -14,8 +14,9 @@ The dead-letter *topic* is at least once (a crash between 2 and 4 sends those ag
 Parquet is exactly once.
 
 Rebalances (several `clora ingest` processes in one group split the partitions): on revocation the
-buffer is flushed and committed, then the in-memory view is dropped; on assignment it is rebuilt from the
-datasets, so whatever the previous owner wrote is seen. The range assignor keeps both topics' partition
+buffer is flushed and committed, then the in-memory view is dropped; after an assignment it is rebuilt
+from the datasets (right after poll() returns, outside the listener, so heartbeats go on meanwhile), so
+whatever the previous owner wrote is seen. The range assignor keeps both topics' partition
 i on one process, which is what lets feedback find its interaction (both are keyed by tenant).
 
 Stopping: `stop` (an Event the process's signal handler sets) is checked after every poll; the buffer is
@@ -223,6 +224,8 @@ class Ingest:
         while not stop.is_set():
             room = self.flush_rows - len(self.buffer)
             polled = self.consumer.poll(timeout_ms=POLL_MS, max_records=max(room, 1))
+            if self.store is None and self.consumer.assignment():
+                self.load_store()
             for tp, messages in polled.items():
                 if not self.buffer:
                     self.buffer_since = time.monotonic()
@@ -311,10 +314,15 @@ class Ingest:
         self.store = None
 
     def assigned(self, partitions: list[TopicPartition]) -> None:
+        # The store view is rebuilt after poll() returns, not here: a listener runs inside the consumer's
+        # network loop, and a long load would hold up heartbeats until the group evicts this process.
         logger.info("ingest: assigned partitions %s", _names(partitions))
+        self.store = None
+
+    def load_store(self) -> None:
         self.store = PendingStore.load(self.root, expiry_ms=self.expiry_ms, now_ms=now_ms())
-        self.assigned_at = self.assigned_at or time.monotonic()
         self.metrics.set_pending(len(self.store.pending))
+        self.assigned_at = self.assigned_at or time.monotonic()
 
     # --- progress -------------------------------------------------------------------------------------
 

@@ -34,15 +34,25 @@ class KeyIndex:
 
     @classmethod
     def from_keys(cls, keys: Iterable[Hashable], values: Iterable[int] | None = None) -> KeyIndex:
-        index = cls()
         hashes = np.fromiter((hash(k) for k in keys), dtype=np.int64)
         vals = np.zeros(len(hashes), dtype=np.int32) if values is None else np.fromiter(values, dtype=np.int32)
-        if len(vals) != len(hashes):
-            raise ValueError(f"{len(hashes)} keys but {len(vals)} values")
+        return cls.from_hashes(hashes, vals)
+
+    @classmethod
+    def from_hashes(cls, hashes: np.ndarray, values: np.ndarray) -> KeyIndex:
+        """From `hash(key)` values (int64) and their int32 values, e.g. gathered file by file."""
+        if len(values) != len(hashes):
+            raise ValueError(f"{len(hashes)} keys but {len(values)} values")
+        index = cls()
         # np.unique keeps the first occurrence's index: the earliest file wins for a key stored twice.
-        index._hashes, first = np.unique(hashes, return_index=True)
-        index._values = vals[first]
+        index._hashes, first = np.unique(hashes.astype(np.int64, copy=False), return_index=True)
+        index._values = values.astype(np.int32, copy=False)[first]
         return index
+
+    @staticmethod
+    def hash_keys(columns: list[list]) -> np.ndarray:
+        """hash() of each row's key tuple, the key's parts given column by column."""
+        return np.fromiter((hash(k) for k in zip(*columns)), dtype=np.int64, count=len(columns[0]))
 
     def __len__(self) -> int:
         return len(self._hashes) + len(self._recent)

@@ -34,6 +34,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -41,6 +42,7 @@ from ingest.index import KeyIndex
 from ingest.rows import FeedbackRow, InteractionRow, interaction_rows
 from storage.layout import as_datadir
 from storage.parquet import live_files, read_dataset, read_file, retry_vanished
+from storage.schema import FEEDBACK, conform
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +76,7 @@ class PendingStore:
             lambda: store._load_index("dead_letters", ["kafka_topic", "kafka_partition", "kafka_offset"]),
             "loading dead-letter offsets",
         )
-        store._load_pending(now_ms)
+        retry_vanished(lambda: store._load_pending(now_ms), "loading pending feedback")
         logger.info(
             "store loaded: %d interactions (%d files), %d trajectories, %d feedback, %d dead letters, %d pending feedback",
             len(store.interactions), len(store.files), len(store.trajectories), len(store.feedback),
@@ -84,27 +86,33 @@ class PendingStore:
 
     def _load_interactions(self) -> None:
         self.files = live_files(self.root, "interactions")
-        keys: list[Key] = []
-        numbers: list[int] = []
+        hashes, numbers = [], []
         for number, path in enumerate(self.files):
             t = read_file(self.root, path, columns=["tenant", "id"])
-            keys.extend(zip(t.column("tenant").to_pylist(), t.column("id").to_pylist()))
-            numbers.extend([number] * t.num_rows)
-        self.interactions = KeyIndex.from_keys(keys, numbers)
+            hashes.append(KeyIndex.hash_keys([t.column("tenant").to_pylist(), t.column("id").to_pylist()]))
+            numbers.append(np.full(t.num_rows, number, dtype=np.int32))
+        self.interactions = KeyIndex.from_hashes(_concat(hashes, np.int64), _concat(numbers, np.int32))
 
     def _load_index(self, dataset: str, columns: list[str]) -> KeyIndex:
-        keys: list[tuple] = []
+        """One file at a time, so loading holds one file's Python objects, not the dataset's."""
+        hashes = []
         for path in live_files(self.root, dataset):
             t = read_file(self.root, path, columns=columns)
-            keys.extend(zip(*(t.column(c).to_pylist() for c in columns)))
-        return KeyIndex.from_keys(keys)
+            hashes.append(KeyIndex.hash_keys([t.column(c).to_pylist() for c in columns]))
+        all_hashes = _concat(hashes, np.int64)
+        return KeyIndex.from_hashes(all_hashes, np.zeros(len(all_hashes), dtype=np.int32))
 
     def _load_pending(self, now_ms: int) -> None:
-        table = read_dataset(self.root, "feedback")
-        if table.num_rows == 0:
+        """The earliest unjoined feedback per (tenant, id) among what was ingested within the expiry."""
+        self.pending = {}
+        cutoff = now_ms - self.expiry_ms
+        recent = []
+        for path in live_files(self.root, "feedback"):
+            t = conform(read_file(self.root, path), FEEDBACK, strict=False)
+            recent.append(t.filter(pc.greater_equal(t.column("ingested_at").cast(pa.int64()), cutoff)))
+        if not recent:
             return
-        table = table.filter(pc.greater_equal(table.column("ingested_at").cast(pa.int64()), now_ms - self.expiry_ms))
-        table = table.sort_by([("ingested_at", "ascending"), ("kafka_offset", "ascending")])
+        table = pa.concat_tables(recent).sort_by([("ingested_at", "ascending"), ("kafka_offset", "ascending")])
         ms = {c: table.column(c).cast(pa.int64()).to_pylist() for c in ("ts", "ingested_at")}
         columns = [ms[f] if f in ms else table.column(f).to_pylist() for f in FeedbackRow._fields]
         for values in zip(*columns):
@@ -168,3 +176,7 @@ class PendingStore:
         for k in old:
             del self.pending[k]
         return len(old)
+
+
+def _concat(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(arrays) if arrays else np.empty(0, dtype=dtype)

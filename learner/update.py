@@ -90,7 +90,7 @@ def pg_update(
             weight = torch.tensor(mb_mask.shape[0] / batch.size, device=device)
         loss = maths.aggregate(per_token, mb_mask, aggregation) * weight
         loss.backward()
-        loss_sum += float(loss)
+        loss_sum += float(loss.detach())
         pg_sum += float(maths.aggregate(pg.detach(), mb_mask, aggregation) * weight)
         clipped_sum += float(maths.masked_sum(clipped.float(), mb_mask))
         kl_before_sum += float(maths.masked_sum(kl_tok.detach(), mb_mask))

@@ -116,7 +116,7 @@ class Api:
             if isinstance(prompt, str):
                 prompt_text, prompt_ids = prompt, self.engine.encode(prompt)
             else:
-                prompt_text, prompt_ids = self.engine.tokenizer.decode(prompt), list(prompt)
+                prompt_text, prompt_ids = self.engine.decode(prompt), list(prompt)
         sampling = self.engine.check_prompt(prompt_ids, body.sampling(self.default_max_tokens))
         lease = await self.adapters.acquire(tenant, choice.version) if choice.adapter else self.adapters.base_lease()
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
@@ -126,7 +126,12 @@ class Api:
         )
         headers = {REQUEST_ID: call.response_id, ADAPTER_VERSION: lease.label}
         if body.stream:
-            return StreamingResponse(self._stream(call), media_type="text/event-stream", headers=headers)
+            chunks = self._stream(call)
+            # Started here, the generator owns the lease: its `finally` releases it even if the client leaves
+            # before the body is sent (asyncio closes a started, abandoned async generator; an unstarted
+            # one would never run its `finally`).
+            first = await anext(chunks)
+            return StreamingResponse(_prepend(first, chunks), media_type="text/event-stream", headers=headers)
         try:
             choices = await self.engine.generate(prompt_ids, sampling, lease.adapter, call.response_id)
         finally:
@@ -159,24 +164,25 @@ class Api:
                         text_start=text_start,
                     )
                 yield protocol.sse(chunk)
+            finished = True  # the completion is whole: it is logged even if the client leaves now
             if body.include_usage:
                 done = protocol.chat_chunk if chat else protocol.completion_chunk
                 last = done(call.response_id, label, created, None)
                 last["usage"] = protocol.usage(len(call.prompt_ids), sum(len(c.token_ids) for c in choices.values()))
                 yield protocol.sse(last)
             yield protocol.sse("[DONE]")
-            finished = True
         except ServingError as e:
             self.metrics.request_refused(call.tenant, call.endpoint, e.status)
             yield protocol.sse(e.body())
             yield protocol.sse("[DONE]")
-        except asyncio.CancelledError:
-            logger.info("request %s: the client went away; generation aborted", call.response_id)
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:
+                logger.info("request %s: the client went away; generation aborted", call.response_id)
             raise
         finally:
             call.lease.release()
-        if finished:
-            self._finished(call, [choices[i] for i in range(call.sampling.n)])
+            if finished:
+                self._finished(call, [choices[i] for i in range(call.sampling.n)])
 
     def _finished(self, call: _Call, choices: list[Choice]) -> None:
         """Logs one interaction event per choice and counts the request."""
@@ -248,6 +254,12 @@ class Api:
 
     async def prometheus(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for chunk in rest:
+        yield chunk
 
 
 def _model_card(model_id: str, created: int, parent: str | None = None) -> dict[str, Any]:

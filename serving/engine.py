@@ -48,7 +48,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 # The layers a LoRA may wrap in the Qwen/Llama family (what the zero adapter covers).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ZERO_ADAPTER_NAME = "base"
+ZERO_ADAPTER_NAME = "_zero"  # never a tenant version name ("<tenant>@<n>")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -75,6 +75,7 @@ class Sampling:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     top_logprobs: int = 0  # the sampled token's own log-probability is always returned
+    ignore_eos: bool = False  # benchmarks: always generate max_tokens
 
 
 @dataclass(frozen=True)
@@ -167,13 +168,15 @@ def build_engine(
         model_path, enable_lora, max_loras, max_cpu_loras, max_lora_rank, max_model_len, max_num_seqs, dtype,
         kv_cache_bytes,
     )
-    zero_adapter = None
+    zero_adapter, temporary = None, None
     if enable_lora and current_platform.is_cpu():
         from serving.adapter_check import base_linear_shapes
 
-        directory = Path(zero_adapter_dir or tempfile.mkdtemp(prefix="clora-zero-adapter-"))
-        zero_adapter = write_zero_adapter(directory, base_linear_shapes(Path(model_path)))
-    return Engine(AsyncLLM.from_engine_args(args), max_model_len=max_model_len, zero_adapter_dir=zero_adapter)
+        if zero_adapter_dir is None:
+            zero_adapter_dir = temporary = Path(tempfile.mkdtemp(prefix="clora-zero-adapter-"))
+        zero_adapter = write_zero_adapter(Path(zero_adapter_dir), base_linear_shapes(Path(model_path)))
+    return Engine(AsyncLLM.from_engine_args(args), max_model_len=max_model_len, zero_adapter_dir=zero_adapter,
+                  temporary_dir=temporary)
 
 
 def write_zero_adapter(out_dir: Path, base_shapes: dict[str, tuple[int, int]]) -> Path:
@@ -211,12 +214,16 @@ def write_zero_adapter(out_dir: Path, base_shapes: dict[str, tuple[int, int]]) -
 class Engine:
     """Token ids in, choices out; adapters by `AdapterHandle`. Wraps one vLLM `AsyncLLM`."""
 
-    def __init__(self, llm: Any, *, max_model_len: int, zero_adapter_dir: Path | None = None) -> None:
+    def __init__(
+        self, llm: Any, *, max_model_len: int, zero_adapter_dir: Path | None = None, temporary_dir: Path | None = None
+    ) -> None:
+        """`zero_adapter_dir`: the all-zero adapter that stands in for "no adapter" (CPU); `temporary_dir` is
+        deleted at shutdown."""
         self.llm = llm
         self.max_model_len = max_model_len
         self.tokenizer = llm.get_tokenizer()
         self._ids = itertools.count(1)
-        self._zero_dir = zero_adapter_dir
+        self._temporary_dir = temporary_dir
         self.zero_adapter = self.new_handle(ZERO_ADAPTER_NAME, zero_adapter_dir) if zero_adapter_dir else None
 
     async def start(self) -> None:
@@ -235,6 +242,14 @@ class Engine:
             return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
         except Exception as e:  # jinja raises its own types (TemplateError, UndefinedError, TypeError, ...)
             raise BadRequest(f"the chat template cannot render these messages: {e}") from e
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Token ids (a prompt given as ids) -> text; BadRequest for ids the tokenizer does not have."""
+        size = len(self.tokenizer)
+        bad = [t for t in token_ids if not 0 <= t < size]
+        if bad:
+            raise BadRequest(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{size - 1})")
+        return self.tokenizer.decode(list(token_ids))
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -308,12 +323,16 @@ class Engine:
 
     @property
     def errored(self) -> bool:
-        return bool(self.llm.errored)
+        return self.llm is None or bool(self.llm.errored)
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
-        if self._zero_dir is not None and self._zero_dir.name.startswith("clora-zero-adapter-"):
-            shutil.rmtree(self._zero_dir, ignore_errors=True)
+        """Stops the engine core; idempotent. Drops the AsyncLLM at once (its own __del__ would otherwise
+        run during interpreter exit, when vLLM's module globals are already gone)."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.shutdown()
+        if self._temporary_dir is not None:
+            shutil.rmtree(self._temporary_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -338,6 +357,7 @@ def _sampling_params(sampling: Sampling):
         stop=list(sampling.stop) or None,
         seed=sampling.seed,
         logprobs=sampling.top_logprobs,  # 0: the sampled token's logprob only
+        ignore_eos=sampling.ignore_eos,
         output_kind=RequestOutputKind.DELTA,
     )
 

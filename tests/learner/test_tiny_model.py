@@ -26,6 +26,8 @@ from learner.tiny_model import (
 
 pytestmark = pytest.mark.unit
 
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
 
 def digests(directory: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
@@ -125,7 +127,10 @@ def test_generates_varied_tokens_when_sampling(model, tokenizer):
     import torch
 
     inputs = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Give me 5 digits."}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        [{"role": "user", "content": "Give me 5 digits."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     torch.manual_seed(0)
     out = model.generate(**inputs, max_new_tokens=32, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
@@ -142,6 +147,54 @@ def test_next_token_distribution_is_spread(model, tokenizer):
     with torch.no_grad():
         probs = model(ids).logits[0, -1].softmax(-1)
     assert probs.max().item() < 0.2  # no single token dominates the random model
+
+
+def test_a_lora_can_learn_to_make_digits_likely(tiny, tokenizer):
+    """The random model is trainable the way the learner trains it: REINFORCE on a LoRA (r=8) with
+    group-normalised advantages lifts the fraction of digit characters from near zero."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny),
+        LoraConfig(r=8, lora_alpha=16, target_modules=PROJECTIONS),
+    )
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say something."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
+    batch, length = 16, 16
+    rewards = []
+    for _ in range(10):
+        with torch.no_grad():
+            sequences = model.generate(
+                input_ids=prompt.repeat(batch, 1),
+                attention_mask=torch.ones(batch, prompt.shape[1], dtype=torch.long),
+                max_new_tokens=length,
+                min_new_tokens=length,
+                do_sample=True,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=0,
+            )
+        completions = sequences[:, prompt.shape[1] :]
+        texts = tokenizer.batch_decode(completions)
+        reward = torch.tensor([sum(c.isdigit() for c in t) / max(1, len(t)) for t in texts])
+        advantage = (reward - reward.mean()) / (reward.std() + 1e-6)
+        logprobs = model(sequences).logits[:, prompt.shape[1] - 1 : -1].log_softmax(-1)
+        sequence_logprob = logprobs.gather(-1, completions.unsqueeze(-1)).squeeze(-1).sum(-1)
+        loss = -(advantage * sequence_logprob).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        rewards.append(reward.mean().item())
+    assert rewards[0] < 0.05
+    assert max(rewards[-2:]) > 0.5, rewards
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -280,9 +333,10 @@ def test_build_random_rejects_unknown_shape_and_dtype(tmp_path):
 
 
 def test_real_shapes_have_the_published_parameter_counts():
-    counts = {
-        name: tiny_model.parameter_count(tiny_model.tensor_specs(tiny_model.qwen3_config(RANDOM_SHAPES[name], "bfloat16")))
-        for name in ("qwen3-0.6b", "qwen3-4b")
-    }
+    def count(name: str) -> int:
+        config = tiny_model.qwen3_config(RANDOM_SHAPES[name], "bfloat16")
+        return tiny_model.parameter_count(tiny_model.tensor_specs(config))
+
+    counts = {name: count(name) for name in ("qwen3-0.6b", "qwen3-4b")}
     assert counts["qwen3-0.6b"] == 596_049_920
     assert 4_000_000_000 < counts["qwen3-4b"] < 4_050_000_000

@@ -7,7 +7,6 @@ the order of tests does not matter.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import urllib.request
 
@@ -17,6 +16,7 @@ import pytest
 import safetensors.torch
 
 from make_adapter import publish_adapter, write_peft_adapter
+from serving_process import read_events
 from storage.registry import Registry
 
 pytestmark = pytest.mark.integration
@@ -27,28 +27,6 @@ MESSAGES = [{"role": "user", "content": "Give me 5 digits."}]
 def client(server, tenant, async_=False):
     cls = openai.AsyncOpenAI if async_ else openai.OpenAI
     return cls(base_url=server.base_url + "/v1", api_key=server.keys[tenant], max_retries=0, timeout=120)
-
-
-def read_events(bootstrap, topic, ids, timeout=30.0) -> dict[str, dict]:
-    """The events with these ids on `topic` (read from the beginning, no consumer group)."""
-    from kafka import KafkaConsumer, TopicPartition
-
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=500)
-    try:
-        partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
-        consumer.assign(partitions)
-        consumer.seek_to_beginning(*partitions)
-        found: dict[str, dict] = {}
-        deadline = time.monotonic() + timeout
-        while set(ids) - set(found) and time.monotonic() < deadline:
-            for message in consumer:
-                event = json.loads(message.value)
-                if event["id"] in ids:
-                    assert message.key.decode() == event["tenant"]
-                    found[event["id"]] = event
-        return found
-    finally:
-        consumer.close()
 
 
 def chat(server, tenant, model=None, **kwargs):

@@ -12,12 +12,12 @@ import time
 import openai
 import pytest
 
-from conftest import start_server, stop_server
-from test_server import MESSAGES, read_events
+from serving_process import read_events, start_server, stop_server
 
 pytestmark = pytest.mark.integration
 
 TOPICS = ["clora.interactions", "clora.feedback", "clora.dead-letter"]
+MESSAGES = [{"role": "user", "content": "Give me 5 digits."}]
 
 
 def wait(condition, what, timeout=60.0):

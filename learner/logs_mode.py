@@ -1,0 +1,182 @@
+"""`logs` mode: off-policy learning from production trajectories (what apps actually asked and got).
+
+A step takes the tenant's oldest untrained trajectories (storage.cursors), and:
+  1. drops stale ones (below);
+  2. turns each row into an Example: prompt tokens from the stored rendered `prompt` text (or, when a
+     row has none, the chat template applied to `messages_json`); completion tokens from
+     `completion_token_ids` when present, else the tokenized `completion` text; behaviour log-probs from
+     `completion_logprobs` when they are present, finite and as many as the completion tokens, else none;
+  3. advantages: reward minus baseline, where the baseline is the mean reward of the other completions
+     of the same prompt in the batch when there are some, else the tenant's running mean reward
+     (maths.baseline_advantages); rewards are not divided by a std: production rewards (feedback in
+     [-1, 1], scorer values) are on a meaningful scale, and a batch is rarely a clean group;
+  4. one clipped importance-weighted policy-gradient update (update.py) with ratio pi / pi_behaviour per
+     token (the current policy's detached log-probs where the behaviour ones are missing: ratio 1), and
+     the optional KL penalty to the base model (`learner.kl_coef`).
+
+Staleness: the serving tier records which adapter version made each completion (`adapter_version`,
+"<tenant>@<n>", null for the base model = version 0). A trajectory whose version number is more than
+`learner.max_staleness` below the learner's current version number is dropped: the policy that made it
+is so far from the current one that importance ratios are mostly clipped or wild, and learning from it
+would pull towards an old policy. Staleness counts version numbers, rejected candidates included (a
+conservative count). Completions made by another tenant's adapter are dropped as foreign. Dropped rows
+are still committed with the step (so they are never looked at again) and counted in the version's
+metrics as `n_dropped`.
+
+Deliberately not here: which rows are untrained (storage.cursors), when the result is published (gate.py,
+loop.py), the update maths (maths.py, update.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+
+from learner import maths
+from learner.batch import pack, pad_values
+from learner.policy import Policy
+from learner.types import Example
+from learner.update import UpdateResult, pg_update
+
+_VERSION = re.compile(r"^(?P<tenant>.+)@(?P<number>[0-9]+)$")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Staleness
+
+
+def version_number(adapter_version: str | None, tenant: str) -> int | None:
+    """"acme@3" -> 3 for tenant acme; None (the base model) -> 0; another tenant's or a malformed name -> None."""
+    if adapter_version is None or adapter_version == "":
+        return 0
+    m = _VERSION.match(adapter_version)
+    if not m or m["tenant"] != tenant:
+        return None
+    return int(m["number"])
+
+
+def stale_reason(adapter_version: str | None, tenant: str, current: int, max_staleness: int) -> str | None:
+    """Why a trajectory made by `adapter_version` must not be trained at learner version `current`, or None."""
+    number = version_number(adapter_version, tenant)
+    if number is None:
+        return f"foreign adapter {adapter_version!r}"
+    if current - number > max_staleness:
+        return f"stale: made by version {number}, {current - number} behind {current} (max_staleness {max_staleness})"
+    return None
+
+
+@dataclass(frozen=True)
+class Selection:
+    kept: pa.Table
+    dropped: dict[str, str]  # trajectory id -> why it was dropped
+
+
+def select_fresh(rows: pa.Table, tenant: str, current: int, max_staleness: int) -> Selection:
+    ids = rows.column("id").to_pylist()
+    versions = rows.column("adapter_version").to_pylist()
+    keep, dropped = [], {}
+    for i, (tid, version) in enumerate(zip(ids, versions)):
+        reason = stale_reason(version, tenant, current, max_staleness)
+        if reason is None:
+            keep.append(i)
+        else:
+            dropped[tid] = reason
+    return Selection(kept=rows.take(keep), dropped=dropped)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rows -> examples
+
+
+def prompt_text(row: dict, tokenizer) -> str | None:
+    """The rendered prompt of a trajectory row: the stored text, else the chat template on its messages."""
+    if row.get("prompt"):
+        return row["prompt"]
+    if row.get("messages_json"):
+        try:
+            messages = json.loads(row["messages_json"])
+        except ValueError:
+            return None
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return None
+
+
+def to_examples(rows: pa.Table, tokenizer) -> tuple[list[Example], dict[str, str]]:
+    """Examples for every usable row, and id -> reason for the rows that cannot be trained on."""
+    examples, unusable = [], {}
+    for row in rows.to_pylist():
+        prompt = prompt_text(row, tokenizer)
+        if not prompt:
+            unusable[row["id"]] = "no prompt text or messages"
+            continue
+        prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
+        if row.get("completion_token_ids"):
+            completion_ids = [int(t) for t in row["completion_token_ids"]]
+        else:
+            completion_ids = tokenizer(row.get("completion") or "", add_special_tokens=False).input_ids
+        if not prompt_ids or not completion_ids:
+            unusable[row["id"]] = "empty prompt or completion"
+            continue
+        behaviour = row.get("completion_logprobs")
+        if not behaviour or len(behaviour) != len(completion_ids) or not all(math.isfinite(x) for x in behaviour):
+            behaviour = None
+        examples.append(
+            Example(
+                id=row["id"],
+                group=prompt,
+                prompt_ids=tuple(prompt_ids),
+                completion_ids=tuple(completion_ids),
+                reward=float(row["reward"]),
+                behaviour_logprobs=None if behaviour is None else tuple(float(x) for x in behaviour),
+            )
+        )
+    return examples, unusable
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The step
+
+
+@dataclass(frozen=True)
+class LogsStep:
+    update: UpdateResult
+    reward_mean: float
+    baseline: float  # the running mean after this batch
+
+
+def train_step(
+    policy: Policy,
+    tenant: str,
+    examples: list[Example],
+    *,
+    baseline: float | None,
+    clip_eps: float,
+    kl_coef: float,
+    max_grad_norm: float,
+    max_len: int,
+) -> LogsStep:
+    """One off-policy update on `examples` (see the module note); `baseline` is the tenant's running mean
+    reward so far (None before its first step)."""
+    rewards = torch.tensor([e.reward for e in examples], dtype=torch.float64)
+    start = maths.running_mean(None, rewards) if baseline is None else baseline
+    advantages = maths.baseline_advantages(rewards, maths.group_ids([e.group for e in examples]), start)
+    batch = pack(
+        [e.prompt_ids for e in examples], [e.completion_ids for e in examples], pad_id=policy.pad_token_id, max_len=max_len
+    )
+    old = pad_values([e.behaviour_logprobs for e in examples], batch.completion_width)
+    result = pg_update(
+        policy,
+        tenant,
+        batch,
+        advantages.float(),
+        old_logprobs=old,
+        clip_eps=clip_eps,
+        kl_coef=kl_coef,
+        max_grad_norm=max_grad_norm,
+    )
+    return LogsStep(update=result, reward_mean=float(rewards.mean()), baseline=maths.running_mean(baseline, rewards))

@@ -1,0 +1,318 @@
+"""`rollouts` mode: on-policy GRPO, sampling through the serving tier like any app would.
+
+A step for a tenant:
+  1. prompts: `prompts_file` lines (rendered with the chat template, taken in rotation), or the prompts
+     of the tenant's untrained production trajectories (storage.cursors), `batch_size // group_size` of them;
+  2. G = `group_size` completions per prompt, sampled by a `Sampler`:
+       - `ServingSampler` (default, `learner.rollout_sampler = "serving"`): POST /v1/completions with
+         `model=<tenant>`, `n=G`, the tenant's api key, through the serving tier's OpenAI-compatible API,
+         so the tenant's newest published adapter samples and every tenant's rollouts batch together in
+         the one engine. Requests for all rollouts tenants are in flight at once (`Prefetcher`): while the
+         learner trains tenant A, tenants B, C, ... are being sampled. Requests carry
+         `metadata: {"source": "rollout"}` so the interactions the serving tier logs can be told apart;
+       - `LocalSampler` (`"local"`): the learner's own model (`Policy.generate`); no serving tier needed,
+         exactly on-policy, but sampling then takes the learner's time;
+  3. rewards from the tenant's programmatic scorer (ingest.scorers.build_scorer; a sample whose scorer
+     call fails is left out), GRPO advantages (reward - group mean) / group std (maths.grpo_advantages);
+  4. one clipped policy-gradient update (update.py) whose old log-probs are the current policy's detached
+     log-probs on the re-tokenised completions (ratio 1: on-policy; no token ids are needed from the
+     server). A completion that ended on its own gets the end-of-sequence token appended, so stopping is
+     learned too. Samples made by an adapter version more than `learner.max_staleness` behind (the
+     `x-clora-adapter-version` header) are left out.
+
+Untrained trajectories that the serving tier logged for the tenant's own rollouts (metadata source =
+rollout) are never used as prompts: they are committed with the step that sees them, so they cannot pile
+up. A tenant with a prompts file commits its production trajectories the same way (it learns from the file).
+
+Deliberately not here: the HTTP API itself (serving/), scorers (ingest/scorers.py), publishing (loop.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import pyarrow as pa
+import torch
+
+from learner import maths
+from learner.batch import pack
+from learner.logs_mode import stale_reason
+from learner.policy import Policy
+from learner.types import Sample
+from learner.update import UpdateResult, pg_update
+
+logger = logging.getLogger(__name__)
+
+ROLLOUT_SOURCE = "rollout"
+VERSION_HEADER = "x-clora-adapter-version"
+
+
+class SamplingError(RuntimeError):
+    """The sampler could not produce completions (the serving tier refused, timed out, or is down)."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Prompts
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """What one rollouts step samples from, and which trajectory ids the step consumes."""
+
+    prompts: tuple[str, ...]  # rendered prompts
+    consumed_ids: tuple[str, ...]  # untrained trajectory ids this step commits (prompt sources and skipped rows)
+
+
+def render_user_prompt(tokenizer, text: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+
+
+def read_prompts_file(path: Path) -> list[str]:
+    try:
+        lines = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    except OSError as e:
+        raise SamplingError(f"cannot read prompts_file {path}: {e}") from e
+    prompts = [line for line in lines if line]
+    if not prompts:
+        raise SamplingError(f"prompts_file {path} has no prompts")
+    return prompts
+
+
+def is_rollout_row(metadata_json: str | None) -> bool:
+    if not metadata_json:
+        return False
+    try:
+        meta = json.loads(metadata_json)
+    except ValueError:
+        return False
+    return isinstance(meta, dict) and meta.get("source") == ROLLOUT_SOURCE
+
+
+def plan_from_rows(rows: pa.Table, n_prompts: int, *, file_prompts: Sequence[str] = (), step: int = 0) -> RolloutPlan:
+    """The step's prompts: `n_prompts` from `file_prompts` (rotating with `step`) when given, else the
+    rendered prompts of the untrained production rows. Every row looked at is consumed."""
+    consumed, prompts = [], []
+    for row in rows.select(["id", "prompt", "metadata_json"]).to_pylist():
+        if file_prompts or is_rollout_row(row["metadata_json"]) or not row["prompt"]:
+            consumed.append(row["id"])
+        elif len(prompts) < n_prompts:
+            consumed.append(row["id"])
+            prompts.append(row["prompt"])
+    if file_prompts:
+        start = (step * n_prompts) % len(file_prompts)
+        prompts = [file_prompts[(start + i) % len(file_prompts)] for i in range(n_prompts)]
+    return RolloutPlan(prompts=tuple(prompts), consumed_ids=tuple(consumed))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Samplers
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    tenant: str
+    api_key: str
+    prompt: str  # rendered
+    n: int
+    max_tokens: int
+    temperature: float
+
+
+class Sampler(Protocol):
+    background: bool  # whether sampling may run in other threads while the learner trains
+
+    def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]: ...
+
+
+class LocalSampler:
+    """Samples with the learner's own model (one generate call per tenant)."""
+
+    background = False
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+
+    def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]:
+        out: list[list[Sample]] = [[] for _ in requests]
+        by_key: dict[tuple, list[int]] = {}
+        for i, r in enumerate(requests):
+            by_key.setdefault((r.tenant, r.n, r.max_tokens, r.temperature), []).append(i)
+        for (tenant, n, max_tokens, temperature), idx in by_key.items():
+            results = self.policy.generate(
+                tenant, [requests[i].prompt for i in idx], n=n, max_new_tokens=max_tokens, temperature=temperature
+            )
+            for i, samples in zip(idx, results):
+                out[i] = samples
+        return out
+
+
+class ServingSampler:
+    """Samples through the serving tier's `/v1/completions`, all requests concurrently."""
+
+    background = True
+
+    def __init__(self, base_url: str, *, timeout: float = 300.0, concurrency: int = 32):
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        self._client = httpx.Client(base_url=self.base_url, timeout=timeout)
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rollout-http")
+
+    def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]:
+        return list(self._pool.map(self._one, requests))
+
+    def _one(self, r: SampleRequest) -> list[Sample]:
+        import httpx
+
+        body = {
+            "model": r.tenant,
+            "prompt": r.prompt,
+            "n": r.n,
+            "max_tokens": r.max_tokens,
+            "temperature": r.temperature,
+            "metadata": {"source": ROLLOUT_SOURCE},
+        }
+        try:
+            resp = self._client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {r.api_key}"})
+        except httpx.HTTPError as e:
+            raise SamplingError(f"tenant {r.tenant!r}: rollout request to {self.base_url} failed: {e}") from e
+        if resp.status_code != 200:
+            raise SamplingError(
+                f"tenant {r.tenant!r}: {self.base_url}/v1/completions answered {resp.status_code}: {resp.text[:300]}"
+            )
+        version = resp.headers.get(VERSION_HEADER) or None
+        choices = sorted(resp.json().get("choices", []), key=lambda c: c.get("index", 0))
+        return [
+            Sample(text=c.get("text") or "", token_ids=None, finished=c.get("finish_reason") == "stop", version=version)
+            for c in choices
+        ]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
+
+
+class Prefetcher:
+    """At most one sampling job in flight per tenant, run in background threads (serving sampler only)."""
+
+    def __init__(self, sampler: Sampler, workers: int = 8):
+        self.sampler = sampler
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout-prefetch")
+        self._jobs: dict[str, tuple[RolloutPlan, Future]] = {}
+
+    def pending(self, tenant: str) -> bool:
+        return tenant in self._jobs
+
+    def start(self, tenant: str, plan: RolloutPlan, requests: Sequence[SampleRequest]) -> None:
+        if tenant not in self._jobs:
+            self._jobs[tenant] = (plan, self._pool.submit(self.sampler.sample, list(requests)))
+
+    def take(self, tenant: str) -> tuple[RolloutPlan, list[list[Sample]]] | None:
+        """The tenant's finished job (waiting for it), or None if none was started; re-raises its error."""
+        job = self._jobs.pop(tenant, None)
+        if job is None:
+            return None
+        plan, future = job
+        return plan, future.result()
+
+    def discard(self, tenant: str) -> None:
+        job = self._jobs.pop(tenant, None)
+        if job is not None:
+            job[1].cancel()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The step
+
+
+@dataclass(frozen=True)
+class RolloutStep:
+    update: UpdateResult | None  # None: every group's rewards were equal, so there was nothing to learn
+    reward_mean: float
+    rewards: tuple[float, ...]
+    n_samples: int  # samples trained on (after dropping failed scores and stale versions)
+    n_dropped: int
+
+
+def score_samples(scorer: Callable[[str, str], float], prompt: str, samples: Sequence[Sample]) -> list[float]:
+    """Rewards per sample; NaN for a sample the scorer failed on (it is left out of training)."""
+    from ingest.scorers import ScorerError, apply
+
+    rewards = []
+    for s in samples:
+        try:
+            rewards.append(apply(scorer, s.text, prompt))
+        except ScorerError as e:
+            logger.warning("scorer failed on a rollout sample; leaving it out: %s", str(e).splitlines()[0])
+            rewards.append(math.nan)
+    return rewards
+
+
+def completion_tokens(policy: Policy, sample: Sample) -> list[int]:
+    if sample.token_ids is not None:
+        return list(sample.token_ids)
+    ids = policy.tokenizer(sample.text, add_special_tokens=False).input_ids
+    return ids + [policy.eos_token_id] if sample.finished else ids
+
+
+def train_step(
+    policy: Policy,
+    tenant: str,
+    prompts: Sequence[str],
+    samples: Sequence[Sequence[Sample]],
+    scorer: Callable[[str, str], float],
+    *,
+    current_version: int,
+    max_staleness: int,
+    clip_eps: float,
+    kl_coef: float,
+    max_grad_norm: float,
+    max_len: int,
+) -> RolloutStep:
+    """Scores the groups, computes GRPO advantages and makes one update (see the module note)."""
+    prompt_ids, completion_ids, rewards, groups = [], [], [], []
+    dropped = 0
+    for g, (prompt, group) in enumerate(zip(prompts, samples)):
+        scores = score_samples(scorer, prompt, group)
+        p_ids = policy.tokenizer(prompt, add_special_tokens=False).input_ids
+        for sample, reward in zip(group, scores):
+            if math.isnan(reward) or stale_reason(sample.version, tenant, current_version, max_staleness):
+                dropped += 1
+                continue
+            c_ids = completion_tokens(policy, sample)
+            if not c_ids:
+                dropped += 1
+                continue
+            prompt_ids.append(p_ids)
+            completion_ids.append(c_ids)
+            rewards.append(reward)
+            groups.append(g)
+    if not rewards:
+        return RolloutStep(update=None, reward_mean=math.nan, rewards=(), n_samples=0, n_dropped=dropped)
+    reward_t = torch.tensor(rewards, dtype=torch.float64)
+    advantages = maths.grpo_advantages(reward_t, torch.tensor(groups, dtype=torch.long))
+    reward_mean = float(reward_t.mean())
+    if not bool(advantages.abs().gt(0).any()):
+        return RolloutStep(update=None, reward_mean=reward_mean, rewards=tuple(rewards), n_samples=len(rewards), n_dropped=dropped)
+    batch = pack(prompt_ids, completion_ids, pad_id=policy.pad_token_id, max_len=max_len)
+    result = pg_update(
+        policy,
+        tenant,
+        batch,
+        advantages.float(),
+        old_logprobs=None,
+        clip_eps=clip_eps,
+        kl_coef=kl_coef,
+        max_grad_norm=max_grad_norm,
+    )
+    return RolloutStep(update=result, reward_mean=reward_mean, rewards=tuple(rewards), n_samples=len(rewards), n_dropped=dropped)

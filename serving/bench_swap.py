@@ -1,0 +1,287 @@
+"""`clora bench swap`: how long a published adapter takes to serve traffic, under steady load.
+
+    clora bench swap --tenants 4 --publishes 20 --interval 1.0 --concurrency 8 --out bench-results
+
+Starts a real serving process (`python -m serving`, on a temporary data dir, with its own embedded
+broker) with --tenants tenants, each with a first published adapter. --concurrency clients then send
+streaming chat requests round-robin over the tenants without pause, while the benchmark publishes
+--publishes new versions through the registry (round-robin over tenants, one every --interval seconds),
+exactly as the learner does. For every publish it finds the first response served by the new version
+and reports, over all publishes, p50/p99 of
+
+    publish -> headers    registry publish returned -> first response headers naming the new version
+                          (the version is fixed when a request starts: this is the swap latency)
+    publish -> complete   ... -> that response's last token
+
+plus failed requests (any error or stream that did not end with a finish reason) and throughput.
+The swap latency is bounded below by serving.registry_poll_seconds (the registry is polled).
+
+Prints a table; writes swap.json and swap.png under --out. Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tenants", type=int, default=4, help="tenants under load (default 4)")
+    parser.add_argument("--publishes", type=int, default=20, help="new versions to publish (default 20)")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between publishes (default 1.0)")
+    parser.add_argument("--concurrency", type=int, default=8, help="concurrent client streams (default 8)")
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per response (default 16)")
+
+
+@dataclass
+class Response:
+    tenant: str
+    label: str
+    started: float
+    headers_at: float
+    done_at: float
+    ok: bool
+
+
+@dataclass
+class Publish:
+    tenant: str
+    label: str
+    at: float
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The serving process
+
+
+def _write_config(directory: Path, cfg, model_path: Path, bootstrap: str, port: int, tenants: list[str]) -> Path:
+    s = cfg.serving
+    lines = [
+        f'data_dir = "{directory / "data"}"',
+        f'log_level = "{cfg.log_level}"',
+        "[kafka]", f'bootstrap = "{bootstrap}"',
+        "[model]", f'path = "{model_path}"',
+        "[serving]", f"port = {port}", f"max_loras = {max(s.max_loras, len(tenants))}",
+        f"max_cpu_loras = {max(s.max_cpu_loras, 2 * len(tenants) + 1)}", f"max_lora_rank = {s.max_lora_rank}",
+        f"max_model_len = {s.max_model_len}", f"max_num_seqs = {s.max_num_seqs}", f'dtype = "{s.dtype}"',
+        f"kv_cache_gib = {s.kv_cache_gib}", f"registry_poll_seconds = {s.registry_poll_seconds}",
+    ]
+    for t in tenants:
+        lines += ["[[tenants]]", f'name = "{t}"', f'api_key = "{t}-bench-key"']
+    path = directory / "clora.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _start_server(config: Path, port: int, log_path: Path, timeout: float = 300.0) -> subprocess.Popen:
+    import httpx
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "serving", "--config", str(config)], env=env,
+                                   stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the serving process exited with {process.returncode}; see {log_path}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    _stop_server(process)
+    raise RuntimeError(f"the serving process was not healthy within {timeout:.0f}s; see {log_path}")
+
+
+def _stop_server(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Load and publishing
+
+
+async def _load(base_url: str, tenants: list[str], concurrency: int, tokens: int, stop: asyncio.Event,
+                responses: list[Response]) -> None:
+    import httpx
+
+    async def worker(index: int) -> None:
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+            turn = index
+            while not stop.is_set():
+                tenant = tenants[turn % len(tenants)]
+                turn += 1
+                started = time.monotonic()
+                body = {"model": tenant, "messages": [{"role": "user", "content": f"Request {turn}: five digits?"}],
+                        "max_tokens": tokens, "stream": True}
+                headers_at, label, finished = started, "?", False
+                try:
+                    async with http.stream("POST", "/v1/chat/completions", json=body,
+                                           headers={"Authorization": f"Bearer {tenant}-bench-key"}) as r:
+                        headers_at = time.monotonic()
+                        label = r.headers.get("x-clora-adapter-version", "?")
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: {"):
+                                chunk = json.loads(line[6:])
+                                finished |= any(c.get("finish_reason") for c in chunk.get("choices", []))
+                        ok = r.status_code == 200 and finished
+                except httpx.HTTPError:
+                    ok = False
+                responses.append(Response(tenant, label, started, headers_at, time.monotonic(), ok))
+
+    await asyncio.gather(*[worker(i) for i in range(concurrency)])
+
+
+def _publish(data_dir: Path, tenant: str, shapes, rank: int, seed: int) -> str:
+    from serving.bench import write_random_adapter
+    from storage.registry import Registry
+
+    registry = Registry(data_dir)
+    version = registry.create(tenant, parent=None, write=lambda d: write_random_adapter(d, shapes, rank=rank, seed=seed))
+    registry.publish(tenant, version.number)
+    return version.name
+
+
+async def _scenario(base_url: str, data_dir: Path, tenants: list[str], shapes, args) -> tuple[list, list, float]:
+    responses: list[Response] = []
+    publishes: list[Publish] = []
+    stop = asyncio.Event()
+    load = asyncio.create_task(_load(base_url, tenants, args.concurrency, args.tokens, stop, responses))
+    await asyncio.sleep(2.0)  # steady state before the first publish
+    started = time.monotonic()
+    for i in range(args.publishes):
+        tenant = tenants[i % len(tenants)]
+        label = await asyncio.to_thread(_publish, data_dir, tenant, shapes, 8, 1000 + i)
+        publishes.append(Publish(tenant, label, time.monotonic()))
+        await asyncio.sleep(args.interval)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(any(r.label == p.label for r in responses) for p in publishes):
+        await asyncio.sleep(0.1)
+    stop.set()
+    await load
+    return responses, publishes, time.monotonic() - started
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    from clora.cli import config_from_args
+    from ingest.broker import EmbeddedBroker, free_port
+    from serving.__main__ import base_model_path
+    from serving.adapter_check import base_linear_shapes
+
+    cfg = config_from_args(args)
+    model_path = base_model_path(cfg)
+    shapes = base_linear_shapes(model_path)
+    tenants = [f"t{i}" for i in range(args.tenants)]
+    print(f"clora bench swap: {model_path}, {args.tenants} tenants, {args.concurrency} streams, "
+          f"{args.publishes} publishes every {args.interval}s, registry poll {cfg.serving.registry_poll_seconds}s",
+          flush=True)
+    with tempfile.TemporaryDirectory(prefix="clora-bench-swap-") as tmp:
+        directory = Path(tmp)
+        broker = EmbeddedBroker("127.0.0.1", free_port()).start(
+            [cfg.kafka.interactions_topic, cfg.kafka.feedback_topic], partitions=1
+        )
+        port = free_port()
+        try:
+            config = _write_config(directory, cfg, model_path, broker.bootstrap, port, tenants)
+            for i, t in enumerate(tenants):
+                _publish(directory / "data", t, shapes, 8, i)
+            process = _start_server(config, port, directory / "serving.log")
+            try:
+                responses, publishes, seconds = asyncio.run(
+                    _scenario(f"http://127.0.0.1:{port}", directory / "data", tenants, shapes, args)
+                )
+            finally:
+                _stop_server(process)
+        finally:
+            broker.stop()
+
+    to_headers, to_done, unseen = [], [], []
+    for p in publishes:
+        first = min((r for r in responses if r.label == p.label and r.ok), key=lambda r: r.headers_at, default=None)
+        if first is None:
+            unseen.append(p.label)
+            continue
+        to_headers.append(first.headers_at - p.at)
+        to_done.append(first.done_at - p.at)
+    failed = sum(1 for r in responses if not r.ok)
+    tokens = sum(args.tokens for r in responses if r.ok)
+    result = {
+        "benchmark": "swap",
+        "model": str(model_path),
+        "tenants": args.tenants,
+        "concurrency": args.concurrency,
+        "publishes": args.publishes,
+        "interval_s": args.interval,
+        "registry_poll_seconds": cfg.serving.registry_poll_seconds,
+        "requests": len(responses),
+        "failed_requests": failed,
+        "unseen_versions": unseen,
+        "publish_to_headers_s": {"p50": _percentile(to_headers, 50), "p99": _percentile(to_headers, 99),
+                                 "max": max(to_headers, default=float("nan"))},
+        "publish_to_complete_s": {"p50": _percentile(to_done, 50), "p99": _percentile(to_done, 99),
+                                  "max": max(to_done, default=float("nan"))},
+        "requests_per_s": round(len(responses) / seconds, 2),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "samples_publish_to_headers_s": [round(x, 4) for x in to_headers],
+    }
+    print(f"{'':24}{'p50':>8}{'p99':>8}{'max':>8}")
+    for key, name in (("publish_to_headers_s", "publish -> headers"), ("publish_to_complete_s", "publish -> complete")):
+        v = result[key]
+        print(f"{name:24}{v['p50']:>8.3f}{v['p99']:>8.3f}{v['max']:>8.3f}")
+    print(f"requests {len(responses)} ({result['requests_per_s']}/s, {result['tokens_per_s']} tokens/s), "
+          f"failed {failed}, versions never seen: {len(unseen)}")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "swap.json").write_text(json.dumps(result, indent=2))
+    _plot(to_headers, to_done, out / "swap.png")
+    print(f"wrote {out / 'swap.json'} and {out / 'swap.png'}")
+    return 0 if failed == 0 and not unseen else 1
+
+
+def _plot(to_headers: list[float], to_done: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for values, name in ((to_headers, "publish -> first headers"), (to_done, "publish -> first complete response")):
+        xs = sorted(values)
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+    ax.set_xlabel("seconds after publish")
+    ax.set_ylabel("fraction of publishes")
+    ax.set_title("Adapter hot-swap latency under load")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,141 @@
+"""Test helper: run the serving process (`python -m serving`) on a written clora.toml, and read events back.
+
+`start_server` writes a clora.toml (tenants with keys, a broker, a base model, a free port, a fresh data
+directory), starts the process, waits for `/health` and returns a `ServerHandle`; `stop_server` stops it
+by its pid. `read_events` reads events by id from a topic without a consumer group. The session fixture
+`server` (conftest.py) is built on these; a test that needs a server of its own calls them directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TENANT_KEYS = {
+    "acme": "acme-key-0001",
+    "globex": "globex-key-0002",
+    "initech": "initech-key-0003",
+    "umbrella": "umbrella-key-0004",
+    "hooli": "hooli-key-0005",
+}
+STARTUP_TIMEOUT_S = 300
+
+
+@dataclass
+class ServerHandle:
+    base_url: str  # http://127.0.0.1:<port>  (the OpenAI base_url is base_url + "/v1")
+    data_dir: Path
+    config_path: Path
+    keys: dict[str, str]  # tenant -> api key
+    bootstrap: str
+    log_path: Path
+    process: subprocess.Popen = field(repr=False)
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+            return json.loads(r.read())
+
+    def wait_for_version(self, tenant: str, label: str, timeout: float = 30.0) -> None:
+        """Blocks until /health says `tenant` is served by `label` (e.g. "acme@2")."""
+        deadline = time.monotonic() + timeout
+        while self.health()["adapters"].get(tenant) != label:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{tenant} not served by {label} after {timeout}s: {self.health()}")
+            time.sleep(0.05)
+
+
+def write_config(directory: Path, *, bootstrap: str, model_path: Path, port: int, **serving) -> Path:
+    settings = {"max_loras": 2, "max_cpu_loras": 8, "max_model_len": 256, "max_num_seqs": 16,
+                "registry_poll_seconds": 0.1, "dtype": "float32", "default_max_tokens": 16, "port": port}
+    settings.update(serving)
+    lines = [
+        f'data_dir = "{directory / "data"}"',
+        "[kafka]",
+        f'bootstrap = "{bootstrap}"',
+        "[model]",
+        f'path = "{model_path}"',
+        "[serving]",
+        *(f"{k} = {json.dumps(v)}" for k, v in settings.items()),
+    ]
+    for name, key in TENANT_KEYS.items():
+        lines += ["[[tenants]]", f'name = "{name}"', f'api_key = "{key}"']
+    path = directory / "clora.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def start_server(directory: Path, *, bootstrap: str, model_path: Path, **serving) -> ServerHandle:
+    from ingest.broker import free_port
+
+    directory.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    config = write_config(directory, bootstrap=bootstrap, model_path=model_path, port=port, **serving)
+    log_path = directory / "serving.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "serving", "--config", str(config)],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+    handle = ServerHandle(f"http://127.0.0.1:{port}", directory / "data", config, dict(TENANT_KEYS), bootstrap,
+                          log_path, process)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the serving process exited with {process.returncode}:\n{_tail(log_path)}")
+        try:
+            if handle.health()["status"] == "ok":
+                return handle
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            stop_server(handle)
+            raise RuntimeError(f"the serving process was not healthy within {STARTUP_TIMEOUT_S}s:\n{_tail(log_path)}")
+        time.sleep(0.5)
+
+
+def stop_server(handle: ServerHandle, timeout: float = 60.0) -> None:
+    process = handle.process
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def read_events(bootstrap: str, topic: str, ids: set[str], timeout: float = 30.0) -> dict[str, dict]:
+    """The events with these ids on `topic` (read from the beginning, no consumer group); each message's
+    key must be its event's tenant."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=500)
+    try:
+        partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+        consumer.assign(partitions)
+        consumer.seek_to_beginning(*partitions)
+        found: dict[str, dict] = {}
+        deadline = time.monotonic() + timeout
+        while set(ids) - set(found) and time.monotonic() < deadline:
+            for message in consumer:
+                event = json.loads(message.value)
+                if event["id"] in ids:
+                    assert message.key.decode() == event["tenant"], message
+                    found[event["id"]] = event
+        return found
+    finally:
+        consumer.close()
