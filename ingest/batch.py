@@ -43,7 +43,7 @@ from ingest.rows import (
     interaction_row,
     trajectory_row,
 )
-from ingest.scorers import Scorer, ScorerError, apply, build_scorer, is_function
+from ingest.scorers import Scorer, ScorerError, ScorerSpecError, apply, build_scorer, is_function
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +96,15 @@ class Processor:
         self.specs = dict(scorers)
         self.unknown_tenant = unknown_tenant
         self.max_message_bytes = max_message_bytes
-        # Built once, so a python scorer that cannot be imported fails at start, naming the tenant.
-        self.functions: dict[str, Scorer] = {spec: build_scorer(spec) for spec in set(self.specs.values()) if is_function(spec)}
+        # Built once, so a scorer that cannot be built (say, a python scorer that does not import) fails at
+        # start, naming the tenant, rather than at the first event.
+        self.functions: dict[str, Scorer] = {}
+        for tenant, spec in sorted(self.specs.items()):
+            if is_function(spec) and spec not in self.functions:
+                try:
+                    self.functions[spec] = build_scorer(spec)
+                except ScorerSpecError as e:
+                    raise ScorerSpecError(f"tenant {tenant!r}: {e}") from e
 
     def spec(self, tenant: str) -> str | None:
         """The tenant's scorer spec; None when the tenant is unknown and unknown tenants are rejected."""

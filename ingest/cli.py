@@ -38,6 +38,12 @@ def add_ingest_arguments(parser: argparse.ArgumentParser) -> None:
         "--once", action="store_true", help="exit once every assigned partition is read to its end (tests, the demo)"
     )
     parser.add_argument("--max-seconds", type=float, default=None, metavar="N", help="exit after N seconds")
+    parser.add_argument(
+        "--drain-on-stop",
+        action="store_true",
+        help="on the first Ctrl-C/SIGTERM, read every assigned partition to its end before exiting (a second "
+        "one stops at once); for brokers that keep topics in memory only, such as the embedded one",
+    )
 
 
 def run_ingest(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """The ingest loop: Kafka -> batch.py -> Parquet, offsets committed only after the write is durable.
 
-    poll(500 ms) -> buffer -> (flush_rows reached or flush_seconds passed) -> flush:
+    poll(500 ms) -> buffer -> (flush_rows reached, flush_seconds passed, or a poll came back empty) -> flush:
         1. Processor.process(buffer)            decode, score, deduplicate, join (batch.py)
         2. dead letters -> dead-letter topic     producer.flush() waits for the broker's ack
         3. Parquet: interactions, feedback, trajectories, dead_letters, each one file per tenant named by
@@ -16,12 +16,12 @@ Parquet is exactly once.
 Rebalances (several `clora ingest` processes in one group split the partitions): on revocation the
 buffer is flushed and committed, then the in-memory view is dropped; after an assignment it is rebuilt
 from the datasets (right after poll() returns, outside the listener, so heartbeats go on meanwhile), so
-whatever the previous owner wrote is seen. The range assignor keeps both topics' partition
-i on one process, which is what lets feedback find its interaction (both are keyed by tenant).
+whatever the previous owner wrote is seen. The range assignor keeps partition i of both topics on one
+process, which is what lets feedback find its interaction (both are keyed by tenant).
 
 Stopping: `stop` (an Event the process's signal handler sets) is checked after every poll; the buffer is
-flushed and committed before the consumer closes.
-Batches flush at flush_rows records, after flush_seconds, or as soon as a poll comes back empty. `once` exits when every assigned partition is read to
+flushed and committed before the consumer closes. `drain` (set instead of `stop` with --drain-on-stop)
+first reads every assigned partition to its end, for brokers that keep topics in memory only. `once` exits when every assigned partition is read to
 its end. Memory: the buffer holds at most flush_rows records; the store view is bounded as pending.py says.
 """
 
@@ -32,9 +32,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
@@ -52,7 +50,7 @@ from storage.parquet import write_dataset
 logger = logging.getLogger(__name__)
 
 POLL_MS = 500
-WRITE_THREADS = 8  # concurrent file writes per batch (see write_output)
+EXPIRE_EVERY_S = 60.0  # how often pending feedback is checked for expiry (a pass over all of it)
 
 
 def batch_file_id(ranges: dict[tuple[str, int], tuple[int, int]], keys: Iterable[tuple]) -> str:
@@ -75,50 +73,22 @@ def batch_file_id(ranges: dict[tuple[str, int], tuple[int, int]], keys: Iterable
     return f"{prefix}-{digest}"
 
 
-def _by_tenant(rows: list) -> dict[str, list]:
-    groups: dict[str, list] = defaultdict(list)
-    for row in rows:
-        groups[row.tenant].append(row)
-    return groups
-
-
-def write_output(root: str, store: PendingStore, out: Output, pool: ThreadPoolExecutor | None = None) -> None:
-    """Writes one processed batch: one file per (dataset, tenant); the store view learns of a dataset's
-    rows only once all its files are durable.
-
-    With a `pool` the files are written concurrently: each write ends in two fsyncs (file and directory),
-    which cost ~10 ms each on a virtual disk but overlap almost perfectly, so a batch of 30 files takes
-    about as long as one. Any failed write raises after the others finished (and nothing is committed).
-    """
+def write_output(root: str, store: PendingStore, out: Output) -> None:
+    """Writes one processed batch, one write_dataset per dataset (one file per tenant in each); the store
+    view learns of a dataset's rows only once its files are durable. A failed write raises, and the
+    caller then commits nothing."""
     datasets = [
         ("interactions", InteractionRow, out.interactions, [(r.tenant, r.id) for r in out.interactions]),
         ("feedback", FeedbackRow, out.feedback, [(r.kafka_topic, r.kafka_partition, r.kafka_offset) for r in out.feedback]),
         ("trajectories", TrajectoryRow, out.trajectories, [(r.tenant, r.id) for r in out.trajectories]),
         ("dead_letters", DeadLetterRow, [d.row for d in out.dead_letters], [tuple(d.at) for d in out.dead_letters]),
     ]
-    jobs = []
     for dataset, row_type, rows, keys in datasets:
         if not rows:
             continue
-        file_id = batch_file_id(out.ranges, keys)
-        for tenant_rows in _by_tenant(rows).values():
-            args = (root, dataset, to_table(tenant_rows, row_type))
-            jobs.append((dataset, pool.submit(write_dataset, *args, file_id=file_id) if pool else write_dataset(*args, file_id=file_id)))
-    paths: dict[str, list] = defaultdict(list)
-    errors = []
-    for dataset, job in jobs:
-        try:
-            paths[dataset].extend(job.result() if pool else job)
-        except OSError as e:  # the disk; any other error is a bug and propagates as is
-            errors.append((dataset, e))
-    if errors:
-        dataset, e = errors[0]
-        raise OSError(f"writing {dataset} failed ({len(errors)} file(s) in this batch): {e}") from e
-    for dataset, _, rows, keys in datasets:
-        if not rows:
-            continue
+        paths = write_dataset(root, dataset, to_table(rows, row_type), file_id=batch_file_id(out.ranges, keys))
         if dataset == "interactions":
-            store.stored_interactions(rows, paths[dataset])
+            store.stored_interactions(rows, paths)
         elif dataset == "feedback":
             store.stored_feedback(keys)
         elif dataset == "trajectories":
@@ -181,16 +151,24 @@ class Ingest:
         self.buffer_since = 0.0
         self.consumer: KafkaConsumer | None = None
         self.producer: KafkaProducer | None = None
-        self.pool: ThreadPoolExecutor | None = None
         self.assigned_at: float | None = None  # monotonic, first assignment; for the benchmark's rate
         self.last_flush_at: float | None = None
+        self.expired_at = 0.0
 
     # --- the loop -------------------------------------------------------------------------------------
 
-    def run(self, stop: threading.Event, *, once: bool = False, max_seconds: float | None = None) -> None:
+    def run(
+        self,
+        stop: threading.Event,
+        *,
+        once: bool = False,
+        max_seconds: float | None = None,
+        drain: threading.Event | None = None,
+    ) -> None:
+        """Consumes until `stop` is set (or `once` finds every partition read to its end, or `max_seconds`
+        pass). Setting `drain` turns on `once` from then on: read what is there, commit it, exit."""
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         with contextlib.ExitStack() as resources:
-            self.pool = resources.enter_context(ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="ingest-write"))
             self.producer = KafkaProducer(
                 bootstrap_servers=self.bootstrap,
                 acks="all",
@@ -214,14 +192,15 @@ class Ingest:
             resources.callback(self.consumer.close, autocommit=False)
             self.consumer.subscribe(self.topics, listener=_Rebalance(self))
             logger.info("ingest: consuming %s as group %r", ", ".join(self.topics), self.group_id)
-            self._loop(stop, once, deadline)
+            self._loop(stop, once, deadline, drain or threading.Event())
             # Reached only on a clean stop: a failed write propagates without committing anything.
             self.flush()
             self.metrics.set_lag(self.lag())
             self.metrics.log()
 
-    def _loop(self, stop: threading.Event, once: bool, deadline: float | None) -> None:
+    def _loop(self, stop: threading.Event, once: bool, deadline: float | None, drain: threading.Event) -> None:
         while not stop.is_set():
+            once = once or drain.is_set()
             room = self.flush_rows - len(self.buffer)
             polled = self.consumer.poll(timeout_ms=POLL_MS, max_records=max(room, 1))
             if self.store is None and self.consumer.assignment():
@@ -240,7 +219,7 @@ class Ingest:
                 self.metrics.set_lag(self.lag())
                 self.metrics.log()
             if once and not polled and not self.buffer and self.drained():
-                logger.info("ingest: every assigned partition is read to its end (--once)")
+                logger.info("ingest: every assigned partition is read to its end (%s)", "drained" if drain.is_set() else "--once")
                 return
             if deadline is not None and time.monotonic() >= deadline:
                 logger.info("ingest: --max-seconds reached")
@@ -258,9 +237,12 @@ class Ingest:
         records, self.buffer = self.buffer, []
         out = self.processor.process(records, self.store, now_ms())
         self._send_dead_letters(out)
-        write_output(self.root, self.store, out, self.pool)
+        write_output(self.root, self.store, out)
         self._commit(out.ranges)
-        self.store.expire(now_ms())
+        if time.monotonic() - self.expired_at >= EXPIRE_EVERY_S:
+            self.expired_at = time.monotonic()
+            if dropped := self.store.expire(now_ms()):
+                logger.info("ingest: %d pending feedback expired without meeting its interaction", dropped)
         self.last_flush_at = time.monotonic()
         self.metrics.flushed(len(records), out, self.last_flush_at - started, len(self.store.pending))
 

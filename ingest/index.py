@@ -78,25 +78,33 @@ class KeyIndex:
     def __contains__(self, key: Hashable) -> bool:
         return self.get(key) is not None
 
-    def present(self, keys: Iterable[Hashable]) -> set:
-        """The subset of `keys` in the index, looked up in one vectorised pass (what a batch asks first)."""
-        keys = list(keys)
-        hashes = [hash(k) for k in keys]
+    def _hits(self, hashes: list[int]) -> list[bool]:
+        """For each hash, whether it is in the index (one vectorised search of the sorted array)."""
         if len(self._hashes):
             arr = np.fromiter(hashes, dtype=np.int64, count=len(hashes))
             at = np.minimum(np.searchsorted(self._hashes, arr), len(self._hashes) - 1)
-            hits = (self._hashes[at] == arr).tolist()
+            base = (self._hashes[at] == arr).tolist()
         else:
-            hits = [False] * len(keys)
+            base = [False] * len(hashes)
         recent = self._recent
-        return {k for k, h, hit in zip(keys, hashes, hits) if hit or h in recent}
+        return [hit or h in recent for h, hit in zip(hashes, base)]
+
+    def present(self, keys: Iterable[Hashable]) -> set:
+        """The subset of `keys` in the index (what a batch asks first, all at once)."""
+        keys = list(keys)
+        return {k for k, hit in zip(keys, self._hits([hash(k) for k in keys])) if hit}
 
     def add(self, key: Hashable, value: int = 0) -> None:
         """Adds `key` (a key already present keeps its value)."""
-        h = hash(key)
-        if h in self._recent or self._find(h) >= 0:
-            return
-        self._recent[h] = value
+        self.add_many([key], [value])
+
+    def add_many(self, keys: Iterable[Hashable], values: Iterable[int] | None = None) -> None:
+        """Adds every key (one already present keeps its value)."""
+        hashes = [hash(k) for k in keys]
+        values = [0] * len(hashes) if values is None else list(values)
+        for h, v, hit in zip(hashes, values, self._hits(hashes)):
+            if not hit:
+                self._recent.setdefault(h, v)
         if len(self._recent) >= max(MIN_MERGE, len(self._hashes) >> 4):
             self._merge()
 

@@ -154,21 +154,18 @@ class PendingStore:
         for path in paths:  # one file per tenant: <dataset>/tenant=<t>/<file_id>.parquet
             numbers[path.parent.name.removeprefix("tenant=")] = len(self.files)
             self.files.append(str(path))
-        for row in rows:
-            self.interactions.add((row.tenant, row.id), numbers[row.tenant])
+        self.interactions.add_many([(r.tenant, r.id) for r in rows], [numbers[r.tenant] for r in rows])
 
-    def stored_trajectories(self, keys: Iterable[Key]) -> None:
+    def stored_trajectories(self, keys: list[Key]) -> None:
+        self.trajectories.add_many(keys)
         for key in keys:
-            self.trajectories.add(key)
             self.pending.pop(key, None)
 
-    def stored_feedback(self, offsets: Iterable[tuple[str, int, int]]) -> None:
-        for at in offsets:
-            self.feedback.add(at)
+    def stored_feedback(self, offsets: list[tuple[str, int, int]]) -> None:
+        self.feedback.add_many(offsets)
 
-    def stored_dead_letters(self, offsets: Iterable[tuple[str, int, int]]) -> None:
-        for at in offsets:
-            self.dead_letters.add(at)
+    def stored_dead_letters(self, offsets: list[tuple[str, int, int]]) -> None:
+        self.dead_letters.add_many(offsets)
 
     def expire(self, now_ms: int) -> int:
         """Drops pending feedback ingested more than the expiry ago; returns how many went."""

@@ -2,7 +2,8 @@
 
 This is the only place that reads the config: it builds the Processor, the metrics and the Ingest loop
 from it, installs SIGTERM/SIGINT handlers that ask the loop to stop after its current poll (the buffer is
-then flushed and committed), and runs. Exit code 0 on a clean stop.
+then flushed and committed; with --drain-on-stop the first signal means "read to the end, then stop"),
+and runs. Exit code 0 on a clean stop, 2 when a tenant's scorer cannot be built.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from clora.config import Config
 from ingest.batch import Processor
 from ingest.consumer import Ingest
 from ingest.metrics import IngestMetrics
+from ingest.scorers import ScorerSpecError
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +59,26 @@ def build(cfg: Config, metrics: IngestMetrics | None = None) -> Ingest:
     )
 
 
-def run(cfg: Config, *, once: bool = False, max_seconds: float | None = None) -> int:
-    stop = threading.Event()
+def run(cfg: Config, *, once: bool = False, max_seconds: float | None = None, drain_on_stop: bool = False) -> int:
+    stop, drain = threading.Event(), threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        if drain_on_stop and not drain.is_set():
+            logger.info("ingest: draining the topics before stopping (signal again to stop now)")
+            drain.set()
+        else:
+            stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: stop.set())
-    ingest = build(cfg)
+        signal.signal(sig, on_signal)
+    try:
+        ingest = build(cfg)
+    except ScorerSpecError as e:
+        logger.error("clora ingest: %s", e)
+        return 2
     tune_gc()
     try:
-        ingest.run(stop, once=once, max_seconds=max_seconds)
+        ingest.run(stop, once=once, max_seconds=max_seconds, drain=drain)
     finally:
         ingest.metrics.close()
     logger.info("ingest stopped")
@@ -75,7 +89,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
 
     cfg = config_from_args(args)
-    return run(cfg, once=args.once, max_seconds=args.max_seconds)
+    return run(cfg, once=args.once, max_seconds=args.max_seconds, drain_on_stop=args.drain_on_stop)
 
 
 def main(argv: list[str] | None = None) -> int:

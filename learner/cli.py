@@ -19,7 +19,39 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 
 def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    _add_learn_commands(sub, common)
     _add_model_commands(sub, common)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# clora learn
+
+
+def _add_learn_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    learn = sub.add_parser(
+        "learn",
+        parents=[common],
+        help="run the learner: per-tenant RL on new trajectories, gate, publish (runs until stopped)",
+        description="Runs the learner process: picks the next tenant (learner.scheduler), trains its LoRA "
+        "one step on its new trajectories (logs mode) or on fresh rollouts (rollouts mode), gates the result "
+        "and publishes or rejects it. Runs until SIGTERM/Ctrl-C; same as `python -m learner`.",
+    )
+    add_learn_arguments(learn)
+    learn.set_defaults(func=_learn)
+
+
+def add_learn_arguments(parser: argparse.ArgumentParser) -> None:
+    """The learner's options (shared by `clora learn` and `python -m learner`)."""
+    parser.add_argument("--once", action="store_true", help="one pass: at most one step per tenant with work, then exit")
+    parser.add_argument("--until-idle", action="store_true", help="exit when no tenant has new work")
+    parser.add_argument("--max-steps", type=int, default=None, metavar="N", help="exit after N steps in all")
+    parser.add_argument("--no-progress", action="store_true", help="no per-tenant progress bars")
+
+
+def _learn(args: argparse.Namespace) -> int:
+    from learner.__main__ import main_from_args
+
+    return main_from_args(args)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -102,6 +102,11 @@ class Policy:
         self.model = base  # becomes a PeftModel with the first tenant
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
+        # Generation stops at any of the model's end tokens (the tiny model: <|im_end|> and <|endoftext|>),
+        # as vLLM does with the same generation_config.
+        configured = base.generation_config.eos_token_id if base.generation_config is not None else None
+        configured = configured if isinstance(configured, list) else [configured]
+        self.stop_token_ids = tuple(dict.fromkeys(t for t in [self.eos_token_id, *configured] if t is not None))
         self._specs: dict[str, TenantSpec] = {}
         self._optimizers: dict[str, torch.optim.Optimizer] = {}
         self._params: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
@@ -269,7 +274,8 @@ class Policy:
         self._require(tenant)
         name = adapter_name(tenant)
         directory = Path(directory)
-        state = get_peft_model_state_dict(self.model, adapter_name=name)
+        # Never the base embeddings (peft would add them when lm_head is a target): only lora_A/lora_B.
+        state = get_peft_model_state_dict(self.model, adapter_name=name, save_embedding_layers=False)
         save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         config = copy.deepcopy(self.model.peft_config[name])
         config.inference_mode = True
@@ -331,7 +337,10 @@ class Policy:
         temperature: float = 1.0,
         greedy: bool = False,
     ) -> list[list[Sample]]:
-        """`n` completions of each rendered prompt with `tenant`'s adapter (None: the base model)."""
+        """`n` completions of each rendered prompt with `tenant`'s adapter (None: the base model); greedy
+        decoding gives one completion per prompt."""
+        if greedy and n != 1:
+            raise ValueError(f"greedy decoding gives one completion per prompt, asked for n={n}")
         if not prompts:
             return []
         enc = self.tokenizer(list(prompts), add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
@@ -343,7 +352,7 @@ class Policy:
                 max_new_tokens=max_new_tokens,
                 num_return_sequences=n,
                 pad_token_id=self.pad_token_id,
-                eos_token_id=self.eos_token_id,
+                eos_token_id=list(self.stop_token_ids),
                 **kwargs,
             )
         width = enc["input_ids"].shape[1]
@@ -351,9 +360,10 @@ class Policy:
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _sample(self, ids: list[int], tenant: str | None) -> Sample:
-        finished = self.eos_token_id in ids
+        end = next((i for i, t in enumerate(ids) if t in self.stop_token_ids), None)
+        finished = end is not None
         if finished:
-            ids = ids[: ids.index(self.eos_token_id) + 1]
+            ids = ids[: end + 1]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return Sample(text=text, token_ids=tuple(ids), finished=finished, version=None)
 
@@ -375,7 +385,7 @@ def _peft_keys(model, name: str) -> list[str]:
     """The state-dict keys `save_adapter` writes for adapter `name` (without the adapter name)."""
     from peft import get_peft_model_state_dict
 
-    return list(get_peft_model_state_dict(model, adapter_name=name))
+    return list(get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=False))
 
 
 def _gather_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:

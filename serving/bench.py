@@ -181,7 +181,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.2
     xs = range(len(rows))
     for i, mode in enumerate(MODES):
@@ -190,7 +190,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax.set_xlabel("tenants (adapters) in the workload")
     ax.set_ylabel("generated tokens / s")
     ax.set_title("Multi-LoRA serving throughput")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

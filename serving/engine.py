@@ -22,6 +22,9 @@ serves the base model through an all-zero rank-1 adapter (`write_zero_adapter`, 
 row ever has index -1, and the output is exactly the base model's. It takes one of the `max_loras`
 slots while base requests are in the batch.
 
+Also on CPU, chunked prefill is off: with it, a request that sets its own `seed` and has its prompt
+split over engine steps crashes the engine core (see `build_engine`).
+
 What this module does not do: decide which adapter a request gets (serving/adapters.py), authenticate,
 log events, or speak HTTP. vLLM is imported only inside functions, so `clora --help` and unit tests stay
 light.
@@ -45,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 # KV cache reserved on CPU hosts: small, because clora's models are small and the machine is shared.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+# Tokens one engine step may take when prompts are not chunked (vLLM's CPU default budget).
+DEFAULT_BATCHED_TOKENS = 2048
 
 # The layers a LoRA may wrap in the Qwen/Llama family (what the zero adapter covers).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -145,6 +151,14 @@ def build_engine(
     from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    cpu = current_platform.is_cpu()
+    # On CPU, a request with its own `seed` whose prompt is prefilled in chunks kills the engine core
+    # (vLLM 0.32 rewinds the request's torch.Generator with set_offset, which CPU generators lack:
+    # "CPU Generator does not use offset"). Without chunked prefill no sampled token is ever discarded,
+    # so no generator is rewound; every prompt (<= max_model_len) then fits one engine step.
+    chunking = {} if not cpu else dict(
+        enable_chunked_prefill=False, max_num_batched_tokens=max(DEFAULT_BATCHED_TOKENS, max_model_len)
+    )
     lora_args = dict(
         enable_lora=True,
         max_loras=max_loras,
@@ -160,6 +174,7 @@ def build_engine(
         seed=seed,
         disable_log_stats=True,
         enable_prefix_caching=True,
+        **chunking,
         **lora_args,
     )
     logger.info(
@@ -169,7 +184,7 @@ def build_engine(
         kv_cache_bytes,
     )
     zero_adapter, temporary = None, None
-    if enable_lora and current_platform.is_cpu():
+    if enable_lora and cpu:
         from serving.adapter_check import base_linear_shapes
 
         if zero_adapter_dir is None:

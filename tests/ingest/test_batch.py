@@ -205,3 +205,10 @@ def test_same_id_sent_twice_is_stored_once(h):
     h.feed(inter("a", completion="other"))
     ids = h.table("interactions").column("completion").to_pylist()
     assert ids == ["c1"]
+
+
+def test_a_scorer_that_cannot_be_built_fails_at_start_naming_the_tenant():
+    from ingest.scorers import ScorerSpecError
+
+    with pytest.raises(ScorerSpecError, match="tenant 'acme'.*cannot import"):
+        Processor({"acme": "python:no_such_module_xyz:f"}, unknown_tenant="create", max_message_bytes=100)

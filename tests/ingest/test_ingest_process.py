@@ -296,3 +296,16 @@ def test_two_processes_share_the_group_and_survive_a_kill(setup_factory):
     traj = read_dataset(s.data_dir, "trajectories")
     tkeys = list(zip(traj.column("tenant").to_pylist(), traj.column("id").to_pylist()))
     assert len(tkeys) == len(set(tkeys)) == sum(1 for t, _ in expected if t == "t0")
+
+
+def test_drain_on_stop_reads_everything_before_exiting(setup_factory):
+    s = setup_factory(flush_rows=200, flush_seconds=0.2)
+    for i in range(4000):
+        s.send(InteractionEvent(id=f"r{i}", tenant=f"t{i % 5}", prompt="p", completion="c" * 500))
+    s.producer.flush()
+    proc = s.start("--drain-on-stop")
+    wait_for(lambda: assignments(proc), 60, "a partition assignment", [proc])
+    proc.send_signal(signal.SIGTERM)  # at once: without draining, most events would still be unread
+    assert proc.wait(timeout=60) == 0, proc.log_path.read_text()[-3000:]
+    assert "drained" in proc.log_path.read_text()
+    assert s.count("interactions") == 4000

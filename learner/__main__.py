@@ -1,0 +1,78 @@
+"""`python -m learner` (and `clora learn`): the learner process.
+
+`main()` reads the config once, resolves the base model (the configured path, or the tiny local model,
+built on first use), installs signal handlers (SIGTERM / Ctrl-C: finish the current step, then stop; a
+second Ctrl-C stops at once) and hands over to `learner.loop.run`, which re-reads the config file every
+few seconds to pick up new tenants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+logger = logging.getLogger("learner")
+
+
+def model_path(cfg) -> Path:
+    """The configured base model, or the tiny local model (built under <data_dir>/models on first use)."""
+    if cfg.model.path is not None:
+        return Path(cfg.model.path)
+    from learner.tiny_model import ensure_tiny
+    from storage.layout import DataDir
+
+    return ensure_tiny(DataDir(cfg.data_dir).models, cfg.model.seed)
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    from clora.cli import config_from_args
+    from clora.config import load_config
+    from learner.loop import run
+
+    cfg = config_from_args(args)
+    path = model_path(cfg)
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        if stop.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        logger.info("signal %d: stopping after the current step", signum)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    config_file = getattr(args, "config_path", None)
+    learner = run(
+        cfg,
+        model_path=path,
+        reload=lambda: load_config(config_file),
+        once=args.once,
+        until_idle=args.until_idle,
+        max_steps=args.max_steps,
+        progress=not args.no_progress,
+        stop=stop,
+    )
+    failed = sorted(name for name, t in learner.tenants.items() if t.status == "error")
+    if failed:
+        logger.error("tenants whose last step failed: %s", ", ".join(failed))
+    return 1 if failed and (args.once or args.until_idle) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from clora.cli import common_parser
+    from learner.cli import add_learn_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="python -m learner", parents=[common_parser()], description="The clora learner process (same as `clora learn`)."
+    )
+    add_learn_arguments(parser)
+    return main_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,746 @@
+"""The learner's loop: pick a tenant, train it one step on its new data, gate, publish or reject, commit.
+
+    while not stopped:
+        backlog  = untrained trajectories per tenant             (storage.cursors; tenants with 0 are skipped)
+        tenant   = scheduler.choose(backlog)                      (scheduler.py)
+        step(tenant):
+            finish what a crash interrupted                      (see "Crash safety")
+            follow the registry if an operator rolled back        (the adapter becomes the published one)
+            work     = logs: oldest untrained trajectories | rollouts: prompts + sampled groups
+            parent   = snapshot of adapter + optimizer; probe reward of the parent (gate.py)
+            update   = one clipped policy-gradient step           (logs_mode.py / rollouts.py -> update.py)
+            decision = gate(update, rewards, probe reward)        (gate.py)
+            Registry.create(candidate)        -> version n ("candidate", never served)
+            reject? restore parent adapter + optimizer
+            Cursors.commit(step, ids, checkpoint = adapter + optimizer + learner.json)   <- the commit point
+            Registry.publish(n) | Registry.reject(n, reason)
+            train_steps row
+
+Crash safety (SIGKILL at any instant; nothing is trained twice or skipped):
+- Before the commit nothing durable says the batch was trained: a restart loads the previous checkpoint
+  and trains the same untrained trajectories again. A candidate version created before the crash is
+  referenced by no checkpoint; at start (`Learner.recover`) the learner rejects it as "abandoned"
+  (candidates are never served).
+- The commit writes the trajectory ids, the adapter, the optimizer state and `learner.json` in one atomic
+  rename (storage.cursors). `learner.json` records what must follow: which version to publish or reject
+  and the train_steps row.
+- After the commit, a restart finds that record (at start, for every tenant, whether or not it has new
+  data) and completes it: publish or reject the version if it is still a candidate, write the row if it
+  is missing (rows are files named by step, written only once).
+So every committed step's ids are in exactly one step directory, the adapter the learner continues from
+is the one the registry publishes, and publishing is at-least-once but idempotent. Publishing after the
+commit (not before) matters: a version published before its commit could be served and then, after a
+crash, retrained from its parent, serving one batch's effect twice in two lineages.
+
+Errors are per tenant: a step that raises is logged with its traceback, the tenant's status records it,
+its in-memory adapter is restored from its last checkpoint on the next touch, and it is retried after a
+growing back-off; other tenants go on.
+
+Tenants: the config's tenants plus any tenant that has trajectories in storage (ingest may create tenants
+on the fly; those get the config's defaults). Both are looked at on every pass, and the config file is
+re-read every few seconds when the caller passes `reload`, so new tenants need no restart. A tenant's
+adapter is only created when it first has work.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pyarrow as pa
+
+from clora.config import Config, ConfigError
+from learner import gate, logs_mode, rollouts
+from learner.policy import Policy, read_adapter_shape
+from learner.rollouts import LocalSampler, Prefetcher, RolloutPlan, SampleRequest, Sampler, ServingSampler
+from learner.scheduler import Ledger, charge, choose
+from learner.types import TenantSpec
+from learner.update import UpdateResult
+from storage.cursors import Cursors
+from storage.files import atomic_write_bytes
+from storage.layout import DataDir
+from storage.parquet import write_dataset
+from storage.registry import Registry
+from storage.schema import TRAIN_STEPS
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_META = "learner.json"
+CHECKPOINT_FORMAT = 1
+CONFIG_RELOAD_SECONDS = 5.0
+BACKOFF_SECONDS = (5.0, 15.0, 60.0, 300.0)
+COMPACT_EVERY_STEPS = 100
+ABANDONED = "abandoned: the learner stopped before committing the step that made it"
+
+
+class LearnerError(RuntimeError):
+    """A tenant cannot be trained as configured (the message names the tenant and the setting)."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-tenant state and step results
+
+
+@dataclass
+class TenantRuntime:
+    spec: TenantSpec
+    loaded: bool = False  # adapter created and restored from its checkpoint
+    step: int = 0  # last committed step
+    version: int = 0  # the registry version the adapter equals (0: none yet)
+    state_id: int = 0  # bumped whenever the adapter weights change (keys the probe-reward cache)
+    baseline: float | None = None  # running mean reward (logs mode)
+    probes: tuple[str, ...] = ()
+    probe_cache: dict = field(default_factory=dict)  # (state_id, probes) -> probe reward
+    unfinished: dict | None = None  # learner.json of a committed step whose publish/row is not done yet
+    status: str = "idle"
+    error: str | None = None
+    failures: int = 0
+    retry_at: float = 0.0
+    last: dict = field(default_factory=dict)  # the last train_steps row
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    tenant: str
+    step: int
+    decision: str  # "published" | "rejected" | "skipped" (nothing to learn from; ids still committed)
+    version: str | None  # the version the step created
+    reason: str | None
+    row: dict
+
+
+@dataclass(frozen=True)
+class _Work:
+    """What a step trains on, before training."""
+
+    ids: tuple[str, ...]  # every trajectory id the step commits
+    prompts: tuple[str, ...]  # prompts seen (for the gate's probe set)
+    trajectory_range: dict
+    logs: list | None = None  # logs mode: Examples
+    dropped: int = 0
+    plan: RolloutPlan | None = None  # rollouts mode
+    samples: list | None = None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The learner
+
+
+class Learner:
+    """Owns the policy, the registry and cursor handles, and every tenant's runtime state."""
+
+    def __init__(self, cfg: Config, *, model_path: Path, policy: Policy | None = None, sampler: Sampler | None = None, progress: bool = True):
+        self.dd = DataDir(cfg.data_dir)
+        self.registry = Registry(self.dd, keep_last=cfg.learner.keep_versions)
+        self.cursors = Cursors(self.dd)
+        self.policy = policy or Policy(model_path, device=cfg.learner.device, seed=cfg.model.seed)
+        if sampler is None:
+            if cfg.learner.rollout_sampler == "local":
+                sampler = LocalSampler(self.policy)
+            else:
+                sampler = ServingSampler(f"http://{cfg.serving.host}:{cfg.serving.port}")
+        self.sampler = sampler
+        self.prefetcher = Prefetcher(sampler) if sampler.background else None
+        self.progress = progress
+        self.tenants: dict[str, TenantRuntime] = {}
+        self._bars: dict[str, object] = {}
+        self.ledger = Ledger()
+        self.apply_config(cfg)
+        self.recover()
+
+    # --- configuration and discovery ------------------------------------------------------------------
+    def apply_config(self, cfg: Config) -> None:
+        """Takes the learner settings and tenants of `cfg`; existing tenants keep their adapters."""
+        self.settings = cfg.learner
+        self.max_len = cfg.serving.max_model_len
+        self.scheduler = cfg.learner.scheduler
+        self.limits = gate.GateLimits(
+            max_kl=cfg.learner.gate_max_kl,
+            reward_tolerance=cfg.learner.gate_reward_tolerance,
+            max_abs_reward=cfg.learner.gate_max_abs_reward,
+        )
+        for t in cfg.tenants:
+            self._set_spec(TenantSpec.from_config(t))
+
+    def _set_spec(self, spec: TenantSpec) -> None:
+        rt = self.tenants.get(spec.name)
+        if rt is None:
+            self.tenants[spec.name] = TenantRuntime(spec=spec)
+            logger.info("tenant %s: %s mode, scorer %s%s", spec.name, spec.mode, spec.scorer, "" if spec.configured else " (not in the config: defaults)")
+            return
+        if spec == rt.spec:
+            return
+        if rt.loaded:
+            self.policy.update_spec(spec)
+            spec = self.policy.spec(spec.name)
+        rt.spec = spec
+
+    def pending(self) -> dict[str, int]:
+        """tenant -> pending work (untrained trajectories; a rollouts tenant with a prompts file always has a
+        batch), for every tenant not backing off after a failure. New tenants in storage are picked up here."""
+        backlog = self.cursors.backlog()
+        for name in backlog:
+            if name not in self.tenants:
+                self._set_spec(TenantSpec.default(name))
+        now = time.monotonic()
+        out = {}
+        for name, rt in self.tenants.items():
+            n = backlog.get(name, 0)
+            if rt.spec.mode == "rollouts" and rt.spec.prompts_file is not None:
+                n = max(n, rt.spec.batch_size)
+            out[name] = n if rt.retry_at <= now else 0
+        return out
+
+    def choose(self, backlog: dict[str, int], exclude=()) -> str | None:
+        name, self.ledger = choose(self.scheduler, backlog, self.ledger, exclude=exclude)
+        return name
+
+    # --- one step, with per-tenant error handling -----------------------------------------------------
+    def step_safely(self, name: str) -> StepRecord | None:
+        rt = self.tenants[name]
+        started = time.monotonic()
+        try:
+            record = self.step(name)
+        except Exception as e:  # one tenant's failure must not stop the others; the traceback is logged
+            logger.exception("tenant %s: step %d failed", name, rt.step + 1)
+            rt.failures += 1
+            rt.status = "error"
+            rt.error = f"{type(e).__name__}: {e}"
+            rt.retry_at = time.monotonic() + BACKOFF_SECONDS[min(rt.failures, len(BACKOFF_SECONDS)) - 1]
+            if self.prefetcher is not None:
+                self.prefetcher.discard(name)
+            record = None
+        else:
+            rt.failures, rt.error, rt.retry_at = 0, None, 0.0
+        self.ledger = charge(self.ledger, name, time.monotonic() - started)
+        self._report(rt)
+        return record
+
+    def step(self, name: str) -> StepRecord | None:
+        """One training step of tenant `name` (see the module note); None when it had nothing to do."""
+        rt = self.tenants[name]
+        self._ensure_loaded(rt)
+        if rt.unfinished is not None:
+            self._finish(rt, rt.unfinished)
+        self._follow_registry(rt)
+        started = time.monotonic()
+        parent = self.policy.snapshot(name)
+        try:
+            meta = self._train_and_commit(rt, parent, started)
+        except BaseException:
+            # Nothing was committed: put the in-memory adapter and optimizer back to the committed state.
+            self.policy.restore(name, parent)
+            raise
+        if meta is None:
+            rt.status = "idle"
+            return None
+        self._finish(rt, meta)
+        if meta["step"] % COMPACT_EVERY_STEPS == 0:
+            self.cursors.compact(name)
+        self._start_prefetch(rt)
+        rt.status = meta["decision"]
+        return StepRecord(
+            tenant=name,
+            step=meta["step"],
+            decision=meta["decision"],
+            version=None if meta["created"] is None else f"{name}@{meta['created']}",
+            reason=meta["reason"],
+            row=meta["row"],
+        )
+
+    def _train_and_commit(self, rt: TenantRuntime, parent, started: float) -> dict | None:
+        """Collect, train, gate, create the version, commit. Returns the step's learner.json (None: no work)."""
+        name = rt.spec.name
+        rt.status = "training"
+        work = self._collect(rt)
+        if work is None:
+            return None
+        rt.probes = gate.update_probes(rt.probes, work.prompts, self.settings.gate_prompts)
+        scorer = self._scorer(rt)
+        parent_probe = self._probe_reward(rt, scorer)
+        update, rewards, reward_mean, n_trained, n_dropped, baseline = self._update(rt, work, scorer)
+
+        step = rt.step + 1
+        parent_name = f"{name}@{rt.version}" if rt.version else None
+        row = {
+            "tenant": name,
+            "step": step,
+            "version": parent_name,
+            "mode": rt.spec.mode,
+            "reward_mean": _num(reward_mean),
+            "loss": None if update is None else _num(update.loss),
+            "kl": None if update is None else _num(update.kl),
+            "clip_frac": None if update is None else _num(update.clip_frac),
+            "tokens": 0 if update is None else update.tokens,
+            "seconds": None,
+            "n_trajectories": n_trained,
+            "ts": None,
+        }
+        meta = {
+            "format": CHECKPOINT_FORMAT,
+            "tenant": name,
+            "step": step,
+            "version": rt.version,
+            "baseline": baseline,
+            "probes": list(rt.probes),
+            "created": None,
+            "decision": "skipped",
+            "reason": None,
+            "gate": None,
+            "row": row,
+        }
+        probe = None
+        if update is not None:
+            probe = self._probe_reward(rt, scorer, fresh=True) if parent_probe is not None else None
+            result = gate.decide(
+                gate.GateInput(
+                    loss=update.loss,
+                    grad_norm=update.grad_norm,
+                    weights_finite=self.policy.weights_finite(name),
+                    kl=update.kl,
+                    rewards=tuple(rewards),
+                    probe_reward=probe,
+                    parent_probe_reward=parent_probe,
+                ),
+                self.limits,
+            )
+            metrics = _metrics(update, reward_mean, n_trained, n_dropped, step, rt.spec.mode, probe, parent_probe)
+            created = self.registry.create(
+                name,
+                parent=parent_name,
+                write=lambda d: self.policy.save_adapter(name, d),
+                metrics=metrics,
+                trajectory_range=work.trajectory_range,
+            )
+            meta.update(created=created.number, gate=result.checks, reason=result.reason or None)
+            if result.passed:
+                meta.update(decision="published", version=created.number)
+            else:
+                logger.warning("tenant %s: step %d rejected by the gate: %s", name, step, result.reason)
+                meta.update(decision="rejected", baseline=rt.baseline)  # a poisoned batch must not move the baseline
+                self.policy.restore(name, parent)
+        row["seconds"] = time.monotonic() - started
+        row["ts"] = datetime.now(timezone.utc).isoformat()
+
+        try:
+            self.cursors.commit(name, step=step, ids=list(work.ids), checkpoint=lambda d: self._write_checkpoint(name, d, meta))
+        except Exception:
+            if meta["created"] is not None:  # nothing references the candidate: it must never be published
+                self._reject_abandoned(name)
+            raise
+        # Committed: from here on the in-memory state is the checkpoint's.
+        rt.step, rt.baseline, rt.unfinished = step, meta["baseline"], meta
+        if meta["decision"] == "published":
+            rt.version, rt.state_id = meta["version"], rt.state_id + 1
+            rt.probe_cache = {(rt.state_id, rt.probes): probe} if probe is not None else {}
+        return meta
+
+    # --- collecting work ------------------------------------------------------------------------------
+    def _collect(self, rt: TenantRuntime) -> _Work | None:
+        if rt.spec.mode == "logs":
+            return self._collect_logs(rt)
+        if rt.spec.mode == "rollouts":
+            return self._collect_rollouts(rt)
+        raise LearnerError(f"tenant {rt.spec.name!r}: unknown mode {rt.spec.mode!r}")
+
+    def _collect_logs(self, rt: TenantRuntime) -> _Work | None:
+        rows = self.cursors.untrained(rt.spec.name, limit=rt.spec.batch_size)
+        if rows.num_rows == 0:
+            return None
+        selection = logs_mode.select_fresh(rows, rt.spec.name, rt.version, self.settings.max_staleness)
+        examples, unusable = logs_mode.to_examples(selection.kept, self.policy.tokenizer)
+        dropped = {**selection.dropped, **unusable}
+        if dropped:
+            logger.info("tenant %s: %d of %d trajectories not trained (%s)", rt.spec.name, len(dropped), rows.num_rows, next(iter(dropped.values())))
+        return _Work(
+            ids=tuple(rows.column("id").to_pylist()),
+            prompts=tuple(e.group for e in examples),
+            trajectory_range=_trajectory_range(rows),
+            logs=examples,
+            dropped=len(dropped),
+        )
+
+    def _collect_rollouts(self, rt: TenantRuntime) -> _Work | None:
+        self._scorer(rt)  # fail early (and loudly) on a tenant that cannot do rollouts
+        job = self.prefetcher.take(rt.spec.name) if self.prefetcher is not None else None
+        if job is not None:
+            plan, samples = job
+        else:
+            plan = self._plan(rt)
+            if plan is None:
+                return None
+            samples = self.sampler.sample(self._requests(rt, plan)) if plan.prompts else []
+        prompts = plan.prompts
+        if rt.spec.prompts_file is not None:
+            prompts = tuple(self._file_prompts(rt))
+        return _Work(
+            ids=plan.consumed_ids,
+            prompts=prompts,
+            trajectory_range={"n": len(plan.consumed_ids), "prompts": len(plan.prompts)},
+            plan=plan,
+            samples=samples,
+        )
+
+    def _plan(self, rt: TenantRuntime) -> RolloutPlan | None:
+        n_prompts = max(1, rt.spec.batch_size // rt.spec.group_size)
+        rows = self.cursors.untrained(rt.spec.name, limit=n_prompts * (rt.spec.group_size + 1) * 2)
+        file_prompts = self._file_prompts(rt) if rt.spec.prompts_file is not None else ()
+        plan = rollouts.plan_from_rows(rows, n_prompts, file_prompts=file_prompts, step=rt.step + 1)
+        return plan if plan.prompts or plan.consumed_ids else None
+
+    def _file_prompts(self, rt: TenantRuntime) -> list[str]:
+        return [rollouts.render_user_prompt(self.policy.tokenizer, p) for p in rollouts.read_prompts_file(rt.spec.prompts_file)]
+
+    def _requests(self, rt: TenantRuntime, plan: RolloutPlan) -> list[SampleRequest]:
+        if isinstance(self.sampler, ServingSampler) and not rt.spec.api_key:
+            raise LearnerError(f"tenant {rt.spec.name!r}: rollouts through the serving tier need the tenant's api_key in the config")
+        return [
+            SampleRequest(
+                tenant=rt.spec.name,
+                api_key=rt.spec.api_key,
+                prompt=p,
+                n=rt.spec.group_size,
+                max_tokens=self.settings.max_new_tokens,
+                temperature=self.settings.temperature,
+            )
+            for p in plan.prompts
+        ]
+
+    def _start_prefetch(self, rt: TenantRuntime) -> None:
+        """Serving sampler only: starts sampling the tenant's next batch (after the commit, so the plan
+        cannot reuse this step's ids) while other tenants train."""
+        if self.prefetcher is None or rt.spec.mode != "rollouts" or self.prefetcher.pending(rt.spec.name):
+            return
+        try:
+            plan = self._plan(rt)
+            if plan is not None and plan.prompts:
+                self.prefetcher.start(rt.spec.name, plan, self._requests(rt, plan))
+        except Exception:  # planning reads storage; the next step plans again and reports the error
+            logger.exception("tenant %s: could not start sampling", rt.spec.name)
+
+    def prefetch(self, backlog: dict[str, int]) -> None:
+        """Starts sampling for every ready rollouts tenant that has no request in flight, so all of them are
+        sampled concurrently (and batch together in the serving engine)."""
+        if self.prefetcher is None:
+            return
+        for name, n in backlog.items():
+            rt = self.tenants[name]
+            if n > 0:
+                self._start_prefetch(rt)
+
+    # --- the update -----------------------------------------------------------------------------------
+    def _update(self, rt: TenantRuntime, work: _Work, scorer):
+        """(update or None, rewards, reward mean, n trained, n dropped, new baseline)."""
+        name = rt.spec.name
+        common = dict(
+            clip_eps=self.settings.clip_eps,
+            kl_coef=self.settings.kl_coef,
+            max_grad_norm=self.settings.max_grad_norm,
+            max_len=self.max_len,
+        )
+        if work.logs is not None:
+            if not work.logs:
+                return None, [], math.nan, 0, work.dropped, rt.baseline
+            step = logs_mode.train_step(self.policy, name, work.logs, baseline=rt.baseline, **common)
+            rewards = [e.reward for e in work.logs]
+            return step.update, rewards, step.reward_mean, len(work.logs), work.dropped, step.baseline
+        if not work.plan.prompts:
+            return None, [], math.nan, 0, 0, rt.baseline
+        step = rollouts.train_step(
+            self.policy,
+            name,
+            work.plan.prompts,
+            work.samples,
+            scorer,
+            current_version=rt.version,
+            max_staleness=self.settings.max_staleness,
+            **common,
+        )
+        return step.update, list(step.rewards), step.reward_mean, step.n_samples, step.n_dropped, rt.baseline
+
+    def _scorer(self, rt: TenantRuntime):
+        from ingest.scorers import ScorerSpecError, build_scorer, is_function
+
+        if not is_function(rt.spec.scorer):
+            if rt.spec.mode == "rollouts":
+                raise LearnerError(
+                    f"tenant {rt.spec.name!r}: rollouts mode needs a programmatic scorer, but scorer is {rt.spec.scorer!r}"
+                )
+            return None
+        try:
+            return build_scorer(rt.spec.scorer)
+        except ScorerSpecError as e:
+            raise LearnerError(f"tenant {rt.spec.name!r}: {e}") from e
+
+    def _probe_reward(self, rt: TenantRuntime, scorer, *, fresh: bool = False) -> float | None:
+        """The current adapter's probe reward (cached per adapter state unless `fresh`); None without a scorer."""
+        if scorer is None or not rt.probes:
+            return None
+        key = (rt.state_id, rt.probes)
+        if not fresh and key in rt.probe_cache:
+            return rt.probe_cache[key]
+        value = gate.probe_reward(self.policy, rt.spec.name, rt.probes, scorer, max_new_tokens=self.settings.max_new_tokens)
+        if not fresh:
+            rt.probe_cache = {key: value}
+        return value
+
+    # --- loading, recovery, following the registry ----------------------------------------------------
+    def recover(self) -> None:
+        """At start: completes every tenant's last committed step (publish or reject its version, write its
+        row) and rejects candidates that no commit references (a crash came between create and commit).
+        Needs no model: it moves registry records and writes rows. One learner process per tenant."""
+        names = set(self.registry.tenants())
+        if self.dd.cursors.is_dir():
+            names |= {p.name for p in self.dd.cursors.iterdir() if p.is_dir() and not p.name.startswith(".")}
+        for name in sorted(names):
+            rt = self.tenants.get(name)
+            if rt is None:
+                self._set_spec(TenantSpec.default(name))
+                rt = self.tenants[name]
+            try:
+                latest = self.cursors.latest_checkpoint(name)
+                if latest is not None:
+                    meta = _read_meta(latest[1])
+                    rt.step, rt.version = latest[0], int(meta["version"] or 0)
+                    self._finish(rt, meta)
+                self._reject_abandoned(name)
+            except Exception as e:  # this tenant's recovery is retried on its next step; the others go on
+                logger.exception("tenant %s: recovery failed", name)
+                rt.status, rt.error = "error", f"{type(e).__name__}: {e}"
+
+    def _reject_abandoned(self, name: str) -> None:
+        for v in self.registry.versions(name):
+            if v.status == "candidate":
+                logger.warning("tenant %s: rejecting %s (%s)", name, v.name, ABANDONED)
+                self.registry.reject(name, v.number, reason=ABANDONED)
+
+    def _ensure_loaded(self, rt: TenantRuntime) -> None:
+        if rt.loaded:
+            return
+        name = rt.spec.name
+        latest = self.cursors.latest_checkpoint(name)
+        if latest is not None:
+            step, directory = latest
+            meta = _read_meta(directory)
+            self._add_adapter(rt, directory / "adapter")
+            self.policy.load_checkpoint(name, directory)
+            rt.step, rt.version, rt.baseline = step, int(meta["version"] or 0), meta.get("baseline")
+            rt.probes = tuple(meta.get("probes") or ())
+            rt.unfinished = meta
+            logger.info("tenant %s: resumed at step %d (adapter %s@%d)", name, step, name, rt.version)
+        else:
+            published = self.registry.published().get(name)
+            self._add_adapter(rt, published.path if published is not None else None)
+            if published is not None:
+                self.policy.load_adapter(name, published.path)
+                rt.version = published.number
+            rt.step = self.cursors.latest_step(name) or 0
+        rt.state_id += 1
+        rt.probe_cache = {}
+        rt.loaded = True
+        if rt.unfinished is not None:
+            self._finish(rt, rt.unfinished)
+
+    def _add_adapter(self, rt: TenantRuntime, saved: Path | None) -> None:
+        """Creates the tenant's adapter, in the shape it was saved in when there is a saved one."""
+        spec = rt.spec
+        if saved is not None:
+            shape = read_adapter_shape(saved)
+            if not spec.same_adapter_shape(replace(spec, **shape)):
+                logger.warning("tenant %s: keeping the saved adapter shape %s (the config asks for another)", spec.name, shape)
+            spec = replace(spec, **shape)
+        if not self.policy.has(spec.name):
+            self.policy.add_tenant(spec)
+        rt.spec = spec
+
+    def _follow_registry(self, rt: TenantRuntime) -> None:
+        """If the served version is not the learner's (an operator rolled back, or published or retired a
+        version by hand), continue from the served one with a fresh optimizer."""
+        published = self.registry.published().get(rt.spec.name)
+        if published is None or published.number == rt.version:
+            return
+        logger.warning(
+            "tenant %s: the registry serves %s but the learner is at %s@%d; continuing from %s",
+            rt.spec.name, published.name, rt.spec.name, rt.version, published.name,
+        )
+        self.policy.load_adapter(rt.spec.name, published.path)
+        self.policy.reset_optimizer(rt.spec.name)
+        rt.version = published.number
+        rt.state_id += 1
+
+    def _finish(self, rt: TenantRuntime, meta: dict) -> None:
+        """Completes a committed step: publish or reject its version, write its train_steps row. Idempotent."""
+        name, created = rt.spec.name, meta.get("created")
+        if created is not None:
+            v = self.registry.get(name, created)
+            if v.status == "candidate":
+                if meta["decision"] == "published":
+                    self.registry.publish(name, created, gate=meta.get("gate"))
+                else:
+                    self.registry.reject(name, created, reason=meta.get("reason") or "rejected by the gate", gate=meta.get("gate"))
+        write_dataset(self.dd, "train_steps", _row_table(meta["row"]), file_id=f"step-{int(meta['step']):020d}")
+        rt.last = meta["row"]
+        rt.unfinished = None
+
+    def _write_checkpoint(self, name: str, directory: Path, meta: dict) -> None:
+        self.policy.save_checkpoint(name, directory)
+        (directory / CHECKPOINT_META).write_text(json.dumps(meta, indent=1))
+
+    # --- reporting ------------------------------------------------------------------------------------
+    def _report(self, rt: TenantRuntime) -> None:
+        if self.progress:
+            bar = self._bars.get(rt.spec.name)
+            if bar is None:
+                from tqdm import tqdm
+
+                bar = self._bars[rt.spec.name] = tqdm(
+                desc=rt.spec.name, unit="step", initial=rt.step, position=len(self._bars), leave=True, dynamic_ncols=True
+                )
+            bar.update(rt.step - bar.n)
+            last = rt.last or {}
+            bar.set_postfix_str(
+                f"v{rt.version} {rt.status} r={_fmt(last.get('reward_mean'))} loss={_fmt(last.get('loss'))} kl={_fmt(last.get('kl'))}"
+                + (f" error={rt.error[:60]}" if rt.error else "")
+            )
+        status = {
+            name: {
+                "status": t.status,
+                "step": t.step,
+                "version": f"{name}@{t.version}" if t.version else None,
+                "mode": t.spec.mode,
+                "error": t.error,
+                "failures": t.failures,
+                "last": t.last,
+            }
+            for name, t in sorted(self.tenants.items())
+        }
+        atomic_write_bytes(self.dd.state / "learner" / "status.json", json.dumps(status, indent=1, default=str).encode())
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        if isinstance(self.sampler, ServingSampler):
+            self.sampler.close()
+        for bar in self._bars.values():
+            bar.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The loop
+
+
+def run(
+    cfg: Config,
+    *,
+    model_path: Path,
+    reload: Callable[[], Config] | None = None,
+    reload_seconds: float = CONFIG_RELOAD_SECONDS,
+    once: bool = False,
+    until_idle: bool = False,
+    max_steps: int | None = None,
+    progress: bool = True,
+    stop: threading.Event | None = None,
+    learner: Learner | None = None,
+) -> Learner:
+    """Runs the learner until `stop` is set (or: one pass over all tenants with `once`; until no tenant has
+    work with `until_idle`; `max_steps` steps in all). Returns the learner (its tenants hold the statuses)."""
+    stop = stop or threading.Event()
+    learner = learner or Learner(cfg, model_path=model_path, progress=progress)
+    served: set[str] = set()
+    steps = 0
+    reloaded_at = time.monotonic()
+    try:
+        while not stop.is_set():
+            if reload is not None and time.monotonic() - reloaded_at >= reload_seconds:
+                reloaded_at = time.monotonic()
+                try:
+                    learner.apply_config(reload())
+                except ConfigError as e:
+                    logger.error("config reload failed; keeping the previous config: %s", e)
+            backlog = learner.pending()
+            learner.prefetch(backlog)
+            name = learner.choose(backlog, exclude=served if once else ())
+            if name is None:
+                if once or until_idle:
+                    break
+                stop.wait(cfg.learner.poll_seconds)
+                continue
+            learner.step_safely(name)
+            served.add(name)
+            steps += 1
+            if max_steps is not None and steps >= max_steps:
+                break
+    finally:
+        learner.close()
+    return learner
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _num(x: float | None) -> float | None:
+    return None if x is None else float(x)
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def _metrics(update: UpdateResult, reward_mean, n_trained, n_dropped, step, mode, probe, parent_probe) -> dict:
+    values = {
+        "step": step,
+        "mode": mode,
+        "reward_mean": reward_mean,
+        "loss": update.loss,
+        "pg_loss": update.pg_loss,
+        "kl": update.kl,
+        "kl_before": update.kl_before,
+        "clip_frac": update.clip_frac,
+        "grad_norm": update.grad_norm,
+        "tokens": update.tokens,
+        "n_trajectories": n_trained,
+        "n_dropped": n_dropped,
+        "probe_reward": probe,
+        "parent_probe_reward": parent_probe,
+    }
+    return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
+
+
+def _trajectory_range(rows: pa.Table) -> dict:
+    ingested = rows.column("ingested_at").to_pylist()
+    ids = rows.column("id").to_pylist()
+    return {
+        "n": rows.num_rows,
+        "first_id": ids[0],
+        "last_id": ids[-1],
+        "first_ingested_at": min(ingested).isoformat(),
+        "last_ingested_at": max(ingested).isoformat(),
+    }
+
+
+def _row_table(row: dict) -> pa.Table:
+    values = dict(row)
+    values["ts"] = datetime.fromisoformat(values["ts"])
+    for k in ("reward_mean", "loss", "kl", "clip_frac"):  # NaN is stored as null: "not measured / poisoned"
+        if isinstance(values[k], float) and not math.isfinite(values[k]):
+            values[k] = None
+    return pa.Table.from_pylist([values], schema=TRAIN_STEPS)
+
+
+def _read_meta(directory: Path) -> dict:
+    path = directory / CHECKPOINT_META
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise LearnerError(f"cannot read the learner checkpoint record {path}: {e}") from e
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise LearnerError(f"{path} has format {meta.get('format')!r}; this clora reads {CHECKPOINT_FORMAT}")
+    return meta

@@ -1,0 +1,45 @@
+"""Ingest metrics: totals for logs, and the Prometheus endpoint when a port is given."""
+
+import urllib.request
+from collections import Counter
+
+import pytest
+
+from ingest.batch import Output
+from ingest.broker import free_port
+from ingest.consumer import batch_file_id
+from ingest.metrics import IngestMetrics
+from storage.layout import FILE_ID
+
+pytestmark = pytest.mark.unit
+
+
+def test_totals_and_prometheus_endpoint():
+    port = free_port()
+    metrics = IngestMetrics(port=port)
+    try:
+        out = Output(duplicates=2, reasons=Counter({"not_json": 3, "bad_field": 1}))
+        metrics.flushed(10, out, 0.05, pending=4)
+        metrics.set_lag({("clora.interactions", 1): 7})
+        assert metrics.total["messages"] == 10 and metrics.total["duplicates"] == 2
+        assert metrics.reasons == {"not_json": 3, "bad_field": 1}
+        metrics.log()
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert 'clora_ingest_dead_letters_total{reason="not_json"} 3.0' in body
+        assert 'clora_ingest_lag{partition="1",topic="clora.interactions"} 7.0' in body
+        assert "clora_ingest_pending_feedback 4.0" in body
+        assert "clora_ingest_messages_total 10.0" in body
+    finally:
+        metrics.close()
+
+
+def test_batch_file_ids_name_the_ranges_and_the_rows():
+    one = {("clora.interactions", 3): (120, 245)}
+    fid = batch_file_id(one, [("acme", "a"), ("acme", "b")])
+    assert fid.startswith("clora.interactions.3.000000000120-000000000245-")
+    assert fid == batch_file_id(one, [("acme", "a"), ("acme", "b")])  # a replay of the same rows
+    assert fid != batch_file_id(one, [("acme", "a")])  # other rows from the same range: another file
+    many = {("clora.interactions", p): (p, p + 10) for p in range(8)} | {("clora.feedback", 0): (0, 1)}
+    assert batch_file_id(many, []) != batch_file_id({**many, ("clora.feedback", 0): (0, 2)}, [])
+    for f in (fid, batch_file_id(many, [("t", "x")]), batch_file_id({("_weird", 0): (0, 0)}, [])):
+        assert FILE_ID.match(f), f

@@ -1,0 +1,87 @@
+"""Helpers for the learner tests: trajectory tables in the real Parquet schema, and configs (plain functions;
+the fixtures are in conftest.py)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pyarrow as pa
+
+from storage.schema import TRAJECTORIES
+
+# Targets that let the random-weight tiny model learn output-token preferences quickly: with its tied,
+# randomly initialised embeddings, LoRA on the attention/MLP projections alone cannot move much probability
+# onto a handful of tokens; a LoRA on lm_head can.
+LEARNABLE_TARGETS = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj", "lm_head"]
+
+T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
+
+
+def trajectories(tenant: str, rows: list[dict], *, start: int = 0) -> pa.Table:
+    """A TRAJECTORIES table; each row needs at least id, prompt, completion, reward."""
+    full = []
+    for i, r in enumerate(rows):
+        full.append(
+            {
+                "id": r["id"],
+                "tenant": tenant,
+                "ts": T0 + timedelta(seconds=start + i),
+                "prompt": r.get("prompt"),
+                "messages_json": r.get("messages_json"),
+                "completion": r.get("completion"),
+                "reward": r["reward"],
+                "reward_source": r.get("reward_source", "feedback"),
+                "adapter_version": r.get("adapter_version"),
+                "completion_token_ids": r.get("completion_token_ids"),
+                "completion_logprobs": r.get("completion_logprobs"),
+                "metadata_json": json.dumps(r["metadata"]) if "metadata" in r else None,
+                "kafka_topic": "clora.interactions",
+                "kafka_partition": 0,
+                "kafka_offset": start + i,
+                "ingested_at": T0 + timedelta(seconds=start + i),
+            }
+        )
+    return pa.Table.from_pylist(full, schema=TRAJECTORIES)
+
+
+def chat_prompt(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def make_config(data_dir: Path, model_path: Path, tenants: list[dict], **learner):
+    from clora.config import Config
+
+    settings = {"poll_seconds": 0.1, "gate_prompts": 0, **learner}
+    return Config.model_validate(
+        {
+            "data_dir": str(data_dir),
+            "model": {"path": str(model_path)},
+            "learner": settings,
+            "tenants": [{"api_key": f"sk-{t['name']}-0000", **t} for t in tenants],
+        }
+    )
+
+
+def write_toml(path: Path, data_dir: Path, model_path: Path, tenants: list[dict], **learner) -> Path:
+    """The same config as a clora.toml file (for the learner run as a process)."""
+
+    def value(v):
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        return str(v)
+
+    lines = [f"data_dir = {value(str(data_dir))}", "log_level = \"INFO\"", "", "[model]", f"path = {value(str(model_path))}", "", "[learner]"]
+    lines += [f"{k} = {value(v)}" for k, v in {"poll_seconds": 0.1, "gate_prompts": 0, **learner}.items()]
+    for t in tenants:
+        lines += ["", "[[tenants]]"]
+        lines += [f"{k} = {value(v)}" for k, v in {"api_key": f"sk-{t['name']}-0000", **t}.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -1,0 +1,69 @@
+"""learner/gate.py: every check, alone and together, and the probe set."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from learner.gate import GateInput, GateLimits, decide, update_probes
+
+pytestmark = pytest.mark.unit
+
+LIMITS = GateLimits(max_kl=1.0, reward_tolerance=0.1, max_abs_reward=100.0)
+GOOD = GateInput(loss=0.3, grad_norm=0.5, weights_finite=True, kl=0.2, rewards=(0.0, 1.0, 0.5))
+
+
+def with_(**kw):
+    return GateInput(**{**GOOD.__dict__, **kw})
+
+
+def test_a_healthy_step_passes_and_records_what_was_measured():
+    r = decide(GOOD, LIMITS)
+    assert r.passed and r.failures == () and r.reason == ""
+    assert r.checks["kl"] == 0.2 and r.checks["reward_max"] == 1.0 and r.checks["limit_max_kl"] == 1.0
+    json.dumps(r.checks, allow_nan=False)  # stored in the registry as strict JSON
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"rewards": (0.0, math.nan)}, "poisoned batch: 1 of 2 rewards"),
+        ({"rewards": (0.0, 1e9, -1e9)}, "poisoned batch: 2 of 3 rewards"),
+        ({"loss": math.nan}, "loss is not finite"),
+        ({"grad_norm": math.inf}, "gradient norm is not finite"),
+        ({"weights_finite": False}, "adapter weights are not finite"),
+        ({"kl": 1.5}, "KL to the base model 1.5 exceeds gate_max_kl 1"),
+        ({"kl": math.nan}, "KL to the base model nan"),
+        ({"probe_reward": 0.5, "parent_probe_reward": 0.75}, "probe reward fell from 0.75 to 0.5"),
+    ],
+)
+def test_each_failed_check_rejects_with_its_reason(change, expected):
+    r = decide(with_(**change), LIMITS)
+    assert not r.passed
+    assert expected in r.reason, r.reason
+    json.dumps(r.checks, allow_nan=False)
+
+
+def test_reward_tolerance_is_inclusive_and_only_applies_with_both_probes():
+    # parent 0.75, candidate 0.65: a drop of 0.10 is within the tolerance; 0.11 is not
+    assert decide(with_(probe_reward=0.65, parent_probe_reward=0.75), LIMITS).passed
+    assert not decide(with_(probe_reward=0.64, parent_probe_reward=0.75), LIMITS).passed
+    assert decide(with_(probe_reward=0.0, parent_probe_reward=None), LIMITS).passed  # no scorer: no check
+
+
+def test_all_failures_are_listed_together():
+    r = decide(with_(loss=math.nan, kl=5.0, rewards=(math.inf,)), LIMITS)
+    assert len(r.failures) == 3 and "poisoned" in r.reason and "loss" in r.reason and "KL" in r.reason
+
+
+def test_probe_set_is_the_k_smallest_hashes_and_stable():
+    seen = [f"prompt {i}" for i in range(20)]
+    probes = update_probes((), seen, 4)
+    assert len(probes) == 4 and len(set(probes)) == 4
+    # order of arrival does not matter; seeing the same prompts again changes nothing
+    assert update_probes((), list(reversed(seen)), 4) == probes
+    assert update_probes(probes, seen[:5], 4) == probes
+    assert update_probes((), ["", "a"], 4) == ("a",)
+    assert update_probes(probes, seen, 0) == ()

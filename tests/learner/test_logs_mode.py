@@ -1,0 +1,77 @@
+"""learner/logs_mode.py: staleness, foreign adapters, rows -> examples."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from learner.logs_mode import select_fresh, stale_reason, to_examples, version_number
+
+from learner_support import chat_prompt, trajectories
+
+pytestmark = pytest.mark.unit
+
+
+def test_version_numbers():
+    assert version_number(None, "acme") == 0  # the base model
+    assert version_number("acme@7", "acme") == 7
+    assert version_number("a.b@2", "a.b") == 2
+    assert version_number("beta@7", "acme") is None  # another tenant's adapter
+    assert version_number("acme", "acme") is None
+
+
+def test_staleness_is_counted_in_version_numbers():
+    # learner at version 10, max_staleness 4: versions 6..10 are fresh, 5 and older are stale
+    assert stale_reason("acme@10", "acme", 10, 4) is None
+    assert stale_reason("acme@6", "acme", 10, 4) is None
+    assert "stale: made by version 5, 5 behind 10" in stale_reason("acme@5", "acme", 10, 4)
+    assert "stale" in stale_reason(None, "acme", 10, 4)  # base model output, 10 versions ago
+    assert stale_reason(None, "acme", 0, 0) is None  # nothing published yet: the base is current
+    assert stale_reason("acme@12", "acme", 10, 0) is None  # newer than the learner (a rollback): fresh
+    assert "foreign adapter 'beta@3'" in stale_reason("beta@3", "acme", 10, 4)
+
+
+def test_select_fresh_keeps_order_and_names_every_drop():
+    rows = trajectories(
+        "acme",
+        [
+            {"id": "a", "prompt": "p", "completion": "c", "reward": 1.0, "adapter_version": "acme@9"},
+            {"id": "b", "prompt": "p", "completion": "c", "reward": 1.0, "adapter_version": "acme@2"},
+            {"id": "c", "prompt": "p", "completion": "c", "reward": 1.0, "adapter_version": "zed@9"},
+            {"id": "d", "prompt": "p", "completion": "c", "reward": 1.0, "adapter_version": "acme@10"},
+        ],
+    )
+    sel = select_fresh(rows, "acme", current=10, max_staleness=4)
+    assert sel.kept.column("id").to_pylist() == ["a", "d"]
+    assert set(sel.dropped) == {"b", "c"}
+
+
+def test_rows_become_examples_with_token_ids_and_behaviour_logprobs_when_usable(tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    messages = [{"role": "user", "content": "hi there"}]
+    rows = trajectories(
+        "acme",
+        [
+            # stored token ids and matching logprobs: used as they are
+            {"id": "a", "prompt": chat_prompt("q"), "completion": "xyz", "reward": 0.5, "completion_token_ids": [40, 41, 2], "completion_logprobs": [-1.0, -2.0, -0.5]},
+            # logprobs that do not match the tokens: dropped (the update falls back to ratio 1)
+            {"id": "b", "prompt": chat_prompt("q"), "completion": "12 cats", "reward": -1.0, "completion_logprobs": [-1.0]},
+            # no prompt text: rendered from the messages
+            {"id": "c", "messages_json": json.dumps(messages), "completion": "ok", "reward": 1.0},
+            # nothing to train on
+            {"id": "d", "prompt": chat_prompt("q"), "completion": "", "reward": 1.0},
+            {"id": "e", "completion": "orphan", "reward": 1.0},
+        ],
+    )
+    examples, unusable = to_examples(rows, tok)
+    assert [e.id for e in examples] == ["a", "b", "c"]
+    assert set(unusable) == {"d", "e"}
+    a, b, c = examples
+    assert a.completion_ids == (40, 41, 2) and a.behaviour_logprobs == (-1.0, -2.0, -0.5)
+    assert b.completion_ids == tuple(tok("12 cats", add_special_tokens=False).input_ids) and b.behaviour_logprobs is None
+    assert a.group == b.group == chat_prompt("q")
+    assert c.prompt_ids == tuple(tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False).input_ids)
+    assert c.group.endswith("<|im_start|>assistant\n")

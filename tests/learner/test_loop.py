@@ -1,0 +1,293 @@
+"""learner/loop.py in-process on the tiny model: logs mode on real Parquet trajectories, the gate on
+poisoned batches, staleness, recovery from interrupted steps, rollbacks, new tenants, per-tenant errors,
+and rollouts mode with the learner's own sampler."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import threading
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from learner.loop import ABANDONED, Learner, run
+from learner.policy import Policy
+from learner_support import LEARNABLE_TARGETS, chat_prompt, make_config, trajectories
+from storage.cursors import Cursors
+from storage.parquet import read_dataset, write_dataset
+from storage.registry import Registry
+
+pytestmark = pytest.mark.unit
+
+COMPLETIONS = ["12 34", "cats and dogs", "7", "hello there", "BIG NEWS", "ok"]
+
+
+def rows(prefix: str, n: int, *, seed: int = 0, reward=None, **extra) -> list[dict]:
+    rng = random.Random(seed)
+    return [
+        {
+            "id": f"{prefix}{i}",
+            "prompt": chat_prompt(f"question {i % 4}"),
+            "completion": rng.choice(COMPLETIONS),
+            "reward": rng.uniform(-1, 1) if reward is None else reward,
+            **extra,
+        }
+        for i in range(n)
+    ]
+
+
+def write(data_dir, tenant, table_rows, file_id, start=0):
+    write_dataset(data_dir, "trajectories", trajectories(tenant, table_rows, start=start), file_id=file_id)
+
+
+def learn(cfg, model, **kw):
+    kw.setdefault("until_idle", True)
+    return run(cfg, model_path=model, progress=False, **kw)
+
+
+def step_ids(data_dir, tenant) -> list[list[str]]:
+    """The trajectory ids committed at each step, from the cursor's step directories."""
+    d = Path(data_dir) / "cursors" / tenant
+    return [pq.read_table(p / "ids.parquet").column("id").to_pylist() for p in sorted(d.glob("step-*"))]
+
+
+def assert_each_id_once(data_dir, tenant, expected: set[str]):
+    per_step = step_ids(data_dir, tenant)
+    flat = [i for ids in per_step for i in ids]
+    assert len(flat) == len(set(flat)), "a trajectory id was committed at two steps"
+    assert set(flat) == expected
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_logs_mode_trains_every_trajectory_once_and_publishes_a_lineage(tiny_model, data_dir):
+    write(data_dir, "acme", rows("a", 40), "b0")
+    write(data_dir, "beta", rows("b", 20, seed=1), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 16}, {"name": "beta", "batch_size": 8}])
+    learner = learn(cfg, tiny_model)
+
+    assert_each_id_once(data_dir, "acme", {f"a{i}" for i in range(40)})
+    assert_each_id_once(data_dir, "beta", {f"b{i}" for i in range(20)})
+    reg = Registry(data_dir)
+    acme = reg.versions("acme")
+    assert [(v.number, v.status, v.parent) for v in acme] == [(1, "published", None), (2, "published", "acme@1"), (3, "published", "acme@2")]
+    assert acme[0].metrics["n_trajectories"] == 16 and acme[2].metrics["n_trajectories"] == 8
+    assert acme[0].gate["kl"] >= 0 and acme[0].trajectory_range["n"] == 16
+    assert reg.latest_published("beta").number == 3  # 20 rows in batches of 8: 8, 8, 4
+
+    steps = read_dataset(data_dir, "train_steps").to_pylist()
+    acme_rows = sorted((r for r in steps if r["tenant"] == "acme"), key=lambda r: r["step"])
+    assert [r["step"] for r in acme_rows] == [1, 2, 3]
+    assert [r["version"] for r in acme_rows] == [None, "acme@1", "acme@2"]  # the version each step started from
+    assert [r["n_trajectories"] for r in acme_rows] == [16, 16, 8]
+    for r in acme_rows:
+        assert r["mode"] == "logs" and r["tokens"] > 0 and r["seconds"] > 0
+        assert all(math.isfinite(r[k]) for k in ("reward_mean", "loss", "kl", "clip_frac"))
+    assert learner.tenants["acme"].version == 3
+    status = json.loads((Path(data_dir) / "state" / "learner" / "status.json").read_text())
+    assert status["acme"]["version"] == "acme@3" and status["acme"]["error"] is None
+
+
+def test_published_adapter_equals_the_learners_and_loads_in_peft(tiny_model, data_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8, "learning_rate": 1e-2}])
+    learner = learn(cfg, tiny_model)
+    v = Registry(data_dir).latest_published("acme")
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), v.path)
+    ids = learner.policy.tokenizer(chat_prompt("hi") + "hello there", return_tensors="pt").input_ids
+    with torch.no_grad():
+        theirs = peft_model(input_ids=ids).logits
+        learner.policy.use("acme")
+        ours = learner.policy.model(input_ids=ids).logits
+    assert torch.allclose(theirs, ours, atol=1e-4)
+
+
+@pytest.mark.parametrize("poison", [math.nan, 1e12])
+def test_a_poisoned_batch_is_rejected_never_published_and_learning_continues_from_the_parent(tiny_model, data_dir, poison):
+    write(data_dir, "acme", rows("good", 8), "b0", start=0)
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    learner = learn(cfg, tiny_model)
+    parent = Registry(data_dir).latest_published("acme")
+    assert parent.number == 1
+    probe = learner.policy.tokenizer(chat_prompt("x") + "12 cats", return_tensors="pt").input_ids
+    learner.policy.use("acme")
+    with torch.no_grad():
+        parent_logits = learner.policy.model(input_ids=probe).logits.clone()
+
+    poisoned = rows("bad", 8, seed=3)
+    poisoned[3]["reward"] = poison
+    write(data_dir, "acme", poisoned, "b1", start=100)
+    learner = learn(cfg, tiny_model, learner=learner)
+    reg = Registry(data_dir)
+    rejected = reg.get("acme", 2)
+    assert rejected.status == "rejected" and "poisoned batch" in rejected.reason
+    assert reg.latest_published("acme").number == 1
+    learner.policy.use("acme")
+    with torch.no_grad():
+        assert torch.equal(learner.policy.model(input_ids=probe).logits, parent_logits)  # back to the parent
+    assert_each_id_once(data_dir, "acme", {f"good{i}" for i in range(8)} | {f"bad{i}" for i in range(8)})  # not retried
+
+    write(data_dir, "acme", rows("more", 8, seed=4), "b2", start=200)
+    learn(cfg, tiny_model, learner=learner)
+    latest = Registry(data_dir).latest_published("acme")
+    assert latest.number == 3 and latest.parent == "acme@1"  # the rejected candidate is no one's parent
+    poisoned_row = next(r for r in read_dataset(data_dir, "train_steps").to_pylist() if r["step"] == 2)
+    if math.isnan(poison):
+        assert poisoned_row["loss"] is None  # NaN is stored as null
+
+
+def test_stale_and_foreign_trajectories_are_dropped_but_committed(tiny_model, data_dir):
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], max_staleness=0)
+    learner = learn(cfg, tiny_model)  # -> acme@1
+    batch = rows("fresh", 3, adapter_version="acme@1") + rows("old", 3, adapter_version=None) + rows("other", 2, adapter_version="beta@1")
+    write(data_dir, "acme", batch, "b1", start=100)
+    learn(cfg, tiny_model, learner=learner)
+    v2 = Registry(data_dir).get("acme", 2)
+    assert v2.metrics["n_trajectories"] == 3 and v2.metrics["n_dropped"] == 5
+    assert Cursors(data_dir).backlog()["acme"] == 0
+
+
+def test_a_candidate_created_before_a_crash_is_abandoned_and_its_batch_retrained(tiny_model, data_dir, monkeypatch):
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt  # what a SIGKILL between create and commit leaves behind
+
+    monkeypatch.setattr(Cursors, "commit", crash)
+    with pytest.raises(KeyboardInterrupt):
+        learn(cfg, tiny_model)
+    monkeypatch.undo()
+    assert Registry(data_dir).get("acme", 1).status == "candidate"
+
+    learn(cfg, tiny_model)  # a fresh process
+    reg = Registry(data_dir)
+    assert reg.get("acme", 1).status == "rejected" and reg.get("acme", 1).reason == ABANDONED
+    assert reg.get("acme", 2).status == "published" and reg.get("acme", 2).parent is None
+    assert_each_id_once(data_dir, "acme", {f"a{i}" for i in range(8)})
+
+
+def test_a_step_committed_before_a_crash_is_published_on_restart(tiny_model, data_dir, monkeypatch):
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt  # a SIGKILL right after the commit
+
+    monkeypatch.setattr(Registry, "publish", crash)
+    with pytest.raises(KeyboardInterrupt):
+        learn(cfg, tiny_model)
+    monkeypatch.undo()
+    assert Registry(data_dir).get("acme", 1).status == "candidate"
+    assert read_dataset(data_dir, "train_steps").num_rows == 0
+
+    learner = learn(cfg, tiny_model)  # nothing new to train, but the interrupted step is completed
+    assert Registry(data_dir).get("acme", 1).status == "published"
+    assert read_dataset(data_dir, "train_steps").column("step").to_pylist() == [1]
+    assert learner.tenants["acme"].step == 1 and learner.tenants["acme"].version == 1
+    assert_each_id_once(data_dir, "acme", {f"a{i}" for i in range(8)})
+
+
+def test_after_a_rollback_the_learner_continues_from_the_served_version(tiny_model, data_dir):
+    write(data_dir, "acme", rows("a", 16), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    learner = learn(cfg, tiny_model)  # acme@1, acme@2
+    rolled = Registry(data_dir).rollback("acme", 1)  # acme@3 = acme@1's files
+    write(data_dir, "acme", rows("b", 8, seed=5), "b1", start=100)
+    learn(cfg, tiny_model, learner=learner)
+    v4 = Registry(data_dir).get("acme", 4)
+    assert rolled.number == 3 and v4.parent == "acme@3" and v4.status == "published"
+
+
+def test_new_tenants_from_storage_and_from_the_config_are_picked_up_without_restart(tiny_model, data_dir):
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    cfg2 = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}, {"name": "zeta", "batch_size": 4, "lora": {"rank": 2}}])
+    stop = threading.Event()
+    configs = iter([cfg, cfg2])
+    reloads = []
+
+    def reload():
+        reloads.append(1)
+        return next(configs, cfg2)
+
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    write(data_dir, "newco", rows("n", 5), "b0")  # ingest created this tenant: not in any config
+    write(data_dir, "zeta", rows("z", 4), "b0")
+    thread = threading.Thread(target=run, args=(cfg,), kwargs=dict(model_path=tiny_model, learner=learner, reload=reload, reload_seconds=0.0, stop=stop))
+    thread.start()
+    try:
+        deadline = __import__("time").monotonic() + 120
+        while __import__("time").monotonic() < deadline:
+            if all(Registry(data_dir).latest_published(t) for t in ("acme", "newco", "zeta")):
+                break
+            stop.wait(0.2)
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert reloads
+    assert learner.tenants["newco"].spec.configured is False  # defaults
+    assert learner.policy.spec("zeta").rank == 2  # the config's shape
+    assert all(Registry(data_dir).latest_published(t) for t in ("acme", "newco", "zeta"))
+
+
+def test_one_tenants_failure_does_not_stop_the_others(tiny_model, data_dir):
+    write(data_dir, "ok", rows("a", 8), "b0")
+    write(data_dir, "broken", rows("b", 8), "b0")
+    # rollouts mode with a feedback scorer cannot work: the step raises, the tenant is marked and backed off
+    cfg = make_config(data_dir, tiny_model, [{"name": "ok", "batch_size": 8}, {"name": "broken", "mode": "rollouts", "scorer": "feedback"}], rollout_sampler="local")
+    learner = learn(cfg, tiny_model)
+    assert Registry(data_dir).latest_published("ok").number == 1
+    broken = learner.tenants["broken"]
+    assert broken.status == "error" and "programmatic scorer" in broken.error and broken.retry_at > 0
+    status = json.loads((Path(data_dir) / "state" / "learner" / "status.json").read_text())
+    assert status["broken"]["status"] == "error" and status["ok"]["status"] == "published"
+    assert Cursors(data_dir).backlog()["broken"] == 8  # nothing of it was committed
+
+
+def test_rollouts_mode_with_a_prompts_file_and_the_local_sampler(tiny_model, data_dir, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Write a number.\nTell me about cats.\n\nhello\n")
+    cfg = make_config(
+        data_dir,
+        tiny_model,
+        [{"name": "lab", "mode": "rollouts", "scorer": "length:20", "prompts_file": str(prompts), "batch_size": 8, "group_size": 4,
+          "learning_rate": 1e-2, "lora": {"target_modules": LEARNABLE_TARGETS}}],
+        rollout_sampler="local",
+        max_new_tokens=12,
+        gate_prompts=2,
+        gate_max_kl=50.0,
+        gate_reward_tolerance=1.0,
+    )
+    learn(cfg, tiny_model, until_idle=False, max_steps=3)
+    steps = read_dataset(data_dir, "train_steps").to_pylist()
+    assert [r["step"] for r in sorted(steps, key=lambda r: r["step"])] == [1, 2, 3]
+    assert {r["mode"] for r in steps} == {"rollouts"} and all(r["n_trajectories"] == 8 for r in steps)
+    versions = Registry(data_dir).versions("lab")
+    assert versions, "no version was created"
+    for v in versions:  # the gate compared probe rewards of parent and candidate
+        assert v.gate["probe_reward"] is not None and v.gate["parent_probe_reward"] is not None
+
+
+def test_rollouts_mode_takes_prompts_from_production_and_skips_logged_rollouts(tiny_model, data_dir):
+    production = rows("p", 2)
+    logged_rollouts = rows("r", 3, metadata={"source": "rollout"})
+    write(data_dir, "lab", logged_rollouts + production, "b0")
+    cfg = make_config(
+        data_dir, tiny_model,
+        [{"name": "lab", "mode": "rollouts", "scorer": "length:10", "batch_size": 8, "group_size": 4}],
+        rollout_sampler="local", max_new_tokens=8, gate_max_kl=50.0,
+    )
+    learn(cfg, tiny_model)
+    assert_each_id_once(data_dir, "lab", {"p0", "p1", "r0", "r1", "r2"})
+    row = read_dataset(data_dir, "train_steps").to_pylist()[0]
+    assert row["n_trajectories"] == 8  # 2 production prompts x 4 completions; logged rollouts are no prompts

@@ -1,0 +1,169 @@
+"""learner/policy.py on the tiny model: padding, adapters side by side, PEFT files, checkpoints."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from learner.batch import pack
+from learner.policy import Policy, PolicyError, adapter_name, read_adapter_shape
+from learner.types import TenantSpec
+from learner.update import pg_update
+
+pytestmark = pytest.mark.unit
+
+
+def spec(name, **kw):
+    return replace(TenantSpec.default(name), **kw)
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model):
+    p = Policy(tiny_model, device="cpu")
+    p.add_tenant(spec("acme", rank=8, learning_rate=1e-2))
+    p.add_tenant(spec("beta.prod", rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"), learning_rate=1e-2))
+    return p
+
+
+def small_batch(policy, completions=("12 cats", "x", "hello there friend")):
+    tok = policy.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True) for q in ("a", "bb bb", "what is 2 + 2?")]
+    p_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
+    c_ids = [tok(c, add_special_tokens=False).input_ids for c in completions]
+    return pack(p_ids, c_ids, pad_id=policy.pad_token_id, max_len=256), p_ids, c_ids
+
+
+def test_adapter_names_are_module_safe_and_distinct():
+    assert adapter_name("acme") == "clora_acme"
+    assert "." not in adapter_name("beta.prod") and "-" not in adapter_name("a-b")
+    assert adapter_name("a.b") != adapter_name("a_b")
+
+
+def test_padded_batch_gives_the_same_logprobs_as_each_row_alone(policy):
+    batch, p_ids, c_ids = small_batch(policy)
+    together = policy.token_logprobs(batch, "acme")
+    for i in range(batch.size):
+        alone = policy.token_logprobs(pack([p_ids[i]], [c_ids[i]], pad_id=policy.pad_token_id, max_len=256), "acme")
+        n = len(c_ids[i])
+        assert torch.allclose(together[i, :n], alone[0, :n], atol=1e-4)
+
+
+def test_fresh_adapters_equal_the_base_and_disabling_gives_the_base(policy, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    batch, _, _ = small_batch(policy)
+    base = policy.token_logprobs(batch, None)
+    # LoRA B starts at zero: a fresh adapter changes nothing
+    fresh = Policy(tiny_model, device="cpu")
+    fresh.add_tenant(spec("new"))
+    assert torch.allclose(fresh.token_logprobs(batch, "new"), base, atol=1e-5)
+    # and the disabled adapter is the plain model loaded without peft
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model)
+    logits = plain(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).logits
+    ref = logits[:, batch.prompt_width - 1 : -1].log_softmax(-1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+    mask = batch.completion_mask.bool()
+    assert torch.allclose(base[mask], ref[mask], atol=1e-4)
+
+
+def test_training_one_tenant_leaves_the_other_and_the_base_untouched(policy):
+    batch, _, _ = small_batch(policy)
+    before_beta = policy.token_logprobs(batch, "beta.prod")
+    before_base = policy.token_logprobs(batch, None)
+    before_acme = policy.token_logprobs(batch, "acme")
+    for _ in range(3):
+        pg_update(policy, "acme", batch, torch.tensor([1.0, -1.0, 0.5]), clip_eps=0.2)
+    assert not torch.allclose(policy.token_logprobs(batch, "acme"), before_acme)
+    assert torch.equal(policy.token_logprobs(batch, "beta.prod"), before_beta)
+    assert torch.equal(policy.token_logprobs(batch, None), before_base)
+
+
+def test_memory_is_per_tenant_adapter_and_optimizer(policy):
+    # acme: 7 targets x 4 layers, r=8; beta: q,v x 4 layers, r=4 -> a smaller adapter
+    assert policy.adapter_bytes("beta.prod") < policy.adapter_bytes("acme")
+    batch, _, _ = small_batch(policy)
+    pg_update(policy, "beta.prod", batch, torch.tensor([1.0, -1.0, 0.0]), clip_eps=0.2)
+    # AdamW keeps two moments per parameter (plus a step counter per tensor)
+    assert 2 * policy.adapter_bytes("beta.prod") <= policy.optimizer_bytes("beta.prod") < 3 * policy.adapter_bytes("beta.prod")
+
+
+def test_saved_adapter_is_standard_peft_and_loads_in_peft(policy, tiny_model, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    batch, _, _ = small_batch(policy)
+    pg_update(policy, "beta.prod", batch, torch.tensor([1.0, -1.0, 0.0]), clip_eps=0.2)
+    policy.save_adapter("beta.prod", tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+    assert config["peft_type"] == "LORA" and config["inference_mode"] is True
+    with safe_open(str(tmp_path / "adapter_model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+    assert keys and all(k.startswith("base_model.model.model.layers.") for k in keys)
+    assert not any("clora_" in k for k in keys), keys[:3]  # no adapter name inside the keys
+    assert read_adapter_shape(tmp_path) == {"rank": 4, "alpha": 8.0, "target_modules": ("q_proj", "v_proj"), "dropout": 0.0}
+    # peft loads it onto a fresh base and computes what the learner computes
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), tmp_path)
+    logits = loaded(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+    ).logits
+    theirs = logits[:, batch.prompt_width - 1 : -1].log_softmax(-1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+    ours = policy.token_logprobs(batch, "beta.prod")
+    mask = batch.completion_mask.bool()
+    assert torch.allclose(ours[mask], theirs[mask], atol=1e-4)
+
+
+def test_checkpoint_round_trip_restores_adapter_and_optimizer(policy, tiny_model, tmp_path):
+    batch, _, _ = small_batch(policy)
+    pg_update(policy, "acme", batch, torch.tensor([1.0, -1.0, 0.5]), clip_eps=0.2)
+    policy.save_checkpoint("acme", tmp_path)
+    other = Policy(tiny_model, device="cpu")
+    other.add_tenant(policy.spec("acme"))
+    other.load_checkpoint("acme", tmp_path)
+    assert torch.equal(other.token_logprobs(batch, "acme"), policy.token_logprobs(batch, "acme"))
+    # the same next step from both: identical optimizer state gives identical weights
+    pg_update(policy, "acme", batch, torch.tensor([0.3, 0.2, -0.5]), clip_eps=0.2)
+    pg_update(other, "acme", batch, torch.tensor([0.3, 0.2, -0.5]), clip_eps=0.2)
+    assert torch.allclose(other.token_logprobs(batch, "acme"), policy.token_logprobs(batch, "acme"), atol=1e-6)
+
+
+def test_snapshot_and_restore_undo_a_step(policy):
+    batch, _, _ = small_batch(policy)
+    snap = policy.snapshot("acme")
+    before = policy.token_logprobs(batch, "acme")
+    pg_update(policy, "acme", batch, torch.tensor([1.0, -1.0, 0.5]), clip_eps=0.2)
+    policy.restore("acme", snap)
+    assert torch.equal(policy.token_logprobs(batch, "acme"), before)
+
+
+def test_loading_an_adapter_of_another_shape_is_refused_with_names(policy, tmp_path):
+    policy.save_adapter("beta.prod", tmp_path)  # q,v only, r=4
+    with pytest.raises(PolicyError, match="does not fit"):
+        policy.load_adapter("acme", tmp_path)
+
+
+def test_unknown_tenant_and_bad_targets_are_named(policy, tiny_model):
+    with pytest.raises(PolicyError, match="'ghost' has no adapter"):
+        policy.snapshot("ghost")
+    p = Policy(tiny_model, device="cpu")
+    with pytest.raises(PolicyError, match="nope_proj"):
+        p.add_tenant(spec("x", target_modules=("nope_proj",)))
+
+
+def test_generate_stops_at_an_end_token_and_greedy_is_deterministic(policy):
+    prompt = policy.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    a = policy.generate("acme", [prompt, "hello"], max_new_tokens=8, greedy=True)
+    b = policy.generate("acme", [prompt, "hello"], max_new_tokens=8, greedy=True)
+    assert [g[0].text for g in a] == [g[0].text for g in b]
+    sampled = policy.generate("acme", [prompt], n=6, max_new_tokens=12)
+    assert len(sampled) == 1 and len(sampled[0]) == 6
+    for s in [g[0] for g in a] + sampled[0]:
+        assert 1 <= len(s.token_ids) <= 12
+        ends = [t for t in s.token_ids if t in policy.stop_token_ids]
+        # an end token, if any, is the last token, and only then is the sample finished
+        assert ends == ([s.token_ids[-1]] if s.finished else [])
+    with pytest.raises(ValueError, match="n=2"):
+        policy.generate("acme", [prompt], n=2, greedy=True)
