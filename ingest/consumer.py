@@ -5,7 +5,14 @@
         2. dead letters -> dead-letter topic     producer.flush() waits for the broker's ack
         3. Parquet: interactions, feedback, trajectories, dead_letters, each one file per tenant named by
            the batch's offset ranges and its rows' keys, written tmp -> fsync -> link (storage.parquet)
-        4. commit the offsets after the last record of each partition
+        4. the store view learns of the rows; commit the offsets after the last record of each partition
+
+Steps 2 and 3 run on one writer thread while the loop goes back to polling: Arrow, zstd and fsync release
+the GIL, so the next batch is fetched while this one is written. At most one batch is being written;
+before the next batch is processed (step 1), the write in flight is finished (steps 4 run on the loop's
+thread), so every batch is decided against a store view that holds every earlier batch, exactly as if
+the writes were serial, and the view never holds a row that is not durable. A failed write raises on the
+loop's thread when it is finished, and nothing of it (or after it) is committed.
 
 Exactly once under SIGKILL: a crash anywhere before 4 replays the batch from the last commit. A replay of
 the same ranges lands on the same file names (a no-op); a replay cut differently is caught by the
@@ -13,16 +20,18 @@ per-dataset key indexes (pending.py), so no row is stored twice and a lost traje
 The dead-letter *topic* is at least once (a crash between 2 and 4 sends those again); dead_letters/ in
 Parquet is exactly once.
 
-Rebalances (several `clora ingest` processes in one group split the partitions): on revocation the
-buffer is flushed and committed, then the in-memory view is dropped; after an assignment it is rebuilt
-from the datasets (right after poll() returns, outside the listener, so heartbeats go on meanwhile), so
-whatever the previous owner wrote is seen. The range assignor keeps partition i of both topics on one
-process, which is what lets feedback find its interaction (both are keyed by tenant).
+Rebalances (several `clora ingest` processes in one group split the partitions): on revocation the write
+in flight and the buffer are written and committed, then the in-memory view is dropped; after an
+assignment it is rebuilt from the datasets (right after poll() returns, outside the listener, so
+heartbeats go on meanwhile), so whatever the previous owner wrote is seen. The range assignor keeps
+partition i of both topics on one process, which is what lets feedback find its interaction (both are
+keyed by tenant).
 
 Stopping: `stop` (an Event the process's signal handler sets) is checked after every poll; the buffer is
 flushed and committed before the consumer closes. `drain` (set instead of `stop` with --drain-on-stop)
-first reads every assigned partition to its end, for brokers that keep topics in memory only. `once` exits when every assigned partition is read to
-its end. Memory: the buffer holds at most flush_rows records; the store view is bounded as pending.py says.
+first reads every assigned partition to its end, for brokers that keep topics in memory only. `once` exits
+when every assigned partition is read to its end. Memory: the buffer holds at most flush_rows records and
+the writer at most one more batch; the store view is bounded as pending.py says.
 """
 
 from __future__ import annotations
@@ -33,6 +42,9 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
@@ -50,6 +62,7 @@ from storage.parquet import write_dataset
 logger = logging.getLogger(__name__)
 
 POLL_MS = 500
+WRITING_POLL_MS = 10  # while a write is in flight: poll briefly, so its commit follows it closely
 EXPIRE_EVERY_S = 60.0  # how often pending feedback is checked for expiry (a pass over all of it)
 
 
@@ -73,28 +86,48 @@ def batch_file_id(ranges: dict[tuple[str, int], tuple[int, int]], keys: Iterable
     return f"{prefix}-{digest}"
 
 
-def write_output(root: str, store: PendingStore, out: Output) -> None:
-    """Writes one processed batch, one write_dataset per dataset (one file per tenant in each); the store
-    view learns of a dataset's rows only once its files are durable. A failed write raises, and the
-    caller then commits nothing."""
+@dataclass
+class Written:
+    """What one batch's write put on disk: per dataset, the keys of its rows and the files holding them."""
+
+    keys: dict[str, list[tuple]] = field(default_factory=dict)
+    paths: dict[str, list[Path]] = field(default_factory=dict)
+
+
+def write_files(root: str, out: Output) -> Written:
+    """Writes one processed batch, one write_dataset per dataset (one file per tenant in each). Touches no
+    store view, so it may run on another thread; raises if a write fails."""
     datasets = [
         ("interactions", InteractionRow, out.interactions, [(r.tenant, r.id) for r in out.interactions]),
         ("feedback", FeedbackRow, out.feedback, [(r.kafka_topic, r.kafka_partition, r.kafka_offset) for r in out.feedback]),
         ("trajectories", TrajectoryRow, out.trajectories, [(r.tenant, r.id) for r in out.trajectories]),
         ("dead_letters", DeadLetterRow, [d.row for d in out.dead_letters], [tuple(d.at) for d in out.dead_letters]),
     ]
+    written = Written()
     for dataset, row_type, rows, keys in datasets:
-        if not rows:
-            continue
-        paths = write_dataset(root, dataset, to_table(rows, row_type), file_id=batch_file_id(out.ranges, keys))
-        if dataset == "interactions":
-            store.stored_interactions(rows, paths)
-        elif dataset == "feedback":
-            store.stored_feedback(keys)
-        elif dataset == "trajectories":
-            store.stored_trajectories(keys)
-        else:
-            store.stored_dead_letters(keys)
+        if rows:
+            table = to_table(rows, row_type)
+            written.paths[dataset] = write_dataset(root, dataset, table, file_id=batch_file_id(out.ranges, keys))
+            written.keys[dataset] = keys
+    return written
+
+
+def record_written(store: PendingStore, out: Output, written: Written) -> None:
+    """Tells the store view about rows that are now durable."""
+    if "interactions" in written.keys:
+        store.stored_interactions(out.interactions, written.paths["interactions"])
+    if "feedback" in written.keys:
+        store.stored_feedback(written.keys["feedback"])
+    if "trajectories" in written.keys:
+        store.stored_trajectories(written.keys["trajectories"])
+    if "dead_letters" in written.keys:
+        store.stored_dead_letters(written.keys["dead_letters"])
+
+
+def write_output(root: str, store: PendingStore, out: Output) -> None:
+    """Writes one processed batch and then tells the store view (what a flush does, on one thread). A
+    failed write raises, and the caller then commits nothing."""
+    record_written(store, out, write_files(root, out))
 
 
 def now_ms() -> int:
@@ -112,6 +145,17 @@ class _Rebalance(ConsumerRebalanceListener):
 
     def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
         self.ingest.assigned(list(assigned))
+
+
+@dataclass
+class _Write:
+    """The batch on the writer thread."""
+
+    future: Future
+    out: Output
+    store: PendingStore  # the view the batch was decided against, told of its rows once they are durable
+    messages: int
+    started: float  # monotonic, when its processing began
 
 
 class Ingest:
@@ -151,6 +195,8 @@ class Ingest:
         self.buffer_since = 0.0
         self.consumer: KafkaConsumer | None = None
         self.producer: KafkaProducer | None = None
+        self.writer: ThreadPoolExecutor | None = None
+        self.writing: _Write | None = None
         self.assigned_at: float | None = None  # monotonic, first assignment; for the benchmark's rate
         self.last_flush_at: float | None = None
         self.expired_at = 0.0
@@ -190,6 +236,10 @@ class Ingest:
                 max_partition_fetch_bytes=8 * 1024 * 1024,
             )
             resources.callback(self.consumer.close, autocommit=False)
+            # Closed first (callbacks run last-in first-out): a write still running when an error propagates
+            # ends before the clients close; it is not committed, so it is replayed and deduplicated.
+            self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-writer")
+            resources.callback(self.writer.shutdown, wait=True)
             self.consumer.subscribe(self.topics, listener=_Rebalance(self))
             logger.info("ingest: consuming %s as group %r", ", ".join(self.topics), self.group_id)
             self._loop(stop, once, deadline, drain or threading.Event())
@@ -202,23 +252,28 @@ class Ingest:
         while not stop.is_set():
             once = once or drain.is_set()
             room = self.flush_rows - len(self.buffer)
-            polled = self.consumer.poll(timeout_ms=POLL_MS, max_records=max(room, 1))
+            full_poll = self.writing is None
+            polled = self.consumer.poll(timeout_ms=POLL_MS if full_poll else WRITING_POLL_MS, max_records=max(room, 1))
             if self.store is None and self.consumer.assignment():
                 self.load_store()
             for tp, messages in polled.items():
                 if not self.buffer:
                     self.buffer_since = time.monotonic()
                 self.buffer.extend(Record(tp.topic, tp.partition, m.offset, m.value) for m in messages)
-            # Flush when the batch is full, old enough, or when the poll came back empty (caught up: waiting
+            # Commit a write as soon as it is done.
+            if self.writing is not None and self.writing.future.done():
+                self._finish_write()
+            # Flush when the batch is full, old enough, or when a full poll came back empty (caught up: waiting
             # longer would only add latency).
+            caught_up = full_poll and not polled
             if self.buffer and (
-                not polled or len(self.buffer) >= self.flush_rows or time.monotonic() - self.buffer_since >= self.flush_seconds
+                caught_up or len(self.buffer) >= self.flush_rows or time.monotonic() - self.buffer_since >= self.flush_seconds
             ):
-                self.flush()
+                self._start_flush()
             if self.metrics.due():
                 self.metrics.set_lag(self.lag())
                 self.metrics.log()
-            if once and not polled and not self.buffer and self.drained():
+            if once and not polled and not self.buffer and self.writing is None and self.drained():
                 logger.info("ingest: every assigned partition is read to its end (%s)", "drained" if drain.is_set() else "--once")
                 return
             if deadline is not None and time.monotonic() >= deadline:
@@ -228,7 +283,14 @@ class Ingest:
     # --- flushing -------------------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Writes the buffer durably, then commits its offsets. Raises (and commits nothing) if a write fails."""
+        """Writes the write in flight and the buffer durably, and commits their offsets. Raises (and commits
+        nothing more) if a write fails."""
+        self._start_flush()
+        self._finish_write()
+
+    def _start_flush(self) -> None:
+        """Finishes the write in flight, processes the buffer, and hands its rows to the writer thread."""
+        self._finish_write()
         if not self.buffer:
             return
         if self.store is None:  # records are only buffered while partitions are assigned
@@ -236,15 +298,27 @@ class Ingest:
         started = time.monotonic()
         records, self.buffer = self.buffer, []
         out = self.processor.process(records, self.store, now_ms())
+        self.writing = _Write(self.writer.submit(self._write, out), out, self.store, len(records), started)
+
+    def _write(self, out: Output) -> Written:
+        """On the writer thread: the dead-letter topic, then Parquet."""
         self._send_dead_letters(out)
-        write_output(self.root, self.store, out)
-        self._commit(out.ranges)
+        return write_files(self.root, out)
+
+    def _finish_write(self) -> None:
+        """Waits for the write in flight; once it is durable, updates the store view and commits."""
+        if self.writing is None:
+            return
+        write, self.writing = self.writing, None
+        written = write.future.result()  # a failed write raises here, and nothing of it is committed
+        record_written(write.store, write.out, written)
+        self._commit(write.out.ranges)
         if time.monotonic() - self.expired_at >= EXPIRE_EVERY_S:
             self.expired_at = time.monotonic()
-            if dropped := self.store.expire(now_ms()):
+            if dropped := write.store.expire(now_ms()):
                 logger.info("ingest: %d pending feedback expired without meeting its interaction", dropped)
         self.last_flush_at = time.monotonic()
-        self.metrics.flushed(len(records), out, self.last_flush_at - started, len(self.store.pending))
+        self.metrics.flushed(write.messages, write.out, self.last_flush_at - write.started, len(write.store.pending))
 
     def _send_dead_letters(self, out: Output) -> None:
         """Sends the batch's dead letters to the dead-letter topic and waits for the broker.
@@ -291,15 +365,19 @@ class Ingest:
 
     def revoked(self, partitions: list[TopicPartition]) -> None:
         logger.info("ingest: revoked partitions %s", _names(partitions))
-        if self.buffer:
+        try:
             self.flush()
-        self.store = None
+        finally:
+            self.store = None
 
     def assigned(self, partitions: list[TopicPartition]) -> None:
         # The store view is rebuilt after poll() returns, not here: a listener runs inside the consumer's
         # network loop, and a long load would hold up heartbeats until the group evicts this process.
         logger.info("ingest: assigned partitions %s", _names(partitions))
-        self.store = None
+        try:
+            self._finish_write()  # normally done on revocation already
+        finally:
+            self.store = None
 
     def load_store(self) -> None:
         self.store = PendingStore.load(self.root, expiry_ms=self.expiry_ms, now_ms=now_ms())

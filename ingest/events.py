@@ -9,7 +9,14 @@ README, "Events"):
 
 `decode` turns bytes into an `InteractionEvent`, a `FeedbackEvent` or a `DeadLetter` naming a short, stable
 reason (the keys of `REASONS`); it never raises, so one bad message can never stop the consumer. Past
-`decode`, code trusts the types. `encode` is its inverse: the serving tier and apps build the dataclasses
+`decode`, code trusts the types, and every number in a decoded event (metadata included) is finite.
+
+Parsing takes two paths with one outcome. The fast one is msgspec's strict parser (~3x the standard
+library's speed on a 1 KB event), which accepts only strict JSON in valid UTF-8: no NaN or Infinity, no
+number that overflows a float, no unpaired surrogate escape, integers kept exact; whatever it accepts, the
+standard library parses to the same value, and none of it can hold a non-finite number. Anything it
+refuses goes through the standard library path (UTF-8 check, `json.loads`, surrogate and finiteness
+checks), which alone decides the dead-letter reason, so reasons are the same whichever path ran. `encode` is its inverse: the serving tier and apps build the dataclasses
 and send `encode(event)`; `decode(encode(e)) == e` for every valid event. The dataclasses are treated as
 values; they are not frozen only because frozen construction costs ~5x more on the hot path.
 
@@ -25,6 +32,8 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, ClassVar
+
+import msgspec
 
 from clora.config import TENANT_NAME
 
@@ -59,10 +68,23 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 # Built once: json.dumps with keyword arguments builds a new encoder per call, which dominates small dumps.
 _COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
+# The strict fast parser (see the module docstring) and the encoder of values that passed `decode`.
+_strict_loads = msgspec.json.Decoder().decode
+_fast_dumps = msgspec.json.Encoder().encode
+
 
 def to_json(value: Any) -> str:
     """Compact JSON text (UTF-8 kept as is); raises ValueError on NaN or infinities."""
     return _COMPACT.encode(value)
+
+
+def decoded_to_json(value: Any) -> str:
+    """Compact JSON text of a value taken from a decoded event, ~8x faster than `to_json`.
+
+    Only for values that passed `decode`, whose numbers are all finite: this encoder would write a NaN
+    as null where `to_json` raises.
+    """
+    return _fast_dumps(value).decode("utf-8")
 
 
 def utc_now() -> datetime:
@@ -144,7 +166,7 @@ Event = InteractionEvent | FeedbackEvent
 
 
 def render_messages(messages: list[dict[str, Any]]) -> str:
-    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    return "\n".join([f"{m['role']}: {m['content']}" for m in messages])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -205,14 +227,18 @@ def parse_ts(v: Any) -> datetime:
     try:
         if isinstance(v, str):
             ts = datetime.fromisoformat(v)
-            ts = ts.replace(tzinfo=timezone.utc) if ts.tzinfo is None else ts.astimezone(timezone.utc)
+            if ts.tzinfo is None:
+                ts = ts.replace(tzinfo=timezone.utc)
+            elif ts.tzinfo is not timezone.utc:
+                ts = ts.astimezone(timezone.utc)
         elif _is_number(v) and math.isfinite(v):
             ts = EPOCH + timedelta(milliseconds=int(v))
         else:
             raise _Reject("bad_field", f"ts must be ISO-8601 text or epoch milliseconds, got {v!r:.80}")
     except (ValueError, OverflowError, OSError) as e:
         raise _Reject("bad_field", f"ts {v!r:.80} is not a usable time: {e}") from e
-    return ts.replace(microsecond=ts.microsecond // 1000 * 1000)
+    sub_ms = ts.microsecond % 1000
+    return ts.replace(microsecond=ts.microsecond - sub_ms) if sub_ms else ts
 
 
 def _messages(v: Any) -> list[dict[str, Any]]:
@@ -240,7 +266,7 @@ def _logprobs(v: Any) -> list[float] | None:
     return [float(x) for x in v]
 
 
-def _interaction(data: dict, id_: str, tenant: str, ts: datetime) -> InteractionEvent:
+def _interaction(data: dict, id_: str, tenant: str, ts: datetime, strict: bool) -> InteractionEvent:
     completion = data.get("completion")
     if not isinstance(completion, str):
         raise _Reject("missing_completion", "completion must be a string")
@@ -268,10 +294,11 @@ def _interaction(data: dict, id_: str, tenant: str, ts: datetime) -> Interaction
     if metadata is not None:
         if not isinstance(metadata, dict):
             raise _Reject("bad_field", f"metadata must be an object or null, got {type(metadata).__name__}")
-        try:
-            to_json(metadata)
-        except ValueError as e:
-            raise _Reject("bad_field", f"metadata holds a non-finite number: {e}") from e
+        if not strict:  # the strict parser admits no NaN or Infinity; the standard library does
+            try:
+                to_json(metadata)
+            except ValueError as e:
+                raise _Reject("bad_field", f"metadata holds a non-finite number: {e}") from e
     return InteractionEvent(
         id=id_,
         tenant=tenant,
@@ -296,10 +323,8 @@ def _feedback(data: dict, id_: str, tenant: str, ts: datetime) -> FeedbackEvent:
     return FeedbackEvent(id=id_, tenant=tenant, score=float(score), ts=ts, source=_optional_str(data, "source"))
 
 
-def decode(raw: bytes, *, max_bytes: int) -> Event | DeadLetter:
-    """One Kafka message value -> a valid event, or a DeadLetter with its reason. Never raises."""
-    if len(raw) > max_bytes:
-        return DeadLetter("too_large", f"{len(raw)} bytes is more than the limit of {max_bytes}")
+def _lenient_loads(raw: bytes) -> Any:
+    """The standard library path, for what the strict parser refused: the value, or the DeadLetter."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -315,6 +340,23 @@ def decode(raw: bytes, *, max_bytes: int) -> Event | DeadLetter:
             json.dumps(data, ensure_ascii=False).encode("utf-8")
         except (UnicodeEncodeError, ValueError) as e:
             return DeadLetter("bad_field", f"a string holds an unpaired UTF-16 surrogate: {e}")
+    return data
+
+
+def decode(raw: bytes, *, max_bytes: int) -> Event | DeadLetter:
+    """One Kafka message value -> a valid event, or a DeadLetter with its reason. Never raises."""
+    if len(raw) > max_bytes:
+        return DeadLetter("too_large", f"{len(raw)} bytes is more than the limit of {max_bytes}")
+    try:
+        data = _strict_loads(raw)
+        strict = True
+    except (msgspec.DecodeError, RecursionError):
+        data = _lenient_loads(raw)
+        if isinstance(data, DeadLetter):
+            return data
+        strict = False
+    if not isinstance(data, dict):
+        return DeadLetter("not_object", f"the JSON is a {type(data).__name__}, not an object")
     tenant = data.get("tenant")
     if not isinstance(tenant, str) or not tenant:
         return DeadLetter("missing_tenant", f"tenant must be a non-empty string, got {tenant!r:.80}")
@@ -328,6 +370,8 @@ def decode(raw: bytes, *, max_bytes: int) -> Event | DeadLetter:
         return DeadLetter("missing_id", f"id must be a non-empty string of at most {MAX_ID_CHARS} characters, got {id_!r:.80}", tenant)
     try:
         ts = parse_ts(data.get("ts"))
-        return _interaction(data, id_, tenant, ts) if kind == "interaction" else _feedback(data, id_, tenant, ts)
+        if kind == "interaction":
+            return _interaction(data, id_, tenant, ts, strict)
+        return _feedback(data, id_, tenant, ts)
     except _Reject as r:
         return DeadLetter(r.reason, r.detail, tenant, id_)

@@ -3,7 +3,8 @@
 The three type families never merge (STYLE.md): events.py holds what Kafka carries, this module what
 Parquet holds (one NamedTuple per dataset, fields in the schema's column order), and the learner has its
 own batches. Timestamps are kept as epoch milliseconds here (cheap to build, exact) and typed as
-timestamp[ms, UTC] when the table is made.
+timestamp[ms, UTC] when the table is made. Events come from `events.decode`, so their JSON parts
+(messages, metadata) hold only finite numbers and are re-encoded with the fast encoder.
 
 Not here: deciding which rows to write (batch.py) or writing them (storage.parquet, called by consumer.py).
 """
@@ -15,7 +16,7 @@ from typing import NamedTuple
 
 import pyarrow as pa
 
-from ingest.events import DeadLetter, FeedbackEvent, InteractionEvent, to_json
+from ingest.events import DeadLetter, FeedbackEvent, InteractionEvent, decoded_to_json
 from storage.layout import UNKNOWN_TENANT
 from storage.schema import DEAD_LETTERS, FEEDBACK, INTERACTIONS, TRAJECTORIES
 
@@ -111,12 +112,12 @@ def interaction_row(ev: InteractionEvent, at: Coords, ingested_at: int) -> Inter
         ev.tenant,
         epoch_ms(ev.ts),
         ev.rendered_prompt,
-        None if ev.messages is None else to_json(ev.messages),
+        None if ev.messages is None else decoded_to_json(ev.messages),
         ev.completion,
         ev.adapter_version,
         ev.completion_token_ids,
         ev.completion_logprobs,
-        None if ev.metadata is None else to_json(ev.metadata),
+        None if ev.metadata is None else decoded_to_json(ev.metadata),
         at.topic,
         at.partition,
         at.offset,

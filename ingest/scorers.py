@@ -25,6 +25,7 @@ import importlib
 import json
 import math
 import re
+import string
 import traceback
 from collections.abc import Callable
 
@@ -79,7 +80,17 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not JSON")
 
 
+# What strict JSON text can start with, after whitespace: the rest fails json.loads at its first
+# character, so json_valid answers 0.0 for it without paying for the parser's exception.
+_JSON_FIRST = frozenset('{["-0123456789')
+_JSON_WORDS = ("true", "false", "null")
+_JSON_SPACE = " \t\n\r"
+
+
 def json_valid(completion: str, prompt: str) -> float:
+    text = completion.lstrip(_JSON_SPACE)
+    if not text or (text[0] not in _JSON_FIRST and not text.startswith(_JSON_WORDS)):
+        return 0.0
     try:
         json.loads(completion, parse_constant=_reject_constant)
     except (ValueError, RecursionError):
@@ -87,17 +98,33 @@ def json_valid(completion: str, prompt: str) -> float:
     return 1.0
 
 
+# digits and uppercase count characters with bytes.translate (C speed) rather than a Python loop per
+# character. ASCII digits are single bytes in UTF-8, and no multi-byte sequence holds a byte below 0x80,
+# so digit bytes in the UTF-8 text are digit characters; for ASCII text, isalpha/isupper are exactly
+# membership in these tables.
+_DIGITS = b"0123456789"
+_ASCII_LETTERS = string.ascii_letters.encode()
+_ASCII_UPPER = string.ascii_uppercase.encode()
+
+
 def digits(completion: str, prompt: str) -> float:
     if not completion:
         return 0.0
-    return sum(map(completion.count, "0123456789")) / len(completion)
+    text = completion.encode("utf-8", "surrogatepass")
+    return (len(text) - len(text.translate(None, _DIGITS))) / len(completion)
 
 
 def uppercase(completion: str, prompt: str) -> float:
-    letters = sum(map(str.isalpha, completion))
+    if completion.isascii():
+        text = completion.encode("ascii")
+        letters = len(text) - len(text.translate(None, _ASCII_LETTERS))
+        upper = len(text) - len(text.translate(None, _ASCII_UPPER))
+    else:
+        letters = sum(map(str.isalpha, completion))
+        upper = sum(map(str.isupper, filter(str.isalpha, completion)))
     if not letters:
         return 0.0
-    return sum(map(str.isupper, filter(str.isalpha, completion))) / letters
+    return upper / letters
 
 
 def python(target: str) -> Scorer:

@@ -77,6 +77,7 @@ CHECKPOINT_FORMAT = 1
 CONFIG_RELOAD_SECONDS = 5.0
 BACKOFF_SECONDS = (5.0, 15.0, 60.0, 300.0)
 COMPACT_EVERY_STEPS = 100
+MAX_REMEMBERED_ROLLOUTS = 100_000  # rollout interaction ids awaiting ingest; older ones are forgotten
 ABANDONED = "abandoned: the learner stopped before committing the step that made it"
 
 
@@ -99,6 +100,7 @@ class TenantRuntime:
     probes: tuple[str, ...] = ()
     probe_cache: dict = field(default_factory=dict)  # (state_id, probes) -> probe reward
     unfinished: dict | None = None  # learner.json of a committed step whose publish/row is not done yet
+    rollout_ids: dict = field(default_factory=dict)  # ids of logged rollout interactions not seen in storage yet (ordered)
     status: str = "idle"
     error: str | None = None
     failures: int = 0
@@ -295,6 +297,7 @@ class Learner:
             "reason": None,
             "gate": None,
             "row": row,
+            "rollout_ids": _remember_rollouts(rt.rollout_ids, work),
         }
         probe = None
         if update is not None:
@@ -337,6 +340,7 @@ class Learner:
             raise
         # Committed: from here on the in-memory state is the checkpoint's.
         rt.step, rt.baseline, rt.unfinished = step, meta["baseline"], meta
+        rt.rollout_ids = dict.fromkeys(meta["rollout_ids"])
         if meta["decision"] == "published":
             rt.version, rt.state_id = meta["version"], rt.state_id + 1
             rt.probe_cache = {(rt.state_id, rt.probes): probe} if probe is not None else {}
@@ -392,7 +396,7 @@ class Learner:
         n_prompts = max(1, rt.spec.batch_size // rt.spec.group_size)
         rows = self.cursors.untrained(rt.spec.name, limit=n_prompts * (rt.spec.group_size + 1) * 2)
         file_prompts = self._file_prompts(rt) if rt.spec.prompts_file is not None else ()
-        plan = rollouts.plan_from_rows(rows, n_prompts, file_prompts=file_prompts, step=rt.step + 1)
+        plan = rollouts.plan_from_rows(rows, n_prompts, file_prompts=file_prompts, step=rt.step + 1, own_rollouts=rt.rollout_ids)
         return plan if plan.prompts or plan.consumed_ids else None
 
     def _file_prompts(self, rt: TenantRuntime) -> list[str]:
@@ -533,6 +537,7 @@ class Learner:
             self.policy.load_checkpoint(name, directory)
             rt.step, rt.version, rt.baseline = step, int(meta["version"] or 0), meta.get("baseline")
             rt.probes = tuple(meta.get("probes") or ())
+            rt.rollout_ids = dict.fromkeys(meta.get("rollout_ids") or ())
             rt.unfinished = meta
             logger.info("tenant %s: resumed at step %d (adapter %s@%d)", name, step, name, rt.version)
         else:
@@ -626,8 +631,9 @@ class Learner:
     def close(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.close()
-        if isinstance(self.sampler, ServingSampler):
-            self.sampler.close()
+        close = getattr(self.sampler, "close", None)
+        if close is not None:
+            close()
         for bar in self._bars.values():
             bar.close()
 
@@ -712,6 +718,19 @@ def _metrics(update: UpdateResult, reward_mean, n_trained, n_dropped, step, mode
         "parent_probe_reward": parent_probe,
     }
     return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
+
+
+def _remember_rollouts(known: dict, work: _Work) -> list[str]:
+    """The rollout interaction ids still to recognise after this step: those known before plus this step's
+    samples, minus the ones this step consumed; the newest MAX_REMEMBERED_ROLLOUTS."""
+    ids = dict(known)
+    for group in work.samples or ():
+        for sample in group:
+            if sample.interaction_id:
+                ids[sample.interaction_id] = None
+    for tid in work.ids:
+        ids.pop(tid, None)
+    return list(ids)[-MAX_REMEMBERED_ROLLOUTS:]
 
 
 def _trajectory_range(rows: pa.Table) -> dict:

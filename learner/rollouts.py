@@ -20,9 +20,13 @@ A step for a tenant:
      learned too. Samples made by an adapter version more than `learner.max_staleness` behind (the
      `x-clora-adapter-version` header) are left out.
 
-Untrained trajectories that the serving tier logged for the tenant's own rollouts (metadata source =
-rollout) are never used as prompts: they are committed with the step that sees them, so they cannot pile
-up. A tenant with a prompts file commits its production trajectories the same way (it learns from the file).
+The serving tier logs rollouts like any other interaction, so they come back as the tenant's trajectories.
+They must never become prompts (the same prompts would be sampled again and again, and the tenant's
+backlog would grow by G - 1 rows per prompt per step): a row is recognised as a rollout by its id (the
+learner remembers the interaction ids of the completions it sampled: the response `id`, "<id>-<i>" for
+choice i when n > 1, as the serving tier names its events) or by `metadata.source == "rollout"`. Such rows
+are committed with the step that sees them. A tenant with a prompts file commits its production
+trajectories the same way (it learns from the file).
 
 Deliberately not here: the HTTP API itself (serving/), scorers (ingest/scorers.py), publishing (loop.py).
 """
@@ -32,7 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,12 +99,21 @@ def is_rollout_row(metadata_json: str | None) -> bool:
     return isinstance(meta, dict) and meta.get("source") == ROLLOUT_SOURCE
 
 
-def plan_from_rows(rows: pa.Table, n_prompts: int, *, file_prompts: Sequence[str] = (), step: int = 0) -> RolloutPlan:
+def plan_from_rows(
+    rows: pa.Table,
+    n_prompts: int,
+    *,
+    file_prompts: Sequence[str] = (),
+    step: int = 0,
+    own_rollouts: Collection[str] = (),
+) -> RolloutPlan:
     """The step's prompts: `n_prompts` from `file_prompts` (rotating with `step`) when given, else the
-    rendered prompts of the untrained production rows. Every row looked at is consumed."""
+    rendered prompts of the untrained production rows (rows that are the learner's own rollouts, by id
+    in `own_rollouts` or by metadata, are not production). Every row looked at is consumed."""
     consumed, prompts = [], []
     for row in rows.select(["id", "prompt", "metadata_json"]).to_pylist():
-        if file_prompts or is_rollout_row(row["metadata_json"]) or not row["prompt"]:
+        rollout = row["id"] in own_rollouts or is_rollout_row(row["metadata_json"])
+        if file_prompts or rollout or not row["prompt"]:
             consumed.append(row["id"])
         elif len(prompts) < n_prompts:
             consumed.append(row["id"])
@@ -187,16 +200,32 @@ class ServingSampler:
             raise SamplingError(
                 f"tenant {r.tenant!r}: {self.base_url}/v1/completions answered {resp.status_code}: {resp.text[:300]}"
             )
-        version = resp.headers.get(VERSION_HEADER) or None
-        choices = sorted(resp.json().get("choices", []), key=lambda c: c.get("index", 0))
+        label = resp.headers.get(VERSION_HEADER) or ""
+        version = label if "@" in label else None  # "base" (the model's name): no adapter yet
+        body = resp.json()
+        choices = sorted(body.get("choices", []), key=lambda c: c.get("index", 0))
         return [
-            Sample(text=c.get("text") or "", token_ids=None, finished=c.get("finish_reason") == "stop", version=version)
+            Sample(
+                text=c.get("text") or "",
+                token_ids=None,
+                finished=c.get("finish_reason") == "stop",
+                version=version,
+                interaction_id=interaction_id(body.get("id"), c.get("index", 0), len(choices)),
+            )
             for c in choices
         ]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._client.close()
+
+
+def interaction_id(response_id: str | None, index: int, n: int) -> str | None:
+    """The id the serving tier gives the interaction of choice `index`: the response id, or "<id>-<index>"
+    when the response has several choices."""
+    if not response_id:
+        return None
+    return response_id if n == 1 else f"{response_id}-{index}"
 
 
 class Prefetcher:

@@ -84,9 +84,11 @@ class Example:
 @dataclass(frozen=True)
 class Sample:
     """One sampled completion: its text, its tokens when the sampler knows them, whether it ended on its
-    own (end-of-sequence) rather than at the length limit, and the adapter version that produced it."""
+    own (end-of-sequence) rather than at the length limit, the adapter version that produced it, and the
+    id of the interaction the serving tier logged for it (None when nothing was logged)."""
 
     text: str
     token_ids: tuple[int, ...] | None
     finished: bool
     version: str | None = None
+    interaction_id: str | None = None

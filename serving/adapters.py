@@ -163,6 +163,7 @@ class AdapterSet:
             if generation == self._generation:
                 return
             published = await asyncio.to_thread(self.registry.published)
+            startup = self._generation is None  # versions published before this process: no swap latency
             settled = True
             for tenant in self.tenants:
                 version = published.get(tenant)
@@ -176,11 +177,11 @@ class AdapterSet:
                     continue
                 if (tenant, version.number) in self._refused:
                     continue
-                settled &= await self._swap_in(tenant, version)
+                settled &= await self._swap_in(tenant, version, startup=startup)
             if settled:  # a transient failure leaves the generation unseen, so the next poll tries again
                 self._generation = generation
 
-    async def _swap_in(self, tenant: str, version) -> bool:
+    async def _swap_in(self, tenant: str, version, *, startup: bool = False) -> bool:
         """Validates, loads and makes current; False when it failed for a reason worth retrying."""
         started = time.monotonic()
         try:
@@ -193,7 +194,7 @@ class AdapterSet:
             return True
         self._set_current(tenant, loaded)
         published_at = getattr(version, "published_at", None)
-        lag = self.clock() - published_at.timestamp() if isinstance(published_at, datetime) else None
+        lag = None if startup or not isinstance(published_at, datetime) else self.clock() - published_at.timestamp()
         self.metrics.swapped(tenant, version.number, time.monotonic() - started, lag)
         logger.info(
             "tenant %s now served by %s (swap %.3fs%s)",

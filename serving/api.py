@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -38,7 +39,7 @@ from ingest.events import FeedbackEvent, InteractionEvent, utc_now
 from serving import protocol
 from serving.adapters import AdapterSet, Lease
 from serving.auth import Authenticator, resolve_model
-from serving.engine import Choice, Engine
+from serving.engine import Choice, Engine, Sampling
 from serving.errors import ServingError
 from serving.events_log import EventLog
 from serving.metrics import ServingMetrics
@@ -62,10 +63,10 @@ class _Call:
     messages: list[dict[str, str]] | None
     prompt_text: str
     prompt_ids: list[int]
-    sampling: Any
+    sampling: Sampling
     lease: Lease
-    arrived: float
-    arrived_at: Any  # datetime
+    arrived: float  # monotonic seconds, for latency
+    arrived_at: datetime  # wall clock, the event's ts
 
 
 class Api:

@@ -180,6 +180,21 @@ async def _scenario(base_url: str, data_dir: Path, tenants: list[str], shapes, a
     return responses, publishes, time.monotonic() - started
 
 
+def _server_means(metrics_url: str) -> dict[str, float]:
+    """Mean swap time and publish -> live time over all swaps, from the server's Prometheus histograms."""
+    import httpx
+
+    totals: dict[str, float] = {}
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+        for key, name in (("swap", "clora_serving_adapter_swap_seconds"),
+                          ("publish_to_live", "clora_serving_adapter_publish_to_live_seconds")):
+            for part in ("sum", "count"):
+                if line.startswith(f"{name}_{part}{{"):
+                    totals[f"{key}_{part}"] = totals.get(f"{key}_{part}", 0.0) + float(line.rsplit(" ", 1)[1])
+    return {key: round(totals.get(f"{key}_sum", 0.0) / max(totals.get(f"{key}_count", 0.0), 1.0), 4)
+            for key in ("swap", "publish_to_live")}
+
+
 def _percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -219,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
                 responses, publishes, seconds = asyncio.run(
                     _scenario(f"http://127.0.0.1:{port}", directory / "data", tenants, shapes, args)
                 )
+                server_side = _server_means(f"http://127.0.0.1:{port}/metrics")
             finally:
                 _stop_server(process)
         finally:
@@ -249,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
                                  "max": max(to_headers, default=float("nan"))},
         "publish_to_complete_s": {"p50": _percentile(to_done, 50), "p99": _percentile(to_done, 99),
                                   "max": max(to_done, default=float("nan"))},
+        "server_mean_s": server_side,
         "requests_per_s": round(len(responses) / seconds, 2),
         "tokens_per_s": round(tokens / seconds, 1),
         "samples_publish_to_headers_s": [round(x, 4) for x in to_headers],
@@ -257,6 +274,8 @@ def run(args: argparse.Namespace) -> int:
     for key, name in (("publish_to_headers_s", "publish -> headers"), ("publish_to_complete_s", "publish -> complete")):
         v = result[key]
         print(f"{name:24}{v['p50']:>8.3f}{v['p99']:>8.3f}{v['max']:>8.3f}")
+    print(f"server side, mean over swaps: registry publish -> version current "
+          f"{server_side['publish_to_live']:.3f}s, of which validate + load {server_side['swap']:.3f}s")
     print(f"requests {len(responses)} ({result['requests_per_s']}/s, {result['tokens_per_s']} tokens/s), "
           f"failed {failed}, versions never seen: {len(unseen)}")
 

@@ -1,0 +1,102 @@
+"""Rollouts mode through the real serving tier (vLLM engine, HTTP API, Kafka event log).
+
+The learner samples G completions per prompt with `POST /v1/completions` (`model=<tenant>`, `n=G`, the
+tenant's key), trains, publishes; the serving tier hot-swaps each published version, so later rollouts
+come from the learner's own newer adapters, and it logs every rollout as an interaction event.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+from learner.loop import Learner, run
+from learner.rollouts import ServingSampler, render_user_prompt
+from learner_support import make_config
+from storage.parquet import read_dataset
+from storage.registry import Registry
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
+from serving_process import read_events, start_server, stop_server  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+TENANT = "hooli"
+STEPS = 4
+
+
+class RecordingSampler:
+    """The real ServingSampler, keeping what it returned (for the assertions)."""
+
+    background = True
+
+    def __init__(self, inner: ServingSampler):
+        self.inner = inner
+        self.results = []
+
+    def sample(self, requests):
+        out = self.inner.sample(requests)
+        self.results.append((list(requests), out))
+        return out
+
+    def close(self):
+        self.inner.close()
+
+
+@pytest.fixture(scope="module")
+def learner_server(tmp_path_factory, broker, tiny_model):
+    handle = start_server(tmp_path_factory.mktemp("learner-serving"), bootstrap=broker.bootstrap, model_path=tiny_model)
+    try:
+        yield handle
+    finally:
+        stop_server(handle)
+
+
+def test_rollouts_sample_through_serving_and_use_the_published_adapters(learner_server, tiny_model, tmp_path):
+    server = learner_server
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Write a number.\nTell me about cats.\nhello\nWhat is 2 + 2?\n")
+    url = urlparse(server.base_url)
+    cfg = make_config(
+        server.data_dir,
+        tiny_model,
+        [{"name": TENANT, "api_key": server.keys[TENANT], "mode": "rollouts", "scorer": "length:12",
+          "prompts_file": str(prompts), "batch_size": 8, "group_size": 4, "learning_rate": 1e-2}],
+        rollout_sampler="serving",
+        max_new_tokens=12,
+        gate_prompts=2,
+        gate_max_kl=50.0,
+        gate_reward_tolerance=1.0,
+    )
+    cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"host": url.hostname, "port": url.port})})
+    sampler = RecordingSampler(ServingSampler(server.base_url))
+    learner = Learner(cfg, model_path=tiny_model, sampler=sampler, progress=False)
+    run(cfg, model_path=tiny_model, learner=learner, max_steps=STEPS)
+
+    rows = sorted(read_dataset(server.data_dir, "train_steps").to_pylist(), key=lambda r: r["step"])
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert all(r["mode"] == "rollouts" and r["n_trajectories"] == 8 for r in rows)
+    latest = Registry(server.data_dir).latest_published(TENANT)
+    assert latest is not None
+    server.wait_for_version(TENANT, latest.name)  # the serving tier hot-swapped the learner's adapter
+
+    rendered = {render_user_prompt(learner.policy.tokenizer, line) for line in prompts.read_text().split("\n") if line}
+    samples = [s for requests, out in sampler.results for group in out for s in group]
+    assert all(len(group) == 4 for _, out in sampler.results for group in out)  # n = group_size
+    assert all(r.prompt in rendered and r.n == 4 and r.tenant == TENANT for requests, _ in sampler.results for r in requests)
+    versions = {s.version for s in samples}
+    assert None in versions  # the first rollouts came from the base model
+    assert any(v and v.startswith(f"{TENANT}@") for v in versions), versions  # later ones from published adapters
+
+    # the serving tier logged the rollouts as interactions of the tenant, under the ids the learner remembers
+    ids = {s.interaction_id for s in samples[:8]}
+    assert None not in ids
+    events = read_events(server.bootstrap, cfg.kafka.interactions_topic, ids)
+    assert set(events) == ids
+    assert all(e["tenant"] == TENANT and e["prompt"] in rendered for e in events.values())
+    # every trained rollout is remembered (no ingest runs here, so none has come back as a trajectory yet)
+    remembered = set(learner.tenants[TENANT].rollout_ids)
+    assert len(remembered) == STEPS * 8 and remembered <= {s.interaction_id for s in samples}
