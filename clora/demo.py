@@ -49,7 +49,8 @@ path = "{model_path}"
 
 [serving]
 port = {serving_port}
-max_loras = {len(preferences)}
+max_loras = {len(preferences) + 1}  # + the zero adapter base-model rows use on CPU
+dtype = "float32"                   # served log-probs match the learner's
 default_max_tokens = 24
 
 [ingest]

@@ -2,7 +2,7 @@
 
     poll(500 ms) -> buffer -> (flush_rows reached, flush_seconds passed, or a poll came back empty) -> flush:
         1. Processor.process(buffer)            decode, score, deduplicate, join (batch.py)
-        2. dead letters -> dead-letter topic     producer.flush() waits for the broker's ack
+        2. dead letters -> dead-letter topic     producer.flush() waits for the broker's ack (after 3)
         3. Parquet: interactions, feedback, trajectories, dead_letters, each one file per tenant named by
            the batch's offset ranges and its rows' keys, written tmp -> fsync -> link (storage.parquet)
         4. the store view learns of the rows; commit the offsets after the last record of each partition
@@ -50,13 +50,14 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.errors import CommitFailedError, KafkaError
+from kafka.producer.future import FutureRecordMetadata
 from kafka.structs import OffsetAndMetadata
 
 from ingest.batch import Output, Processor, Record
 from ingest.events import utc_now
 from ingest.metrics import IngestMetrics
 from ingest.pending import PendingStore
-from ingest.rows import DeadLetterRow, FeedbackRow, InteractionRow, TrajectoryRow, epoch_ms, to_table
+from ingest.rows import Coords, DeadLetterRow, FeedbackRow, InteractionRow, TrajectoryRow, epoch_ms, to_table
 from storage.parquet import write_dataset
 
 logger = logging.getLogger(__name__)
@@ -301,9 +302,12 @@ class Ingest:
         self.writing = _Write(self.writer.submit(self._write, out), out, self.store, len(records), started)
 
     def _write(self, out: Output) -> Written:
-        """On the writer thread: the dead-letter topic, then Parquet."""
-        self._send_dead_letters(out)
-        return write_files(self.root, out)
+        """On the writer thread: the dead letters are handed to the producer, Parquet is written while the
+        broker acknowledges them, then the acknowledgements are awaited."""
+        sent = self._send_dead_letters(out)
+        written = write_files(self.root, out)
+        self._await_dead_letters(sent)
+        return written
 
     def _finish_write(self) -> None:
         """Waits for the write in flight; once it is durable, updates the store view and commits."""
@@ -320,12 +324,8 @@ class Ingest:
         self.last_flush_at = time.monotonic()
         self.metrics.flushed(write.messages, write.out, self.last_flush_at - write.started, len(write.store.pending))
 
-    def _send_dead_letters(self, out: Output) -> None:
-        """Sends the batch's dead letters to the dead-letter topic and waits for the broker.
-
-        A send that fails is logged, not raised: the dead letter is in Parquet either way (written next),
-        and a dead-letter topic that refuses messages must not stop ingest of the good ones.
-        """
+    def _send_dead_letters(self, out: Output) -> list[tuple[Coords, FutureRecordMetadata]]:
+        """Hands the batch's dead letters to the producer (which sends them on its own thread)."""
         sent = []
         for rejected in out.dead_letters:
             row = rejected.row
@@ -341,6 +341,14 @@ class Ingest:
                 ],
             )
             sent.append((rejected.at, future))
+        return sent
+
+    def _await_dead_letters(self, sent: list[tuple[Coords, FutureRecordMetadata]]) -> None:
+        """Waits until the broker has answered for every dead letter sent.
+
+        A send that fails is logged, not raised: the dead letter is in Parquet either way, and a dead-letter
+        topic that refuses messages must not stop ingest of the good ones.
+        """
         if not sent:
             return
         self.producer.flush()

@@ -32,9 +32,9 @@ is the one the registry publishes, and publishing is at-least-once but idempoten
 commit (not before) matters: a version published before its commit could be served and then, after a
 crash, retrained from its parent, serving one batch's effect twice in two lineages.
 
-Errors are per tenant: a step that raises is logged with its traceback, the tenant's status records it,
-its in-memory adapter is restored from its last checkpoint on the next touch, and it is retried after a
-growing back-off; other tenants go on.
+Errors are per tenant: a step that raises is logged with its traceback, the tenant's status records it
+(also in <data_dir>/state/learner/status.json), its in-memory adapter and optimizer go back to the state
+before the step, and it is retried after a growing back-off; other tenants go on.
 
 Tenants: the config's tenants plus any tenant that has trajectories in storage (ingest may create tenants
 on the fly; those get the config's defaults). Both are looked at on every pass, and the config file is
@@ -129,6 +129,18 @@ class _Work:
     dropped: int = 0
     plan: RolloutPlan | None = None  # rollouts mode
     samples: list | None = None
+
+
+@dataclass(frozen=True)
+class _Trained:
+    """What the update did (update None: nothing to learn from, e.g. equal rewards in every group)."""
+
+    update: UpdateResult | None
+    rewards: tuple[float, ...]
+    reward_mean: float
+    n_trained: int
+    n_dropped: int
+    baseline: float | None  # the running mean reward after this batch
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -267,7 +279,8 @@ class Learner:
         rt.probes = gate.update_probes(rt.probes, work.prompts, self.settings.gate_prompts)
         scorer = self._scorer(rt)
         parent_probe = self._probe_reward(rt, scorer)
-        update, rewards, reward_mean, n_trained, n_dropped, baseline = self._update(rt, work, scorer)
+        trained = self._update(rt, work, scorer)
+        update = trained.update
 
         step = rt.step + 1
         parent_name = f"{name}@{rt.version}" if rt.version else None
@@ -276,13 +289,13 @@ class Learner:
             "step": step,
             "version": parent_name,
             "mode": rt.spec.mode,
-            "reward_mean": _num(reward_mean),
+            "reward_mean": _num(trained.reward_mean),
             "loss": None if update is None else _num(update.loss),
             "kl": None if update is None else _num(update.kl),
             "clip_frac": None if update is None else _num(update.clip_frac),
             "tokens": 0 if update is None else update.tokens,
             "seconds": None,
-            "n_trajectories": n_trained,
+            "n_trajectories": trained.n_trained,
             "ts": None,
         }
         meta = {
@@ -290,7 +303,7 @@ class Learner:
             "tenant": name,
             "step": step,
             "version": rt.version,
-            "baseline": baseline,
+            "baseline": trained.baseline,
             "probes": list(rt.probes),
             "created": None,
             "decision": "skipped",
@@ -308,13 +321,13 @@ class Learner:
                     grad_norm=update.grad_norm,
                     weights_finite=self.policy.weights_finite(name),
                     kl=update.kl,
-                    rewards=tuple(rewards),
+                    rewards=trained.rewards,
                     probe_reward=probe,
                     parent_probe_reward=parent_probe,
                 ),
                 self.limits,
             )
-            metrics = _metrics(update, reward_mean, n_trained, n_dropped, step, rt.spec.mode, probe, parent_probe)
+            metrics = _metrics(trained, step, rt.spec.mode, probe, parent_probe)
             created = self.registry.create(
                 name,
                 parent=parent_name,
@@ -423,6 +436,7 @@ class Learner:
         if self.prefetcher is None or rt.spec.mode != "rollouts" or self.prefetcher.pending(rt.spec.name):
             return
         try:
+            self._scorer(rt)  # no sampling for a tenant whose step would fail anyway
             plan = self._plan(rt)
             if plan is not None and plan.prompts:
                 self.prefetcher.start(rt.spec.name, plan, self._requests(rt, plan))
@@ -440,8 +454,7 @@ class Learner:
                 self._start_prefetch(rt)
 
     # --- the update -----------------------------------------------------------------------------------
-    def _update(self, rt: TenantRuntime, work: _Work, scorer):
-        """(update or None, rewards, reward mean, n trained, n dropped, new baseline)."""
+    def _update(self, rt: TenantRuntime, work: _Work, scorer) -> _Trained:
         name = rt.spec.name
         common = dict(
             clip_eps=self.settings.clip_eps,
@@ -451,12 +464,12 @@ class Learner:
         )
         if work.logs is not None:
             if not work.logs:
-                return None, [], math.nan, 0, work.dropped, rt.baseline
+                return _Trained(None, (), math.nan, 0, work.dropped, rt.baseline)
             step = logs_mode.train_step(self.policy, name, work.logs, baseline=rt.baseline, **common)
-            rewards = [e.reward for e in work.logs]
-            return step.update, rewards, step.reward_mean, len(work.logs), work.dropped, step.baseline
+            rewards = tuple(e.reward for e in work.logs)
+            return _Trained(step.update, rewards, step.reward_mean, len(work.logs), work.dropped, step.baseline)
         if not work.plan.prompts:
-            return None, [], math.nan, 0, 0, rt.baseline
+            return _Trained(None, (), math.nan, 0, 0, rt.baseline)
         step = rollouts.train_step(
             self.policy,
             name,
@@ -467,7 +480,7 @@ class Learner:
             max_staleness=self.settings.max_staleness,
             **common,
         )
-        return step.update, list(step.rewards), step.reward_mean, step.n_samples, step.n_dropped, rt.baseline
+        return _Trained(step.update, step.rewards, step.reward_mean, step.n_samples, step.n_dropped, rt.baseline)
 
     def _scorer(self, rt: TenantRuntime):
         from ingest.scorers import ScorerSpecError, build_scorer, is_function
@@ -700,11 +713,13 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
-def _metrics(update: UpdateResult, reward_mean, n_trained, n_dropped, step, mode, probe, parent_probe) -> dict:
+def _metrics(trained: _Trained, step: int, mode: str, probe: float | None, parent_probe: float | None) -> dict:
+    """The version's metrics in the registry (JSON: non-finite numbers become strings)."""
+    update = trained.update
     values = {
         "step": step,
         "mode": mode,
-        "reward_mean": reward_mean,
+        "reward_mean": trained.reward_mean,
         "loss": update.loss,
         "pg_loss": update.pg_loss,
         "kl": update.kl,
@@ -712,8 +727,8 @@ def _metrics(update: UpdateResult, reward_mean, n_trained, n_dropped, step, mode
         "clip_frac": update.clip_frac,
         "grad_norm": update.grad_norm,
         "tokens": update.tokens,
-        "n_trajectories": n_trained,
-        "n_dropped": n_dropped,
+        "n_trajectories": trained.n_trained,
+        "n_dropped": trained.n_dropped,
         "probe_reward": probe,
         "parent_probe_reward": parent_probe,
     }

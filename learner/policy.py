@@ -31,7 +31,7 @@ import json
 import logging
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -176,7 +176,7 @@ class Policy:
                 "keeps r=%d alpha=%g targets=%s",
                 spec.name, spec.rank, spec.alpha, list(spec.target_modules), old.rank, old.alpha, list(old.target_modules),
             )
-            spec = TenantSpec(**{**spec.__dict__, **{k: getattr(old, k) for k in ("rank", "alpha", "target_modules", "dropout")}})
+            spec = replace(spec, rank=old.rank, alpha=old.alpha, target_modules=old.target_modules, dropout=old.dropout)
         for group in self._optimizers[spec.name].param_groups:
             group["lr"] = spec.learning_rate
         self._specs[spec.name] = spec

@@ -5,7 +5,8 @@
 once before the port opens, so the first request already gets each tenant's newest version), the
 event log, and the HTTP app; then it serves until SIGINT/SIGTERM and stops them in reverse order (the
 event log drains to Kafka or its spool before the process exits). `/health` answers only once all of
-that is ready, which is what scripts and tests wait for.
+that is ready, which is what scripts and tests wait for. If the engine dies, the process stops with
+exit code 1 instead of answering 503 forever, so a supervisor (`clora up`, systemd, Kubernetes) restarts it.
 
 The engine's core runs in a child process started with "spawn", so everything here stays behind
 `if __name__ == "__main__"` (Python skips a package's `__main__` module in spawned children).
@@ -33,7 +34,8 @@ def base_model_path(cfg) -> Path:
     return ensure_tiny(cfg.data_dir / "models", cfg.model.seed)
 
 
-async def serve(cfg, host: str, port: int) -> None:
+async def serve(cfg, host: str, port: int) -> int:
+    """Runs until stopped; 0 after a requested stop, 1 when the engine died (a supervisor restarts us)."""
     import uvicorn
 
     from ingest.broker import ensure_topics
@@ -62,9 +64,10 @@ async def serve(cfg, host: str, port: int) -> None:
     )
     events = None
     stop = asyncio.Event()
-    await engine.start()
-    watcher = None
+    watcher = monitor = None
+    engine_died = False
     try:
+        await engine.start()
         registry = Registry(cfg.data_dir, keep_last=cfg.learner.keep_versions)
         tenants = [t.name for t in cfg.tenants]
         check = functools.partial(
@@ -105,20 +108,32 @@ async def serve(cfg, host: str, port: int) -> None:
         # one harmless so the shutdown below (event log drain, engine stop) runs.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
+
+        async def watch_engine() -> None:
+            nonlocal engine_died
+            while not stop.is_set() and not engine.errored:
+                await asyncio.sleep(1.0)
+            if engine.errored:
+                engine_died = True
+                logger.error("the engine died; stopping the serving process")
+                server.should_exit = True
+
+        monitor = asyncio.create_task(watch_engine())
         await server.serve()
     finally:
         stop.set()
-        if watcher is not None:
-            await watcher
+        for task in (watcher, monitor):
+            if task is not None:
+                await task
         if events is not None:
             events.close()
         engine.shutdown()
         logger.info("serving stopped")
+    return 1 if engine_died else 0
 
 
 def run(cfg, host: str | None = None, port: int | None = None) -> int:
-    asyncio.run(serve(cfg, host or cfg.serving.host, port or cfg.serving.port))
-    return 0
+    return asyncio.run(serve(cfg, host or cfg.serving.host, port or cfg.serving.port))
 
 
 def main(argv: list[str] | None = None) -> int:

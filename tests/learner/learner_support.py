@@ -1,5 +1,6 @@
-"""Helpers for the learner tests: trajectory tables in the real Parquet schema, and configs (plain functions;
-the fixtures are in conftest.py)."""
+"""Helpers for the learner tests: trajectory tables in the real Parquet schema, and configs as objects or
+clora.toml files. Plain functions (the fixtures they use, `tiny_model` and `data_dir`, are in
+tests/conftest.py)."""
 
 from __future__ import annotations
 

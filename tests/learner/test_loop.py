@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from learner.loop import ABANDONED, Learner, run
-from learner.policy import Policy
 from learner_support import LEARNABLE_TARGETS, chat_prompt, make_config, trajectories
 from storage.cursors import Cursors
 from storage.parquet import read_dataset, write_dataset
