@@ -116,18 +116,21 @@ class Processor:
 
     def process(self, records: list[Record], store: PendingStore, now_ms: int) -> Output:
         out = Output()
+        ranges = out.ranges
         for rec in records:
-            first, _ = out.ranges.get((rec.topic, rec.partition), (rec.offset, rec.offset))
-            out.ranges[(rec.topic, rec.partition)] = (first, rec.offset)
+            tp = (rec.topic, rec.partition)
+            first_last = ranges.get(tp)
+            ranges[tp] = (rec.offset if first_last is None else first_last[0], rec.offset)
 
         # Pass 1: decode, then ask the store about every key of the batch at once (vectorised lookups).
+        # Dead-letter offsets are looked up one by one when a record is rejected (a few percent of them).
+        max_bytes = self.max_message_bytes
         decoded = [(Coords(r.topic, r.partition, r.offset), r.value or b"") for r in records]
-        events = [decode(raw, max_bytes=self.max_message_bytes) for _, raw in decoded]
-        keys = {(ev.tenant, ev.id) for ev in events if not isinstance(ev, DeadLetter)}
+        events = [decode(raw, max_bytes=max_bytes) for _, raw in decoded]
+        keys = {(ev.tenant, ev.id) for ev in events if type(ev) is not DeadLetter}
         stored_interactions = store.interactions.present(keys)
         scored = store.trajectories.present(keys)  # grows with this batch's trajectories
-        stored_feedback = store.feedback.present(at for (at, _), ev in zip(decoded, events) if isinstance(ev, FeedbackEvent))
-        stored_dead = store.dead_letters.present(at for at, _ in decoded)
+        stored_feedback = store.feedback.present(at for (at, _), ev in zip(decoded, events) if type(ev) is FeedbackEvent)
 
         new_interactions: dict[Key, InteractionRow] = {}
         to_fetch: dict[Key, FeedbackRow] = {}  # feedback whose interaction is on disk
@@ -138,7 +141,7 @@ class Processor:
             store.pending.pop((row.tenant, row.id), None)
 
         def reject(dl: DeadLetter, raw: bytes, at: Coords) -> None:
-            if at in stored_dead:
+            if at in store.dead_letters:
                 out.duplicates += 1
                 return
             out.dead_letters.append(Rejected(dead_letter_row(dl, raw, at, now_ms), raw, at))
@@ -146,25 +149,30 @@ class Processor:
 
         # Pass 2: one decision per record, in Kafka order.
         for (at, raw), ev in zip(decoded, events):
-            if isinstance(ev, DeadLetter):
+            if type(ev) is DeadLetter:
                 reject(ev, raw, at)
                 continue
-            spec = self.spec(ev.tenant)
+            spec = self.specs.get(ev.tenant) or self.spec(ev.tenant)
             if spec is None:
                 reject(DeadLetter("unknown_tenant", f"tenant {ev.tenant!r} is not configured", ev.tenant, ev.id), raw, at)
                 continue
             key = (ev.tenant, ev.id)
+            function = self.functions.get(spec)
 
-            if isinstance(ev, InteractionEvent):
+            if type(ev) is InteractionEvent:
+                stored = key in new_interactions or key in stored_interactions
+                if stored and key in scored:  # a replay or a resend: nothing left to derive
+                    out.duplicates += 1
+                    continue
                 row = interaction_row(ev, at, now_ms)
                 reward = None
-                if spec in self.functions and key not in scored:
+                if function is not None and key not in scored:
                     try:
-                        reward = apply(self.functions[spec], row.completion, row.prompt)
+                        reward = apply(function, row.completion, row.prompt)
                     except ScorerError as e:
                         reject(DeadLetter("scorer_error", f"scorer {spec!r}: {e}", ev.tenant, ev.id), raw, at)
                         continue
-                if key in new_interactions or key in stored_interactions:
+                if stored:
                     out.duplicates += 1
                 else:
                     out.interactions.append(row)
@@ -175,7 +183,7 @@ class Processor:
                     score(row, reward, spec)
                 elif ev.reward is not None:
                     score(row, ev.reward, "inline")
-                elif spec not in self.functions:
+                elif function is None:
                     fb = store.pending.get(key)
                     if fb is not None and store.within_expiry(fb.ts, row.ts):
                         score(row, fb.score, fb.source or "feedback")
@@ -186,7 +194,7 @@ class Processor:
                     out.duplicates += 1
                 else:
                     out.feedback.append(fb)
-                if key in scored or spec in self.functions:
+                if key in scored or function is not None:
                     continue
                 row = new_interactions.get(key)
                 if row is not None:

@@ -2,17 +2,19 @@
 
     poll(500 ms) -> buffer -> (flush_rows reached, flush_seconds passed, or a poll came back empty) -> flush:
         1. Processor.process(buffer)            decode, score, deduplicate, join (batch.py)
-        2. dead letters -> dead-letter topic     producer.flush() waits for the broker's ack (after 3)
+        2. dead letters -> dead-letter topic     producer.flush() waits for the broker's ack
         3. Parquet: interactions, feedback, trajectories, dead_letters, each one file per tenant named by
            the batch's offset ranges and its rows' keys, written tmp -> fsync -> link (storage.parquet)
-        4. the store view learns of the rows; commit the offsets after the last record of each partition
+        4. commit the offsets after the last record of each partition, once 2 and 3 are done
 
-Steps 2 and 3 run on one writer thread while the loop goes back to polling: Arrow, zstd and fsync release
-the GIL, so the next batch is fetched while this one is written. At most one batch is being written;
-before the next batch is processed (step 1), the write in flight is finished (steps 4 run on the loop's
-thread), so every batch is decided against a store view that holds every earlier batch, exactly as if
-the writes were serial, and the view never holds a row that is not durable. A failed write raises on the
-loop's thread when it is finished, and nothing of it (or after it) is committed.
+Pipelining: 2 and 3 run on writer threads (one task per dataset, one for the dead-letter topic) while
+the loop polls and processes the next batch; Arrow encoding, zstd and fsync release the GIL, so the
+write overlaps Python work on the loop's thread. At most one batch is being written: batch N+1 is
+processed while N is written, then N is finished (waited for, committed) before N+1 starts writing, so
+commits stay in offset order. The store view is told of N's rows when its write starts, and N+1 is
+decided against that view (N's interactions are read from memory until they land; pending.py), which
+gives exactly the decisions a serial loop would make. A failed write raises on the loop's thread when it
+is finished: nothing of it, nor of N+1, is committed or written, and the process stops.
 
 Exactly once under SIGKILL: a crash anywhere before 4 replays the batch from the last commit. A replay of
 the same ranges lands on the same file names (a no-op); a replay cut differently is caught by the
@@ -27,11 +29,11 @@ heartbeats go on meanwhile), so whatever the previous owner wrote is seen. The r
 partition i of both topics on one process, which is what lets feedback find its interaction (both are
 keyed by tenant).
 
-Stopping: `stop` (an Event the process's signal handler sets) is checked after every poll; the buffer is
-flushed and committed before the consumer closes. `drain` (set instead of `stop` with --drain-on-stop)
+Stopping: `stop` (an Event the process's signal handler sets) is checked after every poll; the write in
+flight and the buffer are written and committed before the consumer closes. `drain` (set instead of `stop` with --drain-on-stop)
 first reads every assigned partition to its end, for brokers that keep topics in memory only. `once` exits
-when every assigned partition is read to its end. Memory: the buffer holds at most flush_rows records and
-the writer at most one more batch; the store view is bounded as pending.py says.
+when every assigned partition is read to its end. Memory: the buffer holds at most flush_rows records, plus
+the batch being processed and the one being written; the store view is bounded as pending.py says.
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
@@ -64,6 +67,7 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 500
 WRITING_POLL_MS = 10  # while a write is in flight: poll briefly, so its commit follows it closely
+WRITER_THREADS = 5  # one per dataset, and one for the dead-letter topic
 EXPIRE_EVERY_S = 60.0  # how often pending feedback is checked for expiry (a pass over all of it)
 
 
@@ -87,48 +91,83 @@ def batch_file_id(ranges: dict[tuple[str, int], tuple[int, int]], keys: Iterable
     return f"{prefix}-{digest}"
 
 
-@dataclass
-class Written:
-    """What one batch's write put on disk: per dataset, the keys of its rows and the files holding them."""
-
-    keys: dict[str, list[tuple]] = field(default_factory=dict)
-    paths: dict[str, list[Path]] = field(default_factory=dict)
+# ---------------------------------------------------------------------------------------------------------
+# Writing one batch
 
 
-def write_files(root: str, out: Output) -> Written:
-    """Writes one processed batch, one write_dataset per dataset (one file per tenant in each). Touches no
-    store view, so it may run on another thread; raises if a write fails."""
+class DatasetRows(NamedTuple):
+    """One dataset's rows from one batch, with the key each row is deduplicated on."""
+
+    dataset: str
+    row_type: type
+    rows: list
+    keys: list[tuple]
+
+
+def batch_datasets(out: Output) -> list[DatasetRows]:
+    """The datasets a processed batch has rows for."""
     datasets = [
-        ("interactions", InteractionRow, out.interactions, [(r.tenant, r.id) for r in out.interactions]),
-        ("feedback", FeedbackRow, out.feedback, [(r.kafka_topic, r.kafka_partition, r.kafka_offset) for r in out.feedback]),
-        ("trajectories", TrajectoryRow, out.trajectories, [(r.tenant, r.id) for r in out.trajectories]),
-        ("dead_letters", DeadLetterRow, [d.row for d in out.dead_letters], [tuple(d.at) for d in out.dead_letters]),
+        DatasetRows("interactions", InteractionRow, out.interactions, [(r.tenant, r.id) for r in out.interactions]),
+        DatasetRows(
+            "feedback", FeedbackRow, out.feedback, [(r.kafka_topic, r.kafka_partition, r.kafka_offset) for r in out.feedback]
+        ),
+        DatasetRows("trajectories", TrajectoryRow, out.trajectories, [(r.tenant, r.id) for r in out.trajectories]),
+        DatasetRows("dead_letters", DeadLetterRow, [d.row for d in out.dead_letters], [tuple(d.at) for d in out.dead_letters]),
     ]
-    written = Written()
-    for dataset, row_type, rows, keys in datasets:
-        if rows:
-            table = to_table(rows, row_type)
-            written.paths[dataset] = write_dataset(root, dataset, table, file_id=batch_file_id(out.ranges, keys))
-            written.keys[dataset] = keys
-    return written
+    return [d for d in datasets if d.rows]
 
 
-def record_written(store: PendingStore, out: Output, written: Written) -> None:
-    """Tells the store view about rows that are now durable."""
-    if "interactions" in written.keys:
-        store.stored_interactions(out.interactions, written.paths["interactions"])
-    if "feedback" in written.keys:
-        store.stored_feedback(written.keys["feedback"])
-    if "trajectories" in written.keys:
-        store.stored_trajectories(written.keys["trajectories"])
-    if "dead_letters" in written.keys:
-        store.stored_dead_letters(written.keys["dead_letters"])
+def write_rows(root: str, part: DatasetRows, ranges: dict[tuple[str, int], tuple[int, int]]) -> list[Path]:
+    """Writes one dataset's rows of a batch (one file per tenant); returns the paths holding them. Touches
+    no store view, so it runs on any thread."""
+    return write_dataset(root, part.dataset, to_table(part.rows, part.row_type), file_id=batch_file_id(ranges, part.keys))
+
+
+def _tell_store(store: PendingStore, part: DatasetRows) -> None:
+    """The store view learns of one dataset's rows (interactions: see writing_interactions)."""
+    if part.dataset == "interactions":
+        store.writing_interactions(part.rows)
+    elif part.dataset == "feedback":
+        store.stored_feedback(part.keys)
+    elif part.dataset == "trajectories":
+        store.stored_trajectories(part.keys)
+    else:
+        store.stored_dead_letters(part.keys)
 
 
 def write_output(root: str, store: PendingStore, out: Output) -> None:
-    """Writes one processed batch and then tells the store view (what a flush does, on one thread). A
-    failed write raises, and the caller then commits nothing."""
-    record_written(store, out, write_files(root, out))
+    """Writes one processed batch on this thread, then tells the store view. A failed write raises (the
+    view learns nothing), and the caller then commits nothing."""
+    parts = batch_datasets(out)
+    paths = {part.dataset: write_rows(root, part, out.ranges) for part in parts}
+    for part in parts:
+        _tell_store(store, part)
+    store.interactions_written(paths.get("interactions", []))
+
+
+class BatchWrite:
+    """One processed batch being written on an executor, one task per dataset, so that the datasets'
+    files are encoded, compressed and fsynced concurrently (all of that releases the GIL).
+
+    The store view is told of the rows when the write starts, so the next batch can be decided against
+    it meanwhile, and where the interactions landed once `wait` returns (pending.py).
+    """
+
+    def __init__(self, root: str, store: PendingStore, out: Output, executor: Executor) -> None:
+        self.out = out
+        self.store = store
+        parts = batch_datasets(out)
+        self.futures = {part.dataset: executor.submit(write_rows, root, part, out.ranges) for part in parts}
+        for part in parts:
+            _tell_store(store, part)
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures.values())
+
+    def wait(self) -> None:
+        """Returns once every file is durable; raises the first failure."""
+        paths = {dataset: future.result() for dataset, future in self.futures.items()}
+        self.store.interactions_written(paths.get("interactions", []))
 
 
 def now_ms() -> int:
@@ -150,13 +189,15 @@ class _Rebalance(ConsumerRebalanceListener):
 
 @dataclass
 class _Write:
-    """The batch on the writer thread."""
+    """The batch being written: its files, and its dead letters on their way to the dead-letter topic."""
 
-    future: Future
-    out: Output
-    store: PendingStore  # the view the batch was decided against, told of its rows once they are durable
+    batch: BatchWrite
+    dead_letters: Future
     messages: int
     started: float  # monotonic, when its processing began
+
+    def done(self) -> bool:
+        return self.batch.done() and self.dead_letters.done()
 
 
 class Ingest:
@@ -239,7 +280,7 @@ class Ingest:
             resources.callback(self.consumer.close, autocommit=False)
             # Closed first (callbacks run last-in first-out): a write still running when an error propagates
             # ends before the clients close; it is not committed, so it is replayed and deduplicated.
-            self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-writer")
+            self.writer = ThreadPoolExecutor(max_workers=WRITER_THREADS, thread_name_prefix="ingest-writer")
             resources.callback(self.writer.shutdown, wait=True)
             self.consumer.subscribe(self.topics, listener=_Rebalance(self))
             logger.info("ingest: consuming %s as group %r", ", ".join(self.topics), self.group_id)
@@ -262,7 +303,7 @@ class Ingest:
                     self.buffer_since = time.monotonic()
                 self.buffer.extend(Record(tp.topic, tp.partition, m.offset, m.value) for m in messages)
             # Commit a write as soon as it is done.
-            if self.writing is not None and self.writing.future.done():
+            if self.writing is not None and self.writing.done():
                 self._finish_write()
             # Flush when the batch is full, old enough, or when a full poll came back empty (caught up: waiting
             # longer would only add latency).
@@ -290,39 +331,43 @@ class Ingest:
         self._finish_write()
 
     def _start_flush(self) -> None:
-        """Finishes the write in flight, processes the buffer, and hands its rows to the writer thread."""
-        self._finish_write()
+        """Processes the buffer while the previous batch is still being written, then finishes that write
+        (commits it) and starts writing this batch."""
         if not self.buffer:
+            self._finish_write()
             return
         if self.store is None:  # records are only buffered while partitions are assigned
             raise RuntimeError(f"{len(self.buffer)} buffered records but no store view: a rebalance bug")
         started = time.monotonic()
         records, self.buffer = self.buffer, []
         out = self.processor.process(records, self.store, now_ms())
-        self.writing = _Write(self.writer.submit(self._write, out), out, self.store, len(records), started)
-
-    def _write(self, out: Output) -> Written:
-        """On the writer thread: the dead letters are handed to the producer, Parquet is written while the
-        broker acknowledges them, then the acknowledgements are awaited."""
-        sent = self._send_dead_letters(out)
-        written = write_files(self.root, out)
-        self._await_dead_letters(sent)
-        return written
+        self._finish_write()  # if the previous write failed, this raises and `out` is never written
+        self.writing = _Write(
+            BatchWrite(self.root, self.store, out, self.writer),
+            self.writer.submit(self._dead_letters, out),
+            len(records),
+            started,
+        )
 
     def _finish_write(self) -> None:
-        """Waits for the write in flight; once it is durable, updates the store view and commits."""
+        """Waits for the write in flight; once it is durable, commits its offsets."""
         if self.writing is None:
             return
         write, self.writing = self.writing, None
-        written = write.future.result()  # a failed write raises here, and nothing of it is committed
-        record_written(write.store, write.out, written)
-        self._commit(write.out.ranges)
+        write.batch.wait()  # a failed write raises here, and nothing of it is committed
+        write.dead_letters.result()
+        self._commit(write.batch.out.ranges)
+        store = write.batch.store
         if time.monotonic() - self.expired_at >= EXPIRE_EVERY_S:
             self.expired_at = time.monotonic()
-            if dropped := write.store.expire(now_ms()):
+            if dropped := store.expire(now_ms()):
                 logger.info("ingest: %d pending feedback expired without meeting its interaction", dropped)
         self.last_flush_at = time.monotonic()
-        self.metrics.flushed(write.messages, write.out, self.last_flush_at - write.started, len(write.store.pending))
+        self.metrics.flushed(write.messages, write.batch.out, self.last_flush_at - write.started, len(store.pending))
+
+    def _dead_letters(self, out: Output) -> None:
+        """On a writer thread: sends the batch's dead letters and waits for the broker's answers."""
+        self._await_dead_letters(self._send_dead_letters(out))
 
     def _send_dead_letters(self, out: Output) -> list[tuple[Coords, FutureRecordMetadata]]:
         """Hands the batch's dead letters to the producer (which sends them on its own thread)."""

@@ -250,10 +250,15 @@ def _messages(v: Any) -> list[dict[str, Any]]:
     return v
 
 
+# Token lists are checked with builtins that loop in C (a completion carries hundreds of tokens).
+_INT = {int}
+_NUMBER = {int, float}  # not bool: type() is exact
+
+
 def _token_ids(v: Any) -> list[int] | None:
     if v is None:
         return None
-    if not isinstance(v, list) or not all(type(t) is int and 0 <= t <= INT32_MAX for t in v):
+    if not isinstance(v, list) or (v and not (set(map(type, v)) <= _INT and min(v) >= 0 and max(v) <= INT32_MAX)):
         raise _Reject("bad_field", "completion_token_ids must be a list of non-negative 32-bit integers")
     return v
 
@@ -261,9 +266,10 @@ def _token_ids(v: Any) -> list[int] | None:
 def _logprobs(v: Any) -> list[float] | None:
     if v is None:
         return None
-    if not isinstance(v, list) or not all(_is_number(x) and abs(x) <= FLOAT32_MAX for x in v):
+    # FLOAT32_MAX >= abs(x) is False for NaN as well as for infinities.
+    if not isinstance(v, list) or not (set(map(type, v)) <= _NUMBER and all(map(FLOAT32_MAX.__ge__, map(abs, v)))):
         raise _Reject("bad_field", "completion_logprobs must be a list of finite numbers")
-    return [float(x) for x in v]
+    return list(map(float, v))
 
 
 def _interaction(data: dict, id_: str, tenant: str, ts: datetime, strict: bool) -> InteractionEvent:

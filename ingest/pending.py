@@ -19,6 +19,12 @@ waiting (feedback for interactions not seen yet: rare, and dropped from memory a
 path per interactions file (compaction keeps that small). Interaction rows themselves stay on disk and are
 read back only when feedback arrives for them.
 
+A batch being written: the consumer decides batch N+1 while batch N is still being written, so the view
+is told of N's rows when its write starts (`writing_interactions`, `stored_*`), and where its interactions
+landed when the write is durable (`interactions_written`); until then N's interaction rows are read from
+memory. At most one batch is in flight. If its write fails the process stops (or, in a rebalance, drops
+this view), so the view never outlives a row that did not land.
+
 Expiry (`expiry_ms`, config `ingest.pending_expiry_hours`): feedback joins an interaction only when their
 event times are at most that far apart; pending feedback leaves memory once it was ingested that long ago.
 
@@ -60,7 +66,9 @@ class PendingStore:
         self.feedback = KeyIndex()
         self.dead_letters = KeyIndex()
         self.pending: dict[Key, FeedbackRow] = {}
-        self.files: list[str] = []  # interactions file number -> path
+        self.files: list[str] = []  # interactions file number -> path ("" while its write is in flight)
+        self.unwritten: dict[Key, InteractionRow] = {}  # interactions of the batch being written
+        self._reserved: dict[str, int] = {}  # tenant -> its file number in the batch being written
 
     # --- building -------------------------------------------------------------------------------------
 
@@ -130,12 +138,16 @@ class PendingStore:
         """Reads back stored interaction rows, one read per file that holds some of them."""
         by_file: dict[int, set[str]] = defaultdict(set)
         tenants_of: dict[int, str] = {}
+        found: dict[Key, InteractionRow] = {}
         for tenant, id_ in keys:
+            row = self.unwritten.get((tenant, id_))
+            if row is not None:  # its write is still in flight
+                found[(tenant, id_)] = row
+                continue
             number = self.interactions.get((tenant, id_))
-            if number is not None:
+            if number is not None and self.files[number]:  # not a hash collision with a row in flight
                 by_file[number].add(id_)
                 tenants_of[number] = tenant
-        found: dict[Key, InteractionRow] = {}
         for number, ids in by_file.items():
             try:
                 table = read_file(self.root, self.files[number])
@@ -147,14 +159,32 @@ class PendingStore:
                 found.setdefault((row.tenant, row.id), row)
         return found
 
-    # --- after a durable write ------------------------------------------------------------------------
+    # --- after a write (started, or durable) ----------------------------------------------------------
+
+    def writing_interactions(self, rows: list[InteractionRow]) -> None:
+        """Indexes rows whose write has started: one file number per tenant is reserved, and the rows are
+        read from memory until `interactions_written` says where they landed."""
+        if self._reserved:
+            raise RuntimeError(f"interactions of {len(self.unwritten)} rows are still being written: one batch at a time")
+        for tenant in sorted({r.tenant for r in rows}):
+            self._reserved[tenant] = len(self.files)
+            self.files.append("")
+        self.interactions.add_many([(r.tenant, r.id) for r in rows], [self._reserved[r.tenant] for r in rows])
+        self.unwritten = {(r.tenant, r.id): r for r in rows}
+
+    def interactions_written(self, paths: list[Path]) -> None:
+        """The rows of `writing_interactions` are durable in `paths` (one per tenant:
+        <dataset>/tenant=<t>/<file>.parquet)."""
+        for path in paths:
+            self.files[self._reserved.pop(path.parent.name.removeprefix("tenant="))] = str(path)
+        if self._reserved:
+            raise RuntimeError(f"no interactions file came back for tenants {sorted(self._reserved)}")
+        self.unwritten = {}
 
     def stored_interactions(self, rows: list[InteractionRow], paths: list[Path]) -> None:
-        numbers = {}
-        for path in paths:  # one file per tenant: <dataset>/tenant=<t>/<file_id>.parquet
-            numbers[path.parent.name.removeprefix("tenant=")] = len(self.files)
-            self.files.append(str(path))
-        self.interactions.add_many([(r.tenant, r.id) for r in rows], [numbers[r.tenant] for r in rows])
+        """Indexes rows already durable in `paths`."""
+        self.writing_interactions(rows)
+        self.interactions_written(paths)
 
     def stored_trajectories(self, keys: list[Key]) -> None:
         self.trajectories.add_many(keys)

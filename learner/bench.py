@@ -5,7 +5,7 @@
 
 Three measurements on one Policy (one base model, N tenant adapters), with logs-mode steps on synthetic
 trajectories (random prompt and completion tokens, random rewards; the numbers do not depend on them):
-  1. step time: one tenant trained `--steps` times in a row (median);
+  1. step time: one tenant trained `--steps` times in a row (median; all N tenants are loaded);
   2. tenant switch: `Policy.use` between two tenants (median of many switches), as a fraction of a step
      (target <= 5%); also the steps of N tenants taken in turn against the same tenant in a row, which
      includes any cache effects of switching;
@@ -108,13 +108,13 @@ def run(args: argparse.Namespace) -> int:
     one_rss = rss_bytes()
     per_tenant = policy.adapter_bytes(names[0]) + policy.optimizer_bytes(names[0])
 
-    same = [step(names[0]) for _ in range(args.steps)]
-
     for name in names[1:]:
         policy.add_tenant(replace(spec, name=name))
         step(name)  # creates its optimizer state
     gc.collect()
     all_rss = rss_bytes()
+
+    same = [step(names[0]) for _ in range(args.steps)]
     rotating = [step(names[i % len(names)]) for i in range(args.steps)]
 
     switches = []

@@ -120,7 +120,7 @@ def probe_reward(
     max_new_tokens: int,
 ) -> float:
     """Mean reward of greedy completions of `prompts` under `tenant`'s adapter (None: the base model).
-    A scorer failure counts as reward 0 for that prompt, the worst a valid [-1, 1] score can be above -1."""
+    A prompt whose completion the scorer fails on counts as reward 0."""
     from ingest.scorers import ScorerError, apply
 
     if not prompts:

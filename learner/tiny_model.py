@@ -416,16 +416,22 @@ def build_random(
 
 
 def ensure_tiny(models_dir: str | Path, seed: int = 0) -> Path:
-    """`<models_dir>/tiny-<seed>`, built unless a complete build is already there."""
+    """`<models_dir>/tiny-<seed>`, built unless a complete build of the current recipe is already there
+    (a cache left by an older recipe, e.g. another init std, is rebuilt rather than silently reused)."""
     out = Path(models_dir) / f"tiny-{seed}"
-    if is_complete(out):
+    if is_complete(out) and _same_recipe(read_marker(out), seed):
         return out
     try:
-        return build_tiny(out, seed=seed, overwrite=out.exists())  # replaces only an incomplete build
+        return build_tiny(out, seed=seed, overwrite=out.exists())  # replaces an incomplete or outdated build
     except ModelBuildError:
-        if is_complete(out):  # another process finished the same build first
+        if is_complete(out) and _same_recipe(read_marker(out), seed):  # another process finished it first
             return out
         raise
+
+
+def _same_recipe(marker: dict | None, seed: int) -> bool:
+    return bool(marker) and marker.get("kind") == "tiny" and marker.get("seed") == seed and \
+        marker.get("init_std") == TINY_INIT_STD
 
 
 def read_marker(model_dir: str | Path) -> dict | None:

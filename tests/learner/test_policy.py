@@ -167,3 +167,23 @@ def test_generate_stops_at_an_end_token_and_greedy_is_deterministic(policy):
         assert ends == ([s.token_ids[-1]] if s.finished else [])
     with pytest.raises(ValueError, match="n=2"):
         policy.generate("acme", [prompt], n=2, greedy=True)
+
+
+def test_the_fast_tenant_switch_matches_peft_set_adapter(policy):
+    batch, _, _ = small_batch(policy)
+    policy.use("beta.prod")
+    fast = policy.token_logprobs(batch, "beta.prod")
+    assert policy.model.active_adapters == [adapter_name("beta.prod")]
+    policy.model.set_adapter(adapter_name("beta.prod"))  # peft's own switch
+    assert torch.equal(policy.model(input_ids=batch.input_ids).logits, policy.model(input_ids=batch.input_ids).logits)
+    slow = policy.token_logprobs(batch, "beta.prod")
+    assert torch.equal(fast, slow)
+    # gradients reach exactly the active tenant's adapter, after any number of switches and base passes
+    for tenant in ("acme", "beta.prod", "acme"):
+        policy.token_logprobs(batch, None)
+        policy.zero_grad(tenant)
+        policy.token_logprobs(batch, tenant, grad=True).sum().backward()
+        assert all(p.grad is not None for p in policy.trainable(tenant))
+        other = "beta.prod" if tenant == "acme" else "acme"
+        assert all(p.grad is None for p in policy.trainable(other))
+        policy.zero_grad(tenant)
