@@ -132,7 +132,10 @@ class LearnerConfig(_Strict):
         4, ge=0, description="Trajectories from adapter versions this many behind the current one are dropped."
     )
     keep_versions: int = Field(5, ge=1, description="Published versions kept on disk per tenant.")
-    gate_max_kl: float = Field(1.0, gt=0, description="Publish gate: largest mean KL to the base model.")
+    gate_max_kl: float = Field(
+        10.0, gt=0, description="Publish gate: largest mean per-token KL to the base model (nats); catches an adapter "
+        "that has drifted into degenerate text, not ordinary learning."
+    )
     gate_reward_tolerance: float = Field(
         0.1, ge=0, description="Publish gate: held-out reward may fall at most this much below the parent's."
     )

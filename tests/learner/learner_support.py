@@ -12,10 +12,9 @@ import pyarrow as pa
 
 from storage.schema import TRAJECTORIES
 
-# Targets that let the random-weight tiny model learn output-token preferences quickly: with its tied,
-# randomly initialised embeddings, LoRA on the attention/MLP projections alone cannot move much probability
-# onto a handful of tokens; a LoRA on lm_head can.
-LEARNABLE_TARGETS = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj", "lm_head"]
+# The targets the tests train: the attention and MLP projections, which the serving tier loads too (the
+# tiny model's lm_head is tied to its embeddings, so it is no LoRA target).
+LEARNABLE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
 

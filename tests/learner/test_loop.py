@@ -97,7 +97,7 @@ def test_published_adapter_equals_the_learners_and_loads_in_peft(tiny_model, dat
     from transformers import AutoModelForCausalLM
 
     write(data_dir, "acme", rows("a", 8), "b0")
-    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8, "learning_rate": 1e-2}])
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8, "learning_rate": 1e-3}])
     learner = learn(cfg, tiny_model)
     v = Registry(data_dir).latest_published("acme")
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), v.path)
