@@ -128,8 +128,16 @@ class LearnerConfig(_Strict):
     poll_seconds: float = Field(1.0, gt=0, description="Sleep when no tenant has new trajectories.")
     clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip range.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the base model (0: off).")
+    scale_advantages: bool = Field(
+        True, description="logs mode: divide each batch's advantages by their std (small or sparse rewards still learn)."
+    )
     max_staleness: int = Field(
         4, ge=0, description="Trajectories from adapter versions this many behind the current one are dropped."
+    )
+    sample_ahead: bool = Field(
+        True, description="Rollouts mode with a prompts file: issue a tenant's next rollouts as soon as its current "
+        "step has its samples, so the serving tier samples step k+1 while the learner trains step k (those samples "
+        "come from the version before the newest, within max_staleness); false: only after each step's commit."
     )
     keep_versions: int = Field(5, ge=1, description="Published versions kept on disk per tenant.")
     gate_max_kl: float = Field(

@@ -39,8 +39,9 @@ def likes_upper_case(text: str) -> float:
 
 
 def likes_short_answers(text: str, target: int = 12) -> float:
+    """1 up to `target` characters, then falling by 0.01 per extra character (so long answers still differ)."""
     n = len(text.strip())
-    return 1.0 if n <= target else max(0.0, 1.0 - (n - target) / 60)
+    return 1.0 if n <= target else max(0.0, 1.0 - (n - target) / 100)
 
 
 def likes_json(text: str) -> float:

@@ -219,7 +219,11 @@ def stack_specs(cfg, config_path: str | None) -> tuple[list[ChildSpec], list[str
 
     specs.append(ChildSpec("serving", [*py, "serving", *conf], healthy=serving_healthy, start_timeout=300))
     specs.append(ChildSpec("ingest", [*py, "ingest", "--drain-on-stop", *conf], healthy=alive_for("ingest", 3)))
-    specs.append(ChildSpec("learner", [*py, "learner", *conf], healthy=alive_for("learner", 3), stop_timeout=120))
+    # On one machine the CPU engine binds its threads to its own cores; the learner's torch gets half of them
+    # so the two do not fight over the same cores (an explicit OMP_NUM_THREADS wins).
+    learner_env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
+    specs.append(ChildSpec("learner", [*py, "learner", *conf], healthy=alive_for("learner", 3), stop_timeout=120,
+                           env=learner_env))
     return specs, ["serving", "learner", "ingest", "broker"]
 
 

@@ -8,8 +8,9 @@ A step takes the tenant's oldest untrained trajectories (storage.cursors), and:
      `completion_logprobs` when they are present, finite and as many as the completion tokens, else none;
   3. advantages: reward minus baseline, where the baseline is the mean reward of the other completions
      of the same prompt in the batch when there are some, else the tenant's running mean reward
-     (maths.baseline_advantages); rewards are not divided by a std: production rewards (feedback in
-     [-1, 1], scorer values) are on a meaningful scale, and a batch is rarely a clean group;
+     (maths.baseline_advantages), then divided by the batch's std of advantages when
+     `learner.scale_advantages` is on (the default): production rewards are often small and sparse (a
+     digit fraction of 0.002, one thumbs-up in twenty), and unscaled they barely move the adapter;
   4. one clipped importance-weighted policy-gradient update (update.py) with ratio pi / pi_behaviour per
      token (the current policy's detached log-probs where the behaviour ones are missing: ratio 1), and
      the optional KL penalty to the base model (`learner.kl_coef`).
@@ -155,6 +156,7 @@ def train_step(
     examples: list[Example],
     *,
     baseline: float | None,
+    scale_advantages: bool = True,
     clip_eps: float,
     kl_coef: float,
     max_grad_norm: float,
@@ -165,6 +167,8 @@ def train_step(
     rewards = torch.tensor([e.reward for e in examples], dtype=torch.float64)
     start = maths.running_mean(None, rewards) if baseline is None else baseline
     advantages = maths.baseline_advantages(rewards, maths.group_ids([e.group for e in examples]), start)
+    if scale_advantages:
+        advantages = maths.scale_by_std(advantages)
     batch = pack(
         [e.prompt_ids for e in examples], [e.completion_ids for e in examples], pad_id=policy.pad_token_id, max_len=max_len
     )

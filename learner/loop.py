@@ -44,6 +44,7 @@ adapter is only created when it first has work.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -60,6 +61,7 @@ from clora.config import Config, ConfigError
 from learner import gate, logs_mode, rollouts
 from learner.policy import Policy, read_adapter_shape
 from learner.rollouts import LocalSampler, Prefetcher, RolloutPlan, SampleRequest, Sampler, ServingSampler
+from learner.rollouts import SampledBatch
 from learner.scheduler import Ledger, charge, choose
 from learner.types import TenantSpec
 from learner.update import UpdateResult
@@ -68,7 +70,7 @@ from storage.files import atomic_write_bytes
 from storage.layout import DataDir
 from storage.parquet import write_dataset
 from storage.registry import Registry
-from storage.schema import TRAIN_STEPS
+from storage.schema import TRAIN_STEPS, TRAJECTORIES
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +118,15 @@ class StepRecord:
     version: str | None  # the version the step created
     reason: str | None
     row: dict
+    timings: dict = field(default_factory=dict)  # seconds per phase of the step (see `PHASES`)
+    rewards: tuple[float, ...] = ()  # the rewards the step trained on
+    staleness: int | None = None  # rollouts: most versions any trained sample was behind the adapter
+
+
+# Where a step's time goes (`StepRecord.timings`): the learner's own phases, which add up to "total", plus
+# "sampling", the sampler's time for the step's rollouts (it ran in the background, overlapping other work,
+# and only "wait" of it held up this step).
+PHASES = ("wait", "score", "train", "probe", "publish", "other")
 
 
 @dataclass(frozen=True)
@@ -129,6 +140,7 @@ class _Work:
     dropped: int = 0
     plan: RolloutPlan | None = None  # rollouts mode
     samples: list | None = None
+    sampling_seconds: float | None = None  # rollouts mode: the sampler's time for `samples`
 
 
 @dataclass(frozen=True)
@@ -141,6 +153,7 @@ class _Trained:
     n_trained: int
     n_dropped: int
     baseline: float | None  # the running mean reward after this batch
+    score_seconds: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -243,11 +256,12 @@ class Learner:
         self._ensure_loaded(rt)
         if rt.unfinished is not None:
             self._finish(rt, rt.unfinished)
+        clock = _Phases()
         self._follow_registry(rt)
         started = time.monotonic()
         parent = self.policy.snapshot(name)
         try:
-            meta = self._train_and_commit(rt, parent, started)
+            meta, work, trained = self._train_and_commit(rt, parent, started, clock)
         except BaseException:
             # Nothing was committed: put the in-memory adapter and optimizer back to the committed state.
             self.policy.restore(name, parent)
@@ -255,11 +269,15 @@ class Learner:
         if meta is None:
             rt.status = "idle"
             return None
-        self._finish(rt, meta)
-        if meta["step"] % COMPACT_EVERY_STEPS == 0:
-            self.cursors.compact(name)
+        with clock("publish"):
+            self._finish(rt, meta)
+            if meta["step"] % COMPACT_EVERY_STEPS == 0:
+                self.cursors.compact(name)
         self._start_prefetch(rt)
         rt.status = meta["decision"]
+        timings = clock.timings(total=time.monotonic() - started)
+        if work.sampling_seconds is not None:
+            timings["sampling"] = work.sampling_seconds
         return StepRecord(
             tenant=name,
             step=meta["step"],
@@ -267,19 +285,27 @@ class Learner:
             version=None if meta["created"] is None else f"{name}@{meta['created']}",
             reason=meta["reason"],
             row=meta["row"],
+            timings=timings,
+            rewards=trained.rewards,
+            staleness=_staleness(work.samples, name, meta["row"]["version"]),
         )
 
-    def _train_and_commit(self, rt: TenantRuntime, parent, started: float) -> dict | None:
-        """Collect, train, gate, create the version, commit. Returns the step's learner.json (None: no work)."""
+    def _train_and_commit(self, rt: TenantRuntime, parent, started: float, clock: _Phases):
+        """Collect, train, gate, create the version, commit. Returns the step's learner.json, its work and
+        what training did (None, None, None: no work)."""
         name = rt.spec.name
         rt.status = "training"
-        work = self._collect(rt)
+        with clock("wait"):
+            work = self._collect(rt)
         if work is None:
-            return None
+            return None, None, None
         rt.probes = gate.update_probes(rt.probes, work.prompts, self.settings.gate_prompts)
         scorer = self._scorer(rt)
-        parent_probe = self._probe_reward(rt, scorer)
-        trained = self._update(rt, work, scorer)
+        with clock("probe"):
+            parent_probe = self._probe_reward(rt, scorer)
+        with clock("train"):
+            trained = self._update(rt, work, scorer)
+        clock.move("train", "score", trained.score_seconds)
         update = trained.update
 
         step = rt.step + 1
@@ -314,7 +340,8 @@ class Learner:
         }
         probe = None
         if update is not None:
-            probe = self._probe_reward(rt, scorer, fresh=True) if parent_probe is not None else None
+            with clock("probe"):
+                probe = self._probe_reward(rt, scorer, fresh=True) if parent_probe is not None else None
             result = gate.decide(
                 gate.GateInput(
                     loss=update.loss,
@@ -328,13 +355,14 @@ class Learner:
                 self.limits,
             )
             metrics = _metrics(trained, step, rt.spec.mode, probe, parent_probe)
-            created = self.registry.create(
-                name,
-                parent=parent_name,
-                write=lambda d: self.policy.save_adapter(name, d),
-                metrics=metrics,
-                trajectory_range=work.trajectory_range,
-            )
+            with clock("publish"):
+                created = self.registry.create(
+                    name,
+                    parent=parent_name,
+                    write=lambda d: self.policy.save_adapter(name, d),
+                    metrics=metrics,
+                    trajectory_range=work.trajectory_range,
+                )
             meta.update(created=created.number, gate=result.checks, reason=result.reason or None)
             if result.passed:
                 meta.update(decision="published", version=created.number)
@@ -346,7 +374,8 @@ class Learner:
         row["ts"] = datetime.now(timezone.utc).isoformat()
 
         try:
-            self.cursors.commit(name, step=step, ids=list(work.ids), checkpoint=lambda d: self._write_checkpoint(name, d, meta))
+            with clock("publish"):
+                self.cursors.commit(name, step=step, ids=list(work.ids), checkpoint=lambda d: self._write_checkpoint(name, d, meta))
         except Exception:
             if meta["created"] is not None:  # nothing references the candidate: it must never be published
                 self._reject_abandoned(name)
@@ -357,7 +386,7 @@ class Learner:
         if meta["decision"] == "published":
             rt.version, rt.state_id = meta["version"], rt.state_id + 1
             rt.probe_cache = {(rt.state_id, rt.probes): probe} if probe is not None else {}
-        return meta
+        return meta, work, trained
 
     # --- collecting work ------------------------------------------------------------------------------
     def _collect(self, rt: TenantRuntime) -> _Work | None:
@@ -386,14 +415,22 @@ class Learner:
 
     def _collect_rollouts(self, rt: TenantRuntime) -> _Work | None:
         self._scorer(rt)  # fail early (and loudly) on a tenant that cannot do rollouts
-        job = self.prefetcher.take(rt.spec.name) if self.prefetcher is not None else None
+        job: SampledBatch | None = self.prefetcher.take(rt.spec.name) if self.prefetcher is not None else None
+        seconds = None
         if job is not None:
-            plan, samples = job
+            plan, samples, seconds = job.plan, job.samples, job.seconds
+            if rt.spec.prompts_file is not None:
+                # The job may have been planned before the previous step committed (sample-ahead): the
+                # trajectory ids it consumes are read now, so no id is committed by two steps.
+                plan = RolloutPlan(prompts=plan.prompts, consumed_ids=self._consumed_ids(rt))
+            self._start_prefetch(rt, ahead=True)
         else:
             plan = self._plan(rt)
             if plan is None:
                 return None
+            started = time.perf_counter()
             samples = self.sampler.sample(self._requests(rt, plan)) if plan.prompts else []
+            seconds = time.perf_counter() - started
         prompts = plan.prompts
         if rt.spec.prompts_file is not None:
             prompts = tuple(self._file_prompts(rt))
@@ -403,6 +440,7 @@ class Learner:
             trajectory_range={"n": len(plan.consumed_ids), "prompts": len(plan.prompts)},
             plan=plan,
             samples=samples,
+            sampling_seconds=seconds,
         )
 
     def _plan(self, rt: TenantRuntime) -> RolloutPlan | None:
@@ -411,6 +449,19 @@ class Learner:
         file_prompts = self._file_prompts(rt) if rt.spec.prompts_file is not None else ()
         plan = rollouts.plan_from_rows(rows, n_prompts, file_prompts=file_prompts, step=rt.step + 1, own_rollouts=rt.rollout_ids)
         return plan if plan.prompts or plan.consumed_ids else None
+
+    def _file_plan(self, rt: TenantRuntime, step: int) -> RolloutPlan:
+        """The prompts of step `step` of a tenant with a prompts file, without reading storage (the ids the
+        step consumes are read when it collects: `_consumed_ids`)."""
+        n_prompts = max(1, rt.spec.batch_size // rt.spec.group_size)
+        return rollouts.plan_from_rows(TRAJECTORIES.empty_table(), n_prompts, file_prompts=self._file_prompts(rt), step=step)
+
+    def _consumed_ids(self, rt: TenantRuntime) -> tuple[str, ...]:
+        """A prompts-file tenant's untrained trajectory ids (its own rollouts come back as trajectories), which
+        its next step commits."""
+        n_prompts = max(1, rt.spec.batch_size // rt.spec.group_size)
+        rows = self.cursors.untrained(rt.spec.name, limit=n_prompts * (rt.spec.group_size + 1) * 2)
+        return tuple(rows.column("id").to_pylist())
 
     def _file_prompts(self, rt: TenantRuntime) -> list[str]:
         return [rollouts.render_user_prompt(self.policy.tokenizer, p) for p in rollouts.read_prompts_file(rt.spec.prompts_file)]
@@ -430,16 +481,24 @@ class Learner:
             for p in plan.prompts
         ]
 
-    def _start_prefetch(self, rt: TenantRuntime) -> None:
-        """Serving sampler only: starts sampling the tenant's next batch (after the commit, so the plan
-        cannot reuse this step's ids) while other tenants train."""
+    def _start_prefetch(self, rt: TenantRuntime, *, ahead: bool = False) -> None:
+        """Serving sampler only: starts sampling the tenant's next batch while other tenants train.
+
+        Normally after the commit, so the plan cannot reuse this step's ids. With `ahead` (called as a step
+        takes its samples, `learner.sample_ahead`, tenants with a prompts file only): the batch of the step
+        after the one now training, so the engine samples it while this step trains; its samples then come
+        from the version before the one this step publishes (staleness 1, tracked by the version header
+        and bounded by `learner.max_staleness`)."""
         if self.prefetcher is None or rt.spec.mode != "rollouts" or self.prefetcher.pending(rt.spec.name):
+            return
+        if ahead and not (self.settings.sample_ahead and rt.spec.prompts_file is not None):
             return
         try:
             self._scorer(rt)  # no sampling for a tenant whose step would fail anyway
-            plan = self._plan(rt)
+            step = rt.step + (2 if ahead else 1)
+            plan = self._file_plan(rt, step) if ahead else self._plan(rt)
             if plan is not None and plan.prompts:
-                self.prefetcher.start(rt.spec.name, plan, self._requests(rt, plan))
+                self.prefetcher.start(rt.spec.name, plan, self._requests(rt, plan), step=step)
         except Exception:  # planning reads storage; the next step plans again and reports the error
             logger.exception("tenant %s: could not start sampling", rt.spec.name)
 
@@ -465,7 +524,9 @@ class Learner:
         if work.logs is not None:
             if not work.logs:
                 return _Trained(None, (), math.nan, 0, work.dropped, rt.baseline)
-            step = logs_mode.train_step(self.policy, name, work.logs, baseline=rt.baseline, **common)
+            step = logs_mode.train_step(
+                self.policy, name, work.logs, baseline=rt.baseline, scale_advantages=self.settings.scale_advantages, **common
+            )
             rewards = tuple(e.reward for e in work.logs)
             return _Trained(step.update, rewards, step.reward_mean, len(work.logs), work.dropped, step.baseline)
         if not work.plan.prompts:
@@ -480,7 +541,8 @@ class Learner:
             max_staleness=self.settings.max_staleness,
             **common,
         )
-        return _Trained(step.update, step.rewards, step.reward_mean, step.n_samples, step.n_dropped, rt.baseline)
+        return _Trained(step.update, step.rewards, step.reward_mean, step.n_samples, step.n_dropped, rt.baseline,
+                        step.score_seconds)
 
     def _scorer(self, rt: TenantRuntime):
         from ingest.scorers import ScorerSpecError, build_scorer, is_function
@@ -667,9 +729,11 @@ def run(
     progress: bool = True,
     stop: threading.Event | None = None,
     learner: Learner | None = None,
+    on_step: Callable[[StepRecord], None] | None = None,
 ) -> Learner:
     """Runs the learner until `stop` is set (or: one pass over all tenants with `once`; until no tenant has
-    work with `until_idle`; `max_steps` steps in all). Returns the learner (its tenants hold the statuses)."""
+    work with `until_idle`; `max_steps` steps in all). Returns the learner (its tenants hold the statuses).
+    `on_step` is called with every committed step's record (benchmarks and tests observe the loop with it)."""
     stop = stop or threading.Event()
     learner = learner or Learner(cfg, model_path=model_path, progress=progress)
     served: set[str] = set()
@@ -691,7 +755,9 @@ def run(
                     break
                 stop.wait(cfg.learner.poll_seconds)
                 continue
-            learner.step_safely(name)
+            record = learner.step_safely(name)
+            if record is not None and on_step is not None:
+                on_step(record)
             served.add(name)
             steps += 1
             if max_steps is not None and steps >= max_steps:
@@ -703,6 +769,43 @@ def run(
 
 # ---------------------------------------------------------------------------------------------------------
 # Helpers
+
+
+class _Phases:
+    """Seconds per named phase of one step: `with clock("train"): ...` adds the block's time to "train"."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.monotonic() - started
+
+    def move(self, source: str, target: str, seconds: float) -> None:
+        """Books `seconds` of `source` to `target` (a part measured inside another phase)."""
+        self.seconds[source] = self.seconds.get(source, 0.0) - seconds
+        self.seconds[target] = self.seconds.get(target, 0.0) + seconds
+
+    def timings(self, *, total: float) -> dict[str, float]:
+        out = {phase: self.seconds.get(phase, 0.0) for phase in PHASES if phase != "other"}
+        out["other"] = max(0.0, total - sum(out.values()))
+        out["total"] = total
+        return out
+
+
+def _staleness(samples, tenant: str, parent: str | None) -> int | None:
+    """How many versions the oldest sample is behind `parent` (the adapter the step trained, "<tenant>@<n>" or
+    None before the first publish); None without samples. A sample of the base model is version 0."""
+    versions = [s.version for group in samples or () for s in group]
+    if not versions:
+        return None
+    current = int(parent.rsplit("@", 1)[1]) if parent else 0
+    numbers = [int(v.rsplit("@", 1)[1]) if v and v.startswith(f"{tenant}@") else 0 for v in versions]
+    return max(0, current - min(numbers))
 
 
 def _num(x: float | None) -> float | None:

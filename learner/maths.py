@@ -61,6 +61,18 @@ def grpo_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tenso
     return torch.where(size >= 2, (rewards - mean) / (std + eps), torch.zeros_like(rewards))
 
 
+def scale_by_std(advantages: Tensor, eps: float = 1e-6) -> Tensor:
+    """advantages / (their sample std + eps), not re-centred. Production rewards are often small and sparse
+    (a digit fraction of 0.002, one thumbs-up in twenty): scaling keeps the step size independent of the
+    reward's units. A batch with fewer than two values, or all advantages equal, is returned unchanged."""
+    if advantages.numel() < 2:
+        return advantages
+    std = advantages.std()
+    if not torch.isfinite(std) or std <= eps:
+        return advantages
+    return advantages / (std + eps)
+
+
 def running_mean(previous: float | None, rewards: Tensor, momentum: float = 0.9) -> float:
     """Exponential moving average of batch-mean rewards: momentum * previous + (1 - momentum) * batch mean.
     With no previous value it starts at the batch mean. Non-finite rewards are ignored."""

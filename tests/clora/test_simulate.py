@@ -22,7 +22,8 @@ def test_preferences_by_hand():
     assert likes_digits("") == 0.0
     assert likes_upper_case("ABc d") == pytest.approx(2 / 4)
     assert likes_short_answers("hello") == 1.0
-    assert likes_short_answers("x" * 42) == pytest.approx(1 - 30 / 60)
+    assert likes_short_answers("x" * 42) == pytest.approx(1 - 30 / 100)
+    assert likes_short_answers("x" * 112) == pytest.approx(0.0)
     assert likes_short_answers("x" * 200) == 0.0
     assert likes_json('{"a": 1}') == 1.0
     assert likes_json("[1, 2]") < 1.0  # valid JSON but not an object

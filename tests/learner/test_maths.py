@@ -39,6 +39,15 @@ def test_grpo_advantages_normalise_by_group_sample_std():
     close(maths.grpo_advantages(rewards, groups), [0.866025, -0.866025, -0.866025, 0.866025, 0, 0, 0], tol=1e-4)
 
 
+def test_scale_by_std_divides_by_the_sample_std_without_recentring():
+    # advantages 0.3, -0.1, 0.1, 0.1: mean 0.1, deviations 0.2, -0.2, 0, 0 -> sample var 0.08 / 3, std 0.163299
+    #   -> 0.3 / 0.163299 = 1.837117, -0.1 / 0.163299 = -0.612372, 0.1 / 0.163299 = 0.612372
+    close(maths.scale_by_std(torch.tensor([0.3, -0.1, 0.1, 0.1])), [1.837117, -0.612372, 0.612372, 0.612372], tol=1e-4)
+    # all equal or a single value: unchanged (no signal to scale)
+    close(maths.scale_by_std(torch.tensor([0.5, 0.5])), [0.5, 0.5])
+    close(maths.scale_by_std(torch.tensor([2.0])), [2.0])
+
+
 def test_running_mean_starts_at_batch_mean_then_moves_by_momentum():
     # first batch mean (0 + 1) / 2 = 0.5 ; next 0.9 * 0.5 + 0.1 * 1.0 = 0.55
     first = maths.running_mean(None, torch.tensor([0.0, 1.0]))
