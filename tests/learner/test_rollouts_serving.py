@@ -80,7 +80,7 @@ def test_rollouts_sample_through_serving_and_use_the_published_adapters(learner_
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["mode"] == "rollouts" and r["n_trajectories"] == 8 for r in rows)
     latest = Registry(server.data_dir).latest_published(TENANT)
-    assert latest is not None
+    assert latest is not None, [(v.name, v.status, v.reason, v.gate) for v in Registry(server.data_dir).versions(TENANT)]
     server.wait_for_version(TENANT, latest.name)  # the serving tier hot-swapped the learner's adapter
 
     rendered = {render_user_prompt(learner.policy.tokenizer, line) for line in prompts.read_text().split("\n") if line}
