@@ -5,6 +5,9 @@
   same cache `make setup` and the demo use), so a test session never rebuilds it.
 - `broker`: the real embedded Kafka-compatible broker on a free port, started once per session with
   clora's topics, stopped at the end.
+- `server`: the real serving process (`python -m serving`: the vLLM engine with LoRA enabled on the tiny
+  model, the HTTP API, the Kafka event log) once per session, with the tenants of
+  `serving_process.TENANT_KEYS`, a fresh data directory, the session broker; stopped by its pid at the end.
 
 Services bind to 127.0.0.1 only and are stopped by the handle that started them.
 """
@@ -49,3 +52,14 @@ def broker():
         yield b
     finally:
         b.stop()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, broker, tiny_model):
+    from serving_process import start_server, stop_server
+
+    handle = start_server(tmp_path_factory.mktemp("serving"), bootstrap=broker.bootstrap, model_path=tiny_model)
+    try:
+        yield handle
+    finally:
+        stop_server(handle)

@@ -2,15 +2,18 @@
 
 Covers: feedback before / after its interaction, across a restart (the view rebuilt from the datasets),
 days apart within and beyond the expiry; the first score wins; inline rewards and scorer functions;
-scorer failures and unknown tenants dead-lettered; replays of any range write nothing twice.
+scorer failures and unknown tenants dead-lettered; replays of any range write nothing twice; a batch
+decided while the previous one is still being written (consumer.py's pipelining) decides the same.
 """
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 
 import pytest
 
 from ingest.batch import Processor, Record
-from ingest.consumer import write_output
+from ingest.consumer import BatchWrite, write_output
 from ingest.events import FeedbackEvent, InteractionEvent, encode
 from ingest.pending import PendingStore
 from storage.parquet import read_dataset
@@ -212,3 +215,44 @@ def test_a_scorer_that_cannot_be_built_fails_at_start_naming_the_tenant():
 
     with pytest.raises(ScorerSpecError, match="tenant 'acme'.*cannot import"):
         Processor({"acme": "python:no_such_module_xyz:f"}, unknown_tenant="create", max_message_bytes=100)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pipelining: batch N+1 is decided while batch N is still being written (consumer.py).
+
+
+def test_a_batch_decided_while_the_previous_one_is_written_decides_the_same(h):
+    gate = threading.Event()
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        executor.submit(gate.wait, 30)  # holds the one writer thread: batch 1 cannot land yet
+        try:
+            first = h.processor.process([h.record(inter("a")), h.record(inter("b")), h.record(fb("c", 0.1))], h.store, NOW_MS)
+            write = BatchWrite(h.root, h.store, first, executor)
+            assert not write.done() and h.table("interactions").num_rows == 0
+            # Feedback for an interaction still in flight joins it (read from memory); a replayed message
+            # and a resent id are duplicates; the interaction that waiting feedback was for is scored.
+            second = h.processor.process(
+                [h.record(fb("a", 0.5)), h.log[1], h.record(inter("c")), h.record(inter("b", completion="again"))],
+                h.store, NOW_MS,
+            )
+            assert sorted((t.id, t.reward) for t in second.trajectories) == [("a", 0.5), ("c", 0.1)]
+            assert second.duplicates == 2 and [r.id for r in second.interactions] == ["c"]
+        finally:
+            gate.set()
+        write.wait()
+        BatchWrite(h.root, h.store, second, executor).wait()
+    assert h.rewards() == [("a", 0.5, "feedback"), ("c", 0.1, "feedback")]
+    assert h.table("interactions").num_rows == 3 and h.table("feedback").num_rows == 2
+    h.restart()  # the view rebuilt from disk agrees: a replay of everything writes nothing
+    assert h.replay(h.log).rows == 0
+
+
+def test_a_failed_batch_write_raises_when_waited_for(data_dir):
+    h = Harness(data_dir)
+    out = h.processor.process([h.record(inter("a"))], h.store, NOW_MS)
+    not_a_dir = data_dir / "interactions"
+    not_a_dir.write_text("a file where the dataset directory should be")
+    with ThreadPoolExecutor(max_workers=2) as executor:
+        write = BatchWrite(h.root, h.store, out, executor)
+        with pytest.raises(OSError):
+            write.wait()

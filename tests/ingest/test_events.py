@@ -5,11 +5,13 @@ import json
 import math
 from datetime import datetime, timezone
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ingest.events import REASONS, DeadLetter, FeedbackEvent, InteractionEvent, decode, encode
+from ingest import events
+from ingest.events import REASONS, DeadLetter, FeedbackEvent, InteractionEvent, decode, decoded_to_json, encode
 
 pytestmark = pytest.mark.unit
 
@@ -224,3 +226,74 @@ def test_event_shaped_json_decodes_to_an_event_or_a_dead_letter(value):
 @given(_interactions() | _feedbacks())
 def test_encode_then_decode_is_the_identity(ev):
     assert decode(encode(ev), max_bytes=10**6) == ev
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Two parsers, one outcome: whatever the strict fast parser accepts decodes exactly as the standard library
+# path alone would decode it (same event, or same dead letter with the same detail).
+
+
+def _standard_library_only(raw: bytes, max_bytes: int):
+    def refuse(_raw):
+        raise msgspec.DecodeError("the fast parser is switched off")
+
+    fast, events._strict_loads = events._strict_loads, refuse
+    try:
+        return decode(raw, max_bytes=max_bytes)
+    finally:
+        events._strict_loads = fast
+
+
+def _same(raw: bytes, max_bytes: int = MAX) -> None:
+    fast, slow = decode(raw, max_bytes=max_bytes), _standard_library_only(raw, max_bytes)
+    assert fast == slow, (raw, fast, slow)
+
+
+_event_fields = st.dictionaries(
+    st.sampled_from(["type", "id", "tenant", "ts", "messages", "prompt", "completion", "score", "reward", "metadata",
+                     "completion_token_ids", "completion_logprobs", "adapter_version", "source"]),
+    json_values | st.sampled_from(["interaction", "feedback", "acme", "2025-01-01T00:00:00Z", 1740832215123]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300) | json_values.map(lambda v: json.dumps(v).encode()) | _event_fields.map(lambda v: json.dumps(v).encode()))
+def test_the_fast_parser_changes_no_outcome(raw):
+    _same(raw)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_interactions() | _feedbacks())
+def test_the_fast_parser_changes_no_valid_event(ev):
+    _same(encode(ev), 10**6)
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"type":"interaction","id":"r","tenant":"a","ts":0,"prompt":"p","completion":"c","metadata":{"n":123456789012345678901234567890}}',
+    b'{"type":"interaction","id":"r","tenant":"a","ts":0,"prompt":"p","completion":"c","reward":1e999}',
+    b'{"type":"interaction","id":"r","tenant":"a","ts":0,"prompt":"\\ud800","completion":"c"}',
+    b'{"type":"feedback","id":"r","tenant":"a","ts":0,"score":0.5,"type":"interaction","completion":"c","prompt":"p"}',
+    b'\xef\xbb\xbf{"type":"feedback","id":"r","tenant":"a","ts":0,"score":0.5}',
+    b'[' * 990 + b']' * 990,
+])
+def test_the_fast_parser_changes_no_outcome_at_the_edges(raw):
+    _same(raw)
+
+
+def test_big_integers_in_metadata_are_kept_exactly():
+    ev = decode(raw(interaction(metadata={"n": 2**80, "m": [-(2**70)]})), max_bytes=MAX)
+    assert ev.metadata == {"n": 2**80, "m": [-(2**70)]}
+    assert json.loads(decoded_to_json(ev.metadata)) == ev.metadata
+
+
+_finite_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | texts,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(texts, inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(texts, _finite_json, max_size=4))
+def test_decoded_to_json_is_json_of_the_same_value(value):
+    assert json.loads(decoded_to_json(value)) == value

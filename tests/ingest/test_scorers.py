@@ -1,12 +1,15 @@
 """Scorers against hand-computed rewards, spec parsing, and apply's failure reporting."""
 
+import json
 import math
 import sys
 import types
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ingest.scorers import ScorerError, ScorerSpecError, apply, build_scorer, is_function
+from ingest.scorers import ScorerError, ScorerSpecError, apply, build_scorer, digits, is_function, json_valid, uppercase
 
 pytestmark = pytest.mark.unit
 
@@ -40,6 +43,13 @@ pytestmark = pytest.mark.unit
         ("uppercase", "AB 12!", 1.0),  # only letters count
         ("uppercase", "123", 0.0),
         ("uppercase", "Éa", 0.5),
+        ("uppercase", "ǅx", 0.0),  # a titlecase letter is a letter but not upper case
+        ("digits", "x\ud800y1", 0.25),  # a lone surrogate counts as one character
+        ("json_valid", "true", 1.0),
+        ("json_valid", "\n\t[1]", 1.0),
+        ("json_valid", "truth", 0.0),
+        ("json_valid", "-Infinity", 0.0),
+        ("json_valid", "1e999", 1.0),  # strict JSON syntax, even though the number overflows
     ],
 )
 def test_rewards(spec, completion, expected):
@@ -94,3 +104,44 @@ def test_apply_turns_failures_into_scorer_error():
     with pytest.raises(ScorerError, match="not a finite number"):
         apply(lambda c, p: "1", "c", "p")
     assert apply(lambda c, p: 1, "c", "p") == 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The counting scorers take shortcuts (bytes.translate, a first-character check); they must agree with
+# the plain definitions on any text.
+
+
+def _reference_digits(completion: str) -> float:
+    return sum(c in "0123456789" for c in completion) / len(completion) if completion else 0.0
+
+
+def _reference_uppercase(completion: str) -> float:
+    letters = [c for c in completion if c.isalpha()]
+    return sum(c.isupper() for c in letters) / len(letters) if letters else 0.0
+
+
+def _reference_json_valid(completion: str) -> float:
+    def reject(name):
+        raise ValueError(name)
+
+    try:
+        json.loads(completion, parse_constant=reject)
+    except (ValueError, RecursionError):
+        return 0.0
+    return 1.0
+
+
+_json_texts = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=10,
+).map(json.dumps)
+_texts = st.text() | st.text(alphabet="aZ09 \t\n{}[]\"-.eEtrufalsn:,ÉéǅΣσ٣") | st.tuples(st.sampled_from(["", " ", "\n "]), _json_texts).map("".join)
+
+
+@settings(max_examples=500, deadline=None)
+@given(_texts)
+def test_counting_scorers_agree_with_their_definitions(text):
+    assert digits(text, "") == _reference_digits(text)
+    assert uppercase(text, "") == _reference_uppercase(text)
+    assert json_valid(text, "") == _reference_json_valid(text)

@@ -7,8 +7,6 @@ come from the learner's own newer adapters, and it logs every rollout as an inte
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
@@ -19,12 +17,11 @@ from learner_support import make_config
 from storage.parquet import read_dataset
 from storage.registry import Registry
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
-from serving_process import read_events, start_server, stop_server  # noqa: E402
+from serving_process import read_events
 
 pytestmark = pytest.mark.integration
 
-TENANT = "hooli"
+TENANT = "lab"  # a tenant of the session server that no other test uses
 STEPS = 4
 
 
@@ -46,24 +43,14 @@ class RecordingSampler:
         self.inner.close()
 
 
-@pytest.fixture(scope="module")
-def learner_server(tmp_path_factory, broker, tiny_model):
-    handle = start_server(tmp_path_factory.mktemp("learner-serving"), bootstrap=broker.bootstrap, model_path=tiny_model)
-    try:
-        yield handle
-    finally:
-        stop_server(handle)
-
-
-def test_rollouts_sample_through_serving_and_use_the_published_adapters(learner_server, tiny_model, tmp_path):
-    server = learner_server
+def test_rollouts_sample_through_serving_and_use_the_published_adapters(server, tiny_model, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Write a number.\nTell me about cats.\nhello\nWhat is 2 + 2?\n")
     url = urlparse(server.base_url)
     cfg = make_config(
         server.data_dir,
         tiny_model,
-        [{"name": TENANT, "api_key": server.keys[TENANT], "mode": "rollouts", "scorer": "length:12",
+        [{"name": TENANT, "api_key": server.keys[TENANT], "mode": "rollouts", "scorer": "uppercase",
           "prompts_file": str(prompts), "batch_size": 8, "group_size": 4, "learning_rate": 1e-2}],
         rollout_sampler="serving",
         max_new_tokens=12,
@@ -76,7 +63,7 @@ def test_rollouts_sample_through_serving_and_use_the_published_adapters(learner_
     learner = Learner(cfg, model_path=tiny_model, sampler=sampler, progress=False)
     run(cfg, model_path=tiny_model, learner=learner, max_steps=STEPS)
 
-    rows = sorted(read_dataset(server.data_dir, "train_steps").to_pylist(), key=lambda r: r["step"])
+    rows = sorted(read_dataset(server.data_dir, "train_steps", tenant=TENANT).to_pylist(), key=lambda r: r["step"])
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["mode"] == "rollouts" and r["n_trajectories"] == 8 for r in rows)
     latest = Registry(server.data_dir).latest_published(TENANT)

@@ -25,6 +25,7 @@ TENANT_KEYS = {
     "initech": "initech-key-0003",
     "umbrella": "umbrella-key-0004",
     "hooli": "hooli-key-0005",
+    "lab": "lab-key-0006",  # the learner's rollouts test trains this one; no serving test touches it
 }
 STARTUP_TIMEOUT_S = 300
 
