@@ -1,0 +1,139 @@
+"""The whole loop, as a user runs it: `clora demo` (broker, serving, ingest, learner as child processes, plus
+simulated apps), and Ctrl-C during `clora up` followed by a resume.
+
+These start the real broker and the real vLLM engine inside the processes under test (that is what is being
+tested), so they cannot share the session fixtures.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from storage import files as storage_files
+from storage.query import query
+from storage.registry import Registry
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def clora(*args, cwd, **kw):
+    return subprocess.Popen(
+        [sys.executable, "-m", "clora", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        **kw,
+    )
+
+
+def test_demo_runs_the_whole_loop_and_every_tenant_improves(tmp_path, tiny_model):
+    config = tmp_path / "clora.toml"
+    config.write_text(f'data_dir = "{tmp_path / "data"}"\n[model]\npath = "{tiny_model}"\n')
+    proc = clora("demo", "--config", str(config), "--minutes", "2.5", "--tenants", "digits,upper",
+                 "--out", str(tmp_path / "demo.png"), cwd=tmp_path)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-6000:]
+    assert "every tenant improved" in out
+
+    demo_data = tmp_path / "data" / "demo" / "data"
+    records = json.loads((tmp_path / "data" / "demo" / "records.json").read_text())
+    assert records and all(r["ok"] for r in records), [r for r in records if not r["ok"]][:3]
+    for tenant in ("digits-app", "upper-app"):
+        mine = sorted((r for r in records if r["tenant"] == tenant), key=lambda r: r["t"])
+        served = list(dict.fromkeys(r["adapter_version"] for r in mine))
+        assert served[0] == "base", served
+        assert len([v for v in served if v.startswith(f"{tenant}@")]) >= 2, served  # two versions went live
+        published = [v for v in Registry(demo_data).versions(tenant) if v.published_at is not None]
+        assert len(published) >= 2
+        # every request the app made reached Parquet through Kafka and ingest
+        (ingested,) = query(demo_data, f"select count(*) from interactions where tenant = '{tenant}'").to_pylist()
+        assert list(ingested.values())[0] == len(mine)
+    assert (tmp_path / "demo.png").stat().st_size > 10_000
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("clora up did not become healthy")
+
+
+def test_ctrl_c_during_up_leaves_no_orphans_and_up_resumes(tmp_path, tiny_model):
+    from ingest.broker import free_port
+
+    port, broker_port = free_port(), free_port()
+    data = tmp_path / "data"
+    config = tmp_path / "clora.toml"
+    config.write_text(
+        f"""data_dir = "{data}"
+[kafka]
+bootstrap = "127.0.0.1:{broker_port}"
+partitions = 1
+[broker]
+port = {broker_port}
+[model]
+path = "{tiny_model}"
+[serving]
+port = {port}
+max_loras = 2
+dtype = "float32"
+[[tenants]]
+name = "acme"
+api_key = "sk-acme-0000"
+scorer = "feedback"
+batch_size = 6
+learning_rate = 1e-3
+"""
+    )
+    url = f"http://127.0.0.1:{port}"
+    key = {"Authorization": "Bearer sk-acme-0000"}
+    body = {"model": "acme", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+    for round_ in range(2):
+        up = clora("up", "--config", str(config), cwd=tmp_path)
+        wait_healthy(url, up)
+        children = psutil.Process(up.pid).children(recursive=True)
+        assert len(children) >= 4  # broker, serving (+ its engine), ingest, learner
+        for i in range(6):
+            r = httpx.post(url + "/v1/chat/completions", json=body, headers=key, timeout=60)
+            assert r.status_code == 200, r.text
+            fb = httpx.post(url + "/v1/feedback", json={"id": r.json()["id"], "score": (i % 3) / 2}, headers=key)
+            assert fb.status_code == 202, fb.text
+        if round_ == 0:  # let ingest and the learner see the traffic: a version gets published
+            deadline = time.monotonic() + 120
+            while Registry(data).latest_published("acme") is None and time.monotonic() < deadline:
+                time.sleep(1)
+            assert Registry(data).latest_published("acme") is not None
+            first = Registry(data).latest_published("acme").number
+        up.send_signal(signal.SIGINT)
+        out, _ = up.communicate(timeout=240)
+        assert up.returncode == 0, out[-4000:]
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, [p.pid for p in alive]
+        assert "stopping serving" in out and "broker stopped" in out
+        # no half-written file: every Parquet file is complete and readable, no temporary names left behind
+        leftovers = [p for p in data.rglob("*") if p.is_file() and p.name.startswith(storage_files.TMP_PREFIX)
+                     and "locks" not in p.parts]
+        assert not leftovers, leftovers
+        (row,) = query(data, "select count(*) as n from interactions where tenant = 'acme'").to_pylist()
+        assert row["n"] == 6 * (round_ + 1)  # nothing acknowledged was lost across the stop
+    # the second run resumed: it served and kept the first run's adapters
+    assert Registry(data).latest_published("acme").number >= first
