@@ -15,7 +15,9 @@
 
 Every decision consults the store *and* this batch, so replaying any range of offsets (after a crash, or
 when another process takes a partition over) writes nothing twice and misses nothing: each dataset is
-deduplicated on its own key, and a trajectory is derived again if its write was the one lost.
+deduplicated on its own key, and a trajectory is derived again if its write was the one lost. An
+interaction already stored and scored is counted as a duplicate before any row is built, so a replay
+costs little more than its decoding.
 Which reward wins for one interaction: a scorer function (the tenant's config decides), else the inline
 reward, else the first feedback in partition order. Feedback for a function-scored tenant is kept in
 `feedback/` but scores nothing.
@@ -152,7 +154,7 @@ class Processor:
             if type(ev) is DeadLetter:
                 reject(ev, raw, at)
                 continue
-            spec = self.specs.get(ev.tenant) or self.spec(ev.tenant)
+            spec = self.spec(ev.tenant)
             if spec is None:
                 reject(DeadLetter("unknown_tenant", f"tenant {ev.tenant!r} is not configured", ev.tenant, ev.id), raw, at)
                 continue

@@ -13,8 +13,9 @@ What it does, all in one run on one embedded broker it starts on a free port:
      join are left out and the first fetch is in; for ingest, "handled" means durable and committed.
      Alternating the two sides within one run exposes both to the same machine state; the table gives
      the median and the best round of each, and the ratio of the medians. Both run with the interpreter
-     settings of `python -m ingest` (process.tune_interpreter). Targets: ingest >= 0.7 x bare, and
-     >= 20,000 events/s;
+     settings of `python -m ingest` (process.tune_runtime). Each side's process CPU time per message
+     (all threads; the broker is another process) is reported too: on a shared machine it moves much
+     less than the rates do. Targets: ingest >= 0.7 x bare, and >= 20,000 events/s;
   3. produces 10x as many to other topics and runs `python -m ingest --once` on the short and on the long
      stream, sampling each process's RSS (Linux /proc) every 0.2 s: memory must not grow with the stream.
 
@@ -135,14 +136,14 @@ def bare_consumer(bootstrap: str, topics: list[str], n: int) -> dict:
     consumer.assign([TopicPartition(t, p) for t in topics for p in range(PARTITIONS)])
     consumer.seek_to_beginning()
     got = 0
-    first = time.monotonic()
+    first, first_cpu = time.monotonic(), time.process_time()
     deadline = first + 600
     while got < n and time.monotonic() < deadline:
         for records in consumer.poll(timeout_ms=500, max_records=5000).values():
             got += len(records)
-    last = time.monotonic()
+    last, last_cpu = time.monotonic(), time.process_time()
     consumer.close()
-    return {"messages": got, "seconds": last - first, "rate": got / (last - first)}
+    return {"messages": got, "seconds": last - first, "rate": got / (last - first), "cpu_us": (last_cpu - first_cpu) / got * 1e6}
 
 
 def clora_ingest(bootstrap: str, topics: dict[str, str], root: Path, n: int) -> dict:
@@ -168,10 +169,12 @@ def clora_ingest(bootstrap: str, topics: dict[str, str], root: Path, n: int) -> 
     )
     ingest.run(threading.Event(), once=True, max_seconds=600)
     seconds = ingest.last_flush_at - ingest.assigned_at
+    messages = metrics.total["messages"]
     return {
-        "messages": metrics.total["messages"],
+        "messages": messages,
         "seconds": seconds,
-        "rate": metrics.total["messages"] / seconds,
+        "rate": messages / seconds,
+        "cpu_us": (ingest.last_flush_cpu - ingest.assigned_cpu) / messages * 1e6,
         "rows": {d: metrics.total[d] for d in ("interactions", "trajectories", "feedback", "dead_letters")},
         "dead_letter_reasons": dict(metrics.reasons),
     }
@@ -230,12 +233,18 @@ def rss_run(bootstrap: str, topics: dict[str, str], workdir: Path, name: str) ->
 
 def _summary(rounds: list[dict]) -> dict:
     rates = [r["rate"] for r in rounds]
-    return {"rounds": rounds, "rate": statistics.median(rates), "best": max(rates), "worst": min(rates)}
+    return {
+        "rounds": rounds,
+        "rate": statistics.median(rates),
+        "best": max(rates),
+        "worst": min(rates),
+        "cpu_us": statistics.median(r["cpu_us"] for r in rounds),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
     from ingest.broker import EmbeddedBroker, ensure_topics, free_port
-    from ingest.process import tune_interpreter
+    from ingest.process import tune_runtime
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = Path(args.out)
@@ -243,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     n, factor = args.events, args.rss_factor
     short = {"interactions": "bench.short.i", "feedback": "bench.short.f", "dead": "bench.short.d"}
     long = {"interactions": "bench.long.i", "feedback": "bench.long.f", "dead": "bench.long.d"}
-    tune_interpreter()  # both sides run as `python -m ingest` would
+    tune_runtime()  # both sides run as `python -m ingest` would
     with EmbeddedBroker("127.0.0.1", free_port()) as broker, tempfile.TemporaryDirectory(prefix="clora-bench-") as tmp:
         broker.start()
         ensure_topics(broker.bootstrap, [*short.values(), *long.values()], PARTITIONS)
@@ -280,9 +289,9 @@ def run(args: argparse.Namespace) -> int:
     _plot(result, out / "ingest.png")
 
     print()
-    print(f"{'':28}{'median msg/s':>14}{'best':>10}{'worst':>10}")
-    print(f"{'bare kafka-python consumer':28}{bare['rate']:>14.0f}{bare['best']:>10.0f}{bare['worst']:>10.0f}")
-    print(f"{'clora ingest -> Parquet':28}{ingest['rate']:>14.0f}{ingest['best']:>10.0f}{ingest['worst']:>10.0f}")
+    print(f"{'':28}{'median msg/s':>14}{'best':>10}{'worst':>10}{'CPU us/msg':>12}")
+    for name, side in (("bare kafka-python consumer", bare), ("clora ingest -> Parquet", ingest)):
+        print(f"{name:28}{side['rate']:>14.0f}{side['best']:>10.0f}{side['worst']:>10.0f}{side['cpu_us']:>12.1f}")
     print(f"ratio of medians ingest / bare: {ratio:.2f} (target 0.70: {'met' if result['meets_ratio'] else 'NOT met'}); "
           f"per round: {', '.join(f'{r:.2f}' for r in result['round_ratios'])}; "
           f"rate target 20000/s: {'met' if result['meets_rate'] else 'NOT met'}")

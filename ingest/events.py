@@ -10,15 +10,17 @@ README, "Events"):
 `decode` turns bytes into an `InteractionEvent`, a `FeedbackEvent` or a `DeadLetter` naming a short, stable
 reason (the keys of `REASONS`); it never raises, so one bad message can never stop the consumer. Past
 `decode`, code trusts the types, and every number in a decoded event (metadata included) is finite.
+`encode` is its inverse: the serving tier and apps build the dataclasses and send `encode(event)`;
+`decode(encode(e)) == e` for every valid event. The dataclasses are treated as values; they are not
+frozen only because frozen construction costs ~5x more on the hot path.
 
 Parsing takes two paths with one outcome. The fast one is msgspec's strict parser (~3x the standard
 library's speed on a 1 KB event), which accepts only strict JSON in valid UTF-8: no NaN or Infinity, no
 number that overflows a float, no unpaired surrogate escape, integers kept exact; whatever it accepts, the
 standard library parses to the same value, and none of it can hold a non-finite number. Anything it
 refuses goes through the standard library path (UTF-8 check, `json.loads`, surrogate and finiteness
-checks), which alone decides the dead-letter reason, so reasons are the same whichever path ran. `encode` is its inverse: the serving tier and apps build the dataclasses
-and send `encode(event)`; `decode(encode(e)) == e` for every valid event. The dataclasses are treated as
-values; they are not frozen only because frozen construction costs ~5x more on the hot path.
+checks), which alone decides the dead-letter reason, so reasons are the same whichever path ran
+(tests/ingest/test_events.py checks both on arbitrary input).
 
 Unknown fields are ignored (newer producers may add some). Not here: scoring (scorers.py), what a row
 looks like on disk (rows.py), or whether a tenant is known (batch.py, which has the config).
@@ -59,9 +61,9 @@ MAX_ID_CHARS = 256
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234e38
 
-# A JSON escape of a UTF-16 surrogate: only then can json.loads produce a string that is not valid UTF-8.
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
+# A JSON escape of a UTF-16 surrogate: only then can json.loads produce a string that is not valid UTF-8.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 

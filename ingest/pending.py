@@ -181,11 +181,6 @@ class PendingStore:
             raise RuntimeError(f"no interactions file came back for tenants {sorted(self._reserved)}")
         self.unwritten = {}
 
-    def stored_interactions(self, rows: list[InteractionRow], paths: list[Path]) -> None:
-        """Indexes rows already durable in `paths`."""
-        self.writing_interactions(rows)
-        self.interactions_written(paths)
-
     def stored_trajectories(self, keys: list[Key]) -> None:
         self.trajectories.add_many(keys)
         for key in keys:
