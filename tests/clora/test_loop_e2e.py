@@ -43,7 +43,10 @@ def test_demo_runs_the_whole_loop_and_every_tenant_improves(tmp_path, tiny_model
     config.write_text(f'data_dir = "{tmp_path / "data"}"\n[model]\npath = "{tiny_model}"\n')
     proc = clora("demo", "--config", str(config), "--minutes", "2.5", "--tenants", "digits,upper",
                  "--out", str(tmp_path / "demo.png"), cwd=tmp_path)
-    out, _ = proc.communicate(timeout=900)
+    try:
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        stop(proc)
     assert proc.returncode == 0, out[-6000:]
     assert "every tenant improved" in out
 
@@ -107,33 +110,57 @@ learning_rate = 1e-3
     key = {"Authorization": "Bearer sk-acme-0000"}
     body = {"model": "acme", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
+    newest = []
     for round_ in range(2):
         up = clora("up", "--config", str(config), cwd=tmp_path)
-        wait_healthy(url, up)
-        children = psutil.Process(up.pid).children(recursive=True)
-        assert len(children) >= 4  # broker, serving (+ its engine), ingest, learner
-        for i in range(6):
-            r = httpx.post(url + "/v1/chat/completions", json=body, headers=key, timeout=60)
-            assert r.status_code == 200, r.text
-            fb = httpx.post(url + "/v1/feedback", json={"id": r.json()["id"], "score": (i % 3) / 2}, headers=key)
-            assert fb.status_code == 202, fb.text
-        if round_ == 0:  # let ingest and the learner see the traffic: a version gets published
-            deadline = time.monotonic() + 120
-            while Registry(data).latest_published("acme") is None and time.monotonic() < deadline:
-                time.sleep(1)
-            assert Registry(data).latest_published("acme") is not None
-            first = Registry(data).latest_published("acme").number
-        up.send_signal(signal.SIGINT)
-        out, _ = up.communicate(timeout=240)
-        assert up.returncode == 0, out[-4000:]
-        gone, alive = psutil.wait_procs(children, timeout=10)
-        assert not alive, [p.pid for p in alive]
-        assert "stopping serving" in out and "broker stopped" in out
-        # no half-written file: every Parquet file is complete and readable, no temporary names left behind
-        leftovers = [p for p in data.rglob("*") if p.is_file() and p.name.startswith(storage_files.TMP_PREFIX)
-                     and "locks" not in p.parts]
-        assert not leftovers, leftovers
-        (row,) = query(data, "select count(*) as n from interactions where tenant = 'acme'").to_pylist()
-        assert row["n"] == 6 * (round_ + 1)  # nothing acknowledged was lost across the stop
-    # the second run resumed: it served and kept the first run's adapters
-    assert Registry(data).latest_published("acme").number >= first
+        try:
+            newest.append(run_round(up, round_, url, key, body, data))
+        finally:
+            stop(up)
+    # the second run resumed from the first: its adapters and cursors were kept
+    assert newest[1] >= newest[0]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stops a `clora up` that a failed assertion left running (its children follow it)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.wait()
+
+
+def run_round(up, round_, url, key, body, data) -> int:
+    """One `clora up` life: healthy, traffic with feedback, a published version, Ctrl-C, checks; returns the
+    newest published version number."""
+    wait_healthy(url, up)
+    children = psutil.Process(up.pid).children(recursive=True)
+    assert len(children) >= 4  # broker, serving (+ its engine), ingest, learner
+    for i in range(6):
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers=key, timeout=60)
+        assert r.status_code == 200, r.text
+        fb = httpx.post(url + "/v1/feedback", json={"id": r.json()["id"], "score": (i % 3) / 2}, headers=key)
+        assert fb.status_code == 202, fb.text
+    # let ingest and the learner see the traffic: a version gets published
+    deadline = time.monotonic() + 120
+    while Registry(data).latest_published("acme") is None and time.monotonic() < deadline:
+        time.sleep(1)
+    assert Registry(data).latest_published("acme") is not None
+    newest = Registry(data).latest_published("acme").number
+    up.send_signal(signal.SIGINT)
+    out, _ = up.communicate(timeout=240)
+    assert up.returncode == 0, out[-4000:]
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, [p.pid for p in alive]
+    assert "stopping serving" in out and "broker stopped" in out
+    # no half-written file: every Parquet file is complete and readable, no temporary names left behind
+    leftovers = [p for p in data.rglob("*") if p.is_file() and p.name.startswith(storage_files.TMP_PREFIX)
+                 and "locks" not in p.parts]
+    assert not leftovers, leftovers
+    (row,) = query(data, "select count(*) as n from interactions where tenant = 'acme'").to_pylist()
+    assert row["n"] == 6 * (round_ + 1)  # nothing acknowledged was lost across the stop
+    return newest
