@@ -40,6 +40,12 @@ Tenants: the config's tenants plus any tenant that has trajectories in storage (
 on the fly; those get the config's defaults). Both are looked at on every pass, and the config file is
 re-read every few seconds when the caller passes `reload`, so new tenants need no restart. A tenant's
 adapter is only created when it first has work.
+
+Overlap (rollouts tenants, serving sampler): every ready tenant's next batch is being sampled in the
+serving engine while the learner trains another tenant (`prefetch`), and with `learner.sample_ahead` a
+prompts-file tenant's step k+1 is sampled while its own step k trains (see `_start_prefetch`). Each
+step's `StepRecord` says where its time went (`timings`, phases in `PHASES`) and how many versions its
+oldest sample was behind (`staleness`); `run(on_step=...)` hands every record to the caller.
 """
 
 from __future__ import annotations
@@ -420,8 +426,9 @@ class Learner:
         if job is not None:
             plan, samples, seconds = job.plan, job.samples, job.seconds
             if rt.spec.prompts_file is not None:
-                # The job may have been planned before the previous step committed (sample-ahead): the
-                # trajectory ids it consumes are read now, so no id is committed by two steps.
+                # Jobs of prompts-file tenants are planned without reading storage (and, with sample-ahead,
+                # before the previous step committed): the trajectory ids the step consumes are read now, so
+                # no id is committed by two steps.
                 plan = RolloutPlan(prompts=plan.prompts, consumed_ids=self._consumed_ids(rt))
             self._start_prefetch(rt, ahead=True)
         else:
@@ -496,7 +503,7 @@ class Learner:
         try:
             self._scorer(rt)  # no sampling for a tenant whose step would fail anyway
             step = rt.step + (2 if ahead else 1)
-            plan = self._file_plan(rt, step) if ahead else self._plan(rt)
+            plan = self._file_plan(rt, step) if rt.spec.prompts_file is not None else self._plan(rt)
             if plan is not None and plan.prompts:
                 self.prefetcher.start(rt.spec.name, plan, self._requests(rt, plan), step=step)
         except Exception:  # planning reads storage; the next step plans again and reports the error

@@ -8,7 +8,8 @@ A step for a tenant:
          `model=<tenant>`, `n=G`, the tenant's api key, through the serving tier's OpenAI-compatible API,
          so the tenant's newest published adapter samples and every tenant's rollouts batch together in
          the one engine. Requests for all rollouts tenants are in flight at once (`Prefetcher`): while the
-         learner trains tenant A, tenants B, C, ... are being sampled. Requests carry
+         learner trains tenant A, tenants B, C, ... are being sampled; with `learner.sample_ahead`, A's
+         next batch too (loop.py). Requests carry
          `metadata: {"source": "rollout"}` so the interactions the serving tier logs can be told apart;
        - `LocalSampler` (`"local"`): the learner's own model (`Policy.generate`); no serving tier needed,
          exactly on-policy, but sampling then takes the learner's time;
@@ -36,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -228,33 +230,49 @@ def interaction_id(response_id: str | None, index: int, n: int) -> str | None:
     return response_id if n == 1 else f"{response_id}-{index}"
 
 
+@dataclass(frozen=True)
+class SampledBatch:
+    """A finished sampling job: what it sampled, for which step, and how long the sampler took."""
+
+    plan: RolloutPlan
+    samples: list[list[Sample]]
+    step: int  # the tenant's step the job was planned for
+    seconds: float  # from the job's start to its last completion
+
+
 class Prefetcher:
     """At most one sampling job in flight per tenant, run in background threads (serving sampler only)."""
 
     def __init__(self, sampler: Sampler, workers: int = 8):
         self.sampler = sampler
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout-prefetch")
-        self._jobs: dict[str, tuple[RolloutPlan, Future]] = {}
+        self._jobs: dict[str, tuple[RolloutPlan, int, Future]] = {}
 
     def pending(self, tenant: str) -> bool:
         return tenant in self._jobs
 
-    def start(self, tenant: str, plan: RolloutPlan, requests: Sequence[SampleRequest]) -> None:
+    def start(self, tenant: str, plan: RolloutPlan, requests: Sequence[SampleRequest], *, step: int = 0) -> None:
         if tenant not in self._jobs:
-            self._jobs[tenant] = (plan, self._pool.submit(self.sampler.sample, list(requests)))
+            self._jobs[tenant] = (plan, step, self._pool.submit(self._timed, list(requests)))
 
-    def take(self, tenant: str) -> tuple[RolloutPlan, list[list[Sample]]] | None:
+    def _timed(self, requests: list[SampleRequest]) -> tuple[list[list[Sample]], float]:
+        started = time.perf_counter()
+        samples = self.sampler.sample(requests)
+        return samples, time.perf_counter() - started
+
+    def take(self, tenant: str) -> SampledBatch | None:
         """The tenant's finished job (waiting for it), or None if none was started; re-raises its error."""
         job = self._jobs.pop(tenant, None)
         if job is None:
             return None
-        plan, future = job
-        return plan, future.result()
+        plan, step, future = job
+        samples, seconds = future.result()
+        return SampledBatch(plan=plan, samples=samples, step=step, seconds=seconds)
 
     def discard(self, tenant: str) -> None:
         job = self._jobs.pop(tenant, None)
         if job is not None:
-            job[1].cancel()
+            job[2].cancel()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -271,6 +289,7 @@ class RolloutStep:
     rewards: tuple[float, ...]
     n_samples: int  # samples trained on (after dropping failed scores and stale versions)
     n_dropped: int
+    score_seconds: float = 0.0  # time spent in the scorer
 
 
 def score_samples(scorer: Callable[[str, str], float], prompt: str, samples: Sequence[Sample]) -> list[float]:
@@ -311,8 +330,11 @@ def train_step(
     """Scores the groups, computes GRPO advantages and makes one update (see the module note)."""
     prompt_ids, completion_ids, rewards, groups = [], [], [], []
     dropped = 0
+    score_seconds = 0.0
     for g, (prompt, group) in enumerate(zip(prompts, samples)):
+        started = time.perf_counter()
         scores = score_samples(scorer, prompt, group)
+        score_seconds += time.perf_counter() - started
         p_ids = policy.tokenizer(prompt, add_special_tokens=False).input_ids
         for sample, reward in zip(group, scores):
             if math.isnan(reward) or stale_reason(sample.version, tenant, current_version, max_staleness):
@@ -327,12 +349,14 @@ def train_step(
             rewards.append(reward)
             groups.append(g)
     if not rewards:
-        return RolloutStep(update=None, reward_mean=math.nan, rewards=(), n_samples=0, n_dropped=dropped)
+        return RolloutStep(update=None, reward_mean=math.nan, rewards=(), n_samples=0, n_dropped=dropped,
+                           score_seconds=score_seconds)
     reward_t = torch.tensor(rewards, dtype=torch.float64)
     advantages = maths.grpo_advantages(reward_t, torch.tensor(groups, dtype=torch.long))
     reward_mean = float(reward_t.mean())
     if not bool(advantages.abs().gt(0).any()):
-        return RolloutStep(update=None, reward_mean=reward_mean, rewards=tuple(rewards), n_samples=len(rewards), n_dropped=dropped)
+        return RolloutStep(update=None, reward_mean=reward_mean, rewards=tuple(rewards), n_samples=len(rewards),
+                           n_dropped=dropped, score_seconds=score_seconds)
     batch = pack(prompt_ids, completion_ids, pad_id=policy.pad_token_id, max_len=max_len)
     result = pg_update(
         policy,
@@ -344,4 +368,5 @@ def train_step(
         kl_coef=kl_coef,
         max_grad_norm=max_grad_norm,
     )
-    return RolloutStep(update=result, reward_mean=reward_mean, rewards=tuple(rewards), n_samples=len(rewards), n_dropped=dropped)
+    return RolloutStep(update=result, reward_mean=reward_mean, rewards=tuple(rewards), n_samples=len(rewards),
+                       n_dropped=dropped, score_seconds=score_seconds)

@@ -290,3 +290,59 @@ def test_rollouts_mode_takes_prompts_from_production_and_skips_logged_rollouts(t
     assert_each_id_once(data_dir, "lab", {"p0", "p1", "r0", "r1", "r2"})
     row = read_dataset(data_dir, "train_steps").to_pylist()[0]
     assert row["n_trajectories"] == 8  # 2 production prompts x 4 completions; logged rollouts are no prompts
+
+
+class FakeServingSampler:
+    """Stands in for the HTTP sampler (background, so the loop goes through its Prefetcher): canned
+    completions of varied length, labelled like the serving tier labels them (the base model: None)."""
+
+    background = True
+    TEXTS = ("a", "four", "some longer text here", "twelve chars", "x" * 30, "mid length")
+
+    def __init__(self):
+        self.calls = 0
+
+    def sample(self, requests):
+        from learner.types import Sample
+
+        self.calls += 1
+        return [[Sample(text=self.TEXTS[(i + j) % len(self.TEXTS)], token_ids=None, finished=True, version=None,
+                        interaction_id=f"call{self.calls}-{i}-{j}") for j in range(r.n)] for i, r in enumerate(requests)]
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_sample_ahead_issues_the_next_batch_before_the_current_step_commits(tiny_model, data_dir, tmp_path, ahead):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\nthree\nfour\n")
+    write(data_dir, "lab", rows("r", 5, metadata={"source": "rollout"}), "b0")  # rollouts that came back via ingest
+    cfg = make_config(
+        data_dir, tiny_model,
+        [{"name": "lab", "mode": "rollouts", "scorer": "length:12", "prompts_file": str(prompts), "batch_size": 4,
+          "group_size": 2, "learning_rate": 1e-2}],
+        max_new_tokens=8, gate_max_kl=50.0, sample_ahead=ahead,
+    )
+    learner = Learner(cfg, model_path=tiny_model, sampler=FakeServingSampler(), progress=False)
+    issued = []  # (step the batch is for, last committed step when it was issued)
+    start = learner.prefetcher.start
+
+    def recording_start(tenant, plan, requests, *, step=0):
+        issued.append((step, learner.tenants[tenant].step))
+        start(tenant, plan, requests, step=step)
+
+    learner.prefetcher.start = recording_start
+    records = []
+    run(cfg, model_path=tiny_model, learner=learner, max_steps=3, progress=False, on_step=records.append)
+
+    if ahead:  # step k+1's batch is issued while step k trains (before its commit)
+        assert issued == [(1, 0), (2, 0), (3, 1), (4, 2)]
+    else:
+        assert issued == [(1, 0), (2, 1), (3, 2), (4, 3)]
+    assert [r.step for r in records] == [1, 2, 3]
+    assert_each_id_once(data_dir, "lab", {f"r{i}" for i in range(5)})  # read when a step collects, once
+    for r in records:
+        assert set(r.timings) == {"wait", "score", "train", "probe", "publish", "other", "total", "sampling"}
+        assert sum(r.timings[k] for k in ("wait", "score", "train", "probe", "publish", "other")) == pytest.approx(
+            r.timings["total"], abs=1e-6)
+        assert len(r.rewards) == r.row["n_trajectories"] == 4
+        parent = int(r.row["version"].rsplit("@", 1)[1]) if r.row["version"] else 0
+        assert r.staleness == parent  # every sample came from the base model (version 0)

@@ -1,0 +1,119 @@
+"""`clora bench experiments` (learner/bench_experiments.py) in a tiny configuration: it proves the benchmark
+runs end to end (real broker, serving and learner processes) and that its numbers hang together; it does
+not time anything. Also: the config it writes is a valid clora.toml, and its arithmetic (sums, ratios,
+the paired reward test, percentiles) on records worked out by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from clora.cli import main
+from clora.config import load_config
+from learner.bench_experiments import compare, experiments, percentile, t_quantile_975, write_config
+
+pytestmark = pytest.mark.integration
+
+
+def test_the_benchmark_runs_end_to_end_with_two_experiments(tiny_model, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["bench", "experiments", "--n", "2", "--steps", "2", "--alone", "1", "--gate-prompts", "1",
+                 "--model", str(tiny_model), "--out", str(out)])
+    assert code == 0
+    result = json.loads((out / "experiments.json").read_text())
+    (row,) = result["rows"]
+    assert row["n"] == 2 and row["alone_measured"] == 1 and not row["errors"]
+
+    # (a): one stack trained both experiments, each for exactly the asked steps, in turn
+    concurrent = result["runs"]["concurrent"]["2"]
+    steps = concurrent["timeline"]["steps"]
+    assert sorted((s["tenant"], s["step"]) for s in steps) == [("exp-0", 1), ("exp-0", 2), ("exp-1", 1), ("exp-1", 2)]
+    assert all(len(s["rewards"]) == 8 and s["staleness"] is not None for s in steps)
+    # the serving tier hot-swapped the learner's published versions
+    assert sum(m.get("swaps", 0) for m in concurrent["serving_metrics"].values()) >= 1
+    # (b): experiment 0 alone in its own stack; experiment 1's alone time is estimated by the mean
+    alone = result["runs"]["alone"]["0"]
+    assert alone["experiments"] == ["exp-0"]
+    assert [s["step"] for s in alone["timeline"]["steps"]] == [1, 2]
+    alone_run = alone["timeline"]["steps"][-1]["t"] - alone["timeline"]["ready"]
+    startups = [r["timeline"]["ready"] - r["spawned"] for r in (alone, concurrent)]
+    assert result["startup_median"] == pytest.approx(sum(startups) / 2)  # the median of two starts
+    assert row["startup_b"] == pytest.approx(2 * result["startup_median"])
+    assert row["wall_b"] == pytest.approx(2 * alone_run + row["startup_b"])  # experiment 1 at experiment 0's run
+    assert row["wall_b_measured"] == pytest.approx(2 * (alone_run + startups[0]))
+    assert row["ratio"] == pytest.approx(row["wall_b"] / row["wall_a"])
+    assert row["wall_a"] == pytest.approx(max(s["t"] for s in steps) - concurrent["timeline"]["ready"])
+    assert row["startup_a"] == pytest.approx(startups[1]) and row["startup_a"] > 0
+    assert row["latency_mean_a"] > 0 and row["first_step_a"] > 0
+    rewards = {e["name"]: e for e in row["experiments"]}
+    assert set(rewards) == {"exp-0", "exp-1"}
+    assert all(0.0 <= e["final_a"] <= 1.0 for e in rewards.values())
+    assert 0.0 <= rewards["exp-0"]["final_b"] <= 1.0 and math.isnan(rewards["exp-1"]["final_b"])
+
+    assert (out / "experiments.png").stat().st_size > 0
+    markdown = (out / "experiments.md").read_text()
+    assert "| 2 |" in markdown and result["machine"] in markdown
+    printed = capsys.readouterr().out
+    assert "ratio (b)/(a)" in printed and "Where a step's time goes" in printed
+
+
+def test_the_stack_config_is_a_valid_clora_toml(tmp_path):
+    group = experiments(3)
+    settings = {"model": tmp_path / "model", "dtype": "float32", "device": "cpu", "threads": 1, "max_loras": None,
+                "kv_cache_gib": 0.5,
+                "max_num_seqs": 64, "steps": 2, "batch_size": 8, "group_size": 4, "max_tokens": 16,
+                "learning_rate": 1e-2, "rank": 8, "gate_prompts": 2, "sample_ahead": True,
+                "prompts_file": tmp_path / "prompts.txt"}
+    path = write_config(tmp_path / "clora.toml", group, settings, data_dir=tmp_path / "data", bootstrap="127.0.0.1:1",
+                        port=8123)
+    cfg = load_config(path, environ={})
+    assert [t.name for t in cfg.tenants] == ["exp-0", "exp-1", "exp-2"]
+    assert [t.scorer for t in cfg.tenants] == [e.scorer for e in group]
+    assert all(t.mode == "rollouts" and t.prompts_file == Path(settings["prompts_file"]) for t in cfg.tenants)
+    assert cfg.serving.max_loras == 4 and cfg.serving.dtype == "float32" and cfg.serving.port == 8123
+    assert cfg.learner.sample_ahead is True and cfg.learner.device == "cpu" and cfg.learner.max_new_tokens == 16
+    assert cfg.serving.max_loras == 4  # experiments + 1 unless --max-loras sets one shape for every stack
+    settings["max_loras"] = 9
+    path = write_config(tmp_path / "clora.toml", group, settings, data_dir=tmp_path / "data", bootstrap="127.0.0.1:1",
+                        port=8123)
+    assert load_config(path, environ={}).serving.max_loras == 9
+
+
+def record(names, *, spawned, ready, step_times, rewards):
+    """A run record as `run_stack` returns it: step k of every tenant at ready + step_times[k-1], with the
+    tenant's `rewards[name][k-1]` as its samples' rewards."""
+    steps = [{"tenant": name, "step": k + 1, "t": ready + t, "rewards": rewards[name][k],
+              "timings": {"wait": 0.0, "train": 0.5, "total": 0.6}, "staleness": 1}
+             for name in names for k, t in enumerate(step_times)]
+    return {"experiments": names, "objectives": {n: "digits" for n in names}, "spawned": spawned,
+            "serving_ready": spawned + 20.0, "learner_spawned": spawned + 20.0, "stopped": ready + step_times[-1] + 5,
+            "timeline": {"ready": ready, "steps": steps, "errors": {}}, "serving_metrics": {}}
+
+
+def test_compare_sums_the_alone_runs_and_tests_rewards_paired_over_experiments():
+    rewards = {"exp-0": [[0.0, 0.2], [0.4, 0.6]], "exp-1": [[0.1, 0.1], [0.3, 0.5]]}
+    concurrent = record(["exp-0", "exp-1"], spawned=0.0, ready=30.0, step_times=[2.0, 4.0], rewards=rewards)
+    alone = [
+        record(["exp-0"], spawned=100.0, ready=125.0, step_times=[1.0, 2.0], rewards={"exp-0": [[0.0], [0.2, 0.4]]}),
+        record(["exp-1"], spawned=200.0, ready=225.0, step_times=[1.0, 3.0], rewards={"exp-1": [[0.0], [0.4, 0.4]]}),
+    ]
+    row = compare(2, concurrent, alone, steps=2, window=1, startup=25.0)
+    assert row["wall_a"] == pytest.approx(4.0)  # loop start to the last step
+    assert row["wall_b"] == pytest.approx((2.0 + 3.0) + 2 * 25.0)  # runs + the median start-up each
+    assert row["wall_b_measured"] == pytest.approx(27.0 + 28.0)  # spawn to last step, as measured
+    assert row["ratio"] == pytest.approx(55.0 / 4.0) and row["ratio_without_startup"] == pytest.approx(5.0 / 4.0)
+    assert row["latency_mean_a"] == pytest.approx(2.0) and row["first_step_a"] == pytest.approx(2.0)
+    # final rewards (last step): a = 0.5, 0.4; b = 0.3, 0.4 -> differences 0.2, 0.0
+    assert row["reward_diff_mean"] == pytest.approx(0.1)
+    assert row["reward_diff_noise"] == pytest.approx(12.706 * 0.2 / math.sqrt(2) / math.sqrt(2))  # t(1) sd/sqrt(n)
+    assert t_quantile_975(7) == 2.365 and t_quantile_975(12) == 2.228 and t_quantile_975(1000) == 1.96
+
+
+def test_percentile_interpolates_between_ranks():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([5.0, 1.0, 3.0], 90) == pytest.approx(4.6)
+    assert percentile([7.0], 90) == 7.0
+    assert math.isnan(percentile([], 90))
