@@ -78,8 +78,10 @@ def setup_logging(level: str = "INFO") -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    # kafka-python narrates every connection at INFO; its warnings and errors still show.
-    logging.getLogger("kafka").setLevel(max(logging.WARNING, logging.getLogger().level))
+    # kafka-python narrates every connection and the HTTP clients every request at INFO; their warnings and
+    # errors still show.
+    for noisy in ("kafka", "httpx", "httpx2", "httpcore", "openai"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
