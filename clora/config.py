@@ -129,7 +129,12 @@ class LearnerConfig(_Strict):
     clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip range.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the base model (0: off).")
     scale_advantages: bool = Field(
-        True, description="logs mode: divide each batch's advantages by their std (small or sparse rewards still learn)."
+        True, description="logs mode: divide each batch's advantages by the std of its rewards (small or sparse rewards still learn)."
+    )
+    skip_flat_batches: bool = Field(
+        True,
+        description="logs mode: a batch of 2+ trajectories with all rewards equal trains nothing (only the baseline);"
+        " its advantages are noise an Adam step would turn into a full-size random step.",
     )
     max_staleness: int = Field(
         4, ge=0, description="Trajectories from adapter versions this many behind the current one are dropped."

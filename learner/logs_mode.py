@@ -8,9 +8,10 @@ A step takes the tenant's oldest untrained trajectories (storage.cursors), and:
      `completion_logprobs` when they are present, finite and as many as the completion tokens, else none;
   3. advantages: reward minus baseline, where the baseline is the mean reward of the other completions
      of the same prompt in the batch when there are some, else the tenant's running mean reward
-     (maths.baseline_advantages), then divided by the batch's std of advantages when
+     (maths.baseline_advantages), then divided by the std of the batch's rewards when
      `learner.scale_advantages` is on (the default): production rewards are often small and sparse (a
-     digit fraction of 0.002, one thumbs-up in twenty), and unscaled they barely move the adapter;
+     digit fraction of 0.002, one thumbs-up in twenty), and unscaled they barely move the adapter; a
+     batch whose rewards are all equal is left unscaled (its advantages are only baseline noise);
   4. one clipped importance-weighted policy-gradient update (update.py) with ratio pi / pi_behaviour per
      token (the current policy's detached log-probs where the behaviour ones are missing: ratio 1), and
      the optional KL penalty to the base model (`learner.kl_coef`).
@@ -24,6 +25,14 @@ conservative count). Completions made by another tenant's adapter are dropped as
 are still committed with the step (so they are never looked at again) and counted in the version's
 metrics as `n_dropped`.
 
+Flat batches: a batch of two or more trajectories whose rewards are all equal (twenty answers without a
+single digit, when the user wants digits) tells better from worse nowhere. Its advantages are only
+baseline noise (0 - 0.002 everywhere), and an Adam step normalises any gradient to a full-size step, so
+training on it would move the adapter by lr in a random direction each time: with sparse rewards the
+adapter drifts far from the base (and its exploration with it) before the first useful batch arrives.
+With `learner.skip_flat_batches` (the default) such a batch trains nothing: only the tenant's running
+mean reward takes it in, its ids are committed, and no version is made (decision "skipped").
+
 Deliberately not here: which rows are untrained (storage.cursors), when the result is published (gate.py,
 loop.py), the update maths (maths.py, update.py).
 """
@@ -33,6 +42,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -87,7 +97,7 @@ def select_fresh(rows: pa.Table, tenant: str, current: int, max_staleness: int) 
             keep.append(i)
         else:
             dropped[tid] = reason
-    return Selection(kept=rows.take(keep), dropped=dropped)
+    return Selection(kept=rows.take(pa.array(keep, type=pa.int64())), dropped=dropped)  # typed: [] may be empty
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -143,6 +153,22 @@ def to_examples(rows: pa.Table, tokenizer) -> tuple[list[Example], dict[str, str
 # The step
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Flat batches
+
+FLAT_TOLERANCE = 1e-12
+
+
+def is_flat(rewards: Sequence[float]) -> bool:
+    """Whether a batch of two or more rewards holds no contrast: every reward equal (and finite)."""
+    return len(rewards) >= 2 and all(math.isfinite(r) for r in rewards) and max(rewards) - min(rewards) <= FLAT_TOLERANCE
+
+
+def baseline_after(baseline: float | None, rewards: Sequence[float]) -> float:
+    """The tenant's running mean reward after a batch with `rewards` (maths.running_mean)."""
+    return maths.running_mean(baseline, torch.tensor(list(rewards), dtype=torch.float64))
+
+
 @dataclass(frozen=True)
 class LogsStep:
     update: UpdateResult
@@ -168,7 +194,7 @@ def train_step(
     start = maths.running_mean(None, rewards) if baseline is None else baseline
     advantages = maths.baseline_advantages(rewards, maths.group_ids([e.group for e in examples]), start)
     if scale_advantages:
-        advantages = maths.scale_by_std(advantages)
+        advantages = maths.scale_by_std(advantages, rewards)
     batch = pack(
         [e.prompt_ids for e in examples], [e.completion_ids for e in examples], pad_id=policy.pad_token_id, max_len=max_len
     )

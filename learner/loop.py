@@ -531,10 +531,14 @@ class Learner:
         if work.logs is not None:
             if not work.logs:
                 return _Trained(None, (), math.nan, 0, work.dropped, rt.baseline)
+            rewards = tuple(e.reward for e in work.logs)
+            if self.settings.skip_flat_batches and logs_mode.is_flat(rewards):
+                # nothing to tell better from worse: only the baseline learns (see logs_mode's note)
+                baseline = logs_mode.baseline_after(rt.baseline, rewards)
+                return _Trained(None, rewards, sum(rewards) / len(rewards), 0, work.dropped, baseline)
             step = logs_mode.train_step(
                 self.policy, name, work.logs, baseline=rt.baseline, scale_advantages=self.settings.scale_advantages, **common
             )
-            rewards = tuple(e.reward for e in work.logs)
             return _Trained(step.update, rewards, step.reward_mean, len(work.logs), work.dropped, step.baseline)
         if not work.plan.prompts:
             return _Trained(None, (), math.nan, 0, 0, rt.baseline)

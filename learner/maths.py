@@ -61,13 +61,18 @@ def grpo_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tenso
     return torch.where(size >= 2, (rewards - mean) / (std + eps), torch.zeros_like(rewards))
 
 
-def scale_by_std(advantages: Tensor, eps: float = 1e-6) -> Tensor:
-    """advantages / (their sample std + eps), not re-centred. Production rewards are often small and sparse
-    (a digit fraction of 0.002, one thumbs-up in twenty): scaling keeps the step size independent of the
-    reward's units. A batch with fewer than two values, or all advantages equal, is returned unchanged."""
-    if advantages.numel() < 2:
+def scale_by_std(advantages: Tensor, rewards: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """advantages / (the sample std of `rewards` + eps), not re-centred (`rewards` defaults to the advantages
+    themselves). Production rewards are often small and sparse (a digit fraction of 0.002, one thumbs-up in
+    twenty): scaling keeps the step size independent of the reward's units. Scaling by the spread of the
+    rewards, not of the advantages, matters when every reward in a batch is equal: the advantages are then
+    only baseline noise (0 - 0.002 here, 0 there), and dividing them by their own tiny std would turn that
+    noise into full-size steps. A batch with fewer than two values, or all rewards equal, is returned
+    unchanged."""
+    spread = advantages if rewards is None else rewards
+    if spread.numel() < 2:
         return advantages
-    std = advantages.std()
+    std = spread.std()
     if not torch.isfinite(std) or std <= eps:
         return advantages
     return advantages / (std + eps)

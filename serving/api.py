@@ -203,6 +203,7 @@ class Api:
                     completion_token_ids=list(c.token_ids),
                     completion_logprobs=[lp.logprob for lp in c.logprobs],
                     metadata={
+                        **(call.body.metadata or {}),  # the caller's tags; clora's own keys below win
                         "endpoint": call.endpoint,
                         "model": call.body.model,
                         "served_by": call.lease.label,

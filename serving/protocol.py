@@ -23,6 +23,9 @@ from serving.errors import BadRequest
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+MAX_METADATA_KEYS = 16  # OpenAI's limits on a request's `metadata`
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 
 
 class _Request(BaseModel):
@@ -38,6 +41,21 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     user: str | None = None
+    metadata: dict[str, str] | None = None  # the caller's tags, kept on the interaction event (see README)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_METADATA_KEYS:
+            raise ValueError(f"at most {MAX_METADATA_KEYS} metadata keys, got {len(v)}")
+        for key, value in v.items():
+            if not key or len(key) > MAX_METADATA_KEY_CHARS:
+                raise ValueError(f"metadata keys must be 1 to {MAX_METADATA_KEY_CHARS} characters, got {key!r}")
+            if len(value) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(f"metadata[{key!r}] is longer than {MAX_METADATA_VALUE_CHARS} characters")
+        return v
 
     @field_validator("stop")
     @classmethod

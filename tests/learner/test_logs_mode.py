@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
-from learner.logs_mode import select_fresh, stale_reason, to_examples, version_number
+from learner.logs_mode import baseline_after, is_flat, select_fresh, stale_reason, to_examples, version_number
 
 from learner_support import chat_prompt, trajectories
 
@@ -32,6 +33,14 @@ def test_staleness_is_counted_in_version_numbers():
     assert "foreign adapter 'beta@3'" in stale_reason("beta@3", "acme", 10, 4)
 
 
+def test_a_flat_batch_is_two_or_more_equal_finite_rewards():
+    assert is_flat([0.0, 0.0, 0.0]) and is_flat([1.0, 1.0])
+    assert not is_flat([0.0]) and not is_flat([]) and not is_flat([0.0, 0.05])
+    assert not is_flat([math.nan, math.nan])  # a poisoned batch goes to the gate, not around it
+    assert baseline_after(None, [0.0, 0.0]) == 0.0
+    assert baseline_after(0.5, [0.0, 0.0]) == pytest.approx(0.45)  # 0.9 * 0.5 + 0.1 * 0
+
+
 def test_select_fresh_keeps_order_and_names_every_drop():
     rows = trajectories(
         "acme",
@@ -45,6 +54,9 @@ def test_select_fresh_keeps_order_and_names_every_drop():
     sel = select_fresh(rows, "acme", current=10, max_staleness=4)
     assert sel.kept.column("id").to_pylist() == ["a", "d"]
     assert set(sel.dropped) == {"b", "c"}
+    # every row stale (the base model served them, the learner is far ahead): an empty table, not an error
+    none = select_fresh(rows, "acme", current=30, max_staleness=4)
+    assert none.kept.num_rows == 0 and none.kept.schema == rows.schema and len(none.dropped) == 4
 
 
 def test_rows_become_examples_with_token_ids_and_behaviour_logprobs_when_usable(tiny_model):

@@ -155,6 +155,37 @@ def test_stale_and_foreign_trajectories_are_dropped_but_committed(tiny_model, da
     assert Cursors(data_dir).backlog()["acme"] == 0
 
 
+def test_every_trajectory_stale_is_a_skipped_step_not_an_error(tiny_model, data_dir):
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], max_staleness=0)
+    learner = learn(cfg, tiny_model)  # -> acme@1
+    write(data_dir, "acme", rows("old", 6, adapter_version=None), "b1", start=100)
+    learn(cfg, tiny_model, learner=learner)
+    assert [v.number for v in Registry(data_dir).versions("acme")] == [1]
+    assert learner.tenants["acme"].error is None
+    assert_each_id_once(data_dir, "acme", {f"a{i}" for i in range(8)} | {f"old{i}" for i in range(6)})
+
+
+def test_a_flat_batch_trains_nothing_but_moves_the_baseline(tiny_model, data_dir):
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    learner = learn(cfg, tiny_model)  # -> acme@1
+    before = learner.tenants["acme"].baseline
+    write(data_dir, "acme", rows("zero", 8, reward=0.0), "b1", start=100)
+    learn(cfg, tiny_model, learner=learner)
+    assert [v.number for v in Registry(data_dir).versions("acme")] == [1]  # no version from a flat batch
+    assert learner.tenants["acme"].baseline == pytest.approx(0.9 * before)  # EMA with a batch mean of 0
+    assert_each_id_once(data_dir, "acme", {f"a{i}" for i in range(8)} | {f"zero{i}" for i in range(8)})
+    flat_row = max(read_dataset(data_dir, "train_steps").to_pylist(), key=lambda r: r["step"])
+    assert (flat_row["reward_mean"], flat_row["n_trajectories"], flat_row["loss"]) == (0.0, 0, None)
+
+    # switched off, the same batch is trained (the running mean as baseline gives every row an advantage)
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], skip_flat_batches=False)
+    write(data_dir, "acme", rows("zero2-", 8, reward=0.0), "b2", start=200)
+    learn(cfg, tiny_model)  # a fresh learner with that config, resuming from storage
+    assert Registry(data_dir).latest_published("acme").number == 2
+
+
 def test_a_candidate_created_before_a_crash_is_abandoned_and_its_batch_retrained(tiny_model, data_dir, monkeypatch):
     write(data_dir, "acme", rows("a", 8), "b0")
     cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])

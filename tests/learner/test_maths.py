@@ -48,6 +48,17 @@ def test_scale_by_std_divides_by_the_sample_std_without_recentring():
     close(maths.scale_by_std(torch.tensor([2.0])), [2.0])
 
 
+def test_scale_by_std_of_the_rewards_leaves_an_all_equal_batch_unscaled():
+    # rewards 0, 0, 0, 0 against a running mean of 0.002 (singletons) or a group mean of 0 (the pair):
+    # advantages -0.002, -0.002, 0, 0 are baseline noise; their own std (0.0011547) would blow them up to
+    # -1.73, but the rewards' std is 0, so they stay as they are
+    advantages = torch.tensor([-0.002, -0.002, 0.0, 0.0])
+    close(maths.scale_by_std(advantages, torch.zeros(4)), [-0.002, -0.002, 0.0, 0.0])
+    # rewards 0.05, 0, 0, 0: sample std 0.025 -> advantages 0.048, -0.002, 0, 0 become 1.92, -0.08, 0, 0
+    close(maths.scale_by_std(torch.tensor([0.048, -0.002, 0.0, 0.0]), torch.tensor([0.05, 0.0, 0.0, 0.0])),
+          [1.92, -0.08, 0.0, 0.0], tol=1e-4)
+
+
 def test_running_mean_starts_at_batch_mean_then_moves_by_momentum():
     # first batch mean (0 + 1) / 2 = 0.5 ; next 0.9 * 0.5 + 0.1 * 1.0 = 0.55
     first = maths.running_mean(None, torch.tensor([0.0, 1.0]))

@@ -89,8 +89,12 @@ def test_models_logprobs_completions_and_feedback(server):
     assert len(content) == completion.usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in content)
 
-    text = client(server, "initech").completions.create(model="base", prompt="1 2 3", max_tokens=5, logprobs=1)
+    text = client(server, "initech").completions.create(model="base", prompt="1 2 3", max_tokens=5, logprobs=1,
+                                                         extra_body={"metadata": {"source": "rollout", "endpoint": "x"}})
     assert text.choices[0].finish_reason in ("stop", "length") and len(text.choices[0].logprobs.tokens) <= 5
+    # the caller's metadata travels with the interaction event; clora's own keys win over the caller's
+    [logged] = read_events(server.bootstrap, "clora.interactions", {text.id}).values()
+    assert logged["metadata"]["source"] == "rollout" and logged["metadata"]["endpoint"] == "completions"
 
     response = httpx.post(server.base_url + "/v1/feedback", json={"id": completion.id, "score": 0.75},
                           headers={"Authorization": f"Bearer {server.keys['initech']}"})
@@ -121,6 +125,12 @@ def test_refusals_use_the_openai_error_shape(server):
     with pytest.raises(openai.BadRequestError) as e:
         client(server, "initech").chat.completions.create(model="base", messages=[])
     assert "messages" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="metadata"):
+        client(server, "initech").chat.completions.create(
+            model="base", messages=MESSAGES, extra_body={"metadata": {f"k{i}": "v" for i in range(17)}})
+    with pytest.raises(openai.BadRequestError, match="metadata"):
+        client(server, "initech").chat.completions.create(
+            model="base", messages=MESSAGES, extra_body={"metadata": {"source": 3}})
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client(server, "initech").completions.create(model="base", prompt="word " * 400)
 
