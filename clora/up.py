@@ -44,7 +44,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 class ChildSpec:
     name: str
     argv: list[str]
-    healthy: Callable[[], bool]
+    healthy: Callable[[int], bool]  # given the child's pid
     start_timeout: float = 120.0
     stop_timeout: float = 60.0
     env: dict[str, str] = field(default_factory=dict)
@@ -88,7 +88,7 @@ class Child:
         while not stop.is_set():
             if not self.alive():
                 raise RuntimeError(f"{self.spec.name} exited with code {self.proc.returncode} while starting")
-            if self.spec.healthy():
+            if self.spec.healthy(self.proc.pid):
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.spec.name} was not healthy within {self.spec.start_timeout:.0f}s")
@@ -187,6 +187,8 @@ def stack_specs(cfg, config_path: str | None) -> tuple[list[ChildSpec], list[str
     import httpx
 
     from ingest.broker import port_in_use
+    from storage.files import ready_pid
+    from storage.layout import DataDir
 
     py = [sys.executable, "-m"]
     conf = ["--config", config_path] if config_path else []
@@ -196,34 +198,31 @@ def stack_specs(cfg, config_path: str | None) -> tuple[list[ChildSpec], list[str
             ChildSpec(
                 "broker",
                 [*py, "clora", "broker", *conf],
-                healthy=lambda: port_in_use(cfg.broker.host, cfg.broker.port),
+                healthy=lambda _pid: port_in_use(cfg.broker.host, cfg.broker.port),
                 start_timeout=30,
                 stop_timeout=10,
             )
         )
 
-    def serving_healthy() -> bool:
+    def serving_healthy(_pid: int) -> bool:
         try:
             return httpx.get(f"http://{cfg.serving.host}:{cfg.serving.port}/health", timeout=1).status_code == 200
         except httpx.HTTPError:
             return False
 
-    started: dict[str, float] = {}
+    state = DataDir(cfg.data_dir).state
 
-    def alive_for(name: str, seconds: float) -> Callable[[], bool]:
-        def check() -> bool:
-            started.setdefault(name, time.monotonic())
-            return time.monotonic() - started[name] >= seconds
-
-        return check
+    def marked_ready(name: str) -> Callable[[int], bool]:
+        """Healthy once this very process marked itself ready (learner: model loaded; ingest: in its group)."""
+        return lambda pid: ready_pid(state, name) == pid
 
     specs.append(ChildSpec("serving", [*py, "serving", *conf], healthy=serving_healthy, start_timeout=300))
-    specs.append(ChildSpec("ingest", [*py, "ingest", "--drain-on-stop", *conf], healthy=alive_for("ingest", 3)))
+    specs.append(ChildSpec("ingest", [*py, "ingest", "--drain-on-stop", *conf], healthy=marked_ready("ingest")))
     # On one machine the CPU engine binds its threads to its own cores; the learner's torch gets half of them
     # so the two do not fight over the same cores (an explicit OMP_NUM_THREADS wins).
     learner_env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
-    specs.append(ChildSpec("learner", [*py, "learner", *conf], healthy=alive_for("learner", 3), stop_timeout=120,
-                           env=learner_env))
+    specs.append(ChildSpec("learner", [*py, "learner", *conf], healthy=marked_ready("learner"),
+                           start_timeout=600, stop_timeout=120, env=learner_env))
     return specs, ["serving", "learner", "ingest", "broker"]
 
 

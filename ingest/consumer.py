@@ -56,16 +56,20 @@ from kafka.errors import CommitFailedError, KafkaError
 from kafka.producer.future import FutureRecordMetadata
 from kafka.structs import OffsetAndMetadata
 
-from ingest.batch import Output, Processor, Record
+from ingest.batch import Output, Processor, Record, Rejected
 from ingest.events import utc_now
 from ingest.metrics import IngestMetrics
 from ingest.pending import PendingStore
-from ingest.rows import Coords, DeadLetterRow, FeedbackRow, InteractionRow, TrajectoryRow, epoch_ms, to_table
+from ingest.rows import DeadLetterRow, FeedbackRow, InteractionRow, TrajectoryRow, epoch_ms, to_table
+from storage.files import mark_ready
+from storage.layout import as_datadir
 from storage.parquet import write_dataset
 
 logger = logging.getLogger(__name__)
 
 POLL_MS = 500
+DEAD_LETTER_ATTEMPTS = 3  # sends of a dead letter the broker did not acknowledge, in all
+DEAD_LETTER_BACKOFF_SECONDS = 0.5  # times the attempt number, between attempts
 WRITING_POLL_MS = 10  # while a write is in flight: poll briefly, so its commit follows it closely
 WRITER_THREADS = 3  # the two large datasets (interactions, trajectories) at once, and the small ones
 EXPIRE_EVERY_S = 60.0  # how often pending feedback is checked for expiry (a pass over all of it)
@@ -369,44 +373,45 @@ class Ingest:
         self.metrics.flushed(write.messages, write.batch.out, self.last_flush_at - write.started, len(store.pending))
 
     def _dead_letters(self, out: Output) -> None:
-        """On a writer thread: sends the batch's dead letters and waits for the broker's answers."""
-        self._await_dead_letters(self._send_dead_letters(out))
+        """On a writer thread: sends the batch's dead letters and waits for the broker's answers. A send the
+        broker did not acknowledge is sent again (up to DEAD_LETTER_ATTEMPTS times in all) before giving up.
 
-    def _send_dead_letters(self, out: Output) -> list[tuple[Coords, FutureRecordMetadata]]:
-        """Hands the batch's dead letters to the producer (which sends them on its own thread)."""
-        sent = []
-        for rejected in out.dead_letters:
-            row = rejected.row
-            raw = rejected.raw if len(rejected.raw) <= self.processor.max_message_bytes else row.raw
-            future = self.producer.send(
-                self.dead_letter_topic,
-                key=row.tenant.encode(),
-                value=raw,
-                headers=[
-                    ("clora.reason", row.reason.encode()),
-                    ("clora.detail", (row.detail or "")[:1000].encode()),
-                    ("clora.source", f"{rejected.at.topic}:{rejected.at.partition}:{rejected.at.offset}".encode()),
-                ],
-            )
-            sent.append((rejected.at, future))
-        return sent
-
-    def _await_dead_letters(self, sent: list[tuple[Coords, FutureRecordMetadata]]) -> None:
-        """Waits until the broker has answered for every dead letter sent.
-
-        A send that fails is logged, not raised: the dead letter is in Parquet either way, and a dead-letter
-        topic that refuses messages must not stop ingest of the good ones.
+        Giving up is logged, not raised: the dead letter is in Parquet either way, and a dead-letter topic
+        that refuses messages must not stop ingest of the good ones.
         """
-        if not sent:
-            return
-        self.producer.flush()
-        failed = [(at, f.exception) for at, f in sent if f.failed()]
-        if failed:
-            at, e = failed[0]
+        pending = list(out.dead_letters)
+        for attempt in range(1, DEAD_LETTER_ATTEMPTS + 1):
+            if not pending:
+                return
+            sent = [(rejected, self._send_dead_letter(rejected)) for rejected in pending]
+            self.producer.flush()
+            failed = [(rejected, f.exception) for rejected, f in sent if f.failed()]
+            pending = [rejected for rejected, _ in failed]
+            if failed and attempt < DEAD_LETTER_ATTEMPTS:
+                logger.warning("ingest: %d dead letters not acknowledged by %s (%s); sending them again",
+                               len(failed), self.dead_letter_topic, failed[0][1])
+                time.sleep(DEAD_LETTER_BACKOFF_SECONDS * attempt)
+        if pending:
+            at, e = failed[0][0].at, failed[0][1]
             logger.error(
                 "ingest: %d of %d dead letters could not be sent to %s (first: %s:%d:%d: %s); they are in dead_letters/",
-                len(failed), len(sent), self.dead_letter_topic, at.topic, at.partition, at.offset, e,
+                len(failed), len(out.dead_letters), self.dead_letter_topic, at.topic, at.partition, at.offset, e,
             )
+
+    def _send_dead_letter(self, rejected: Rejected) -> FutureRecordMetadata:
+        """Hands one dead letter to the producer (which sends it on its own thread)."""
+        row = rejected.row
+        raw = rejected.raw if len(rejected.raw) <= self.processor.max_message_bytes else row.raw
+        return self.producer.send(
+            self.dead_letter_topic,
+            key=row.tenant.encode(),
+            value=raw,
+            headers=[
+                ("clora.reason", row.reason.encode()),
+                ("clora.detail", (row.detail or "")[:1000].encode()),
+                ("clora.source", f"{rejected.at.topic}:{rejected.at.partition}:{rejected.at.offset}".encode()),
+            ],
+        )
 
     def _commit(self, ranges: dict[tuple[str, int], tuple[int, int]]) -> None:
         offsets = {TopicPartition(t, p): OffsetAndMetadata(last + 1, "", -1) for (t, p), (_, last) in ranges.items()}
@@ -440,6 +445,7 @@ class Ingest:
         self.metrics.set_pending(len(self.store.pending))
         if self.assigned_at is None:
             self.assigned_at, self.assigned_cpu = time.monotonic(), time.process_time()
+            mark_ready(as_datadir(self.root).state, "ingest")  # in the group, store loaded: `clora up` goes on
 
     # --- progress -------------------------------------------------------------------------------------
 

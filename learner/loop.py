@@ -72,7 +72,7 @@ from learner.scheduler import Ledger, charge, choose
 from learner.types import TenantSpec
 from learner.update import UpdateResult
 from storage.cursors import Cursors
-from storage.files import atomic_write_bytes
+from storage.files import atomic_write_bytes, mark_ready
 from storage.layout import DataDir
 from storage.parquet import write_dataset
 from storage.registry import Registry
@@ -747,6 +747,7 @@ def run(
     `on_step` is called with every committed step's record (benchmarks and tests observe the loop with it)."""
     stop = stop or threading.Event()
     learner = learner or Learner(cfg, model_path=model_path, progress=progress)
+    mark_ready(learner.dd.state, "learner")  # the model is loaded: `clora up` may send traffic now
     served: set[str] = set()
     steps = 0
     reloaded_at = time.monotonic()

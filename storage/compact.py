@@ -46,10 +46,10 @@ from storage.files import FileLock, LockBusy, fsync_dir, remove_stale_hidden, wr
 from storage.layout import DATASETS, as_datadir, check_dataset
 from storage.parquet import (
     COMPACTED_PREFIX,
-    COMPRESSION,
     ROW_GROUP_ROWS,
     SUPERSEDES_KEY,
     partition_listing,
+    parquet_options,
     partition_tenants,
     read_file,
     supersedes,
@@ -172,7 +172,7 @@ def _merge(dd, dataset: str, directory: Path, batch: list) -> tuple[str, int]:
     name = f"{COMPACTED_PREFIX}{stamp}-{uuid.uuid4().hex[:8]}.parquet"
     write_new_file(
         directory / name,
-        lambda tmp: pq.write_table(merged, tmp, compression=COMPRESSION, row_group_size=ROW_GROUP_ROWS),
+        lambda tmp: pq.write_table(merged, tmp, **parquet_options(merged.schema), row_group_size=ROW_GROUP_ROWS),
     )
     logger.debug("%s: merged %d files (%d rows) into %s", directory, len(batch), merged.num_rows, name)
     return name, merged.num_rows

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import shutil
 import time
@@ -168,3 +169,21 @@ def FileLock(path: Path, *, blocking: bool = True) -> Iterator[None]:  # noqa: N
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Readiness: a long-running process says "I am ready" (model loaded, store loaded) with its pid, so a
+# supervisor tells this life of the process from an earlier one that left its file behind.
+
+
+def mark_ready(state_dir: Path, process: str) -> None:
+    """Records that this process (`learner`, `ingest`, ...) is ready: <state>/ready/<process>.json."""
+    atomic_write_bytes(Path(state_dir) / "ready" / f"{process}.json", json.dumps({"pid": os.getpid(), "at": time.time()}).encode())
+
+
+def ready_pid(state_dir: Path, process: str) -> int | None:
+    """The pid of the last `process` that marked itself ready, or None."""
+    try:
+        return int(json.loads((Path(state_dir) / "ready" / f"{process}.json").read_bytes())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -61,8 +61,13 @@ __all__ = [
 PARQUET_SUFFIX = ".parquet"
 COMPACTED_PREFIX = "compacted-"
 SUPERSEDES_KEY = b"clora.supersedes"
-COMPRESSION = "zstd"
+COMPRESSION = "zstd"  # compacted files: written once, read many times; the smallest
+FRESH_COMPRESSION = "snappy"  # ingest's files, on the hot path: ~2x faster to write than zstd, ~1.4x larger
+# (compaction rewrites them as zstd)
 ROW_GROUP_ROWS = 16384  # compacted files: small enough that a batch read touches little of a large file
+# Dictionary-encoded columns: few distinct values per file. Dictionary-encoding ids, texts and token lists
+# (pyarrow's default: every column) costs write time and saves nothing.
+DICTIONARY_COLUMNS = frozenset({"tenant", "adapter_version", "reward_source", "source", "reason", "kafka_topic", "mode", "version"})
 READ_ATTEMPTS = 8
 
 T = TypeVar("T")
@@ -89,11 +94,32 @@ def write_dataset(root, dataset: str, table: pa.Table, *, file_id: str) -> list[
     if table.num_rows == 0:
         return []
     paths = []
-    for tenant in sorted(pc.unique(table.column("tenant")).to_pylist()):
+    for tenant, rows in split_by_tenant(table):
         check_tenant(tenant, allow_unknown=dataset == "dead_letters")
-        rows = table.filter(pc.equal(table.column("tenant"), tenant))
         paths.append(_write_partition_file(dd, dataset, tenant, file_id, rows))
     return paths
+
+
+def split_by_tenant(table: pa.Table) -> list[tuple[str, pa.Table]]:
+    """(tenant, its rows in their original order) per tenant, tenants sorted: one stable sort and slices,
+    not a filter pass per tenant."""
+    if table.num_rows == 0:
+        return []
+    ordered = table.take(pc.sort_indices(table, sort_keys=[("tenant", "ascending")]))  # stable
+    tenants = ordered.column("tenant")
+    runs = pc.run_end_encode(tenants.combine_chunks() if tenants.num_chunks != 1 else tenants.chunk(0))
+    ends = runs.run_ends.to_pylist()
+    values = runs.values.to_pylist()
+    out, start = [], 0
+    for tenant, end in zip(values, ends):
+        out.append((tenant, ordered.slice(start, end - start)))
+        start = end
+    return out
+
+
+def parquet_options(schema: pa.Schema, compression: str = COMPRESSION) -> dict:
+    """pq.write_table keyword arguments for a clora dataset file."""
+    return {"compression": compression, "use_dictionary": [n for n in schema.names if n in DICTIONARY_COLUMNS]}
 
 
 def _write_partition_file(dd: DataDir, dataset: str, tenant: str, file_id: str, rows: pa.Table) -> Path:
@@ -106,7 +132,7 @@ def _write_partition_file(dd: DataDir, dataset: str, tenant: str, file_id: str, 
     if absorbed_by is not None:
         logger.debug("%s was already compacted into %s; not rewriting it", final, absorbed_by)
         return directory / absorbed_by
-    write_new_file(final, lambda tmp: pq.write_table(rows, tmp, compression=COMPRESSION))
+    write_new_file(final, lambda tmp: pq.write_table(rows, tmp, **parquet_options(rows.schema, FRESH_COMPRESSION)))
     return final
 
 

@@ -15,8 +15,10 @@ pytestmark = pytest.mark.unit
 SLEEPER = [sys.executable, "-c", "import time, signal, sys; print('ready', flush=True); time.sleep(600)"]
 
 
-def spec(name, argv=SLEEPER, **kw):
-    return ChildSpec(name, argv, healthy=lambda: True, stop_timeout=5, **kw)
+def spec(name, argv=SLEEPER, lines=None, **kw):
+    """Healthy at once, or (given the collected `lines`) once the child has printed "ready"."""
+    healthy = (lambda _pid: True) if lines is None else (lambda _pid: (name, "ready") in lines)
+    return ChildSpec(name, argv, healthy=healthy, stop_timeout=5, **kw)
 
 
 def collect():
@@ -32,7 +34,7 @@ def collect():
 
 def test_start_stop_order_and_no_orphans():
     lines, emit = collect()
-    sup = Supervisor([spec("a"), spec("b"), spec("c")], stop_order=["b", "c", "a"], emit=emit)
+    sup = Supervisor([spec("a", lines=lines), spec("b", lines=lines), spec("c", lines=lines)], stop_order=["b", "c", "a"], emit=emit)
     sup.start_all()
     pids = [c.proc.pid for c in sup.children.values()]
     sup.stop_all()
@@ -64,7 +66,7 @@ def test_crashed_child_is_restarted_with_backoff(tmp_path):
 
 
 def test_unhealthy_child_fails_start():
-    sup = Supervisor([ChildSpec("dies", [sys.executable, "-c", "raise SystemExit(4)"], healthy=lambda: False)],
+    sup = Supervisor([ChildSpec("dies", [sys.executable, "-c", "raise SystemExit(4)"], healthy=lambda _pid: False)],
                      stop_order=[], emit=lambda *a: None)
     with pytest.raises(RuntimeError, match="dies exited with code 4 while starting"):
         sup.start_all()

@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from storage.layout import DATASETS, DataDir, InvalidName
-from storage.parquet import live_files, read_dataset, read_ids, read_rows, write_dataset
+from storage.parquet import live_files, read_dataset, read_ids, read_rows, split_by_tenant, write_dataset
 from storage.schema import INTERACTIONS, SCHEMA_VERSION, SCHEMAS, TRAJECTORIES, SchemaMismatch
 
 pytestmark = pytest.mark.unit
@@ -83,6 +83,24 @@ def test_write_partitions_by_tenant_and_reads_back(data_dir, make_trajectories):
     assert schema.metadata[b"clora.schema_version"] == str(SCHEMA_VERSION).encode()
     assert "tenant" in schema.names
     assert not [p for p in paths[0].parent.iterdir() if p.name.startswith(".")], "no temp files left behind"
+
+
+def test_split_by_tenant_keeps_each_tenants_rows_in_order(make_trajectories):
+    table = pa.concat_tables([make_trajectories(["b1"], "beta"), make_trajectories(["a1", "a2"], "acme"),
+                              make_trajectories(["b2"], "beta"), make_trajectories(["a3"], "acme")])
+    parts = split_by_tenant(table)
+    assert [(t, rows.column("id").to_pylist()) for t, rows in parts] == [("acme", ["a1", "a2", "a3"]), ("beta", ["b1", "b2"])]
+    assert split_by_tenant(table.slice(0, 0)) == []
+
+
+def test_fresh_files_are_snappy_with_dictionaries_only_on_low_cardinality_columns(data_dir, make_trajectories):
+    [path] = write_dataset(data_dir, "trajectories", make_trajectories(["a", "b"], "acme"), file_id="p0-0-1")
+    meta = pq.ParquetFile(path).metadata.row_group(0)
+    columns = {meta.column(i).path_in_schema: meta.column(i) for i in range(meta.num_columns)}
+    assert {c.compression for c in columns.values()} == {"SNAPPY"}
+    dictionary = {name for name, c in columns.items() if c.has_dictionary_page}
+    assert "tenant" in dictionary and "reward_source" in dictionary
+    assert not dictionary & {"id", "completion", "prompt", "messages_json"}
 
 
 def test_same_file_id_twice_is_one_file(data_dir, make_trajectories):
