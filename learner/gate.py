@@ -5,8 +5,9 @@ A candidate passes only if every check holds:
               with NaN or absurd rewards is poisoned: whatever it taught must not be served);
   - loss:     the training loss and the gradient norm are finite;
   - weights:  every adapter weight is finite;
-  - kl:       the mean KL to the base model (k3, over the batch's completion tokens, after the update) is
-              at most `learner.gate_max_kl`: the adapter has not drifted into degenerate text;
+  - kl:       the mean KL to the base model (exact, over the whole vocabulary, at the batch's completion
+              positions, after the update) is at most `learner.gate_max_kl`: the adapter has not drifted
+              into degenerate text;
   - reward:   (tenants with a programmatic scorer only) the mean reward of greedy completions of the
               tenant's probe prompts is not below the parent's by more than `learner.gate_reward_tolerance`.
 

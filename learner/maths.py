@@ -135,6 +135,13 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return torch.expm1(log_r) - log_r
 
 
+def kl_exact(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """KL(pi || ref) = sum_v pi(v) (log pi(v) - log ref(v)) over the last (vocabulary) axis, from full
+    log-distributions [..., V] -> [...]. What the publish gate reads: unlike k3 on tokens another policy
+    sampled, it does not blow up when the update made one of those tokens unlikely."""
+    return (logprobs.exp() * (logprobs - ref_logprobs)).sum(-1).clamp(min=0.0)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Aggregation over tokens
 

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from learner import maths
 from learner.batch import TokenBatch
 from learner.types import Sample, TenantSpec
 
@@ -237,6 +238,29 @@ class Policy:
                 self.model.train(False)
             logits = out.logits[:, :-1].float()
             return _gather_logprobs(logits, batch.completion_ids)
+
+    def kl_to_base(self, batch: TokenBatch, tenant: str, *, rows_per_pass: int = 8) -> Tensor:
+        """Exact KL(tenant's policy || base model) over the whole vocabulary at every completion position,
+        [B, C] (float32; mask with batch.completion_mask). `rows_per_pass` rows at a time, so at most that
+        many rows' [C, V] log-distributions (twice) are alive at once."""
+        batch = batch.to(self.device)
+        out = []
+        with torch.no_grad():
+            for start in range(0, batch.size, rows_per_pass):
+                part = batch.rows(slice(start, min(start + rows_per_pass, batch.size)))
+                logps = []
+                for who in (tenant, None):
+                    with self.adapter(who):
+                        logits = self.model(
+                            input_ids=part.input_ids,
+                            attention_mask=part.attention_mask,
+                            position_ids=part.position_ids,
+                            logits_to_keep=part.completion_width + 1,
+                            use_cache=False,
+                        ).logits[:, :-1].float()
+                    logps.append(torch.log_softmax(logits, dim=-1))
+                out.append(maths.kl_exact(*logps))
+        return torch.cat(out)
 
     def zero_grad(self, tenant: str) -> None:
         self._require(tenant)

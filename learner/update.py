@@ -6,8 +6,10 @@ Given a token batch, per-sequence advantages and (optionally) the behaviour poli
   2. for each micro-batch: the tenant's log-probs with gradient, the clipped surrogate (maths.py) plus
      `kl_coef` x k3 KL to the base, aggregated with the batch-wide denominator, backward;
   3. gradient clipping and one AdamW step (policy.py);
-  4. the tenant's log-probs again, no gradient, for the post-update KL to the base that the publish gate
-     reads (the KL of the adapter that would be published, not of its parent).
+  4. the exact KL to the base over the whole vocabulary at every completion position, no gradient, that
+     the publish gate reads (the KL of the adapter that would be published, not of its parent). Not k3 on
+     the batch's tokens: those were sampled by an older policy, and where the update made one of them
+     unlikely k3 explodes (a KL of 300 for an adapter whose true KL is 5).
 
 Old log-probs: where the behaviour value of a token is unknown (NaN), the current policy's detached
 log-prob stands in, which makes the ratio exactly 1 there (on-policy / plain REINFORCE with a baseline).
@@ -33,8 +35,8 @@ from learner.policy import Policy
 class UpdateResult:
     loss: float  # the aggregated loss that was back-propagated (policy gradient + KL penalty)
     pg_loss: float  # its policy-gradient part
-    kl: float  # mean k3 KL to the base over completion tokens, after the update
-    kl_before: float  # the same before the update (the parent's)
+    kl: float  # mean exact KL to the base over completion positions, after the update
+    kl_before: float  # mean k3 estimate on the batch's tokens before the update (the parent's)
     clip_frac: float  # share of tokens whose gradient the clip switched off
     grad_norm: float  # before clipping
     tokens: int  # completion tokens trained on
@@ -96,12 +98,12 @@ def pg_update(
         kl_before_sum += float(maths.masked_sum(kl_tok.detach(), mb_mask))
     grad_norm = policy.optimizer_step(tenant, max_grad_norm=max_grad_norm)
 
-    after = policy.token_logprobs(batch, tenant)
+    kl_after = policy.kl_to_base(batch, tenant)
     n = float(total_tokens)
     return UpdateResult(
         loss=loss_sum,
         pg_loss=pg_sum,
-        kl=float(maths.masked_mean(maths.kl_k3(after, ref), mask)),
+        kl=float(maths.masked_mean(kl_after, mask)),
         kl_before=kl_before_sum / n,
         clip_frac=clipped_sum / n,
         grad_norm=grad_norm,

@@ -122,6 +122,19 @@ def test_k3_is_unbiased_for_kl_on_a_small_distribution():
     close((pi.exp() * maths.kl_k1(pi, ref)).sum(), 0.143841)
 
 
+def test_exact_kl_over_the_vocabulary_by_hand():
+    # the same pi = (0.5, 0.5), ref = (0.25, 0.75): 0.143841 (above); a second position where they agree: 0
+    pi = torch.tensor([[0.5, 0.5], [0.3, 0.7]]).log()
+    ref = torch.tensor([[0.25, 0.75], [0.3, 0.7]]).log()
+    close(maths.kl_exact(pi, ref), [0.143841, 0.0])
+    # it does not blow up where a token became unlikely: pi = (0.999, 0.001), ref = (0.5, 0.5)
+    # KL = 0.999 ln 1.998 + 0.001 ln 0.002 = 0.691455 - 0.006215 = 0.685240, while k3 on the second token
+    # (sampled by another policy) is 500 - 1 - ln 500 = 492.785
+    pi, ref = torch.tensor([0.999, 0.001]).log(), torch.tensor([0.5, 0.5]).log()
+    close(maths.kl_exact(pi, ref), 0.685240, tol=1e-5)
+    close(maths.kl_k3(pi[1:], ref[1:]), [492.785], tol=1e-2)
+
+
 def test_token_mean_and_seq_mean_differ_as_expected():
     # seq 0 has tokens 1, 2, 3 ; seq 1 has token 10 (then padding, which must not count)
     # token-mean = (1 + 2 + 3 + 10) / 4 = 4.0

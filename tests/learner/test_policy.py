@@ -81,6 +81,31 @@ def test_training_one_tenant_leaves_the_other_and_the_base_untouched(policy):
     assert torch.equal(policy.token_logprobs(batch, None), before_base)
 
 
+def test_exact_kl_to_the_base_is_zero_for_a_fresh_adapter_and_matches_the_full_distributions(policy, tiny_model):
+    batch, _, _ = small_batch(policy)
+    mask = batch.completion_mask.bool()
+    fresh = Policy(tiny_model, device="cpu")
+    fresh.add_tenant(spec("new"))
+    assert torch.allclose(fresh.kl_to_base(batch, "new")[mask], torch.zeros(int(mask.sum())), atol=1e-5)
+
+    pg_update(policy, "acme", batch, torch.tensor([1.0, -1.0, 0.5]), clip_eps=0.2)
+    kl = policy.kl_to_base(batch, "acme", rows_per_pass=2)  # rows in two passes: the same as in one
+    assert torch.allclose(kl, policy.kl_to_base(batch, "acme"), atol=1e-6)
+    assert (kl[mask] > 0).all()
+    # by hand for one row: sum_v p (log p - log q) from the two models' full distributions
+    row = batch.rows(slice(0, 1))
+    dists = []
+    for who in ("acme", None):
+        with policy.adapter(who), torch.no_grad():
+            logits = policy.model(input_ids=row.input_ids, attention_mask=row.attention_mask,
+                                  position_ids=row.position_ids).logits
+        dists.append(logits[0, row.prompt_width - 1 : -1].log_softmax(-1))
+    p, q = dists
+    by_hand = (p.exp() * (p - q)).sum(-1)
+    n = int(batch.completion_mask[0].sum())
+    assert torch.allclose(kl[0, :n], by_hand[:n], atol=1e-4)
+
+
 def test_memory_is_per_tenant_adapter_and_optimizer(policy):
     # acme: 7 targets x 4 layers, r=8; beta: q,v x 4 layers, r=4 -> a smaller adapter
     assert policy.adapter_bytes("beta.prod") < policy.adapter_bytes("acme")
