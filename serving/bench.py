@@ -12,8 +12,8 @@ tokens each, EOS ignored so every request generates exactly that many) run four 
                 the LoRA ops themselves with a single adapter in the batch
     base        the same requests at once on a plain engine without LoRA (the floor)
 
-Reading the table: zero-lora / base is what the punica ops cost at all (on CPU, PyTorch gathers and
-einsums per row); mixed / zero-lora is what N distinct adapters in one batch add (each row gathers its
+Reading the table: zero-lora / base is what the punica ops cost at all (on CPU: serving/cpu_lora.py's
+ops, or with --cpu-lora-ops vllm vLLM's own, which gather and einsum per row); mixed / zero-lora is what N distinct adapters in one batch add (each row gathers its
 own adapter's weights); one-by-one / mixed is what batching tenants together saves. Throughput is
 generated tokens per second of wall time, after a warm-up pass; timings on a shared machine are
 compared as ratios within one run.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -40,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=32, help="generated tokens per request (default 32)")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank of the adapters (default 8)")
     parser.add_argument("--dtype", default=None, help="engine dtype (default: serving.dtype of the config)")
+    parser.add_argument("--cpu-lora-ops", choices=("clora", "vllm"), default="clora",
+                        help="on CPU: clora's multi-LoRA ops (default) or vLLM's own (serving/cpu_lora.py)")
 
 
 def write_random_adapter(out_dir: Path, base_shapes: dict[str, tuple[int, int]], *, rank: int, seed: int) -> Path:
@@ -131,13 +134,15 @@ async def measure(model_path: Path, counts: list[int], args, dtype: str) -> dict
 def run(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
     from serving.__main__ import base_model_path
+    from serving.cpu_lora import ENV
 
+    os.environ[ENV] = args.cpu_lora_ops  # read by the plugin in the engine's processes
     cfg = config_from_args(args)
     counts = sorted({int(x) for x in str(args.tenants).split(",") if x.strip()})
     dtype = args.dtype or cfg.serving.dtype
     model_path = base_model_path(cfg)
     print(f"clora bench serving: {model_path}, tenants {counts}, {args.prompts} prompts x {args.tokens} tokens "
-          f"per tenant, rank {args.rank}, dtype {dtype}", flush=True)
+          f"per tenant, rank {args.rank}, dtype {dtype}, CPU LoRA ops {args.cpu_lora_ops}", flush=True)
     seconds = asyncio.run(measure(model_path, counts, args, dtype))
 
     rows = []
@@ -168,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"benchmark": "serving", "model": str(model_path), "dtype": dtype, "prompts_per_tenant": args.prompts,
-              "tokens_per_request": args.tokens, "rank": args.rank, "rows": rows}
+              "tokens_per_request": args.tokens, "rank": args.rank, "cpu_lora_ops": args.cpu_lora_ops, "rows": rows}
     (out / "serving.json").write_text(json.dumps(result, indent=2))
     _plot(rows, out / "serving.png")
     print(f"wrote {out / 'serving.json'} and {out / 'serving.png'}")

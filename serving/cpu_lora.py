@@ -1,0 +1,130 @@
+"""Faster multi-LoRA ops for vLLM's CPU engine, installed as a vLLM plugin.
+
+On CPU, vLLM 0.32 applies each row's adapter with PyTorch ops (`vllm/lora/ops/torch_ops`, used by
+`PunicaWrapperCPU`): for every token they gather a full copy of that token's adapter matrix
+(`weights[indices]`, [T, out, in]) and run a batched matrix-vector einsum, per projection, per layer, per
+engine step. With small models that copy is most of the LoRA cost (the all-zero adapter alone made
+decoding 2.3x slower than the base model, BENCHMARKS.md). Rows without an adapter carry index -1, which
+that indexing turns into the *last* slot's adapter.
+
+The ops here compute the same thing with one matrix product per call: the inputs times every adapter
+that occurs in the batch, stacked ([T, in] @ [in, U x out] for U distinct adapters), then each row keeps
+its own adapter's slice. No per-token copies, no Python loop over adapters; rows with index -1 get zero
+(as vLLM's GPU kernels skip them). The extra multiply-adds (U times the gathered form's) are cheap next
+to the copies for the ranks LoRA uses.
+
+`register` is the `vllm.general_plugins` entry point (pyproject.toml), so it runs in every vLLM process,
+the engine core and its workers included. It does nothing off CPU, and nothing when
+`CLORA_CPU_LORA_OPS=vllm` (vLLM's own ops: for comparisons, `clora bench serving --cpu-lora-ops vllm`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV = "CLORA_CPU_LORA_OPS"  # "clora" (default) or "vllm"
+
+
+def per_row(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, out]: row t is weights[indices[t]] @ inputs[t]; zero where indices[t] < 0.
+
+    `weights` is vLLM's slot table, [L, out, in] or [L, 1, out, in]."""
+    if weights.dim() == 4:
+        weights = weights.squeeze(1)
+    tokens = inputs.shape[0]
+    _, out_dim, in_dim = weights.shape
+    used, inverse = torch.unique(indices, return_inverse=True)
+    stacked = weights[used.clamp(min=0)].to(dtype)  # [U, out, in]: each adapter in the batch once
+    products = inputs.to(dtype) @ stacked.reshape(-1, in_dim).T  # [T, U x out]
+    outputs = products.view(tokens, used.numel(), out_dim).gather(
+        1, inverse.view(tokens, 1, 1).expand(tokens, 1, out_dim)
+    ).squeeze(1)
+    if bool((used < 0).any()):
+        outputs[indices < 0] = 0
+    return outputs
+
+
+# The six ops PunicaWrapperCPU calls, with vLLM's signatures and output semantics.
+
+
+def bgmv_shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling: float = 1.0):
+    outputs = per_row(inputs, lora_a_weights, lora_indices_tensor, output_tensor.dtype)
+    output_tensor[:, : outputs.shape[1]] = scaling * outputs
+
+
+def bgmv_expand(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs: bool = True):
+    outputs = per_row(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+    limit = output_tensor.shape[0]
+    if outputs.shape[0] == 1 and output_tensor.shape[0] != 1:
+        limit = 1
+    common_len = min(outputs.shape[1], output_tensor.shape[1])  # adapter and model may pad differently
+    if add_inputs:
+        output_tensor[:, :common_len] += outputs[:limit, :common_len]
+    else:
+        output_tensor[:, :common_len] = outputs[:limit, :common_len]
+
+
+def bgmv_expand_slice(inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset: int, slice_size: int,
+                      add_inputs: bool = True):
+    outputs = per_row(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+    if add_inputs:
+        output_tensor[:, slice_offset : slice_offset + slice_size] += outputs
+    else:
+        output_tensor[:, slice_offset : slice_offset + slice_size] = outputs
+
+
+def _token_indices(lora_indices_tensor, seq_len_tensor):
+    return torch.repeat_interleave(lora_indices_tensor, seq_len_tensor)
+
+
+def sgmv_shrink(inputs, lora_a_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor, batches,
+                max_seq_length, token_nums, scaling: float):
+    bgmv_shrink(inputs, lora_a_weights, output_tensor, _token_indices(lora_indices_tensor, seq_len_tensor), scaling)
+
+
+def sgmv_expand(inputs, lora_b_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor, batches,
+                max_seq_length, token_nums, add_inputs: bool = False):
+    bgmv_expand(inputs, lora_b_weights, output_tensor, _token_indices(lora_indices_tensor, seq_len_tensor), add_inputs)
+
+
+def sgmv_expand_slice(inputs, lora_b_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
+                      batches, max_seq_length, token_nums, slice_offset: int, slice_size: int, add_inputs: bool = False):
+    bgmv_expand_slice(inputs, lora_b_weights, output_tensor, _token_indices(lora_indices_tensor, seq_len_tensor),
+                      slice_offset, slice_size, add_inputs)
+
+
+OPS = {
+    "bgmv_shrink": bgmv_shrink,
+    "bgmv_expand": bgmv_expand,
+    "bgmv_expand_slice": bgmv_expand_slice,
+    "sgmv_shrink": sgmv_shrink,
+    "sgmv_expand": sgmv_expand,
+    "sgmv_expand_slice": sgmv_expand_slice,
+}
+
+
+def register() -> None:
+    """vLLM general plugin: on CPU, PunicaWrapperCPU uses the ops above (see the module note)."""
+    choice = os.environ.get(ENV, "clora")
+    if choice not in ("clora", "vllm"):
+        raise ValueError(f"{ENV} must be 'clora' or 'vllm', got {choice!r}")
+    if choice == "vllm":
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    for name, fn in OPS.items():
+        if not hasattr(punica_cpu, name):
+            logger.warning("vLLM's PunicaWrapperCPU has no %s; keeping vLLM's own CPU LoRA ops", name)
+            return
+    for name, fn in OPS.items():
+        setattr(punica_cpu, name, fn)
+    logger.debug("clora's CPU LoRA ops are in place")

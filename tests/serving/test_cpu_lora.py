@@ -1,0 +1,96 @@
+"""serving/cpu_lora.py: the CPU multi-LoRA ops give what vLLM's own torch ops give (where those are right),
+zero for rows without an adapter, and are what vLLM's CPU punica wrapper calls once the plugin ran."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+from vllm.lora.ops import torch_ops as vllm_ops
+
+from serving import cpu_lora
+
+pytestmark = pytest.mark.unit
+
+SLOTS, TOKENS, RANK, HIDDEN = 5, 13, 8, 48
+
+
+@pytest.fixture
+def rng():
+    return torch.Generator().manual_seed(0)
+
+
+def indices(rng, with_none=False):
+    low = -1 if with_none else 0
+    return torch.randint(low, SLOTS, (TOKENS,), generator=rng)
+
+
+@pytest.mark.parametrize("four_d", [False, True])
+def test_shrink_and_expand_match_vllms_ops(rng, four_d):
+    x = torch.randn(TOKENS, HIDDEN, generator=rng)
+    a = torch.randn(SLOTS, RANK, HIDDEN, generator=rng)
+    b = torch.randn(SLOTS, HIDDEN, RANK, generator=rng)
+    if four_d:
+        a, b = a.unsqueeze(1), b.unsqueeze(1)
+    idx = indices(rng)
+
+    ours, theirs = torch.zeros(TOKENS, RANK), torch.zeros(TOKENS, RANK)
+    cpu_lora.bgmv_shrink(x, a, ours, idx, 0.5)
+    vllm_ops.bgmv_shrink(x, a, theirs, idx, 0.5)
+    assert torch.allclose(ours, theirs, atol=1e-4)
+
+    y0 = torch.randn(TOKENS, HIDDEN + 4, generator=rng)  # the model pads more than the adapter
+    for add in (True, False):
+        ours_y, theirs_y = y0.clone(), y0.clone()
+        cpu_lora.bgmv_expand(theirs, b, ours_y, idx, add)
+        vllm_ops.bgmv_expand(theirs, b, theirs_y, idx, add)
+        assert torch.allclose(ours_y, theirs_y, atol=1e-4)
+        ours_y, theirs_y = y0.clone(), y0.clone()
+        cpu_lora.bgmv_expand_slice(theirs, b[..., :16, :], ours_y, idx, 8, 16, add)
+        vllm_ops.bgmv_expand_slice(theirs, b[..., :16, :], theirs_y, idx, 8, 16, add)
+        assert torch.allclose(ours_y, theirs_y, atol=1e-4)
+
+
+def test_prefill_ops_expand_per_sequence_indices(rng):
+    x = torch.randn(TOKENS, HIDDEN, generator=rng)
+    a = torch.randn(SLOTS, RANK, HIDDEN, generator=rng)
+    seq_lens = torch.tensor([4, 6, 3])
+    seq_idx = torch.tensor([2, 0, 4])
+    starts = torch.tensor([0, 4, 10])
+    ours, theirs = torch.zeros(TOKENS, RANK), torch.zeros(TOKENS, RANK)
+    cpu_lora.sgmv_shrink(x, a, ours, starts, seq_lens, seq_idx, 3, 6, TOKENS, 1.0)
+    vllm_ops.sgmv_shrink(x, a, theirs, starts, seq_lens, seq_idx, 3, 6, TOKENS, 1.0)
+    assert torch.allclose(ours, theirs, atol=1e-4)
+    # the second sequence (tokens 4..9) used slot 0
+    assert torch.allclose(ours[4:10], x[4:10] @ a[0].T, atol=1e-4)
+
+
+def test_rows_without_an_adapter_get_zero_not_the_last_slot(rng):
+    x = torch.randn(TOKENS, HIDDEN, generator=rng)
+    a = torch.randn(SLOTS, RANK, HIDDEN, generator=rng)
+    idx = indices(rng, with_none=True)
+    idx[0] = -1
+    out = torch.full((TOKENS, RANK), 7.0)
+    cpu_lora.bgmv_shrink(x, a, out, idx, 1.0)
+    assert torch.equal(out[idx < 0], torch.zeros(int((idx < 0).sum()), RANK))
+    keep = idx >= 0
+    assert torch.allclose(out[keep], torch.einsum("ti,tri->tr", x[keep], a[idx[keep]]), atol=1e-4)
+
+
+def test_the_plugin_is_declared_and_replaces_the_cpu_wrappers_ops(monkeypatch):
+    plugins = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins")}
+    assert plugins.get("clora_cpu_lora") == "serving.cpu_lora:register"
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    for name in cpu_lora.OPS:
+        monkeypatch.setattr(punica_cpu, name, getattr(vllm_ops, name))
+    monkeypatch.setenv(cpu_lora.ENV, "vllm")
+    cpu_lora.register()
+    assert punica_cpu.bgmv_shrink is vllm_ops.bgmv_shrink  # switched off: vLLM's own
+    monkeypatch.setenv(cpu_lora.ENV, "clora")
+    cpu_lora.register()
+    assert all(getattr(punica_cpu, name) is fn for name, fn in cpu_lora.OPS.items())
+    monkeypatch.setenv(cpu_lora.ENV, "fast")
+    with pytest.raises(ValueError, match=cpu_lora.ENV):
+        cpu_lora.register()
