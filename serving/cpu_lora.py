@@ -7,11 +7,13 @@ engine step. With small models that copy is most of the LoRA cost (the all-zero 
 decoding 2.3x slower than the base model, BENCHMARKS.md). Rows without an adapter carry index -1, which
 that indexing turns into the *last* slot's adapter.
 
-The ops here compute the same thing with one matrix product per call: the inputs times every adapter
-that occurs in the batch, stacked ([T, in] @ [in, U x out] for U distinct adapters), then each row keeps
-its own adapter's slice. No per-token copies, no Python loop over adapters; rows with index -1 get zero
-(as vLLM's GPU kernels skip them). The extra multiply-adds (U times the gathered form's) are cheap next
-to the copies for the ranks LoRA uses.
+The ops here compute the same thing without per-token copies. A shrink (hidden -> rank) is one matrix
+product of the inputs with every adapter that occurs in the batch, stacked ([T, in] @ [in, U x r] for U
+distinct adapters), after which each row keeps its own adapter's slice: U times the multiply-adds, which
+are few at LoRA ranks. An expand (rank -> hidden) with several adapters is one product per adapter over
+that adapter's rows, since there the stacked form would multiply U-fold a large output. Rows with index
+-1 get zero (as vLLM's GPU kernels skip them). Per call, on the tiny model with 128 rows: shrink 0.34 ms
+-> 0.13 ms, expand to 768 wide 1.16 ms -> 0.25 ms with 9 adapters in the batch.
 
 `register` is the `vllm.general_plugins` entry point (pyproject.toml), so it runs in every vLLM process,
 the engine core and its workers included. It does nothing off CPU, and nothing when
@@ -33,19 +35,40 @@ ENV = "CLORA_CPU_LORA_OPS"  # "clora" (default) or "vllm"
 def per_row(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[T, out]: row t is weights[indices[t]] @ inputs[t]; zero where indices[t] < 0.
 
-    `weights` is vLLM's slot table, [L, out, in] or [L, 1, out, in]."""
+    `weights` is vLLM's slot table, [L, out, in] or [L, 1, out, in]. Shrinks (in > out) multiply by every
+    adapter in the batch at once; expands with several adapters multiply each adapter's rows only (there
+    the stacked product would be U times the work, and out is large)."""
     if weights.dim() == 4:
         weights = weights.squeeze(1)
-    tokens = inputs.shape[0]
     _, out_dim, in_dim = weights.shape
     used, inverse = torch.unique(indices, return_inverse=True)
+    if used.numel() > 1 and out_dim > in_dim:
+        return _per_adapter(inputs, weights, indices, dtype)
+    tokens = inputs.shape[0]
     stacked = weights[used.clamp(min=0)].to(dtype)  # [U, out, in]: each adapter in the batch once
     products = inputs.to(dtype) @ stacked.reshape(-1, in_dim).T  # [T, U x out]
-    outputs = products.view(tokens, used.numel(), out_dim).gather(
-        1, inverse.view(tokens, 1, 1).expand(tokens, 1, out_dim)
-    ).squeeze(1)
+    if used.numel() == 1:  # one adapter in the batch (a single tenant, or only the zero adapter)
+        outputs = products
+    else:
+        outputs = products.view(tokens, used.numel(), out_dim).gather(
+            1, inverse.view(tokens, 1, 1).expand(tokens, 1, out_dim)
+        ).squeeze(1)
     if bool((used < 0).any()):
         outputs[indices < 0] = 0
+    return outputs
+
+
+def _per_adapter(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """per_row by one product per adapter over that adapter's rows (rows with index < 0 stay zero)."""
+    outputs = inputs.new_zeros(inputs.shape[0], weights.shape[1], dtype=dtype)
+    order = torch.argsort(indices, stable=True)
+    slots, counts = torch.unique_consecutive(indices[order], return_counts=True)
+    start = 0
+    for slot, count in zip(slots.tolist(), counts.tolist()):
+        rows = order[start : start + count]
+        start += count
+        if slot >= 0:
+            outputs.index_copy_(0, rows, inputs.index_select(0, rows).to(dtype) @ weights[slot].to(dtype).T)
     return outputs
 
 

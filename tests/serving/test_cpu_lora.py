@@ -94,3 +94,22 @@ def test_the_plugin_is_declared_and_replaces_the_cpu_wrappers_ops(monkeypatch):
     monkeypatch.setenv(cpu_lora.ENV, "fast")
     with pytest.raises(ValueError, match=cpu_lora.ENV):
         cpu_lora.register()
+
+
+def test_a_batch_with_one_adapter_takes_the_short_path_with_the_same_result(rng):
+    x = torch.randn(TOKENS, HIDDEN, generator=rng)
+    a = torch.randn(SLOTS, RANK, HIDDEN, generator=rng)
+    idx = torch.full((TOKENS,), 3)
+    assert torch.allclose(cpu_lora.per_row(x, a, idx, torch.float32), x @ a[3].T, atol=1e-5)
+    assert torch.equal(cpu_lora.per_row(x, a, torch.full((TOKENS,), -1), torch.float32), torch.zeros(TOKENS, RANK))
+
+
+def test_wide_expands_with_several_adapters_go_per_adapter_and_agree(rng):
+    h = torch.randn(TOKENS, RANK, generator=rng)
+    b = torch.randn(SLOTS, 3 * HIDDEN, RANK, generator=rng)
+    idx = indices(rng, with_none=True)
+    idx[:3] = torch.tensor([-1, 0, 4])
+    per_adapter = cpu_lora.per_row(h, b, idx, torch.float32)  # out > in, several adapters
+    keep = idx >= 0
+    assert torch.allclose(per_adapter[keep], torch.einsum("tr,tor->to", h[keep], b[idx[keep]]), atol=1e-4)
+    assert torch.equal(per_adapter[~keep], torch.zeros(int((~keep).sum()), 3 * HIDDEN))
