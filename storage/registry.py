@@ -15,7 +15,11 @@ so a version whose files are gone has always already been marked retired.
 
 Status moves: candidate -> published | rejected; anything -> retired. `rollback` never rewrites history:
 it copies an older version's files into a new, newest, published version whose parent is the old one.
-After every publish (and rollback) published versions beyond the newest `keep_last` are retired.
+After every publish (and rollback) published versions beyond the newest `keep_last` are retired. After
+every reject, the files of rejected versions beyond the newest `keep_last` rejected ones are deleted
+(their metadata keeps status "rejected", the reason and the gate's checks, with `retired_at` set): the
+newest rejects stay on disk to inspect, and a tenant whose steps the gate keeps refusing does not fill
+the disk.
 
 Change notification: `generation()`, a counter in HEAD.json that every change increments, read with one
 small-file read (tens of microseconds). Serving polls it (serving.registry_poll_seconds, 0.5 s) and calls
@@ -246,7 +250,9 @@ class Registry:
             v = self._expect(tenant, number, "candidate", "reject")
             v = replace(v, status="rejected", reason=reason, gate=_jsonable(gate, "gate"))
             self._write_meta(v)
+            removed = self._enforce_keep_last(tenant)
             self._write_head()
+        self._remove_files(removed)
         return v
 
     def rollback(self, tenant: str, to_number: int) -> AdapterVersion:
@@ -369,13 +375,23 @@ class Registry:
         return v
 
     def _enforce_keep_last(self, tenant: str) -> list[AdapterVersion]:
-        """Marks published versions beyond the newest keep_last retired; returns them (files not yet removed).
-        Also returns versions already retired whose files a crashed writer left behind."""
+        """Marks published versions beyond the newest keep_last retired, and records the files of rejected
+        versions beyond the newest keep_last rejected ones as removed (`retired_at`; the status stays
+        "rejected", with its reason); returns them all (files not yet removed). Also returns versions
+        whose files a crashed writer left behind after marking them."""
         versions = self.versions(tenant)
         published = [v for v in versions if v.status == "published"]
         excess = published[: max(0, len(published) - self.keep_last)]
-        leftovers = [v for v in versions if v.status == "retired" and v.path.exists()]
-        return leftovers + [self._mark_retired(v) for v in excess]
+        rejected = [v for v in versions if v.status == "rejected" and v.retired_at is None]
+        old_rejected = rejected[: max(0, len(rejected) - self.keep_last)]
+        leftovers = [v for v in versions if v.retired_at is not None and v.path.exists()]
+        return (leftovers + [self._mark_retired(v) for v in excess]
+                + [self._mark_files_removed(v) for v in old_rejected])
+
+    def _mark_files_removed(self, v: AdapterVersion) -> AdapterVersion:
+        v = replace(v, retired_at=_now())
+        self._write_meta(v)
+        return v
 
     def _remove_files(self, versions: list[AdapterVersion]) -> None:
         for v in versions:

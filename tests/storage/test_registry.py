@@ -115,6 +115,20 @@ def test_keep_last_retires_older_published(data_dir, peft_writer):
     assert reg.get("acme", 4).path.exists()
 
 
+def test_only_the_newest_rejected_versions_keep_their_files(data_dir, peft_writer):
+    reg = Registry(data_dir, keep_last=2)
+    for n in range(1, 5):
+        _new(reg, peft_writer)
+        reg.reject("acme", n, reason=f"kl {n}")
+    versions = {v.number: v for v in reg.versions("acme")}
+    assert {n: v.status for n, v in versions.items()} == {n: "rejected" for n in range(1, 5)}
+    for n in (1, 2):
+        assert not versions[n].path.exists() and versions[n].retired_at is not None
+        assert versions[n].reason == f"kl {n}", "the record of why stays"
+    for n in (3, 4):
+        assert versions[n].path.exists() and versions[n].retired_at is None
+
+
 def test_rollback_republishes_old_files_as_newest(data_dir, peft_writer):
     reg = Registry(data_dir, keep_last=5)
     _new(reg, lambda d: peft_writer(d, payload=b"weights-1"), metrics={"reward": 0.7})
