@@ -76,6 +76,7 @@ class Output:
     trajectories: list[TrajectoryRow] = field(default_factory=list)
     feedback: list[FeedbackRow] = field(default_factory=list)
     dead_letters: list[Rejected] = field(default_factory=list)
+    replayed_dead_letters: list[Rejected] = field(default_factory=list)  # stored before; for the topic only
     duplicates: int = 0  # messages already stored (replayed offsets, or an id sent twice)
     reasons: Counter = field(default_factory=Counter)  # dead letters by reason
     ranges: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)  # (topic, partition) -> first, last
@@ -143,10 +144,14 @@ class Processor:
             store.pending.pop((row.tenant, row.id), None)
 
         def reject(dl: DeadLetter, raw: bytes, at: Coords) -> None:
+            rejected = Rejected(dead_letter_row(dl, raw, at, now_ms), raw, at)
             if at in store.dead_letters:
+                # In dead_letters/ already: a replay after a crash that may have come before this batch's
+                # dead letters reached the topic, so they are sent again (the topic is at least once).
                 out.duplicates += 1
+                out.replayed_dead_letters.append(rejected)
                 return
-            out.dead_letters.append(Rejected(dead_letter_row(dl, raw, at, now_ms), raw, at))
+            out.dead_letters.append(rejected)
             out.reasons[dl.reason] += 1
 
         # Pass 2: one decision per record, in Kafka order.

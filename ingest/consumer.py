@@ -19,8 +19,9 @@ is finished: nothing of it, nor of N+1, is committed or written, and the process
 Exactly once under SIGKILL: a crash anywhere before 4 replays the batch from the last commit. A replay of
 the same ranges lands on the same file names (a no-op); a replay cut differently is caught by the
 per-dataset key indexes (pending.py), so no row is stored twice and a lost trajectory is derived again.
-The dead-letter *topic* is at least once (a crash between 2 and 4 sends those again); dead_letters/ in
-Parquet is exactly once.
+The dead-letter *topic* is at least once: a replayed batch sends its dead letters again, those already in
+dead_letters/ included (2 and 3 run side by side, so a crash may come after the Parquet file landed and
+before the broker acknowledged the sends); dead_letters/ in Parquet is exactly once.
 
 Rebalances (several `clora ingest` processes in one group split the partitions): on revocation the write
 in flight and the buffer are written and committed, then the in-memory view is dropped; after an
@@ -70,6 +71,7 @@ logger = logging.getLogger(__name__)
 POLL_MS = 500
 DEAD_LETTER_ATTEMPTS = 3  # sends of a dead letter the broker did not acknowledge, in all
 DEAD_LETTER_BACKOFF_SECONDS = 0.5  # times the attempt number, between attempts
+DEAD_LETTER_TIMEOUT_SECONDS = 30.0  # for the broker's answer to one dead letter, after flush()
 WRITING_POLL_MS = 10  # while a write is in flight: poll briefly, so its commit follows it closely
 WRITER_THREADS = 3  # the two large datasets (interactions, trajectories) at once, and the small ones
 EXPIRE_EVERY_S = 60.0  # how often pending feedback is checked for expiry (a pass over all of it)
@@ -379,13 +381,21 @@ class Ingest:
         Giving up is logged, not raised: the dead letter is in Parquet either way, and a dead-letter topic
         that refuses messages must not stop ingest of the good ones.
         """
-        pending = list(out.dead_letters)
+        everything = out.dead_letters + out.replayed_dead_letters
+        pending = list(everything)
         for attempt in range(1, DEAD_LETTER_ATTEMPTS + 1):
             if not pending:
                 return
             sent = [(rejected, self._send_dead_letter(rejected)) for rejected in pending]
             self.producer.flush()
-            failed = [(rejected, f.exception) for rejected, f in sent if f.failed()]
+            failed = []
+            for rejected, future in sent:
+                # Each send's own answer, not flush()'s word: a send can still be on its way to the
+                # producer's buffer when flush() looks, and "not done" must not pass for "acknowledged".
+                try:
+                    future.get(timeout=DEAD_LETTER_TIMEOUT_SECONDS)
+                except KafkaError as e:
+                    failed.append((rejected, e))
             pending = [rejected for rejected, _ in failed]
             if failed and attempt < DEAD_LETTER_ATTEMPTS:
                 logger.warning("ingest: %d dead letters not acknowledged by %s (%s); sending them again",
@@ -395,7 +405,7 @@ class Ingest:
             at, e = failed[0][0].at, failed[0][1]
             logger.error(
                 "ingest: %d of %d dead letters could not be sent to %s (first: %s:%d:%d: %s); they are in dead_letters/",
-                len(failed), len(out.dead_letters), self.dead_letter_topic, at.topic, at.partition, at.offset, e,
+                len(failed), len(everything), self.dead_letter_topic, at.topic, at.partition, at.offset, e,
             )
 
     def _send_dead_letter(self, rejected: Rejected) -> FutureRecordMetadata:
