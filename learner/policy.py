@@ -227,17 +227,22 @@ class Policy:
         with self.adapter(tenant), torch.set_grad_enabled(grad):
             self.model.train(grad)
             try:
-                out = self.model(
-                    input_ids=batch.input_ids,
-                    attention_mask=batch.attention_mask,
-                    position_ids=batch.position_ids,
-                    logits_to_keep=batch.completion_width + 1,
-                    use_cache=False,
-                )
+                logits = self._completion_logits(batch)
             finally:
                 self.model.train(False)
-            logits = out.logits[:, :-1].float()
             return _gather_logprobs(logits, batch.completion_ids)
+
+    def _completion_logits(self, batch: TokenBatch) -> Tensor:
+        """[B, C, V] float32 logits at the positions that predict each completion token, with whatever
+        adapter and grad mode the caller set."""
+        out = self.model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            logits_to_keep=batch.completion_width + 1,
+            use_cache=False,
+        )
+        return out.logits[:, :-1].float()
 
     def kl_to_base(self, batch: TokenBatch, tenant: str, *, rows_per_pass: int = 8) -> Tensor:
         """Exact KL(tenant's policy || base model) over the whole vocabulary at every completion position,
@@ -251,14 +256,7 @@ class Policy:
                 logps = []
                 for who in (tenant, None):
                     with self.adapter(who):
-                        logits = self.model(
-                            input_ids=part.input_ids,
-                            attention_mask=part.attention_mask,
-                            position_ids=part.position_ids,
-                            logits_to_keep=part.completion_width + 1,
-                            use_cache=False,
-                        ).logits[:, :-1].float()
-                    logps.append(torch.log_softmax(logits, dim=-1))
+                        logps.append(torch.log_softmax(self._completion_logits(part), dim=-1))
                 out.append(maths.kl_exact(*logps))
         return torch.cat(out)
 

@@ -49,7 +49,8 @@ def test_padded_batch_gives_the_same_logprobs_as_each_row_alone(policy):
     for i in range(batch.size):
         alone = policy.token_logprobs(pack([p_ids[i]], [c_ids[i]], pad_id=policy.pad_token_id, max_len=256), "acme")
         n = len(c_ids[i])
-        assert torch.allclose(together[i, :n], alone[0, :n], atol=1e-4)
+        # a padding or masking bug moves log-probs by tenths of a nat; CPU kernels for other shapes by ~1e-4
+        assert torch.allclose(together[i, :n], alone[0, :n], atol=1e-4, rtol=1e-4)
 
 
 def test_fresh_adapters_equal_the_base_and_disabling_gives_the_base(policy, tiny_model):
