@@ -2,14 +2,16 @@
 
 Given a token batch, per-sequence advantages and (optionally) the behaviour policy's per-token log-probs,
 `pg_update` does, in order:
-  1. reference log-probs of the base model (the same model with the adapter disabled), no gradient;
+  1. reference log-probs of the base model (the same model with the adapter disabled), no gradient, keeping
+     its log-distributions (when they fit, `Policy.base_reference`) for step 4;
   2. for each micro-batch: the tenant's log-probs with gradient, the clipped surrogate (maths.py) plus
      `kl_coef` x k3 KL to the base, aggregated with the batch-wide denominator, backward;
   3. gradient clipping and one AdamW step (policy.py);
   4. the exact KL to the base over the whole vocabulary at every completion position, no gradient, that
      the publish gate reads (the KL of the adapter that would be published, not of its parent). Not k3 on
      the batch's tokens: those were sampled by an older policy, and where the update made one of them
-     unlikely k3 explodes (a KL of 300 for an adapter whose true KL is 5).
+     unlikely k3 explodes (a KL of 300 for an adapter whose true KL is 5). Only the updated adapter's pass
+     runs here: the base model's side is step 1's.
 
 Old log-probs: where the behaviour value of a token is unknown (NaN), the current policy's detached
 log-prob stands in, which makes the ratio exactly 1 there (on-policy / plain REINFORCE with a baseline).
@@ -68,7 +70,7 @@ def pg_update(
     if old_logprobs is not None and old_logprobs.shape != mask.shape:
         raise ValueError(f"old_logprobs have shape {tuple(old_logprobs.shape)}, expected {tuple(mask.shape)}")
 
-    ref = policy.token_logprobs(batch, None)
+    ref, base_logps = policy.base_reference(batch)
     step = micro_batch_size or batch.size
     total_tokens = mask.sum().clamp(min=1)
     policy.zero_grad(tenant)
@@ -98,7 +100,7 @@ def pg_update(
         kl_before_sum += float(maths.masked_sum(kl_tok.detach(), mb_mask))
     grad_norm = policy.optimizer_step(tenant, max_grad_norm=max_grad_norm)
 
-    kl_after = policy.kl_to_base(batch, tenant)
+    kl_after = policy.kl_to_base(batch, tenant, base_logps=base_logps)
     n = float(total_tokens)
     return UpdateResult(
         loss=loss_sum,

@@ -195,6 +195,22 @@ def test_generate_stops_at_an_end_token_and_greedy_is_deterministic(policy):
         policy.generate("acme", [prompt], n=2, greedy=True)
 
 
+def test_one_base_pass_serves_the_reference_and_the_kl_and_the_base_switch_always_turns_back(policy):
+    batch, _, _ = small_batch(policy)
+    ref, logps = policy.base_reference(batch)
+    assert torch.allclose(ref, policy.token_logprobs(batch, None), atol=1e-6)
+    assert logps.shape == (*batch.completion_ids.shape, policy.model.config.vocab_size)
+    assert policy.base_reference(batch, keep_bytes=0)[1] is None
+    pg_update(policy, "acme", batch, torch.tensor([1.0, -1.0, 0.5]), clip_eps=0.2)
+    assert torch.allclose(policy.kl_to_base(batch, "acme", base_logps=logps), policy.kl_to_base(batch, "acme"), atol=1e-6)
+    # the fast base switch: the adapters are back on after the block, even when it raised
+    with pytest.raises(RuntimeError), policy.adapter(None):
+        assert policy.model.base_model.model.model.layers[0].self_attn.q_proj.disable_adapters
+        raise RuntimeError("inside the base block")
+    assert not any(layer.disable_adapters for layer in policy._lora_layers)
+    assert not torch.allclose(policy.token_logprobs(batch, "acme"), ref)
+
+
 def test_the_fast_tenant_switch_matches_peft_set_adapter(policy):
     batch, _, _ = small_batch(policy)
     policy.use("beta.prod")
