@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from clora.processes import terminate
+
 logger = logging.getLogger("clora.up")
 
 PR_SET_PDEATHSIG = 1
@@ -95,16 +97,13 @@ class Child:
             stop.wait(0.3)
 
     def stop(self) -> int | None:
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return None if proc is None else proc.returncode
-        proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(self.spec.stop_timeout)
-        except subprocess.TimeoutExpired:
-            self.emit("up", f"{self.spec.name} did not stop within {self.spec.stop_timeout:.0f}s; killing it")
-            proc.kill()
-            return proc.wait()
+        if self.proc is None:
+            return None
+        return terminate(
+            self.proc,
+            self.spec.stop_timeout,
+            on_kill=lambda: self.emit("up", f"{self.spec.name} did not stop within {self.spec.stop_timeout:.0f}s; killing it"),
+        )
 
 
 class Supervisor:

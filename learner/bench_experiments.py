@@ -61,6 +61,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from clora.processes import terminate
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Experiment i's objective. On the tiny model's random text, each leaves rewards that differ within half
@@ -390,13 +392,7 @@ def _stop(process: subprocess.Popen | None, timeout: float = 60.0) -> None:
     process stopped while its engine starts can leave the engine's core process behind)."""
     if process is None:
         return
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    terminate(process, timeout)
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):  # the group is empty: nothing was left behind

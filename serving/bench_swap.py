@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from clora.processes import terminate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,13 +107,7 @@ def _start_server(config: Path, port: int, log_path: Path, timeout: float = 300.
 
 
 def _stop_server(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    terminate(process, 60)
 
 
 # ---------------------------------------------------------------------------------------------------------

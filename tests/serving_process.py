@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from clora.processes import terminate
 
 REPO = Path(__file__).resolve().parents[2]
 TENANT_KEYS = {
@@ -104,15 +105,7 @@ def start_server(directory: Path, *, bootstrap: str, model_path: Path, **serving
 
 
 def stop_server(handle: ServerHandle, timeout: float = 60.0) -> None:
-    process = handle.process
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    terminate(handle.process, timeout)
 
 
 def _tail(path: Path, lines: int = 60) -> str:
