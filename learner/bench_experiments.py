@@ -796,29 +796,28 @@ def plot(result: dict, path: Path) -> None:
     ax1.plot(ns, [r["ratio_without_startup"] for r in rows], "s--", label="(b)/(a), without (b)'s start-up")
     ax1.axhline(RATIO_TARGET, color="gray", linestyle=":", label=f"target {RATIO_TARGET}x")
     ax1.axhline(RATIO_AIM, color="gray", linestyle="-.", label=f"aim {RATIO_AIM:g}x")
-    ax1.set_xlabel("concurrent experiments N")
-    ax1.set_ylabel("experiment throughput ratio")
-    ax1.set_xscale("log", base=2)
-    ax1.set_xticks(ns, [str(n) for n in ns])
-    ax1.minorticks_off()
-    ax1.legend(fontsize=8)
+    _n_axis(ax1, ns, "experiment throughput ratio")
     ax2.plot(ns, [r["latency_mean_a"] for r in rows], "o-", label="(a) mean")
     ax2.plot(ns, [r["latency_p90_a"] for r in rows], "^--", label="(a) p90")
     ax2.plot(ns, [r["latency_mean_b"] for r in rows], "s:", label="(b) mean")
     one = next((r for r in rows if r["n"] == 1), None)
     if one is not None:
         ax2.axhline(LATENCY_FACTOR * one["latency_mean_a"], color="gray", linestyle=":", label=f"{LATENCY_FACTOR:g}x N=1")
-    ax2.set_xlabel("concurrent experiments N")
-    ax2.set_ylabel("per-step latency (s)")
-    ax2.set_xscale("log", base=2)
-    ax2.set_xticks(ns, [str(n) for n in ns])
-    ax2.minorticks_off()
-    ax2.legend(fontsize=8)
+    _n_axis(ax2, ns, "per-step latency (s)")
     fig.suptitle(f"clora bench experiments: {Path(result['model']).name}, {result['steps']} steps; {result['machine']}",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _n_axis(ax, ns: list[int], ylabel: str) -> None:
+    ax.set_xlabel("concurrent experiments N")
+    ax.set_ylabel(ylabel)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.minorticks_off()
+    ax.legend(fontsize=8)
 
 
 if __name__ == "__main__":
