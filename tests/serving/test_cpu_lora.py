@@ -88,9 +88,16 @@ def test_the_plugin_is_declared_and_replaces_the_cpu_wrappers_ops(monkeypatch):
     monkeypatch.setenv(cpu_lora.ENV, "vllm")
     cpu_lora.register()
     assert punica_cpu.bgmv_shrink is vllm_ops.bgmv_shrink  # switched off: vLLM's own
+    assert punica_cpu.PunicaWrapperCPU.add_lora_linear is not cpu_lora.add_lora_linear
     monkeypatch.setenv(cpu_lora.ENV, "clora")
     cpu_lora.register()
     assert all(getattr(punica_cpu, name) is fn for name, fn in cpu_lora.OPS.items())
+    assert punica_cpu.PunicaWrapperCPU.add_lora_linear is cpu_lora.add_lora_linear
+    monkeypatch.setenv(cpu_lora.ENV, "vllm")
+    cpu_lora.register()
+    assert punica_cpu.PunicaWrapperCPU.add_lora_linear is cpu_lora._VLLM_ADD_LORA_LINEAR
+    monkeypatch.setenv(cpu_lora.ENV, "clora")
+    cpu_lora.register()
     monkeypatch.setenv(cpu_lora.ENV, "fast")
     with pytest.raises(ValueError, match=cpu_lora.ENV):
         cpu_lora.register()
@@ -113,3 +120,55 @@ def test_wide_expands_with_several_adapters_go_per_adapter_and_agree(rng):
     keep = idx >= 0
     assert torch.allclose(per_adapter[keep], torch.einsum("tr,tor->to", h[keep], b[idx[keep]]), atol=1e-4)
     assert torch.equal(per_adapter[~keep], torch.zeros(int((~keep).sum()), 3 * HIDDEN))
+
+
+@pytest.mark.parametrize("prefill", [True, False])
+@pytest.mark.parametrize("ids", [(1, 1, 1, 1), (1, 3, 0, 2), (2, 0, 0, 2), (0, 0, 0, 0)])
+def test_the_per_step_wrapper_path_matches_vllms_wrapper(rng, monkeypatch, prefill, ids):
+    """add_lora_linear with a plan made by update_metadata == vLLM's own add_lora_linear with vLLM's ops:
+    one adapter, several, some rows without any (id 0), none at all; merged slices of different widths;
+    prefill (per-sequence metadata) and decode."""
+    from vllm.lora.layers.utils import LoRAMapping
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    cpu_lora.register()  # installs the wrapper path (idempotent)
+    for name in cpu_lora.OPS:  # the reference runs on vLLM's own ops
+        monkeypatch.setattr(punica_cpu, name, getattr(vllm_ops, name))
+    wrapper = punica_cpu.PunicaWrapperCPU(64, 8, "cpu")
+    seq_lens = (3, 1, 4, 2)
+    mapping = LoRAMapping(
+        index_mapping=tuple(i for i, n in zip(ids, seq_lens) for _ in range(n)), prompt_mapping=ids, is_prefill=prefill
+    )
+    wrapper.update_metadata(mapping, [1, 2, 3, None], 5, 2048)
+    assert wrapper._clora_plan.tokens == sum(seq_lens)
+    tokens, widths = sum(seq_lens), (HIDDEN, 16, 16)
+    x = torch.randn(tokens, HIDDEN, generator=rng)
+    a = tuple(torch.randn(5, 1, RANK, HIDDEN, generator=rng) for _ in widths)
+    b = tuple(torch.randn(5, 1, w, RANK, generator=rng) for w in widths)
+    y0 = torch.randn(tokens, sum(widths), generator=rng)
+    ours, theirs = y0.clone(), y0.clone()
+    cpu_lora.add_lora_linear(wrapper, ours, x, a, b, 0.5, widths)
+    cpu_lora._VLLM_ADD_LORA_LINEAR(wrapper, theirs, x, a, b, 0.5, widths)
+    # rows without an adapter keep the base output (vLLM's CPU ops give them the last slot's adapter)
+    none = wrapper.token_lora_indices < 0
+    assert torch.equal(ours[none], y0[none])
+    assert torch.allclose(ours[~none], theirs[~none], atol=1e-4)
+    assert not torch.equal(ours[~none], y0[~none]) or bool(none.all())
+
+
+def test_the_wrapper_path_falls_back_to_vllms_without_a_plan_for_the_batch(rng, monkeypatch):
+    from vllm.lora.layers.utils import LoRAMapping
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    cpu_lora.register()
+    calls = []
+    monkeypatch.setattr(cpu_lora, "_VLLM_ADD_LORA_LINEAR", lambda *args, **kwargs: calls.append(kwargs))
+    wrapper = punica_cpu.PunicaWrapperCPU(64, 8, "cpu")
+    x, a, b = torch.randn(4, HIDDEN, generator=rng), (torch.zeros(2, 1, RANK, HIDDEN),), (torch.zeros(2, 1, HIDDEN, RANK),)
+    wrapper.add_lora_linear(torch.ones(4, HIDDEN), x, a, b, 1.0, (HIDDEN,))  # no metadata yet (vLLM's profile run)
+    wrapper.update_metadata(LoRAMapping(index_mapping=(1, 1, 1), prompt_mapping=(1,), is_prefill=True), [1, None], 2, 2048)
+    wrapper.add_lora_linear(torch.ones(4, HIDDEN), x, a, b, 1.0, (HIDDEN,))  # 4 rows, a plan for 3
+    wrapper.add_lora_linear(torch.ones(3, HIDDEN), x[:3], a, b, 1.0, (HIDDEN,), add_inputs=False)  # not "y +="
+    assert len(calls) == 3
+    wrapper.add_lora_linear(torch.ones(3, HIDDEN), x[:3], a, b, 1.0, (HIDDEN,))  # the plan's batch: ours
+    assert len(calls) == 3
