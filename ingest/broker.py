@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -21,6 +22,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+
+FREE_PORT_FLOOR = 20000  # free_port draws from here up to the kernel's ephemeral range
 
 
 class BrokerError(RuntimeError):
@@ -52,9 +56,32 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, for a service started a little later (tests, the demo, benchmarks).
+
+    Drawn at random below the kernel's ephemeral range: a port from that range (what binding port 0
+    gives) can be taken by any outgoing connection in the seconds before the service binds it, which
+    happened under load. Falls back to binding port 0 when no port below the range is free."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(FREE_PORT_FLOOR, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    return max(low, FREE_PORT_FLOOR + 1000)
 
 
 def wait_for_kafka(bootstrap: str, timeout: float = 30.0) -> None:

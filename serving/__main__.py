@@ -10,6 +10,10 @@ exit code 1 instead of answering 503 forever, so a supervisor (`clora up`, syste
 
 The engine's core runs in a child process started with "spawn", so everything here stays behind
 `if __name__ == "__main__"` (Python skips a package's `__main__` module in spawned children).
+
+The port is bound first, before the engine starts: a port that is taken fails the start at once with a
+clear message, and a port chosen free a moment ago cannot be taken by another process during the
+engine's start (it was, under load, with ports picked by binding port 0).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import asyncio
 import functools
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -32,6 +37,20 @@ def base_model_path(cfg) -> Path:
     from learner.tiny_model import ensure_tiny
 
     return ensure_tiny(cfg.data_dir / "models", cfg.model.seed)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The HTTP port, bound (not yet listening: clients are refused, not queued, until /health can answer).
+    Exits with a clear message when the port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"serving: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 async def serve(cfg, host: str, port: int) -> int:
@@ -50,6 +69,7 @@ async def serve(cfg, host: str, port: int) -> int:
     from storage.registry import Registry
 
     s = cfg.serving
+    listener = listen(host, port)  # before the engine's long start: the port is ours, or we say so at once
     model_path = base_model_path(cfg)
     metrics = ServingMetrics()
     engine = build_engine(
@@ -119,8 +139,9 @@ async def serve(cfg, host: str, port: int) -> int:
                 server.should_exit = True
 
         monitor = asyncio.create_task(watch_engine())
-        await server.serve()
+        await server.serve(sockets=[listener])
     finally:
+        listener.close()
         stop.set()
         for task in (watcher, monitor):
             if task is not None:
