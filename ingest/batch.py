@@ -128,7 +128,8 @@ class Processor:
         # Pass 1: decode, then ask the store about every key of the batch at once (vectorised lookups).
         # Dead-letter offsets are looked up one by one when a record is rejected (a few percent of them).
         max_bytes = self.max_message_bytes
-        decoded = [(Coords(r.topic, r.partition, r.offset), r.value or b"") for r in records]
+        # tuple.__new__ builds the NamedTuple from (topic, partition, offset) at half the cost of Coords(...).
+        decoded = [(tuple.__new__(Coords, r[:3]), r.value or b"") for r in records]
         events = [decode(raw, max_bytes=max_bytes) for _, raw in decoded]
         keys = {(ev.tenant, ev.id) for ev in events if type(ev) is not DeadLetter}
         stored_interactions = store.interactions.present(keys)
@@ -155,16 +156,17 @@ class Processor:
             out.reasons[dl.reason] += 1
 
         # Pass 2: one decision per record, in Kafka order.
+        specs, functions = self.specs, self.functions
         for (at, raw), ev in zip(decoded, events):
             if type(ev) is DeadLetter:
                 reject(ev, raw, at)
                 continue
-            spec = self.spec(ev.tenant)
+            spec = specs.get(ev.tenant) or self.spec(ev.tenant)
             if spec is None:
                 reject(DeadLetter("unknown_tenant", f"tenant {ev.tenant!r} is not configured", ev.tenant, ev.id), raw, at)
                 continue
             key = (ev.tenant, ev.id)
-            function = self.functions.get(spec)
+            function = functions.get(spec)
 
             if type(ev) is InteractionEvent:
                 stored = key in new_interactions or key in stored_interactions

@@ -106,8 +106,13 @@ def epoch_ms(ts: datetime) -> int:
 # Events -> rows
 
 
+# A NamedTuple's own constructor is a Python function; tuple.__new__ builds the same row from a tuple of
+# its fields in order at about half the cost, which counts for the rows built once per message.
+_row = tuple.__new__
+
+
 def interaction_row(ev: InteractionEvent, at: Coords, ingested_at: int) -> InteractionRow:
-    return InteractionRow(
+    return _row(InteractionRow, (
         ev.id,
         ev.tenant,
         epoch_ms(ev.ts),
@@ -122,16 +127,16 @@ def interaction_row(ev: InteractionEvent, at: Coords, ingested_at: int) -> Inter
         at.partition,
         at.offset,
         ingested_at,
-    )
+    ))
 
 
 def trajectory_row(row: InteractionRow, reward: float, source: str, ingested_at: int) -> TrajectoryRow:
     """A scored interaction; it keeps the interaction's Kafka provenance."""
-    return TrajectoryRow(*row[:6], reward, source, *row[6:13], ingested_at)
+    return _row(TrajectoryRow, row[:6] + (reward, source) + row[6:13] + (ingested_at,))
 
 
 def feedback_row(ev: FeedbackEvent, at: Coords, ingested_at: int) -> FeedbackRow:
-    return FeedbackRow(ev.id, ev.tenant, epoch_ms(ev.ts), ev.score, ev.source, at.topic, at.partition, at.offset, ingested_at)
+    return _row(FeedbackRow, (ev.id, ev.tenant, epoch_ms(ev.ts), ev.score, ev.source, at.topic, at.partition, at.offset, ingested_at))
 
 
 def dead_letter_row(dl: DeadLetter, raw: bytes, at: Coords, ingested_at: int) -> DeadLetterRow:

@@ -102,19 +102,27 @@ def write_dataset(root, dataset: str, table: pa.Table, *, file_id: str) -> list[
 
 def split_by_tenant(table: pa.Table) -> list[tuple[str, pa.Table]]:
     """(tenant, its rows in their original order) per tenant, tenants sorted: one stable sort and slices,
-    not a filter pass per tenant."""
+    not a filter pass per tenant. A table already ordered by tenant (ingest sorts its rows before building
+    the table) is only sliced: the sort would copy every column for nothing."""
     if table.num_rows == 0:
         return []
-    ordered = table.take(pc.sort_indices(table, sort_keys=[("tenant", "ascending")]))  # stable
-    tenants = ordered.column("tenant")
-    runs = pc.run_end_encode(tenants.combine_chunks() if tenants.num_chunks != 1 else tenants.chunk(0))
-    ends = runs.run_ends.to_pylist()
+    runs = _tenant_runs(table)
     values = runs.values.to_pylist()
+    if values != sorted(set(values)):
+        table = table.take(pc.sort_indices(table, sort_keys=[("tenant", "ascending")]))  # stable
+        runs = _tenant_runs(table)
+        values = runs.values.to_pylist()
+    ends = runs.run_ends.to_pylist()
     out, start = [], 0
     for tenant, end in zip(values, ends):
-        out.append((tenant, ordered.slice(start, end - start)))
+        out.append((tenant, table.slice(start, end - start)))
         start = end
     return out
+
+
+def _tenant_runs(table: pa.Table) -> pa.RunEndEncodedArray:
+    tenants = table.column("tenant")
+    return pc.run_end_encode(tenants.combine_chunks() if tenants.num_chunks != 1 else tenants.chunk(0))
 
 
 def parquet_options(schema: pa.Schema, compression: str = COMPRESSION) -> dict:

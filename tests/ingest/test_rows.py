@@ -2,8 +2,10 @@
 
 from datetime import datetime, timezone
 
+import pyarrow.parquet as pq
 import pytest
 
+from ingest.consumer import DatasetRows, batch_file_id, write_rows
 from ingest.events import DeadLetter, FeedbackEvent, InteractionEvent
 from ingest.rows import (
     RAW_PREFIX_BYTES,
@@ -52,3 +54,16 @@ def test_feedback_and_dead_letter_rows():
     assert dl.tenant == "_unknown" and len(dl.raw) == RAW_PREFIX_BYTES
     table = to_table([dl], DeadLetterRow)
     assert table.column("reason").to_pylist() == ["not_json"]
+
+
+def test_write_rows_one_file_per_tenant_with_rows_in_arrival_order(tmp_path):
+    def row(tenant, id_, offset):
+        ev = InteractionEvent(id=id_, tenant=tenant, completion="c", prompt="p")
+        return interaction_row(ev, Coords("clora.interactions", 0, offset), ingested_at=1)
+
+    rows = [row("globex", "g1", 0), row("acme", "a1", 1), row("globex", "g2", 2), row("acme", "a2", 3), row("acme", "a0", 4)]
+    part = DatasetRows("interactions", InteractionRow, rows, [(r.tenant, r.id) for r in rows])
+    paths = write_rows(str(tmp_path), part, {("clora.interactions", 0): (0, 4)})
+    assert [p.parent.name for p in paths] == ["tenant=acme", "tenant=globex"]
+    assert [pq.read_table(p).column("id").to_pylist() for p in paths] == [["a1", "a2", "a0"], ["g1", "g2"]]
+    assert [p.name for p in paths] == [batch_file_id({("clora.interactions", 0): (0, 4)}, part.keys) + ".parquet"] * 2
