@@ -112,6 +112,7 @@ class Policy:
         self._specs: dict[str, TenantSpec] = {}
         self._optimizers: dict[str, torch.optim.Optimizer] = {}
         self._params: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
+        self._file_keys: dict[str, list[tuple[str, torch.nn.Parameter]] | None] = {}
         self._active: str | None = None
         self._lora_layers: list | None = None  # the switch's fast path (see `use`)
 
@@ -159,6 +160,11 @@ class Policy:
         if not params:
             raise PolicyError(f"tenant {spec.name!r}: target modules {list(spec.target_modules)} matched no layer")
         self._params[spec.name] = params
+        # The PEFT file keys of the adapter's tensors: its parameter names without the adapter name, as peft's
+        # get_peft_model_state_dict writes them (checked against it here, once; that walk of the whole model
+        # state cost more than the file write, twice per step). None: an adapter kind with other keys.
+        keyed = {n.replace(f".{name}.", "."): param for n, param in params}
+        self._file_keys[spec.name] = sorted(keyed.items()) if set(keyed) == set(_peft_keys(self.model, name)) else None
         for _, p in (p for ps in self._params.values() for p in ps):
             p.requires_grad_(True)  # peft's add_adapter froze the other adapters; each optimizer owns its own
         self._lora_layers = _lora_layers(self.model)
@@ -316,7 +322,7 @@ class Policy:
         self._require(tenant)
         return Snapshot(
             weights={n: p.detach().clone() for n, p in self._params[tenant]},
-            optimizer=copy.deepcopy(self._optimizers[tenant].state_dict()),
+            optimizer=_copy_state(self._optimizers[tenant].state_dict()),
         )
 
     def restore(self, tenant: str, snapshot: Snapshot) -> None:
@@ -348,7 +354,11 @@ class Policy:
         name = adapter_name(tenant)
         directory = Path(directory)
         # Never the base embeddings (peft would add them when lm_head is a target): only lora_A/lora_B.
-        state = get_peft_model_state_dict(self.model, adapter_name=name, save_embedding_layers=False)
+        keyed = self._file_keys.get(tenant)
+        if keyed is not None:
+            state = dict(keyed)
+        else:
+            state = get_peft_model_state_dict(self.model, adapter_name=name, save_embedding_layers=False)
         save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         config = copy.deepcopy(self.model.peft_config[name])
         config.inference_mode = True
@@ -461,6 +471,18 @@ def _lora_layers(model) -> list | None:
     if not hasattr(model, "base_model") or not hasattr(model.base_model, "active_adapter"):
         return None
     return layers
+
+
+def _copy_state(value):
+    """A deep copy of an optimizer state dict: tensors cloned, containers rebuilt (deepcopy's generic
+    machinery took several milliseconds per step for AdamW's few dozen tensors)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _copy_state(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copy_state(v) for v in value)
+    return copy.deepcopy(value)
 
 
 def _adapter_of(param_name: str) -> str | None:

@@ -308,6 +308,24 @@ def test_rollouts_mode_with_a_prompts_file_and_the_local_sampler(tiny_model, dat
         assert v.gate["probe_reward"] is not None and v.gate["parent_probe_reward"] is not None
 
 
+def test_a_prompts_file_is_rendered_once_and_again_when_it_changes(tiny_model, data_dir, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Write a number.\nhello\n")
+    cfg = make_config(data_dir, tiny_model, [{"name": "lab", "mode": "rollouts", "scorer": "length:20",
+                                              "prompts_file": str(prompts)}], rollout_sampler="local")
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    rt = learner.tenants["lab"]
+    first = learner._file_prompts(rt)
+    assert len(first) == 2 and "Write a number." in first[0] and first[0].startswith("<|im_start|>")
+    assert learner._file_prompts(rt) is first  # not read and rendered again
+    prompts.write_text("Write a number.\nhello\nCount to five.\n")
+    assert [p for p in learner._file_prompts(rt) if "Count to five." in p]
+    prompts.unlink()
+    with pytest.raises(Exception, match="prompts_file"):  # a vanished file is an error, not the old prompts
+        learner._file_prompts(rt)
+    learner.close()
+
+
 def test_rollouts_mode_takes_prompts_from_production_and_skips_logged_rollouts(tiny_model, data_dir):
     production = rows("p", 2)
     logged_rollouts = rows("r", 3, metadata={"source": "rollout"})

@@ -130,6 +130,14 @@ def test_saved_adapter_is_standard_peft_and_loads_in_peft(policy, tiny_model, tm
         keys = list(f.keys())
     assert keys and all(k.startswith("base_model.model.model.layers.") for k in keys)
     assert not any("clora_" in k for k in keys), keys[:3]  # no adapter name inside the keys
+    # the file's keys and tensors are exactly what peft's own state-dict walk gives
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    assert policy._file_keys["beta.prod"] is not None  # the direct path, not the walk
+    peft_state = get_peft_model_state_dict(policy.model, adapter_name=adapter_name("beta.prod"), save_embedding_layers=False)
+    saved = load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert saved.keys() == peft_state.keys() and all(torch.equal(saved[k], peft_state[k]) for k in saved)
     assert read_adapter_shape(tmp_path) == {"rank": 4, "alpha": 8.0, "target_modules": ("q_proj", "v_proj"), "dropout": 0.0}
     # peft loads it onto a fresh base and computes what the learner computes
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), tmp_path)
@@ -158,11 +166,15 @@ def test_checkpoint_round_trip_restores_adapter_and_optimizer(policy, tiny_model
 
 def test_snapshot_and_restore_undo_a_step(policy):
     batch, _, _ = small_batch(policy)
+    pg_update(policy, "acme", batch, torch.tensor([0.5, -1.0, 0.5]), clip_eps=0.2)  # the optimizer has state
     snap = policy.snapshot("acme")
     before = policy.token_logprobs(batch, "acme")
+    moments = {k: v.clone() for k, v in policy._optimizers["acme"].state_dict()["state"][0].items()}
     pg_update(policy, "acme", batch, torch.tensor([1.0, -1.0, 0.5]), clip_eps=0.2)
     policy.restore("acme", snap)
     assert torch.equal(policy.token_logprobs(batch, "acme"), before)
+    restored = policy._optimizers["acme"].state_dict()["state"][0]
+    assert moments.keys() == restored.keys() and all(torch.equal(moments[k], restored[k]) for k in moments)
 
 
 def test_loading_an_adapter_of_another_shape_is_refused_with_names(policy, tmp_path):
