@@ -4,8 +4,8 @@ The base model is loaded once. Each tenant gets a named LoRA adapter on the same
 (`add_adapter` / `set_adapter`), with its own rank, alpha and target modules, and its own torch AdamW over
 that adapter's parameters only. Memory is therefore base + N x (adapter + optimizer state), and switching
 tenants is `set_adapter` (pointer moves, no copies; `clora bench learner` measures it). The base weights
-are frozen and shared; KL to the base is computed by running the same model with the adapter disabled
-(`disable_adapter()`), so no second copy of the base is ever held.
+are frozen and shared; KL to the base is computed by running the same model with its LoRA layers switched
+off (`Policy.adapter(None)`), so no second copy of the base is ever held.
 
 Adapter names: torch module names cannot contain ".", which tenant names may, and peft strips the
 adapter name from state-dict keys by plain substring replacement; so each tenant's adapter is called
@@ -330,7 +330,7 @@ class Policy:
         with torch.no_grad():
             for n, p in self._params[tenant]:
                 p.copy_(snapshot.weights[n])
-        self._optimizers[tenant].load_state_dict(copy.deepcopy(snapshot.optimizer))
+        self._optimizers[tenant].load_state_dict(_copy_state(snapshot.optimizer))
 
     def weights_finite(self, tenant: str) -> bool:
         self._require(tenant)
