@@ -1,6 +1,6 @@
 """`clora bench serving`: what multi-LoRA batching costs and saves, on the engine the serving tier uses.
 
-    clora bench serving --tenants 1,2,4,8 --prompts 16 --tokens 32 --out bench-results
+    clora bench serving --tenants 1,2,4,8 --prompts 8 --tokens 32 --out bench-results
 
 For each N in --tenants, the same N x --prompts requests (distinct chat prompts, --tokens generated
 tokens each, EOS ignored so every request generates exactly that many) run four ways:
@@ -15,8 +15,8 @@ tokens each, EOS ignored so every request generates exactly that many) run four 
 Reading the table: zero-lora / base is what the punica ops cost at all (on CPU: serving/cpu_lora.py's
 ops, or with --cpu-lora-ops vllm vLLM's own, which gather and einsum per row); mixed / zero-lora is what N distinct adapters in one batch add (each row gathers its
 own adapter's weights); one-by-one / mixed is what batching tenants together saves. Throughput is
-generated tokens per second of wall time, after a warm-up pass; timings on a shared machine are
-compared as ratios within one run.
+generated tokens per second of wall time, after a warm-up pass, the median of --repeats runs (the modes
+interleaved); timings on a shared machine are compared as ratios within one run.
 
 Adapters are random rank-`--rank` LoRAs in PEFT layout over every projection, written to a temporary
 directory. Prints a table; writes serving.json and serving.png under --out. Not part of the test suite.
@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -37,12 +38,16 @@ MODES = ("mixed", "one-by-one", "zero-lora", "base")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenants", default="1,2,4,8", help="tenant counts to measure (default 1,2,4,8)")
-    parser.add_argument("--prompts", type=int, default=16, help="requests per tenant (default 16)")
+    parser.add_argument("--prompts", type=int, default=8,
+                        help="requests per tenant (default 8: one step's rollouts in `clora bench experiments`)")
     parser.add_argument("--tokens", type=int, default=32, help="generated tokens per request (default 32)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the median counts (default 3)")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank of the adapters (default 8)")
     parser.add_argument("--dtype", default=None, help="engine dtype (default: serving.dtype of the config)")
     parser.add_argument("--cpu-lora-ops", choices=("clora", "vllm"), default="clora",
                         help="on CPU: clora's multi-LoRA ops (default) or vLLM's own (serving/cpu_lora.py)")
+    parser.add_argument("--eager-lora", action="store_true",
+                        help="on CPU: run the LoRA engine eagerly, as vLLM does, instead of compiled (serving/cpu_lora.py)")
 
 
 def write_random_adapter(out_dir: Path, base_shapes: dict[str, tuple[int, int]], *, rank: int, seed: int) -> Path:
@@ -110,11 +115,15 @@ async def measure(model_path: Path, counts: list[int], args, dtype: str) -> dict
             batches = {t: prompts(engine, t, args.prompts) for t in range(top)}
             await timed(engine, [(ids, adapters[t]) for t in range(top) for ids in batches[t][:2]], sampling)  # warm-up
             for n in counts:
-                seconds["mixed"][n] = await timed(engine, [(ids, adapters[t]) for t in range(n) for ids in batches[t]], sampling)
-                seconds["one-by-one"][n] = sum([
-                    await timed(engine, [(ids, adapters[t]) for ids in batches[t]], sampling) for t in range(n)
-                ])
-                seconds["zero-lora"][n] = await timed(engine, [(ids, None) for t in range(n) for ids in batches[t]], sampling)
+                runs = {"mixed": [], "one-by-one": [], "zero-lora": []}
+                for _ in range(args.repeats):  # interleaved, so a noisy moment touches every mode alike
+                    runs["mixed"].append(await timed(engine, [(ids, adapters[t]) for t in range(n) for ids in batches[t]], sampling))
+                    runs["one-by-one"].append(sum([
+                        await timed(engine, [(ids, adapters[t]) for ids in batches[t]], sampling) for t in range(n)
+                    ]))
+                    runs["zero-lora"].append(await timed(engine, [(ids, None) for t in range(n) for ids in batches[t]], sampling))
+                for mode, values in runs.items():
+                    seconds[mode][n] = statistics.median(values)
                 print(f"  N={n}: mixed {seconds['mixed'][n]:.2f}s, one-by-one {seconds['one-by-one'][n]:.2f}s, "
                       f"zero-lora {seconds['zero-lora'][n]:.2f}s", flush=True)
         finally:
@@ -124,7 +133,10 @@ async def measure(model_path: Path, counts: list[int], args, dtype: str) -> dict
         try:
             await timed(engine, [(ids, None) for ids in batches[0][:2]], sampling)  # warm-up
             for n in counts:
-                seconds["base"][n] = await timed(engine, [(ids, None) for t in range(n) for ids in batches[t]], sampling)
+                seconds["base"][n] = statistics.median([
+                    await timed(engine, [(ids, None) for t in range(n) for ids in batches[t]], sampling)
+                    for _ in range(args.repeats)
+                ])
                 print(f"  N={n}: base {seconds['base'][n]:.2f}s", flush=True)
         finally:
             engine.shutdown()
@@ -134,15 +146,17 @@ async def measure(model_path: Path, counts: list[int], args, dtype: str) -> dict
 def run(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
     from serving.__main__ import base_model_path
-    from serving.cpu_lora import ENV
+    from serving.cpu_lora import COMPILE_ENV, ENV
 
     os.environ[ENV] = args.cpu_lora_ops  # read by the plugin in the engine's processes
+    os.environ[COMPILE_ENV] = "0" if args.eager_lora else "1"
     cfg = config_from_args(args)
     counts = sorted({int(x) for x in str(args.tenants).split(",") if x.strip()})
     dtype = args.dtype or cfg.serving.dtype
     model_path = base_model_path(cfg)
     print(f"clora bench serving: {model_path}, tenants {counts}, {args.prompts} prompts x {args.tokens} tokens "
-          f"per tenant, rank {args.rank}, dtype {dtype}, CPU LoRA ops {args.cpu_lora_ops}", flush=True)
+          f"per tenant, rank {args.rank}, dtype {dtype}, CPU LoRA ops {args.cpu_lora_ops}"
+          f"{', eager LoRA engine' if args.eager_lora else ''}", flush=True)
     seconds = asyncio.run(measure(model_path, counts, args, dtype))
 
     rows = []
@@ -173,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"benchmark": "serving", "model": str(model_path), "dtype": dtype, "prompts_per_tenant": args.prompts,
-              "tokens_per_request": args.tokens, "rank": args.rank, "cpu_lora_ops": args.cpu_lora_ops, "rows": rows}
+              "tokens_per_request": args.tokens, "rank": args.rank, "cpu_lora_ops": args.cpu_lora_ops, "eager_lora": args.eager_lora,
+              "repeats": args.repeats, "rows": rows}
     (out / "serving.json").write_text(json.dumps(result, indent=2))
     _plot(rows, out / "serving.png")
     print(f"wrote {out / 'serving.json'} and {out / 'serving.png'}")

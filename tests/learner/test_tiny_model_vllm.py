@@ -1,9 +1,10 @@
-"""The tiny model in the real vLLM engine, with and without a PEFT LoRA adapter.
+"""The tiny model in the real vLLM engine, with and without PEFT LoRA adapters.
 
-One in-process engine for the module (VLLM_ENABLE_V1_MULTIPROCESSING=0: no engine-core subprocess, a
-start of a few seconds). float32, as the learner computes, so the engine's logprobs can be compared with
-transformers' and peft's. An explicit KV-cache size skips vLLM's CPU memory-fraction check, which looks
-at one NUMA node and fails on small machines.
+In-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0: no engine-core subprocess), one run eagerly and one
+compiled (how clora's plugin runs LoRA engines on CPU, serving/cpu_lora.py: the LoRA op is opaque to the
+compiler and reads the step's adapter mapping when the graph runs). float32, as the learner computes, so
+the engine's logprobs can be compared with transformers' and peft's. An explicit KV-cache size skips
+vLLM's CPU memory-fraction check, which looks at one NUMA node and fails on small machines.
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ def tiny(tmp_path_factory) -> Path:
     return build_tiny(tmp_path_factory.mktemp("models") / "tiny-0", seed=0)
 
 
-@pytest.fixture(scope="module")
-def adapter(tiny, tmp_path_factory) -> Path:
+def random_adapter(tiny: Path, out: Path, seed: int) -> Path:
     """A PEFT LoRA (r=8) on every projection, with random non-zero B so it changes the model."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -40,18 +40,27 @@ def adapter(tiny, tmp_path_factory) -> Path:
         AutoModelForCausalLM.from_pretrained(tiny),
         LoraConfig(r=8, lora_alpha=16, target_modules=TARGET_MODULES, task_type="CAUSAL_LM"),
     )
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    out = tmp_path_factory.mktemp("adapters") / "t1"
     model.save_pretrained(out)
     return out
 
 
 @pytest.fixture(scope="module")
-def llm(tiny):
+def adapter(tiny, tmp_path_factory) -> Path:
+    return random_adapter(tiny, tmp_path_factory.mktemp("adapters") / "t1", seed=1)
+
+
+@pytest.fixture(scope="module")
+def adapter2(tiny, tmp_path_factory) -> Path:
+    return random_adapter(tiny, tmp_path_factory.mktemp("adapters") / "t2", seed=2)
+
+
+@pytest.fixture(scope="module", params=["eager", "compiled"])
+def llm(tiny, request):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
@@ -65,17 +74,22 @@ def llm(tiny):
             max_model_len=512,
             max_num_seqs=4,
             kv_cache_memory_bytes=256 * 1024**2,
-            enforce_eager=True,
+            enforce_eager=request.param == "eager",
             seed=0,
         )
+        if request.param == "compiled":
+            from vllm.config import CompilationMode
+
+            config = engine.llm_engine.vllm_config.compilation_config
+            assert config.mode == CompilationMode.DYNAMO_TRACE_ONCE, config.mode
         yield engine
         del engine
 
 
-def lora_request(adapter: Path):
+def lora_request(adapter: Path, name: str = "t1", number: int = 1):
     from vllm.lora.request import LoRARequest
 
-    return LoRARequest("t1", 1, str(adapter))
+    return LoRARequest(name, number, str(adapter))
 
 
 def greedy(max_tokens: int = 12, logprobs: int | None = None):
@@ -109,6 +123,21 @@ def test_one_batch_mixes_base_and_adapter_rows(llm, adapter):
     mixed = llm.generate([prompt, prompt], greedy(), lora_request=[None, lora_request(adapter)])
     assert list(mixed[0].outputs[0].token_ids) == list(alone_base)
     assert list(mixed[1].outputs[0].token_ids) == list(alone_tuned)
+
+
+def test_one_batch_mixes_two_adapters_and_base_rows(llm, adapter, adapter2):
+    """Each row follows its own adapter, however the batch mixes them (and in whatever slots they land)."""
+    prompt = "<|im_start|>user\nName a city.<|im_end|>\n<|im_start|>assistant\n"
+    requests = [lora_request(adapter), lora_request(adapter2, "t2", 2), None, lora_request(adapter2, "t2", 2)]
+    params = greedy(max_tokens=10, logprobs=0)
+    alone = [llm.generate([prompt], params, lora_request=r)[0].outputs[0] for r in requests[:3]]
+    assert len({tuple(c.token_ids) for c in alone}) == 3  # the adapters and the base model all differ
+    mixed = [o.outputs[0] for o in llm.generate([prompt] * 4, params, lora_request=requests)]
+    for got, want in zip(mixed, alone + alone[1:2]):
+        assert list(got.token_ids) == list(want.token_ids)
+        got_lp = [step[t].logprob for step, t in zip(got.logprobs, got.token_ids)]
+        want_lp = [step[t].logprob for step, t in zip(want.logprobs, want.token_ids)]
+        assert got_lp == pytest.approx(want_lp, abs=1e-4)
 
 
 def sequence_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:

@@ -4,6 +4,7 @@ zero for rows without an adapter, and are what vLLM's CPU punica wrapper calls o
 from __future__ import annotations
 
 import importlib.metadata
+import types
 
 import pytest
 import torch
@@ -100,6 +101,40 @@ def test_the_plugin_is_declared_and_replaces_the_cpu_wrappers_ops(monkeypatch):
     cpu_lora.register()
     monkeypatch.setenv(cpu_lora.ENV, "fast")
     with pytest.raises(ValueError, match=cpu_lora.ENV):
+        cpu_lora.register()
+
+
+def test_the_plugin_compiles_lora_engines_unless_switched_off(monkeypatch):
+    """vLLM's CPU platform sets compilation mode NONE for any engine with a LoRA config; the plugin hides
+    the LoRA config from that check (and only from it) unless CLORA_CPU_LORA_COMPILE=0 or vLLM's ops."""
+    from vllm.platforms import cpu
+
+    seen = []
+
+    def fake_check(cls, vllm_config):  # stands in for vLLM's check, recording what it was shown
+        seen.append(vllm_config.lora_config)
+
+    monkeypatch.setattr(cpu.CpuPlatform, "check_and_update_config", classmethod(fake_check))
+    monkeypatch.setattr(cpu_lora, "_VLLM_CHECK_CONFIG", None)
+    config = types.SimpleNamespace(lora_config="lora")
+    monkeypatch.setenv(cpu_lora.ENV, "clora")
+    monkeypatch.setenv(cpu_lora.COMPILE_ENV, "1")
+    cpu_lora.register()
+    cpu.CpuPlatform.check_and_update_config(config)
+    assert seen == [None] and config.lora_config == "lora"  # hidden during the check, restored after
+    monkeypatch.setenv(cpu_lora.COMPILE_ENV, "0")
+    cpu_lora.register()
+    cpu.CpuPlatform.check_and_update_config(config)
+    assert seen == [None, "lora"]  # eager: vLLM's check sees the LoRA config
+    monkeypatch.setenv(cpu_lora.COMPILE_ENV, "1")
+    cpu_lora.register()
+    monkeypatch.setenv(cpu_lora.ENV, "vllm")
+    cpu_lora.register()
+    cpu.CpuPlatform.check_and_update_config(config)
+    assert seen == [None, "lora", "lora"]  # vLLM's ops: vLLM's eager LoRA engines too
+    monkeypatch.setenv(cpu_lora.ENV, "clora")
+    monkeypatch.setenv(cpu_lora.COMPILE_ENV, "yes")
+    with pytest.raises(ValueError, match=cpu_lora.COMPILE_ENV):
         cpu_lora.register()
 
 
