@@ -207,3 +207,32 @@ def test_the_wrapper_path_falls_back_to_vllms_without_a_plan_for_the_batch(rng, 
     assert len(calls) == 3
     wrapper.add_lora_linear(torch.ones(3, HIDDEN), x[:3], a, b, 1.0, (HIDDEN,))  # the plan's batch: ours
     assert len(calls) == 3
+
+
+def test_logits_lora_is_skipped_while_no_slot_has_an_lm_head_adapter(rng, monkeypatch):
+    from vllm.lora.layers.utils import LoRAMapping
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    cpu_lora.register()
+    assert punica_cpu.PunicaWrapperCPU.add_lora_logits is cpu_lora.add_lora_logits
+    wrapper = punica_cpu.PunicaWrapperCPU(64, 8, "cpu")
+    wrapper.update_metadata(LoRAMapping(index_mapping=(1, 2, 1), prompt_mapping=(1, 2, 1), is_prefill=False),
+                            [1, 2, None, None], 4, 2048)
+    vocab = 40
+    x = torch.randn(3, HIDDEN, generator=rng)
+    a = torch.randn(4, 1, RANK, HIDDEN, generator=rng)
+    b = torch.zeros(4, 1, vocab, RANK)
+    y0 = torch.randn(3, vocab, generator=rng)
+    calls = []
+    vllms = cpu_lora._VLLM_ADD_LORA_LOGITS
+    monkeypatch.setattr(cpu_lora, "_VLLM_ADD_LORA_LOGITS", lambda *args, **kwargs: calls.append(1) or vllms(*args, **kwargs))
+    y = y0.clone()
+    cpu_lora.add_lora_logits(wrapper, y, x, a, b, 1.0)
+    assert torch.equal(y, y0) and calls == []  # all-zero B: nothing to add, vLLM's op not run
+    b[1] = torch.randn(1, vocab, RANK, generator=rng)  # slot 1 now has an lm_head LoRA
+    y = y0.clone()
+    cpu_lora.add_lora_logits(wrapper, y, x, a, b, 1.0)
+    assert calls == [1] and not torch.equal(y, y0)
+    reference = y0.clone()
+    vllms(wrapper, reference, x, a, b, 1.0)
+    assert torch.equal(y, reference)
