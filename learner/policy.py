@@ -239,6 +239,54 @@ class Policy:
                 for layer in self._lora_layers:
                     layer._disable_adapters = False
 
+    @contextlib.contextmanager
+    def _merged(self, tenant: str | None) -> Iterator[None]:
+        """For generation (no gradient): runs the block on the base model with `tenant`'s LoRA folded into
+        the weights of the layers it adapts, W + scale B A, with the LoRA layers switched off, so each
+        token's forward pass is the plain model's (peft's per-layer adapter ops were most of a probe's time:
+        decoding is a few rows per step). The base weights are swapped for merged copies and put back, never
+        changed in place. Falls back to `adapter` for the base model and for LoRA layers of another kind."""
+        layers = self._mergeable(tenant)
+        if layers is None:
+            with self.adapter(tenant):
+                yield
+            return
+        name = adapter_name(tenant)
+        originals = []
+        try:
+            with torch.no_grad():
+                for layer in layers:
+                    base = layer.base_layer
+                    merged = torch.addmm(base.weight, layer.lora_B[name].weight, layer.lora_A[name].weight,
+                                         alpha=layer.scaling[name])
+                    originals.append((base, base.weight))
+                    base.weight = torch.nn.Parameter(merged, requires_grad=False)
+            with self.adapter(None):
+                yield
+        finally:
+            for base, weight in originals:
+                base.weight = weight
+
+    def _mergeable(self, tenant: str | None) -> list | None:
+        """The LoRA layers holding `tenant`'s adapter if every one is a plain peft LoRA over an nn.Linear
+        (no DoRA, no transposed weights); None otherwise (and for the base model)."""
+        if tenant is None or self._lora_layers is None:
+            return None
+        self._require(tenant)
+        name = adapter_name(tenant)
+        layers = [layer for layer in self._lora_layers if name in getattr(layer, "lora_A", {})]
+        for layer in layers:
+            if not (
+                isinstance(layer.base_layer, torch.nn.Linear)
+                and not getattr(layer, "fan_in_fan_out", False)
+                and not getattr(layer, "use_dora", {}).get(name, False)
+                and not getattr(layer, "lora_bias", {}).get(name, False)
+                and name in layer.lora_B
+                and name in layer.scaling
+            ):
+                return None
+        return layers or None
+
     # --- log-probs and the optimizer ------------------------------------------------------------------
     def token_logprobs(self, batch: TokenBatch, tenant: str | None, *, grad: bool = False) -> Tensor:
         """log pi(completion token | prefix) for every completion position, [B, C] (float32). Positions past
@@ -429,7 +477,7 @@ class Policy:
         enc = self.tokenizer(list(prompts), add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
         enc = {k: v.to(self.device) for k, v in enc.items()}
         kwargs = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-        with self.adapter(tenant):
+        with self._merged(tenant):
             out = self.model.generate(
                 **enc,
                 max_new_tokens=max_new_tokens,

@@ -241,3 +241,35 @@ def test_the_fast_tenant_switch_matches_peft_set_adapter(policy):
         other = "beta.prod" if tenant == "acme" else "acme"
         assert all(p.grad is None for p in policy.trainable(other))
         policy.zero_grad(tenant)
+
+
+def test_generation_with_the_adapter_folded_into_the_weights_matches_the_adapter_and_restores_the_base(policy):
+    """generate() folds the tenant's LoRA into merged copies of the base weights (LoRA layers off); the
+    greedy tokens are the adapter path's, the base weights come back as the very same tensors, and an
+    exception inside the block restores them too."""
+    batch, _, _ = small_batch(policy)
+    for tenant in ("acme", "beta.prod"):  # a trained adapter: B is no longer zero, so the merge changes W
+        pg_update(policy, tenant, batch, torch.tensor([1.0, -1.0, 0.5]), clip_eps=0.2)
+    prompts = [policy.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                    add_generation_prompt=True) for q in ("hi", "count to five")]
+    weights = {name: (p, p.detach().clone()) for name, p in policy.model.named_parameters() if "base_layer" in name}
+    for tenant in ("acme", "beta.prod"):
+        layers = policy._mergeable(tenant)
+        assert layers, "the tiny model's adapters are plain LoRA over nn.Linear: the merged path applies"
+        merged = policy.generate(tenant, prompts, max_new_tokens=12, greedy=True)
+        with policy.adapter(tenant):  # the same decoding through peft's LoRA layers
+            enc = policy.tokenizer(prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
+            out = policy.model.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=policy.pad_token_id,
+                                        eos_token_id=list(policy.stop_token_ids))
+        width = enc["input_ids"].shape[1]
+        unmerged = [policy._sample(row[width:].tolist(), tenant) for row in out]
+        assert [m[0].token_ids for m in merged] == [u.token_ids for u in unmerged]
+        base_tokens = policy.generate(None, prompts, max_new_tokens=12, greedy=True)
+        assert [m[0].token_ids for m in merged] != [b[0].token_ids for b in base_tokens]
+    with pytest.raises(RuntimeError), policy._merged("acme"):
+        raise RuntimeError("inside the merged block")
+    current = dict(policy.model.named_parameters())
+    for name, (param, value) in weights.items():
+        assert current[name] is param and torch.equal(param, value)  # the same tensors, unchanged
+    assert not any(layer.disable_adapters for layer in policy._lora_layers)
+    assert policy._mergeable(None) is None
