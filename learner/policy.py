@@ -115,6 +115,7 @@ class Policy:
         self._file_keys: dict[str, list[tuple[str, torch.nn.Parameter]] | None] = {}
         self._active: str | None = None
         self._lora_layers: list | None = None  # the switch's fast path (see `use`)
+        self._has_dropout = _has_dropout(base)  # whether train mode changes a forward pass at all
 
     # --- tenants --------------------------------------------------------------------------------------
     @property
@@ -168,6 +169,7 @@ class Policy:
         for _, p in (p for ps in self._params.values() for p in ps):
             p.requires_grad_(True)  # peft's add_adapter froze the other adapters; each optimizer owns its own
         self._lora_layers = _lora_layers(self.model)
+        self._has_dropout = _has_dropout(self.model)
         self._optimizers[spec.name] = torch.optim.AdamW([p for _, p in params], lr=spec.learning_rate, weight_decay=0.0)
         self._specs[spec.name] = spec
         self._active = None  # peft may have moved the active adapter
@@ -293,7 +295,9 @@ class Policy:
         a completion's end hold values of padding tokens: mask them with batch.completion_mask."""
         batch = batch.to(self.device)
         with self.adapter(tenant), torch.set_grad_enabled(grad):
-            self.model.train(grad)
+            if not (grad and self._has_dropout):  # train mode would change nothing (it walks every module)
+                return _gather_logprobs(self._completion_logits(batch), batch.completion_ids)
+            self.model.train(True)
             try:
                 logits = self._completion_logits(batch)
             finally:
@@ -502,6 +506,15 @@ class Policy:
     def _require(self, tenant: str) -> None:
         if tenant not in self._specs:
             raise PolicyError(f"tenant {tenant!r} has no adapter (known: {', '.join(self._specs) or 'none'})")
+
+
+def _has_dropout(model) -> bool:
+    """Whether the model's training mode changes its output: some dropout with p > 0 (the adapters' own
+    included), or attention dropout in its config."""
+    config = getattr(model, "config", None)
+    if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+        return True
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
 
 
 def _lora_layers(model) -> list | None:

@@ -273,3 +273,22 @@ def test_generation_with_the_adapter_folded_into_the_weights_matches_the_adapter
         assert current[name] is param and torch.equal(param, value)  # the same tensors, unchanged
     assert not any(layer.disable_adapters for layer in policy._lora_layers)
     assert policy._mergeable(None) is None
+
+
+def test_gradient_passes_use_train_mode_only_when_some_dropout_would_act(tiny_model):
+    """Train mode walks every module twice per pass; it is skipped when it changes nothing (no dropout),
+    and used when a tenant's adapter has dropout (two gradient passes then differ, no-grad ones do not)."""
+    plain = Policy(tiny_model, device="cpu")
+    plain.add_tenant(spec("a", rank=4))
+    assert plain._has_dropout is False
+    batch, _, _ = small_batch(plain)
+    assert torch.equal(plain.token_logprobs(batch, "a", grad=True), plain.token_logprobs(batch, "a", grad=True))
+    plain.add_tenant(spec("b", rank=4, dropout=0.5))
+    assert plain._has_dropout is True
+    with torch.no_grad():
+        for name, p in plain.model.named_parameters():
+            if "lora_B" in name and adapter_name("b") in name:
+                p.fill_(0.1)  # dropout on the adapter's input now shows in the output
+    assert not torch.equal(plain.token_logprobs(batch, "b", grad=True), plain.token_logprobs(batch, "b", grad=True))
+    assert torch.equal(plain.token_logprobs(batch, "b"), plain.token_logprobs(batch, "b"))
+    assert not plain.model.training
