@@ -14,12 +14,13 @@ import logging
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from collections.abc import Iterable
 from pathlib import Path
+
+from clora.processes import terminate
 
 logger = logging.getLogger(__name__)
 
@@ -184,14 +185,8 @@ class EmbeddedBroker:
 
     def stop(self, timeout: float = 10.0) -> None:
         proc, self.process = self.process, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            terminate(proc, timeout)
 
     def __enter__(self) -> EmbeddedBroker:
         return self
