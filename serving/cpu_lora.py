@@ -227,6 +227,19 @@ def _compile_lora_engines(on: bool) -> None:
 
 
 _VLLM_CHECK_CONFIG = None
+
+
+def _loadable_compile_cache() -> None:
+    """vLLM saves each compiled engine's graph (AOT) and loads it at the next start, but on CPU (inductor
+    named directly, not vLLM's backend) the saved function is torch's own serializable callable, which lacks
+    the `finalize_loading` step vLLM calls on load, so every start compiled again (~12 s on the tiny model).
+    That callable needs no finalizing: give it a no-op one (plain and LoRA engines alike)."""
+    try:
+        from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable as Callable_
+    except ImportError:  # another torch: nothing to mend
+        return
+    if not hasattr(Callable_, "finalize_loading"):
+        Callable_.finalize_loading = lambda self, vllm_config: None
 _VLLM_ADD_LORA_LINEAR = None  # vLLM's own, set by register()
 _VLLM_UPDATE_METADATA = None
 _VLLM_ADD_LORA_LOGITS = None
@@ -330,4 +343,5 @@ def register() -> None:
     wrapper.add_lora_logits = add_lora_logits
     _register_op()
     _compile_lora_engines(compiled == "1")
+    _loadable_compile_cache()
     logger.debug("clora's CPU LoRA ops are in place")

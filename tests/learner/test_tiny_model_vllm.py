@@ -59,11 +59,16 @@ def adapter2(tiny, tmp_path_factory) -> Path:
     return random_adapter(tiny, tmp_path_factory.mktemp("adapters") / "t2", seed=2)
 
 
-@pytest.fixture(scope="module", params=["eager", "compiled"])
+@pytest.fixture(scope="module", params=["eager", "compiled", "compiled-from-cache"])
 def llm(tiny, request):
+    """The third engine has the second's configuration, so it loads the graph the second compiled and saved
+    (vLLM's compile cache; serving/cpu_lora.py makes it loadable on CPU)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
+        from vllm.compilation.counter import compilation_counter
+
+        loaded_before = compilation_counter.num_aot_artifacts_loaded
 
         engine = LLM(
             model=str(tiny),
@@ -77,11 +82,13 @@ def llm(tiny, request):
             enforce_eager=request.param == "eager",
             seed=0,
         )
-        if request.param == "compiled":
+        if request.param != "eager":
             from vllm.config import CompilationMode
 
             config = engine.llm_engine.vllm_config.compilation_config
             assert config.mode == CompilationMode.DYNAMO_TRACE_ONCE, config.mode
+        if request.param == "compiled-from-cache":
+            assert compilation_counter.num_aot_artifacts_loaded == loaded_before + 1
         yield engine
         del engine
 
