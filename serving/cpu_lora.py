@@ -28,7 +28,7 @@ vLLM's CPU platform runs LoRA engines eagerly while it compiles plain ones (torc
 with the small batches of RL rollouts that eager overhead made a LoRA engine step ~1.5x a base one. Here
 LoRA engines are compiled too: traced, a LoRA layer calls one custom op (`clora::add_lora_linear`), which
 the compiler treats as opaque and which runs `add_lora_linear` on the current step's plan when the graph
-runs. Eight tenants x 8 rollouts: +21% tokens/s mixed, +41% one tenant at a time (BENCHMARKS.md).
+runs. Eight tenants x 8 rollouts: +11% tokens/s mixed, +32% one tenant at a time (BENCHMARKS.md).
 
 `register` is the `vllm.general_plugins` entry point (pyproject.toml), so it runs in every vLLM process,
 the engine core and its workers included. It does nothing off CPU. `CLORA_CPU_LORA_OPS=vllm` restores
@@ -171,10 +171,7 @@ def _update_metadata(wrapper, *args, **kwargs) -> None:
 _WRAPPER = None  # the wrapper whose metadata was updated last: the engine process's one LoRA model
 
 
-# Compiled engines: vLLM's CPU platform runs every LoRA engine eagerly (torch.compile off), though it
-# compiles plain engines; with small batches that eager per-step overhead made a LoRA step ~1.5x a base
-# one. Compiled, the LoRA layers call one custom op, opaque to the compiler, which runs `add_lora_linear`
-# on the step's plan when the graph runs (the plan is Python state the graph must not bake in).
+# Compiled LoRA engines (module note): the custom op the traced LoRA layers call, and the config switch.
 
 
 def _add_lora_linear_op(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
@@ -240,6 +237,8 @@ def _loadable_compile_cache() -> None:
         return
     if not hasattr(Callable_, "finalize_loading"):
         Callable_.finalize_loading = lambda self, vllm_config: None
+
+
 _VLLM_ADD_LORA_LINEAR = None  # vLLM's own, set by register()
 _VLLM_UPDATE_METADATA = None
 _VLLM_ADD_LORA_LOGITS = None
