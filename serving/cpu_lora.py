@@ -29,6 +29,8 @@ with the small batches of RL rollouts that eager overhead made a LoRA engine ste
 LoRA engines are compiled too: traced, a LoRA layer calls one custom op (`clora::add_lora_linear`), which
 the compiler treats as opaque and which runs `add_lora_linear` on the current step's plan when the graph
 runs. Eight tenants x 8 rollouts: +11% tokens/s mixed, +32% one tenant at a time (BENCHMARKS.md).
+Compiled graphs of every CPU engine, plain or LoRA, load from vLLM's compile cache at the next start
+(`_loadable_compile_cache`); without that vLLM recompiled them at every start.
 
 `register` is the `vllm.general_plugins` entry point (pyproject.toml), so it runs in every vLLM process,
 the engine core and its workers included. It does nothing off CPU. `CLORA_CPU_LORA_OPS=vllm` restores
@@ -304,8 +306,8 @@ OPS = {
 
 
 def register() -> None:
-    """vLLM general plugin: on CPU, PunicaWrapperCPU uses the ops above and LoRA engines are compiled
-    (see the module note)."""
+    """vLLM general plugin, on CPU only: PunicaWrapperCPU uses the ops above, LoRA engines are compiled,
+    and compiled graphs load from vLLM's cache (see the module note)."""
     global _VLLM_ADD_LORA_LINEAR, _VLLM_UPDATE_METADATA, _VLLM_ADD_LORA_LOGITS
     choice = os.environ.get(ENV, "clora")
     if choice not in ("clora", "vllm"):
@@ -313,6 +315,11 @@ def register() -> None:
     compiled = os.environ.get(COMPILE_ENV, "1")
     if compiled not in ("0", "1"):
         raise ValueError(f"{COMPILE_ENV} must be '0' or '1', got {compiled!r}")
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    _loadable_compile_cache()  # every CPU engine's, whichever LoRA ops it runs
     if choice == "vllm":
         if _VLLM_ADD_LORA_LINEAR is not None:  # this process installed ours earlier: put vLLM's back
             from vllm.lora.punica_wrapper import punica_cpu
@@ -321,10 +328,6 @@ def register() -> None:
             punica_cpu.PunicaWrapperCPU.update_metadata = _VLLM_UPDATE_METADATA
             punica_cpu.PunicaWrapperCPU.add_lora_logits = _VLLM_ADD_LORA_LOGITS
             _compile_lora_engines(False)
-        return
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
         return
     from vllm.lora.punica_wrapper import punica_cpu
 
@@ -342,5 +345,4 @@ def register() -> None:
     wrapper.add_lora_logits = add_lora_logits
     _register_op()
     _compile_lora_engines(compiled == "1")
-    _loadable_compile_cache()
     logger.debug("clora's CPU LoRA ops are in place")

@@ -89,6 +89,9 @@ def test_the_plugin_is_declared_and_replaces_the_cpu_wrappers_ops(monkeypatch):
     monkeypatch.setenv(cpu_lora.ENV, "vllm")
     cpu_lora.register()
     assert punica_cpu.bgmv_shrink is vllm_ops.bgmv_shrink  # switched off: vLLM's own
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
+
+    assert hasattr(BundledAOTAutogradSerializableCallable, "finalize_loading")  # the cache mend, either way
     assert punica_cpu.PunicaWrapperCPU.add_lora_linear is not cpu_lora.add_lora_linear
     monkeypatch.setenv(cpu_lora.ENV, "clora")
     cpu_lora.register()
