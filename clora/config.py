@@ -136,6 +136,11 @@ class LearnerConfig(_Strict):
         description="logs mode: a batch of 2+ trajectories with all rewards equal trains nothing (only the baseline);"
         " its advantages are noise an Adam step would turn into a full-size random step.",
     )
+    batch_wait_seconds: float = Field(
+        5.0, ge=0, description="logs mode: a tenant with fewer than batch_size untrained trajectories trains once "
+        "they have waited this long (a batch of one or two sparse rewards is mostly noise; this bounds freshness); "
+        "0: train whatever is there. `clora learn --once/--until-idle` never wait."
+    )
     max_staleness: int = Field(
         4, ge=0, description="Trajectories from adapter versions this many behind the current one are dropped."
     )

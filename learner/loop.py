@@ -55,6 +55,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -114,6 +115,7 @@ class TenantRuntime:
     error: str | None = None
     failures: int = 0
     retry_at: float = 0.0
+    partial_since: float | None = None  # logs mode: when a backlog below batch_size was first seen
     last: dict = field(default_factory=dict)  # the last train_steps row
 
 
@@ -217,19 +219,31 @@ class Learner:
             spec = self.policy.spec(spec.name)
         rt.spec = spec
 
-    def pending(self) -> dict[str, int]:
+    def pending(self, *, hold_partial: bool = True) -> dict[str, int]:
         """tenant -> pending work (untrained trajectories; a rollouts tenant with a prompts file always has a
-        batch), for every tenant not backing off after a failure. New tenants in storage are picked up here."""
+        batch), for every tenant not backing off after a failure. New tenants in storage are picked up here.
+
+        With `hold_partial`, a logs-mode backlog below the tenant's batch_size counts as 0 until it has
+        been seen for `learner.batch_wait_seconds`: a step on one or two trajectories with sparse rewards
+        is mostly noise, which Adam turns into a full-size step all the same."""
         backlog = self.cursors.backlog()
         for name in backlog:
             if name not in self.tenants:
                 self._set_spec(TenantSpec.default(name))
         now = time.monotonic()
+        wait = self.settings.batch_wait_seconds
         out = {}
         for name, rt in self.tenants.items():
             n = backlog.get(name, 0)
             if rt.spec.mode == "rollouts" and rt.spec.prompts_file is not None:
                 n = max(n, rt.spec.batch_size)
+            if rt.spec.mode == "logs":
+                if n == 0 or n >= rt.spec.batch_size:
+                    rt.partial_since = None
+                else:
+                    rt.partial_since = rt.partial_since if rt.partial_since is not None else now
+                    if hold_partial and now - rt.partial_since < wait:
+                        n = 0
             out[name] = n if rt.retry_at <= now else 0
         return out
 
@@ -240,6 +254,7 @@ class Learner:
     # --- one step, with per-tenant error handling -----------------------------------------------------
     def step_safely(self, name: str) -> StepRecord | None:
         rt = self.tenants[name]
+        rt.partial_since = None  # what arrives during this step waits for a batch of its own
         started = time.monotonic()
         try:
             record = self.step(name)
@@ -700,7 +715,16 @@ class Learner:
 
     # --- reporting ------------------------------------------------------------------------------------
     def _report(self, rt: TenantRuntime) -> None:
-        if self.progress:
+        """After each step: a progress bar per tenant on a terminal; one log line per step elsewhere (under
+        `clora up`, in a log file), where a bar's cursor moves would only garble the output."""
+        last = rt.last or {}
+        summary = (
+            f"v{rt.version} {rt.status} r={_fmt(last.get('reward_mean'))} loss={_fmt(last.get('loss'))} kl={_fmt(last.get('kl'))}"
+            + (f" error={rt.error[:60]}" if rt.error else "")
+        )
+        if self.progress and not sys.stderr.isatty():
+            logger.info("tenant %s: step %d, %s (%d trajectories)", rt.spec.name, rt.step, summary, last.get("n_trajectories") or 0)
+        elif self.progress:
             bar = self._bars.get(rt.spec.name)
             if bar is None:
                 from tqdm import tqdm
@@ -709,11 +733,7 @@ class Learner:
                 desc=rt.spec.name, unit="step", initial=rt.step, position=len(self._bars), leave=True, dynamic_ncols=True
                 )
             bar.update(rt.step - bar.n)
-            last = rt.last or {}
-            bar.set_postfix_str(
-                f"v{rt.version} {rt.status} r={_fmt(last.get('reward_mean'))} loss={_fmt(last.get('loss'))} kl={_fmt(last.get('kl'))}"
-                + (f" error={rt.error[:60]}" if rt.error else "")
-            )
+            bar.set_postfix_str(summary)
         status = {
             name: {
                 "status": t.status,
@@ -773,7 +793,7 @@ def run(
                     learner.apply_config(reload())
                 except ConfigError as e:
                     logger.error("config reload failed; keeping the previous config: %s", e)
-            backlog = learner.pending()
+            backlog = learner.pending(hold_partial=not (once or until_idle))
             learner.prefetch(backlog)
             name = learner.choose(backlog, exclude=served if once else ())
             if name is None:

@@ -8,6 +8,7 @@ import json
 import math
 import random
 import threading
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -184,6 +185,26 @@ def test_a_flat_batch_trains_nothing_but_moves_the_baseline(tiny_model, data_dir
     write(data_dir, "acme", rows("zero2-", 8, reward=0.0), "b2", start=200)
     learn(cfg, tiny_model)  # a fresh learner with that config, resuming from storage
     assert Registry(data_dir).latest_published("acme").number == 2
+
+
+def test_a_partial_logs_batch_waits_for_batch_size_or_batch_wait_seconds(tiny_model, data_dir):
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], batch_wait_seconds=0.5)
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    try:
+        write(data_dir, "acme", rows("a", 3), "b0")
+        assert learner.pending()["acme"] == 0  # 3 of 8: held
+        assert learner.pending(hold_partial=False)["acme"] == 3  # --once / --until-idle take what is there
+        write(data_dir, "acme", rows("b", 5, seed=1), "b1", start=3)
+        assert learner.pending()["acme"] == 8  # a full batch goes at once
+        write(data_dir, "acme", rows("c", 2, seed=2), "b2", start=8)
+        assert learner.step_safely("acme").decision == "published"  # trains the oldest 8
+        assert learner.pending()["acme"] == 0  # the 2 left over start a wait of their own
+        time.sleep(0.6)
+        assert learner.pending()["acme"] == 2  # waited batch_wait_seconds: trained as they are
+        assert learner.step_safely("acme").row["n_trajectories"] == 2
+    finally:
+        learner.close()
+    assert step_ids(data_dir, "acme") == [[f"a{i}" for i in range(3)] + [f"b{i}" for i in range(5)], ["c0", "c1"]]
 
 
 def test_a_candidate_created_before_a_crash_is_abandoned_and_its_batch_retrained(tiny_model, data_dir, monkeypatch):
