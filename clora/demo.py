@@ -29,7 +29,7 @@ api_key = "sk-demo-{p}-0000"
 scorer = "feedback"
 mode = "logs"
 learning_rate = 1e-2
-batch_size = 16
+batch_size = 8
 lora = {{ rank = 8, alpha = 16 }}
 """
         for p in preferences
