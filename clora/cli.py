@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -82,6 +83,10 @@ def setup_logging(level: str = "INFO") -> None:
     # errors still show.
     for noisy in ("kafka", "httpx", "httpx2", "httpcore", "openai"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    if not sys.stderr.isatty():
+        # A progress bar in a log (or in `clora up`'s prefixed output) is only its cursor moves.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
