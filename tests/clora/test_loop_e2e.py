@@ -52,6 +52,9 @@ def test_demo_runs_the_whole_loop_and_every_tenant_improves(tmp_path, tiny_model
         stop(proc)
     assert proc.returncode == 0, out[-6000:]
     assert "every tenant improved" in out
+    # Children's output is prefixed line by line: a progress bar's cursor moves would garble it.
+    assert "\x1b[" not in out
+    assert "learner.loop: tenant upper-app: step 1," in out  # a log line per step instead of a bar
 
     demo_data = tmp_path / "data" / "demo" / "data"
     records = json.loads((tmp_path / "data" / "demo" / "records.json").read_text())
