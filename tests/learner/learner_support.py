@@ -50,11 +50,15 @@ def chat_prompt(text: str) -> str:
     return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
+# Learner settings of every test config. Tests write their batches whole, so a partial one is trained at
+# once (test_loop tests the wait).
+TEST_LEARNER = {"poll_seconds": 0.1, "gate_prompts": 0, "batch_wait_seconds": 0}
+
+
 def make_config(data_dir: Path, model_path: Path, tenants: list[dict], **learner):
     from clora.config import Config
 
-    # Tests write their batches whole; a partial one is trained at once (test_loop tests the wait).
-    settings = {"poll_seconds": 0.1, "gate_prompts": 0, "batch_wait_seconds": 0, **learner}
+    settings = {**TEST_LEARNER, **learner}
     return Config.model_validate(
         {
             "data_dir": str(data_dir),
@@ -80,7 +84,7 @@ def write_toml(path: Path, data_dir: Path, model_path: Path, tenants: list[dict]
         return str(v)
 
     lines = [f"data_dir = {value(str(data_dir))}", "log_level = \"INFO\"", "", "[model]", f"path = {value(str(model_path))}", "", "[learner]"]
-    lines += [f"{k} = {value(v)}" for k, v in {"poll_seconds": 0.1, "gate_prompts": 0, "batch_wait_seconds": 0, **learner}.items()]
+    lines += [f"{k} = {value(v)}" for k, v in {**TEST_LEARNER, **learner}.items()]
     for t in tenants:
         lines += ["", "[[tenants]]"]
         lines += [f"{k} = {value(v)}" for k, v in {"api_key": f"sk-{t['name']}-0000", **t}.items()]
