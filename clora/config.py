@@ -200,6 +200,10 @@ class TenantConfig(_Strict):
     batch_size: int = Field(16, ge=1, description="Trajectories per training step.")
     group_size: int = Field(4, ge=1, description="Completions per prompt in rollouts mode (GRPO group).")
     prompts_file: Path | None = Field(None, description="Rollouts mode: a text file of prompts, one per line.")
+    gate_max_kl: float | None = Field(
+        None, gt=0, description="Publish gate: this tenant's largest mean per-token KL to the base model (nats); "
+        "default learner.gate_max_kl. A tenant whose objective moves far from the base model needs more room."
+    )
 
     @field_validator("name")
     @classmethod

@@ -375,7 +375,7 @@ class Learner:
                     probe_reward=probe,
                     parent_probe_reward=parent_probe,
                 ),
-                self.limits,
+                self.limits if rt.spec.gate_max_kl is None else replace(self.limits, max_kl=rt.spec.gate_max_kl),
             )
             metrics = _metrics(trained, step, rt.spec.mode, probe, parent_probe)
             with clock("publish"):

@@ -31,6 +31,7 @@ class TenantSpec:
     group_size: int
     prompts_file: Path | None
     configured: bool
+    gate_max_kl: float | None = None  # None: learner.gate_max_kl
 
     @classmethod
     def from_config(cls, t: TenantConfig, *, configured: bool = True) -> TenantSpec:
@@ -48,6 +49,7 @@ class TenantSpec:
             group_size=t.group_size,
             prompts_file=t.prompts_file,
             configured=configured,
+            gate_max_kl=t.gate_max_kl,
         )
 
     @classmethod

@@ -36,6 +36,7 @@ import itertools
 import json
 import logging
 import shutil
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -174,6 +175,7 @@ def build_engine(
         seed=seed,
         disable_log_stats=True,
         enable_prefix_caching=True,
+        use_tqdm_on_load=sys.stderr.isatty(),  # its weight-loading bar garbles logs (`clora up`'s prefixed output)
         **chunking,
         **lora_args,
     )

@@ -144,6 +144,21 @@ def test_a_poisoned_batch_is_rejected_never_published_and_learning_continues_fro
         assert poisoned_row["loss"] is None  # NaN is stored as null
 
 
+def test_a_tenants_own_gate_max_kl_overrides_the_learners(tiny_model, data_dir):
+    """tenants[].gate_max_kl: the same update passes the learner's limit for one tenant and fails a tenant's
+    own tighter limit for the other; each version records the limit it was judged by."""
+    for tenant in ("loose", "tight"):
+        write(data_dir, tenant, rows(tenant, 8), f"{tenant}0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "loose", "batch_size": 8},
+                                             {"name": "tight", "batch_size": 8, "gate_max_kl": 1e-9}])
+    learn(cfg, tiny_model)
+    reg = Registry(data_dir)
+    loose, tight = reg.get("loose", 1), reg.get("tight", 1)
+    assert loose.status == "published" and loose.gate["limit_max_kl"] == cfg.learner.gate_max_kl
+    assert tight.status == "rejected" and "exceeds gate_max_kl 1e-09" in tight.reason
+    assert tight.gate["limit_max_kl"] == 1e-9
+
+
 def test_stale_and_foreign_trajectories_are_dropped_but_committed(tiny_model, data_dir):
     write(data_dir, "acme", rows("a", 8), "b0")
     cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], max_staleness=0)

@@ -239,3 +239,49 @@ def test_logits_lora_is_skipped_while_no_slot_has_an_lm_head_adapter(rng, monkey
     reference = y0.clone()
     vllms(wrapper, reference, x, a, b, 1.0)
     assert torch.equal(y, reference)
+
+
+def test_stacked_adapters_follow_slot_writes_batch_changes_and_padded_ranks(rng, monkeypatch):
+    """The stacked A^T/B^T kept between steps (`_stacked`) are rebuilt when vLLM writes a slot in place (a
+    new adapter version) and when the batch's adapters change; adapters of rank 3 in slots padded to rank 8
+    give what vLLM's own wrapper gives, before and after each change."""
+    from vllm.lora.layers.utils import LoRAMapping
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    cpu_lora.register()
+    for name in cpu_lora.OPS:
+        monkeypatch.setattr(punica_cpu, name, getattr(vllm_ops, name))
+    wrapper = punica_cpu.PunicaWrapperCPU(64, 8, "cpu")
+    widths = (HIDDEN, 16)
+    a = tuple(torch.zeros(5, 1, RANK, HIDDEN) for _ in widths)
+    b = tuple(torch.zeros(5, 1, w, RANK) for w in widths)
+
+    def write_slot(slot: int, rank: int) -> None:  # as vLLM's set_lora: in place, the rank's corner only
+        for a_i, b_i in zip(a, b):
+            a_i[slot, 0, :rank].copy_(torch.randn(rank, HIDDEN, generator=rng))
+            b_i[slot, 0, :, :rank].copy_(torch.randn(b_i.shape[2], rank, generator=rng))
+
+    def check(ids: tuple[int, ...]) -> None:
+        wrapper.update_metadata(LoRAMapping(index_mapping=ids, prompt_mapping=ids, is_prefill=False),
+                                [1, 2, 3, None], 5, 2048)
+        x = torch.randn(len(ids), HIDDEN, generator=rng)
+        y0 = torch.randn(len(ids), sum(widths), generator=rng)
+        ours, theirs = y0.clone(), y0.clone()
+        cpu_lora.add_lora_linear(wrapper, ours, x, a, b, 0.5, widths)
+        cpu_lora._VLLM_ADD_LORA_LINEAR(wrapper, theirs, x, a, b, 0.5, widths)
+        assert torch.allclose(ours, theirs, atol=1e-4)
+
+    for slot in (0, 1, 2):
+        write_slot(slot, 3)
+    check((1, 2, 1, 3))
+    check((1, 2, 1, 3))  # the same batch again: from the kept stack
+    write_slot(1, 3)  # a new version into a slot the batch uses
+    check((1, 2, 1, 3))
+    check((2, 2, 2))  # one adapter only
+    write_slot(1, RANK)  # a higher-rank adapter: the rank cut grows
+    check((1, 2, 2, 1))
+    write_slot(1, 3)
+    for a_i, b_i in zip(a, b):  # vLLM's reset_lora
+        a_i[2] = 0
+        b_i[2] = 0
+    check((1, 2, 3, 1))
