@@ -140,26 +140,27 @@ def add_lora_linear(wrapper, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, l
     inputs = rows if exact else rows.float()
     offset = 0
     for a, b, size in zip(lora_a_stacked, lora_b_stacked, output_slices):  # a: [L, 1, r, in], b: [L, 1, out, r]
-        down_t, up, rank = _stacked(a, b, plan)
+        down_t, up, rank = _stacked(a, b, plan, scale, size)
         shrunk = inputs @ down_t
         if plan.single is None:
             shrunk.mul_(plan.mask(rank, shrunk.dtype))
         target = out[:, offset : offset + size]
         if exact:
-            target.addmm_(shrunk, up[:, :size], alpha=scale)
+            target.addmm_(shrunk, up)
         else:
-            target.add_((shrunk @ up[:, :size] * scale).to(out.dtype))
+            target.add_(shrunk @ up)  # rounded to the output's dtype as it is added
         offset += size
     return None
 
 
-def _stacked(a: torch.Tensor, b: torch.Tensor, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The step's adapters of one slice in float32, ready to multiply: A^T of every adapter in the batch side by side
-    ([in, U x r]), their B^T stacked ([U x r, out]), and r, the rank cut to the highest row any of them
-    uses (vLLM pads every slot to max_lora_rank with zeros). Kept until the batch's adapters or a slot's
-    weights change (vLLM writes slots in place, which bumps the tensors' version counters), so the gathers
-    and transposes run once per change, not per slice per step."""
+def _stacked(a: torch.Tensor, b: torch.Tensor, plan: StepPlan, scale: float, size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The step's adapters of one slice in float32, ready to multiply: A^T of every adapter in the batch side
+    by side ([in, U x r]), their B^T stacked and times `scale` ([U x r, size]), and r, the rank cut to the
+    highest row any of them uses (vLLM pads every slot to max_lora_rank with zeros). Kept until the batch's
+    adapters or a slot's weights change (vLLM writes slots in place, which bumps the tensors' version
+    counters), so the gathers and transposes run once per change, not per slice per step."""
     key = (a.data_ptr(), b.data_ptr())
+    built_for = (plan.slot_key, scale, size)
     try:
         version = (a._version, b._version)
     except RuntimeError:  # an inference tensor has no version counter: nothing can tell when to rebuild
@@ -168,19 +169,19 @@ def _stacked(a: torch.Tensor, b: torch.Tensor, plan: StepPlan) -> tuple[torch.Te
             _UNVERSIONED.append(key)
             logger.info("LoRA slot tables without version counters: adapters are stacked at every step")
     entry = _STACKS.get(key)
-    if entry is not None and version is not None and entry[0] == (plan.slot_key, version):
+    if entry is not None and version is not None and entry[0] == (built_for, version):
         return entry[2]
     down = a[plan.slots, 0]  # [U, r, in]
     used_rows = torch.nonzero((down != 0).any(dim=2).any(dim=0))
     rank = int(used_rows.max()) + 1 if used_rows.numel() else 1
     down_t = down[:, :rank].reshape(-1, a.shape[3]).T.float().contiguous()
-    up = b[plan.slots, 0, :, :rank].transpose(1, 2).reshape(-1, b.shape[2]).float().contiguous()
+    up = b[plan.slots, 0, :size, :rank].transpose(1, 2).reshape(-1, size).float().mul(scale).contiguous()
     stacked = (down_t, up, rank)
     if version is not None:
         if len(_STACKS) >= _STACKS_MAX:  # slot tables of engines gone (tests): start afresh
             _STACKS.clear()
         # the entry holds the tables themselves, so their addresses cannot pass to other tensors meanwhile
-        _STACKS[key] = ((plan.slot_key, version), (a, b), stacked)
+        _STACKS[key] = ((built_for, version), (a, b), stacked)
     return stacked
 
 

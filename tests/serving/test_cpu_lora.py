@@ -241,10 +241,11 @@ def test_logits_lora_is_skipped_while_no_slot_has_an_lm_head_adapter(rng, monkey
     assert torch.equal(y, reference)
 
 
-def test_stacked_adapters_follow_slot_writes_batch_changes_and_padded_ranks(rng, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_adapters_follow_slot_writes_batch_changes_and_padded_ranks(rng, monkeypatch, dtype):
     """The stacked A^T/B^T kept between steps (`_stacked`) are rebuilt when vLLM writes a slot in place (a
     new adapter version) and when the batch's adapters change; adapters of rank 3 in slots padded to rank 8
-    give what vLLM's own wrapper gives, before and after each change."""
+    give what vLLM's own wrapper gives, before and after each change, in a float32 and a bfloat16 engine."""
     from vllm.lora.layers.utils import LoRAMapping
     from vllm.lora.punica_wrapper import punica_cpu
 
@@ -253,8 +254,8 @@ def test_stacked_adapters_follow_slot_writes_batch_changes_and_padded_ranks(rng,
         monkeypatch.setattr(punica_cpu, name, getattr(vllm_ops, name))
     wrapper = punica_cpu.PunicaWrapperCPU(64, 8, "cpu")
     widths = (HIDDEN, 16)
-    a = tuple(torch.zeros(5, 1, RANK, HIDDEN) for _ in widths)
-    b = tuple(torch.zeros(5, 1, w, RANK) for w in widths)
+    a = tuple(torch.zeros(5, 1, RANK, HIDDEN, dtype=dtype) for _ in widths)
+    b = tuple(torch.zeros(5, 1, w, RANK, dtype=dtype) for w in widths)
 
     def write_slot(slot: int, rank: int) -> None:  # as vLLM's set_lora: in place, the rank's corner only
         for a_i, b_i in zip(a, b):
@@ -264,12 +265,16 @@ def test_stacked_adapters_follow_slot_writes_batch_changes_and_padded_ranks(rng,
     def check(ids: tuple[int, ...]) -> None:
         wrapper.update_metadata(LoRAMapping(index_mapping=ids, prompt_mapping=ids, is_prefill=False),
                                 [1, 2, 3, None], 5, 2048)
-        x = torch.randn(len(ids), HIDDEN, generator=rng)
-        y0 = torch.randn(len(ids), sum(widths), generator=rng)
+        x = torch.randn(len(ids), HIDDEN, generator=rng).to(dtype)
+        y0 = torch.randn(len(ids), sum(widths), generator=rng).to(dtype)
         ours, theirs = y0.clone(), y0.clone()
         cpu_lora.add_lora_linear(wrapper, ours, x, a, b, 0.5, widths)
         cpu_lora._VLLM_ADD_LORA_LINEAR(wrapper, theirs, x, a, b, 0.5, widths)
-        assert torch.allclose(ours, theirs, atol=1e-4)
+        if dtype == torch.float32:
+            assert torch.allclose(ours, theirs, atol=1e-4)
+        else:  # both multiply in float32 and round once into the bfloat16 output
+            assert torch.allclose(ours.float(), theirs.float(), rtol=1e-2, atol=5e-2)
+            assert not torch.equal(ours, y0)
 
     for slot in (0, 1, 2):
         write_slot(slot, 3)
