@@ -194,10 +194,23 @@ def add_lora_logits(wrapper, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: t
                     lora_b_stacked: torch.Tensor, scale: float, *, buffer=None, **kwargs) -> None:
     """vLLM's, skipped while no adapter in any slot has an lm_head LoRA (all their B weights zero: the
     delta is zero). clora's tenant adapters never do (serving/engine.LORA_TARGETS), so on CPU this saves a
-    shrink and an expand to the vocabulary on every engine step (~3% of a decode step)."""
-    if not bool(lora_b_stacked.any()):
+    shrink and an expand to the vocabulary on every engine step (~3% of a decode step). Whether any B is
+    non-zero is looked at again only after a slot was written (the table's version counter moved)."""
+    try:
+        key = (lora_b_stacked.data_ptr(), lora_b_stacked._version)
+    except RuntimeError:  # no version counter (an inference tensor): look every time
+        key = None
+    known = _LOGITS_NONZERO.get(key) if key is not None else None
+    nonzero = known[1] if known is not None else bool(lora_b_stacked.any())
+    if known is None and key is not None:
+        _LOGITS_NONZERO.clear()  # one LoRA model per process: only its table's latest state matters
+        _LOGITS_NONZERO[key] = (lora_b_stacked, nonzero)  # held, so no other tensor takes its address
+    if not nonzero:
         return None
     return _VLLM_ADD_LORA_LOGITS(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, buffer=buffer, **kwargs)
+
+
+_LOGITS_NONZERO: dict[tuple[int, int], tuple[torch.Tensor, bool]] = {}
 
 
 def _update_metadata(wrapper, *args, **kwargs) -> None:
