@@ -171,6 +171,10 @@ class LearnerConfig(_Strict):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient norm clip of every update.")
     device: str = Field("auto", description="Device of the learner's model: auto (cuda if present), cpu, cuda, cuda:N.")
+    processes: int = Field(
+        1, ge=1, le=64, description="`clora up`: learner processes, each training its shard of the tenants "
+        "(`clora learn --shard K/N`) with its own copy of the base model, so tenants train in parallel."
+    )
 
 
 class LoraConfig(_Strict):

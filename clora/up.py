@@ -217,12 +217,20 @@ def stack_specs(cfg, config_path: str | None) -> tuple[list[ChildSpec], list[str
 
     specs.append(ChildSpec("serving", [*py, "serving", *conf], healthy=serving_healthy, start_timeout=300))
     specs.append(ChildSpec("ingest", [*py, "ingest", "--drain-on-stop", *conf], healthy=marked_ready("ingest")))
-    # On one machine the CPU engine binds its threads to its own cores; the learner's torch gets half of them
-    # so the two do not fight over the same cores (an explicit OMP_NUM_THREADS wins).
-    learner_env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
-    specs.append(ChildSpec("learner", [*py, "learner", *conf], healthy=marked_ready("learner"),
-                           start_timeout=600, stop_timeout=120, env=learner_env))
-    return specs, ["serving", "learner", "ingest", "broker"]
+    # On one machine the CPU engine binds its threads to its own cores; the learners' torch gets half of them
+    # (shared out between learner processes) so they do not fight over the same cores (an explicit
+    # OMP_NUM_THREADS wins).
+    shards = cfg.learner.processes
+    threads = max(1, (os.cpu_count() or 2) // 2 // shards)
+    learner_env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(threads)}
+    learners = []
+    for k in range(shards):
+        name, shard = ("learner", []) if shards == 1 else (f"learner-{k}", ["--shard", f"{k}/{shards}"])
+        ready_as = "learner" if shards == 1 else f"learner-{k}-of-{shards}"
+        specs.append(ChildSpec(name, [*py, "learner", *conf, *shard], healthy=marked_ready(ready_as),
+                               start_timeout=600, stop_timeout=120, env=learner_env))
+        learners.append(name)
+    return specs, ["serving", *learners, "ingest", "broker"]
 
 
 def up(cfg, config_path: str | None, *, until: Callable[[], bool] = lambda: False,

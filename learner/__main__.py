@@ -33,8 +33,13 @@ def main_from_args(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
     from clora.config import load_config
     from learner.loop import run
+    from learner.types import Shard
 
     cfg = config_from_args(args)
+    try:
+        shard = Shard.parse(args.shard) if args.shard else None
+    except ValueError as e:
+        raise SystemExit(f"--shard: {e}") from None
     path = model_path(cfg)
     stop = threading.Event()
 
@@ -56,6 +61,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         max_steps=args.max_steps,
         progress=not args.no_progress,
         stop=stop,
+        shard=shard,
     )
     failed = sorted(name for name, t in learner.tenants.items() if t.status == "error")
     if failed:

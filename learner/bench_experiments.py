@@ -146,6 +146,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS of the learner processes (default: $OMP_NUM_THREADS if set, else "
                         "half the cores, as `clora up` gives the learner)")
+    parser.add_argument("--learners", type=int, default=1, metavar="K",
+                        help="learner processes of each concurrent stack (learner.processes), each training its shard "
+                        "of the experiments, the cores of --threads shared out between them; an experiment alone "
+                        "always has one (default 1)")
     parser.add_argument("--max-loras", type=int, default=None,
                         help="serving.max_loras of every stack (default: its experiments + 1); one value for all "
                         "stacks gives every engine the same shape (a GPU then compiles it once)")
@@ -194,6 +198,8 @@ def measure(args: argparse.Namespace, out: Path) -> dict:
         counts = []
     if not counts or counts[0] < 1 or args.steps < 1:
         raise SystemExit(f"--n must list positive experiment counts (got {args.n!r}) and --steps be >= 1")
+    if args.learners < 1:
+        raise SystemExit(f"--learners must be >= 1 (got {args.learners})")
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
     model = (args.model or model_path(cfg)).resolve()
@@ -247,6 +253,7 @@ def _settings(args: argparse.Namespace, model: Path, prompts_file: Path) -> dict
         "dtype": args.dtype,
         "device": "cuda" if args.gpu else "cpu",
         "threads": args.threads or int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 2) // 2)),
+        "learners": args.learners,
         "max_loras": args.max_loras,
         "kv_cache_gib": args.kv_cache_gib if args.kv_cache_gib is not None else (16.0 if args.gpu else 0.5),
         "max_num_seqs": args.max_num_seqs or (128 if args.gpu else 64),
@@ -322,8 +329,9 @@ def write_config(path: Path, group: list[Experiment], settings: dict, *, data_di
 
 
 def run_stack(directory: Path, group: list[Experiment], settings: dict, *, bootstrap: str, timeout: float) -> dict:
-    """Starts serving, waits for it, starts the learner, waits for every experiment's steps, stops both.
-    Returns the times (epoch seconds) and the learner's timeline."""
+    """Starts serving, waits for it, starts the learner (`settings["learners"]` shard processes when the group
+    has several experiments), waits for every experiment's steps, stops them all. Returns the times (epoch
+    seconds) and the learners' merged timeline."""
     from ingest.broker import free_port
 
     if directory.exists():  # a stack starts from nothing: an old run's registry would be resumed
@@ -333,34 +341,56 @@ def run_stack(directory: Path, group: list[Experiment], settings: dict, *, boots
     config = write_config(directory / "clora.toml", group, settings, data_dir=directory / "data", bootstrap=bootstrap,
                           port=port)
     url = f"http://127.0.0.1:{port}"
-    timeline = directory / "timeline.json"
     record = {"experiments": [e.name for e in group], "objectives": {e.name: e.scorer for e in group},
               "spawned": time.time()}
     serving = _spawn([sys.executable, "-m", "serving", "--config", str(config)], directory / "serving.log")
-    learner = None
+    learners: list[subprocess.Popen] = []
     try:
         _wait_healthy(url, serving, directory / "serving.log")
         record["serving_ready"] = time.time()
-        learner = _spawn(
-            [sys.executable, "-m", "learner.bench_experiments", "--config", str(config), "--steps",
-             str(settings["steps"]), "--timeline", str(timeline)],
-            directory / "learner.log",
-            {"OMP_NUM_THREADS": str(settings["threads"])},
-        )
+        shards = min(settings.get("learners", 1), len(group))
+        threads = max(1, settings["threads"] // shards)
+        for k in range(shards):
+            shard = ["--shard", f"{k}/{shards}"] if shards > 1 else []
+            learners.append(_spawn(
+                [sys.executable, "-m", "learner.bench_experiments", "--config", str(config), "--steps",
+                 str(settings["steps"]), "--timeline", str(directory / f"timeline-{k}.json"), *shard],
+                directory / f"learner-{k}.log",
+                {"OMP_NUM_THREADS": str(threads)},
+            ))
         record["learner_spawned"] = time.time()
-        try:
-            code = learner.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise BenchError(f"the learner did not finish within {timeout:.0f}s:\n{_tail(directory / 'learner.log')}") from None
-        if code != 0 or not timeline.exists():
-            raise BenchError(f"the learner exited with {code}:\n{_tail(directory / 'learner.log')}")
-        record["timeline"] = json.loads(timeline.read_text())
+        deadline = time.monotonic() + timeout
+        timelines = []
+        for k, learner in enumerate(learners):
+            log = directory / f"learner-{k}.log"
+            try:
+                code = learner.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise BenchError(f"the learner did not finish within {timeout:.0f}s:\n{_tail(log)}") from None
+            timeline = directory / f"timeline-{k}.json"
+            if code != 0 or not timeline.exists():
+                raise BenchError(f"the learner exited with {code}:\n{_tail(log)}")
+            timelines.append(json.loads(timeline.read_text()))
+        record["learners"] = shards
+        record["timeline"] = merge_timelines(timelines)
         record["serving_metrics"] = serving_metrics(url)
     finally:
-        for process in (learner, serving):
+        for process in (*learners, serving):
             _stop(process)
     record["stopped"] = time.time()
     return record
+
+
+def merge_timelines(timelines: list[dict]) -> dict:
+    """One timeline from the learner shards': the run starts when the first shard is ready (a shard that
+    loads later has its loading counted in the run, never hidden in start-up)."""
+    return {
+        "started": min(t["started"] for t in timelines),
+        "ready": min(t["ready"] for t in timelines),
+        "finished": max(t["finished"] for t in timelines),
+        "steps": sorted((s for t in timelines for s in t["steps"]), key=lambda s: s["t"]),
+        "errors": {k: v for t in timelines for k, v in t.get("errors", {}).items()},
+    }
 
 
 def _spawn(command: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -468,6 +498,7 @@ def worker(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, type=Path)
     parser.add_argument("--steps", required=True, type=int)
     parser.add_argument("--timeline", required=True, type=Path)
+    parser.add_argument("--shard", default=None, metavar="K/N", help="train only this learner shard's experiments")
     args = parser.parse_args(argv)
     started = time.time()
 
@@ -475,12 +506,15 @@ def worker(argv: list[str] | None = None) -> int:
     from clora.config import load_config
     from learner.__main__ import model_path
     from learner.loop import Learner, run as run_loop
+    from learner.types import Shard
 
     cfg = load_config(args.config)
     setup_logging(cfg.log_level)
     path = model_path(cfg)
-    learner = Learner(cfg, model_path=path, progress=False)
-    names = [t.name for t in cfg.tenants]
+    shard = Shard.parse(args.shard) if args.shard else None
+    learner = Learner(cfg, model_path=path, progress=False, shard=shard)
+    configured = [t.name for t in cfg.tenants]
+    names = [name for name in configured if shard is None or shard.owns(name, configured)]
     ready = time.time()
     steps: list[dict] = []
     done: dict[str, int] = {}
@@ -496,6 +530,7 @@ def worker(argv: list[str] | None = None) -> int:
             "rewards": list(record.rewards),
             "timings": record.timings,
             "staleness": record.staleness,
+            "shard": args.shard,
         })
         done[record.tenant] = record.step
         if all(done.get(name, 0) >= args.steps for name in names):
@@ -761,10 +796,16 @@ def table(result: dict) -> str:
         f"({s['batch_size'] // s['group_size']} prompts x {s['group_size']}), {s['max_tokens']} tokens, "
         f"sample-ahead {'on' if s['sample_ahead'] else 'off'}, gate probes {s['gate_prompts']}",
         f"{result['machine']}; bench took {result['bench_seconds']:.0f}s",
-        "(a) N experiments on one always-on stack; (b) each alone, fresh serving + learner processes (start-up included)",
+        f"(a) N experiments on one always-on stack ({_learners_text(s)}); (b) each alone, fresh serving + learner "
+        "processes (start-up included)",
         "",
     ]
     return "\n".join(head + _sections(result, markdown=False))
+
+
+def _learners_text(settings: dict) -> str:
+    k = settings.get("learners", 1)
+    return "one learner" if k == 1 else f"{k} learner processes, each training its shard of the N"
 
 
 def to_markdown(result: dict) -> str:
@@ -776,8 +817,8 @@ def to_markdown(result: dict) -> str:
         f"{s['device']}). {result['steps']} GRPO steps per experiment, {s['batch_size']} samples per step "
         f"({s['batch_size'] // s['group_size']} prompts x {s['group_size']}), {s['max_tokens']} tokens, LoRA r={s['rank']}, "
         f"sample-ahead {'on' if s['sample_ahead'] else 'off'}, {s['gate_prompts']} gate probe prompts. "
-        "(a): N experiments on one always-on stack (one engine, one learner); (b): each alone in fresh serving and "
-        "learner processes, start-up included. Latency: interval between an experiment's consecutive steps.",
+        f"(a): N experiments on one always-on stack (one engine, {_learners_text(s)}); (b): each alone in fresh "
+        "serving and learner processes, start-up included. Latency: interval between an experiment's consecutive steps.",
         "",
     ]
     return "\n".join(head + _sections(result, markdown=True)) + "\n"

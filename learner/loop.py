@@ -39,7 +39,9 @@ before the step, and it is retried after a growing back-off; other tenants go on
 Tenants: the config's tenants plus any tenant that has trajectories in storage (ingest may create tenants
 on the fly; those get the config's defaults). Both are looked at on every pass, and the config file is
 re-read every few seconds when the caller passes `reload`, so new tenants need no restart. A tenant's
-adapter is only created when it first has work.
+adapter is only created when it first has work. Several learner processes may share one data directory:
+each trains its shard's tenants (`Shard`, `clora learn --shard K/N`), and a process trains a tenant only
+while it holds that tenant's lock (`Learner._claim`), so no two processes ever step one tenant.
 
 Overlap (rollouts tenants, serving sampler): every ready tenant's next batch is being sampled in the
 serving engine while the learner trains another tenant (`prefetch`), and with `learner.sample_ahead` a
@@ -71,10 +73,10 @@ from learner.policy import Policy, read_adapter_shape
 from learner.rollouts import LocalSampler, Prefetcher, RolloutPlan, SampleRequest, Sampler, ServingSampler
 from learner.rollouts import SampledBatch
 from learner.scheduler import Ledger, charge, choose
-from learner.types import TenantSpec
+from learner.types import Shard, TenantSpec
 from learner.update import UpdateResult
 from storage.cursors import Cursors
-from storage.files import atomic_write_bytes, mark_ready
+from storage.files import HeldLock, atomic_write_bytes, mark_ready
 from storage.layout import DataDir
 from storage.parquet import write_dataset
 from storage.registry import Registry
@@ -172,8 +174,13 @@ class _Trained:
 class Learner:
     """Owns the policy, the registry and cursor handles, and every tenant's runtime state."""
 
-    def __init__(self, cfg: Config, *, model_path: Path, policy: Policy | None = None, sampler: Sampler | None = None, progress: bool = True):
+    def __init__(self, cfg: Config, *, model_path: Path, policy: Policy | None = None, sampler: Sampler | None = None,
+                 progress: bool = True, shard: Shard | None = None):
         self.dd = DataDir(cfg.data_dir)
+        self.shard = shard
+        self.process_name = "learner" if shard is None else f"learner-{shard.label}"  # readiness, status file
+        self._locks: dict[str, HeldLock] = {}  # the tenants this process trains now (see `_claim`)
+        self._configured: tuple[str, ...] = ()
         self.registry = Registry(self.dd, keep_last=cfg.learner.keep_versions)
         self.cursors = Cursors(self.dd)
         self.policy = policy or Policy(model_path, device=cfg.learner.device, seed=cfg.model.seed)
@@ -203,8 +210,51 @@ class Learner:
             reward_tolerance=cfg.learner.gate_reward_tolerance,
             max_abs_reward=cfg.learner.gate_max_abs_reward,
         )
+        self._configured = tuple(t.name for t in cfg.tenants)
         for t in cfg.tenants:
-            self._set_spec(TenantSpec.from_config(t))
+            if self._owns(t.name):
+                self._set_spec(TenantSpec.from_config(t))
+        for name in [n for n in self.tenants if not self._owns(n)]:  # a reload dealt it to another shard
+            self._disown(name)
+
+    def _owns(self, name: str) -> bool:
+        return self.shard is None or self.shard.owns(name, self._configured)
+
+    def _claim(self, rt: TenantRuntime) -> bool:
+        """Whether this process trains `rt` now: it holds the tenant's lock (<data_dir>/locks/learner/), taking
+        it if free. Taking it completes the tenant's interrupted step (`_recover`) and, if this process held it
+        before, reloads the adapter from the last checkpoint (another process may have trained it since). A
+        lock held elsewhere leaves the tenant to that process; this one tries again on every pass, so a
+        second unsharded learner is a standby that takes over the tenants of one that stops."""
+        name = rt.spec.name
+        if name in self._locks:
+            return True
+        lock = HeldLock.try_acquire(self.dd.locks / "learner" / f"{name}.lock")
+        if lock is None:
+            if rt.status != "elsewhere":
+                logger.info("tenant %s: trained by another learner process; waiting for it to let go", name)
+                rt.status = "elsewhere"
+            return False
+        self._locks[name] = lock
+        if rt.status == "elsewhere":
+            rt.status = "idle"
+        rt.loaded = False
+        self._recover(rt)
+        return True
+
+    def _disown(self, name: str) -> None:
+        """Lets go of a tenant a config reload dealt to another shard. Its adapter stays in this process's
+        memory (the policy keeps what it loaded); should the tenant come back, `_claim` reloads it."""
+        logger.info("tenant %s: now another learner shard's", name)
+        if self.prefetcher is not None:
+            self.prefetcher.discard(name)
+        lock = self._locks.pop(name, None)
+        if lock is not None:
+            lock.release()
+        self.tenants.pop(name, None)
+        bar = self._bars.pop(name, None)
+        if bar is not None:
+            bar.close()
 
     def _set_spec(self, spec: TenantSpec) -> None:
         rt = self.tenants.get(spec.name)
@@ -228,12 +278,15 @@ class Learner:
         is mostly noise, which Adam turns into a full-size step all the same."""
         backlog = self.cursors.backlog()
         for name in backlog:
-            if name not in self.tenants:
+            if name not in self.tenants and self._owns(name):
                 self._set_spec(TenantSpec.default(name))
         now = time.monotonic()
         wait = self.settings.batch_wait_seconds
         out = {}
         for name, rt in self.tenants.items():
+            if not self._claim(rt):
+                out[name] = 0
+                continue
             n = backlog.get(name, 0)
             if rt.spec.mode == "rollouts" and rt.spec.prompts_file is not None:
                 n = max(n, rt.spec.batch_size)
@@ -612,27 +665,32 @@ class Learner:
 
     # --- loading, recovery, following the registry ----------------------------------------------------
     def recover(self) -> None:
-        """At start: completes every tenant's last committed step (publish or reject its version, write its
-        row) and rejects candidates that no commit references (a crash came between create and commit).
-        Needs no model: it moves registry records and writes rows. One learner process per tenant."""
+        """At start: takes every tenant this process owns that no other learner process holds (`_claim`),
+        which completes its last committed step. Needs no model: it moves registry records and writes rows."""
         names = set(self.registry.tenants())
         if self.dd.cursors.is_dir():
             names |= {p.name for p in self.dd.cursors.iterdir() if p.is_dir() and not p.name.startswith(".")}
-        for name in sorted(names):
-            rt = self.tenants.get(name)
-            if rt is None:
+        for name in sorted(n for n in names if self._owns(n)):
+            if name not in self.tenants:
                 self._set_spec(TenantSpec.default(name))
-                rt = self.tenants[name]
-            try:
-                latest = self.cursors.latest_checkpoint(name)
-                if latest is not None:
-                    meta = _read_meta(latest[1])
-                    rt.step, rt.version = latest[0], int(meta["version"] or 0)
-                    self._finish(rt, meta)
-                self._reject_abandoned(name)
-            except Exception as e:  # this tenant's recovery is retried on its next step; the others go on
-                logger.exception("tenant %s: recovery failed", name)
-                rt.status, rt.error = "error", f"{type(e).__name__}: {e}"
+        for rt in list(self.tenants.values()):
+            self._claim(rt)
+
+    def _recover(self, rt: TenantRuntime) -> None:
+        """Completes the tenant's last committed step (publish or reject its version, write its row) and
+        rejects candidates that no commit references (a crash came between create and commit). Runs when
+        this process takes the tenant's lock, so no other process is in the middle of a step for it."""
+        name = rt.spec.name
+        try:
+            latest = self.cursors.latest_checkpoint(name)
+            if latest is not None:
+                meta = _read_meta(latest[1])
+                rt.step, rt.version = latest[0], int(meta["version"] or 0)
+                self._finish(rt, meta)
+            self._reject_abandoned(name)
+        except Exception as e:  # this tenant's recovery is retried on its next step; the others go on
+            logger.exception("tenant %s: recovery failed", name)
+            rt.status, rt.error = "error", f"{type(e).__name__}: {e}"
 
     def _reject_abandoned(self, name: str) -> None:
         for v in self.registry.versions(name):
@@ -746,7 +804,8 @@ class Learner:
             }
             for name, t in sorted(self.tenants.items())
         }
-        atomic_write_bytes(self.dd.state / "learner" / "status.json", json.dumps(status, indent=1, default=str).encode())
+        file = "status.json" if self.shard is None else f"status-{self.shard.label}.json"
+        atomic_write_bytes(self.dd.state / "learner" / file, json.dumps(status, indent=1, default=str).encode())
 
     def close(self) -> None:
         if self.prefetcher is not None:
@@ -756,6 +815,9 @@ class Learner:
             close()
         for bar in self._bars.values():
             bar.close()
+        for lock in self._locks.values():  # the tenants are free for another process (or this one's next run)
+            lock.release()
+        self._locks.clear()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -775,13 +837,15 @@ def run(
     stop: threading.Event | None = None,
     learner: Learner | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
+    shard: Shard | None = None,
 ) -> Learner:
     """Runs the learner until `stop` is set (or: one pass over all tenants with `once`; until no tenant has
     work with `until_idle`; `max_steps` steps in all). Returns the learner (its tenants hold the statuses).
-    `on_step` is called with every committed step's record (benchmarks and tests observe the loop with it)."""
+    `on_step` is called with every committed step's record (benchmarks and tests observe the loop with it).
+    `shard`: this process trains only that shard's tenants (several learner processes on one data dir)."""
     stop = stop or threading.Event()
-    learner = learner or Learner(cfg, model_path=model_path, progress=progress)
-    mark_ready(learner.dd.state, "learner")  # the model is loaded: `clora up` may send traffic now
+    learner = learner or Learner(cfg, model_path=model_path, progress=progress, shard=shard)
+    mark_ready(learner.dd.state, learner.process_name)  # the model is loaded: `clora up` may send traffic now
     served: set[str] = set()
     steps = 0
     reloaded_at = time.monotonic()

@@ -1,4 +1,5 @@
-"""The learner's internal types: what it knows about a tenant, one training example, one sampled completion.
+"""The learner's internal types: what it knows about a tenant, which tenants a learner process owns, one
+training example, one sampled completion.
 
 These are neither wire events (ingest/, serving/) nor storage rows (storage/schema.py): the learner builds
 them from Parquet rows or from sampled completions at the edge (logs_mode.py, rollouts.py) and trains on
@@ -7,6 +8,8 @@ them. Token batches, the tensors a step consumes, live in batch.py.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +67,43 @@ class TenantSpec:
             sorted(other.target_modules),
             other.dropout,
         )
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Shard `index` of `count` learner processes on one data directory (`clora learn --shard K/N`).
+
+    The config's tenants are dealt round-robin in name order (balanced: N processes get the same number,
+    give or take one); a tenant only in storage (ingest created it) goes by a stable hash of its name.
+    Every process reads the same config, so all agree without talking to each other; a per-tenant lock
+    (loop.py) makes sure no two train one tenant even when they do not (a config reload seen at
+    different moments, or two processes started with the same shard)."""
+
+    index: int
+    count: int
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """"K/N" with 0 <= K < N."""
+        k, sep, n = text.partition("/")
+        try:
+            shard = cls(int(k), int(n)) if sep else None
+        except ValueError:
+            shard = None
+        if shard is None or not 0 <= shard.index < shard.count:
+            raise ValueError(f"a shard is K/N with 0 <= K < N (e.g. 0/2), got {text!r}")
+        return shard
+
+    @property
+    def label(self) -> str:
+        return f"{self.index}-of-{self.count}"
+
+    def owns(self, tenant: str, configured: Sequence[str]) -> bool:
+        ordered = sorted(configured)
+        if tenant in ordered:
+            return ordered.index(tenant) % self.count == self.index
+        digest = hashlib.sha256(tenant.encode()).digest()
+        return int.from_bytes(digest[:8], "big") % self.count == self.index
 
 
 @dataclass(frozen=True)

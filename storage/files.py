@@ -7,15 +7,16 @@ the new one. Hidden names start with "." so neither our listings nor hive reader
 prefixes) ever pick up a half-written file.
 
 The advisory `FileLock` (flock) only serialises *writers* that must not interleave (registry number
-allocation, one compactor per partition, one cursor committer per tenant). A lock dies with its process,
-so a SIGKILLed writer never leaves it held.
+allocation, one compactor per partition, one cursor committer per tenant); `HeldLock` is the same lock held
+across calls (one learner process per tenant). A lock dies with its process, so a SIGKILLed writer never
+leaves it held.
 
 Moving to object storage (S3, GCS) changes this module and little else:
 - `write_new_file` becomes one PUT with `If-None-Match: *` (objects appear atomically; no temp, no fsync);
 - `atomic_write_bytes` becomes a plain PUT (last writer wins, which is what its callers assume);
 - directory renames are not available, so `publish_dir` would upload under the final prefix and rely on
   the commit marker its callers already write last (registry metadata JSON, cursor commit.json);
-- `FileLock` needs a lease (conditional PUT on a lock object, or an external lock service).
+- `FileLock` and `HeldLock` need a lease (conditional PUT on a lock object, or an external lock service).
 """
 
 from __future__ import annotations
@@ -169,6 +170,31 @@ def FileLock(path: Path, *, blocking: bool = True) -> Iterator[None]:  # noqa: N
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
+
+
+class HeldLock:
+    """An exclusive advisory lock held until `release()` (or the process ends), for ownership that outlives
+    a `with` block: a learner process owns a tenant for as long as it trains it."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self._fd = path, fd
+
+    @classmethod
+    def try_acquire(cls, path: Path) -> HeldLock | None:
+        """The lock, or None when another holder has it (flock: per open file, so also within one process)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return cls(path, fd)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 # ---------------------------------------------------------------------------------------------------------

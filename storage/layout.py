@@ -14,7 +14,7 @@ Nothing else in clora joins path segments under the data dir: ingest, learner an
       cursors/<t>/step-<step>/                      learner checkpoint + ids trained at that step (storage.cursors)
       state/                                        process-private durable state (ingest offsets, spools)
       models/                                       base models (the tiny local model is built here)
-      locks/                                        advisory lock files (compaction, registry, cursors)
+      locks/                                        advisory lock files (compaction, registry, cursors, learner tenants)
 
 What this module deliberately leaves to others: what goes *in* those files (schema.py, registry.py,
 cursors.py) and how they are written atomically (files.py).

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from clora.up import ChildSpec, Supervisor
+from clora.up import ChildSpec, Supervisor, stack_specs
 
 pytestmark = pytest.mark.unit
 
@@ -71,3 +71,23 @@ def test_unhealthy_child_fails_start():
     with pytest.raises(RuntimeError, match="dies exited with code 4 while starting"):
         sup.start_all()
     sup.stop_all()
+
+
+def test_the_stack_runs_one_learner_per_configured_shard(tmp_path, monkeypatch):
+    from clora.config import Config
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    one = Config.model_validate({"data_dir": str(tmp_path)})
+    specs, stop_order = stack_specs(one, "clora.toml")
+    (learner,) = [s for s in specs if s.name.startswith("learner")]
+    assert learner.name == "learner" and "--shard" not in learner.argv and learner.env == {"OMP_NUM_THREADS": "4"}
+    assert stop_order == ["serving", "learner", "ingest", "broker"]
+
+    two = Config.model_validate({"data_dir": str(tmp_path), "learner": {"processes": 2}})
+    specs, stop_order = stack_specs(two, "clora.toml")
+    learners = [s for s in specs if s.name.startswith("learner")]
+    assert [s.name for s in learners] == ["learner-0", "learner-1"]
+    assert [s.argv[-2:] for s in learners] == [["--shard", "0/2"], ["--shard", "1/2"]]
+    assert all(s.env == {"OMP_NUM_THREADS": "2"} for s in learners)  # the learners' half of the cores, shared
+    assert stop_order == ["serving", "learner-0", "learner-1", "ingest", "broker"]

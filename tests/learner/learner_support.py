@@ -5,11 +5,14 @@ tests/conftest.py)."""
 from __future__ import annotations
 
 import json
+import random
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
+from storage.parquet import write_dataset
 from storage.schema import TRAJECTORIES
 
 # The targets the tests train: the attention and MLP projections, which the serving tier loads too (the
@@ -48,6 +51,42 @@ def trajectories(tenant: str, rows: list[dict], *, start: int = 0) -> pa.Table:
 
 def chat_prompt(text: str) -> str:
     return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+# Logs-mode trajectories in storage, and what the learner's cursors say it trained.
+
+COMPLETIONS = ["12 34", "cats and dogs", "7", "hello there", "BIG NEWS", "ok"]
+
+
+def rows(prefix: str, n: int, *, seed: int = 0, reward=None, **extra) -> list[dict]:
+    rng = random.Random(seed)
+    return [
+        {
+            "id": f"{prefix}{i}",
+            "prompt": chat_prompt(f"question {i % 4}"),
+            "completion": rng.choice(COMPLETIONS),
+            "reward": rng.uniform(-1, 1) if reward is None else reward,
+            **extra,
+        }
+        for i in range(n)
+    ]
+
+
+def write(data_dir, tenant, table_rows, file_id, start=0):
+    write_dataset(data_dir, "trajectories", trajectories(tenant, table_rows, start=start), file_id=file_id)
+
+
+def step_ids(data_dir, tenant) -> list[list[str]]:
+    """The trajectory ids committed at each step, from the cursor's step directories."""
+    d = Path(data_dir) / "cursors" / tenant
+    return [pq.read_table(p / "ids.parquet").column("id").to_pylist() for p in sorted(d.glob("step-*"))]
+
+
+def assert_each_id_once(data_dir, tenant, expected: set[str]):
+    per_step = step_ids(data_dir, tenant)
+    flat = [i for ids in per_step for i in ids]
+    assert len(flat) == len(set(flat)), "a trajectory id was committed at two steps"
+    assert set(flat) == expected
 
 
 # Learner settings of every test config. Tests write their batches whole, so a partial one is trained at

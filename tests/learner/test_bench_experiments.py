@@ -13,7 +13,7 @@ import pytest
 
 from clora.cli import main
 from clora.config import load_config
-from learner.bench_experiments import compare, experiments, percentile, t_quantile_975, write_config
+from learner.bench_experiments import compare, experiments, merge_timelines, percentile, t_quantile_975, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -21,22 +21,23 @@ pytestmark = pytest.mark.integration
 def test_the_benchmark_runs_end_to_end_with_two_experiments(tiny_model, tmp_path, capsys):
     out = tmp_path / "out"
     code = main(["bench", "experiments", "--n", "2", "--steps", "2", "--alone", "1", "--gate-prompts", "1",
-                 "--model", str(tiny_model), "--out", str(out)])
+                 "--learners", "2", "--model", str(tiny_model), "--out", str(out)])
     assert code == 0
     result = json.loads((out / "experiments.json").read_text())
     (row,) = result["rows"]
     assert row["n"] == 2 and row["alone_measured"] == 1 and not row["errors"]
 
-    # (a): one stack trained both experiments, each for exactly the asked steps, in turn
+    # (a): one stack trained both experiments, each for exactly the asked steps, each by its own learner shard
     concurrent = result["runs"]["concurrent"]["2"]
     steps = concurrent["timeline"]["steps"]
     assert sorted((s["tenant"], s["step"]) for s in steps) == [("exp-0", 1), ("exp-0", 2), ("exp-1", 1), ("exp-1", 2)]
+    assert concurrent["learners"] == 2 and {(s["tenant"], s["shard"]) for s in steps} == {("exp-0", "0/2"), ("exp-1", "1/2")}
     assert all(len(s["rewards"]) == 8 and s["staleness"] is not None for s in steps)
     # the serving tier hot-swapped the learner's published versions
     assert sum(m.get("swaps", 0) for m in concurrent["serving_metrics"].values()) >= 1
     # (b): experiment 0 alone in its own stack; experiment 1's alone time is estimated by the mean
     alone = result["runs"]["alone"]["0"]
-    assert alone["experiments"] == ["exp-0"]
+    assert alone["experiments"] == ["exp-0"] and alone["learners"] == 1
     assert [s["step"] for s in alone["timeline"]["steps"]] == [1, 2]
     alone_run = alone["timeline"]["steps"][-1]["t"] - alone["timeline"]["ready"]
     startups = [r["timeline"]["ready"] - r["spawned"] for r in (alone, concurrent)]
@@ -55,7 +56,7 @@ def test_the_benchmark_runs_end_to_end_with_two_experiments(tiny_model, tmp_path
 
     assert (out / "experiments.png").stat().st_size > 0
     markdown = (out / "experiments.md").read_text()
-    assert "| 2 |" in markdown and result["machine"] in markdown
+    assert "| 2 |" in markdown and result["machine"] in markdown and "2 learner processes" in markdown
     printed = capsys.readouterr().out
     assert "ratio (b)/(a)" in printed and "Where a step's time goes" in printed
 
@@ -117,3 +118,14 @@ def test_percentile_interpolates_between_ranks():
     assert percentile([5.0, 1.0, 3.0], 90) == pytest.approx(4.6)
     assert percentile([7.0], 90) == 7.0
     assert math.isnan(percentile([], 90))
+
+
+def test_the_learner_shards_timelines_merge_into_one_that_starts_at_the_first_ready():
+    first = {"started": 1.0, "ready": 5.0, "finished": 20.0, "errors": {},
+             "steps": [{"tenant": "exp-0", "step": 1, "t": 7.0}, {"tenant": "exp-0", "step": 2, "t": 9.0}]}
+    second = {"started": 1.5, "ready": 6.0, "finished": 21.0, "errors": {"exp-1": "boom"},
+              "steps": [{"tenant": "exp-1", "step": 1, "t": 8.0}]}
+    merged = merge_timelines([first, second])
+    assert (merged["started"], merged["ready"], merged["finished"]) == (1.0, 5.0, 21.0)
+    assert [(s["tenant"], s["t"]) for s in merged["steps"]] == [("exp-0", 7.0), ("exp-1", 8.0), ("exp-0", 9.0)]
+    assert merged["errors"] == {"exp-1": "boom"}

@@ -6,60 +6,24 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import threading
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 
 from learner.loop import ABANDONED, Learner, run
-from learner_support import LEARNABLE_TARGETS, chat_prompt, make_config, trajectories
+from learner_support import LEARNABLE_TARGETS, assert_each_id_once, chat_prompt, make_config, rows, step_ids, write
 from storage.cursors import Cursors
-from storage.parquet import read_dataset, write_dataset
+from storage.parquet import read_dataset
 from storage.registry import Registry
 
 pytestmark = pytest.mark.unit
 
-COMPLETIONS = ["12 34", "cats and dogs", "7", "hello there", "BIG NEWS", "ok"]
-
-
-def rows(prefix: str, n: int, *, seed: int = 0, reward=None, **extra) -> list[dict]:
-    rng = random.Random(seed)
-    return [
-        {
-            "id": f"{prefix}{i}",
-            "prompt": chat_prompt(f"question {i % 4}"),
-            "completion": rng.choice(COMPLETIONS),
-            "reward": rng.uniform(-1, 1) if reward is None else reward,
-            **extra,
-        }
-        for i in range(n)
-    ]
-
-
-def write(data_dir, tenant, table_rows, file_id, start=0):
-    write_dataset(data_dir, "trajectories", trajectories(tenant, table_rows, start=start), file_id=file_id)
-
-
 def learn(cfg, model, **kw):
     kw.setdefault("until_idle", True)
     return run(cfg, model_path=model, progress=False, **kw)
-
-
-def step_ids(data_dir, tenant) -> list[list[str]]:
-    """The trajectory ids committed at each step, from the cursor's step directories."""
-    d = Path(data_dir) / "cursors" / tenant
-    return [pq.read_table(p / "ids.parquet").column("id").to_pylist() for p in sorted(d.glob("step-*"))]
-
-
-def assert_each_id_once(data_dir, tenant, expected: set[str]):
-    per_step = step_ids(data_dir, tenant)
-    flat = [i for ids in per_step for i in ids]
-    assert len(flat) == len(set(flat)), "a trajectory id was committed at two steps"
-    assert set(flat) == expected
 
 
 # ---------------------------------------------------------------------------------------------------------

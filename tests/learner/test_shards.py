@@ -1,0 +1,94 @@
+"""Several learner processes on one data directory: `Shard` deals the tenants out, and a per-tenant lock
+keeps any two learners from stepping one tenant (learner/loop.py `_claim`). Real learners on the tiny model
+and real Parquet trajectories; two learners in one test process hold their locks as two processes would
+(flock locks belong to open files)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from learner.loop import Learner, run
+from learner.types import Shard
+from learner_support import assert_each_id_once, make_config, rows, write
+from storage.registry import Registry
+
+
+pytestmark = pytest.mark.unit
+
+TENANTS = ["ant", "bee", "cat", "dog"]
+
+
+def test_shard_parsing_and_every_tenant_has_exactly_one_owner():
+    assert Shard.parse("1/3") == Shard(1, 3)
+    for bad in ("3/3", "-1/2", "1", "a/b", "1/0", ""):
+        with pytest.raises(ValueError, match="K/N"):
+            Shard.parse(bad)
+    configured = [f"tenant-{i}" for i in range(8)]
+    shards = [Shard(k, 3) for k in range(3)]
+    owned = Counter(k for name in configured for k, s in enumerate(shards) if s.owns(name, configured))
+    assert sorted(owned.values()) == [2, 3, 3]  # configured tenants: dealt round-robin, balanced
+    for name in [*configured, *(f"from-storage-{i}" for i in range(50))]:
+        assert sum(s.owns(name, configured) for s in shards) == 1
+
+
+def test_two_learner_shards_split_the_tenants_and_train_every_trajectory_once(tiny_model, data_dir):
+    for i, tenant in enumerate([*TENANTS, "walk-in"]):  # walk-in: only in storage (ingest created it)
+        write(data_dir, tenant, rows(tenant, 8, seed=i), f"{tenant}0")
+    cfg = make_config(data_dir, tiny_model, [{"name": t, "batch_size": 8} for t in TENANTS])
+    learners = [run(cfg, model_path=tiny_model, until_idle=True, progress=False, shard=Shard(k, 2)) for k in range(2)]
+    trained = [{name for name, rt in learner.tenants.items() if rt.step > 0} for learner in learners]
+    assert trained[0].isdisjoint(trained[1])
+    assert trained[0] | trained[1] == {*TENANTS, "walk-in"}
+    assert len(trained[0] & set(TENANTS)) == len(trained[1] & set(TENANTS)) == 2
+    reg = Registry(data_dir)
+    for tenant in [*TENANTS, "walk-in"]:
+        assert reg.latest_published(tenant).number == 1
+        assert_each_id_once(data_dir, tenant, {f"{tenant}{i}" for i in range(8)})
+    for k in range(2):  # each shard has its own status file and readiness marker
+        status = json.loads((Path(data_dir) / "state" / "learner" / f"status-{k}-of-2.json").read_text())
+        assert set(status) == trained[k]
+        assert (Path(data_dir) / "state" / "ready" / f"learner-{k}-of-2.json").exists()
+
+
+def test_a_second_learner_waits_for_the_tenants_lock_and_then_takes_over(tiny_model, data_dir):
+    """Two unsharded learners: the second trains nothing while the first holds the tenants; once the first
+    stops, the second takes them (recovering the first one's last committed step) and trains on."""
+    write(data_dir, "ant", rows("a", 8), "a0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "ant", "batch_size": 8}])
+    first = Learner(cfg, model_path=tiny_model, progress=False)  # holds "ant" from here on
+    second = run(cfg, model_path=tiny_model, until_idle=True, progress=False)
+    assert second.tenants["ant"].step == 0 and second.tenants["ant"].status == "elsewhere"
+    assert Registry(data_dir).latest_published("ant") is None
+
+    run(cfg, model_path=tiny_model, until_idle=True, progress=False, learner=first)  # trains step 1, then lets go
+    assert first.tenants["ant"].step == 1
+    write(data_dir, "ant", rows("b", 8, seed=1), "a1", start=100)
+    run(cfg, model_path=tiny_model, until_idle=True, progress=False, learner=second)
+    assert second.tenants["ant"].step == 2 and second.tenants["ant"].status != "elsewhere"
+    latest = Registry(data_dir).latest_published("ant")
+    assert latest.number == 2 and latest.parent == "ant@1"  # continued from the first learner's version
+    assert_each_id_once(data_dir, "ant", {f"a{i}" for i in range(8)} | {f"b{i}" for i in range(8)})
+
+
+def test_a_config_reload_that_deals_a_tenant_elsewhere_lets_go_of_it(tiny_model, data_dir):
+    from storage.files import HeldLock
+
+    cfg = make_config(data_dir, tiny_model, [{"name": t} for t in TENANTS])
+    learner = Learner(cfg, model_path=tiny_model, progress=False, shard=Shard(0, 2))
+    learner.pending()  # takes its tenants' locks
+    assert set(learner.tenants) == {"ant", "cat"}  # names in order, dealt round-robin: ant, cat | bee, dog
+    assert HeldLock.try_acquire(Path(data_dir) / "locks" / "learner" / "cat.lock") is None  # held
+
+    # ant leaves the config (it now goes by its name's hash, which keeps it here); cat moves to shard 1
+    learner.apply_config(make_config(data_dir, tiny_model, [{"name": t} for t in ("bee", "cat", "dog")]))
+    learner.pending()
+    assert Shard(0, 2).owns("ant", ["bee", "cat", "dog"])
+    assert set(learner.tenants) == {"ant", "bee", "dog"}
+    freed = HeldLock.try_acquire(Path(data_dir) / "locks" / "learner" / "cat.lock")
+    assert freed is not None  # shard 1 can take it now
+    freed.release()
+    learner.close()
