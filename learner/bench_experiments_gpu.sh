@@ -9,7 +9,8 @@
 # the interpreter (default: python). The model is built once under OUTDIR/qwen3-4b-random (about 8 GB) and
 # reused. Experiments 0 and 1 run alone (fresh processes, start-up included); the other experiments' alone
 # time is their mean (--alone 2), and every stack's engine has one shape (--max-loras 9), so vLLM compiles
-# it once and later stacks start from its cache: both keep the run short.
+# it once and later stacks start from its cache: both keep the run short. `--learners 2` (an option passed
+# through) gives the concurrent stacks two learner processes sharing the GPU, each training half the tenants.
 set -euo pipefail
 out=${1:?usage: learner/bench_experiments_gpu.sh OUTDIR [options]}
 shift
