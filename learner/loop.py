@@ -243,11 +243,13 @@ class Learner:
         return True
 
     def _disown(self, name: str) -> None:
-        """Lets go of a tenant a config reload dealt to another shard. Its adapter stays in this process's
-        memory (the policy keeps what it loaded); should the tenant come back, `_claim` reloads it."""
+        """Lets go of a tenant a config reload dealt to another shard, and frees its adapter and optimizer
+        (everything about it is in its last checkpoint, which the new owner loads)."""
         logger.info("tenant %s: now another learner shard's", name)
         if self.prefetcher is not None:
             self.prefetcher.discard(name)
+        if self.policy.has(name):
+            self.policy.remove_tenant(name)
         lock = self._locks.pop(name, None)
         if lock is not None:
             lock.release()

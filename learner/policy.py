@@ -149,7 +149,7 @@ class Policy:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(tenant_seed(spec.name, self.seed))
             try:
-                if not self._specs:
+                if not hasattr(self.model, "peft_config"):  # the bare base model: the first tenant
                     self.model = get_peft_model(self.model, config, adapter_name=name)
                 else:
                     self.model.add_adapter(name, config)
@@ -177,6 +177,20 @@ class Policy:
             "tenant %s: adapter r=%d alpha=%g on %s (%d tensors, %.1f KiB)",
             spec.name, spec.rank, spec.alpha, ",".join(spec.target_modules), len(params), self.adapter_bytes(spec.name) / 1024,
         )
+
+    def remove_tenant(self, tenant: str) -> None:
+        """Deletes the tenant's adapter and optimizer (another learner process trains it now)."""
+        self._require(tenant)
+        if len(self._specs) == 1:  # the last one: back to the bare base model (peft keeps no empty wrapper)
+            self.model = self.model.unload()
+        else:
+            self.model.delete_adapter(adapter_name(tenant))
+        for table in (self._specs, self._optimizers, self._params, self._file_keys):
+            table.pop(tenant, None)
+        self._lora_layers = _lora_layers(self.model)
+        self._has_dropout = _has_dropout(self.model)
+        self._active = None
+        logger.info("tenant %s: adapter and optimizer removed", tenant)
 
     def update_spec(self, spec: TenantSpec) -> None:
         """Applies config changes that need no new adapter (learning rate, batch size, mode, scorer).

@@ -158,7 +158,9 @@ def _stacked(a: torch.Tensor, b: torch.Tensor, plan: StepPlan, scale: float, siz
     by side ([in, U x r]), their B^T stacked and times `scale` ([U x r, size]), and r, the rank cut to the
     highest row any of them uses (vLLM pads every slot to max_lora_rank with zeros). Kept until the batch's
     adapters or a slot's weights change (vLLM writes slots in place, which bumps the tensors' version
-    counters), so the gathers and transposes run once per change, not per slice per step."""
+    counters), so the gathers and transposes run once per change, not per slice per step. The kept copies
+    are float32 and cover only the adapters of the latest batch, one set per slice: at most the size of
+    the slot tables in float32."""
     key = (a.data_ptr(), b.data_ptr())
     built_for = (plan.slot_key, scale, size)
     try:

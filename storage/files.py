@@ -29,6 +29,7 @@ import os
 import shutil
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -178,6 +179,8 @@ class HeldLock:
 
     def __init__(self, path: Path, fd: int):
         self.path, self._fd = path, fd
+        self._finalizer = weakref.finalize(self, os.close, fd)  # a lock dropped unreleased is still let go
+
 
     @classmethod
     def try_acquire(cls, path: Path) -> HeldLock | None:
@@ -192,9 +195,7 @@ class HeldLock:
         return cls(path, fd)
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._finalizer()  # closes the descriptor once, however often it is called
 
 
 # ---------------------------------------------------------------------------------------------------------

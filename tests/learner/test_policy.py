@@ -292,3 +292,21 @@ def test_gradient_passes_use_train_mode_only_when_some_dropout_would_act(tiny_mo
     assert not torch.equal(plain.token_logprobs(batch, "b", grad=True), plain.token_logprobs(batch, "b", grad=True))
     assert torch.equal(plain.token_logprobs(batch, "b"), plain.token_logprobs(batch, "b"))
     assert not plain.model.training
+
+
+def test_a_removed_tenant_frees_its_adapter_and_leaves_the_others_as_they_were(tiny_model):
+    p = Policy(tiny_model, device="cpu")
+    p.add_tenant(spec("keep", learning_rate=1e-2))
+    p.add_tenant(spec("gone", learning_rate=1e-2))
+    batch, _, _ = small_batch(p)
+    pg_update(p, "keep", batch, torch.tensor([1.0, -1.0, 0.5]), clip_eps=0.2)
+    kept = p.token_logprobs(batch, "keep")
+    p.remove_tenant("gone")
+    assert p.tenants == ["keep"] and "clora_gone" not in p.model.peft_config
+    assert not any("clora_gone" in n for n, _ in p.model.named_parameters())
+    assert torch.equal(p.token_logprobs(batch, "keep"), kept)
+    with pytest.raises(PolicyError, match="gone"):
+        p.token_logprobs(batch, "gone")
+    p.remove_tenant("keep")  # the last one: the model has no adapter left, and a new tenant starts afresh
+    p.add_tenant(spec("again"))
+    assert torch.allclose(p.token_logprobs(batch, "again"), p.token_logprobs(batch, None), atol=1e-5)

@@ -10,10 +10,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from learner.loop import Learner, run
 from learner.types import Shard
-from learner_support import assert_each_id_once, make_config, rows, write
+from learner_support import assert_each_id_once, chat_prompt, make_config, rows, write
 from storage.registry import Registry
 
 
@@ -55,22 +56,38 @@ def test_two_learner_shards_split_the_tenants_and_train_every_trajectory_once(ti
 
 
 def test_a_second_learner_waits_for_the_tenants_lock_and_then_takes_over(tiny_model, data_dir):
-    """Two unsharded learners: the second trains nothing while the first holds the tenants; once the first
-    stops, the second takes them (recovering the first one's last committed step) and trains on."""
+    """Two unsharded learners on one tenant. While the first holds it, the second trains nothing and leaves
+    the first's step in flight alone (its candidate is not "abandoned"); once the first lets go, the second
+    takes over (rejecting that candidate, which no commit references) and trains; when the first takes the
+    tenant back it continues from the second's version, not from its own stale memory."""
     write(data_dir, "ant", rows("a", 8), "a0")
     cfg = make_config(data_dir, tiny_model, [{"name": "ant", "batch_size": 8}])
     first = Learner(cfg, model_path=tiny_model, progress=False)  # holds "ant" from here on
+    first._ensure_loaded(first.tenants["ant"])
+    in_flight = Registry(data_dir).create("ant", parent=None, write=lambda d: first.policy.save_adapter("ant", d))
+
     second = run(cfg, model_path=tiny_model, until_idle=True, progress=False)
     assert second.tenants["ant"].step == 0 and second.tenants["ant"].status == "elsewhere"
-    assert Registry(data_dir).latest_published("ant") is None
+    assert Registry(data_dir).get("ant", in_flight.number).status == "candidate"  # not the second's to judge
 
-    run(cfg, model_path=tiny_model, until_idle=True, progress=False, learner=first)  # trains step 1, then lets go
-    assert first.tenants["ant"].step == 1
-    write(data_dir, "ant", rows("b", 8, seed=1), "a1", start=100)
+    first.close()  # the first process stops mid-step
     run(cfg, model_path=tiny_model, until_idle=True, progress=False, learner=second)
-    assert second.tenants["ant"].step == 2 and second.tenants["ant"].status != "elsewhere"
+    reg = Registry(data_dir)
+    assert reg.get("ant", in_flight.number).status == "rejected"
+    assert second.tenants["ant"].step == 1 and reg.latest_published("ant").number == in_flight.number + 1
+
+    write(data_dir, "ant", rows("b", 8, seed=1), "a1", start=100)
+    first.pending()  # takes it back: the adapter it had in memory is stale now
+    first._ensure_loaded(first.tenants["ant"])
+    ids = first.policy.tokenizer(chat_prompt("hi") + "12 cats", return_tensors="pt").input_ids
+    with torch.no_grad():
+        first.policy.use("ant")
+        second.policy.use("ant")
+        assert torch.equal(first.policy.model(input_ids=ids).logits, second.policy.model(input_ids=ids).logits)
+    run(cfg, model_path=tiny_model, until_idle=True, progress=False, learner=first)
     latest = Registry(data_dir).latest_published("ant")
-    assert latest.number == 2 and latest.parent == "ant@1"  # continued from the first learner's version
+    assert first.tenants["ant"].step == 2
+    assert latest.parent == f"ant@{in_flight.number + 1}"  # from the second learner's version
     assert_each_id_once(data_dir, "ant", {f"a{i}" for i in range(8)} | {f"b{i}" for i in range(8)})
 
 

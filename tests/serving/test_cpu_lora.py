@@ -257,10 +257,14 @@ def test_stacked_adapters_follow_slot_writes_batch_changes_and_padded_ranks(rng,
     a = tuple(torch.zeros(5, 1, RANK, HIDDEN, dtype=dtype) for _ in widths)
     b = tuple(torch.zeros(5, 1, w, RANK, dtype=dtype) for w in widths)
 
-    def write_slot(slot: int, rank: int) -> None:  # as vLLM's set_lora: in place, the rank's corner only
+    def write_slot(slot: int, rank: int, *, only_b: bool = False) -> None:  # as vLLM's set_lora: in place
         for a_i, b_i in zip(a, b):
-            a_i[slot, 0, :rank].copy_(torch.randn(rank, HIDDEN, generator=rng))
+            if not only_b:
+                a_i[slot, 0, :rank].copy_(torch.randn(rank, HIDDEN, generator=rng))
             b_i[slot, 0, :, :rank].copy_(torch.randn(b_i.shape[2], rank, generator=rng))
+
+    def kept() -> list:
+        return [cpu_lora._STACKS[(a_i.data_ptr(), b_i.data_ptr())][2] for a_i, b_i in zip(a, b)]
 
     def check(ids: tuple[int, ...]) -> None:
         wrapper.update_metadata(LoRAMapping(index_mapping=ids, prompt_mapping=ids, is_prefill=False),
@@ -273,14 +277,18 @@ def test_stacked_adapters_follow_slot_writes_batch_changes_and_padded_ranks(rng,
         if dtype == torch.float32:
             assert torch.allclose(ours, theirs, atol=1e-4)
         else:  # both multiply in float32 and round once into the bfloat16 output
-            assert torch.allclose(ours.float(), theirs.float(), rtol=1e-2, atol=5e-2)
+            assert torch.allclose(ours.float(), theirs.float(), rtol=3e-2, atol=0.25), (ours.float() - theirs.float()).abs().max()
             assert not torch.equal(ours, y0)
 
     for slot in (0, 1, 2):
         write_slot(slot, 3)
     check((1, 2, 1, 3))
-    check((1, 2, 1, 3))  # the same batch again: from the kept stack
+    stacks = kept()
+    check((1, 2, 1, 3))  # the same batch again: from the kept stacks
+    assert all(x is y for x, y in zip(kept(), stacks))
     write_slot(1, 3)  # a new version into a slot the batch uses
+    check((1, 2, 1, 3))
+    write_slot(2, 3, only_b=True)  # a write to one table of the pair is seen too
     check((1, 2, 1, 3))
     check((2, 2, 2))  # one adapter only
     write_slot(1, RANK)  # a higher-rank adapter: the rank cut grows
