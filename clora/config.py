@@ -142,7 +142,8 @@ class LearnerConfig(_Strict):
         "0: train whatever is there. `clora learn --once/--until-idle` never wait."
     )
     max_staleness: int = Field(
-        4, ge=0, description="Trajectories from adapter versions this many behind the current one are dropped."
+        4, ge=0, description="Trajectories from an adapter version more than this many served versions behind the "
+        "current one are dropped (rejected candidates do not count)."
     )
     sample_ahead: bool = Field(
         True, description="Rollouts mode with a prompts file: issue a tenant's next rollouts as soon as its current "

@@ -18,10 +18,12 @@ A step takes the tenant's oldest untrained trajectories (storage.cursors), and:
 
 Staleness: the serving tier records which adapter version made each completion (`adapter_version`,
 "<tenant>@<n>", null for the base model = version 0). A trajectory whose version number is more than
-`learner.max_staleness` below the learner's current version number is dropped: the policy that made it
+`learner.max_staleness` updates behind the learner's current version is dropped: the policy that made it
 is so far from the current one that importance ratios are mostly clipped or wild, and learning from it
-would pull towards an old policy. Staleness counts version numbers, rejected candidates included (a
-conservative count). Completions made by another tenant's adapter are dropped as foreign. Dropped rows
+would pull towards an old policy. Staleness counts the versions the tenant has served since (published,
+or published and since retired), not version numbers: rejected candidates take numbers too, and after a
+run of rejections a sample of the current adapter's parent would otherwise look several versions old
+(loop.py keeps each tenant's list). Completions made by another tenant's adapter are dropped as foreign. Dropped rows
 are still committed with the step (so they are never looked at again) and counted in the version's
 metrics as `n_dropped`.
 
@@ -39,6 +41,7 @@ loop.py), the update maths (maths.py, update.py).
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
@@ -71,13 +74,30 @@ def version_number(adapter_version: str | None, tenant: str) -> int | None:
     return int(m["number"])
 
 
-def stale_reason(adapter_version: str | None, tenant: str, current: int, max_staleness: int) -> str | None:
-    """Why a trajectory made by `adapter_version` must not be trained at learner version `current`, or None."""
+def versions_behind(number: int, current: int, served: Sequence[int] | None) -> int:
+    """How many versions `current` is ahead of version `number`: the tenant's served versions (ascending
+    numbers) in (number, current]; without that list (or one that lacks `current`), the difference of the
+    numbers, an upper bound."""
+    if served is None or (current > 0 and not _contains(served, current)):
+        return max(0, current - number)
+    return max(0, bisect.bisect_right(served, current) - bisect.bisect_right(served, number))
+
+
+def _contains(ascending: Sequence[int], x: int) -> bool:
+    i = bisect.bisect_left(ascending, x)
+    return i < len(ascending) and ascending[i] == x
+
+
+def stale_reason(adapter_version: str | None, tenant: str, current: int, max_staleness: int,
+                 served: Sequence[int] | None = None) -> str | None:
+    """Why a trajectory made by `adapter_version` must not be trained at learner version `current`, or None.
+    `served`: the numbers of the tenant's published (or retired) versions, ascending."""
     number = version_number(adapter_version, tenant)
     if number is None:
         return f"foreign adapter {adapter_version!r}"
-    if current - number > max_staleness:
-        return f"stale: made by version {number}, {current - number} behind {current} (max_staleness {max_staleness})"
+    behind = versions_behind(number, current, served)
+    if behind > max_staleness:
+        return f"stale: made by version {number}, {behind} behind {current} (max_staleness {max_staleness})"
     return None
 
 
@@ -87,12 +107,13 @@ class Selection:
     dropped: dict[str, str]  # trajectory id -> why it was dropped
 
 
-def select_fresh(rows: pa.Table, tenant: str, current: int, max_staleness: int) -> Selection:
+def select_fresh(rows: pa.Table, tenant: str, current: int, max_staleness: int,
+                 served: Sequence[int] | None = None) -> Selection:
     ids = rows.column("id").to_pylist()
     versions = rows.column("adapter_version").to_pylist()
     keep, dropped = [], {}
     for i, (tid, version) in enumerate(zip(ids, versions)):
-        reason = stale_reason(version, tenant, current, max_staleness)
+        reason = stale_reason(version, tenant, current, max_staleness, served)
         if reason is None:
             keep.append(i)
         else:

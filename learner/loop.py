@@ -107,6 +107,7 @@ class TenantRuntime:
     loaded: bool = False  # adapter created and restored from its checkpoint
     step: int = 0  # last committed step
     version: int = 0  # the registry version the adapter equals (0: none yet)
+    served: list[int] = field(default_factory=list)  # numbers of its published (or since retired) versions: staleness
     state_id: int = 0  # bumped whenever the adapter weights change (keys the probe-reward cache)
     baseline: float | None = None  # running mean reward (logs mode)
     probes: tuple[str, ...] = ()
@@ -240,7 +241,11 @@ class Learner:
             rt.status = "idle"
         rt.loaded = False
         self._recover(rt)
+        self._load_served(rt)
         return True
+
+    def _load_served(self, rt: TenantRuntime) -> None:
+        rt.served = sorted(v.number for v in self.registry.versions(rt.spec.name) if v.published_at is not None)
 
     def _disown(self, name: str) -> None:
         """Lets go of a tenant a config reload dealt to another shard, and frees its adapter and optimizer
@@ -365,7 +370,7 @@ class Learner:
             row=meta["row"],
             timings=timings,
             rewards=trained.rewards,
-            staleness=_staleness(work.samples, name, meta["row"]["version"]),
+            staleness=_staleness(work.samples, name, meta["row"]["version"], rt.served),
         )
 
     def _train_and_commit(self, rt: TenantRuntime, parent, started: float, clock: _Phases):
@@ -463,6 +468,7 @@ class Learner:
         rt.rollout_ids = dict.fromkeys(meta["rollout_ids"])
         if meta["decision"] == "published":
             rt.version, rt.state_id = meta["version"], rt.state_id + 1
+            rt.served.append(meta["version"])
             rt.probe_cache = {(rt.state_id, rt.probes): probe} if probe is not None else {}
         return meta, work, trained
 
@@ -478,7 +484,7 @@ class Learner:
         rows = self.cursors.untrained(rt.spec.name, limit=rt.spec.batch_size)
         if rows.num_rows == 0:
             return None
-        selection = logs_mode.select_fresh(rows, rt.spec.name, rt.version, self.settings.max_staleness)
+        selection = logs_mode.select_fresh(rows, rt.spec.name, rt.version, self.settings.max_staleness, rt.served)
         examples, unusable = logs_mode.to_examples(selection.kept, self.policy.tokenizer)
         dropped = {**selection.dropped, **unusable}
         if dropped:
@@ -634,6 +640,7 @@ class Learner:
             scorer,
             current_version=rt.version,
             max_staleness=self.settings.max_staleness,
+            served=rt.served,
             **common,
         )
         return _Trained(step.update, step.rewards, step.reward_mean, step.n_samples, step.n_dropped, rt.baseline,
@@ -754,6 +761,7 @@ class Learner:
         self.policy.reset_optimizer(rt.spec.name)
         rt.version = published.number
         rt.state_id += 1
+        self._load_served(rt)
 
     def _finish(self, rt: TenantRuntime, meta: dict) -> None:
         """Completes a committed step: publish or reject its version, write its train_steps row. Idempotent."""
@@ -909,15 +917,16 @@ class _Phases:
         return out
 
 
-def _staleness(samples, tenant: str, parent: str | None) -> int | None:
-    """How many versions the oldest sample is behind `parent` (the adapter the step trained, "<tenant>@<n>" or
-    None before the first publish); None without samples. A sample of the base model is version 0."""
+def _staleness(samples, tenant: str, parent: str | None, served: list[int]) -> int | None:
+    """How many served versions the oldest sample is behind `parent` (the adapter the step trained,
+    "<tenant>@<n>" or None before the first publish; logs_mode.versions_behind); None without samples. A
+    sample of the base model is version 0."""
     versions = [s.version for group in samples or () for s in group]
     if not versions:
         return None
     current = int(parent.rsplit("@", 1)[1]) if parent else 0
     numbers = [int(v.rsplit("@", 1)[1]) if v and v.startswith(f"{tenant}@") else 0 for v in versions]
-    return max(0, current - min(numbers))
+    return max(logs_mode.versions_behind(n, current, served) for n in numbers)
 
 
 def _num(x: float | None) -> float | None:

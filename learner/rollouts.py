@@ -18,8 +18,8 @@ A step for a tenant:
   4. one clipped policy-gradient update (update.py) whose old log-probs are the current policy's detached
      log-probs on the re-tokenised completions (ratio 1: on-policy; no token ids are needed from the
      server). A completion that ended on its own gets the end-of-sequence token appended, so stopping is
-     learned too. Samples made by an adapter version more than `learner.max_staleness` behind (the
-     `x-clora-adapter-version` header) are left out.
+     learned too. Samples made by an adapter version more than `learner.max_staleness` served versions
+     behind (the `x-clora-adapter-version` header; logs_mode.py says how versions are counted) are left out.
 
 The serving tier logs rollouts like any other interaction, so they come back as the tenant's trajectories.
 They must never become prompts (the same prompts would be sampled again and again, and the tenant's
@@ -323,6 +323,7 @@ def train_step(
     current_version: int,
     max_staleness: int,
     clip_eps: float,
+    served: Sequence[int] | None = None,
     kl_coef: float,
     max_grad_norm: float,
     max_len: int,
@@ -337,7 +338,7 @@ def train_step(
         score_seconds += time.perf_counter() - started
         p_ids = policy.tokenizer(prompt, add_special_tokens=False).input_ids
         for sample, reward in zip(group, scores):
-            if math.isnan(reward) or stale_reason(sample.version, tenant, current_version, max_staleness):
+            if math.isnan(reward) or stale_reason(sample.version, tenant, current_version, max_staleness, served):
                 dropped += 1
                 continue
             c_ids = completion_tokens(policy, sample)

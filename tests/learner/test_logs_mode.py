@@ -33,6 +33,19 @@ def test_staleness_is_counted_in_version_numbers():
     assert "foreign adapter 'beta@3'" in stale_reason("beta@3", "acme", 10, 4)
 
 
+def test_with_the_served_versions_staleness_counts_them_not_the_numbers_rejects_took():
+    served = [1, 2, 7, 10]  # 3..6, 8 and 9 were rejected candidates (never served)
+    assert stale_reason("acme@2", "acme", 10, 2, served) is None  # 7 and 10 since: 2 behind
+    assert "stale: made by version 1, 3 behind 10" in stale_reason("acme@1", "acme", 10, 2, served)
+    assert "stale: made by version 0, 4 behind 10" in stale_reason(None, "acme", 10, 3, served)
+    assert stale_reason("acme@7", "acme", 10, 1, served) is None
+    assert stale_reason("acme@12", "acme", 10, 0, served) is None  # newer than the learner: fresh
+    assert "8 behind 10" in stale_reason("acme@2", "acme", 10, 2, [1, 2])  # a list without 10: by numbers
+    kept = select_fresh(trajectories("acme", [{"id": "a", "prompt": "p", "completion": "c", "reward": 1.0,
+                                                "adapter_version": "acme@2"}]), "acme", 10, 2, served)
+    assert kept.kept.num_rows == 1 and not kept.dropped
+
+
 def test_a_flat_batch_is_two_or_more_equal_finite_rewards():
     assert is_flat([0.0, 0.0, 0.0]) and is_flat([1.0, 1.0])
     assert not is_flat([0.0]) and not is_flat([]) and not is_flat([0.0, 0.05])

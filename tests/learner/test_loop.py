@@ -135,6 +135,27 @@ def test_stale_and_foreign_trajectories_are_dropped_but_committed(tiny_model, da
     assert Cursors(data_dir).backlog()["acme"] == 0
 
 
+def test_rejected_candidates_do_not_age_the_samples_of_the_version_they_came_from(tiny_model, data_dir):
+    """Staleness counts served versions: after two rejected steps and a published one, samples of the
+    published parent are one version behind, not three (max_staleness 1 keeps them)."""
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], max_staleness=1)
+    learner = learn(cfg, tiny_model)  # -> acme@1
+    for k in range(2):  # acme@2, acme@3: poisoned batches, rejected
+        poisoned = rows(f"bad{k}", 8, seed=k + 1)
+        poisoned[0]["reward"] = math.nan
+        write(data_dir, "acme", poisoned, f"p{k}", start=100 * (k + 1))
+        learn(cfg, tiny_model, learner=learner)
+    write(data_dir, "acme", rows("good", 8, seed=5), "g", start=400)
+    learn(cfg, tiny_model, learner=learner)  # -> acme@4, parent acme@1
+    reg = Registry(data_dir)
+    assert [v.status for v in reg.versions("acme")] == ["published", "rejected", "rejected", "published"]
+    write(data_dir, "acme", rows("from1", 8, seed=6, adapter_version="acme@1"), "f", start=500)
+    learn(cfg, tiny_model, learner=learner)
+    v5 = reg.get("acme", 5)
+    assert v5.metrics["n_trajectories"] == 8 and v5.metrics["n_dropped"] == 0
+
+
 def test_every_trajectory_stale_is_a_skipped_step_not_an_error(tiny_model, data_dir):
     write(data_dir, "acme", rows("a", 8), "b0")
     cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], max_staleness=0)
