@@ -17,14 +17,14 @@ A step takes the tenant's oldest untrained trajectories (storage.cursors), and:
      the optional KL penalty to the base model (`learner.kl_coef`).
 
 Staleness: the serving tier records which adapter version made each completion (`adapter_version`,
-"<tenant>@<n>", null for the base model = version 0). A trajectory whose version number is more than
-`learner.max_staleness` updates behind the learner's current version is dropped: the policy that made it
-is so far from the current one that importance ratios are mostly clipped or wild, and learning from it
-would pull towards an old policy. Staleness counts the versions the tenant has served since (published,
-or published and since retired), not version numbers: rejected candidates take numbers too, and after a
-run of rejections a sample of the current adapter's parent would otherwise look several versions old
-(loop.py keeps each tenant's list). Completions made by another tenant's adapter are dropped as foreign. Dropped rows
-are still committed with the step (so they are never looked at again) and counted in the version's
+"<tenant>@<n>", null for the base model = version 0). A trajectory made by a version more than
+`learner.max_staleness` versions behind the learner's current one is dropped: the policy that made it is
+so far from the current one that importance ratios are mostly clipped or wild, and learning from it would
+pull towards an old policy. "Behind" counts the versions the tenant has served since (published, or
+published and since retired; loop.py keeps each tenant's list), not version numbers: rejected candidates
+take numbers too, and after a run of rejections a sample of the current adapter's parent would otherwise
+look several versions old. Completions made by another tenant's adapter are dropped as foreign. Dropped
+rows are still committed with the step (so they are never looked at again) and counted in the version's
 metrics as `n_dropped`.
 
 Flat batches: a batch of two or more trajectories whose rewards are all equal (twenty answers without a
