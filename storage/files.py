@@ -158,16 +158,29 @@ class LockBusy(Exception):
     """A non-blocking FileLock found the lock held by another process."""
 
 
-@contextlib.contextmanager
-def FileLock(path: Path, *, blocking: bool = True) -> Iterator[None]:  # noqa: N802 (reads like a class)
-    """An exclusive advisory lock on `path` (created if needed), held for the `with` block."""
+def _locked_fd(path: Path, *, blocking: bool) -> int | None:
+    """A descriptor of `path` (created if needed) holding an exclusive flock; None if not `blocking` and
+    another holder has it (flock locks belong to open files, so also within one process)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-        except BlockingIOError as e:
-            raise LockBusy(f"{path} is held by another process") from e
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def FileLock(path: Path, *, blocking: bool = True) -> Iterator[None]:  # noqa: N802 (reads like a class)
+    """An exclusive advisory lock on `path` (created if needed), held for the `with` block."""
+    fd = _locked_fd(path, blocking=blocking)
+    if fd is None:
+        raise LockBusy(f"{path} is held by another process")
+    try:
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
@@ -178,21 +191,14 @@ class HeldLock:
     a `with` block: a learner process owns a tenant for as long as it trains it."""
 
     def __init__(self, path: Path, fd: int):
-        self.path, self._fd = path, fd
+        self.path = path
         self._finalizer = weakref.finalize(self, os.close, fd)  # a lock dropped unreleased is still let go
-
 
     @classmethod
     def try_acquire(cls, path: Path) -> HeldLock | None:
-        """The lock, or None when another holder has it (flock: per open file, so also within one process)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        return cls(path, fd)
+        """The lock, or None when another holder has it."""
+        fd = _locked_fd(path, blocking=False)
+        return None if fd is None else cls(path, fd)
 
     def release(self) -> None:
         self._finalizer()  # closes the descriptor once, however often it is called
