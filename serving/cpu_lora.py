@@ -156,40 +156,48 @@ def add_lora_linear(wrapper, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, l
 def _stacked(a: torch.Tensor, b: torch.Tensor, plan: StepPlan, scale: float, size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The step's adapters of one slice in float32, ready to multiply: A^T of every adapter in the batch side
     by side ([in, U x r]), their B^T stacked and times `scale` ([U x r, size]), and r, the rank cut to the
-    highest row any of them uses (vLLM pads every slot to max_lora_rank with zeros). Kept until the batch's
-    adapters or a slot's weights change (vLLM writes slots in place, which bumps the tensors' version
-    counters), so the gathers and transposes run once per change, not per slice per step. The kept copies
-    are float32 and cover only the adapters of the latest batch, one set per slice: at most the size of
-    the slot tables in float32."""
-    key = (a.data_ptr(), b.data_ptr())
-    built_for = (plan.slot_key, scale, size)
+    highest row any of them uses (vLLM pads every slot to max_lora_rank with zeros). Kept (`_kept`) until
+    the batch's adapters or a slot's weights change, so the gathers and transposes run once per change, not
+    per slice per step. The kept copies cover only the adapters of the latest batch, one set per slice: at
+    most the size of the slot tables in float32."""
+
+    def build() -> tuple[torch.Tensor, torch.Tensor, int]:
+        down = a[plan.slots, 0]  # [U, r, in]
+        used_rows = torch.nonzero((down != 0).any(dim=2).any(dim=0))
+        rank = int(used_rows.max()) + 1 if used_rows.numel() else 1
+        down_t = down[:, :rank].reshape(-1, a.shape[3]).T.float().contiguous()
+        up = b[plan.slots, 0, :size, :rank].transpose(1, 2).reshape(-1, size).float().mul(scale).contiguous()
+        return down_t, up, rank
+
+    return _kept((a, b), (plan.slot_key, scale, size), build)
+
+
+def _kept(tables: tuple[torch.Tensor, ...], built_for, build):
+    """`build()`, or what it returned the last time for the same slot `tables` and `built_for`, if no table
+    was written since: vLLM writes slots in place (`set_lora`, `reset_lora`), which bumps a tensor's version
+    counter. Keyed by the tables' addresses; an entry holds the tables themselves, so no other tensor can
+    take those addresses while it is kept."""
+    key = tuple(t.data_ptr() for t in tables)
     try:
-        version = (a._version, b._version)
-    except RuntimeError:  # an inference tensor has no version counter: nothing can tell when to rebuild
-        version = None
+        version = tuple(t._version for t in tables)
+    except RuntimeError:  # an inference tensor has no version counter: nothing tells when to build again
         if not _UNVERSIONED:
             _UNVERSIONED.append(key)
             logger.info("LoRA slot tables without version counters: adapters are stacked at every step")
-    entry = _STACKS.get(key)
-    if entry is not None and version is not None and entry[0] == (built_for, version):
+        return build()
+    entry = _KEPT.get(key)
+    if entry is not None and entry[0] == (built_for, version):
         return entry[2]
-    down = a[plan.slots, 0]  # [U, r, in]
-    used_rows = torch.nonzero((down != 0).any(dim=2).any(dim=0))
-    rank = int(used_rows.max()) + 1 if used_rows.numel() else 1
-    down_t = down[:, :rank].reshape(-1, a.shape[3]).T.float().contiguous()
-    up = b[plan.slots, 0, :size, :rank].transpose(1, 2).reshape(-1, size).float().mul(scale).contiguous()
-    stacked = (down_t, up, rank)
-    if version is not None:
-        if len(_STACKS) >= _STACKS_MAX:  # slot tables of engines gone (tests): start afresh
-            _STACKS.clear()
-        # the entry holds the tables themselves, so their addresses cannot pass to other tensors meanwhile
-        _STACKS[key] = ((built_for, version), (a, b), stacked)
-    return stacked
+    value = build()
+    if len(_KEPT) >= _KEPT_MAX:  # slot tables of engines gone (tests): start afresh
+        _KEPT.clear()
+    _KEPT[key] = ((built_for, version), tables, value)
+    return value
 
 
-_STACKS: dict[tuple[int, int], tuple] = {}  # per slice, by its slot tables' addresses
+_KEPT: dict[tuple[int, ...], tuple] = {}  # by slot tables' addresses: ((built for, versions), tables, value)
 _UNVERSIONED: list = []  # logged once
-_STACKS_MAX = 4096  # slices; a model has layers x LoRA slices (the tiny model 28)
+_KEPT_MAX = 4096  # entries: a model has layers x LoRA slices (the tiny model 28) and one logits table
 
 
 def add_lora_logits(wrapper, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: torch.Tensor,
@@ -197,22 +205,10 @@ def add_lora_logits(wrapper, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: t
     """vLLM's, skipped while no adapter in any slot has an lm_head LoRA (all their B weights zero: the
     delta is zero). clora's tenant adapters never do (serving/engine.LORA_TARGETS), so on CPU this saves a
     shrink and an expand to the vocabulary on every engine step (~3% of a decode step). Whether any B is
-    non-zero is looked at again only after a slot was written (the table's version counter moved)."""
-    try:
-        key = (lora_b_stacked.data_ptr(), lora_b_stacked._version)
-    except RuntimeError:  # no version counter (an inference tensor): look every time
-        key = None
-    known = _LOGITS_NONZERO.get(key) if key is not None else None
-    nonzero = known[1] if known is not None else bool(lora_b_stacked.any())
-    if known is None and key is not None:
-        _LOGITS_NONZERO.clear()  # one LoRA model per process: only its table's latest state matters
-        _LOGITS_NONZERO[key] = (lora_b_stacked, nonzero)  # held, so no other tensor takes its address
-    if not nonzero:
+    non-zero is looked at again only after a slot was written (`_kept`)."""
+    if not _kept((lora_b_stacked,), "any", lambda: bool(lora_b_stacked.any())):
         return None
     return _VLLM_ADD_LORA_LOGITS(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, buffer=buffer, **kwargs)
-
-
-_LOGITS_NONZERO: dict[tuple[int, int], tuple[torch.Tensor, bool]] = {}
 
 
 def _update_metadata(wrapper, *args, **kwargs) -> None:

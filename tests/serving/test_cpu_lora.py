@@ -264,7 +264,7 @@ def test_stacked_adapters_follow_slot_writes_batch_changes_and_padded_ranks(rng,
             b_i[slot, 0, :, :rank].copy_(torch.randn(b_i.shape[2], rank, generator=rng))
 
     def kept() -> list:
-        return [cpu_lora._STACKS[(a_i.data_ptr(), b_i.data_ptr())][2] for a_i, b_i in zip(a, b)]
+        return [cpu_lora._KEPT[(a_i.data_ptr(), b_i.data_ptr())][2] for a_i, b_i in zip(a, b)]
 
     def check(ids: tuple[int, ...]) -> None:
         wrapper.update_metadata(LoRAMapping(index_mapping=ids, prompt_mapping=ids, is_prefill=False),
