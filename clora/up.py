@@ -186,6 +186,7 @@ def stack_specs(cfg, config_path: str | None) -> tuple[list[ChildSpec], list[str
     import httpx
 
     from ingest.broker import port_in_use
+    from learner.types import Shard, learner_process_name
     from storage.files import ready_pid
     from storage.layout import DataDir
 
@@ -225,9 +226,9 @@ def stack_specs(cfg, config_path: str | None) -> tuple[list[ChildSpec], list[str
     learner_env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(threads)}
     learners = []
     for k in range(shards):
-        name, shard = ("learner", []) if shards == 1 else (f"learner-{k}", ["--shard", f"{k}/{shards}"])
-        ready_as = "learner" if shards == 1 else f"learner-{k}-of-{shards}"
-        specs.append(ChildSpec(name, [*py, "learner", *conf, *shard], healthy=marked_ready(ready_as),
+        shard = None if shards == 1 else Shard(k, shards)
+        name, flag = ("learner", []) if shard is None else (f"learner-{k}", ["--shard", f"{k}/{shards}"])
+        specs.append(ChildSpec(name, [*py, "learner", *conf, *flag], healthy=marked_ready(learner_process_name(shard)),
                                start_timeout=600, stop_timeout=120, env=learner_env))
         learners.append(name)
     return specs, ["serving", *learners, "ingest", "broker"]

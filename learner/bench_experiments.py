@@ -513,8 +513,8 @@ def worker(argv: list[str] | None = None) -> int:
     path = model_path(cfg)
     shard = Shard.parse(args.shard) if args.shard else None
     learner = Learner(cfg, model_path=path, progress=False, shard=shard)
-    configured = [t.name for t in cfg.tenants]
-    names = [name for name in configured if shard is None or shard.owns(name, configured)]
+    order = Shard.order(t.name for t in cfg.tenants)
+    names = [name for name in order if shard is None or shard.owns(name, order)]
     ready = time.time()
     steps: list[dict] = []
     done: dict[str, int] = {}

@@ -73,7 +73,7 @@ from learner.policy import Policy, read_adapter_shape
 from learner.rollouts import LocalSampler, Prefetcher, RolloutPlan, SampleRequest, Sampler, ServingSampler
 from learner.rollouts import SampledBatch
 from learner.scheduler import Ledger, charge, choose
-from learner.types import Shard, TenantSpec
+from learner.types import Shard, TenantSpec, learner_process_name
 from learner.update import UpdateResult
 from storage.cursors import Cursors
 from storage.files import HeldLock, atomic_write_bytes, mark_ready
@@ -179,9 +179,9 @@ class Learner:
                  progress: bool = True, shard: Shard | None = None):
         self.dd = DataDir(cfg.data_dir)
         self.shard = shard
-        self.process_name = "learner" if shard is None else f"learner-{shard.label}"  # readiness, status file
+        self.process_name = learner_process_name(shard)  # readiness marker
         self._locks: dict[str, HeldLock] = {}  # the tenants this process trains now (see `_claim`)
-        self._configured: tuple[str, ...] = ()
+        self._order: dict[str, int] = {}  # Shard.order of the config's tenants
         self.registry = Registry(self.dd, keep_last=cfg.learner.keep_versions)
         self.cursors = Cursors(self.dd)
         self.policy = policy or Policy(model_path, device=cfg.learner.device, seed=cfg.model.seed)
@@ -211,7 +211,7 @@ class Learner:
             reward_tolerance=cfg.learner.gate_reward_tolerance,
             max_abs_reward=cfg.learner.gate_max_abs_reward,
         )
-        self._configured = tuple(t.name for t in cfg.tenants)
+        self._order = Shard.order(t.name for t in cfg.tenants)
         for t in cfg.tenants:
             if self._owns(t.name):
                 self._set_spec(TenantSpec.from_config(t))
@@ -219,7 +219,7 @@ class Learner:
             self._disown(name)
 
     def _owns(self, name: str) -> bool:
-        return self.shard is None or self.shard.owns(name, self._configured)
+        return self.shard is None or self.shard.owns(name, self._order)
 
     def _claim(self, rt: TenantRuntime) -> bool:
         """Whether this process trains `rt` now: it holds the tenant's lock (<data_dir>/locks/learner/), taking

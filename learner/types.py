@@ -9,7 +9,7 @@ them. Token batches, the tensors a step consumes, live in batch.py.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,12 +98,24 @@ class Shard:
     def label(self) -> str:
         return f"{self.index}-of-{self.count}"
 
-    def owns(self, tenant: str, configured: Sequence[str]) -> bool:
-        ordered = sorted(configured)
-        if tenant in ordered:
-            return ordered.index(tenant) % self.count == self.index
-        digest = hashlib.sha256(tenant.encode()).digest()
-        return int.from_bytes(digest[:8], "big") % self.count == self.index
+    @staticmethod
+    def order(configured: Iterable[str]) -> dict[str, int]:
+        """The configured tenants' positions in name order, which `owns` deals them by (worked out once
+        per config, not per question)."""
+        return {name: i for i, name in enumerate(sorted(configured))}
+
+    def owns(self, tenant: str, order: Mapping[str, int]) -> bool:
+        """Whether this shard trains `tenant`; `order` is `Shard.order` of the config's tenants."""
+        position = order.get(tenant)
+        if position is None:
+            position = int.from_bytes(hashlib.sha256(tenant.encode()).digest()[:8], "big")
+        return position % self.count == self.index
+
+
+def learner_process_name(shard: Shard | None) -> str:
+    """What a learner process calls itself in its readiness marker and status file ("learner", or
+    "learner-K-of-N" for a shard); `clora up` waits for that marker."""
+    return "learner" if shard is None else f"learner-{shard.label}"
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,11 @@ def test_shard_parsing_and_every_tenant_has_exactly_one_owner():
             Shard.parse(bad)
     configured = [f"tenant-{i}" for i in range(8)]
     shards = [Shard(k, 3) for k in range(3)]
-    owned = Counter(k for name in configured for k, s in enumerate(shards) if s.owns(name, configured))
+    order = Shard.order(configured)
+    owned = Counter(k for name in configured for k, s in enumerate(shards) if s.owns(name, order))
     assert sorted(owned.values()) == [2, 3, 3]  # configured tenants: dealt round-robin, balanced
     for name in [*configured, *(f"from-storage-{i}" for i in range(50))]:
-        assert sum(s.owns(name, configured) for s in shards) == 1
+        assert sum(s.owns(name, order) for s in shards) == 1
 
 
 def test_two_learner_shards_split_the_tenants_and_train_every_trajectory_once(tiny_model, data_dir):
@@ -103,7 +104,7 @@ def test_a_config_reload_that_deals_a_tenant_elsewhere_lets_go_of_it(tiny_model,
     # ant leaves the config (it now goes by its name's hash, which keeps it here); cat moves to shard 1
     learner.apply_config(make_config(data_dir, tiny_model, [{"name": t} for t in ("bee", "cat", "dog")]))
     learner.pending()
-    assert Shard(0, 2).owns("ant", ["bee", "cat", "dog"])
+    assert Shard(0, 2).owns("ant", Shard.order(["bee", "cat", "dog"]))
     assert set(learner.tenants) == {"ant", "bee", "dog"}
     freed = HeldLock.try_acquire(Path(data_dir) / "locks" / "learner" / "cat.lock")
     assert freed is not None  # shard 1 can take it now
