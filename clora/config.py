@@ -158,6 +158,11 @@ class LearnerConfig(_Strict):
     gate_reward_tolerance: float = Field(
         0.1, ge=0, description="Publish gate: held-out reward may fall at most this much below the parent's."
     )
+    gate_reward_z: float = Field(
+        1.0, ge=0, description="Publish gate: the probe reward may also fall by this many standard errors of the "
+        "per-prompt changes (parent and candidate on the same prompts), so one probe prompt flipping is not a "
+        "regression; 0: the tolerance alone."
+    )
     gate_max_abs_reward: float = Field(
         100.0, gt=0, description="Publish gate: a batch with a non-finite reward or one beyond +-this is rejected."
     )

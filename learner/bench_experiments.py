@@ -130,6 +130,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
     parser.add_argument("--gate-prompts", type=int, default=None,
                         help="learner.gate_prompts: publish-gate probe prompts (default: the config's default)")
+    parser.add_argument("--gate-reward-z", type=float, default=None,
+                        help="learner.gate_reward_z: standard errors of the probe's per-prompt changes the gate "
+                        "allows on top of its tolerance (default: the config's default; 0: tolerance alone)")
     parser.add_argument("--no-sample-ahead", action="store_true",
                         help="sample each step's rollouts only after the previous commit (learner.sample_ahead off)")
     parser.add_argument("--alone", type=int, default=None, metavar="K",
@@ -264,6 +267,7 @@ def _settings(args: argparse.Namespace, model: Path, prompts_file: Path) -> dict
         "learning_rate": args.learning_rate,
         "rank": args.rank,
         "gate_prompts": args.gate_prompts if args.gate_prompts is not None else LearnerConfig().gate_prompts,
+        "gate_reward_z": args.gate_reward_z if args.gate_reward_z is not None else LearnerConfig().gate_reward_z,
         "sample_ahead": not args.no_sample_ahead,
         "prompts_file": prompts_file,
     }
@@ -307,6 +311,7 @@ def write_config(path: Path, group: list[Experiment], settings: dict, *, data_di
             "device": settings["device"],
             "max_new_tokens": settings["max_tokens"],
             "gate_prompts": settings["gate_prompts"],
+            "gate_reward_z": settings["gate_reward_z"],
             "sample_ahead": settings["sample_ahead"],
         },
         "tenants": [
@@ -618,6 +623,8 @@ def summarize(record: dict, steps: int, window: int) -> dict:
         "swap_seconds": sum(m.get("swap_seconds", 0.0) for m in metrics.values()) / swaps if swaps else math.nan,
         "publish_to_live": sum(m.get("publish_to_live_seconds", 0.0) for m in metrics.values()) / lags if lags else math.nan,
         "staleness_max": max((s["staleness"] for s in all_steps if s.get("staleness") is not None), default=None),
+        "steps": len(all_steps),
+        "rejected": sum(s.get("decision") == "rejected" for s in all_steps),
         "errors": timeline.get("errors", {}),
     }
 
@@ -682,6 +689,8 @@ def compare(n: int, concurrent: dict, alone: list[dict | None], steps: int, wind
         "publish_to_live_a": a["publish_to_live"],
         "publish_to_live_b": _mean([b["publish_to_live"] for b in measured if not math.isnan(b["publish_to_live"])]),
         "staleness_max_a": a["staleness_max"],
+        "rejected_a": a["rejected"] / a["steps"] if a["steps"] else math.nan,
+        "rejected_b": sum(b["rejected"] for b in measured) / max(1, sum(b["steps"] for b in measured)),
         "errors": {**a["errors"], **{k: v for b in measured for k, v in b["errors"].items()}},
     }
 
@@ -730,6 +739,7 @@ COLUMNS = (
     ("start-up s (a)/(b) each", lambda r: f"{_f(r['startup_a'])} / {_f(r['startup_b'] / r['n'])}"),
     ("final reward (a)/(b)", lambda r: f"{_f(r['reward_final_a'], '.3f')} / {_f(r['reward_final_b'], '.3f')}"),
     ("diff +- noise", lambda r: f"{_f(r['reward_diff_mean'], '+.3f')} +- {_f(r['reward_diff_noise'], '.3f')}"),
+    ("gate rejected (a)/(b)", lambda r: f"{_f(100 * r['rejected_a'], '.0f')}% / {_f(100 * r['rejected_b'], '.0f')}%"),
 )
 PHASE_COLUMNS = ("wait", "score", "train", "probe", "publish", "other", "total", "sampling")
 
@@ -794,7 +804,7 @@ def table(result: dict) -> str:
     head = [
         f"clora bench experiments: {Path(result['model']).name}, {result['steps']} steps x {s['batch_size']} samples "
         f"({s['batch_size'] // s['group_size']} prompts x {s['group_size']}), {s['max_tokens']} tokens, "
-        f"sample-ahead {'on' if s['sample_ahead'] else 'off'}, gate probes {s['gate_prompts']}",
+        f"sample-ahead {'on' if s['sample_ahead'] else 'off'}, gate probes {s['gate_prompts']} (z {s.get('gate_reward_z', 0):g})",
         f"{result['machine']}; bench took {result['bench_seconds']:.0f}s",
         f"(a) N experiments on one always-on stack ({_learners_text(s)}); (b) each alone, fresh serving + learner "
         "processes (start-up included)",
@@ -816,7 +826,8 @@ def to_markdown(result: dict) -> str:
         f"Machine: {result['machine']}. Model: `{Path(result['model']).name}` ({s['dtype']} engine, learner on "
         f"{s['device']}). {result['steps']} GRPO steps per experiment, {s['batch_size']} samples per step "
         f"({s['batch_size'] // s['group_size']} prompts x {s['group_size']}), {s['max_tokens']} tokens, LoRA r={s['rank']}, "
-        f"sample-ahead {'on' if s['sample_ahead'] else 'off'}, {s['gate_prompts']} gate probe prompts. "
+        f"sample-ahead {'on' if s['sample_ahead'] else 'off'}, {s['gate_prompts']} gate probe prompts "
+        f"(gate_reward_z {s.get('gate_reward_z', 0):g}). "
         f"(a): N experiments on one always-on stack (one engine, {_learners_text(s)}); (b): each alone in fresh "
         "serving and learner processes, start-up included. Latency: interval between an experiment's consecutive steps.",
         "",

@@ -9,7 +9,16 @@ A candidate passes only if every check holds:
               positions, after the update) is at most `learner.gate_max_kl`: the adapter has not drifted
               into degenerate text;
   - reward:   (tenants with a programmatic scorer only) the mean reward of greedy completions of the
-              tenant's probe prompts is not below the parent's by more than `learner.gate_reward_tolerance`.
+              tenant's probe prompts is not below the parent's by more than `learner.gate_reward_tolerance`
+              plus `learner.gate_reward_z` standard errors of the per-prompt changes (see below).
+
+Why the standard error: the probe is a handful of prompts, and a greedy completion flips between "scores"
+and "does not" at the smallest weight change. With 4 prompts and a 0/1 scorer, one prompt flipping is a drop
+of 0.25, beyond any useful tolerance; a fixed tolerance rejected ~30% of steps in the experiments
+benchmark, each a wasted step. The parent and the candidate are probed on the same prompts, so the changes
+are paired: one prompt falling while the others hold is within noise (the standard error of (-1, 0, 0, 0)
+is 0.25), a fall on most prompts is not (every prompt falling alike has standard error 0). With
+`gate_reward_z = 0` the rule is the plain tolerance.
 
 Probe prompts: `learner.gate_prompts` prompts per tenant, picked as the ones with the smallest SHA-256
 among the prompts the learner has seen for the tenant (its prompts file, or the prompts of its batches),
@@ -39,8 +48,10 @@ class GateInput:
     weights_finite: bool
     kl: float
     rewards: tuple[float, ...]  # the batch's rewards
-    probe_reward: float | None = None  # the candidate's; None when the tenant has no programmatic scorer
-    parent_probe_reward: float | None = None
+    # Greedy reward per probe prompt, the candidate's and the parent's on the same prompts in the same order;
+    # None when the tenant has no programmatic scorer.
+    probe_rewards: tuple[float, ...] | None = None
+    parent_probe_rewards: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,7 @@ class GateLimits:
     max_kl: float
     reward_tolerance: float
     max_abs_reward: float
+    reward_z: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -77,18 +89,47 @@ def decide(inp: GateInput, limits: GateLimits) -> GateResult:
         failures.append("adapter weights are not finite")
     if not math.isfinite(inp.kl) or inp.kl > limits.max_kl:
         failures.append(f"KL to the base model {inp.kl:.4g} exceeds gate_max_kl {limits.max_kl:g}")
-    if inp.probe_reward is not None and inp.parent_probe_reward is not None:
-        drop = inp.parent_probe_reward - inp.probe_reward
-        if not math.isfinite(inp.probe_reward) or drop > limits.reward_tolerance:
+    probe = parent = allowed = None
+    if inp.probe_rewards is not None and inp.parent_probe_rewards is not None:
+        probe, parent = mean(inp.probe_rewards), mean(inp.parent_probe_rewards)
+        se = paired_standard_error(inp.probe_rewards, inp.parent_probe_rewards)
+        se = se if math.isfinite(se) else 0.0  # a NaN allowance would pass anything
+        allowed = limits.reward_tolerance + limits.reward_z * se
+        if not math.isfinite(probe) or parent - probe > allowed:
+            noise = f" + {limits.reward_z:g} x standard error {se:.3g}" if limits.reward_z and se else ""
             failures.append(
-                f"probe reward fell from {inp.parent_probe_reward:.4g} to {inp.probe_reward:.4g} "
-                f"(tolerance {limits.reward_tolerance:g})"
+                f"probe reward fell from {parent:.4g} to {probe:.4g} "
+                f"(more than tolerance {limits.reward_tolerance:g}{noise} over {len(inp.probe_rewards)} prompts)"
             )
-    checks = {k: _json_number(v) for k, v in asdict(inp).items() if k != "rewards"}
+    checks = {k: _json_number(v) for k, v in asdict(inp).items() if k not in ("rewards", "probe_rewards", "parent_probe_rewards")}
+    checks["probe_reward"] = _json_number(probe)
+    checks["parent_probe_reward"] = _json_number(parent)
+    checks["probe_rewards"] = None if inp.probe_rewards is None else [_json_number(r) for r in inp.probe_rewards]
+    checks["parent_probe_rewards"] = (
+        None if inp.parent_probe_rewards is None else [_json_number(r) for r in inp.parent_probe_rewards]
+    )
+    checks["probe_drop_allowed"] = _json_number(allowed)
     checks["reward_min"] = _json_number(min(inp.rewards, default=math.nan))
     checks["reward_max"] = _json_number(max(inp.rewards, default=math.nan))
     checks.update({f"limit_{k}": v for k, v in asdict(limits).items()})
     return GateResult(passed=not failures, failures=tuple(failures), checks=checks)
+
+
+def mean(values: Sequence[float]) -> float:
+    """The mean of `values`; NaN for none."""
+    return math.fsum(values) / len(values) if values else math.nan
+
+
+def paired_standard_error(candidate: Sequence[float], parent: Sequence[float]) -> float:
+    """Standard error of the mean per-prompt change candidate - parent (sample standard deviation / sqrt(k)).
+    0 for fewer than two prompts or prompts that do not pair up (the plain tolerance then applies alone);
+    NaN when a change is not finite."""
+    if len(candidate) != len(parent) or len(candidate) < 2:
+        return 0.0
+    diffs = [c - p for c, p in zip(candidate, parent)]
+    m = mean(diffs)
+    var = math.fsum((d - m) ** 2 for d in diffs) / (len(diffs) - 1)
+    return math.sqrt(var / len(diffs))
 
 
 def _json_number(v):
@@ -112,25 +153,25 @@ def update_probes(current: Sequence[str], seen: Iterable[str], k: int) -> tuple[
     return tuple(sorted(pool, key=_digest)[:k])
 
 
-def probe_reward(
+def probe_rewards(
     policy: Policy,
     tenant: str | None,
     prompts: Sequence[str],
     scorer: Callable[[str, str], float],
     *,
     max_new_tokens: int,
-) -> float:
-    """Mean reward of greedy completions of `prompts` under `tenant`'s adapter (None: the base model).
-    A prompt whose completion the scorer fails on counts as reward 0."""
+) -> tuple[float, ...]:
+    """The reward of the greedy completion of each of `prompts` under `tenant`'s adapter (None: the base
+    model), in order. A prompt whose completion the scorer fails on counts as reward 0."""
     from ingest.scorers import ScorerError, apply
 
     if not prompts:
-        return math.nan
+        return ()
     samples = policy.generate(tenant, list(prompts), n=1, max_new_tokens=max_new_tokens, greedy=True)
-    total = 0.0
+    rewards = []
     for prompt, (sample,) in zip(prompts, samples):
         try:
-            total += apply(scorer, sample.text, prompt)
+            rewards.append(apply(scorer, sample.text, prompt))
         except ScorerError:
-            total += 0.0
-    return total / len(prompts)
+            rewards.append(0.0)
+    return tuple(rewards)

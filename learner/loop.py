@@ -111,7 +111,7 @@ class TenantRuntime:
     state_id: int = 0  # bumped whenever the adapter weights change (keys the probe-reward cache)
     baseline: float | None = None  # running mean reward (logs mode)
     probes: tuple[str, ...] = ()
-    probe_cache: dict = field(default_factory=dict)  # (state_id, probes) -> probe reward
+    probe_cache: dict = field(default_factory=dict)  # (state_id, probes) -> reward per probe prompt
     unfinished: dict | None = None  # learner.json of a committed step whose publish/row is not done yet
     rollout_ids: dict = field(default_factory=dict)  # ids of logged rollout interactions not seen in storage yet (ordered)
     status: str = "idle"
@@ -209,6 +209,7 @@ class Learner:
         self.limits = gate.GateLimits(
             max_kl=cfg.learner.gate_max_kl,
             reward_tolerance=cfg.learner.gate_reward_tolerance,
+            reward_z=cfg.learner.gate_reward_z,
             max_abs_reward=cfg.learner.gate_max_abs_reward,
         )
         self._order = Shard.order(t.name for t in cfg.tenants)
@@ -385,7 +386,7 @@ class Learner:
         rt.probes = gate.update_probes(rt.probes, work.prompts, self.settings.gate_prompts)
         scorer = self._scorer(rt)
         with clock("probe"):
-            parent_probe = self._probe_reward(rt, scorer)
+            parent_probe = self._probe_rewards(rt, scorer)
         with clock("train"):
             trained = self._update(rt, work, scorer)
         clock.move("train", "score", trained.score_seconds)
@@ -424,7 +425,7 @@ class Learner:
         probe = None
         if update is not None:
             with clock("probe"):
-                probe = self._probe_reward(rt, scorer, fresh=True) if parent_probe is not None else None
+                probe = self._probe_rewards(rt, scorer, fresh=True) if parent_probe is not None else None
             result = gate.decide(
                 gate.GateInput(
                     loss=update.loss,
@@ -432,8 +433,8 @@ class Learner:
                     weights_finite=self.policy.weights_finite(name),
                     kl=update.kl,
                     rewards=trained.rewards,
-                    probe_reward=probe,
-                    parent_probe_reward=parent_probe,
+                    probe_rewards=probe,
+                    parent_probe_rewards=parent_probe,
                 ),
                 self.limits if rt.spec.gate_max_kl is None else replace(self.limits, max_kl=rt.spec.gate_max_kl),
             )
@@ -660,14 +661,15 @@ class Learner:
         except ScorerSpecError as e:
             raise LearnerError(f"tenant {rt.spec.name!r}: {e}") from e
 
-    def _probe_reward(self, rt: TenantRuntime, scorer, *, fresh: bool = False) -> float | None:
-        """The current adapter's probe reward (cached per adapter state unless `fresh`); None without a scorer."""
+    def _probe_rewards(self, rt: TenantRuntime, scorer, *, fresh: bool = False) -> tuple[float, ...] | None:
+        """The current adapter's reward per probe prompt (cached per adapter state unless `fresh`); None
+        without a scorer."""
         if scorer is None or not rt.probes:
             return None
         key = (rt.state_id, rt.probes)
         if not fresh and key in rt.probe_cache:
             return rt.probe_cache[key]
-        value = gate.probe_reward(self.policy, rt.spec.name, rt.probes, scorer, max_new_tokens=self.settings.max_new_tokens)
+        value = gate.probe_rewards(self.policy, rt.spec.name, rt.probes, scorer, max_new_tokens=self.settings.max_new_tokens)
         if not fresh:
             rt.probe_cache = {key: value}
         return value
@@ -937,7 +939,7 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
-def _metrics(trained: _Trained, step: int, mode: str, probe: float | None, parent_probe: float | None) -> dict:
+def _metrics(trained: _Trained, step: int, mode: str, probe: tuple | None, parent_probe: tuple | None) -> dict:
     """The version's metrics in the registry (JSON: non-finite numbers become strings)."""
     update = trained.update
     values = {
@@ -953,8 +955,8 @@ def _metrics(trained: _Trained, step: int, mode: str, probe: float | None, paren
         "tokens": update.tokens,
         "n_trajectories": trained.n_trained,
         "n_dropped": trained.n_dropped,
-        "probe_reward": probe,
-        "parent_probe_reward": parent_probe,
+        "probe_reward": None if probe is None else gate.mean(probe),
+        "parent_probe_reward": None if parent_probe is None else gate.mean(parent_probe),
     }
     return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
 

@@ -66,7 +66,7 @@ def test_the_stack_config_is_a_valid_clora_toml(tmp_path):
     settings = {"model": tmp_path / "model", "dtype": "float32", "device": "cpu", "threads": 1, "max_loras": None,
                 "kv_cache_gib": 0.5,
                 "max_num_seqs": 64, "steps": 2, "batch_size": 8, "group_size": 4, "max_tokens": 16,
-                "learning_rate": 1e-2, "rank": 8, "gate_prompts": 2, "sample_ahead": True,
+                "learning_rate": 1e-2, "rank": 8, "gate_prompts": 2, "gate_reward_z": 0.5, "sample_ahead": True,
                 "prompts_file": tmp_path / "prompts.txt"}
     path = write_config(tmp_path / "clora.toml", group, settings, data_dir=tmp_path / "data", bootstrap="127.0.0.1:1",
                         port=8123)
@@ -76,6 +76,7 @@ def test_the_stack_config_is_a_valid_clora_toml(tmp_path):
     assert all(t.mode == "rollouts" and t.prompts_file == Path(settings["prompts_file"]) for t in cfg.tenants)
     assert cfg.serving.max_loras == 4 and cfg.serving.dtype == "float32" and cfg.serving.port == 8123
     assert cfg.learner.sample_ahead is True and cfg.learner.device == "cpu" and cfg.learner.max_new_tokens == 16
+    assert cfg.learner.gate_prompts == 2 and cfg.learner.gate_reward_z == 0.5
     assert cfg.serving.max_loras == 4  # experiments + 1 unless --max-loras sets one shape for every stack
     settings["max_loras"] = 9
     path = write_config(tmp_path / "clora.toml", group, settings, data_dir=tmp_path / "data", bootstrap="127.0.0.1:1",
@@ -83,11 +84,12 @@ def test_the_stack_config_is_a_valid_clora_toml(tmp_path):
     assert load_config(path, environ={}).serving.max_loras == 9
 
 
-def record(names, *, spawned, ready, step_times, rewards):
+def record(names, *, spawned, ready, step_times, rewards, rejected=()):
     """A run record as `run_stack` returns it: step k of every tenant at ready + step_times[k-1], with the
-    tenant's `rewards[name][k-1]` as its samples' rewards."""
+    tenant's `rewards[name][k-1]` as its samples' rewards; the (tenant, step)s in `rejected` were rejected."""
     steps = [{"tenant": name, "step": k + 1, "t": ready + t, "rewards": rewards[name][k],
-              "timings": {"wait": 0.0, "train": 0.5, "total": 0.6}, "staleness": 1}
+              "timings": {"wait": 0.0, "train": 0.5, "total": 0.6}, "staleness": 1,
+              "decision": "rejected" if (name, k + 1) in rejected else "published"}
              for name in names for k, t in enumerate(step_times)]
     return {"experiments": names, "objectives": {n: "digits" for n in names}, "spawned": spawned,
             "serving_ready": spawned + 20.0, "learner_spawned": spawned + 20.0, "stopped": ready + step_times[-1] + 5,
@@ -96,9 +98,11 @@ def record(names, *, spawned, ready, step_times, rewards):
 
 def test_compare_sums_the_alone_runs_and_tests_rewards_paired_over_experiments():
     rewards = {"exp-0": [[0.0, 0.2], [0.4, 0.6]], "exp-1": [[0.1, 0.1], [0.3, 0.5]]}
-    concurrent = record(["exp-0", "exp-1"], spawned=0.0, ready=30.0, step_times=[2.0, 4.0], rewards=rewards)
+    concurrent = record(["exp-0", "exp-1"], spawned=0.0, ready=30.0, step_times=[2.0, 4.0], rewards=rewards,
+                        rejected={("exp-1", 2)})
     alone = [
-        record(["exp-0"], spawned=100.0, ready=125.0, step_times=[1.0, 2.0], rewards={"exp-0": [[0.0], [0.2, 0.4]]}),
+        record(["exp-0"], spawned=100.0, ready=125.0, step_times=[1.0, 2.0], rewards={"exp-0": [[0.0], [0.2, 0.4]]},
+               rejected={("exp-0", 1), ("exp-0", 2)}),
         record(["exp-1"], spawned=200.0, ready=225.0, step_times=[1.0, 3.0], rewards={"exp-1": [[0.0], [0.4, 0.4]]}),
     ]
     row = compare(2, concurrent, alone, steps=2, window=1, startup=25.0)
@@ -110,6 +114,7 @@ def test_compare_sums_the_alone_runs_and_tests_rewards_paired_over_experiments()
     # final rewards (last step): a = 0.5, 0.4; b = 0.3, 0.4 -> differences 0.2, 0.0
     assert row["reward_diff_mean"] == pytest.approx(0.1)
     assert row["reward_diff_noise"] == pytest.approx(12.706 * 0.2 / math.sqrt(2) / math.sqrt(2))  # t(1) sd/sqrt(n)
+    assert row["rejected_a"] == pytest.approx(1 / 4) and row["rejected_b"] == pytest.approx(2 / 4)
     assert t_quantile_975(7) == 2.365 and t_quantile_975(12) == 2.228 and t_quantile_975(1000) == 1.96
 
 

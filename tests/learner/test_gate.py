@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from learner.gate import GateInput, GateLimits, decide, update_probes
+from learner.gate import GateInput, GateLimits, decide, paired_standard_error, update_probes
 
 pytestmark = pytest.mark.unit
 
@@ -36,7 +36,8 @@ def test_a_healthy_step_passes_and_records_what_was_measured():
         ({"weights_finite": False}, "adapter weights are not finite"),
         ({"kl": 1.5}, "KL to the base model 1.5 exceeds gate_max_kl 1"),
         ({"kl": math.nan}, "KL to the base model nan"),
-        ({"probe_reward": 0.5, "parent_probe_reward": 0.75}, "probe reward fell from 0.75 to 0.5"),
+        ({"probe_rewards": (0.5, 0.5), "parent_probe_rewards": (0.75, 0.75)}, "probe reward fell from 0.75 to 0.5"),
+        ({"probe_rewards": (0.5, math.nan), "parent_probe_rewards": (0.5, 0.5)}, "probe reward fell from 0.5 to nan"),
     ],
 )
 def test_each_failed_check_rejects_with_its_reason(change, expected):
@@ -48,9 +49,40 @@ def test_each_failed_check_rejects_with_its_reason(change, expected):
 
 def test_reward_tolerance_is_inclusive_and_only_applies_with_both_probes():
     # parent 0.75, candidate 0.65: a drop of 0.10 is within the tolerance; 0.11 is not
-    assert decide(with_(probe_reward=0.65, parent_probe_reward=0.75), LIMITS).passed
-    assert not decide(with_(probe_reward=0.64, parent_probe_reward=0.75), LIMITS).passed
-    assert decide(with_(probe_reward=0.0, parent_probe_reward=None), LIMITS).passed  # no scorer: no check
+    assert decide(with_(probe_rewards=(0.65,), parent_probe_rewards=(0.75,)), LIMITS).passed
+    assert not decide(with_(probe_rewards=(0.64,), parent_probe_rewards=(0.75,)), LIMITS).passed
+    assert decide(with_(probe_rewards=(0.0,), parent_probe_rewards=None), LIMITS).passed  # no scorer: no check
+    r = decide(with_(probe_rewards=(0.65, 0.25), parent_probe_rewards=(0.75, 0.25)), LIMITS)
+    assert r.checks["probe_reward"] == pytest.approx(0.45) and r.checks["parent_probe_reward"] == pytest.approx(0.5)
+    assert r.checks["probe_rewards"] == [0.65, 0.25] and r.checks["limit_reward_z"] == 0.0
+
+
+NOISY = GateLimits(max_kl=1.0, reward_tolerance=0.1, max_abs_reward=100.0, reward_z=1.0)
+
+
+def test_one_probe_prompt_flipping_is_noise_a_fall_on_most_is_not():
+    parent = (1.0, 1.0, 0.0, 1.0)
+    one_flip = (0.0, 1.0, 0.0, 1.0)  # mean -0.25, standard error 0.25: allowed 0.35
+    two_flips = (0.0, 0.0, 0.0, 1.0)  # mean -0.5, standard error ~0.29: allowed ~0.39
+    assert not decide(with_(probe_rewards=one_flip, parent_probe_rewards=parent), LIMITS).passed  # z = 0: tolerance
+    r = decide(with_(probe_rewards=one_flip, parent_probe_rewards=parent), NOISY)
+    assert r.passed and r.checks["probe_drop_allowed"] == pytest.approx(0.35)
+    r = decide(with_(probe_rewards=two_flips, parent_probe_rewards=parent), NOISY)
+    assert not r.passed and "standard error 0.289 over 4 prompts" in r.reason, r.reason
+    # every prompt falling by the same amount has no noise: the tolerance alone decides
+    r = decide(with_(probe_rewards=(0.3, 0.3, 0.3), parent_probe_rewards=(0.5, 0.5, 0.5)), NOISY)
+    assert not r.passed and r.checks["probe_drop_allowed"] == pytest.approx(0.1)
+    # one prompt up and one down: no fall at all
+    assert decide(with_(probe_rewards=(1.0, 0.0), parent_probe_rewards=(0.0, 1.0)), NOISY).passed
+
+
+def test_paired_standard_error():
+    assert paired_standard_error((0.0, 1.0, 0.0, 1.0), (1.0, 1.0, 0.0, 1.0)) == pytest.approx(0.25)
+    assert paired_standard_error((0.5, 0.5), (0.5, 0.5)) == 0.0
+    assert paired_standard_error((0.5,), (1.0,)) == 0.0  # one prompt: no spread to measure
+    assert paired_standard_error((0.5, 0.5), (1.0,)) == 0.0  # not paired
+    r = decide(with_(probe_rewards=(0.0, 0.0), parent_probe_rewards=(1.0, math.inf)), NOISY)
+    assert not r.passed  # a non-finite allowance must not wave anything through
 
 
 def test_all_failures_are_listed_together():

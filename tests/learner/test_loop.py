@@ -308,10 +308,12 @@ def test_one_tenants_failure_does_not_stop_the_others(tiny_model, data_dir):
 def test_rollouts_mode_with_a_prompts_file_and_the_local_sampler(tiny_model, data_dir, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Write a number.\nTell me about cats.\n\nhello\n")
+    # length:48: the tiny model's 12-token completions run ~30-60 characters, so rewards differ within a
+    # group and every step trains (with length:20 most scored 0 and one run in five trained nothing)
     cfg = make_config(
         data_dir,
         tiny_model,
-        [{"name": "lab", "mode": "rollouts", "scorer": "length:20", "prompts_file": str(prompts), "batch_size": 8, "group_size": 4,
+        [{"name": "lab", "mode": "rollouts", "scorer": "length:48", "prompts_file": str(prompts), "batch_size": 8, "group_size": 4,
           "learning_rate": 1e-2, "lora": {"target_modules": LEARNABLE_TARGETS}}],
         rollout_sampler="local",
         max_new_tokens=12,
@@ -327,6 +329,10 @@ def test_rollouts_mode_with_a_prompts_file_and_the_local_sampler(tiny_model, dat
     assert versions, "no version was created"
     for v in versions:  # the gate compared probe rewards of parent and candidate
         assert v.gate["probe_reward"] is not None and v.gate["parent_probe_reward"] is not None
+        # per prompt, paired: the mean is their mean, and the allowance is at least the tolerance
+        assert len(v.gate["probe_rewards"]) == len(v.gate["parent_probe_rewards"]) == 2
+        assert v.gate["probe_reward"] == pytest.approx(sum(v.gate["probe_rewards"]) / 2)
+        assert v.gate["probe_drop_allowed"] >= v.gate["limit_reward_tolerance"] == 1.0
 
 
 def test_a_prompts_file_is_rendered_once_and_again_when_it_changes(tiny_model, data_dir, tmp_path):
