@@ -518,8 +518,9 @@ def worker(argv: list[str] | None = None) -> int:
     path = model_path(cfg)
     shard = Shard.parse(args.shard) if args.shard else None
     learner = Learner(cfg, model_path=path, progress=False, shard=shard)
-    order = Shard.order(t.name for t in cfg.tenants)
-    names = [name for name in order if shard is None or shard.owns(name, order)]
+    configured = [t.name for t in cfg.tenants]
+    dealt = shard.deal(configured) if shard is not None else {}
+    names = [name for name in configured if shard is None or shard.owns(name, dealt)]
     ready = time.time()
     steps: list[dict] = []
     done: dict[str, int] = {}

@@ -47,8 +47,8 @@ def add_learn_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, default=None, metavar="N", help="exit after N steps in all")
     parser.add_argument("--no-progress", action="store_true", help="no per-tenant progress bars")
     parser.add_argument("--shard", default=None, metavar="K/N",
-                        help="train only shard K of N learner processes sharing this data dir (the config's tenants "
-                        "dealt round-robin by name, others by a hash of the name); e.g. 0/2 and 1/2")
+                        help="train only shard K of N learner processes sharing this data dir (tenants dealt by "
+                        "rendezvous hashing, the config's balanced across shards); e.g. 0/2 and 1/2")
 
 
 def _learn(args: argparse.Namespace) -> int:

@@ -181,7 +181,7 @@ class Learner:
         self.shard = shard
         self.process_name = learner_process_name(shard)  # readiness marker
         self._locks: dict[str, HeldLock] = {}  # the tenants this process trains now (see `_claim`)
-        self._order: dict[str, int] = {}  # Shard.order of the config's tenants
+        self._dealt: dict[str, int] = {}  # the shard of each of the config's tenants (Shard.deal)
         self.registry = Registry(self.dd, keep_last=cfg.learner.keep_versions)
         self.cursors = Cursors(self.dd)
         self.policy = policy or Policy(model_path, device=cfg.learner.device, seed=cfg.model.seed)
@@ -212,7 +212,7 @@ class Learner:
             reward_z=cfg.learner.gate_reward_z,
             max_abs_reward=cfg.learner.gate_max_abs_reward,
         )
-        self._order = Shard.order(t.name for t in cfg.tenants)
+        self._dealt = self.shard.deal(t.name for t in cfg.tenants) if self.shard is not None else {}
         for t in cfg.tenants:
             if self._owns(t.name):
                 self._set_spec(TenantSpec.from_config(t))
@@ -220,7 +220,7 @@ class Learner:
             self._disown(name)
 
     def _owns(self, name: str) -> bool:
-        return self.shard is None or self.shard.owns(name, self._order)
+        return self.shard is None or self.shard.owns(name, self._dealt)
 
     def _claim(self, rt: TenantRuntime) -> bool:
         """Whether this process trains `rt` now: it holds the tenant's lock (<data_dir>/locks/learner/), taking

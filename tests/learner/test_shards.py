@@ -30,11 +30,29 @@ def test_shard_parsing_and_every_tenant_has_exactly_one_owner():
             Shard.parse(bad)
     configured = [f"tenant-{i}" for i in range(8)]
     shards = [Shard(k, 3) for k in range(3)]
-    order = Shard.order(configured)
-    owned = Counter(k for name in configured for k, s in enumerate(shards) if s.owns(name, order))
-    assert sorted(owned.values()) == [2, 3, 3]  # configured tenants: dealt round-robin, balanced
+    dealt = shards[0].deal(configured)
+    assert all(s.deal(reversed(configured)) == dealt for s in shards)  # every process agrees, whatever the order
+    owned = Counter(k for name in configured for k, s in enumerate(shards) if s.owns(name, dealt))
+    assert sorted(owned.values()) == [2, 3, 3]  # configured tenants: balanced
     for name in [*configured, *(f"from-storage-{i}" for i in range(50))]:
-        assert sum(s.owns(name, order) for s in shards) == 1
+        assert sum(s.owns(name, dealt) for s in shards) == 1
+    walk_ins = Counter(shards[0].ranking(f"from-storage-{i}")[0] for i in range(300))
+    assert set(walk_ins) == {0, 1, 2} and min(walk_ins.values()) > 60  # tenants only in storage: spread by hash
+
+
+def test_a_config_change_moves_few_tenants_between_shards():
+    """Adding or removing one tenant moves few of the others (each move is a checkpoint reload on another
+    process); dealing by name order would move about half of them."""
+    for count, total in ((2, 8), (4, 40)):
+        shard = Shard(0, count)
+        for trial in range(20):
+            names = [f"t{trial}-{i}" for i in range(total)]
+            before = shard.deal(names)
+            for after in (shard.deal([*names, f"t{trial}-new"]), shard.deal(names[1:])):
+                moved = sum(before[n] != after[n] for n in after if n in before)
+                assert moved <= total // 4, (count, trial, moved)
+                loads = Counter(after.values())
+                assert max(loads.values()) - min(loads.values()) <= 1 and len(loads) == count  # still balanced
 
 
 def test_two_learner_shards_split_the_tenants_and_train_every_trajectory_once(tiny_model, data_dir):
@@ -98,15 +116,19 @@ def test_a_config_reload_that_deals_a_tenant_elsewhere_lets_go_of_it(tiny_model,
     cfg = make_config(data_dir, tiny_model, [{"name": t} for t in TENANTS])
     learner = Learner(cfg, model_path=tiny_model, progress=False, shard=Shard(0, 2))
     learner.pending()  # takes its tenants' locks
-    assert set(learner.tenants) == {"ant", "cat"}  # names in order, dealt round-robin: ant, cat | bee, dog
-    assert HeldLock.try_acquire(Path(data_dir) / "locks" / "learner" / "cat.lock") is None  # held
+    dealt = Shard(0, 2).deal(TENANTS)
+    mine = {t for t in TENANTS if dealt[t] == 0}
+    assert set(learner.tenants) == mine and len(mine) == 2
+    for name in mine:
+        assert HeldLock.try_acquire(Path(data_dir) / "locks" / "learner" / f"{name}.lock") is None  # held
 
-    # ant leaves the config (it now goes by its name's hash, which keeps it here); cat moves to shard 1
-    learner.apply_config(make_config(data_dir, tiny_model, [{"name": t} for t in ("bee", "cat", "dog")]))
+    # a config of shard 0's two tenants alone: one of them must now go to shard 1 (one tenant per shard)
+    learner.apply_config(make_config(data_dir, tiny_model, [{"name": t} for t in sorted(mine)]))
     learner.pending()
-    assert Shard(0, 2).owns("ant", Shard.order(["bee", "cat", "dog"]))
-    assert set(learner.tenants) == {"ant", "bee", "dog"}
-    freed = HeldLock.try_acquire(Path(data_dir) / "locks" / "learner" / "cat.lock")
+    (kept,) = {t for t, k in Shard(0, 2).deal(mine).items() if k == 0}
+    (moved,) = mine - {kept}
+    assert set(learner.tenants) == {kept}
+    freed = HeldLock.try_acquire(Path(data_dir) / "locks" / "learner" / f"{moved}.lock")
     assert freed is not None  # shard 1 can take it now
     freed.release()
     learner.close()
