@@ -597,10 +597,16 @@ def summarize(record: dict, steps: int, window: int) -> dict:
             first[name] = times[0] - ready
             intervals += [b - a for a, b in zip(times, times[1:])]
         tail = [r for s in rows[-window:] for r in s["rewards"]]
+        # The final reward's standard error takes the window's steps as the units: one step's samples share
+        # an adapter and prompts, so their spread understates the noise. A window of one step: its samples.
+        units = [_mean(s["rewards"]) for s in rows[-window:] if s["rewards"]]
+        if len(units) < 2:
+            units = tail
         rewards[name] = {
             "first": _mean(rows[0]["rewards"]) if rows else math.nan,
             "final": _mean(tail),
-            "final_se": statistics.stdev(tail) / math.sqrt(len(tail)) if len(tail) > 1 else math.nan,
+            "final_se": statistics.stdev(units) / math.sqrt(len(units)) if len(units) > 1 else math.nan,
+            "final_units": len(units),
             "steps": len(rows),
         }
     last = max((s["t"] for rows in by_tenant.values() for s in rows), default=ready)
@@ -652,13 +658,14 @@ def compare(n: int, concurrent: dict, alone: list[dict | None], steps: int, wind
         entry = {"name": name, "objective": concurrent["objectives"][name], "first_a": ra["first"],
                  "final_a": ra["final"], "first_b": math.nan, "final_b": math.nan, "diff": math.nan, "noise": math.nan}
         if rb is not None:
+            df = ra["final_units"] + rb["final_units"] - 2
             entry.update(first_b=rb["first"], final_b=rb["final"], diff=ra["final"] - rb["final"],
-                         noise=2.0 * math.hypot(ra["final_se"], rb["final_se"]))
+                         noise=t_quantile_975(df) * math.hypot(ra["final_se"], rb["final_se"]) if df >= 1 else math.nan)
         experiments_.append(entry)
     diffs = [e["diff"] for e in experiments_ if not math.isnan(e["diff"])]
     if len(diffs) >= 2:  # paired over experiments: the spread of the differences includes run-to-run randomness
         noise = t_quantile_975(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
-    else:  # one experiment: only the sampling noise of its final reward is known
+    else:  # one experiment: the noise of its final reward over the window's steps (one run each)
         noise = next((e["noise"] for e in experiments_ if not math.isnan(e["diff"])), math.nan)
     b_latencies = [x for b in measured for x in b["latencies"]]
     return {
@@ -775,7 +782,7 @@ def _sections(result: dict, markdown: bool) -> list[str]:
     lines += ["", f"Reward per experiment at N={big['n']} (mean over a step's samples; final: the last "
                   f"{result['final_window']} step(s)):", ""]
     lines += _rows_text(
-        ["experiment", "objective", "first (a)/(b)", "final (a)", "final (b)", "diff +- 2 SE (samples)"],
+        ["experiment", "objective", "first (a)/(b)", "final (a)", "final (b)", "diff +- 95% (steps)"],
         [[e["name"], f"`{e['objective']}`" if markdown else e["objective"],
           f"{_f(e['first_a'], '.3f')} / {_f(e['first_b'], '.3f')}", _f(e["final_a"], ".3f"), _f(e["final_b"], ".3f"),
           f"{_f(e['diff'], '+.3f')} +- {_f(e['noise'], '.3f')}"] for e in big["experiments"]],
@@ -791,7 +798,7 @@ def _sections(result: dict, markdown: bool) -> list[str]:
     same = all(abs(r["reward_diff_mean"]) <= r["reward_diff_noise"] for r in rows if not math.isnan(r["reward_diff_noise"]))
     lines.append(f"Final reward (a) vs (b): {'equal within noise' if same else 'DIFFERENT beyond noise'} (\"diff +- noise\": "
                  "the mean difference over the N experiments and its 95% half-width, paired t over the experiments, "
-                 "so run-to-run randomness counts; for one experiment, two standard errors of its samples)")
+                 "so run-to-run randomness counts; for one experiment, t over the final window's steps of each run)")
     if any(r["alone_measured"] < r["n"] for r in rows):
         lines.append(f"* (b) measured for experiments {result['alone_measured']}; the others at their mean.")
     errors = {k: v for r in rows for k, v in r["errors"].items()}

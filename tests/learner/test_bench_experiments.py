@@ -120,6 +120,22 @@ def test_compare_sums_the_alone_runs_and_tests_rewards_paired_over_experiments()
     assert t_quantile_975(7) == 2.365 and t_quantile_975(12) == 2.228 and t_quantile_975(1000) == 1.96
 
 
+def test_one_experiments_reward_noise_takes_the_windows_steps_as_units():
+    """A step's samples share an adapter and prompts: the noise of one experiment's final reward is the
+    spread of the window's step means, not of its samples."""
+    a = record(["exp-0"], spawned=0.0, ready=30.0, step_times=[1.0, 2.0, 3.0],
+               rewards={"exp-0": [[0.0], [0.2, 0.4], [0.6, 0.6]]})
+    b = record(["exp-0"], spawned=100.0, ready=130.0, step_times=[1.0, 2.0, 3.0],
+               rewards={"exp-0": [[0.0], [0.1, 0.1], [0.3, 0.5]]})
+    row = compare(1, a, [b], steps=3, window=2, startup=25.0)
+    # (a) step means 0.3, 0.6: se 0.15; (b) 0.1, 0.4: se 0.15; df 2
+    assert row["reward_diff_mean"] == pytest.approx(0.45 - 0.25)
+    assert row["reward_diff_noise"] == pytest.approx(4.303 * math.hypot(0.15, 0.15))
+    # a window of one step: its samples are the units
+    row = compare(1, a, [b], steps=3, window=1, startup=25.0)
+    assert row["reward_diff_noise"] == pytest.approx(4.303 * math.hypot(0.0, 0.1))  # 2 + 2 samples: df 2
+
+
 def test_percentile_interpolates_between_ranks():
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
     assert percentile([5.0, 1.0, 3.0], 90) == pytest.approx(4.6)
