@@ -17,8 +17,11 @@ per (tenant, id) however often it arrives (design.md, "Contracts"). Interaction 
 ids, unique per request.
 
 What can be lost: events still in the in-memory queue when the process is killed without a chance to
-stop (SIGKILL, power loss) — a few milliseconds' worth. A normal stop (`close`) drains the queue to
-Kafka or to the spool first.
+stop (SIGKILL, power loss) — a few milliseconds' worth. A normal stop (`close(timeout)`) drains the queue to
+Kafka or to the spool first, within its timeout: from the stop on, every wait for acknowledgements ends by
+a deadline a little before the timeout, the spool's backlog is left for the next start, and whatever is
+still queued at the deadline goes to the spool (a local append), so a slow or hanging broker cannot keep
+a queued event in memory past the stop.
 
 What this module does not do: build the events (api.py does, with ingest/events.py's types and `encode`)
 or decide their content.
@@ -42,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 BATCH_MAX = 512
 _STOP = object()
+STOP_MARGIN = 2.0  # seconds of a stop's timeout kept for spooling what is left at the deadline
+ACK_SLICE = 0.5  # acknowledgements are awaited in slices this long, so a stop's deadline cuts a wait short
 
 
 def kafka_producer(bootstrap: str) -> Any:
@@ -83,6 +88,7 @@ class EventLog:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._producer: Any = None
         self._next_connect = 0.0
+        self._deadline: float | None = None  # set by close(): sends end by then, the rest is spooled
         self._spooled = self.spool.pending()  # left by an earlier run (or another process)
         self.metrics.spool_events.set(self._spooled)
         self._thread = threading.Thread(target=self._run, name="clora-event-log", daemon=True)
@@ -99,6 +105,7 @@ class EventLog:
         """Sends (or spools) everything logged so far, then stops the thread and the producer."""
         if not self._thread.is_alive():
             return
+        self._deadline = time.monotonic() + max(0.0, timeout - STOP_MARGIN)
         self._queue.put(_STOP)
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -121,7 +128,7 @@ class EventLog:
             try:
                 if batch:
                     self._handle(batch)
-                if self._spooled and self._connect():
+                if self._spooled and self._deadline is None and self._connect():
                     self._send_spool()
             except Exception:  # the thread must survive anything; a lost batch would be logged below
                 logger.exception("event log iteration failed")
@@ -145,7 +152,7 @@ class EventLog:
                 return batch, False
 
     def _handle(self, batch: list[Message]) -> None:
-        if self._spooled or not self._connect():
+        if self._spooled or self._past_deadline() or not self._connect():
             self._to_spool(batch)
             return
         failed = self._send(batch)
@@ -158,10 +165,33 @@ class EventLog:
         leftovers, _ = self._take(block_seconds=0)
         if leftovers:
             self._handle(leftovers)
-        if self._spooled and self._producer is not None:
-            self._send_spool()
         self._disconnect(flush=True)
-        self.spool.close()
+        self.spool.close()  # a backlog in the spool is sent by the next start (of this or another process)
+
+    def _past_deadline(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
+    def _await_acks(self, producer: Any) -> None:
+        """`producer.flush()` for at most `ack_timeout`, in slices, ending early at a stop's deadline;
+        raises TimeoutError if the messages were not all acknowledged by then."""
+        from kafka.errors import KafkaTimeoutError
+
+        end = time.monotonic() + self.ack_timeout
+        while True:
+            wait = min(ACK_SLICE, end - time.monotonic(), self._ack_wait())
+            if wait <= 0:
+                raise TimeoutError("not acknowledged in time")
+            try:
+                producer.flush(timeout=wait)
+                return
+            except (KafkaTimeoutError, TimeoutError):
+                continue
+
+    def _ack_wait(self) -> float:
+        """How long to wait for acknowledgements now: `ack_timeout`, or less when a stop's deadline is nearer."""
+        if self._deadline is None:
+            return self.ack_timeout
+        return max(0.0, min(self.ack_timeout, self._deadline - time.monotonic()))
 
     # --- Kafka ----------------------------------------------------------------------------------------------
     def _connect(self) -> bool:
@@ -185,7 +215,7 @@ class EventLog:
         if producer is None:
             return
         try:
-            producer.close(timeout=self.ack_timeout if flush else 0)
+            producer.close(timeout=self._ack_wait() if flush else 0)
         except Exception:  # closing a producer whose broker is gone may raise; it is gone either way
             logger.debug("closing the Kafka producer raised", exc_info=True)
 
@@ -196,7 +226,7 @@ class EventLog:
         try:
             for m in messages:
                 futures.append((m, producer.send(m.topic, key=m.key.encode(), value=m.value.encode())))
-            producer.flush(timeout=self.ack_timeout)
+            self._await_acks(producer)
         except Exception as e:  # KafkaTimeoutError, KafkaError; the futures below say what got through
             logger.warning("sending %d events to Kafka failed: %s", len(messages), e)
         acked = {id(m) for m, future in futures if future.is_done and future.succeeded()}
@@ -221,6 +251,8 @@ class EventLog:
     def _send_spool(self) -> None:
         self.spool.seal()
         for segment in self.spool.segments():
+            if self._deadline is not None:  # stopping: the backlog waits for the next start
+                break
             with self.spool.claim(segment) as claim:
                 if claim is None:
                     continue

@@ -19,7 +19,10 @@ first. The `.tmp` name exists because a file is locked only after it is created:
 new segment before its writer holds the lock. A claimed segment is deleted once every message in it
 was acknowledged; if sending fails half-way the segment stays and is sent again in full later (the
 duplicates are harmless, see above). A line torn by a crash in the middle of a write is skipped with
-a warning: the batch it belonged to had not been reported as spooled.
+a warning: the batch it belonged to had not been reported as spooled. An append that fails (disk full,
+I/O error) is cut off again (the segment truncated to its size before the batch), so the next batch starts
+on a line of its own; if even that fails, the segment is sealed as it is (its torn last line is the failed
+batch's) and the next batch goes to a new one.
 
 Names sort by creation time, so segments are sent in the order they were written.
 
@@ -69,8 +72,9 @@ class Spool:
     def __init__(self, directory: str | Path, *, segment_bytes: int = SEGMENT_BYTES) -> None:
         self.directory = Path(directory)
         self.segment_bytes = segment_bytes
-        self._file = None  # the open segment: a binary file object holding its flock
+        self._file = None  # the open segment: an unbuffered binary file object holding its flock
         self._path: Path | None = None
+        self._size = 0  # bytes of whole batches in the open segment
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -84,23 +88,41 @@ class Spool:
         if self._file is None:
             self._open_segment()
         data = b"".join(m.to_line() for m in messages)
+        fd, path, start = self._file.fileno(), self._path, self._size
         try:
-            self._file.write(data)
-            self._file.flush()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except OSError as e:
+            self._cut(start)
+            raise SpoolError(f"cannot append {len(messages)} messages to {path}: {e}") from e
+        self._size = start + len(data)
+        if self._size >= self.segment_bytes:
+            self.seal()
+
+    def _cut(self, size: int) -> None:
+        """After a failed append: truncates the open segment back to `size` bytes, so no part of the failed
+        batch stays in front of the next one; if that fails too, seals the segment as it is."""
+        try:
+            os.ftruncate(self._file.fileno(), size)
             os.fsync(self._file.fileno())
         except OSError as e:
-            raise SpoolError(f"cannot append {len(messages)} messages to {self._path}: {e}") from e
-        if self._file.tell() >= self.segment_bytes:
-            self.seal()
+            logger.warning("spool segment %s: cannot cut off a failed append (%s); sealing it", self._path, e)
+            try:
+                self.seal()
+            except OSError:  # the file is closed and forgotten all the same; a sender claims it as an orphan
+                pass
 
     def seal(self) -> None:
         """Closes the open segment (if any) so it can be claimed and sent."""
         if self._file is None:
             return
-        file, path = self._file, self._path
+        file, path, size = self._file, self._path, self._size
         self._file = self._path = None
+        self._size = 0
         try:
-            if file.tell() == 0:
+            if size == 0 and os.fstat(file.fileno()).st_size == 0:
                 path.unlink()
             else:
                 path.rename(path.with_suffix(".jsonl"))
@@ -112,14 +134,14 @@ class Spool:
         stem = f"{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp = self.directory / f"{stem}.tmp"
         try:
-            file = open(tmp, "ab")  # noqa: SIM115 (kept open: it holds the segment's lock)
+            file = open(tmp, "ab", buffering=0)  # noqa: SIM115 (kept open: it holds the segment's lock)
             fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             path = tmp.with_suffix(".open")
             tmp.rename(path)
             _fsync_dir(self.directory)
         except OSError as e:
             raise SpoolError(f"cannot open a spool segment in {self.directory}: {e}") from e
-        self._file, self._path = file, path
+        self._file, self._path, self._size = file, path, 0
 
     # --- reading ------------------------------------------------------------------------------------------
     def segments(self) -> list[Path]:

@@ -122,3 +122,37 @@ def test_close_with_the_broker_away_keeps_everything_on_disk(tmp_path):
     wait_for(lambda: len(broker.received) == 5)
     again.close()
     assert sorted(r[2] for r in broker.received) == [f"i{i}" for i in range(5)]
+
+
+class HangingProducer(FakeProducer):
+    """A broker that takes messages but never acknowledges them: flush waits out its whole timeout."""
+
+    def send(self, topic, key, value):
+        future = FakeFuture(False)
+        future.is_done = False
+        return future
+
+    def flush(self, timeout=None):
+        time.sleep(timeout)
+        raise TimeoutError(f"no acknowledgement within {timeout}s")
+
+
+def test_a_stop_with_a_hanging_broker_spools_the_queue_within_its_timeout(tmp_path):
+    broker = FakeBroker()
+    log = EventLog(
+        bootstrap="fake:9092", interactions_topic="t.interactions", feedback_topic="t.feedback",
+        spool_dir=tmp_path / "spool", metrics=ServingMetrics(), producer_factory=lambda b: HangingProducer(broker),
+        retry_seconds=0.05, ack_timeout=30.0,
+    ).start()
+    log.log(interaction(0))
+    time.sleep(0.3)  # the first batch is being sent: its flush would wait 30 s
+    for i in range(1, 1200):  # more than one batch behind it
+        log.log(interaction(i))
+    started = time.monotonic()
+    log.close(timeout=3.0)
+    assert time.monotonic() - started < 3.5 and not log._thread.is_alive()
+    broker.up = True
+    again = make_log(tmp_path, broker)  # everything logged is in the spool: the next start sends it
+    wait_for(lambda: len(broker.received) == 1200)
+    again.close()
+    assert sorted(int(r[2][1:]) for r in broker.received) == list(range(1200))

@@ -79,3 +79,83 @@ def test_unsent_segments_survive_a_restart(tmp_path):
     again = Spool(tmp_path)
     assert again.pending() == 4
     assert sum(len(c.messages) for c in claimed(again)) == 4
+
+
+def _values(spool):
+    spool.seal()
+    return [m.value for c in claimed(spool) for m in c.messages]
+
+
+def _failing(real, *, after_bytes=None):
+    """A stand-in for os.write that writes `after_bytes` of the data (if given) and then fails, once."""
+    state = {"failed": False}
+
+    def write(fd, data):
+        if state["failed"]:
+            return real(fd, data)
+        state["failed"] = True
+        if after_bytes is not None:
+            real(fd, bytes(data[:after_bytes]))
+        raise OSError(28, "No space left on device")
+
+    return write
+
+
+@pytest.mark.parametrize("written", [None, 0, 7, 40])
+def test_a_failed_append_leaves_nothing_in_front_of_the_next_batch(tmp_path, monkeypatch, written):
+    import os
+
+    import serving.spool as spool_module
+    from serving.spool import SpoolError
+
+    spool = Spool(tmp_path)
+    spool.append(msgs(2))
+    monkeypatch.setattr(spool_module.os, "write", _failing(os.write, after_bytes=written))
+    with pytest.raises(SpoolError, match="No space left"):
+        spool.append(msgs(3, start=10))  # part of it reached the file before the disk filled
+    spool.append(msgs(2, start=20))
+    assert _values(spool) == [f'{{"id":"i{i}"}}' for i in (0, 1, 20, 21)]
+
+
+def test_a_failed_fsync_cuts_the_batch_off_too(tmp_path, monkeypatch):
+    import os
+
+    import serving.spool as spool_module
+    from serving.spool import SpoolError
+
+    spool = Spool(tmp_path)
+    spool.append(msgs(1))
+    real_fsync, calls = os.fsync, []
+
+    def fsync(fd):
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(spool_module.os, "fsync", fsync)
+    with pytest.raises(SpoolError, match="Input/output"):
+        spool.append(msgs(1, start=5))  # reported failed: it must not be sent
+    spool.append(msgs(1, start=9))
+    assert _values(spool) == ['{"id":"i0"}', '{"id":"i9"}']
+
+
+def test_when_the_cut_fails_the_segment_is_sealed_and_the_next_batch_starts_a_new_one(tmp_path, monkeypatch):
+    import os
+
+    import serving.spool as spool_module
+    from serving.spool import SpoolError
+
+    spool = Spool(tmp_path)
+    spool.append(msgs(2))
+    monkeypatch.setattr(spool_module.os, "write", _failing(os.write, after_bytes=9))
+
+    def ftruncate(fd, size):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(spool_module.os, "ftruncate", ftruncate)
+    with pytest.raises(SpoolError):
+        spool.append(msgs(3, start=10))
+    assert len(spool.segments()) == 1  # sealed, with the torn line at its end
+    spool.append(msgs(1, start=20))
+    assert _values(spool) == ['{"id":"i0"}', '{"id":"i1"}', '{"id":"i20"}']  # the torn line is skipped
