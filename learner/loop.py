@@ -461,9 +461,14 @@ class Learner:
             with clock("publish"):
                 self.cursors.commit(name, step=step, ids=list(work.ids), checkpoint=lambda d: self._write_checkpoint(name, d, meta))
         except Exception:
-            if meta["created"] is not None:  # nothing references the candidate: it must never be published
-                self._reject_abandoned(name)
-            raise
+            if self.cursors.latest_step(name) != step:
+                if meta["created"] is not None:  # nothing references the candidate: it must never be published
+                    self._reject_abandoned(name)
+                raise
+            # The commit point (the step directory's rename) was passed and what failed came after it: the
+            # step is committed, and its candidate is the committed step's to publish or reject.
+            logger.warning("tenant %s: step %d committed, but the commit raised after its commit point", name, step,
+                           exc_info=True)
         # Committed: from here on the in-memory state is the checkpoint's.
         rt.step, rt.baseline, rt.unfinished = step, meta["baseline"], meta
         rt.rollout_ids = dict.fromkeys(meta["rollout_ids"])

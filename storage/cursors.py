@@ -21,6 +21,7 @@ What this module does not do: decide what to train (the learner's scheduler) or 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from collections.abc import Callable
@@ -36,6 +37,8 @@ from storage.files import FileLock, fsync_tree, publish_dir, remove_stale_hidden
 from storage.layout import StorageError, as_datadir, check_tenant
 from storage.parquet import live_files, partition_tenants, read_file, read_rows, retry_vanished
 from storage.schema import TRAJECTORIES, conform
+
+logger = logging.getLogger(__name__)
 
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d{20})$")
@@ -165,7 +168,10 @@ class Cursors:
             finally:
                 if staging.exists():
                     remove_tree(staging)
-            self._prune_checkpoints(tenant)
+            try:  # housekeeping: the step is committed whatever happens here
+                self._prune_checkpoints(tenant)
+            except OSError as e:
+                logger.warning("tenant %s: step %d committed, but pruning old checkpoints failed: %s", tenant, step, e)
         return final / "checkpoint"
 
     def compact(self, tenant: str) -> int:

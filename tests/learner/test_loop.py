@@ -248,6 +248,28 @@ def test_a_step_committed_before_a_crash_is_published_on_restart(tiny_model, dat
     assert_each_id_once(data_dir, "acme", {f"a{i}" for i in range(8)})
 
 
+def test_a_commit_that_fails_after_its_commit_point_counts_as_committed(tiny_model, data_dir, monkeypatch):
+    """The step directory's rename is the commit point; an error after it (the directory fsync, pruning)
+    must not reject the committed step's candidate nor leave the learner a step behind its cursor."""
+    import storage.cursors as cursors_module
+
+    write(data_dir, "acme", rows("a", 16), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    real = cursors_module.publish_dir
+
+    def rename_then_fail(staging, final):
+        real(staging, final)
+        raise OSError(5, "Input/output error")  # e.g. the fsync of the directory after the rename
+
+    monkeypatch.setattr(cursors_module, "publish_dir", rename_then_fail)
+    learner = learn(cfg, tiny_model)
+    reg = Registry(data_dir)
+    assert [(v.number, v.status) for v in reg.versions("acme")] == [(1, "published"), (2, "published")]
+    assert learner.tenants["acme"].step == 2 and learner.tenants["acme"].error is None
+    assert read_dataset(data_dir, "train_steps").column("step").to_pylist() == [1, 2]
+    assert_each_id_once(data_dir, "acme", {f"a{i}" for i in range(16)})
+
+
 def test_after_a_rollback_the_learner_continues_from_the_served_version(tiny_model, data_dir):
     write(data_dir, "acme", rows("a", 16), "b0")
     cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])

@@ -82,6 +82,24 @@ def test_failed_checkpoint_commits_nothing(data_dir):
     assert cursors.latest_checkpoint("acme")[0] == 1
 
 
+def test_pruning_that_fails_does_not_undo_a_commit(data_dir, monkeypatch):
+    import storage.cursors as cursors_module
+
+    cursors = Cursors(data_dir, keep_checkpoints=1)
+    cursors.commit("acme", step=1, ids=["a"], checkpoint=_checkpoint("s1"))
+
+    def broken(path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cursors_module, "remove_tree", broken)
+    directory = cursors.commit("acme", step=2, ids=["b"], checkpoint=_checkpoint("s2"))  # no error: committed
+    assert cursors.latest_checkpoint("acme") == (2, directory)
+    assert cursors.trained_ids("acme") == {"a", "b"}
+    monkeypatch.undo()
+    cursors.commit("acme", step=3, ids=["c"], checkpoint=_checkpoint("s3"))  # pruning catches up
+    assert [s for s, path in cursors._steps("acme") if (path / "checkpoint").exists()] == [3]
+
+
 CRASH_BEFORE_RENAME = r"""
 import os, sys
 import storage.cursors
