@@ -8,7 +8,8 @@
                                        -> trajectories when it has a reward and (tenant, id) is not scored:
                                           the tenant's scorer function, else its inline `reward`, else
                                           pending feedback for it; a scorer failure dead-letters the event
-                   -> FeedbackEvent    -> feedback (unless that offset is stored)
+                   -> FeedbackEvent    -> feedback (unless the same event is stored: same tenant, id,
+                                          ts, score and source; a resent event comes at a new offset)
                                        -> trajectories when its interaction is in this batch or stored and
                                           not scored yet (stored ones are read back after the loop);
                                           otherwise it waits in the store's `pending`
@@ -41,6 +42,8 @@ from ingest.rows import (
     InteractionRow,
     TrajectoryRow,
     dead_letter_row,
+    FEEDBACK_KEY,
+    feedback_key,
     feedback_row,
     interaction_row,
     trajectory_row,
@@ -134,7 +137,8 @@ class Processor:
         keys = {(ev.tenant, ev.id) for ev in events if type(ev) is not DeadLetter}
         stored_interactions = store.interactions.present(keys)
         scored = store.trajectories.present(keys)  # grows with this batch's trajectories
-        stored_feedback = store.feedback.present(at for (at, _), ev in zip(decoded, events) if type(ev) is FeedbackEvent)
+        stored_feedback = store.feedback.present(feedback_key(ev) for ev in events if type(ev) is FeedbackEvent)
+        batch_feedback: set = set()  # this batch's feedback keys so far: a resend within one batch
 
         new_interactions: dict[Key, InteractionRow] = {}
         to_fetch: dict[Key, FeedbackRow] = {}  # feedback whose interaction is on disk
@@ -199,10 +203,12 @@ class Processor:
 
             else:
                 fb = feedback_row(ev, at, now_ms)
-                if at in stored_feedback:
+                fkey = FEEDBACK_KEY(fb)
+                if fkey in stored_feedback or fkey in batch_feedback:
                     out.duplicates += 1
                 else:
                     out.feedback.append(fb)
+                    batch_feedback.add(fkey)
                 if key in scored or function is not None:
                     continue
                 row = new_interactions.get(key)

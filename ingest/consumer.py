@@ -62,7 +62,7 @@ from ingest.batch import Output, Processor, Record, Rejected
 from ingest.events import utc_now
 from ingest.metrics import IngestMetrics
 from ingest.pending import PendingStore
-from ingest.rows import DeadLetterRow, FeedbackRow, InteractionRow, TrajectoryRow, epoch_ms, to_table
+from ingest.rows import FEEDBACK_KEY, DeadLetterRow, FeedbackRow, InteractionRow, TrajectoryRow, epoch_ms, to_table
 from storage.files import mark_ready
 from storage.layout import as_datadir
 from storage.parquet import write_dataset
@@ -113,14 +113,13 @@ class DatasetRows(NamedTuple):
 
 # The key of a row, read by C code rather than by a Python expression per row.
 _TENANT_ID = attrgetter("tenant", "id")
-_FEEDBACK_OFFSET = attrgetter("kafka_topic", "kafka_partition", "kafka_offset")
 
 
 def batch_datasets(out: Output) -> list[DatasetRows]:
     """The datasets a processed batch has rows for."""
     datasets = [
         DatasetRows("interactions", InteractionRow, out.interactions, list(map(_TENANT_ID, out.interactions))),
-        DatasetRows("feedback", FeedbackRow, out.feedback, list(map(_FEEDBACK_OFFSET, out.feedback))),
+        DatasetRows("feedback", FeedbackRow, out.feedback, list(map(FEEDBACK_KEY, out.feedback))),
         DatasetRows("trajectories", TrajectoryRow, out.trajectories, list(map(_TENANT_ID, out.trajectories))),
         DatasetRows("dead_letters", DeadLetterRow, [d.row for d in out.dead_letters], [tuple(d.at) for d in out.dead_letters]),
     ]

@@ -10,7 +10,8 @@ in-memory view of those datasets:
 
   interactions    KeyIndex (tenant, id) -> number of the file holding the row (to read it back on a join)
   trajectories    KeyIndex (tenant, id): already scored (the first score wins)
-  feedback        KeyIndex (topic, partition, offset): feedback messages already stored
+  feedback        KeyIndex (tenant, id, ts, score, source): feedback events already stored (rows.FEEDBACK_KEY;
+                  a resent event comes at a new offset, so offsets would not recognise it)
   dead_letters    KeyIndex (topic, partition, offset): rejected messages already stored
   pending         dict (tenant, id) -> the earliest unjoined FeedbackRow, ingested within the expiry
 
@@ -45,7 +46,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ingest.index import KeyIndex
-from ingest.rows import FeedbackRow, InteractionRow, interaction_rows
+from ingest.rows import FEEDBACK_KEY_COLUMNS, FeedbackRow, InteractionRow, interaction_rows
 from storage.layout import as_datadir
 from storage.parquet import live_files, read_dataset, read_file, retry_vanished
 from storage.schema import FEEDBACK, conform
@@ -78,7 +79,7 @@ class PendingStore:
         retry_vanished(store._load_interactions, "loading interaction ids")
         store.trajectories = retry_vanished(lambda: store._load_index("trajectories", ["tenant", "id"]), "loading trajectory ids")
         store.feedback = retry_vanished(
-            lambda: store._load_index("feedback", ["kafka_topic", "kafka_partition", "kafka_offset"]), "loading feedback offsets"
+            lambda: store._load_index("feedback", list(FEEDBACK_KEY_COLUMNS)), "loading feedback keys"
         )
         store.dead_letters = retry_vanished(
             lambda: store._load_index("dead_letters", ["kafka_topic", "kafka_partition", "kafka_offset"]),
@@ -106,7 +107,10 @@ class PendingStore:
         hashes = []
         for path in live_files(self.root, dataset):
             t = read_file(self.root, path, columns=columns)
-            hashes.append(KeyIndex.hash_keys([t.column(c).to_pylist() for c in columns]))
+            # Timestamps as epoch ms, as the rows have them (to_pylist would give datetimes).
+            values = [(t.column(c).cast(pa.int64()) if pa.types.is_timestamp(t.schema.field(c).type) else t.column(c)).to_pylist()
+                      for c in columns]
+            hashes.append(KeyIndex.hash_keys(values))
         all_hashes = _concat(hashes, np.int64)
         return KeyIndex.from_hashes(all_hashes, np.zeros(len(all_hashes), dtype=np.int32))
 
@@ -186,8 +190,8 @@ class PendingStore:
         for key in keys:
             self.pending.pop(key, None)
 
-    def stored_feedback(self, offsets: list[tuple[str, int, int]]) -> None:
-        self.feedback.add_many(offsets)
+    def stored_feedback(self, keys: list[tuple]) -> None:
+        self.feedback.add_many(keys)
 
     def stored_dead_letters(self, offsets: list[tuple[str, int, int]]) -> None:
         self.dead_letters.add_many(offsets)

@@ -12,6 +12,7 @@ Not here: deciding which rows to write (batch.py) or writing them (storage.parqu
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
+from operator import attrgetter
 from typing import NamedTuple
 
 import pyarrow as pa
@@ -133,6 +134,17 @@ def interaction_row(ev: InteractionEvent, at: Coords, ingested_at: int) -> Inter
 def trajectory_row(row: InteractionRow, reward: float, source: str, ingested_at: int) -> TrajectoryRow:
     """A scored interaction; it keeps the interaction's Kafka provenance."""
     return _row(TrajectoryRow, row[:6] + (reward, source) + row[6:13] + (ingested_at,))
+
+
+# What makes two feedback events one event, the key feedback/ is deduplicated on: a resent event (the
+# serving tier's spool resends what Kafka did not acknowledge) comes at a new offset with the same content.
+FEEDBACK_KEY_COLUMNS = ("tenant", "id", "ts", "score", "source")
+FEEDBACK_KEY = attrgetter(*FEEDBACK_KEY_COLUMNS)  # of a FeedbackRow (ts in epoch ms)
+
+
+def feedback_key(ev: FeedbackEvent) -> tuple:
+    """FEEDBACK_KEY of the row `ev` becomes."""
+    return (ev.tenant, ev.id, epoch_ms(ev.ts), ev.score, ev.source)
 
 
 def feedback_row(ev: FeedbackEvent, at: Coords, ingested_at: int) -> FeedbackRow:

@@ -212,6 +212,21 @@ def test_same_id_sent_twice_is_stored_once(h):
     assert ids == ["c1"]
 
 
+def test_a_resent_feedback_event_is_stored_once(h):
+    """The serving tier resends an event Kafka did not acknowledge: the same content at a new offset."""
+    h.feed(inter("a"), fb("a", 0.5, source="thumbs"), fb("a", 0.5, source="thumbs"))  # resent within a batch
+    h.feed(fb("a", 0.5, source="thumbs"))  # ... in a later batch
+    h.restart()
+    h.feed(fb("a", 0.5, source="thumbs"))  # ... after a restart (the view rebuilt from feedback/)
+    assert h.table("feedback").num_rows == 1
+    # other events about the same interaction are kept: another score, source or time
+    h.feed(fb("a", -0.5, source="thumbs"), fb("a", 0.5), fb("a", 0.5, source="thumbs", ts=T0 + timedelta(seconds=1)))
+    h.restart()
+    h.feed(fb("a", -0.5, source="thumbs"))
+    assert h.table("feedback").num_rows == 4
+    assert h.rewards() == [("a", 0.5, "thumbs")]
+
+
 def test_a_scorer_that_cannot_be_built_fails_at_start_naming_the_tenant():
     from ingest.scorers import ScorerSpecError
 
