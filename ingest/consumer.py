@@ -24,8 +24,15 @@ dead_letters/ included (2 and 3 run side by side, so a crash may come after the 
 before the broker acknowledged the sends); dead_letters/ in Parquet is exactly once.
 
 Rebalances (several `clora ingest` processes in one group split the partitions): on revocation the write
-in flight and the buffer are written and committed, then the in-memory view is dropped; after an
-assignment it is rebuilt from the datasets (right after poll() returns, outside the listener, so
+in flight and the buffer are written and committed, then the in-memory view is dropped. Partitions *lost*
+(this process was evicted, e.g. its session timed out, and another may own them already) are not written
+to: the buffer is dropped uncommitted (the new owner replays it), the write in flight, which cannot be
+stopped, is waited for but not committed, and the view is dropped. A commit the group refuses (it moved on)
+likewise stops this process writing: the batch decided meanwhile and the buffer are dropped, their
+partitions sought back to the first dropped offset (the next owner, or this process after rejoining,
+replays them), and the view is dropped. The one write in flight at an eviction can land after the new owner
+loaded its view, and its rows are then stored twice; nothing is lost. After an
+assignment the view is rebuilt from the datasets (right after poll() returns, outside the listener, so
 heartbeats go on meanwhile), so whatever the previous owner wrote is seen. The range assignor keeps
 partition i of both topics on one process, which is what lets feedback find its interaction (both are
 keyed by tenant).
@@ -199,6 +206,9 @@ class _Rebalance(ConsumerRebalanceListener):
     def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
         self.ingest.assigned(list(assigned))
 
+    def on_partitions_lost(self, lost: Iterable[TopicPartition]) -> None:
+        self.ingest.lost(list(lost))
+
 
 @dataclass
 class _Write:
@@ -321,8 +331,8 @@ class Ingest:
                 # tuple.__new__ builds the NamedTuple at half the cost of Record(...), once per message.
                 self.buffer.extend([tuple.__new__(Record, (topic, partition, m.offset, m.value)) for m in messages])
             # Commit a write as soon as it is done.
-            if self.writing is not None and self.writing.done():
-                self._finish_write()
+            if self.writing is not None and self.writing.done() and not self._finish_write():
+                self._drop_uncommitted({}, "the group refused a commit")
             # Flush when the batch is full, old enough, or when a full poll came back empty (caught up: waiting
             # longer would only add latency).
             caught_up = full_poll and not polled
@@ -359,7 +369,9 @@ class Ingest:
         started = time.monotonic()
         records, self.buffer = self.buffer, []
         out = self.processor.process(records, self.store, now_ms())
-        self._finish_write()  # if the previous write failed, this raises and `out` is never written
+        if not self._finish_write():  # if the previous write failed, this raises and `out` is never written
+            self._drop_uncommitted(out.ranges, "the group refused the previous batch's commit")
+            return
         self.writing = _Write(
             BatchWrite(self.root, self.store, out, self.writer),
             self.writer.submit(self._dead_letters, out),
@@ -367,14 +379,16 @@ class Ingest:
             started,
         )
 
-    def _finish_write(self) -> None:
-        """Waits for the write in flight; once it is durable, commits its offsets."""
+    def _finish_write(self) -> bool:
+        """Waits for the write in flight; once it is durable, commits its offsets. Returns False if the group
+        refused the commit (this process must then stop writing: see `_drop_uncommitted`)."""
         if self.writing is None:
-            return
+            return True
         write, self.writing = self.writing, None
         write.batch.wait()  # a failed write raises here, and nothing of it is committed
         write.dead_letters.result()
-        self._commit(write.batch.out.ranges)
+        if not self._commit(write.batch.out.ranges):
+            return False
         store = write.batch.store
         if time.monotonic() - self.expired_at >= EXPIRE_EVERY_S:
             self.expired_at = time.monotonic()
@@ -382,6 +396,7 @@ class Ingest:
                 logger.info("ingest: %d pending feedback expired without meeting its interaction", dropped)
         self.last_flush_at, self.last_flush_cpu = time.monotonic(), time.process_time()
         self.metrics.flushed(write.messages, write.batch.out, self.last_flush_at - write.started, len(store.pending))
+        return True
 
     def _dead_letters(self, out: Output) -> None:
         """On a writer thread: sends the batch's dead letters and waits for the broker's answers. A send the
@@ -432,7 +447,7 @@ class Ingest:
             ],
         )
 
-    def _commit(self, ranges: dict[tuple[str, int], tuple[int, int]]) -> None:
+    def _commit(self, ranges: dict[tuple[str, int], tuple[int, int]]) -> bool:
         offsets = {TopicPartition(t, p): OffsetAndMetadata(last + 1, "", -1) for (t, p), (_, last) in ranges.items()}
         try:
             self.consumer.commit(offsets)
@@ -440,6 +455,28 @@ class Ingest:
             # The group moved on (this process was too slow or a rebalance began). The rows are durable; the
             # next owner replays these offsets and the key indexes skip them.
             logger.warning("ingest: offset commit failed after a durable write (%s); the replay will be deduplicated", e)
+            return False
+        return True
+
+    def _drop_uncommitted(self, ranges: dict[tuple[str, int], tuple[int, int]], why: str) -> None:
+        """Stops writing on a view the group has moved past: drops the batch of `ranges` (processed, not
+        written) and the buffer, seeks their partitions back to the first dropped offset (a partition still
+        assigned then reads them again; one that moved is replayed by its new owner from the last commit),
+        and drops the view, which is rebuilt from the datasets after the next poll."""
+        first = dict(ranges)
+        for rec in self.buffer:
+            tp = (rec.topic, rec.partition)
+            if tp not in first or rec.offset < first[tp][0]:
+                first[tp] = (rec.offset, rec.offset)
+        logger.warning("ingest: %s; dropping %d uncommitted records of %s for replay", why,
+                       sum(b - a + 1 for a, b in ranges.values()) + len(self.buffer), _names([TopicPartition(*tp) for tp in first]))
+        self.buffer = []
+        for (topic, partition), (offset, _) in first.items():
+            try:
+                self.consumer.seek(TopicPartition(topic, partition), offset)
+            except (KafkaError, ValueError) as e:  # no longer assigned: its new owner replays it
+                logger.debug("ingest: no seek back on %s:%d (%s)", topic, partition, e)
+        self.store = None
 
     # --- rebalancing ----------------------------------------------------------------------------------
 
@@ -447,6 +484,21 @@ class Ingest:
         logger.info("ingest: revoked partitions %s", _names(partitions))
         try:
             self.flush()
+        finally:
+            self.store = None
+
+    def lost(self, partitions: list[TopicPartition]) -> None:
+        """This process was evicted from the group: its partitions may be another's already. Nothing more is
+        written or committed for them (the buffer is dropped; the next owner replays it from the last
+        commit); the write in flight cannot be stopped, so it is waited for, uncommitted."""
+        logger.warning("ingest: lost partitions %s (evicted from the group); %d buffered records dropped for replay",
+                       _names(partitions), len(self.buffer))
+        self.buffer = []
+        write, self.writing = self.writing, None
+        try:
+            if write is not None:
+                write.batch.wait()
+                write.dead_letters.result()
         finally:
             self.store = None
 
