@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import uuid
 from collections.abc import Callable
@@ -83,8 +84,8 @@ class Cursors:
         return None
 
     def latest_step(self, tenant: str) -> int | None:
-        steps = [s for s, _ in self._steps(tenant)] + [s for s, _ in self._snapshots(tenant)]
-        return max(steps, default=None)
+        snapshots, steps = self._listing(tenant)
+        return max([s for s, _ in steps] + [s for s, _ in snapshots], default=None)
 
     def untrained(self, tenant: str, limit: int | None = None) -> pa.Table:
         """Trajectories of `tenant` not yet trained, oldest first by ingested_at (TRAJECTORIES schema)."""
@@ -200,16 +201,21 @@ class Cursors:
         return self.dd.locks / f"cursors-{tenant}.lock"
 
     def _steps(self, tenant: str) -> list[tuple[int, Path]]:
-        d = self.dd.tenant_cursors(tenant)
-        if not d.is_dir():
-            return []
-        return sorted((int(m[1]), p) for p in d.iterdir() if (m := _STEP_DIR.match(p.name)))
+        return self._listing(tenant)[1]
 
     def _snapshots(self, tenant: str) -> list[tuple[int, Path]]:
+        return self._listing(tenant)[0]
+
+    def _listing(self, tenant: str) -> tuple[list[tuple[int, Path]], list[tuple[int, Path]]]:
+        """(snapshots, step directories) of the tenant's cursor, each by number, from one read of the directory."""
         d = self.dd.tenant_cursors(tenant)
-        if not d.is_dir():
-            return []
-        return sorted((int(m[1]), p) for p in d.iterdir() if (m := _SNAPSHOT.match(p.name)))
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            return [], []
+        snapshots = sorted((int(m[1]), d / n) for n in names if (m := _SNAPSHOT.match(n)))
+        steps = sorted((int(m[1]), d / n) for n in names if (m := _STEP_DIR.match(n)))
+        return snapshots, steps
 
     def _trained(self, tenant: str) -> frozenset[str]:
         return frozenset(self._trained_array(tenant).to_pylist())
@@ -220,13 +226,15 @@ class Cursors:
         )
 
     def _trained_sources(self, tenant: str) -> list[Path]:
-        """The files that hold the cursor: the newest snapshot, then the ids of every later step."""
-        snapshots = self._snapshots(tenant)
+        """The files that hold the cursor: the newest snapshot, then the ids of every later step. From one
+        listing: a compaction running meanwhile writes a snapshot and then deletes the steps it covers, so a
+        snapshot listed before it and steps listed after it would miss those steps' ids."""
+        snapshots, steps = self._listing(tenant)
         base, sources = -1, []
         if snapshots:
             base, path = snapshots[-1]
             sources.append(path)
-        return sources + [p / "ids.parquet" for s, p in self._steps(tenant) if s > base]
+        return sources + [p / "ids.parquet" for s, p in steps if s > base]
 
     def _read_trained(self, sources: list[Path], tenant: str) -> pa.Array:
         """Every id in `sources` (duplicates possible). Each file is read once per instance, so the cursor

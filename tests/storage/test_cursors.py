@@ -152,6 +152,36 @@ def test_cursor_survives_compaction_of_trajectories(data_dir, make_trajectories)
     assert Cursors(data_dir).untrained("acme").column("id").to_pylist() == ids[7:]
 
 
+def test_a_compaction_between_reads_of_the_cursor_loses_no_trained_id(data_dir, monkeypatch):
+    """Compaction writes a snapshot, then deletes the steps it covers. A reader (with the older snapshot
+    cached) that lists the cursor while that happens must still see every trained id."""
+    import os
+
+    import storage.cursors as cursors_module
+
+    reader = Cursors(data_dir, keep_checkpoints=1)
+    for s in (1, 2):
+        reader.commit("acme", step=s, ids=[f"id{s}"], checkpoint=_checkpoint(f"s{s}"))
+    assert reader.compact("acme") == 2  # snapshot at step 2, cached by the reader below
+    assert reader.trained_ids("acme") == {"id1", "id2"}
+    for s in (3, 4, 5):
+        reader.commit("acme", step=s, ids=[f"id{s}"], checkpoint=_checkpoint(f"s{s}"))
+
+    real_listdir, compacted = os.listdir, []
+
+    def listdir_then_compact(path):
+        names = real_listdir(path)
+        if not compacted and str(path).endswith("acme"):
+            compacted.append(None)  # once (the compaction lists the directory too)
+            compacted[0] = Cursors(data_dir, keep_checkpoints=1).compact("acme")  # another process, right now
+        return names
+
+    monkeypatch.setattr(cursors_module.os, "listdir", listdir_then_compact)
+    assert reader.trained_ids("acme") == {f"id{s}" for s in range(1, 6)}
+    assert compacted == [3]
+    assert Cursors(data_dir).trained_ids("acme") == {f"id{s}" for s in range(1, 6)}
+
+
 def test_cursor_snapshot_keeps_every_trained_id(data_dir):
     cursors = Cursors(data_dir, keep_checkpoints=1)
     for s in range(1, 6):
