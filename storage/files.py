@@ -81,6 +81,24 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def ensure_dir(directory: Path) -> None:
+    """`mkdir -p` whose new directories survive a power loss: each one it creates is fsynced in its parent
+    (a file fsynced into a directory whose own entry was never made durable can vanish with it)."""
+    if directory.is_dir():
+        return
+    missing = []
+    d = directory
+    while not d.exists():
+        missing.append(d)
+        d = d.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir()
+        except FileExistsError:  # a concurrent creator: it fsyncs it too, but so may we
+            pass
+        fsync_dir(d.parent)
+
+
 def write_new_file(path: Path, write: Callable[[Path], None]) -> bool:
     """Creates `path` by calling `write(tmp)` and moving tmp into place, only if `path` does not exist yet.
 
@@ -88,8 +106,9 @@ def write_new_file(path: Path, write: Callable[[Path], None]) -> bool:
     fails instead of replacing, so a concurrent creator can never clobber a file a reader already opened.
     """
     if path.exists():
+        fsync_dir(path.parent)  # a replay after a crash between the link and the fsync: make it durable now
         return False
-    path.parent.mkdir(parents=True, exist_ok=True)
+    ensure_dir(path.parent)
     tmp = tmp_name(path)
     try:
         write(tmp)
@@ -97,6 +116,7 @@ def write_new_file(path: Path, write: Callable[[Path], None]) -> bool:
         try:
             os.link(tmp, path)
         except FileExistsError:
+            fsync_dir(path.parent)
             return False
         except OSError as e:  # file systems without hard links
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from storage.files import write_new_file
+from storage.files import fsync_dir, write_new_file
 from storage.layout import (
     FILE_ID,
     UNKNOWN_TENANT,
@@ -135,6 +135,7 @@ def _write_partition_file(dd: DataDir, dataset: str, tenant: str, file_id: str, 
     name = file_id + PARQUET_SUFFIX
     final = directory / name
     if final.exists():
+        fsync_dir(directory)  # a replay after a crash between its link and the directory's fsync
         return final
     absorbed_by = _superseded_by(dd, directory).get(name)
     if absorbed_by is not None:

@@ -203,3 +203,20 @@ def test_read_rows_reads_the_rows_asked_for_in_order(tmp_path, make_trajectories
     got = read_rows(DataDir(tmp_path), str(path), rows)
     assert got.column("id").to_pylist() == [f"id{i:02d}" for i in rows]
     assert got.equals(table.take(rows))
+
+
+def test_new_directories_and_replayed_files_are_made_durable_in_their_parents(tmp_path, monkeypatch):
+    """A power loss must not take a new `tenant=` directory (and the files fsynced into it) with it, nor a
+    file whose link landed just before a crash (its replay finds it and makes it durable)."""
+    import storage.files as files
+
+    synced = []
+    monkeypatch.setattr(files, "fsync_dir", lambda d: synced.append(d))
+    target = tmp_path / "trajectories" / "tenant=acme" / "f.parquet"
+    (tmp_path / "trajectories").mkdir()
+    assert files.write_new_file(target, lambda tmp: tmp.write_bytes(b"x"))
+    # the new tenant= directory in its parent, then the file in the new directory
+    assert synced == [tmp_path / "trajectories", target.parent]
+    synced.clear()
+    assert not files.write_new_file(target, lambda tmp: tmp.write_bytes(b"y"))  # a replay: nothing written ...
+    assert synced == [target.parent] and target.read_bytes() == b"x"  # ... but the directory made durable
