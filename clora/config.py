@@ -349,6 +349,10 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
             raise ConfigError(f"config file {file} does not exist") from e
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {file} is not valid TOML: {e}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {file} is not UTF-8 text: {e}") from e
+        except OSError as e:  # a directory, no permission, an I/O error
+            raise ConfigError(f"config file {file} cannot be read: {e}") from e
     for keys, var in _env_fields(Config):
         if var not in environ:
             continue

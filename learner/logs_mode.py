@@ -138,8 +138,10 @@ def prompt_text(row: dict, tokenizer) -> str | None:
     return None
 
 
-def to_examples(rows: pa.Table, tokenizer) -> tuple[list[Example], dict[str, str]]:
-    """Examples for every usable row, and id -> reason for the rows that cannot be trained on."""
+def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None) -> tuple[list[Example], dict[str, str]]:
+    """Examples for every usable row, and id -> reason for the rows that cannot be trained on (among them
+    completion token ids outside the model's `vocab_size` rows: an app's own ids, or rows logged for another
+    base model, would otherwise fail every step of the tenant)."""
     examples, unusable = [], {}
     for row in rows.to_pylist():
         prompt = prompt_text(row, tokenizer)
@@ -153,6 +155,9 @@ def to_examples(rows: pa.Table, tokenizer) -> tuple[list[Example], dict[str, str
             completion_ids = tokenizer(row.get("completion") or "", add_special_tokens=False).input_ids
         if not prompt_ids or not completion_ids:
             unusable[row["id"]] = "empty prompt or completion"
+            continue
+        if vocab_size is not None and not all(0 <= t < vocab_size for t in completion_ids):
+            unusable[row["id"]] = f"completion token ids outside the model's vocabulary of {vocab_size}"
             continue
         behaviour = row.get("completion_logprobs")
         if not behaviour or len(behaviour) != len(completion_ids) or not all(math.isfinite(x) for x in behaviour):

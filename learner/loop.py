@@ -491,7 +491,7 @@ class Learner:
         if rows.num_rows == 0:
             return None
         selection = logs_mode.select_fresh(rows, rt.spec.name, rt.version, self.settings.max_staleness, rt.served)
-        examples, unusable = logs_mode.to_examples(selection.kept, self.policy.tokenizer)
+        examples, unusable = logs_mode.to_examples(selection.kept, self.policy.tokenizer, self.policy.vocab_size)
         dropped = {**selection.dropped, **unusable}
         if dropped:
             logger.info("tenant %s: %d of %d trajectories not trained (%s)", rt.spec.name, len(dropped), rows.num_rows, next(iter(dropped.values())))

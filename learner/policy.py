@@ -468,6 +468,13 @@ class Policy:
             self._optimizers[tenant].load_state_dict(state)
         except (OSError, ValueError, RuntimeError, KeyError) as e:
             raise PolicyError(f"tenant {tenant!r}: cannot restore the optimizer from {directory}: {e}") from e
+        for group in self._optimizers[tenant].param_groups:  # the saved state carries the lr of its time
+            group["lr"] = self.spec(tenant).learning_rate
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's input embedding: every token id it can take."""
+        return self.model.get_input_embeddings().weight.shape[0]
 
     def reset_optimizer(self, tenant: str) -> None:
         """A fresh optimizer state (after the adapter was replaced from outside, e.g. a rollback)."""

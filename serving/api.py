@@ -40,7 +40,7 @@ from serving import protocol
 from serving.adapters import AdapterSet, Lease
 from serving.auth import Authenticator, resolve_model
 from serving.engine import Choice, Engine, Sampling
-from serving.errors import ServingError
+from serving.errors import ServingError, internal_error_body
 from serving.events_log import EventLog
 from serving.metrics import ServingMetrics
 
@@ -180,6 +180,11 @@ class Api:
             if not finished:
                 logger.info("request %s: the client went away; generation aborted", call.response_id)
             raise
+        except Exception as e:  # the status line is sent: the stream still ends with an error and [DONE]
+            logger.exception("request %s: the stream failed", call.response_id)
+            self.metrics.request_refused(call.tenant, call.endpoint, 500)
+            yield protocol.sse(internal_error_body(e))
+            yield protocol.sse("[DONE]")
         finally:
             call.lease.release()
             if finished:
@@ -318,8 +323,7 @@ def create_app(api: Api) -> FastAPI:
     @app.exception_handler(Exception)
     async def _failed(request: Request, e: Exception) -> Response:
         logger.exception("request %s to %s failed", getattr(request.state, "request_id", "?"), request.url.path)
-        body = {"error": {"message": f"internal error: {type(e).__name__}", "type": "server_error", "code": None}}
-        return JSONResponse(body, status_code=500)
+        return JSONResponse(internal_error_body(e), status_code=500)
 
     app.add_middleware(RequestIdMiddleware)
     return app

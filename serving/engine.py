@@ -311,10 +311,10 @@ class Engine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         sampling = self.check_prompt(prompt_ids, sampling)
-        params = _sampling_params(sampling)
         adapter = adapter or self.zero_adapter
         lora = _lora_request(adapter) if adapter is not None else None
         try:
+            params = _sampling_params(sampling)  # vLLM refuses some combinations: a 400, like its own server
             async for output in self.llm.generate(tokens_input(list(prompt_ids)), params, request_id, lora_request=lora):
                 for out in output.outputs:
                     yield Delta(

@@ -50,3 +50,8 @@ class Unavailable(ServingError):
     status = 503
     type = "server_error"
     code = "engine_unavailable"
+
+
+def internal_error_body(e: BaseException) -> dict:
+    """OpenAI's error shape for a failure of the server's own (HTTP 500, or the last event of a stream)."""
+    return {"error": {"message": f"internal error: {type(e).__name__}", "type": "server_error", "code": None}}

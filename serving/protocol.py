@@ -16,12 +16,13 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from serving.engine import Choice, Delta, Sampling, TokenLogprob
 from serving.errors import BadRequest
 
 MAX_N = 16
+GREEDY_BELOW = 1e-5  # vLLM decodes greedily below this temperature, and then allows n = 1 only
 MAX_TOP_LOGPROBS = 20
 MAX_METADATA_KEYS = 16  # OpenAI's limits on a request's `metadata`
 MAX_METADATA_KEY_CHARS = 64
@@ -37,7 +38,7 @@ class _Request(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # vLLM's range (a larger one fails inside it)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     user: str | None = None
@@ -62,7 +63,15 @@ class _Request(BaseModel):
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and len(v) > 4:
             raise ValueError(f"at most 4 stop sequences, got {len(v)}")
+        if v == "" or (isinstance(v, list) and "" in v):
+            raise ValueError("stop sequences must not be empty")
         return v
+
+    @model_validator(mode="after")
+    def _greedy_has_one_choice(self):
+        if self.temperature < GREEDY_BELOW and self.n > 1:
+            raise ValueError(f"n must be 1 with temperature {self.temperature:g} (greedy decoding has one answer)")
+        return self
 
     def stop_tuple(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -99,6 +99,12 @@ def test_bad_toml_and_missing_file(tmp_path):
         load_config(write(tmp_path, "data_dir = [unclosed"), environ={})
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml", environ={})
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b'log_level = "INFO" # caf\xe9\n')
+    with pytest.raises(ConfigError, match="not UTF-8"):  # a config reload must not kill the learner over it
+        load_config(latin, environ={})
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_config(tmp_path, environ={})  # a directory
 
 
 def test_show_masks_keys():

@@ -94,6 +94,10 @@ def test_rows_become_examples_with_token_ids_and_behaviour_logprobs_when_usable(
     examples, unusable = to_examples(rows, tok)
     assert [e.id for e in examples] == ["a", "b", "c"]
     assert set(unusable) == {"d", "e"}
+    # token ids beyond the model's vocabulary would fail every step of the tenant: unusable, with the reason
+    _, unusable_small = to_examples(rows, tok, vocab_size=41)  # a's stored ids include 41
+    assert "outside the model's vocabulary of 41" in unusable_small["a"]
+    assert [e.id for e in to_examples(rows, tok, vocab_size=len(tok))[0]] == ["a", "b", "c"]
     a, b, c = examples
     assert a.completion_ids == (40, 41, 2) and a.behaviour_logprobs == (-1.0, -2.0, -0.5)
     assert b.completion_ids == tuple(tok("12 cats", add_special_tokens=False).input_ids) and b.behaviour_logprobs is None

@@ -164,6 +164,14 @@ def test_checkpoint_round_trip_restores_adapter_and_optimizer(policy, tiny_model
     assert torch.allclose(other.token_logprobs(batch, "acme"), policy.token_logprobs(batch, "acme"), atol=1e-6)
 
 
+def test_a_checkpoint_resumes_with_the_configured_learning_rate(policy, tiny_model, tmp_path):
+    policy.save_checkpoint("acme", tmp_path)  # its optimizer state says lr 1e-2
+    other = Policy(tiny_model, device="cpu")
+    other.add_tenant(replace(policy.spec("acme"), learning_rate=5e-4))  # the config changed since
+    other.load_checkpoint("acme", tmp_path)
+    assert [g["lr"] for g in other._optimizers["acme"].param_groups] == [5e-4]
+
+
 def test_snapshot_and_restore_undo_a_step(policy):
     batch, _, _ = small_batch(policy)
     pg_update(policy, "acme", batch, torch.tensor([0.5, -1.0, 0.5]), clip_eps=0.2)  # the optimizer has state

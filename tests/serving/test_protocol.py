@@ -35,6 +35,22 @@ def test_bad_bodies_list_every_problem():
         protocol.parse(protocol.FeedbackRequest, b'{"id": "x", "score": 1.5}')
 
 
+@pytest.mark.parametrize("extra, expected", [
+    ({"stop": ""}, "stop sequences must not be empty"),
+    ({"stop": ["\n", ""]}, "stop sequences must not be empty"),
+    ({"temperature": 0, "n": 2}, "n must be 1 with temperature 0"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
+])
+def test_sampling_the_engine_would_refuse_is_a_bad_request(extra, expected):
+    """vLLM refuses these inside the engine (a seed beyond int64 even leaks its request state there)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **extra}
+    with pytest.raises(BadRequest, match=expected):
+        protocol.parse(protocol.ChatRequest, json.dumps(body).encode())
+    ok = {**body, "temperature": 0.5, "n": 2, "seed": 2**63 - 1, "stop": ["\n"]}
+    assert protocol.parse(protocol.ChatRequest, json.dumps(ok).encode()).seed == 2**63 - 1
+
+
 def test_completion_prompt_forms():
     one = protocol.parse(protocol.CompletionRequest, b'{"model":"m","prompt":["only"]}')
     assert one.single_prompt() == "only"

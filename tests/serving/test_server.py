@@ -133,6 +133,11 @@ def test_refusals_use_the_openai_error_shape(server):
             model="base", messages=MESSAGES, extra_body={"metadata": {"source": 3}})
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client(server, "initech").completions.create(model="base", prompt="word " * 400)
+    for extra in ({"stop": [""]}, {"temperature": 0, "n": 2}, {"seed": 2**64}):  # vLLM itself refuses these
+        for stream in (False, True):
+            r = httpx.post(server.base_url + "/v1/chat/completions", headers={"Authorization": "Bearer " + server.keys["initech"]},
+                           json={"model": "base", "messages": MESSAGES, "max_tokens": 2, "stream": stream, **extra})
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (extra, r.text)
 
 
 def test_hot_swap_under_streaming_load(server, tiny_model):
