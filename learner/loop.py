@@ -756,9 +756,20 @@ class Learner:
 
     def _follow_registry(self, rt: TenantRuntime) -> None:
         """If the served version is not the learner's (an operator rolled back, or published or retired a
-        version by hand), continue from the served one with a fresh optimizer."""
+        version by hand), continue from the served one with a fresh optimizer; if every version was retired
+        (the base model is served), from a fresh adapter."""
         published = self.registry.published().get(rt.spec.name)
-        if published is None or published.number == rt.version:
+        if published is None:
+            if rt.version:
+                logger.warning("tenant %s: no version of it is served any more (retired); starting again from a "
+                               "fresh adapter", rt.spec.name)
+                self.policy.remove_tenant(rt.spec.name)
+                self.policy.add_tenant(rt.spec)
+                rt.version = 0
+                rt.state_id += 1
+                self._load_served(rt)
+            return
+        if published.number == rt.version:
             return
         logger.warning(
             "tenant %s: the registry serves %s but the learner is at %s@%d; continuing from %s",
@@ -777,7 +788,9 @@ class Learner:
             v = self.registry.get(name, created)
             if v.status == "candidate":
                 if meta["decision"] == "published":
-                    self.registry.publish(name, created, gate=meta.get("gate"))
+                    v = self.registry.publish(name, created, gate=meta.get("gate"), if_parent_served=True)
+                    if v.status == "rejected":  # the operator changed what is served: follow it next step
+                        logger.warning("tenant %s: %s not published: %s", name, v.name, v.reason)
                 else:
                     self.registry.reject(name, created, reason=meta.get("reason") or "rejected by the gate", gate=meta.get("gate"))
         write_dataset(self.dd, "train_steps", _row_table(meta["row"]), file_id=f"step-{int(meta['step']):020d}")

@@ -235,10 +235,21 @@ class Registry:
             tenant, parent=parent, write=write, metrics=metrics or {}, trajectory_range=trajectory_range or {}
         )
 
-    def publish(self, tenant: str, number: int, *, gate: dict | None = None) -> AdapterVersion:
+    def publish(self, tenant: str, number: int, *, gate: dict | None = None, if_parent_served: bool = False) -> AdapterVersion:
+        """Publishes a candidate. With `if_parent_served` only if its parent is still what the tenant serves
+        (its newest published version, or none for a candidate without a parent); otherwise the candidate is
+        rejected as superseded and returned so. The learner publishes this way: a rollback, retire or publish
+        made by hand while it trained a step must not be undone by that step's version."""
         with self._locked():
             v = self._expect(tenant, number, "candidate", "publish")
-            v = replace(v, status="published", published_at=_now(), gate=_jsonable(gate, "gate"))
+            served = self.latest_published(tenant) if if_parent_served else None
+            if if_parent_served and (served.name if served is not None else None) != v.parent:
+                reason = (f"superseded: trained from {v.parent or 'the base model'}, but "
+                          f"{served.name if served is not None else 'the base model'} is served now "
+                          "(a rollback, retire or publish since the step began)")
+                v = replace(v, status="rejected", reason=reason, gate=_jsonable(gate, "gate"))
+            else:
+                v = replace(v, status="published", published_at=_now(), gate=_jsonable(gate, "gate"))
             self._write_meta(v)
             retired = self._enforce_keep_last(tenant)
             self._write_head()

@@ -270,6 +270,38 @@ def test_a_commit_that_fails_after_its_commit_point_counts_as_committed(tiny_mod
     assert_each_id_once(data_dir, "acme", {f"a{i}" for i in range(16)})
 
 
+def test_a_rollback_during_a_step_is_not_undone_by_that_steps_version(tiny_model, data_dir, monkeypatch):
+    write(data_dir, "acme", rows("a", 16), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    learner = learn(cfg, tiny_model, max_steps=1)  # acme@1
+    real_commit = Cursors.commit
+
+    def rollback_meanwhile(self, tenant, **kw):  # the operator, while step 2 trains from acme@1
+        Registry(data_dir).rollback("acme", 1)  # acme@3 after the step's candidate acme@2
+        return real_commit(self, tenant, **kw)
+
+    monkeypatch.setattr(Cursors, "commit", rollback_meanwhile)
+    learn(cfg, tiny_model, learner=learner, max_steps=1)
+    monkeypatch.undo()
+    reg = Registry(data_dir)
+    assert reg.get("acme", 2).status == "rejected" and "superseded" in reg.get("acme", 2).reason
+    assert reg.published()["acme"].name == "acme@3"  # the rollback stands
+    write(data_dir, "acme", rows("c", 8, seed=3), "b1", start=200)
+    learn(cfg, tiny_model, learner=learner)
+    assert Registry(data_dir).get("acme", 4).parent == "acme@3"  # and the learner went on from it
+
+
+def test_when_every_version_is_retired_the_learner_starts_again_from_a_fresh_adapter(tiny_model, data_dir):
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    learner = learn(cfg, tiny_model)  # acme@1
+    Registry(data_dir).retire("acme", 1)  # the base model is served again
+    write(data_dir, "acme", rows("b", 8, seed=1), "b1", start=100)
+    learn(cfg, tiny_model, learner=learner)
+    v2 = Registry(data_dir).get("acme", 2)
+    assert v2.status == "published" and v2.parent is None  # not a descendant of the retired acme@1
+
+
 def test_after_a_rollback_the_learner_continues_from_the_served_version(tiny_model, data_dir):
     write(data_dir, "acme", rows("a", 16), "b0")
     cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])

@@ -144,6 +144,23 @@ def test_rollback_republishes_old_files_as_newest(data_dir, peft_writer):
     assert reg.get("acme", 1).status == "published", "history is not rewritten"
 
 
+def test_publish_if_parent_served_refuses_a_candidate_the_operator_overtook(data_dir, peft_writer):
+    reg = Registry(data_dir, keep_last=5)
+    _new(reg, peft_writer)
+    assert reg.publish("acme", 1, if_parent_served=True).status == "published"  # no parent, nothing served
+    _new(reg, peft_writer, parent="acme@1")
+    assert reg.publish("acme", 2, if_parent_served=True).status == "published"
+    _new(reg, peft_writer, parent="acme@2")  # acme@3 trains from acme@2 while ...
+    reg.rollback("acme", 1)  # ... the operator rolls back (acme@4)
+    v = reg.publish("acme", 3, if_parent_served=True)
+    assert v.status == "rejected" and "superseded" in v.reason and "acme@4 is served now" in v.reason
+    assert reg.published()["acme"].name == "acme@4"  # the rollback stands
+    _new(reg, peft_writer, parent="acme@4")
+    reg.retire("acme", 4)  # the same for a retire: acme@2 is served again, not acme@5's parent
+    assert reg.publish("acme", 5, if_parent_served=True).status == "rejected"
+    assert reg.published()["acme"].name == "acme@2"
+
+
 def test_rollback_refuses_retired_and_never_published(data_dir, peft_writer):
     reg = Registry(data_dir)
     _new(reg, peft_writer)
