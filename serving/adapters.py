@@ -67,6 +67,7 @@ class _Loaded:
     handle: AdapterHandle
     leases: int = 0
     current: bool = False
+    checked: int | None = None  # registry generation at which an explicit request last found it published
 
 
 @dataclass
@@ -132,7 +133,11 @@ class AdapterSet:
             if loaded is None:
                 return self.base_lease()
             return self._lease(loaded)
-        loaded = self._loaded.get((tenant, version)) or await self._load_explicit(tenant, version)
+        loaded = self._loaded.get((tenant, version))
+        if loaded is None or loaded.checked != self._generation:
+            # Loaded, but the registry changed since it was last found published (it may be retired now):
+            # ask the registry again, once per registry change.
+            loaded = await self._load_explicit(tenant, version)
         return self._lease(loaded)  # no await since the load: nothing can unload it in between
 
     def _lease(self, loaded: _Loaded) -> Lease:
@@ -254,6 +259,7 @@ class AdapterSet:
         from storage.registry import VersionNotFound
 
         name = f"{tenant}@{number}"
+        generation = self._generation  # what the status read below is at least as new as
         if (tenant, number) in self._refused:
             raise UnknownVersion(f"model {name!r} cannot be served: {self._refused[(tenant, number)]}")
         try:
@@ -263,7 +269,9 @@ class AdapterSet:
         if version.status != "published":
             raise UnknownVersion(f"model {name!r} is {version.status}, not published")
         try:
-            return await self._load(tenant, number, Path(version.path))
+            loaded = await self._load(tenant, number, Path(version.path))
+            loaded.checked = generation
+            return loaded
         except AdapterRejected as e:
             self._refuse(tenant, number, str(e))
             raise UnknownVersion(f"model {name!r} cannot be served: {e}") from e

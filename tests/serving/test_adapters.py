@@ -142,6 +142,26 @@ def test_explicit_versions_load_on_demand_and_unknown_ones_are_404(world):
     run(scenario())
 
 
+def test_a_retired_version_is_refused_even_while_a_request_still_holds_it(world):
+    registry, engine, adapters, publish = world
+
+    async def scenario():
+        publish("acme", seed=1)
+        publish("acme", seed=2)
+        await adapters.refresh()
+        held = await adapters.acquire("acme", 1)  # a long request on acme@1 keeps it loaded
+        registry.retire("acme", 1)
+        await adapters.refresh()  # the watcher sees the registry change
+        with pytest.raises(UnknownVersion, match="retired"):
+            await adapters.acquire("acme", 1)
+        assert held.label == "acme@1"  # the running request keeps its version to the end
+        held.release()
+        await adapters.drain()
+        assert set(engine.loaded.values()) == {"acme@2"}
+
+    run(scenario())
+
+
 def test_concurrent_requests_for_one_version_load_it_once(world):
     registry, engine, adapters, publish = world
 
