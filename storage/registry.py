@@ -36,6 +36,7 @@ Readers never lock. This module needs no peft or torch: it moves files and JSON.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import uuid
@@ -170,6 +171,10 @@ class Registry:
         self.keep_last = keep_last
         self._head = self.dd.registry / "HEAD.json"
         self._lock_path = self.dd.locks / "registry.lock"
+        # Parsed metadata by file, with the (inode, mtime, size) it was read at: metadata is replaced by
+        # rename, so a changed file has a new stamp. A read of every version then costs a stat each, not a
+        # parse each: the learner's every publish reads all of a tenant's versions, and there are thousands.
+        self._metas: dict[Path, tuple[tuple[int, int, int], AdapterVersion]] = {}
 
     def __repr__(self) -> str:
         return f"Registry({str(self.dd.root)!r}, keep_last={self.keep_last})"
@@ -183,11 +188,19 @@ class Registry:
             return 0
 
     def get(self, tenant: str, number: int) -> AdapterVersion:
+        path = self._meta_path(tenant, number)
         try:
-            data = json.loads(self._meta_path(tenant, number).read_bytes())
+            st = os.stat(path)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+            cached = self._metas.get(path)
+            if cached is not None and cached[0] == stamp:
+                return cached[1]
+            data = json.loads(path.read_bytes())  # replaced since the stat: the next get reads it again
         except FileNotFoundError:
             raise VersionNotFound(tenant, number) from None
-        return AdapterVersion.from_json(data, self.dd)
+        v = AdapterVersion.from_json(data, self.dd)
+        self._metas[path] = (stamp, v)
+        return v
 
     def get_name(self, name: str) -> AdapterVersion:
         return self.get(*parse_version(name))
@@ -209,8 +222,14 @@ class Registry:
         return sorted(p.name for p in self.dd.registry.iterdir() if p.is_dir() and not p.name.startswith("."))
 
     def latest_published(self, tenant: str) -> AdapterVersion | None:
-        published = [v for v in self.versions(tenant) if v.status == "published"]
-        return published[-1] if published else None
+        for n in reversed(self._numbers(check_tenant(tenant))):  # newest first: usually the first one or two
+            try:
+                v = self.get(tenant, n)
+            except VersionNotFound:
+                continue
+            if v.status == "published":
+                return v
+        return None
 
     def published(self) -> dict[str, AdapterVersion]:
         """tenant -> its newest published version, from HEAD.json (one read)."""

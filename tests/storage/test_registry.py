@@ -161,6 +161,21 @@ def test_publish_if_parent_served_refuses_a_candidate_the_operator_overtook(data
     assert reg.published()["acme"].name == "acme@2"
 
 
+def test_a_reader_sees_every_change_another_process_makes(data_dir, peft_writer):
+    """Readers keep parsed metadata (checked by a stat per read); a change by another instance (another
+    process) is seen at once."""
+    reader, writer = Registry(data_dir), Registry(data_dir)
+    _new(writer, peft_writer)
+    assert reader.get("acme", 1).status == "candidate"
+    writer.publish("acme", 1)
+    assert reader.get("acme", 1).status == "published" and reader.latest_published("acme").number == 1
+    _new(writer, peft_writer, parent="acme@1")
+    writer.reject("acme", 2, reason="gate")
+    writer.retire("acme", 1)
+    assert [(v.number, v.status) for v in reader.versions("acme")] == [(1, "retired"), (2, "rejected")]
+    assert reader.latest_published("acme") is None
+
+
 def test_rollback_refuses_retired_and_never_published(data_dir, peft_writer):
     reg = Registry(data_dir)
     _new(reg, peft_writer)
