@@ -76,7 +76,7 @@ from learner.scheduler import Ledger, charge, choose
 from learner.types import Shard, TenantSpec, learner_process_name
 from learner.update import UpdateResult
 from storage.cursors import Cursors
-from storage.files import HeldLock, atomic_write_bytes, mark_ready
+from storage.files import FileLock, HeldLock, atomic_write_bytes, mark_ready
 from storage.layout import DataDir
 from storage.parquet import write_dataset
 from storage.registry import Registry
@@ -834,8 +834,24 @@ class Learner:
             }
             for name, t in sorted(self.tenants.items())
         }
-        file = "status.json" if self.shard is None else f"status-{self.shard.label}.json"
-        atomic_write_bytes(self.dd.state / "learner" / file, json.dumps(status, indent=1, default=str).encode())
+        if self.shard is not None:
+            path = self.dd.state / "learner" / f"status-{self.shard.label}.json"
+            atomic_write_bytes(path, json.dumps(status, indent=1, default=str).encode())
+            return
+        # Unsharded learners share status.json (a standby, or two started side by side): each writes the
+        # tenants it trains and keeps the entries of those another process trains, under a lock.
+        path = self.dd.state / "learner" / "status.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(self.dd.locks / "learner-status.lock"):
+            try:
+                written = json.loads(path.read_bytes())
+            except (FileNotFoundError, ValueError):
+                written = {}
+            merged = {
+                name: written[name] if entry["status"] == "elsewhere" and name in written else entry
+                for name, entry in status.items()
+            }
+            atomic_write_bytes(path, json.dumps(merged, indent=1, default=str).encode())
 
     def close(self) -> None:
         if self.prefetcher is not None:

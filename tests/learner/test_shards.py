@@ -110,6 +110,33 @@ def test_a_second_learner_waits_for_the_tenants_lock_and_then_takes_over(tiny_mo
     assert_each_id_once(data_dir, "ant", {f"a{i}" for i in range(8)} | {f"b{i}" for i in range(8)})
 
 
+def test_two_unsharded_learners_share_one_status_file(tiny_model, data_dir):
+    write(data_dir, "ant", rows("a", 8), "a0")
+    write(data_dir, "bee", rows("b", 8, seed=1), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "ant", "batch_size": 8}, {"name": "bee", "batch_size": 8}])
+    from storage.files import HeldLock
+
+    bee = HeldLock.try_acquire(Path(data_dir) / "locks" / "learner" / "bee.lock")  # held while the first starts
+    first = Learner(cfg, model_path=tiny_model, progress=False)  # takes ant
+    bee.release()
+    second = Learner(cfg, model_path=tiny_model, progress=False)  # takes bee
+    assert set(first._locks) == {"ant"} and set(second._locks) == {"bee"}
+
+    def train_what_it_holds(learner):
+        while (name := learner.choose(learner.pending(hold_partial=False))) is not None:
+            learner.step_safely(name)
+
+    train_what_it_holds(second)
+    train_what_it_holds(first)  # writes last, and sees bee only as "elsewhere"
+    assert first.tenants["bee"].status == second.tenants["ant"].status == "elsewhere"
+    status = json.loads((Path(data_dir) / "state" / "learner" / "status.json").read_text())
+    # each tenant's entry is its trainer's, whichever process wrote last
+    assert {name: (e["status"], e["version"]) for name, e in status.items()} == {
+        "ant": ("published", "ant@1"), "bee": ("published", "bee@1")}
+    first.close()
+    second.close()
+
+
 def test_a_config_reload_that_deals_a_tenant_elsewhere_lets_go_of_it(tiny_model, data_dir):
     from storage.files import HeldLock
 
