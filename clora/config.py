@@ -91,6 +91,11 @@ class ModelConfig(_Strict):
     name: str = Field("base", description="Name under which the serving tier exposes the base model.")
     seed: int = Field(0, description="Seed of the tiny local model (same seed, byte-identical weights).")
 
+    @field_validator("path", mode="before")
+    @classmethod
+    def _empty_is_the_tiny_model(cls, v):
+        return None if isinstance(v, str) and not v.strip() else v  # Path("") would be the current directory
+
 
 class ServingConfig(_Strict):
     host: str = Field("127.0.0.1", description="Address the HTTP API binds to.")
@@ -254,6 +259,13 @@ class Config(_Strict):
         Path(".clora"), description="Root of everything clora keeps on disk.", json_schema_extra=env("CLORA_DATA_DIR")
     )
     log_level: str = Field("INFO", description="Logging level of every process.", json_schema_extra=env("CLORA_LOG_LEVEL"))
+
+    @field_validator("data_dir", mode="before")
+    @classmethod
+    def _data_dir_not_empty(cls, v):
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("data_dir must not be empty (it would be the current directory)")
+        return v
     kafka: KafkaConfig = Field(default_factory=KafkaConfig, description="Kafka connection and topics.")
     broker: BrokerConfig = Field(default_factory=BrokerConfig, description="The embedded broker.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The shared base model.")

@@ -119,7 +119,8 @@ class Supervisor:
     ) -> None:
         self.emit = emit or _print_prefixed
         self.children = {s.name: Child(s, self.emit) for s in specs}
-        self.stop_order = stop_order + [n for n in self.children if n not in stop_order]
+        # Only children that exist (no "broker" child when an external Kafka is used), then any others.
+        self.stop_order = [n for n in stop_order if n in self.children] + [n for n in self.children if n not in stop_order]
         self.max_backoff = max_backoff
         self.stopping = threading.Event()
 
@@ -239,7 +240,8 @@ def up(cfg, config_path: str | None, *, until: Callable[[], bool] = lambda: Fals
     """Runs the stack until Ctrl-C/SIGTERM (or `until()`); returns an exit code."""
     specs, order = stack_specs(cfg, config_path)
     sup = Supervisor(specs, order, emit=emit)
-    previous = {s: signal.signal(s, lambda *_: sup.stopping.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP too: a closed terminal must stop the stack in order (ingest drains before the broker goes).
+    previous = {s: signal.signal(s, lambda *_: sup.stopping.set()) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         sup.start_all()
         if not sup.stopping.is_set():

@@ -71,7 +71,7 @@ def connect(root) -> duckdb.DuckDBPyConnection:
                 _create_view(con, dataset, SCHEMAS[dataset].empty_table(), live_files(dd, dataset))
             _create_view(con, "adapters", adapters_table(Registry(dd).versions()), [])
             return con
-        except duckdb.IOException as e:
+        except (duckdb.IOException, FileNotFoundError) as e:  # the listing itself reads compacted files' footers
             con.close()
             if attempt == QUERY_ATTEMPTS - 1:
                 raise

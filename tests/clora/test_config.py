@@ -107,6 +107,12 @@ def test_bad_toml_and_missing_file(tmp_path):
         load_config(tmp_path, environ={})  # a directory
 
 
+def test_empty_paths_mean_the_default_model_and_no_data_dir():
+    assert load_config(None, environ={"CLORA_MODEL_PATH": ""}).model.path is None  # the tiny local model
+    with pytest.raises(ConfigError, match="data_dir must not be empty"):
+        load_config(None, environ={"CLORA_DATA_DIR": " "})
+
+
 def test_show_masks_keys():
     cfg = load_config(REPO / "clora.example.toml", environ={})
     text = show_config(cfg)

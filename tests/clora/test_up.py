@@ -48,6 +48,15 @@ def test_start_stop_order_and_no_orphans():
             os.kill(pid, 0)
 
 
+def test_a_stop_order_naming_a_child_that_is_not_there_stops_the_others():
+    """With an external Kafka there is no "broker" child, but the stop order still ends with it."""
+    lines, emit = collect()
+    sup = Supervisor([spec("a", lines=lines)], stop_order=["a", "broker"], emit=emit)
+    sup.start_all()
+    sup.stop_all()  # no KeyError
+    assert [line for n, line in lines if n == "up" and line.startswith("stopping")] == ["stopping a"]
+
+
 def test_crashed_child_is_restarted_with_backoff(tmp_path):
     counter = tmp_path / "starts"
     crasher = [sys.executable, "-c",

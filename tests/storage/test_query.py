@@ -108,6 +108,23 @@ def test_adapters_and_train_steps_views_follow_the_registry(data_dir, peft_write
     ]
 
 
+def test_a_file_vanishing_while_the_views_are_listed_is_listed_again(data_dir, make_trajectories, monkeypatch):
+    """Listing reads compacted files' footers; a compaction may delete one between the listing and the read."""
+    import storage.query as query_module
+
+    write_dataset(data_dir, "trajectories", make_trajectories(["a0", "a1", "a2"], "acme"), file_id="a")
+    real, calls = query_module.live_files, []
+
+    def vanishing_once(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise FileNotFoundError("compacted away meanwhile")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(query_module, "live_files", vanishing_once)
+    assert query(data_dir, "SELECT count(*) AS n FROM trajectories").column("n").to_pylist() == [3]
+
+
 def test_bad_sql_raises_duckdb_error(data_dir):
     with pytest.raises(duckdb.Error, match="nope"):
         query(data_dir, "select * from nope")
