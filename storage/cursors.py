@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from storage.files import FileLock, fsync_tree, publish_dir, remove_stale_hidden, remove_tree, write_new_file
+from storage.files import FileLock, ensure_dir, fsync_tree, publish_dir, remove_stale_hidden, remove_tree, write_new_file
 from storage.layout import StorageError, as_datadir, check_tenant
 from storage.parquet import live_files, partition_tenants, read_file, read_rows, retry_vanished
 from storage.schema import TRAJECTORIES, conform
@@ -147,7 +147,7 @@ class Cursors:
             last = self.latest_step(tenant)
             if last is not None and step <= last:
                 raise CursorError(f"cannot commit step {step} for tenant {tenant!r}: step {last} is already committed")
-            tenant_dir.mkdir(parents=True, exist_ok=True)
+            ensure_dir(tenant_dir)
             remove_stale_hidden(tenant_dir, older_than_s=0)  # we hold the lock: hidden entries are dead leftovers
             staging = tenant_dir / f".staging-{uuid.uuid4().hex}"
             (staging / "checkpoint").mkdir(parents=True)

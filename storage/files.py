@@ -67,7 +67,7 @@ def fsync_tree(root: Path) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Replaces `path` with `data` atomically and durably."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    ensure_dir(path.parent)
     tmp = tmp_name(path)
     try:
         with open(tmp, "wb") as f:

@@ -46,7 +46,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from storage.files import FileLock, atomic_write_bytes, fsync_tree, publish_dir, remove_stale_hidden, remove_tree
+from storage.files import (
+    FileLock,
+    atomic_write_bytes,
+    ensure_dir,
+    fsync_tree,
+    publish_dir,
+    remove_stale_hidden,
+    remove_tree,
+)
 from storage.layout import DataDir, StorageError, as_datadir, check_tenant
 
 FORMAT = 1
@@ -340,7 +348,7 @@ class Registry:
         metrics = _jsonable(metrics, "metrics")
         trajectory_range = _jsonable(trajectory_range, "trajectory_range")
         tenant_dir = self.dd.adapters / tenant
-        tenant_dir.mkdir(parents=True, exist_ok=True)
+        ensure_dir(tenant_dir)
         remove_stale_hidden(tenant_dir, older_than_s=STALE_STAGING_S)
 
         # The slow part (saving weights) happens outside the lock, in a hidden directory.
