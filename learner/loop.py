@@ -758,7 +758,9 @@ class Learner:
         """If the served version is not the learner's (an operator rolled back, or published or retired a
         version by hand), continue from the served one with a fresh optimizer; if every version was retired
         (the base model is served), from a fresh adapter."""
-        published = self.registry.published().get(rt.spec.name)
+        # From the version records, not HEAD.json: a crash between a publish's record and its HEAD rewrite
+        # leaves HEAD behind (until the next registry change), and the publish check reads the records too.
+        published = self.registry.latest_published(rt.spec.name)
         if published is None:
             if rt.version:
                 logger.warning("tenant %s: no version of it is served any more (retired); starting again from a "

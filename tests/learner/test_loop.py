@@ -302,6 +302,21 @@ def test_when_every_version_is_retired_the_learner_starts_again_from_a_fresh_ada
     assert v2.status == "published" and v2.parent is None  # not a descendant of the retired acme@1
 
 
+def test_a_head_file_left_behind_by_a_crash_does_not_mislead_the_learner(tiny_model, data_dir):
+    """A crash between a publish's version record and its HEAD.json rewrite leaves HEAD behind."""
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    learner = learn(cfg, tiny_model)  # acme@1
+    head = Path(data_dir) / "registry" / "HEAD.json"
+    stale = json.loads(head.read_text())
+    stale["published"] = {}  # as if acme@1's record was written and the crash came before HEAD
+    head.write_text(json.dumps(stale))
+    write(data_dir, "acme", rows("b", 8, seed=1), "b1", start=100)
+    learn(cfg, tiny_model, learner=learner)
+    v2 = Registry(data_dir).get("acme", 2)
+    assert (v2.status, v2.parent) == ("published", "acme@1")
+
+
 def test_after_a_rollback_the_learner_continues_from_the_served_version(tiny_model, data_dir):
     write(data_dir, "acme", rows("a", 16), "b0")
     cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
