@@ -11,16 +11,21 @@ Ctrl-C/SIGTERM:
   ingest (drains the topics and commits: the embedded broker keeps topics in memory only),
   broker last.
 
-Children get SIGTERM if `clora up` itself dies (Linux parent-death signal), so nothing is orphaned.
+Before starting anything, `up` checks that the ports its own children will bind (the embedded broker's,
+serving's) are free, and refuses to start otherwise: a stale process from an earlier run on one of them
+would answer the health check while our child failed to bind. Children get SIGTERM if `clora up` itself
+dies (Linux parent-death signal), so nothing is orphaned.
 What this module does not do: any work of the children, or choosing ports (the config does).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -88,9 +93,12 @@ class Child:
     def wait_healthy(self, stop: threading.Event) -> None:
         deadline = time.monotonic() + self.spec.start_timeout
         while not stop.is_set():
+            healthy = self.spec.healthy(self.proc.pid)
+            # Alive checked after the health check: a port that answered for a child that has exited by now
+            # was another process's.
             if not self.alive():
                 raise RuntimeError(f"{self.spec.name} exited with code {self.proc.returncode} while starting")
-            if self.spec.healthy(self.proc.pid):
+            if healthy:
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.spec.name} was not healthy within {self.spec.start_timeout:.0f}s")
@@ -199,16 +207,20 @@ def stack_specs(cfg, config_path: str | None) -> tuple[list[ChildSpec], list[str
             ChildSpec(
                 "broker",
                 [*py, "clora", "broker", *conf],
+                # The port answering is ours: `up` found it free before starting (ports_taken), and the
+                # supervisor counts it only while this child is alive.
                 healthy=lambda _pid: port_in_use(cfg.broker.host, cfg.broker.port),
                 start_timeout=30,
                 stop_timeout=10,
             )
         )
 
-    def serving_healthy(_pid: int) -> bool:
+    def serving_healthy(pid: int) -> bool:
+        """/health answers 200 from this very process (not from an earlier serving still on the port)."""
         try:
-            return httpx.get(f"http://{cfg.serving.host}:{cfg.serving.port}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
+            r = httpx.get(f"http://{cfg.serving.host}:{cfg.serving.port}/health", timeout=1)
+            return r.status_code == 200 and r.json().get("pid") == pid
+        except (httpx.HTTPError, ValueError):
             return False
 
     state = DataDir(cfg.data_dir).state
@@ -235,11 +247,43 @@ def stack_specs(cfg, config_path: str | None) -> tuple[list[ChildSpec], list[str
     return specs, ["serving", *learners, "ingest", "broker"]
 
 
+def ports_taken(cfg) -> list[str]:
+    """What is wrong with the ports `up`'s own children will bind (the embedded broker's, serving's): one
+    line per port that another process already holds. Checked before anything starts, because a child
+    that cannot bind its port exits, and a health check would see the other process answering."""
+    wanted = [("serving.port", cfg.serving.host, cfg.serving.port)]
+    if cfg.broker.embedded:
+        wanted.insert(0, ("broker.port", cfg.broker.host, cfg.broker.port))
+    return [
+        f"port {port} on {host} is already in use by another process (perhaps an earlier clora still "
+        f"running): stop it, or set {key} to a free port"
+        for key, host, port in wanted
+        if not _can_bind(host, port)
+    ]
+
+
+def _can_bind(host: str, port: int) -> bool:
+    """False only when the address is in use (as serving binds it: SO_REUSEADDR, so TIME_WAIT is no
+    obstacle); any other problem with the address is left for the child to report."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno != errno.EADDRINUSE
+    return True
+
+
 def up(cfg, config_path: str | None, *, until: Callable[[], bool] = lambda: False,
        emit: Callable[[str, str], None] | None = None) -> int:
     """Runs the stack until Ctrl-C/SIGTERM (or `until()`); returns an exit code."""
     specs, order = stack_specs(cfg, config_path)
     sup = Supervisor(specs, order, emit=emit)
+    taken = ports_taken(cfg)
+    if taken:
+        for problem in taken:
+            sup.emit("up", f"error: {problem}")
+        return 1
     # SIGHUP too: a closed terminal must stop the stack in order (ingest drains before the broker goes).
     previous = {s: signal.signal(s, lambda *_: sup.stopping.set()) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:

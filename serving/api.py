@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
@@ -252,6 +253,7 @@ class Api:
         ok = not self.engine.errored
         body = {
             "status": "ok" if ok else "engine_dead",
+            "pid": os.getpid(),  # lets a supervisor tell its own serving from another process on the port
             "model": self.base_name,
             "adapters": {t: self.adapters.current(t) for t in self.tenants},
             "refused_adapters": self.adapters.refused(),

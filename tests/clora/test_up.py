@@ -100,3 +100,87 @@ def test_the_stack_runs_one_learner_per_configured_shard(tmp_path, monkeypatch):
     assert [s.argv[-2:] for s in learners] == [["--shard", "0/2"], ["--shard", "1/2"]]
     assert all(s.env == {"OMP_NUM_THREADS": "2"} for s in learners)  # the learners' half of the cores, shared
     assert stop_order == ["serving", "learner-0", "learner-1", "ingest", "broker"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ports held by another process (a stale clora from an earlier run)
+
+
+def listening(host="127.0.0.1"):
+    """A socket listening on a free port: another process holding it, as far as `up` can tell."""
+    import socket
+
+    s = socket.socket()
+    s.bind((host, 0))
+    s.listen()
+    return s
+
+
+@pytest.mark.parametrize("key", ["broker.port", "serving.port"])
+def test_up_refuses_to_start_when_another_process_holds_a_port(tmp_path, monkeypatch, key):
+    from clora import up as up_module
+    from clora.config import Config
+    from ingest.broker import free_port
+
+    held = listening()
+    port = held.getsockname()[1]
+    ports = {"broker": {"port": free_port()}, "serving": {"port": free_port()}}
+    ports[key.split(".")[0]]["port"] = port
+    cfg = Config.model_validate({"data_dir": str(tmp_path), **ports})
+    started = []
+    monkeypatch.setattr(up_module, "stack_specs", lambda *_: (
+        [ChildSpec("a", SLEEPER, healthy=lambda pid: started.append(pid) or True, stop_timeout=5)], ["a"]))
+    lines, emit = collect()
+    try:
+        code = up_module.up(cfg, None, until=lambda: True, emit=emit)
+    finally:
+        held.close()
+    assert code == 1
+    assert not started, "no child may start"
+    (error,) = [line for n, line in lines if n == "up" and line.startswith("error")]
+    assert f"port {port} on 127.0.0.1 is already in use by another process" in error
+    assert "earlier clora" in error and f"set {key} to a free port" in error
+
+
+def test_a_child_that_exits_while_the_health_check_runs_is_not_healthy():
+    """The health check of a child that exits meanwhile answered for someone else (a stale process on
+    its port): the child failed; it is not healthy."""
+    def slow_yes(_pid):
+        time.sleep(0.6)
+        return True
+
+    exits = [sys.executable, "-c", "import time; time.sleep(0.2); raise SystemExit(1)"]
+    sup = Supervisor([ChildSpec("stale", exits, healthy=slow_yes)], stop_order=[], emit=lambda *a: None)
+    with pytest.raises(RuntimeError, match="stale exited with code 1 while starting"):
+        sup.start_all()
+    sup.stop_all()
+
+
+def test_serving_is_healthy_only_when_its_health_answer_names_the_childs_pid(tmp_path):
+    import json
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from clora.config import Config
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"status": "ok", "pid": 4242}).encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cfg = Config.model_validate({"data_dir": str(tmp_path), "serving": {"port": server.server_address[1]}})
+        specs, _ = stack_specs(cfg, None)
+        (serving,) = [s for s in specs if s.name == "serving"]
+        assert serving.healthy(4242)
+        assert not serving.healthy(4243)  # another process's serving answered
+    finally:
+        server.shutdown()
+        server.server_close()
