@@ -2,9 +2,9 @@
 
 Children, in start order: the embedded broker (unless an external Kafka is configured), serving, ingest,
 learner. Each is the same process a deployment runs alone (`python -m serving`, ...), so `up` adds no
-behaviour of its own: it starts them, waits until each is healthy, prefixes their output, restarts a
-child that crashes (with exponential backoff, and says so), and stops them in a safe order on
-Ctrl-C/SIGTERM:
+behaviour of its own: it starts them, waits until each is healthy (a child that exits while starting is
+started again, with backoff, up to 3 attempts in all), prefixes their output, restarts a child that
+crashes (with exponential backoff, and says so), and stops them in a safe order on Ctrl-C/SIGTERM:
 
   serving first (no new traffic; its last interaction events reach Kafka or its disk spool),
   learner (finishes or abandons its step; the checkpoint protocol makes either safe),
@@ -57,6 +57,10 @@ class ChildSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
+class ChildExited(RuntimeError):
+    """A child exited before it was healthy (as opposed to: still running, but not healthy in time)."""
+
+
 class Child:
     def __init__(self, spec: ChildSpec, emit: Callable[[str, str], None]) -> None:
         self.spec = spec
@@ -97,7 +101,7 @@ class Child:
             # Alive checked after the health check: a port that answered for a child that has exited by now
             # was another process's.
             if not self.alive():
-                raise RuntimeError(f"{self.spec.name} exited with code {self.proc.returncode} while starting")
+                raise ChildExited(f"{self.spec.name} exited with code {self.proc.returncode} while starting")
             if healthy:
                 return
             if time.monotonic() > deadline:
@@ -115,7 +119,8 @@ class Child:
 
 
 class Supervisor:
-    """Starts children in order, restarts crashed ones with backoff, stops them in `stop_order`."""
+    """Starts children in order (again, with backoff, one that exits while starting), restarts crashed ones
+    with backoff, stops them in `stop_order`."""
 
     def __init__(
         self,
@@ -124,12 +129,14 @@ class Supervisor:
         *,
         emit: Callable[[str, str], None] | None = None,
         max_backoff: float = 30.0,
+        start_attempts: int = 3,
     ) -> None:
         self.emit = emit or _print_prefixed
         self.children = {s.name: Child(s, self.emit) for s in specs}
         # Only children that exist (no "broker" child when an external Kafka is used), then any others.
         self.stop_order = [n for n in stop_order if n in self.children] + [n for n in self.children if n not in stop_order]
         self.max_backoff = max_backoff
+        self.start_attempts = start_attempts
         self.stopping = threading.Event()
 
     def start_all(self) -> None:
@@ -137,9 +144,25 @@ class Supervisor:
             if self.stopping.is_set():
                 return
             self.emit("up", f"starting {child.spec.name}")
-            child.start()
-            child.wait_healthy(self.stopping)
+            self._start_healthy(child)
             self.emit("up", f"{child.spec.name} is healthy ({time.monotonic() - child.started_at:.1f}s)")
+
+    def _start_healthy(self, child: Child) -> None:
+        """Starts `child` and waits until it is healthy. A child that exits while starting is started again
+        with the backoff of `watch_once`, `start_attempts` times in all, before the start fails; one still
+        running but not healthy within its start_timeout fails it at once."""
+        for attempt in range(1, self.start_attempts + 1):
+            child.start()
+            try:
+                child.wait_healthy(self.stopping)
+                return
+            except ChildExited as e:
+                if attempt == self.start_attempts:
+                    raise ChildExited(f"{e} ({attempt} attempts; giving up)") from e
+                delay = min(self.max_backoff, 2.0 ** (attempt - 1))
+                self.emit("up", f"{e}; starting it again in {delay:.0f}s (attempt {attempt + 1} of {self.start_attempts})")
+                if self.stopping.wait(delay):
+                    return
 
     def watch_once(self) -> None:
         """Restarts children that died; called periodically by `run`."""

@@ -74,12 +74,49 @@ def test_crashed_child_is_restarted_with_backoff(tmp_path):
     assert notes and "exited with code 3" in notes[0]
 
 
-def test_unhealthy_child_fails_start():
-    sup = Supervisor([ChildSpec("dies", [sys.executable, "-c", "raise SystemExit(4)"], healthy=lambda _pid: False)],
-                     stop_order=[], emit=lambda *a: None)
-    with pytest.raises(RuntimeError, match="dies exited with code 4 while starting"):
+def counting(starts, code):
+    """A child that appends to the file `starts` at each start, then runs `code`."""
+    return [sys.executable, "-c", f"open({str(starts)!r}, 'a').write('x'); {code}"]
+
+
+def test_a_child_that_exits_while_starting_is_started_again(tmp_path):
+    starts = tmp_path / "starts"
+    # Exits the first time; the second time it stays up.
+    flaky = counting(starts, f"import sys, time; len(open({str(starts)!r}).read()) > 1 or sys.exit(5); "
+                             "print('ready', flush=True); time.sleep(600)")
+    lines, emit = collect()
+    sup = Supervisor([spec("flaky", flaky, lines=lines)], stop_order=[], emit=emit, max_backoff=0.1)
+    sup.start_all()
+    try:
+        assert sup.children["flaky"].alive() and starts.read_text() == "xx"
+        assert ("up", "flaky exited with code 5 while starting; starting it again in 0s (attempt 2 of 3)") in lines
+        assert ("up", "flaky is healthy") in [(n, line.split(" (")[0]) for n, line in lines]
+    finally:
+        sup.stop_all()
+
+
+def test_a_child_that_keeps_exiting_while_starting_fails_the_start(tmp_path):
+    starts = tmp_path / "starts"
+    lines, emit = collect()
+    sup = Supervisor([ChildSpec("dies", counting(starts, "raise SystemExit(4)"), healthy=lambda _pid: False)],
+                     stop_order=[], emit=emit, max_backoff=0.1)
+    with pytest.raises(RuntimeError, match=r"dies exited with code 4 while starting \(3 attempts; giving up\)"):
         sup.start_all()
     sup.stop_all()
+    assert starts.read_text() == "xxx"
+    assert [line.split("; ")[1] for n, line in lines if "starting it again" in line] == [
+        "starting it again in 0s (attempt 2 of 3)", "starting it again in 0s (attempt 3 of 3)"]
+
+
+def test_a_child_not_healthy_in_time_fails_the_start_without_another_attempt(tmp_path):
+    starts = tmp_path / "starts"
+    sup = Supervisor([ChildSpec("slow", counting(starts, "import time; time.sleep(600)"), healthy=lambda _pid: False,
+                                start_timeout=0.5, stop_timeout=5)],
+                     stop_order=[], emit=lambda *a: None, max_backoff=0.1)
+    with pytest.raises(RuntimeError, match="slow was not healthy within 0s"):
+        sup.start_all()
+    sup.stop_all()
+    assert starts.read_text() == "x"
 
 
 def test_the_stack_runs_one_learner_per_configured_shard(tmp_path, monkeypatch):
@@ -150,7 +187,8 @@ def test_a_child_that_exits_while_the_health_check_runs_is_not_healthy():
         return True
 
     exits = [sys.executable, "-c", "import time; time.sleep(0.2); raise SystemExit(1)"]
-    sup = Supervisor([ChildSpec("stale", exits, healthy=slow_yes)], stop_order=[], emit=lambda *a: None)
+    sup = Supervisor([ChildSpec("stale", exits, healthy=slow_yes)], stop_order=[], emit=lambda *a: None,
+                     max_backoff=0.1)
     with pytest.raises(RuntimeError, match="stale exited with code 1 while starting"):
         sup.start_all()
     sup.stop_all()
