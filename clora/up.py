@@ -55,6 +55,7 @@ class ChildSpec:
     start_timeout: float = 120.0
     stop_timeout: float = 60.0
     env: dict[str, str] = field(default_factory=dict)
+    restart_note: str = ""  # said each time the child is restarted after a crash: what the restart cost
 
 
 class ChildExited(RuntimeError):
@@ -180,6 +181,8 @@ class Supervisor:
                     f"{child.spec.name} exited with code {child.proc.returncode}; restarting in {delay:.0f}s "
                     f"(restart #{child.restarts + 1})",
                 )
+                if child.spec.restart_note:
+                    self.emit("up", child.spec.restart_note)
             elif now >= child.restart_at:
                 child.restarts += 1
                 child.start()
@@ -235,6 +238,11 @@ def stack_specs(cfg, config_path: str | None) -> tuple[list[ChildSpec], list[str
                 healthy=lambda _pid: port_in_use(cfg.broker.host, cfg.broker.port),
                 start_timeout=30,
                 stop_timeout=10,
+                # Tansu here keeps topics in memory only (this build stores to memory:// or s3:// alone).
+                restart_note="the embedded broker keeps topics in memory only: events it held that ingest had "
+                "not yet stored are lost, and the restarted broker has empty topics and no committed offsets "
+                "(it creates the topics again); an external Kafka (kafka.bootstrap, with broker.embedded = "
+                "false) is the durable choice",
             )
         )
 

@@ -74,6 +74,27 @@ def test_crashed_child_is_restarted_with_backoff(tmp_path):
     assert notes and "exited with code 3" in notes[0]
 
 
+def test_a_restarted_embedded_broker_says_what_was_lost(tmp_path):
+    """The embedded broker keeps topics in memory: its restart loses what ingest had not stored yet."""
+    import dataclasses
+
+    from clora.config import Config
+
+    specs, _ = stack_specs(Config.model_validate({"data_dir": str(tmp_path)}), None)
+    (broker,) = [s for s in specs if s.name == "broker"]
+    crasher = dataclasses.replace(broker, argv=[sys.executable, "-c", "raise SystemExit(3)"])
+    lines, emit = collect()
+    sup = Supervisor([crasher], stop_order=[], emit=emit)
+    sup.children["broker"].start()
+    sup.children["broker"].proc.wait()
+    sup.watch_once()
+    sup.stop_all()
+    notes = [line for n, line in lines if n == "up"]
+    assert notes[0].startswith("broker exited with code 3; restarting in")
+    assert "events it held that ingest had not yet stored are lost" in notes[1]
+    assert "an external Kafka (kafka.bootstrap" in notes[1] and "durable" in notes[1]
+
+
 def counting(starts, code):
     """A child that appends to the file `starts` at each start, then runs `code`."""
     return [sys.executable, "-c", f"open({str(starts)!r}, 'a').write('x'); {code}"]
