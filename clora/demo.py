@@ -4,7 +4,8 @@ It writes a demo config (its own data directory, free ports, one tenant per simu
 `clora up` with `clora simulate` against it for a few minutes, and then reports per tenant: versions
 published, reward in the first vs the last window, adapter swaps seen by the app, interactions ingested.
 `demo.png` shows reward over time per tenant with the moments each new adapter went live. The exit code
-is 0 only when every tenant's reward improved; otherwise it says which did not.
+is 0 only when every tenant's reward improved; otherwise it says which did not. Interrupted (Ctrl-C,
+SIGTERM), it says so above the partial figures, gives no verdict and exits with 130.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ def run_demo(cfg, *, minutes: float, rate: float, preferences: list[str], seed: 
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
+        if sim.stop.is_set():  # stopped before serving was up
+            return
         started["t"] = time.time()
         print(f"    demo | simulating {len(sim_tenants)} tenants at {rate:g} requests/s for {minutes:g} min", flush=True)
         try:
@@ -110,16 +113,23 @@ def run_demo(cfg, *, minutes: float, rate: float, preferences: list[str], seed: 
 
     threading.Thread(target=simulate_when_up, daemon=True, name="simulate").start()
     code = up(demo_cfg, str(config_path), until=done.is_set)
+    finished = done.is_set()  # before the stop below, which ends the simulation too
     sim.stop.set()
     if code != 0:
         print("demo: the stack failed; see the log above")
         return code
+    interrupted_after = None
+    if not finished:  # `up` returned 0 with the simulation unfinished: Ctrl-C or SIGTERM stopped it
+        if "t" not in started:
+            print("\ndemo: interrupted before the simulated traffic started")
+            return 130
+        interrupted_after = time.time() - started["t"]
 
     (demo_dir / "records.json").write_text(records_to_json(sim.records))
     summary = summarise(sim.records, sim_tenants)
     stats = _store_stats(demo_cfg.data_dir)
     _plot(sim.records, sim_tenants, out_png)
-    return _report(summary, stats, out_png)
+    return _report(summary, stats, out_png, interrupted_after=interrupted_after)
 
 
 def _progress(sim) -> None:
@@ -146,9 +156,14 @@ def _store_stats(data_dir: Path) -> dict[str, dict]:
     return stats
 
 
-def _report(summary: dict[str, dict], stats: dict[str, dict], out_png: Path) -> int:
+def _report(summary: dict[str, dict], stats: dict[str, dict], out_png: Path, *,
+            interrupted_after: float | None = None) -> int:
+    """Prints the per-tenant table; returns the exit code: 0 if every tenant improved, 1 if not, 130 (no
+    verdict) for a run interrupted `interrupted_after` seconds into the simulated traffic."""
     header = f"{'tenant':<12} {'prefers':<8} {'requests':>8} {'failed':>6} {'ingested':>8} {'published':>9} " \
              f"{'swaps':>5} {'reward first':>12} {'reward last':>11}  improved"
+    if interrupted_after is not None:
+        print(f"\ndemo: interrupted after {interrupted_after:.0f}s of simulated traffic; partial figures:")
     print("\n" + header + "\n" + "-" * len(header))
     not_improved = []
     for name, s in summary.items():
@@ -167,6 +182,9 @@ def _report(summary: dict[str, dict], stats: dict[str, dict], out_png: Path) -> 
     failed = sum(s["failed"] for s in summary.values())
     if failed:
         print(f"{failed} request(s) failed")
+    if interrupted_after is not None:
+        print("interrupted: no verdict on a partial run")
+        return 130
     if not_improved:
         print(f"not improved (by at least {IMPROVEMENT}): {', '.join(not_improved)}")
         return 1

@@ -1,0 +1,90 @@
+"""clora demo's ending: a finished run gets a verdict; an interrupted one says so, shows partial figures and
+exits with 130. The stack itself is replaced by stand-ins for `up` (no broker, no engine)."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from clora import demo
+
+pytestmark = pytest.mark.unit
+
+
+def figures(reward_last):
+    return {"digits-app": {"preference": "digits", "requests": 40, "failed": 0, "versions_seen": ["base", "digits-app@1"],
+                           "reward_first": 0.1, "reward_last": reward_last}}
+
+
+def test_a_finished_run_gets_a_verdict(tmp_path, capsys):
+    assert demo._report(figures(0.9), {}, tmp_path / "demo.png") == 0
+    assert "every tenant improved" in capsys.readouterr().out
+    assert demo._report(figures(0.1), {}, tmp_path / "demo.png") == 1
+
+
+def test_an_interrupted_run_is_marked_partial_and_exits_130(tmp_path, capsys):
+    assert demo._report(figures(0.9), {}, tmp_path / "demo.png", interrupted_after=42.4) == 130
+    out = capsys.readouterr().out
+    assert out.lstrip().startswith("demo: interrupted after 42s of simulated traffic; partial figures:")
+    assert "digits-app" in out  # the partial figures are still shown
+    assert "every tenant improved" not in out and "no verdict" in out
+
+
+def run_demo(tmp_path, fake_up, monkeypatch):
+    from clora.config import Config
+
+    monkeypatch.setattr("clora.up.up", fake_up)
+    cfg = Config.model_validate({"data_dir": str(tmp_path / "data"), "model": {"path": str(tmp_path / "model")}})
+    return demo.run_demo(cfg, minutes=1, rate=20, preferences=["digits"], seed=0, out_png=tmp_path / "demo.png")
+
+
+def test_a_demo_interrupted_before_the_traffic_started_exits_130(tmp_path, monkeypatch, capsys):
+    code = run_demo(tmp_path, lambda *a, **kw: 0, monkeypatch)  # `up` stopped by Ctrl-C while starting
+    assert code == 130
+    assert "interrupted before the simulated traffic started" in capsys.readouterr().out
+
+
+def test_a_demo_interrupted_during_the_traffic_reports_partial_figures_and_exits_130(tmp_path, monkeypatch, capsys):
+    posted = threading.Event()
+
+    class Serving(BaseHTTPRequestHandler):  # healthy, but refuses every request: the records are failures
+        def do_GET(self):
+            self._answer(200, {"status": "ok"})
+
+        def do_POST(self):
+            posted.set()
+            self._answer(503, {"error": {"message": "stand-in", "type": "unavailable", "code": 503}})
+
+        def _answer(self, status, body):
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *_):
+            pass
+
+    def interrupted_up(cfg, config_path, *, until):
+        """Serves until the simulated traffic has begun, then returns as `up` does after Ctrl-C."""
+        server = ThreadingHTTPServer((cfg.serving.host, cfg.serving.port), Serving)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            assert posted.wait(20), "the simulation never started"
+            time.sleep(0.3)
+            assert not until()
+        finally:
+            server.shutdown()
+            server.server_close()
+        return 0
+
+    assert run_demo(tmp_path, interrupted_up, monkeypatch) == 130
+    out = capsys.readouterr().out
+    assert re.search(r"\ndemo: interrupted after \ds of simulated traffic; partial figures:\n", out)
+    assert "digits-app" in out and "every tenant improved" not in out
