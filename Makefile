@@ -43,6 +43,7 @@ bench: setup
 	$(CLORA) bench serving
 	$(CLORA) bench swap
 	$(CLORA) bench experiments
+	$(CLORA) bench registry
 
 clean:
 	rm -rf $(VENV) .clora bench-results .pytest_cache .hypothesis demo.png *.egg-info

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import platform
+import subprocess
+from pathlib import Path
 
 BENCHMARKS = {
     "ingest": ("ingest.bench", "Kafka -> Parquet ingest rate vs a bare consumer"),
@@ -15,6 +19,7 @@ BENCHMARKS = {
     "serving": ("serving.bench", "multi-LoRA batching: mixed vs one tenant at a time vs base model"),
     "swap": ("serving.bench_swap", "publish -> first response from the new adapter version under load"),
     "experiments": ("learner.bench_experiments", "N concurrent RL experiments vs one at a time"),
+    "registry": ("storage.bench", "a learner step's registry cost as a tenant's version history grows"),
 }
 
 
@@ -52,3 +57,29 @@ def _runner(module: str):
         return int(mod.run(args) or 0)
 
     return run
+
+
+def machine(gpu: bool = False) -> str:
+    """The line every benchmark's results carry: CPU model, cores, memory and (with `gpu`) the GPU."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    text = f"{cpu}, {os.cpu_count()} cores"
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        text += f", {pages / 2**30:.0f} GiB"
+    except (ValueError, OSError):
+        pass
+    if gpu:
+        try:
+            name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                  text=True, timeout=30).stdout.strip().splitlines()
+            text += f", GPU {name[0]}" if name else ", GPU"
+        except (OSError, subprocess.SubprocessError):
+            text += ", GPU"
+    return text

@@ -49,7 +49,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -61,6 +60,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from clora.bench import machine
 from clora.processes import terminate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -705,31 +705,6 @@ def compare(n: int, concurrent: dict, alone: list[dict | None], steps: int, wind
 
 # ---------------------------------------------------------------------------------------------------------
 # Output
-
-
-def machine(gpu: bool) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    text = f"{cpu}, {os.cpu_count()} cores"
-    try:
-        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        text += f", {pages / 2**30:.0f} GiB"
-    except (ValueError, OSError):
-        pass
-    if gpu:
-        try:
-            name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                                  text=True, timeout=30).stdout.strip().splitlines()
-            text += f", GPU {name[0]}" if name else ", GPU"
-        except (OSError, subprocess.SubprocessError):
-            text += ", GPU"
-    return text
 
 
 def _f(x, spec: str = ".1f") -> str:

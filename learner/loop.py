@@ -730,7 +730,7 @@ class Learner:
             rt.unfinished = meta
             logger.info("tenant %s: resumed at step %d (adapter %s@%d)", name, step, name, rt.version)
         else:
-            published = self.registry.published().get(name)
+            published = self.registry.latest_published(name)  # the records, as _follow_registry reads
             self._add_adapter(rt, published.path if published is not None else None)
             if published is not None:
                 self.policy.load_adapter(name, published.path)

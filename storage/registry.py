@@ -3,6 +3,7 @@
 On disk:
     adapters/<tenant>/<n>/            PEFT files (adapter_config.json + adapter_model.safetensors)
     registry/<tenant>/<n>.json        the version's metadata: the source of truth, and its commit point
+    registry/<tenant>/.index.json     a hint: {"format", "last", "open"} (below)
     registry/HEAD.json                {"format", "generation", "published": {tenant: newest published}}
     locks/registry.lock               serialises writers (number allocation, status changes)
 
@@ -30,12 +31,25 @@ happen (a poll always sees the latest state), and 0.5 s of extra staleness is sm
 step. HEAD.json is derived: every writer rebuilds it from the version files under the lock, so a writer
 that crashed between the two is repaired by the next change.
 
+Every operation costs the same however long a tenant's history grows (the learner publishes a version
+per step, forever; metadata is never deleted). A version is "settled" once nothing can change it any
+more: retired, or rejected with its files removed, and its files gone. Settled versions are all but
+every one of a long history, and an operation only needs the others. The index hint names them: `last`
+(the newest number when it was written) and `open` (every number up to `last` that was not settled).
+Writers rewrite it under the lock after every publish and reject; everyone reads it without a lock,
+and versions newer than `last` are found by probing `last + 1, last + 2, ...` (numbers are allocated
+consecutively and metadata is never deleted). A hint that is missing or unreadable means one full
+listing, which rewrites it. A stale hint (a writer crashed, or a power loss undid the rename: it is not
+fsynced) is still right, because a settled version never becomes unsettled: it only names more than
+it must.
+
 Readers never lock. This module needs no peft or torch: it moves files and JSON.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -54,14 +68,18 @@ from storage.files import (
     publish_dir,
     remove_stale_hidden,
     remove_tree,
+    tmp_name,
 )
 from storage.layout import DataDir, StorageError, as_datadir, check_tenant
 
 FORMAT = 1
+INDEX_FORMAT = 1
 STATUSES = ("candidate", "published", "rejected", "retired")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 STALE_STAGING_S = 3600.0
+
+logger = logging.getLogger(__name__)
 
 _VERSION_NAME = re.compile(r"^(?P<tenant>[^@]+)@(?P<number>[0-9]+)$")
 
@@ -230,7 +248,7 @@ class Registry:
         return sorted(p.name for p in self.dd.registry.iterdir() if p.is_dir() and not p.name.startswith("."))
 
     def latest_published(self, tenant: str) -> AdapterVersion | None:
-        for n in reversed(self._numbers(check_tenant(tenant))):  # newest first: usually the first one or two
+        for n in reversed(self._live(check_tenant(tenant))[1]):  # newest first: usually the first one or two
             try:
                 v = self.get(tenant, n)
             except VersionNotFound:
@@ -359,7 +377,7 @@ class Registry:
             _check_peft_files(staging, tenant)
             fsync_tree(staging)
             with self._locked():
-                number = max(self._numbers(tenant), default=0) + 1
+                number = self._live(tenant)[0] + 1
                 final = self.dd.adapter_dir(tenant, number)
                 remove_tree(final)  # an orphan of a create that crashed before its metadata landed
                 publish_dir(staging, final)
@@ -398,6 +416,48 @@ class Registry:
             return []
         return sorted(int(p.stem) for p in d.iterdir() if p.suffix == ".json" and p.stem.isdigit())
 
+    def _index_path(self, tenant: str) -> Path:
+        return self.dd.registry / tenant / ".index.json"
+
+    def _read_index(self, tenant: str) -> tuple[int, list[int]] | None:
+        """(last, open) from the hint, or None when there is none or it is unreadable (then: a full listing)."""
+        try:
+            data = json.loads(self._index_path(tenant).read_bytes())
+            last, open_ = data["last"], data["open"]
+            if data.get("format") != INDEX_FORMAT or not _is_count(last) or not all(_is_count(n) for n in open_):
+                return None
+            return last, sorted(n for n in open_ if n <= last)
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+
+    def _live(self, tenant: str) -> tuple[int, list[int]]:
+        """(the newest number, every number not known to be settled ascending: the hint's open ones and
+        any newer than it). The newest number is 0 for a tenant with no versions."""
+        index = self._read_index(tenant)
+        if index is None:
+            numbers = self._numbers(tenant)
+            return max(numbers, default=0), numbers
+        last, open_ = index
+        newest = self._probe(tenant, last)
+        return newest, open_ + list(range(last + 1, newest + 1))
+
+    def _probe(self, tenant: str, last: int) -> int:
+        while self._meta_path(tenant, last + 1).exists():
+            last += 1
+        return last
+
+    def _write_index(self, tenant: str, last: int, open_: list[int]) -> None:
+        """Rename without fsync: a hint a crash undid is an older hint, which is still right. A write that
+        fails leaves the older hint too, so it is logged, not raised: the change it follows is committed."""
+        path = self._index_path(tenant)
+        tmp = tmp_name(path)
+        try:
+            tmp.write_bytes(_dumps({"format": INDEX_FORMAT, "last": last, "open": sorted(open_)}))
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            logger.warning("registry: could not rewrite the index hint of %s (%s); the older one stays valid", tenant, e)
+
     def _expect(self, tenant: str, number: int, status: str, action: str) -> AdapterVersion:
         v = self.get(tenant, number)
         if v.status != status:
@@ -416,15 +476,30 @@ class Registry:
         """Marks published versions beyond the newest keep_last retired, and records the files of rejected
         versions beyond the newest keep_last rejected ones as removed (`retired_at`; the status stays
         "rejected", with its reason); returns them all (files not yet removed). Also returns versions
-        whose files a crashed writer left behind after marking them."""
-        versions = self.versions(tenant)
+        whose files a crashed writer left behind after marking them. Then rewrites the index hint: only
+        versions it names as open can be any of these (settled ones have none of it left to do)."""
+        newest, live = self._live(tenant)
+        versions = []
+        for n in live:
+            try:
+                versions.append(self.get(tenant, n))
+            except VersionNotFound:  # a hint naming a number whose metadata was deleted by hand
+                continue
         published = [v for v in versions if v.status == "published"]
         excess = published[: max(0, len(published) - self.keep_last)]
         rejected = [v for v in versions if v.status == "rejected" and v.retired_at is None]
         old_rejected = rejected[: max(0, len(rejected) - self.keep_last)]
-        leftovers = [v for v in versions if v.retired_at is not None and v.path.exists()]
-        return (leftovers + [self._mark_retired(v) for v in excess]
-                + [self._mark_files_removed(v) for v in old_rejected])
+        leftovers, settled = [], set()
+        for v in versions:
+            if v.retired_at is not None:
+                if v.path.exists():
+                    leftovers.append(v)
+                else:
+                    settled.add(v.number)
+        marked = [self._mark_retired(v) for v in excess] + [self._mark_files_removed(v) for v in old_rejected]
+        # The marked ones stay open until a later call sees their files gone.
+        self._write_index(tenant, newest, [n for n in live if n not in settled])
+        return leftovers + marked
 
     def _mark_files_removed(self, v: AdapterVersion) -> AdapterVersion:
         v = replace(v, retired_at=_now())
@@ -444,6 +519,10 @@ class Registry:
                 published[t] = latest.to_json()
         head = {"format": FORMAT, "generation": self.generation() + 1, "published": published}
         atomic_write_bytes(self._head, _dumps(head))
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
 
 
 def _check_peft_files(directory: Path, tenant: str) -> None:

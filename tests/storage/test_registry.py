@@ -318,3 +318,111 @@ def test_crash_between_files_and_metadata_is_invisible_and_repaired(data_dir, py
     v = _new(reg, peft_writer)
     assert v.number == 1
     assert (v.path / "adapter_model.safetensors").read_bytes() != b"orphan", "the orphan was replaced"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The index hint: operations cost the same however long the history grows, and the hint is never trusted
+# beyond what it can promise (missing, corrupt or stale hints give the same answers).
+
+
+def _count_reads(reg: Registry, monkeypatch) -> list:
+    calls = []
+    get = reg.get
+
+    def counting(tenant, number):
+        calls.append(number)
+        return get(tenant, number)
+
+    monkeypatch.setattr(reg, "get", counting)
+    return calls
+
+
+def test_a_publish_reads_only_the_versions_not_yet_settled(data_dir, peft_writer, monkeypatch):
+    reg = Registry(data_dir, keep_last=2)
+    _new(reg, peft_writer)
+    reg.publish("acme", 1)  # kept through the 150 rejects below: an old version that is still open
+    for n in range(2, 152):
+        _new(reg, peft_writer, parent="acme@1")
+        reg.reject("acme", n, reason="probe reward fell")
+    reads = _count_reads(reg, monkeypatch)
+    _new(reg, peft_writer, parent="acme@1")
+    reg.publish("acme", 152)
+    # 1 and 152 published, the two kept rejected (150, 151) and 149, whose files the previous reject removed.
+    assert sorted(set(reads)) == [1, 149, 150, 151, 152]
+    assert reg.latest_published("acme").number == 152
+    assert [v.number for v in reg.versions("acme") if v.status == "published"] == [1, 152]
+    assert [v.number for v in reg.versions("acme") if v.path.exists()] == [1, 150, 151, 152]
+
+
+def _truth(reg: Registry) -> dict:
+    """Every answer the registry gives, from a full listing (no hint involved)."""
+    versions = reg.versions("acme")
+    published = [v for v in versions if v.status == "published"]
+    return {
+        "status": {v.number: (v.status, v.retired_at is not None) for v in versions},
+        "files": sorted(v.number for v in versions if v.path.exists()),
+        "latest": published[-1].number if published else None,
+    }
+
+
+@pytest.mark.parametrize("hint", ["missing", "corrupt", "stale", "beyond"])
+def test_a_missing_corrupt_or_stale_hint_gives_the_same_answers(data_dir, peft_writer, hint):
+    reg = Registry(data_dir, keep_last=2)
+    index = data_dir / "registry" / "acme" / ".index.json"
+    for n in range(1, 7):
+        _new(reg, peft_writer, parent=None)
+        (reg.publish if n % 2 else lambda t, k: reg.reject(t, k, reason="x"))("acme", n)
+    old = index.read_bytes()  # an older hint: what a crash or a lost rename leaves
+    for n in range(7, 13):
+        _new(reg, peft_writer, parent=None)
+        (reg.publish if n % 3 else lambda t, k: reg.reject(t, k, reason="x"))("acme", n)
+    _new(reg, peft_writer, parent=None)  # a candidate newer than any hint
+    expected = _truth(reg)
+    if hint == "missing":
+        index.unlink()
+    elif hint == "corrupt":
+        index.write_bytes(b'{"format": 1, "last": "x"')
+    elif hint == "stale":
+        index.write_bytes(old)
+    else:  # naming numbers beyond the newest (metadata deleted by hand)
+        index.write_text(json.dumps({"format": 1, "last": 40, "open": [39, 40]}))
+    fresh = Registry(data_dir, keep_last=2)
+    if hint != "beyond":
+        assert fresh.latest_published("acme").number == expected["latest"] == 11
+        assert _create_number(fresh, peft_writer) == 14
+        fresh.publish("acme", 14)
+        assert fresh.latest_published("acme").number == 14
+        assert fresh.published()["acme"].number == 14
+        after = _truth(fresh)
+        assert [n for n, (s, _) in after["status"].items() if s == "published"] == [11, 14]
+        assert after["files"] == [9, 11, 12, 13, 14], "the rejected 12 and the candidate 13 keep theirs"
+        assert json.loads(index.read_bytes())["open"] == [9, 10, 11, 12, 13, 14], "the hint is rebuilt"
+    else:
+        # The probe starts past the hint, so what it misses is what a full listing would have found; new
+        # numbers still never reuse an existing one.
+        assert _create_number(fresh, peft_writer) == 41
+        assert fresh.get("acme", 13).status == "candidate"
+
+
+def _create_number(reg: Registry, peft_writer) -> int:
+    return _new(reg, peft_writer).number
+
+
+def test_files_a_crashed_publisher_left_behind_are_removed_by_the_next_change(data_dir, peft_writer, monkeypatch):
+    reg = Registry(data_dir, keep_last=1)
+    _new(reg, peft_writer)
+    reg.publish("acme", 1)
+    _new(reg, peft_writer, parent="acme@1")
+    monkeypatch.setattr(reg, "_remove_files", lambda versions: None)  # dies after marking, before deleting
+    reg.publish("acme", 2)
+    assert reg.get("acme", 1).status == "retired" and reg.get("acme", 1).path.exists()
+    monkeypatch.undo()
+    _new(reg, peft_writer, parent="acme@2")
+    reg.reject("acme", 3, reason="x")
+    assert not reg.get("acme", 1).path.exists()
+    assert json.loads((data_dir / "registry" / "acme" / ".index.json").read_bytes())["open"] == [1, 2, 3]
+    _new(reg, peft_writer, parent="acme@2")
+    reg.reject("acme", 4, reason="x")
+    assert json.loads((data_dir / "registry" / "acme" / ".index.json").read_bytes())["open"] == [2, 3, 4], (
+        "a version leaves the hint once its files are seen gone"
+    )
