@@ -5,9 +5,11 @@ in schema.py) and adapters (one row per registry version).
 
 Each dataset view reads an explicit list of files, `parquet.live_files`, rather than a glob: a glob would
 count rows twice while compacted inputs still lie on disk (until compaction's grace period is over). The
-files are read with hive_partitioning and union_by_name (files written by older schema versions lack new
-columns), and are unioned BY NAME with an empty table of the current schema, so every view has every
-column, with the right type, even when a dataset has no files yet (a query then returns 0 rows).
+files are read with union_by_name (files written by older schema versions lack new columns) and without
+hive partitioning: every file carries its own `tenant` column, and DuckDB would read `key=value` from
+every directory of the path, so a data dir under, say, /data/run=3/ gained a `run` column. They are
+unioned BY NAME with an empty table of the current schema, so every view has every column, with the right
+type, even when a dataset has no files yet (a query then returns 0 rows).
 
 The views are a snapshot of the file list at `connect()` time: files written later appear on the next
 connect. Compaction deletes merged inputs only after a grace period (compact.GRACE_S, 60 s), so a
@@ -116,8 +118,8 @@ def _create_view(con: duckdb.DuckDBPyConnection, name: str, typed: pa.Table, fil
     if files:
         file_list = ", ".join(_sql_str(f) for f in files)
         select += (
-            f" UNION ALL BY NAME SELECT * FROM read_parquet([{file_list}], hive_partitioning = true, "
-            "union_by_name = true, hive_types = {'tenant': 'VARCHAR'})"
+            f" UNION ALL BY NAME SELECT * FROM read_parquet([{file_list}], hive_partitioning = false, "
+            "union_by_name = true)"
         )
     con.execute(f'CREATE VIEW "{name}" AS {select}')
 

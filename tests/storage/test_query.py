@@ -153,3 +153,15 @@ def test_an_open_connection_blocks_no_writer(data_dir, make_trajectories, peft_w
         con.close()
     assert query(data_dir, "select count(*) as n from trajectories").to_pylist() == [{"n": before[0][0] + 1}]
     assert query(data_dir, "select name from adapters where latest").to_pylist() == [{"name": "acme@1"}]
+
+
+def test_a_data_dir_under_a_key_value_directory_adds_no_columns(tmp_path, make_trajectories):
+    """Only the files' own columns: a `key=value` directory above the data dir (e.g. /data/run=3/) is not
+    read as a partition (the tenant is a column of every file)."""
+    data_dir = tmp_path / "run=3" / "tenant=x" / "data"
+    write_dataset(data_dir, "trajectories", make_trajectories(["a", "b"], tenant="123"), file_id="f")
+    write_dataset(data_dir, "trajectories", make_trajectories(["c"], tenant="acme"), file_id="f")
+    columns = [row[0] for row in connect(data_dir).sql("describe trajectories").fetchall()]
+    assert columns == SCHEMAS["trajectories"].names
+    rows = query(data_dir, "select tenant, count(*) as n from trajectories group by 1 order by 1").to_pylist()
+    assert rows == [{"tenant": "123", "n": 2}, {"tenant": "acme", "n": 1}]
