@@ -709,10 +709,11 @@ class Learner:
             rt.status, rt.error = "error", f"{type(e).__name__}: {e}"
 
     def _reject_abandoned(self, name: str) -> None:
-        for v in self.registry.versions(name):
-            if v.status == "candidate":
-                logger.warning("tenant %s: rejecting %s (%s)", name, v.name, ABANDONED)
-                self.registry.reject(name, v.number, reason=ABANDONED)
+        for v in self.registry.candidates(name):
+            logger.warning("tenant %s: rejecting %s (%s)", name, v.name, ABANDONED)
+            self.registry.reject(name, v.number, reason=ABANDONED)
+        if self.registry.repair(name):  # a crash inside a registry change: HEAD behind, or files left
+            logger.warning("tenant %s: repaired what a crash left of its last registry change", name)
 
     def _ensure_loaded(self, rt: TenantRuntime) -> None:
         if rt.loaded:

@@ -257,6 +257,19 @@ class Registry:
                 return v
         return None
 
+    def candidates(self, tenant: str) -> list[AdapterVersion]:
+        """The tenant's versions still waiting for the gate's verdict, oldest first (never settled, so the
+        index hint names them all: this reads a handful of versions however long the history)."""
+        out = []
+        for n in self._live(check_tenant(tenant))[1]:
+            try:
+                v = self.get(tenant, n)
+            except VersionNotFound:
+                continue
+            if v.status == "candidate":
+                out.append(v)
+        return out
+
     def published(self) -> dict[str, AdapterVersion]:
         """tenant -> its newest published version, from HEAD.json (one read)."""
         try:
@@ -346,6 +359,21 @@ class Registry:
                 self._write_head()
         self._remove_files([v])
         return v
+
+    def repair(self, tenant: str) -> bool:
+        """Finishes what a writer that crashed mid-change left of the tenant's last change: rewrites HEAD.json
+        when it does not name the tenant's newest published version (serving reads HEAD, and would otherwise
+        serve the older version until the next change) and deletes the files of versions marked retired.
+        Returns whether anything was repaired. The learner calls it when it takes a tenant over."""
+        with self._locked():
+            newest = self.latest_published(tenant)
+            head = self.published().get(tenant)
+            stale = (newest.to_json() if newest else None) != (head.to_json() if head else None)
+            removed = self._enforce_keep_last(tenant)
+            if stale or removed:
+                self._write_head()
+        self._remove_files(removed)
+        return stale or bool(removed)
 
     # --- internals ------------------------------------------------------------------------------------
     def _create(

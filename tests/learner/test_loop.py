@@ -317,6 +317,19 @@ def test_a_head_file_left_behind_by_a_crash_does_not_mislead_the_learner(tiny_mo
     assert (v2.status, v2.parent) == ("published", "acme@1")
 
 
+def test_a_learner_taking_a_tenant_over_repairs_the_head_a_crash_left_behind(tiny_model, data_dir):
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    learn(cfg, tiny_model)  # acme@1
+    head = Path(data_dir) / "registry" / "HEAD.json"
+    stale = json.loads(head.read_text())
+    stale["published"] = {}  # as if acme@1's record was written and the crash came before HEAD
+    head.write_text(json.dumps(stale))
+    learn(cfg, tiny_model)  # a new process: nothing to train, but it takes acme over
+    assert Registry(data_dir).published()["acme"].name == "acme@1", "serving reads HEAD: it must name acme@1"
+    assert Registry(data_dir).generation() > stale["generation"], "so that serving's poll sees the change"
+
+
 def test_after_a_rollback_the_learner_continues_from_the_served_version(tiny_model, data_dir):
     write(data_dir, "acme", rows("a", 16), "b0")
     cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])

@@ -426,3 +426,31 @@ def test_files_a_crashed_publisher_left_behind_are_removed_by_the_next_change(da
     assert json.loads((data_dir / "registry" / "acme" / ".index.json").read_bytes())["open"] == [2, 3, 4], (
         "a version leaves the hint once its files are seen gone"
     )
+
+
+def test_repair_finishes_a_change_a_crash_cut_short(data_dir, peft_writer, monkeypatch):
+    reg = Registry(data_dir, keep_last=1)
+    _new(reg, peft_writer)
+    reg.publish("acme", 1)
+    _new(reg, peft_writer, parent="acme@1")
+    monkeypatch.setattr(reg, "_write_head", lambda: None)  # dies after the record, before HEAD.json ...
+    monkeypatch.setattr(reg, "_remove_files", lambda versions: None)  # ... and before deleting acme@1's files
+    reg.publish("acme", 2)
+    monkeypatch.undo()
+    assert reg.published()["acme"].name == "acme@1" and reg.get("acme", 1).path.exists()
+    generation = reg.generation()
+    assert reg.repair("acme") is True
+    assert reg.published()["acme"].name == "acme@2" and reg.generation() == generation + 1
+    assert not reg.get("acme", 1).path.exists()
+    assert reg.repair("acme") is False and reg.generation() == generation + 1, "nothing left: no change"
+
+
+def test_candidates_are_the_versions_without_a_verdict(data_dir, peft_writer):
+    reg = Registry(data_dir, keep_last=1)
+    for n in range(1, 6):
+        _new(reg, peft_writer)
+        if n != 3:
+            reg.reject("acme", n, reason="x")
+    _new(reg, peft_writer)
+    assert [v.name for v in reg.candidates("acme")] == ["acme@3", "acme@6"]
+    assert reg.candidates("nobody") == []
