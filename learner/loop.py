@@ -90,6 +90,7 @@ CONFIG_RELOAD_SECONDS = 5.0
 BACKOFF_SECONDS = (5.0, 15.0, 60.0, 300.0)
 COMPACT_EVERY_STEPS = 100
 MAX_REMEMBERED_ROLLOUTS = 100_000  # rollout interaction ids awaiting ingest; older ones are forgotten
+SERVED_KEPT = 1024  # served version numbers a tenant remembers for staleness (at least max_staleness + 2)
 ABANDONED = "abandoned: the learner stopped before committing the step that made it"
 
 
@@ -247,6 +248,13 @@ class Learner:
 
     def _load_served(self, rt: TenantRuntime) -> None:
         rt.served = sorted(v.number for v in self.registry.versions(rt.spec.name) if v.published_at is not None)
+        self._trim_served(rt)
+
+    def _trim_served(self, rt: TenantRuntime) -> None:
+        """Keeps the newest served versions staleness can count (one per published step would grow for
+        ever); a sample older than all of them is behind by more than max_staleness either way."""
+        keep = max(SERVED_KEPT, self.settings.max_staleness + 2)
+        del rt.served[:-keep]
 
     def _disown(self, name: str) -> None:
         """Lets go of a tenant a config reload dealt to another shard, and frees its adapter and optimizer
@@ -475,6 +483,7 @@ class Learner:
         if meta["decision"] == "published":
             rt.version, rt.state_id = meta["version"], rt.state_id + 1
             rt.served.append(meta["version"])
+            self._trim_served(rt)
             rt.probe_cache = {(rt.state_id, rt.probes): probe} if probe is not None else {}
         return meta, work, trained
 

@@ -39,6 +39,8 @@ from serving.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
 
+REFUSED_KEPT = 16  # refused versions remembered per tenant (and shown by /health)
+
 BASE_LABEL = "base"
 
 
@@ -221,6 +223,11 @@ class AdapterSet:
 
     def _refuse(self, tenant: str, number: int, reason: str) -> None:
         self._refused[(tenant, number)] = reason
+        # The newest few per tenant: under a systematic refusal (a rank above max_lora_rank) every step adds
+        # one. An older one forgotten is only tried again if a request names it, and refused again.
+        mine = sorted(n for t, n in self._refused if t == tenant)
+        for n in mine[:-REFUSED_KEPT]:
+            del self._refused[(tenant, n)]
         self.metrics.refused.labels(tenant).inc()
         logger.error("adapter %s@%d refused; tenant %s stays on %s: %s", tenant, number, tenant,
                      self.current(tenant), reason)

@@ -240,7 +240,7 @@ class Api:
 
     async def models(self, request: Request) -> Response:
         tenant = self.auth.tenant(request.headers.get("authorization"))
-        versions = await asyncio.to_thread(self.registry.versions, tenant)
+        versions = await asyncio.to_thread(self.registry.unsettled, tenant)  # every published one, not the history
         data = [_model_card(self.base_name, self.started), _model_card(tenant, self.started)]
         data += [
             _model_card(v.name, int((v.published_at or v.created_at).timestamp()), parent=tenant)

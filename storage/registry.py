@@ -78,6 +78,7 @@ STATUSES = ("candidate", "published", "rejected", "retired")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 STALE_STAGING_S = 3600.0
+CACHE_VERSIONS = 4096  # parsed version records a Registry keeps (~6 KB each with metrics and gate checks)
 
 logger = logging.getLogger(__name__)
 
@@ -198,8 +199,8 @@ class Registry:
         self._head = self.dd.registry / "HEAD.json"
         self._lock_path = self.dd.locks / "registry.lock"
         # Parsed metadata by file, with the (inode, mtime, size) it was read at: metadata is replaced by
-        # rename, so a changed file has a new stamp. A read of every version then costs a stat each, not a
-        # parse each: the learner's every publish reads all of a tenant's versions, and there are thousands.
+        # rename, so a changed file has a new stamp, and a read costs a stat, not a parse. At most
+        # CACHE_VERSIONS of them (one per step would grow for ever), oldest out first.
         self._metas: dict[Path, tuple[tuple[int, int, int], AdapterVersion]] = {}
 
     def __repr__(self) -> str:
@@ -225,6 +226,11 @@ class Registry:
         except FileNotFoundError:
             raise VersionNotFound(tenant, number) from None
         v = AdapterVersion.from_json(data, self.dd)
+        if len(self._metas) >= CACHE_VERSIONS and path not in self._metas:
+            try:  # the oldest entry; a listing of a long history cycles through, the live ones come back
+                del self._metas[next(iter(self._metas))]
+            except (StopIteration, KeyError, RuntimeError):  # emptied or changed by another thread meanwhile
+                pass
         self._metas[path] = (stamp, v)
         return v
 
@@ -257,18 +263,21 @@ class Registry:
                 return v
         return None
 
-    def candidates(self, tenant: str) -> list[AdapterVersion]:
-        """The tenant's versions still waiting for the gate's verdict, oldest first (never settled, so the
-        index hint names them all: this reads a handful of versions however long the history)."""
+    def unsettled(self, tenant: str) -> list[AdapterVersion]:
+        """The tenant's versions that can still change, oldest first: candidates, published ones not retired,
+        rejected ones that keep their files, and any whose files are being deleted. The index hint names
+        them, so this reads a handful of versions however long the history."""
         out = []
         for n in self._live(check_tenant(tenant))[1]:
             try:
-                v = self.get(tenant, n)
+                out.append(self.get(tenant, n))
             except VersionNotFound:
                 continue
-            if v.status == "candidate":
-                out.append(v)
         return out
+
+    def candidates(self, tenant: str) -> list[AdapterVersion]:
+        """The tenant's versions still waiting for the gate's verdict, oldest first."""
+        return [v for v in self.unsettled(tenant) if v.status == "candidate"]
 
     def published(self) -> dict[str, AdapterVersion]:
         """tenant -> its newest published version, from HEAD.json (one read)."""

@@ -504,3 +504,15 @@ def test_sample_ahead_issues_the_next_batch_before_the_current_step_commits(tiny
         assert len(r.rewards) == r.row["n_trajectories"] == 4
         parent = int(r.row["version"].rsplit("@", 1)[1]) if r.row["version"] else 0
         assert r.staleness == parent  # every sample came from the base model (version 0)
+
+
+def test_a_tenant_remembers_only_the_served_versions_staleness_can_count(tiny_model, data_dir, monkeypatch):
+    write(data_dir, "acme", rows("a", 64), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], max_staleness=8)
+    learner = learn(cfg, tiny_model)
+    published = [v.number for v in Registry(data_dir).versions("acme") if v.published_at is not None]
+    assert len(published) >= 3, "the test needs more published steps than it keeps"
+    assert learner.tenants["acme"].served == published
+    monkeypatch.setattr("learner.loop.SERVED_KEPT", 1)
+    learner = learn(make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], max_staleness=0), tiny_model)
+    assert learner.tenants["acme"].served == published[-2:], "max_staleness + 2 of them, the newest"

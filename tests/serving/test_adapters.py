@@ -114,6 +114,23 @@ def test_corrupt_version_is_refused_and_tenant_keeps_its_version(world):
     run(scenario())
 
 
+def test_only_the_newest_refused_versions_are_remembered(world, monkeypatch):
+    """Under a systematic refusal every step adds one; /health shows them all, so they must not pile up."""
+    registry, engine, adapters, publish = world
+    monkeypatch.setattr("serving.adapters.REFUSED_KEPT", 3)
+
+    async def scenario():
+        publish("globex", seed=9, corrupt=True)
+        bad = []
+        for seed in range(5):
+            bad.append(publish("acme", seed=seed, corrupt=True))
+            await adapters.refresh()
+        assert sorted(adapters.refused()) == sorted([f"acme@{n}" for n in bad[-3:]] + ["globex@1"])
+        assert adapters.metrics.refused.labels("acme")._value.get() == 5, "the counter still counts every one"
+
+    run(scenario())
+
+
 def test_explicit_versions_load_on_demand_and_unknown_ones_are_404(world):
     registry, engine, adapters, publish = world
 

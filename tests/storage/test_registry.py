@@ -454,3 +454,15 @@ def test_candidates_are_the_versions_without_a_verdict(data_dir, peft_writer):
     _new(reg, peft_writer)
     assert [v.name for v in reg.candidates("acme")] == ["acme@3", "acme@6"]
     assert reg.candidates("nobody") == []
+
+
+def test_the_parsed_records_kept_are_bounded(data_dir, peft_writer, monkeypatch):
+    monkeypatch.setattr("storage.registry.CACHE_VERSIONS", 8)
+    reg = Registry(data_dir, keep_last=2)
+    for n in range(1, 31):
+        _new(reg, peft_writer)
+        reg.reject("acme", n, reason=f"kl {n}")
+    assert [v.reason for v in reg.versions("acme")] == [f"kl {n}" for n in range(1, 31)]
+    assert len(reg._metas) <= 8
+    # 28 lost its files in the last reject; the hint lets it go once a later change sees them gone.
+    assert [v.name for v in reg.unsettled("acme")] == ["acme@28", "acme@29", "acme@30"]
