@@ -5,7 +5,9 @@ Ingest must know, for every event, whether its key ((tenant, id) for interaction
 ~200 bytes per key; this index keeps a 64-bit hash per key in a sorted numpy array (plus an int32 value,
 which the interactions index uses to say which file holds the row), and recent additions in a small dict
 that is merged into the array once it grows past 1/16 of it (each merge is linear, so the amortised cost
-per key stays constant). Memory is therefore 12 bytes per stored row, not a function of throughput.
+per key stays constant). Memory is therefore 12 bytes per stored row in the arrays, plus up to 1/16 as
+many recent keys at ~100 bytes each in the dict: 12 to ~18 bytes per row, not a function of throughput.
+A merge briefly holds the old and the new arrays (twice the arrays' size).
 
 Hashes are Python's `hash()` of the key tuple: 64 bits, salted per process, which is fine because the index
 lives only in memory and is rebuilt from the Parquet datasets at every start. Two different keys share a
