@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="clora-bench-registry-") as tmp:
         reg = Registry(tmp, keep_last=args.keep_last)
-        index = reg.dd.registry / TENANT / ".index.json"
+        index = reg.dd.registry / TENANT / "index.json"
         for t in OTHERS:
             for _ in range(20):
                 _step(reg, t)

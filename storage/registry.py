@@ -3,7 +3,7 @@
 On disk:
     adapters/<tenant>/<n>/            PEFT files (adapter_config.json + adapter_model.safetensors)
     registry/<tenant>/<n>.json        the version's metadata: the source of truth, and its commit point
-    registry/<tenant>/.index.json     a hint: {"format", "last", "open"} (below)
+    registry/<tenant>/index.json      a hint: {"format", "last", "open"} (below)
     registry/HEAD.json                {"format", "generation", "published": {tenant: newest published}}
     locks/registry.lock               serialises writers (number allocation, status changes)
 
@@ -454,7 +454,7 @@ class Registry:
         return sorted(int(p.stem) for p in d.iterdir() if p.suffix == ".json" and p.stem.isdigit())
 
     def _index_path(self, tenant: str) -> Path:
-        return self.dd.registry / tenant / ".index.json"
+        return self.dd.registry / tenant / "index.json"
 
     def _read_index(self, tenant: str) -> tuple[int, list[int]] | None:
         """(last, open) from the hint, or None when there is none or it is unreadable (then: a full listing)."""

@@ -368,7 +368,7 @@ def _truth(reg: Registry) -> dict:
 @pytest.mark.parametrize("hint", ["missing", "corrupt", "stale", "beyond"])
 def test_a_missing_corrupt_or_stale_hint_gives_the_same_answers(data_dir, peft_writer, hint):
     reg = Registry(data_dir, keep_last=2)
-    index = data_dir / "registry" / "acme" / ".index.json"
+    index = data_dir / "registry" / "acme" / "index.json"
     for n in range(1, 7):
         _new(reg, peft_writer, parent=None)
         (reg.publish if n % 2 else lambda t, k: reg.reject(t, k, reason="x"))("acme", n)
@@ -420,10 +420,10 @@ def test_files_a_crashed_publisher_left_behind_are_removed_by_the_next_change(da
     _new(reg, peft_writer, parent="acme@2")
     reg.reject("acme", 3, reason="x")
     assert not reg.get("acme", 1).path.exists()
-    assert json.loads((data_dir / "registry" / "acme" / ".index.json").read_bytes())["open"] == [1, 2, 3]
+    assert json.loads((data_dir / "registry" / "acme" / "index.json").read_bytes())["open"] == [1, 2, 3]
     _new(reg, peft_writer, parent="acme@2")
     reg.reject("acme", 4, reason="x")
-    assert json.loads((data_dir / "registry" / "acme" / ".index.json").read_bytes())["open"] == [2, 3, 4], (
+    assert json.loads((data_dir / "registry" / "acme" / "index.json").read_bytes())["open"] == [2, 3, 4], (
         "a version leaves the hint once its files are seen gone"
     )
 
