@@ -1,4 +1,5 @@
-"""Stopping a child process the one way every part of clora does: SIGTERM, a grace period, SIGKILL.
+"""Stopping a child process the one way every part of clora does: SIGTERM, a grace period, SIGKILL; and
+making a child die with its parent.
 
 Used by `clora up`'s supervisor, the embedded broker, the benchmarks and the tests' server handles. Only
 the given process is signalled (never a name or a port), so nothing clora did not start is touched.
@@ -6,9 +7,21 @@ the given process is signalled (never a name or a port), so nothing clora did no
 
 from __future__ import annotations
 
+import ctypes
 import signal
 import subprocess
 from collections.abc import Callable
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """`preexec_fn` for a child that must not outlive its parent (Linux parent-death signal: SIGTERM when
+    the thread that started it exits, so start such children from a thread that lives as long as they do)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: children may outlive a killed parent, as with any plain subprocess
 
 
 def terminate(process: subprocess.Popen, timeout: float, *, on_kill: Callable[[], None] | None = None) -> int:

@@ -20,7 +20,6 @@ What this module does not do: any work of the children, or choosing ports (the c
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
@@ -33,19 +32,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from clora.processes import terminate
+from clora.processes import die_with_parent, terminate
 
 logger = logging.getLogger("clora.up")
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: children may outlive a killed parent, as with any plain subprocess
-
 
 @dataclass
 class ChildSpec:
@@ -79,7 +68,7 @@ class Child:
             stdin=subprocess.DEVNULL,
             env={**os.environ, **self.spec.env},
             start_new_session=True,  # Ctrl-C reaches only `up`, which stops children in order
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
             text=True,
             errors="replace",
             bufsize=1,

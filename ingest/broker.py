@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from clora.processes import terminate
+from clora.processes import die_with_parent, terminate
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +163,7 @@ class EmbeddedBroker:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C in a terminal reaches our handler, which stops the child in order
+                preexec_fn=die_with_parent,  # a SIGKILLed owner must not leave the broker holding the port
             )
         finally:
             if out is not subprocess.DEVNULL:

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from kafka import KafkaConsumer, KafkaProducer
 
@@ -84,3 +85,33 @@ def test_clora_broker_command_starts_fast_and_stops_on_sigterm(tmp_path):
             proc.wait()
     with socket.socket() as s:  # the port is free again: the broker child is gone
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_a_sigkilled_owner_takes_its_broker_with_it(tmp_path):
+    """`clora up` restarts a crashed `clora broker`; a Tansu orphan holding the port would make every
+    restart fail with "port in use"."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clora", "broker", "--port", str(port)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        line = ""
+        while proc.poll() is None and "broker ready" not in line:
+            line = proc.stdout.readline()
+        assert "broker ready" in line, line
+        (tansu,) = psutil.Process(proc.pid).children()
+        proc.kill()
+        proc.wait()
+        gone, alive = psutil.wait_procs([tansu], timeout=10)
+        assert not alive, f"the broker outlived its SIGKILLed owner and still holds port {port}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for child in alive if "alive" in locals() else ():
+            child.kill()
