@@ -219,7 +219,8 @@ def _plot(records, tenants, out_png: Path) -> None:
     ax.set_ylabel("user feedback score (rolling mean)")
     ax.set_title("clora demo: reward per tenant; dotted lines = a new adapter version went live")
     ax.set_ylim(0, 1)
-    ax.legend(loc="upper left")
+    if ax.get_legend_handles_labels()[0]:  # none when no request succeeded
+        ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
