@@ -9,19 +9,39 @@ seconds when the broker is away) and works the queue:
   fsynced) and the producer is closed, so it cannot deliver them behind our back;
 - broker unreachable, or the spool not empty: new messages are appended to the spool too (so they stay
   behind the older ones), and every `retry_seconds` the thread reconnects and sends the spool's
-  segments oldest first, deleting each segment only after all its messages were acknowledged.
+  segments oldest first, deleting each segment only after all its messages were acknowledged. Between
+  segments it moves what was queued meanwhile to the spool, behind the backlog.
 
 Delivery is therefore at-least-once: a message whose acknowledgement was lost is sent again. It is
 exactly-once in storage because every event carries its idempotency key: ingest stores an event once
 per (tenant, id) however often it arrives (design.md, "Contracts"). Interaction ids are the response
 ids, unique per request.
 
+Messages Kafka refuses for good. A resend cannot fix a message larger than the producer's
+`max_request_size` (kafka-python refuses it in `send`) or than the broker's limit (the broker refuses it
+later, in the send's answer), nor one the broker finds invalid. Such a message would block the spool
+forever if it stayed there, so it is dead-lettered instead: logged at error level with its tenant and id,
+counted (`clora_serving_events_total{outcome="dead"}`), and written whole, with its reason, to the
+spool directory's `dead/` file (serving/spool.py); the messages around it go on. Only errors about the
+message itself count: kafka-python marks other errors not `retriable` too (authorization, an unsupported
+version, an unknown server error, a closed producer), but those hold for every message and pass once the
+cluster is fixed, so those messages stay in the spool and are resent. A message of a spool segment is
+dead-lettered only when the rest of its segment got through, just before the segment is deleted; until
+then it stays in the segment. The reason "too_large" is the word ingest uses for messages over
+`ingest.max_message_bytes` (1 MB by default): an event that big would be dead-lettered by ingest anyway.
+
+Memory is bounded: past `queue_bytes` of queued events (a broker that takes seconds per answer, a long
+backlog), `log` spills the queue, the batch in flight and the new event to the spool itself, in that
+order, and the queue starts empty again. That costs the request one spool append (one fsync), once per
+`queue_bytes` of events. The batch in flight may then reach Kafka as well as the spool: a duplicate,
+harmless like any other.
+
 What can be lost: events still in the in-memory queue when the process is killed without a chance to
-stop (SIGKILL, power loss) — a few milliseconds' worth. A normal stop (`close(timeout)`) drains the queue to
-Kafka or to the spool first, within its timeout: from the stop on, every wait for acknowledgements ends by
-a deadline a little before the timeout, the spool's backlog is left for the next start, and whatever is
-still queued at the deadline goes to the spool (a local append), so a slow or hanging broker cannot keep
-a queued event in memory past the stop.
+stop (SIGKILL, power loss) — a few milliseconds' worth, at most `queue_bytes`. A normal stop
+(`close(timeout)`) drains the queue to Kafka or to the spool first, within its timeout: from the stop on,
+every wait for acknowledgements ends by a deadline a little before the timeout, the spool's backlog is
+left for the next start, and whatever is still queued at the deadline goes to the spool (a local append),
+so a slow or hanging broker cannot keep a queued event in memory past the stop.
 
 What this module does not do: build the events (api.py does, with ingest/events.py's types and `encode`)
 or decide their content.
@@ -29,28 +49,37 @@ or decide their content.
 
 from __future__ import annotations
 
+import json
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ingest.events import Event, FeedbackEvent, InteractionEvent, encode
 from serving.metrics import ServingMetrics
-from serving.spool import Message, Spool, SpoolError
+from serving.spool import Message, Refused, Spool, SpoolError
 
 logger = logging.getLogger(__name__)
 
 BATCH_MAX = 512
-_STOP = object()
+QUEUE_BYTES = 32 << 20  # events (their JSON text) waiting in memory; past this, log() spills them to the spool
 STOP_MARGIN = 2.0  # seconds of a stop's timeout kept for spooling what is left at the deadline
 ACK_SLICE = 0.5  # acknowledgements are awaited in slices this long, so a stop's deadline cuts a wait short
+# kafka-python's default, written out: it matches Apache Kafka's default broker limit (message.max.bytes,
+# 1 MiB) and is above ingest's default max_message_bytes (1 MB), so every event ingest would store fits.
+MAX_REQUEST_BYTES = 1 << 20
 
 
-def kafka_producer(bootstrap: str) -> Any:
-    """A kafka-python producer that fails fast: nothing here may wait a minute for a missing broker."""
+def kafka_producer(bootstrap: str, *, max_request_size: int = MAX_REQUEST_BYTES) -> Any:
+    """A kafka-python producer that fails fast: nothing here may wait a minute for a missing broker.
+
+    Raise `max_request_size` (with `functools.partial`) only together with the broker's limit and
+    ingest's `max_message_bytes`; a message over it is dead-lettered here, not sent.
+    """
     from kafka import KafkaProducer
 
     return KafkaProducer(
@@ -62,7 +91,29 @@ def kafka_producer(bootstrap: str) -> Any:
         delivery_timeout_ms=8000,
         bootstrap_timeout_ms=2000,
         reconnect_backoff_max_ms=1000,
+        max_request_size=max_request_size,
     )
+
+
+def refusal_reason(error: BaseException | None) -> str | None:
+    """The dead-letter reason for an error about the message itself, which no resend fixes; None for any
+    other error (a resend, perhaps after the cluster is fixed, may get the message through)."""
+    from kafka.errors import InvalidRecordError, MessageSizeTooLargeError, RecordListTooLargeError
+
+    if isinstance(error, (MessageSizeTooLargeError, RecordListTooLargeError)):
+        return "too_large"
+    if isinstance(error, InvalidRecordError):
+        return "invalid_record"
+    return None
+
+
+@dataclass
+class Delivery:
+    """What became of the messages of one `_send`, each list in the order they were given."""
+
+    acked: list[Message] = field(default_factory=list)
+    failed: list[Message] = field(default_factory=list)  # not acknowledged: a resend may get them through
+    refused: list[Refused] = field(default_factory=list)  # refused for good: dead letters
 
 
 class EventLog:
@@ -77,6 +128,7 @@ class EventLog:
         producer_factory: Callable[[str], Any] = kafka_producer,
         retry_seconds: float = 2.0,
         ack_timeout: float = 10.0,
+        queue_bytes: int = QUEUE_BYTES,
     ) -> None:
         self.bootstrap = bootstrap
         self.topics = {InteractionEvent: interactions_topic, FeedbackEvent: feedback_topic}
@@ -85,7 +137,16 @@ class EventLog:
         self.producer_factory = producer_factory
         self.retry_seconds = retry_seconds
         self.ack_timeout = ack_timeout
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.queue_bytes = queue_bytes
+        # Shared with the request side, under the lock: the queue, its size, the batch the thread holds.
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._queue: deque[Message] = deque()
+        self._queued_bytes = 0
+        self._in_flight: list[Message] = []  # taken from the queue, not yet in Kafka or the spool
+        self._spilled = 0  # messages log() put in the spool that the thread has not counted yet
+        self._stopping = False
+        # The thread's own.
         self._producer: Any = None
         self._next_connect = 0.0
         self._deadline: float | None = None  # set by close(): sends end by then, the rest is spooled
@@ -93,9 +154,35 @@ class EventLog:
         self.metrics.spool_events.set(self._spooled)
         self._thread = threading.Thread(target=self._run, name="clora-event-log", daemon=True)
 
-    # --- the request side: never blocks -------------------------------------------------------------------
+    # --- the request side: never waits for Kafka ----------------------------------------------------------
     def log(self, event: Event) -> None:
-        self._queue.put(Message(self.topics[type(event)], event.tenant, encode(event).decode("utf-8")))
+        message = Message(self.topics[type(event)], event.tenant, encode(event).decode("utf-8"))
+        with self._lock:
+            if self._queued_bytes + len(message.value) <= self.queue_bytes:
+                self._queue.append(message)
+                self._queued_bytes += len(message.value)
+                self._ready.notify()
+                return
+            self._spill(message)
+
+    def _spill(self, message: Message) -> None:
+        """Under the lock: the queue is full, so the batch in flight, the queue and `message` go to the
+        spool, in that order (the in-flight batch too, because it is older than the queue: should its send
+        fail, the thread's own spooling of it would come behind the queue)."""
+        queued = [*self._queue, message]
+        self._queue.clear()
+        self._queued_bytes = 0
+        logger.warning("more than %d bytes of events queued (Kafka is slow); spooling %d of them", self.queue_bytes,
+                       len(queued))
+        try:
+            self.spool.append([*self._in_flight, *queued])
+        except SpoolError:
+            logger.exception("could not spool %d queued events; they are lost", len(queued))
+            self._count(queued, "dropped")
+            return
+        self._spilled += len(self._in_flight) + len(queued)
+        self._in_flight = []  # in the spool now, ahead of the rest: the next spill need not write it again
+        self._count(queued, "spooled")
 
     def start(self) -> EventLog:
         self._thread.start()
@@ -106,7 +193,9 @@ class EventLog:
         if not self._thread.is_alive():
             return
         self._deadline = time.monotonic() + max(0.0, timeout - STOP_MARGIN)
-        self._queue.put(_STOP)
+        with self._lock:
+            self._stopping = True
+            self._ready.notify()
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.error("the event log did not stop within %.0fs; unsent events stay in memory", timeout)
@@ -114,7 +203,7 @@ class EventLog:
     @property
     def spooled(self) -> int:
         """Messages waiting in the spool."""
-        return self._spooled
+        return self._spooled + self._spilled
 
     @property
     def connected(self) -> bool:
@@ -135,35 +224,45 @@ class EventLog:
         self._shutdown()
 
     def _take(self, block_seconds: float) -> tuple[list[Message], bool]:
-        batch: list[Message] = []
-        try:
-            item = self._queue.get(timeout=block_seconds)
-        except queue.Empty:
-            return batch, False
-        while True:
-            if item is _STOP:
-                return batch, True
-            batch.append(item)
-            if len(batch) >= BATCH_MAX:
-                return batch, False
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return batch, False
+        """Up to BATCH_MAX queued messages, now the batch in flight; and whether the thread should stop
+        (a stop was asked for and the queue is empty)."""
+        with self._ready:
+            if not self._queue and not self._stopping and block_seconds > 0:
+                self._ready.wait(block_seconds)
+            batch = [self._queue.popleft() for _ in range(min(BATCH_MAX, len(self._queue)))]
+            self._queued_bytes -= sum(len(m.value) for m in batch)
+            self._in_flight = batch
+            self._spooled += self._spilled  # what log() spilled is behind the spool's older segments
+            self._spilled = 0
+            stopping = self._stopping and not self._queue
+        self.metrics.spool_events.set(self._spooled)
+        return batch, stopping
+
+    def _landed(self) -> None:
+        """The batch in flight is in Kafka, in the spool or dead-lettered: log() no longer spills it."""
+        with self._lock:
+            self._in_flight = []
 
     def _handle(self, batch: list[Message]) -> None:
-        if self._spooled or self._past_deadline() or not self._connect():
-            self._to_spool(batch)
-            return
-        failed = self._send(batch)
-        unsent = {id(m) for m in failed}
-        self._count([m for m in batch if id(m) not in unsent], "sent")
-        if failed:
-            self._to_spool(failed)
+        """The batch in flight goes to Kafka (or the spool, or the dead letters); then it has landed."""
+        try:
+            if self._spooled or self._past_deadline() or not self._connect():
+                self._to_spool(batch)
+                return
+            delivery = self._send(batch)
+            self._count(delivery.acked, "sent")
+            if delivery.refused and not self._dead_letter(delivery.refused):
+                self._to_spool([r.message for r in delivery.refused])  # sent again, and refused again, later
+            if delivery.failed:
+                self._to_spool(delivery.failed)
+        finally:
+            self._landed()
 
     def _shutdown(self) -> None:
-        leftovers, _ = self._take(block_seconds=0)
-        if leftovers:
+        while True:
+            leftovers, _ = self._take(block_seconds=0)
+            if not leftovers:
+                break
             self._handle(leftovers)
         self._disconnect(flush=True)
         self.spool.close()  # a backlog in the spool is sent by the next start (of this or another process)
@@ -219,22 +318,42 @@ class EventLog:
         except Exception:  # closing a producer whose broker is gone may raise; it is gone either way
             logger.debug("closing the Kafka producer raised", exc_info=True)
 
-    def _send(self, messages: Sequence[Message]) -> list[Message]:
-        """Sends and waits for the acknowledgements; returns the messages not acknowledged."""
+    def _send(self, messages: Sequence[Message]) -> Delivery:
+        """Sends and waits for the acknowledgements; says which messages were acknowledged, which may be
+        sent again and which Kafka refused for good."""
         producer = self._producer
-        futures = []
+        futures: dict[int, Any] = {}
+        errors: dict[int, BaseException] = {}  # refused in send() itself
         try:
             for m in messages:
-                futures.append((m, producer.send(m.topic, key=m.key.encode(), value=m.value.encode())))
-            self._await_acks(producer)
+                try:
+                    futures[id(m)] = producer.send(m.topic, key=m.key.encode(), value=m.value.encode())
+                except Exception as e:  # over max_request_size: refused here, before any I/O
+                    if refusal_reason(e) is None:
+                        raise
+                    errors[id(m)] = e
+            if futures:
+                self._await_acks(producer)
         except Exception as e:  # KafkaTimeoutError, KafkaError; the futures below say what got through
             logger.warning("sending %d events to Kafka failed: %s", len(messages), e)
-        acked = {id(m) for m, future in futures if future.is_done and future.succeeded()}
-        failed = [m for m in messages if id(m) not in acked]
-        if failed:
-            logger.warning("%d of %d events not acknowledged by Kafka; spooling them", len(failed), len(messages))
+        delivery = Delivery()
+        for m in messages:
+            future, error = futures.get(id(m)), errors.get(id(m))
+            if future is not None and future.is_done:
+                if future.succeeded():
+                    delivery.acked.append(m)
+                    continue
+                error = future.exception  # refused by the broker: too large for its limit, invalid
+            reason = refusal_reason(error)
+            if reason is None:
+                delivery.failed.append(m)
+            else:
+                detail = str(error) if type(error).__name__ in str(error) else f"{type(error).__name__}: {error}"
+                delivery.refused.append(Refused(m, reason, detail[:1000]))
+        if delivery.failed:
+            logger.warning("%d of %d events not acknowledged by Kafka", len(delivery.failed), len(messages))
             self._disconnect()  # stop its retries: the spool owns these messages now
-        return failed
+        return delivery
 
     # --- the spool ------------------------------------------------------------------------------------------
     def _to_spool(self, messages: list[Message]) -> None:
@@ -253,19 +372,60 @@ class EventLog:
         for segment in self.spool.segments():
             if self._deadline is not None:  # stopping: the backlog waits for the next start
                 break
+            self._queue_to_spool()
             with self.spool.claim(segment) as claim:
                 if claim is None:
                     continue
-                failed = self._send(claim.messages) if claim.messages else []
-                if failed:
+                delivery = self._send(claim.messages) if claim.messages else Delivery()
+                if delivery.failed:
                     return  # the segment stays; it is sent again, in full, next time
+                if delivery.refused and not self._dead_letter(delivery.refused):
+                    return  # nowhere to keep the refused ones: the segment stays
                 claim.done()
-                self._count(claim.messages, "resent")
-                logger.info("sent %d spooled events from %s", len(claim.messages), segment.name)
+                self._count(delivery.acked, "resent")
+                logger.info("sent %d spooled events from %s", len(delivery.acked), segment.name)
+        self._queue_to_spool()
+        with self._lock:
+            self._spilled = 0  # counted by pending() below (one log() spills meanwhile may be counted twice)
         self._spooled = self.spool.pending()
         self.metrics.spool_events.set(self._spooled)
+
+    def _queue_to_spool(self) -> None:
+        """While the backlog is sent: what requests logged meanwhile goes to the spool, behind the backlog,
+        so the queue stays short."""
+        while True:
+            batch, _ = self._take(block_seconds=0)
+            if not batch:
+                return
+            try:
+                self._to_spool(batch)
+            finally:
+                self._landed()
+
+    def _dead_letter(self, refused: list[Refused]) -> bool:
+        """Records messages Kafka refused for good in the spool's dead-letter file; False if it could not."""
+        try:
+            path = self.spool.dead_letter(refused)
+        except SpoolError:
+            logger.exception("could not dead-letter %d events Kafka refused (%s); they stay in the spool",
+                             len(refused), refused[0].detail)
+            return False
+        for r in refused:
+            logger.error("event %s of tenant %s dead-lettered to %s: Kafka refused it for good (%s, %d bytes): %s",
+                         _event_id(r.message), r.message.key, path, r.reason, len(r.message.value.encode()),
+                         r.detail)
+        self._count([r.message for r in refused], "dead")
+        return True
 
     def _count(self, messages: Sequence[Message], outcome: str) -> None:
         for m in messages:
             kind = "feedback" if m.topic == self.topics[FeedbackEvent] else "interaction"
             self.metrics.events.labels(kind, outcome).inc()
+
+
+def _event_id(message: Message) -> str:
+    """The event's id, for a log line (the message holds the event's JSON text)."""
+    try:
+        return str(json.loads(message.value)["id"])
+    except (ValueError, KeyError, TypeError):
+        return "(unreadable id)"

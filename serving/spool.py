@@ -26,7 +26,21 @@ batch's) and the next batch goes to a new one.
 
 Names sort by creation time, so segments are sent in the order they were written.
 
-What this module does not do: talk to Kafka (events_log.py does) or decide when to spool.
+One `Spool` may be written from two threads (the event log's thread, and a request handler whose event
+finds the in-memory queue full): appends and seals take a lock.
+
+Dead letters: a message Kafka refuses for good (larger than the producer's or the broker's limit) would
+wedge the spool if it stayed in a segment, so the event log moves it, with its reason, to
+
+    dead/<YYYY-MM-DD>.jsonl      one JSON object per line (UTC day of the refusal), appended and fsynced:
+                                 {"version": 1, "at": ISO-8601, "reason": "too_large", "detail": ...,
+                                  "topic": ..., "key": ..., "value": <the whole message text>}
+
+The directory has no suffix that `segments()` picks up, so no sender (of this version or an older one)
+ever claims it. Dead letters stay until an operator removes them; nothing here reads them again. Writers
+of several processes append under an exclusive flock, so their lines never interleave.
+
+What this module does not do: talk to Kafka (events_log.py does) or decide when to spool or what is dead.
 """
 
 from __future__ import annotations
@@ -35,16 +49,20 @@ import fcntl
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 SEGMENT_BYTES = 8 << 20
+DEAD_DIR = "dead"
+DEAD_LETTER_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -64,6 +82,22 @@ class Message:
         return cls(topic=data["topic"], key=data["key"], value=data["value"])
 
 
+@dataclass(frozen=True)
+class Refused:
+    """A message Kafka will never take, with why: `reason` is short and stable ("too_large", the word
+    ingest uses for the same cause), `detail` the error as Kafka's client put it."""
+
+    message: Message
+    reason: str
+    detail: str
+
+    def to_line(self, at: datetime) -> bytes:
+        m = self.message
+        data = {"version": DEAD_LETTER_VERSION, "at": at.isoformat(), "reason": self.reason, "detail": self.detail,
+                "topic": m.topic, "key": m.key, "value": m.value}
+        return json.dumps(data, ensure_ascii=False).encode() + b"\n"
+
+
 class SpoolError(OSError):
     """The spool directory cannot be written."""
 
@@ -75,6 +109,7 @@ class Spool:
         self._file = None  # the open segment: an unbuffered binary file object holding its flock
         self._path: Path | None = None
         self._size = 0  # bytes of whole batches in the open segment
+        self._lock = threading.Lock()  # the open segment's state, shared by the threads that append
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -85,6 +120,10 @@ class Spool:
         """Appends the messages durably (written, flushed and fsynced before this returns)."""
         if not messages:
             return
+        with self._lock:
+            self._append(messages)
+
+    def _append(self, messages: Sequence[Message]) -> None:
         if self._file is None:
             self._open_segment()
         data = b"".join(m.to_line() for m in messages)
@@ -99,7 +138,7 @@ class Spool:
             raise SpoolError(f"cannot append {len(messages)} messages to {path}: {e}") from e
         self._size = start + len(data)
         if self._size >= self.segment_bytes:
-            self.seal()
+            self._seal()
 
     def _cut(self, size: int) -> None:
         """After a failed append: truncates the open segment back to `size` bytes, so no part of the failed
@@ -110,12 +149,16 @@ class Spool:
         except OSError as e:
             logger.warning("spool segment %s: cannot cut off a failed append (%s); sealing it", self._path, e)
             try:
-                self.seal()
+                self._seal()
             except OSError:  # the file is closed and forgotten all the same; a sender claims it as an orphan
                 pass
 
     def seal(self) -> None:
         """Closes the open segment (if any) so it can be claimed and sent."""
+        with self._lock:
+            self._seal()
+
+    def _seal(self) -> None:
         if self._file is None:
             return
         file, path, size = self._file, self._path, self._size
@@ -146,7 +189,8 @@ class Spool:
     # --- reading ------------------------------------------------------------------------------------------
     def segments(self) -> list[Path]:
         """Segments that may be claimed (sealed ones, and open ones of other writers), oldest first."""
-        own = self._path
+        with self._lock:
+            own = self._path
         found = [p for p in self.directory.iterdir() if p.suffix in (".jsonl", ".open") and p != own]
         return sorted(found, key=lambda p: p.name)
 
@@ -155,11 +199,13 @@ class Spool:
 
         Segments another live writer still appends to are that writer's business and not counted.
         """
+        with self._lock:
+            own = self._path
         count = 0
-        for p in [*self.segments(), *([self._path] if self._path else [])]:
+        for p in [*self.segments(), *([own] if own else [])]:
             try:
                 with open(p, "rb") as f:
-                    if p.suffix == ".open" and p != self._path and not _unlocked(f):
+                    if p.suffix == ".open" and p != own and not _unlocked(f):
                         continue
                     count += sum(1 for line in f if line.endswith(b"\n"))
             except FileNotFoundError:  # claimed and deleted meanwhile
@@ -189,6 +235,40 @@ class Spool:
 
     def close(self) -> None:
         self.seal()
+
+    # --- dead letters -------------------------------------------------------------------------------------
+    def dead_letter(self, refused: Sequence[Refused]) -> Path:
+        """Appends the refused messages to today's dead-letter file durably; returns its path.
+
+        A failed append is cut off again (under the lock), so the next one starts on a line of its own.
+        """
+        at = datetime.now(timezone.utc)
+        directory = self.directory / DEAD_DIR
+        path = directory / f"{at:%Y-%m-%d}.jsonl"
+        data = b"".join(r.to_line(at) for r in refused)
+        try:
+            directory.mkdir(exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise SpoolError(f"cannot open the dead-letter file {path}: {e}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # other processes' writers: a few milliseconds at most
+            start = os.fstat(fd).st_size
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+                _fsync_dir(directory)
+            except OSError as e:
+                try:
+                    os.ftruncate(fd, start)
+                except OSError:  # the torn line stays; readers of the file skip what does not parse
+                    pass
+                raise SpoolError(f"cannot append {len(refused)} dead letters to {path}: {e}") from e
+        finally:
+            os.close(fd)
+        return path
 
 
 @dataclass

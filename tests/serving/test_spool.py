@@ -159,3 +159,42 @@ def test_when_the_cut_fails_the_segment_is_sealed_and_the_next_batch_starts_a_ne
     assert len(spool.segments()) == 1  # sealed, with the torn line at its end
     spool.append(msgs(1, start=20))
     assert _values(spool) == ['{"id":"i0"}', '{"id":"i1"}', '{"id":"i20"}']  # the torn line is skipped
+
+
+def test_appends_from_two_threads_keep_every_line_whole(tmp_path):
+    import threading
+
+    spool = Spool(tmp_path, segment_bytes=2000)  # rotating often, while the other thread appends
+
+    def writer(start):
+        for i in range(start, start + 200, 4):
+            spool.append(msgs(4, start=i))
+
+    threads = [threading.Thread(target=writer, args=(s,)) for s in (0, 1000)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    spool.seal()
+    values = [m.value for c in claimed(spool) for m in c.messages]
+    assert sorted(values) == sorted(f'{{"id":"i{i}"}}' for s in (0, 1000) for i in range(s, s + 200))
+    mine = [v for v in values if int(v[8:-2]) < 1000]
+    assert mine == sorted(mine, key=lambda v: int(v[8:-2]))  # each writer's order is kept
+
+
+def test_dead_letters_are_kept_whole_with_their_reason_and_never_claimed(tmp_path):
+    import json
+
+    from serving.spool import Refused
+
+    spool = Spool(tmp_path)
+    big = Message("clora.interactions", "acme", '{"id":"big","completion":"' + "x" * 100_000 + '"}')
+    path = spool.dead_letter([Refused(big, "too_large", "MessageSizeTooLargeError: over 1048576 bytes")])
+    spool.dead_letter([Refused(msgs(1)[0], "invalid_record", "InvalidRecordError")])
+    assert path.parent == tmp_path / "dead"
+    lines = [json.loads(line) for line in path.read_bytes().splitlines()]
+    assert [(d["version"], d["reason"], d["key"], d["topic"]) for d in lines] == [
+        (1, "too_large", "acme", "clora.interactions"), (1, "invalid_record", "acme", "clora.interactions"),
+    ]
+    assert lines[0]["value"] == big.value and "1048576" in lines[0]["detail"]
+    assert spool.segments() == [] and spool.pending() == 0
