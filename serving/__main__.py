@@ -63,7 +63,7 @@ async def serve(cfg, host: str, port: int) -> int:
     from serving.api import Api, create_app
     from serving.auth import Authenticator
     from serving.engine import build_engine
-    from serving.events_log import EventLog
+    from serving.events_log import MAX_REQUEST_BYTES, EventLog, kafka_producer
     from serving.metrics import ServingMetrics
     from storage.layout import DataDir
     from storage.registry import Registry
@@ -106,6 +106,9 @@ async def serve(cfg, host: str, port: int) -> int:
             feedback_topic=cfg.kafka.feedback_topic,
             spool_dir=DataDir(cfg.data_dir).state / "serving-spool",
             metrics=metrics,
+            # Every event ingest would store fits (its limit plus room for the key and the batch framing).
+            producer_factory=functools.partial(
+                kafka_producer, max_request_size=max(MAX_REQUEST_BYTES, cfg.ingest.max_message_bytes + 65536)),
         ).start()
         api = Api(
             engine=engine,

@@ -11,7 +11,7 @@ several without clashing in the global one). Names start with `clora_serving_`:
     adapter_swap_seconds{tenant}                validate + load of a new version
     adapter_publish_to_live_seconds{tenant}     registry publish time -> version current here
     adapters_refused_total{tenant}              versions refused (corrupt or unfit adapters)
-    events_total{kind,outcome}                  interaction/feedback events: sent, spooled, resent, dropped
+    events_total{kind,outcome}                  interaction/feedback events: sent, spooled, resent, dropped, dead
     spool_events                                events waiting in the on-disk spool
 
 What this module does not do: decide when to count (the callers do) or serve HTTP (api.py does).
