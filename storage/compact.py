@@ -21,8 +21,17 @@ converted to the current schema on the way, so compaction also upgrades old file
 Plain glob readers (DuckDB/Spark/pandas pointed at the tree, not `clora query`) do count the superseded
 inputs twice until they are deleted; run `clora compact --grace 0` before handing the tree to such a tool.
 
-The superseded-name lists are kept for ever (a replayed write must still be recognised): a few tens of
-bytes per file ever written to the partition, read once per process per compacted file (cached).
+The superseded-name lists are kept for ever: together, a partition's compacted files name every file ever
+written there (~60 bytes each in the footers). A name could be dropped only once no writer can write it
+again, and nothing here can tell when that is. Ingest writes a name again when it replays the same offset
+ranges without knowing their rows (its key indexes drop rows it knows, and fewer rows make another name):
+the new owner of a partition whose previous owner's last write landed after the new owner loaded its view.
+Committed offsets usually close that window within seconds, but nothing bounds it (the new owner may stall
+for any time between loading and writing), and storage sees neither the consumer group's offsets, nor the
+broker's retention, nor other callers of write_dataset. So the names are carried, and kept cheap instead:
+each process reads a compacted file's footer once and holds its names as 128-bit hashes, 20 bytes a name
+(parquet._SupersededIndex; 1.7 MB a day per dataset and tenant at a file a second), and a write's check
+or a listing costs the files on disk and the footers new since the last one, not the partition's history.
 
 One compactor per partition at a time (a non-blocking flock; a busy partition is skipped). `compact` also
 folds each tenant's learner cursor into a snapshot (cursors.Cursors.compact). Not done here: deleting old
@@ -167,7 +176,7 @@ def _merge(dd, dataset: str, directory: Path, batch: list) -> tuple[str, int]:
         tables.append(conform(read_file(dd, info.path), schema, strict=False))
     merged = pa.concat_tables(tables)
     merged = merged.replace_schema_metadata({**schema.metadata, SUPERSEDES_KEY: json.dumps(sorted(names)).encode()})
-    now_ns = time.time_ns()  # names sort by creation time (parquet._superseded_by relies on it)
+    now_ns = time.time_ns()  # names sort by creation time (parquet._SupersededIndex relies on it)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now_ns // 10**9)) + f".{now_ns % 10**9:09d}"
     name = f"{COMPACTED_PREFIX}{stamp}-{uuid.uuid4().hex[:8]}.parquet"
     write_new_file(
@@ -184,14 +193,9 @@ def _remove_superseded(dd, dataset: str, tenant: str, grace_s: float) -> tuple[i
     "Superseded since" is the time the *first* compacted file naming it appeared (later merges name it
     again, and must not push its deletion back for ever)."""
     on_disk, superseded = partition_listing(dd, dataset, tenant)
-    since: dict[str, int] = {}
-    for info in on_disk:
-        if info.base_name.startswith(COMPACTED_PREFIX):
-            for name in supersedes(dd, info):
-                since[name] = min(since.get(name, info.mtime_ns), info.mtime_ns)
     now_ns = time.time_ns()
     doomed = [i for i in on_disk if i.base_name in superseded]
-    due = [i for i in doomed if (now_ns - since.get(i.base_name, now_ns)) / 1e9 >= grace_s]
+    due = [i for i in doomed if (now_ns - superseded[i.base_name].since_ns) / 1e9 >= grace_s]
     for info in due:
         Path(info.path).unlink(missing_ok=True)
     if due:

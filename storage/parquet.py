@@ -11,7 +11,9 @@ names it supersedes. Which files a reader must read is therefore decided here, i
     grace period, and a crash may leave them behind);
   - write idempotency across compaction: a replayed file id that a compacted file supersedes would be
     ignored by readers even if written again, and write_dataset does not write it.
-A reader whose file vanishes between listing and opening (compaction deleted it) lists again.
+A reader whose file vanishes between listing and opening (compaction deleted it) lists again. Each process
+keeps what a partition's compacted files supersede as hashes, reading each footer once (_SupersededIndex),
+so a write's check and a listing cost the files on disk, not every name the partition ever had.
 
 Plain Parquet readers that glob the tree (DuckDB, Spark, pandas) count superseded inputs twice until
 compaction deletes them; `clora query` and every clora reader use `live_files` and never do.
@@ -22,13 +24,16 @@ This module knows nothing of what the rows mean; schemas live in schema.py.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
@@ -137,10 +142,10 @@ def _write_partition_file(dd: DataDir, dataset: str, tenant: str, file_id: str, 
     if final.exists():
         fsync_dir(directory)  # a replay after a crash between its link and the directory's fsync
         return final
-    absorbed_by = _superseded_by(dd, directory).get(name)
-    if absorbed_by is not None:
-        logger.debug("%s was already compacted into %s; not rewriting it", final, absorbed_by)
-        return directory / absorbed_by
+    absorbed = retry_vanished(lambda: _superseded(dd, directory, name), f"checking {final}")
+    if absorbed is not None:
+        logger.debug("%s was already compacted into %s; not rewriting it", final, absorbed.by)
+        return directory / absorbed.by
     write_new_file(final, lambda tmp: pq.write_table(rows, tmp, **parquet_options(rows.schema, FRESH_COMPRESSION)))
     return final
 
@@ -149,40 +154,183 @@ def _write_partition_file(dd: DataDir, dataset: str, tenant: str, file_id: str, 
 # Which files to read
 
 
-class _FooterCache:
-    """name lists of compacted files' footers; a compacted file never changes, so (path, size) keys it."""
+@dataclass(frozen=True)
+class Superseded:
+    """A file on disk that a compacted file in its partition supersedes."""
 
-    def __init__(self, limit: int = 4096):
-        self._data: dict[tuple[str, int], tuple[str, ...]] = {}
-        self._lock = threading.Lock()
-        self._limit = limit
-
-    def get(self, fs: pafs.FileSystem, info: pafs.FileInfo) -> tuple[str, ...]:
-        key = (info.path, info.size)
-        with self._lock:
-            hit = self._data.get(key)
-        if hit is not None:
-            return hit
-        names = read_supersedes(fs, info.path)
-        with self._lock:
-            if len(self._data) >= self._limit:
-                self._data.clear()
-            self._data[key] = names
-        return names
-
-
-_footers = _FooterCache()
+    by: str  # the newest compacted file naming it: the live file that holds its rows now
+    since_ns: int  # mtime of the first compacted file seen naming it (compact.py's grace period counts from it)
 
 
 def supersedes(dd: DataDir, info: pafs.FileInfo) -> tuple[str, ...]:
-    """The names a compacted file supersedes (from its footer; cached, the file never changes)."""
-    return _footers.get(dd.filesystem, info)
+    """The names a compacted file supersedes, read from its footer (not cached: see _SupersededIndex)."""
+    return read_supersedes(dd.filesystem, info.path)
 
 
 def read_supersedes(fs: pafs.FileSystem, path: str) -> tuple[str, ...]:
     with fs.open_input_file(path) as f:
         meta = pq.read_metadata(f).metadata or {}
     return tuple(json.loads(meta.get(SUPERSEDES_KEY, b"[]")))
+
+
+def _hash_names(names) -> tuple[np.ndarray, np.ndarray]:
+    """128 bits of blake2b per name, as two int64 arrays: a collision (~n**2 / 2**129) is not a concern."""
+    raw = b"".join(hashlib.blake2b(n.encode(), digest_size=16).digest() for n in names)
+    pairs = np.frombuffer(raw, dtype="<i8").reshape(-1, 2)
+    return pairs[:, 0].copy(), pairs[:, 1].copy()
+
+
+class _Hashes:
+    """(hash, owner) rows sorted by the hash's first half; rows sharing it (~never) are told apart by the second."""
+
+    def __init__(self) -> None:
+        self.h1 = np.empty(0, dtype=np.int64)
+        self.h2 = np.empty(0, dtype=np.int64)
+        self.owner = np.empty(0, dtype=np.int32)
+
+    def __len__(self) -> int:
+        return len(self.h1)
+
+    def find(self, q1: np.ndarray, q2: np.ndarray) -> np.ndarray:
+        """The row of each queried hash, -1 where absent."""
+        rows = np.full(len(q1), -1, dtype=np.int64)
+        if not len(self.h1) or not len(q1):
+            return rows
+        at = np.minimum(np.searchsorted(self.h1, q1), len(self.h1) - 1)
+        first_half = self.h1[at] == q1
+        both = first_half & (self.h2[at] == q2)
+        rows[both] = at[both]
+        for i in np.flatnonzero(first_half & ~both).tolist():  # the run of rows sharing the first half
+            j = int(at[i]) + 1
+            while j < len(self.h1) and self.h1[j] == q1[i]:
+                if self.h2[j] == q2[i]:
+                    rows[i] = j
+                    break
+                j += 1
+        return rows
+
+    def insert(self, h1: np.ndarray, h2: np.ndarray, owner: np.ndarray) -> None:
+        order = np.argsort(h1, kind="stable")
+        at = np.searchsorted(self.h1, h1[order])
+        self.h1 = np.insert(self.h1, at, h1[order])
+        self.h2 = np.insert(self.h2, at, h2[order])
+        self.owner = np.insert(self.owner, at, owner[order])
+
+
+class _SupersededIndex:
+    """What the compacted files of one partition supersede, kept up to date as they come and go.
+
+    A listing (or a write's check) costs the files on disk plus the footers of compacted files new since the
+    last one: each footer is read once per process. Its names are kept as 128-bit hashes with the number of
+    the newest compacted file naming each (20 bytes per name, where Python strings took ~110), in two sorted
+    arrays: new names go to a small one, merged into the large one once it reaches 1/16 of it, so adding a
+    footer costs its own names (amortised), not the partition's history. Newest, because a merge of a
+    compacted file carries what that file superseded: the newest file naming a name holds its rows now
+    (compacted names sort by creation time, and `update` rebuilds from the footers if one arrives out of that
+    order, or if a file that is the newest to name something disappears, which compaction never does).
+
+    `on_disk` keeps, for the files of the last listing, whether and since when they are superseded; a
+    listing updates it from the footers it adds and looks up only files it has not seen before.
+    """
+
+    MIN_MERGE = 65536
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._big, self._small = _Hashes(), _Hashes()
+        self._number: dict[str, tuple[int, int]] = {}  # compacted file on disk -> (size, its number)
+        self._files: list[tuple[str, int]] = []  # number -> (compacted file, mtime_ns); reused once free
+        self._owned: list[int] = []  # number -> how many names it is the newest to supersede
+        self._free: list[int] = []
+        self._newest = ""  # the newest compacted file added
+        self.on_disk: dict[str, Superseded | None] = {}
+
+    @property
+    def names(self) -> int:
+        return len(self._big) + len(self._small)
+
+    def update(self, dd: DataDir, infos: list[pafs.FileInfo]) -> None:
+        """Brings the index to the listing `infos` (every data file of the partition)."""
+        compacted = {i.base_name: i for i in infos if i.base_name.startswith(COMPACTED_PREFIX)}
+        new = sorted(n for n in compacted if n not in self._number or self._number[n][0] != compacted[n].size)
+        if new and new[0] <= self._newest:
+            self._reset()  # out of order (a clock set back, a file replaced): start again from the footers
+            new = sorted(compacted)
+        listed = {i.base_name for i in infos}
+        for name in new:
+            self._add(dd, compacted[name], listed)
+        gone = [n for n in self._number if n not in compacted]
+        if gone:
+            numbers = {self._number[n][1] for n in gone}
+            if any(self._owned[k] for k in numbers) or any(s and s.by in gone for s in self.on_disk.values()):
+                self._reset()
+                return self.update(dd, infos)
+            for n in gone:
+                del self._number[n]
+            self._free.extend(numbers)
+        self.on_disk = {n: self.on_disk[n] for n in listed if n in self.on_disk}
+        unseen = [n for n in listed if n not in self.on_disk]
+        for name, status in zip(unseen, self._lookup(unseen)):
+            self.on_disk[name] = status
+
+    def superseded(self, name: str) -> Superseded | None:
+        """Whether (and by which compacted file) `name` is superseded, as of the last `update`."""
+        if name in self.on_disk:
+            return self.on_disk[name]
+        return self._lookup([name])[0]
+
+    def _lookup(self, names: list[str]) -> list[Superseded | None]:
+        if not names or not self.names:
+            return [None] * len(names)
+        q1, q2 = _hash_names(names)
+        owners = np.full(len(names), -1, dtype=np.int64)
+        for part in (self._big, self._small):
+            rows = part.find(q1, q2)
+            owners[rows >= 0] = part.owner[rows[rows >= 0]]
+        out: list[Superseded | None] = []
+        for k in owners.tolist():
+            out.append(None if k < 0 else Superseded(*self._files[k]))
+        return out
+
+    def _add(self, dd: DataDir, info: pafs.FileInfo, listed: set[str]) -> None:
+        names = read_supersedes(dd.filesystem, info.path)  # first: a failed read leaves the index as it was
+        number = self._free.pop() if self._free else len(self._files)
+        if number == len(self._files):
+            self._files.append(("", 0))
+            self._owned.append(0)
+        self._files[number] = (info.base_name, info.mtime_ns)
+        self._number[info.base_name] = (info.size, number)
+        self._newest = info.base_name
+        h1, h2 = _hash_names(names)
+        fresh = np.ones(len(h1), dtype=bool)
+        for part in (self._big, self._small):
+            rows = part.find(h1, h2)
+            hit = rows[rows >= 0]
+            for k, count in zip(*np.unique(part.owner[hit], return_counts=True)):
+                self._owned[int(k)] -= int(count)
+            part.owner[hit] = number
+            fresh &= rows < 0
+        self._small.insert(h1[fresh], h2[fresh], np.full(int(fresh.sum()), number, dtype=np.int32))
+        self._owned[number] = len(names)
+        if len(self._small) >= max(self.MIN_MERGE, len(self._big) >> 4):
+            self._big.insert(self._small.h1, self._small.h2, self._small.owner)
+            self._small = _Hashes()
+        for name in listed.intersection(names):
+            before = self.on_disk.get(name)
+            since = info.mtime_ns if before is None else min(before.since_ns, info.mtime_ns)
+            self.on_disk[name] = Superseded(info.base_name, since)
+
+
+_indexes: dict[str, _SupersededIndex] = {}
+_indexes_lock = threading.Lock()
+
+
+def _index_of(directory: Path) -> _SupersededIndex:
+    with _indexes_lock:
+        return _indexes.setdefault(str(directory), _SupersededIndex())
 
 
 def _list_dir(dd: DataDir, directory: Path) -> list[pafs.FileInfo]:
@@ -204,26 +352,31 @@ def _list_partition(dd: DataDir, directory: Path) -> list[pafs.FileInfo]:
     ]
 
 
-def _superseded_by(dd: DataDir, directory: Path, infos: list[pafs.FileInfo] | None = None) -> dict[str, str]:
-    """name -> the newest compacted file (in this partition) that supersedes it.
-
-    Newest (names sort by creation time) because a later merge of a compacted file supersedes what that
-    file superseded: the newest superseder is the live file that now holds the rows.
-    """
-    infos = _list_partition(dd, directory) if infos is None else infos
-    out: dict[str, str] = {}
-    for info in sorted(infos, key=lambda i: i.base_name, reverse=True):
-        if info.base_name.startswith(COMPACTED_PREFIX):
-            for name in supersedes(dd, info):
-                out.setdefault(name, info.base_name)
-    return out
+def _superseded(dd: DataDir, directory: Path, name: str) -> Superseded | None:
+    """Whether a compacted file in `directory` supersedes `name` (which need not be on disk)."""
+    index = _index_of(directory)
+    with index.lock:
+        index.update(dd, _list_partition(dd, directory))
+        return index.superseded(name)
 
 
-def partition_listing(dd: DataDir, dataset: str, tenant: str) -> tuple[list[pafs.FileInfo], dict[str, str]]:
-    """(every data file on disk, superseded name -> the compacted file superseding it) of one partition."""
+def superseded_by(root, path: str | Path) -> str | None:
+    """The path of the compacted file that holds the rows of the data file `path` now, if one supersedes it
+    (`path` may be deleted already); None if none does."""
+    dd = as_datadir(root)
+    path = Path(path)
+    found = retry_vanished(lambda: _superseded(dd, path.parent, path.name), f"looking up {path}")
+    return None if found is None else str(path.parent / found.by)
+
+
+def partition_listing(dd: DataDir, dataset: str, tenant: str) -> tuple[list[pafs.FileInfo], dict[str, Superseded]]:
+    """(every data file on disk, those of them that a compacted file supersedes) of one partition."""
     directory = dd.partition(dataset, tenant)
-    infos = _list_partition(dd, directory)
-    return infos, _superseded_by(dd, directory, infos)
+    index = _index_of(directory)
+    with index.lock:
+        infos = _list_partition(dd, directory)
+        index.update(dd, infos)
+        return infos, {n: s for n, s in index.on_disk.items() if s is not None}
 
 
 def partition_files(dd: DataDir, dataset: str, tenant: str) -> list[pafs.FileInfo]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 
+from storage import parquet
 from storage.compact import compact, compact_partition
 from storage.parquet import live_files, read_dataset, read_ids, write_dataset
 from storage.query import query
@@ -205,3 +207,77 @@ def test_compaction_under_concurrent_writes_loses_and_duplicates_nothing(data_di
     assert read_dataset(data_dir, "trajectories").num_rows == n_files * per_file
     for tenant in ("acme", "globex"):
         assert len(_files_on_disk(data_dir, tenant)) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# what a write costs once the partition has a history
+
+
+class _CountedNames(tuple):
+    """A footer's names that count how often they are gone through."""
+
+    passes = 0
+
+    def __iter__(self):
+        type(self).passes += 1
+        return super().__iter__()
+
+
+def test_writes_and_listings_after_compaction_do_not_go_through_the_superseded_names(data_dir, make_trajectories, monkeypatch):
+    """Each write checks that no compacted file supersedes its name: a lookup, not a pass over every name the
+    partition's compacted files list (which grows with every file ever written there)."""
+    real = parquet.read_supersedes
+    reads: dict[str, int] = {}
+
+    def counted(fs, path):
+        reads[path] = reads.get(path, 0) + 1
+        return _CountedNames(real(fs, path))
+
+    monkeypatch.setattr(parquet, "read_supersedes", counted)
+    for round_ in range(3):  # each compacted file is merged into the next one
+        _write_files(data_dir, make_trajectories, 4, prefix=f"r{round_}f")
+        compact(data_dir, "trajectories", grace_s=0)
+    assert len(_files_on_disk(data_dir)) == 1
+    assert max(reads.values()) <= 2, "a footer is read once by the index (and once more when merged)"
+
+    _CountedNames.passes = 0
+    for f in range(30):
+        write_dataset(data_dir, "trajectories", make_trajectories([f"new{f}"], "acme"), file_id=f"new{f:04d}")
+        assert len(live_files(data_dir, "trajectories", "acme")) == f + 2
+    assert _CountedNames.passes == 0
+    assert read_dataset(data_dir, "trajectories").num_rows == 3 * 4 * 4 + 30
+    # A replay of a name the last compacted file carries over from the first is still recognised.
+    again = write_dataset(data_dir, "trajectories", make_trajectories(["r0f0001-0"], "acme"), file_id="r0f0001")
+    assert again[0].name.startswith("compacted-") and read_dataset(data_dir, "trajectories").num_rows == 3 * 4 * 4 + 30
+
+
+def test_superseded_names_are_told_apart_even_when_their_hashes_partly_collide(data_dir, make_trajectories, monkeypatch):
+    """Names whose first 64 hash bits collide (here: all of them) are still told apart by the other 64, and
+    the index's small array is merged into its large one along the way."""
+    real = parquet._hash_names
+    monkeypatch.setattr(parquet, "_hash_names", lambda names: (np.zeros(len(names), dtype=np.int64), real(names)[1]))
+    monkeypatch.setattr(parquet._SupersededIndex, "MIN_MERGE", 2)
+    ids = []
+    for round_ in range(3):
+        ids += _write_files(data_dir, make_trajectories, 3, prefix=f"r{round_}f")
+        compact(data_dir, "trajectories", grace_s=0)
+        assert len(_files_on_disk(data_dir)) == 1
+    # every old name is a no-op; a new one is written and read
+    for round_ in range(3):
+        for f in range(3):
+            write_dataset(data_dir, "trajectories", make_trajectories([f"r{round_}f{f:04d}-0"], "acme"), file_id=f"r{round_}f{f:04d}")
+    assert len(_files_on_disk(data_dir)) == 1
+    write_dataset(data_dir, "trajectories", make_trajectories(["fresh"], "acme"), file_id="r0f0003")
+    assert len(live_files(data_dir, "trajectories", "acme")) == 2
+    assert {i for _, i in read_ids(data_dir, "trajectories")} == set(ids) | {"fresh"}
+
+
+def test_superseded_by_names_the_compacted_file_holding_a_deleted_files_rows(data_dir, make_trajectories):
+    _write_files(data_dir, make_trajectories, 3)
+    gone = data_dir / "trajectories" / "tenant=acme" / "f0001.parquet"
+    compact(data_dir, "trajectories", grace_s=0)
+    assert not gone.exists()
+    (merged,) = live_files(data_dir, "trajectories", "acme")
+    assert parquet.superseded_by(data_dir, gone) == merged
+    assert parquet.superseded_by(data_dir, gone.with_name("never-written.parquet")) is None
+    assert parquet.superseded_by(data_dir, merged) is None
