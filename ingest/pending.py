@@ -6,7 +6,8 @@ Design: there is no second store. The Parquet datasets are the durable state of 
 Both are written (durably, before offsets are committed) like every other row, so a SIGKILL loses nothing
 that was acknowledged, and feedback can meet its interaction days later, across restarts. Nothing is kept
 under `state/ingest`; this module only rebuilds, at start and after every partition assignment, an
-in-memory view of those datasets:
+in-memory view of those datasets (and its interactions index when compaction has left the file list long;
+see below):
 
   interactions    KeyIndex (tenant, id) -> number of the file holding the row (to read it back on a join)
   trajectories    KeyIndex (tenant, id): already scored (the first score wins)
@@ -16,9 +17,21 @@ in-memory view of those datasets:
   pending         dict (tenant, id) -> the earliest unjoined FeedbackRow, ingested within the expiry
 
 Memory: 12 bytes per stored row for the indexes (index.py), plus one entry per piece of feedback that is
-waiting (feedback for interactions not seen yet: rare, and dropped from memory after the expiry), plus one
-path per interactions file (compaction keeps that small). Interaction rows themselves stay on disk and are
-read back only when feedback arrives for them.
+waiting (feedback for interactions not seen yet: rare, and dropped from memory after the expiry), plus the
+file list below. Interaction rows themselves stay on disk and are read back only when feedback arrives for
+them.
+
+The interactions file list: each write adds a file per tenant, and the index keeps a row's file number, so
+the list grows with every write while compaction keeps the files on disk few. A join whose file is gone
+follows it to the compacted file holding its rows now (parquet.superseded_by), which that number names from
+then on, and reads there the `id` column and the row groups it needs (not the tenant's whole dataset, which
+is left for a file deleted by something other than compaction). Once the list has grown by
+max(live files, stored interactions / 64, RELOAD_MIN_FILES) since the last look, with no write in flight,
+it is compared with the live files, and the interactions index is rebuilt from them if the list is over
+twice as long. So the list stays within three times the live files plus RELOAD_MIN_FILES entries and
+~2.5 bytes per stored interaction (an entry is a path, ~150 bytes); a rebuild reads every stored
+interaction id, but only after 1/64 as many were written since, so it costs at most ~64 id reads per
+interaction written.
 
 A batch being written: the consumer decides batch N+1 while batch N is still being written, so the view
 is told of N's rows when its write starts (`writing_interactions`, `stored_*`), and where its interactions
@@ -47,13 +60,16 @@ import pyarrow.compute as pc
 
 from ingest.index import KeyIndex
 from ingest.rows import FEEDBACK_KEY_COLUMNS, FeedbackRow, InteractionRow, interaction_rows
-from storage.layout import as_datadir
-from storage.parquet import live_files, read_dataset, read_file, retry_vanished
-from storage.schema import FEEDBACK, conform
+from storage.layout import StorageError, as_datadir
+from storage.parquet import READ_ATTEMPTS, live_files, read_dataset, read_file, read_rows, retry_vanished, superseded_by
+from storage.schema import FEEDBACK, INTERACTIONS, conform
 
 logger = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (tenant, id)
+
+RELOAD_MIN_FILES = 4096  # the file list grows by at least this much between two looks at the live files
+ROWS_PER_RELOAD_FILE = 64  # ... and by at least 1/64 of the stored interactions (a rebuild reads them all)
 
 
 class PendingStore:
@@ -70,6 +86,7 @@ class PendingStore:
         self.files: list[str] = []  # interactions file number -> path ("" while its write is in flight)
         self.unwritten: dict[Key, InteractionRow] = {}  # interactions of the batch being written
         self._reserved: dict[str, int] = {}  # tenant -> its file number in the batch being written
+        self._look_at = 0  # len(files) at which to compare the file list with the live files again
 
     # --- building -------------------------------------------------------------------------------------
 
@@ -94,13 +111,15 @@ class PendingStore:
         return store
 
     def _load_interactions(self) -> None:
-        self.files = live_files(self.root, "interactions")
+        files = live_files(self.root, "interactions")
         hashes, numbers = [], []
-        for number, path in enumerate(self.files):
+        for number, path in enumerate(files):
             t = read_file(self.root, path, columns=["tenant", "id"])
             hashes.append(KeyIndex.hash_keys([t.column("tenant").to_pylist(), t.column("id").to_pylist()]))
             numbers.append(np.full(t.num_rows, number, dtype=np.int32))
         self.interactions = KeyIndex.from_hashes(_concat(hashes, np.int64), _concat(numbers, np.int32))
+        self.files = files
+        self._look_at = self._next_look(len(files))
 
     def _load_index(self, dataset: str, columns: list[str]) -> KeyIndex:
         """One file at a time, so loading holds one file's Python objects, not the dataset's."""
@@ -140,8 +159,7 @@ class PendingStore:
 
     def fetch_interactions(self, keys: Iterable[Key]) -> dict[Key, InteractionRow]:
         """Reads back stored interaction rows, one read per file that holds some of them."""
-        by_file: dict[int, set[str]] = defaultdict(set)
-        tenants_of: dict[int, str] = {}
+        wanted: dict[int, set[str]] = defaultdict(set)  # file number -> ids
         found: dict[Key, InteractionRow] = {}
         for tenant, id_ in keys:
             row = self.unwritten.get((tenant, id_))
@@ -150,18 +168,48 @@ class PendingStore:
                 continue
             number = self.interactions.get((tenant, id_))
             if number is not None and self.files[number]:  # not a hash collision with a row in flight
-                by_file[number].add(id_)
-                tenants_of[number] = tenant
-        for number, ids in by_file.items():
-            try:
-                table = read_file(self.root, self.files[number])
-            except FileNotFoundError:  # compacted away since it was indexed: read the tenant's live files
-                logger.info("interactions file %s is gone (compacted); reading tenant %s", self.files[number], tenants_of[number])
-                table = read_dataset(self.root, "interactions", tenants_of[number])
-            table = table.filter(pc.is_in(table.column("id"), value_set=pa.array(sorted(ids), pa.string())))
+                wanted[number].add(id_)
+        for table in self._read_interactions(wanted):
             for row in interaction_rows(table):
                 found.setdefault((row.tenant, row.id), row)
         return found
+
+    def _read_interactions(self, wanted: dict[int, set[str]]) -> list[pa.Table]:
+        """The rows of the ids wanted from each file number, one read per file. A file compaction deleted is
+        followed to the compacted file holding its rows now, which its file number names from then on."""
+        tables = []
+        for _ in range(READ_ATTEMPTS):
+            numbers_in: dict[str, list[int]] = defaultdict(list)
+            for number in wanted:
+                numbers_in[self.files[number]].append(number)
+            moved: dict[int, set[str]] = {}
+            for path, numbers in numbers_in.items():
+                ids = set().union(*(wanted[n] for n in numbers))
+                try:
+                    tables.append(self._read_ids(path, ids))
+                    continue
+                except FileNotFoundError:
+                    holder = superseded_by(self.root, path)
+                if holder is None:  # deleted by something other than compaction
+                    tenant = Path(path).parent.name.removeprefix("tenant=")
+                    logger.warning("interactions file %s is gone; reading tenant %s's live files", path, tenant)
+                    table = read_dataset(self.root, "interactions", tenant)
+                    tables.append(table.filter(pc.is_in(table.column("id"), value_set=pa.array(sorted(ids), pa.string()))))
+                    continue
+                logger.debug("interactions file %s was compacted into %s", path, holder)
+                for n in numbers:
+                    self.files[n] = holder
+                    moved[n] = wanted[n]
+            if not moved:
+                return tables
+            wanted = moved
+        raise StorageError(f"interactions files kept being compacted away while reading: {sorted({self.files[n] for n in wanted})}")
+
+    def _read_ids(self, path: str, ids: set[str]) -> pa.Table:
+        """The rows of one file with `ids`: its id column, then only the row groups holding them."""
+        column = read_file(self.root, path, columns=["id"]).column("id")
+        positions = pc.indices_nonzero(pc.is_in(column, value_set=pa.array(sorted(ids), pa.string())))
+        return conform(read_rows(self.root, path, positions.to_pylist()), INTERACTIONS, strict=False)
 
     # --- after a write (started, or durable) ----------------------------------------------------------
 
@@ -184,6 +232,27 @@ class PendingStore:
         if self._reserved:
             raise RuntimeError(f"no interactions file came back for tenants {sorted(self._reserved)}")
         self.unwritten = {}
+        if len(self.files) >= self._look_at:
+            self._shrink_files()
+
+    def _next_look(self, live: int) -> int:
+        return len(self.files) + max(live, len(self.interactions) // ROWS_PER_RELOAD_FILE, RELOAD_MIN_FILES)
+
+    def _shrink_files(self) -> None:
+        """Rebuilds the interactions index from the live files if the file list is over twice as long (most
+        of it then names files compaction merged). No write is in flight, so the datasets hold every row the
+        index knows. A failure leaves the index as it was (it is still right) and is tried again later."""
+        try:
+            live = len(retry_vanished(lambda: live_files(self.root, "interactions"), "listing interactions"))
+            if len(self.files) > 2 * live:
+                before = len(self.files)
+                retry_vanished(self._load_interactions, "reloading interaction ids")
+                logger.info("interactions index rebuilt: %d file numbers -> %d live files", before, len(self.files))
+                return
+        except Exception:
+            logger.exception("could not rebuild the interactions index; keeping it as it is")
+            live = 0
+        self._look_at = self._next_look(live)
 
     def stored_trajectories(self, keys: list[Key]) -> None:
         self.trajectories.add_many(keys)
