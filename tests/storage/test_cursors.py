@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import math
+import random
+import shutil
+
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
+import storage.cursors as cursors_module
 from storage.compact import compact
-from storage.cursors import CursorError, Cursors
-from storage.parquet import live_files, write_dataset
+from storage.cursors import CursorError, Cursors, _Fingerprints
+from storage.parquet import live_files, read_dataset, write_dataset
 
 pytestmark = pytest.mark.unit
 
@@ -209,3 +216,215 @@ def test_duplicate_trajectory_rows_are_trained_once(data_dir, make_trajectories)
     assert cursors.untrained("acme").column("id").to_pylist() == ["x", "y"]
     assert cursors.backlog() == {"acme": 2}
     assert isinstance(cursors.untrained("nobody"), pa.Table) and cursors.untrained("nobody").num_rows == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The backlog is kept up to date from what changed: it must answer what reading everything again answers
+
+
+def _expected_untrained(data_dir, tenant: str, trained: set[str]) -> list[str]:
+    """What `untrained` must answer, the slow way: every live row, oldest first (ties in file, then row
+    order), without trained ids and without repeats."""
+    rows = read_dataset(data_dir, "trajectories", tenant)
+    ids, at = rows.column("id").to_pylist(), rows.column("ingested_at").to_pylist()
+    out, seen = [], set(trained)
+    for i in sorted(range(len(ids)), key=lambda i: (at[i], i)):
+        if ids[i] not in seen:
+            seen.add(ids[i])
+            out.append(ids[i])
+    return out
+
+
+def test_backlog_follows_new_files_commits_compaction_and_restarts(data_dir, make_trajectories):
+    reader = Cursors(data_dir)  # lives through everything below, like the learner's
+    trained: set[str] = set()
+
+    def check():
+        expected = _expected_untrained(data_dir, "acme", trained)
+        assert reader.backlog() == {"acme": len(expected)}
+        assert reader.untrained("acme").column("id").to_pylist() == expected
+        restarted = Cursors(data_dir)  # a new process, after a crash
+        assert restarted.backlog() == {"acme": len(expected)}
+        assert restarted.untrained("acme").column("id").to_pylist() == expected
+
+    def commit(ids):
+        step = (reader.latest_step("acme") or 0) + 1
+        reader.commit("acme", step=step, ids=ids, checkpoint=_checkpoint(f"s{step}"))
+        trained.update(ids)
+
+    ids = _ingest(data_dir, make_trajectories, "acme", 6)  # f000..f005, 3 rows each
+    check()
+    commit(ids[:4])  # f000 trained, f001 partly
+    check()
+    # Between two passes: a compaction replaces trained, partly trained and untrained files by one file;
+    # a step is committed; ingest writes a file repeating a trained and an untrained id, at tied times.
+    assert sum(r.inputs for r in compact(data_dir, "trajectories")) == 6
+    commit(ids[4:6])
+    write_dataset(data_dir, "trajectories", make_trajectories([ids[0], ids[10], "late"], "acme", start=2), file_id="g000")
+    check()
+    # An id trained before it is stored (a step committed it, the file came later) is never untrained.
+    commit(["early", *ids[6:8]])
+    write_dataset(data_dir, "trajectories", make_trajectories(["early", "later"], "acme", start=30), file_id="g001")
+    check()
+    # The compacted file is merged again with the newer ones; its inputs are deleted at once.
+    compact(data_dir, "trajectories", grace_s=0)
+    assert len(live_files(data_dir, "trajectories", "acme")) == 1
+    check()
+    commit(reader.untrained("acme").column("id").to_pylist())
+    check()
+    assert reader.backlog() == {"acme": 0}
+
+
+def test_a_snapshot_folding_steps_the_reader_never_saw_hides_their_ids(data_dir, make_trajectories):
+    ids = _ingest(data_dir, make_trajectories, "acme", 4)
+    reader = Cursors(data_dir)
+    reader.commit("acme", step=1, ids=ids[:2], checkpoint=_checkpoint("s1"))
+    assert reader.backlog() == {"acme": 10}
+    other = Cursors(data_dir, keep_checkpoints=1)  # another process, while the reader does not look
+    for s in (2, 3, 4):
+        other.commit("acme", step=s, ids=ids[2 * s - 2 : 2 * s], checkpoint=_checkpoint(f"s{s}"))
+    assert other.compact("acme") == 4
+    assert sorted(p.name for p in (data_dir / "cursors" / "acme").iterdir()) == [
+        "step-00000000000000000004",
+        "trained-00000000000000000004.parquet",
+    ], "steps 2 and 3 are only in the snapshot now"
+    assert reader.backlog() == {"acme": 4}
+    assert reader.untrained("acme").column("id").to_pylist() == ids[8:]
+
+
+def test_a_cursor_deleted_by_hand_counts_everything_again(data_dir, make_trajectories):
+    ids = _ingest(data_dir, make_trajectories, "acme", 2)
+    reader = Cursors(data_dir)
+    reader.commit("acme", step=1, ids=ids[:4], checkpoint=_checkpoint("s1"))
+    assert reader.backlog() == {"acme": 2}
+    shutil.rmtree(data_dir / "cursors" / "acme")
+    assert reader.backlog() == {"acme": 6}
+    assert reader.untrained("acme").column("id").to_pylist() == ids
+
+
+def test_a_file_vanishing_during_a_pass_leaves_the_backlog_right(data_dir, make_trajectories, monkeypatch):
+    ids = _ingest(data_dir, make_trajectories, "acme", 3)
+    reader = Cursors(data_dir)
+    assert reader.backlog() == {"acme": 9}
+    reader.commit("acme", step=1, ids=ids[:2], checkpoint=_checkpoint("s1"))
+    write_dataset(data_dir, "trajectories", make_trajectories(["late"], "acme", start=50), file_id="g000")
+    real_read_file, vanished = cursors_module.read_file, []
+
+    def read_file(dd, path, **kwargs):  # g000 "vanishes" once, after the pass took in the new step
+        if path.endswith("g000.parquet") and not vanished:
+            vanished.append(path)
+            raise FileNotFoundError(path)
+        return real_read_file(dd, path, **kwargs)
+
+    monkeypatch.setattr(cursors_module, "read_file", read_file)
+    assert reader.backlog() == {"acme": 8}
+    assert vanished, "the pass was retried"
+    assert reader.untrained("acme").column("id").to_pylist() == [*ids[2:], "late"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_backlog_matches_a_full_read_through_random_histories(data_dir, make_trajectories, seed):
+    rng = random.Random(seed)
+    reader, trained, stored, numbers = Cursors(data_dir), set(), [], iter(range(10**6))
+
+    def commit(cursors, ids):
+        step = (cursors.latest_step("acme") or 0) + 1
+        cursors.commit("acme", step=step, ids=ids, checkpoint=_checkpoint(f"s{step}"))
+        trained.update(ids)
+
+    for _ in range(40):
+        op = rng.choice(["ingest", "ingest", "commit", "commit", "compact", "fold", "elsewhere", "restart"])
+        if op == "ingest":  # new ids; now and then a repeat of a stored id, or of a trained one
+            n = next(numbers)
+            ids = [f"t{n}-{k}" for k in range(rng.randint(1, 4))]
+            if stored and rng.random() < 0.3:
+                ids.append(rng.choice(stored))
+            if trained and rng.random() < 0.3:
+                ids.append(rng.choice(sorted(trained)))
+            table = make_trajectories(ids, "acme", start=rng.randint(0, 20))
+            write_dataset(data_dir, "trajectories", table, file_id=f"f{n:04d}")
+            stored += ids
+        elif op == "commit":  # the oldest untrained, as the learner takes them, maybe with an id not stored yet
+            ids = _expected_untrained(data_dir, "acme", trained)[: rng.randint(0, 5)]
+            commit(reader, ids + ([f"early{next(numbers)}"] if rng.random() < 0.3 else []))
+        elif op == "compact":
+            compact(data_dir, "trajectories", grace_s=rng.choice([0, 60]))
+        elif op == "fold":
+            reader.compact("acme")
+        elif op == "elsewhere":  # another process commits and folds steps while the reader does not look
+            other = Cursors(data_dir, keep_checkpoints=1)
+            for _ in range(rng.randint(1, 3)):
+                commit(other, _expected_untrained(data_dir, "acme", trained)[: rng.randint(1, 3)])
+            other.compact("acme")
+        elif op == "restart":
+            reader = Cursors(data_dir)
+        expected = _expected_untrained(data_dir, "acme", trained)
+        assert reader.backlog().get("acme", 0) == len(expected), op
+        assert reader.untrained("acme").column("id").to_pylist() == expected, op
+
+
+def test_a_pass_costs_the_backlog_and_the_new_files_not_the_history(data_dir, make_trajectories, monkeypatch):
+    """After a step, no trajectories file is read again and only the untrained rows are checked against
+    the step's ids; a new file is read once and only its rows are checked against the trained ids."""
+    ids = _ingest(data_dir, make_trajectories, "acme", 20, per_file=50)  # 1000 rows in 20 files
+    reader = Cursors(data_dir)
+    reader.commit("acme", step=1, ids=ids[:960], checkpoint=_checkpoint("s1"))
+    assert reader.backlog() == {"acme": 40}
+    assert reader._backlogs["acme"].pending.num_rows == 40, "nothing kept of the 19 fully trained files"
+
+    reads, checked = [], []
+    real_read_file, real_is_in, real_contains = cursors_module.read_file, pc.is_in, _Fingerprints.contains
+
+    def read_file(dd, path, **kwargs):
+        reads.append(path)
+        return real_read_file(dd, path, **kwargs)
+
+    def is_in(values, *args, **kwargs):  # how the previous version filtered every stored row at every step
+        checked.append(len(values))
+        return real_is_in(values, *args, **kwargs)
+
+    def contains(self, hi, lo):
+        checked.append(len(hi))
+        return real_contains(self, hi, lo)
+
+    monkeypatch.setattr(cursors_module, "read_file", read_file)
+    monkeypatch.setattr(pc, "is_in", is_in)
+    monkeypatch.setattr(_Fingerprints, "contains", contains)
+
+    reader.commit("acme", step=2, ids=ids[960:970], checkpoint=_checkpoint("s2"))
+    assert reader.backlog() == {"acme": 30}
+    # The 40 pending rows against the step's 10 ids; the step's ids (twice at most) as they are added.
+    assert reads == [] and sum(checked) <= 40 + 2 * 10, (reads, checked)
+
+    reads.clear(), checked.clear()
+    late = write_dataset(data_dir, "trajectories", make_trajectories(["late"] * 5, "acme", start=2000), file_id="late")
+    assert reader.backlog() == {"acme": 31}
+    assert reads == [str(late[0])] and sum(checked) <= 5, (reads, checked)
+
+    reads.clear(), checked.clear()
+    assert reader.backlog() == {"acme": 31}
+    assert reads == [] and checked == [], "nothing moved: nothing read or checked"
+
+
+def test_fingerprints_answer_membership_exactly_across_runs_and_collisions():
+    rng = np.random.default_rng(0)
+    members = _Fingerprints()
+    his, los = [], []
+    for size in [1, 5, 3, 64, 64, 1, 200, 7, 1000]:  # several adds: runs merged as a binary counter
+        hi, lo = rng.integers(-(2**63), 2**63 - 1, size), rng.integers(-(2**63), 2**63 - 1, size)
+        members.add(hi, lo)
+        his.append(hi)
+        los.append(lo)
+    hi, lo = np.concatenate(his), np.concatenate(los)
+    # Fingerprints sharing a hi with a member (a 64-bit collision), added in two later runs.
+    members.add(np.repeat(hi[10], 2), np.array([1, 2]))
+    members.add(np.repeat(hi[10], 1), np.array([3]))
+    assert len(members) == len(hi) + 3
+    assert members.nbytes == 16 * len(members)
+    assert len(members._runs) <= math.log2(len(members)) + 1
+    assert members.contains(hi, lo).all()
+    assert members.contains(np.repeat(hi[10], 4), np.array([1, 2, 3, 4])).tolist() == [True, True, True, False]
+    assert not members.contains(hi, lo + 1).any()
+    assert not members.contains(*(rng.integers(-(2**63), 2**63 - 1, 1000) for _ in range(2))).any()
+    members.add(hi[:100], lo[:100])
+    assert len(members) == len(hi) + 3, "members already present are not added again"
