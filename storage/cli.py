@@ -31,8 +31,10 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
 
     p = sub.add_parser("adapters", parents=[common], help="list, inspect, roll back or retire adapter versions")
     actions = p.add_subparsers(dest="adapters_command", metavar="ACTION", required=True)
-    a = actions.add_parser("list", parents=[common], help="one line per version")
+    a = actions.add_parser("list", parents=[common], help="one line per version that can still change (--all: every one)")
     a.add_argument("--tenant", default=None, help="only this tenant's versions")
+    a.add_argument("--all", action="store_true",
+                   help="the whole history, retired and settled rejects too (a learner adds a version per step)")
     a.set_defaults(func=cmd_adapters_list)
     a = actions.add_parser("show", parents=[common], help="every field of one version, as JSON")
     a.add_argument("version", help="tenant@n")
@@ -179,11 +181,19 @@ def cmd_adapters_list(args: argparse.Namespace) -> int:
 
     registry = _registry(args)
     try:
-        versions = registry.versions(args.tenant)
+        if args.all:
+            versions, hidden = registry.versions(args.tenant), 0
+        else:
+            tenants = [args.tenant] if args.tenant is not None else registry.tenants()
+            # Settled ones the registry's hint has not caught up with yet (files gone) are history too.
+            versions = [v for t in tenants for v in registry.unsettled(t) if v.retired_at is None or v.path.exists()]
+            hidden = sum(registry.newest_number(t) for t in tenants) - len(versions)
     except StorageError as e:
         return _fail("list", e)
     columns = ["name", "status", "latest", "parent", "created_at", "published_at", "reason", "metrics"]
     sys.stdout.write(format_table(adapters_table(versions).select(columns)))
+    if hidden > 0:
+        print(f"({hidden} older versions, retired or rejected with their files gone, not shown: --all lists them)")
     return 0
 
 

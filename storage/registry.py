@@ -275,6 +275,10 @@ class Registry:
                 continue
         return out
 
+    def newest_number(self, tenant: str) -> int:
+        """The tenant's newest version number, 0 for none (numbers are 1, 2, ... with no gaps)."""
+        return self._live(check_tenant(tenant))[0]
+
     def candidates(self, tenant: str) -> list[AdapterVersion]:
         """The tenant's versions still waiting for the gate's verdict, oldest first."""
         return [v for v in self.unsettled(tenant) if v.status == "candidate"]

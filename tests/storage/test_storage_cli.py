@@ -115,3 +115,18 @@ def test_compact_command(clora, data_dir, make_trajectories):
     assert code == 0 and "compacted 4 files in 1 partition(s)" in out
     assert len(live_files(data_dir, "trajectories")) == 1
     assert len(list((data_dir / "trajectories" / "tenant=acme").glob("*.parquet"))) == 1
+
+
+def test_adapters_list_shows_what_can_still_change_unless_all(clora, data_dir, peft_writer):
+    reg = Registry(data_dir, keep_last=2)  # as the config says
+    for n in range(1, 7):
+        reg.create("acme", parent=None, write=peft_writer)
+        reg.publish("acme", n)
+    code, out, _ = clora("adapters", "list")
+    assert code == 0
+    names = [line.split()[0] for line in out.splitlines()[2:] if line.startswith("acme@")]
+    assert names == ["acme@5", "acme@6"], "the two kept"
+    assert "(4 older versions" in out and "--all" in out
+    code, out, _ = clora("adapters", "list", "--all")
+    assert [line.split()[0] for line in out.splitlines()[2:] if line.startswith("acme@")] == [f"acme@{n}" for n in range(1, 7)]
+    assert "older versions" not in out
