@@ -23,7 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 CONFIG_ENV = "CLORA_CONFIG"
 DEFAULT_CONFIG_FILE = "clora.toml"
 
-TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# A tenant name becomes a directory name: a letter or digit first, no trailing "." (Windows drops it), at
+# most 64 characters, and \Z, not $, at the end ($ also matches before a final newline).
+TENANT_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,62}[A-Za-z0-9_-])?\Z")
+TENANT_NAME_RULE = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit, not ending with '.'"
 
 # Scorer specs are "kind" or "kind:argument"; the implementations live in ingest/scorers.py.
 SCORER_KINDS = ("feedback", "inline", "contains", "regex", "length", "json_valid", "digits", "uppercase", "python")
@@ -224,7 +227,7 @@ class TenantConfig(_Strict):
     @classmethod
     def _name(cls, v: str) -> str:
         if not TENANT_NAME.match(v):
-            raise ValueError(f"tenant name {v!r} must match {TENANT_NAME.pattern}")
+            raise ValueError(f"tenant name {v!r} must be {TENANT_NAME_RULE}")
         return v
 
     @field_validator("api_key")
@@ -280,6 +283,9 @@ class Config(_Strict):
         names = [t.name for t in self.tenants]
         for dup in sorted({n for n in names if names.count(n) > 1}):
             problems.append(f"tenant name {dup!r} appears more than once")
+        folded = [n.casefold() for n in names]  # one directory on a case-insensitive disk (macOS, Windows)
+        for n in sorted({n for n in names if names.count(n) == 1 and folded.count(n.casefold()) > 1}):
+            problems.append(f"tenant name {n!r} differs from another only in case")
         keys = [t.api_key.get_secret_value() for t in self.tenants]
         if len(set(keys)) != len(keys):
             problems.append("two tenants share an api_key")

@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from clora.config import TENANT_NAME
+from clora.config import TENANT_NAME, TENANT_NAME_RULE
 
 # Reason codes of dead letters: short, stable strings (dashboards and alerts key on them).
 REASONS: dict[str, str] = {
@@ -369,7 +369,7 @@ def decode(raw: bytes, *, max_bytes: int) -> Event | DeadLetter:
     if not isinstance(tenant, str) or not tenant:
         return DeadLetter("missing_tenant", f"tenant must be a non-empty string, got {tenant!r:.80}")
     if not TENANT_NAME.match(tenant):
-        return DeadLetter("bad_tenant", f"tenant {tenant!r:.80} does not match {TENANT_NAME.pattern}")
+        return DeadLetter("bad_tenant", f"tenant {tenant!r:.80} is not {TENANT_NAME_RULE}")
     kind = data.get("type")
     if kind not in ("interaction", "feedback"):
         return DeadLetter("unknown_type", f"type must be \"interaction\" or \"feedback\", got {kind!r:.80}", tenant)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from clora.config import TenantConfig
@@ -24,7 +24,7 @@ class TenantSpec:
     name: str
     mode: str  # "logs" | "rollouts"
     scorer: str  # the scorer spec (ingest/scorers.py)
-    api_key: str  # "" when the tenant is not in the config (it cannot be sampled through serving)
+    api_key: str = field(repr=False)  # "" when the tenant is not in the config (it cannot be sampled through serving)
     rank: int
     alpha: float
     target_modules: tuple[str, ...]

@@ -17,6 +17,7 @@ Pure logic: no HTTP, no registry, no engine.
 from __future__ import annotations
 
 import hmac
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -71,6 +72,6 @@ def resolve_model(model: str, *, tenant: str, tenants: Iterable[str], base_name:
         raise Forbidden(f"model {model!r} belongs to another tenant; your key may use {tenant!r} and {base_name!r}")
     if not at:
         return ModelChoice(tenant, adapter=True)
-    if not version_text.isdigit() or int(version_text) < 1:
+    if not re.fullmatch(r"[1-9][0-9]{0,17}", version_text):  # ASCII digits ("²".isdigit() is true)
         raise ModelNotFound(f"model {model!r}: the version after '@' must be a positive integer")
     return ModelChoice(tenant, adapter=True, version=int(version_text))

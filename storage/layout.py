@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from clora.config import TENANT_NAME
+from clora.config import TENANT_NAME, TENANT_NAME_RULE
 
 DATASETS = ("interactions", "feedback", "trajectories", "dead_letters", "train_steps")
 
@@ -56,7 +56,7 @@ def check_tenant(tenant: str, *, allow_unknown: bool = False) -> str:
     """Returns `tenant` if it is a usable tenant name (and so a safe directory name); raises InvalidName."""
     if isinstance(tenant, str) and (TENANT_NAME.match(tenant) or (allow_unknown and tenant == UNKNOWN_TENANT)):
         return tenant
-    raise InvalidName(f"tenant {tenant!r} is not a valid tenant name (must match {TENANT_NAME.pattern})")
+    raise InvalidName(f"tenant {tenant!r} is not a valid tenant name (it must be {TENANT_NAME_RULE})")
 
 
 def check_dataset(name: str) -> str:

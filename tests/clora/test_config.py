@@ -158,3 +158,26 @@ def test_cli_help_and_bad_config_exit_code(tmp_path):
                          capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 2
     assert "kafka.partitions" in out.stderr
+
+
+def test_tenant_names_that_would_share_a_directory_are_refused(tmp_path):
+    p = tmp_path / "clora.toml"
+    p.write_text(
+        '[[tenants]]\nname = "Acme"\napi_key = "key-one-123"\n'
+        '[[tenants]]\nname = "acme"\napi_key = "key-two-123"\n'
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(p, environ={})
+    assert "'Acme' differs from another only in case" in str(e.value)
+    p.write_text('[[tenants]]\nname = "globex."\napi_key = "key-three-123"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(p, environ={})
+    assert "'globex.'" in str(e.value) and "not ending with '.'" in str(e.value)
+
+
+def test_a_tenant_spec_never_shows_its_api_key():
+    from clora.config import TenantConfig
+    from learner.types import TenantSpec
+
+    spec = TenantSpec.from_config(TenantConfig(name="acme", api_key="sk-secret-key-123"))
+    assert spec.api_key == "sk-secret-key-123" and "sk-secret-key-123" not in repr(spec)

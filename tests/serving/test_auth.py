@@ -46,7 +46,8 @@ def test_another_tenants_adapter_is_403(model):
     assert model in e.value.message
 
 
-@pytest.mark.parametrize("model", ["nope", "nope@1", "acme@0", "acme@x", "acme@", "acme@-1", "base@1"])
+@pytest.mark.parametrize("model", ["nope", "nope@1", "acme@0", "acme@x", "acme@", "acme@-1", "base@1", "acme@²",
+                                   "acme@01", "acme@" + "9" * 30])
 def test_unknown_models_and_versions_are_404(model):
     with pytest.raises(ModelNotFound) as e:
         resolve(model)
