@@ -14,6 +14,10 @@ lives only in memory and is rebuilt from the Parquet datasets at every start. Tw
 hash with probability about n / 2**64 per lookup (n keys stored): ~5e-12 for 100 million keys. Such a
 collision would make ingest treat a new key as already stored; at that rate we accept it.
 
+Not storage/hashindex.py's HashIndex (the 128-bit index cursors.py and parquet.py share): ingest asks single
+keys per event and adds a batch at a time, which the recent dict serves in O(1) (a lookup at 1M keys:
+2.6 µs here, 12.7 µs there) in 12 bytes a key instead of 20.
+
 What this module leaves to others: which keys to load (pending.py) and what a hit means (batch.py).
 """
 

@@ -8,6 +8,7 @@
     query.py     DuckDB views over the datasets and the registry (`clora query`)
     registry.py  adapter versions tenant@n: create, publish, reject, rollback, retire, generation()
     cursors.py   the learner's per-tenant record of trained trajectories, committed with its checkpoint
+    hashindex.py a set or int32 map of string keys held as 128-bit hashes (cursors' trained ids, superseded names)
     cli.py       `clora query`, `clora adapters`, `clora compact`
 
 Imports nothing heavy here: `clora --help` imports storage.cli, which imports this package.

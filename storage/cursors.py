@@ -19,9 +19,9 @@ Reads are lock-free; `commit` and `compact` take a per-tenant lock (one learner 
 The backlog (`untrained`, `backlog`; the learner asks every pass, ingest adds a file about once a second
 per tenant) is kept per tenant and brought up to date on each call, so a pass costs what changed since the
 last one, not the history:
-  - the trained ids are held as 128-bit fingerprints in sorted numpy runs (`_Fingerprints`): 16 bytes per
-    trained id, the only memory that grows with the history (8.6 million ids, a day at 100 trajectories/s:
-    ~140 MB; for a moment twice that when the two largest runs merge, each time the history doubles). A
+  - the trained ids are held as 128-bit fingerprints (a hashindex.HashIndex): 16 bytes per trained id,
+    the only memory that grows with the history (8.6 million ids, a day at 100 trajectories/s: ~140 MB;
+    for a moment twice that when a merge grows the largest run, each time the history grows by 1/16). A
     step committed since the last call is read once and its ids added;
   - a trajectories file keeps only its untrained rows (id, ingested_at, row, fingerprint: ~80 bytes each,
     in one `pending` table); a fully trained file costs a dictionary entry, whatever its size. The pending
@@ -35,11 +35,10 @@ followed step by step: a snapshot that folded steps this instance never read (a 
 process while it was not looking; the snapshot is read and merged) or a cursor that went back (deleted by
 hand; the tenant is read again from scratch).
 
-Fingerprints are two 64-bit SipHash values of the id (Python's `hash()` of the id and of the id with a
-suffix, keyed per process, in memory only). A stored row would be taken for trained only if its
-fingerprint equalled a trained id's: about n / 2**128 per row for n trained ids, 3e-30 at a billion ids
-(with one 64-bit hash, n / 2**64: about a one-in-four chance of one skipped trajectory in a year at
-100 trajectories/s).
+Fingerprints are hashindex.hash_strings of the id: two 64-bit SipHash values, keyed per process and kept
+in memory only. A stored row would be taken for trained only if its fingerprint equalled a trained id's:
+about n / 2**128 per row for n trained ids, 3e-30 at a billion ids (with one 64-bit hash, n / 2**64: about
+a one-in-four chance of one skipped trajectory in a year at 100 trajectories/s).
 
 What this module does not do: decide what to train (the learner's scheduler) or read checkpoints.
 """
@@ -62,6 +61,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from storage.files import FileLock, ensure_dir, fsync_tree, publish_dir, remove_stale_hidden, remove_tree, write_new_file
+from storage.hashindex import HashIndex, hash_strings
 from storage.layout import StorageError, as_datadir, check_tenant
 from storage.parquet import live_files, partition_tenants, read_file, read_rows, retry_vanished
 from storage.schema import TRAJECTORIES, conform
@@ -88,72 +88,11 @@ def _step_name(step: int) -> str:
     return f"step-{step:020d}"
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Fingerprints of trajectory ids
-
-
-def _fingerprints(ids: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
-    """(hi, lo): two independent 64-bit hashes of each id (SipHash, keyed per process; see the module note)."""
-    values = ids.to_pylist()
-    n = len(values)
-    hi = np.fromiter((hash(v) for v in values), dtype=np.int64, count=n)
-    lo = np.fromiter((hash(v + "\x00") for v in values), dtype=np.int64, count=n)
-    return hi, lo
-
-
-class _Fingerprints:
-    """A set of ids held as 128-bit fingerprints: 16 bytes per member.
-
-    Members are kept in a few runs, each sorted by `hi`. A run is merged into the one before it once it is
-    as large (a binary counter), so there are at most log2(n) runs and each fingerprint is copied about
-    log2(n) times in all, instead of an O(n) insert into one array at every step.
-    """
-
-    def __init__(self) -> None:
-        self._runs: list[tuple[np.ndarray, np.ndarray]] = []  # (hi, lo), sorted by hi; larger runs first
-
-    def __len__(self) -> int:
-        return sum(len(hi) for hi, _ in self._runs)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(hi.nbytes + lo.nbytes for hi, lo in self._runs)
-
-    def contains(self, hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
-        """For each (hi, lo), whether it is a member."""
-        hit = np.zeros(len(hi), dtype=bool)
-        for run_hi, run_lo in self._runs:
-            at = np.minimum(np.searchsorted(run_hi, hi), len(run_hi) - 1)
-            same = run_hi[at] == hi
-            hit |= same & (run_lo[at] == lo)
-            # Members sharing a `hi` (a 64-bit collision: rare) lie side by side; look at the rest of them.
-            for i in np.flatnonzero(same & ~hit):
-                j = at[i] + 1
-                while j < len(run_hi) and run_hi[j] == hi[i] and not hit[i]:
-                    hit[i] = run_lo[j] == lo[i]
-                    j += 1
-        return hit
-
-    def add(self, hi: np.ndarray, lo: np.ndarray) -> None:
-        """Adds every (hi, lo) not already a member."""
-        new = ~self.contains(hi, lo)
-        hi, lo = hi[new], lo[new]
-        if not len(hi):
-            return
-        order = np.argsort(hi, kind="stable")
-        self._runs.append((hi[order], lo[order]))
-        while len(self._runs) > 1 and len(self._runs[-2][0]) <= len(self._runs[-1][0]):
-            small_hi, small_lo = self._runs.pop(-2)
-            big_hi, big_lo = self._runs.pop()
-            at = np.searchsorted(big_hi, small_hi)
-            self._runs.append((np.insert(big_hi, at, small_hi), np.insert(big_lo, at, small_lo)))
-
-
 @dataclass
 class _Backlog:
     """One tenant's untrained trajectories, brought up to date by Cursors._untrained_index."""
 
-    trained: _Fingerprints = field(default_factory=_Fingerprints)
+    trained: HashIndex = field(default_factory=HashIndex)  # fingerprints of the trained ids
     through: int = -1  # the ids of every step <= through are in `trained`
     files: dict[str, int] = field(default_factory=dict)  # every live trajectories file read -> its number
     next_file: int = 0
@@ -403,13 +342,13 @@ class Cursors:
         for path in sources:
             with pq.ParquetFile(path) as ids_file:
                 for batch in ids_file.iter_batches(batch_size=_READ_BATCH, columns=["id"]):
-                    hi, lo = _fingerprints(batch.column("id"))
+                    hi, lo = hash_strings(batch.column("id").to_pylist())
                     his.append(hi)
                     los.append(lo)
         if his:
             hi, lo = np.concatenate(his), np.concatenate(los)
             if state.pending.num_rows:
-                step_ids = _Fingerprints()
+                step_ids = HashIndex()
                 step_ids.add(hi, lo)
                 pending_hi, pending_lo = (state.pending.column(c).to_numpy() for c in ("hi", "lo"))
                 state.pending = state.pending.filter(pa.array(~step_ids.contains(pending_hi, pending_lo)))
@@ -430,7 +369,7 @@ class Cursors:
             if path in state.files:
                 continue
             cols = conform(read_file(self.dd, path, columns=["id", "ingested_at"]), _INDEX_SCHEMA, strict=False)
-            hi, lo = _fingerprints(cols.column("id"))
+            hi, lo = hash_strings(cols.column("id").to_pylist())
             rows = np.flatnonzero(~state.trained.contains(hi, lo))
             number = state.next_file
             if len(rows):

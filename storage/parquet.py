@@ -24,7 +24,6 @@ This module knows nothing of what the rows mean; schemas live in schema.py.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import logging
 import threading
@@ -40,6 +39,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from storage.files import fsync_dir, write_new_file
+from storage.hashindex import ABSENT, HashIndex, hash_strings
 from storage.layout import (
     FILE_ID,
     UNKNOWN_TENANT,
@@ -173,74 +173,28 @@ def read_supersedes(fs: pafs.FileSystem, path: str) -> tuple[str, ...]:
     return tuple(json.loads(meta.get(SUPERSEDES_KEY, b"[]")))
 
 
-def _hash_names(names) -> tuple[np.ndarray, np.ndarray]:
-    """128 bits of blake2b per name, as two int64 arrays: a collision (~n**2 / 2**129) is not a concern."""
-    raw = b"".join(hashlib.blake2b(n.encode(), digest_size=16).digest() for n in names)
-    pairs = np.frombuffer(raw, dtype="<i8").reshape(-1, 2)
-    return pairs[:, 0].copy(), pairs[:, 1].copy()
-
-
-class _Hashes:
-    """(hash, owner) rows sorted by the hash's first half; rows sharing it (~never) are told apart by the second."""
-
-    def __init__(self) -> None:
-        self.h1 = np.empty(0, dtype=np.int64)
-        self.h2 = np.empty(0, dtype=np.int64)
-        self.owner = np.empty(0, dtype=np.int32)
-
-    def __len__(self) -> int:
-        return len(self.h1)
-
-    def find(self, q1: np.ndarray, q2: np.ndarray) -> np.ndarray:
-        """The row of each queried hash, -1 where absent."""
-        rows = np.full(len(q1), -1, dtype=np.int64)
-        if not len(self.h1) or not len(q1):
-            return rows
-        at = np.minimum(np.searchsorted(self.h1, q1), len(self.h1) - 1)
-        first_half = self.h1[at] == q1
-        both = first_half & (self.h2[at] == q2)
-        rows[both] = at[both]
-        for i in np.flatnonzero(first_half & ~both).tolist():  # the run of rows sharing the first half
-            j = int(at[i]) + 1
-            while j < len(self.h1) and self.h1[j] == q1[i]:
-                if self.h2[j] == q2[i]:
-                    rows[i] = j
-                    break
-                j += 1
-        return rows
-
-    def insert(self, h1: np.ndarray, h2: np.ndarray, owner: np.ndarray) -> None:
-        order = np.argsort(h1, kind="stable")
-        at = np.searchsorted(self.h1, h1[order])
-        self.h1 = np.insert(self.h1, at, h1[order])
-        self.h2 = np.insert(self.h2, at, h2[order])
-        self.owner = np.insert(self.owner, at, owner[order])
-
-
 class _SupersededIndex:
     """What the compacted files of one partition supersede, kept up to date as they come and go.
 
     A listing (or a write's check) costs the files on disk plus the footers of compacted files new since the
     last one: each footer is read once per process. Its names are kept as 128-bit hashes with the number of
-    the newest compacted file naming each (20 bytes per name, where Python strings took ~110), in two sorted
-    arrays: new names go to a small one, merged into the large one once it reaches 1/16 of it, so adding a
-    footer costs its own names (amortised), not the partition's history. Newest, because a merge of a
-    compacted file carries what that file superseded: the newest file naming a name holds its rows now
-    (compacted names sort by creation time, and `update` rebuilds from the footers if one arrives out of that
-    order, or if a file that is the newest to name something disappears, which compaction never does).
+    the newest compacted file naming each (a hashindex.HashIndex: 20 bytes per name, where Python strings
+    took ~110), so adding a footer costs its own names (amortised), not the partition's history. Newest,
+    because a merge of a compacted file carries what that file superseded: the newest file naming a name
+    holds its rows now (compacted names sort by creation time, and `update` rebuilds from the footers if one
+    arrives out of that order, or if a file that is the newest to name something disappears, which
+    compaction never does).
 
     `on_disk` keeps, for the files of the last listing, whether and since when they are superseded; a
     listing updates it from the footers it adds and looks up only files it has not seen before.
     """
-
-    MIN_MERGE = 65536
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._reset()
 
     def _reset(self) -> None:
-        self._big, self._small = _Hashes(), _Hashes()
+        self._names = HashIndex(values=True)  # name -> number of the newest compacted file naming it
         self._number: dict[str, tuple[int, int]] = {}  # compacted file on disk -> (size, its number)
         self._files: list[tuple[str, int]] = []  # number -> (compacted file, mtime_ns); reused once free
         self._owned: list[int] = []  # number -> how many names it is the newest to supersede
@@ -250,7 +204,7 @@ class _SupersededIndex:
 
     @property
     def names(self) -> int:
-        return len(self._big) + len(self._small)
+        return len(self._names)
 
     def update(self, dd: DataDir, infos: list[pafs.FileInfo]) -> None:
         """Brings the index to the listing `infos` (every data file of the partition)."""
@@ -285,15 +239,8 @@ class _SupersededIndex:
     def _lookup(self, names: list[str]) -> list[Superseded | None]:
         if not names or not self.names:
             return [None] * len(names)
-        q1, q2 = _hash_names(names)
-        owners = np.full(len(names), -1, dtype=np.int64)
-        for part in (self._big, self._small):
-            rows = part.find(q1, q2)
-            owners[rows >= 0] = part.owner[rows[rows >= 0]]
-        out: list[Superseded | None] = []
-        for k in owners.tolist():
-            out.append(None if k < 0 else Superseded(*self._files[k]))
-        return out
+        owners = self._names.find(*hash_strings(names))
+        return [None if k == ABSENT else Superseded(*self._files[k]) for k in owners.tolist()]
 
     def _add(self, dd: DataDir, info: pafs.FileInfo, listed: set[str]) -> None:
         names = read_supersedes(dd.filesystem, info.path)  # first: a failed read leaves the index as it was
@@ -304,20 +251,12 @@ class _SupersededIndex:
         self._files[number] = (info.base_name, info.mtime_ns)
         self._number[info.base_name] = (info.size, number)
         self._newest = info.base_name
-        h1, h2 = _hash_names(names)
-        fresh = np.ones(len(h1), dtype=bool)
-        for part in (self._big, self._small):
-            rows = part.find(h1, h2)
-            hit = rows[rows >= 0]
-            for k, count in zip(*np.unique(part.owner[hit], return_counts=True)):
-                self._owned[int(k)] -= int(count)
-            part.owner[hit] = number
-            fresh &= rows < 0
-        self._small.insert(h1[fresh], h2[fresh], np.full(int(fresh.sum()), number, dtype=np.int32))
+        # This file is now the newest to name each of its names (their previous owners own that many fewer).
+        # A footer's names are distinct (compact.py writes a sorted set), so len(names) is what it owns.
+        owners = self._names.assign(*hash_strings(names), number)
+        for k, count in zip(*np.unique(owners[owners != ABSENT], return_counts=True)):
+            self._owned[int(k)] -= int(count)
         self._owned[number] = len(names)
-        if len(self._small) >= max(self.MIN_MERGE, len(self._big) >> 4):
-            self._big.insert(self._small.h1, self._small.h2, self._small.owner)
-            self._small = _Hashes()
         for name in listed.intersection(names):
             before = self.on_disk.get(name)
             since = info.mtime_ns if before is None else min(before.since_ns, info.mtime_ns)

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from storage import parquet
+from storage import hashindex, parquet
 from storage.compact import compact, compact_partition
 from storage.parquet import live_files, read_dataset, read_ids, write_dataset
 from storage.query import query
@@ -254,9 +254,9 @@ def test_writes_and_listings_after_compaction_do_not_go_through_the_superseded_n
 def test_superseded_names_are_told_apart_even_when_their_hashes_partly_collide(data_dir, make_trajectories, monkeypatch):
     """Names whose first 64 hash bits collide (here: all of them) are still told apart by the other 64, and
     the index's small array is merged into its large one along the way."""
-    real = parquet._hash_names
-    monkeypatch.setattr(parquet, "_hash_names", lambda names: (np.zeros(len(names), dtype=np.int64), real(names)[1]))
-    monkeypatch.setattr(parquet._SupersededIndex, "MIN_MERGE", 2)
+    real = parquet.hash_strings
+    monkeypatch.setattr(parquet, "hash_strings", lambda names: (np.zeros(len(names), dtype=np.int64), real(names)[1]))
+    monkeypatch.setattr(hashindex, "MIN_MERGE", 2)
     ids = []
     for round_ in range(3):
         ids += _write_files(data_dir, make_trajectories, 3, prefix=f"r{round_}f")

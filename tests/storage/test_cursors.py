@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import random
 import shutil
 
@@ -13,7 +12,8 @@ import pytest
 
 import storage.cursors as cursors_module
 from storage.compact import compact
-from storage.cursors import CursorError, Cursors, _Fingerprints
+from storage.cursors import CursorError, Cursors
+from storage.hashindex import HashIndex
 from storage.parquet import live_files, read_dataset, write_dataset
 
 pytestmark = pytest.mark.unit
@@ -373,7 +373,7 @@ def test_a_pass_costs_the_backlog_and_the_new_files_not_the_history(data_dir, ma
     assert reader._backlogs["acme"].pending.num_rows == 40, "nothing kept of the 19 fully trained files"
 
     reads, checked = [], []
-    real_read_file, real_is_in, real_contains = cursors_module.read_file, pc.is_in, _Fingerprints.contains
+    real_read_file, real_is_in, real_contains = cursors_module.read_file, pc.is_in, HashIndex.contains
 
     def read_file(dd, path, **kwargs):
         reads.append(path)
@@ -389,7 +389,7 @@ def test_a_pass_costs_the_backlog_and_the_new_files_not_the_history(data_dir, ma
 
     monkeypatch.setattr(cursors_module, "read_file", read_file)
     monkeypatch.setattr(pc, "is_in", is_in)
-    monkeypatch.setattr(_Fingerprints, "contains", contains)
+    monkeypatch.setattr(HashIndex, "contains", contains)
 
     reader.commit("acme", step=2, ids=ids[960:970], checkpoint=_checkpoint("s2"))
     assert reader.backlog() == {"acme": 30}
@@ -406,25 +406,15 @@ def test_a_pass_costs_the_backlog_and_the_new_files_not_the_history(data_dir, ma
     assert reads == [] and checked == [], "nothing moved: nothing read or checked"
 
 
-def test_fingerprints_answer_membership_exactly_across_runs_and_collisions():
-    rng = np.random.default_rng(0)
-    members = _Fingerprints()
-    his, los = [], []
-    for size in [1, 5, 3, 64, 64, 1, 200, 7, 1000]:  # several adds: runs merged as a binary counter
-        hi, lo = rng.integers(-(2**63), 2**63 - 1, size), rng.integers(-(2**63), 2**63 - 1, size)
-        members.add(hi, lo)
-        his.append(hi)
-        los.append(lo)
-    hi, lo = np.concatenate(his), np.concatenate(los)
-    # Fingerprints sharing a hi with a member (a 64-bit collision), added in two later runs.
-    members.add(np.repeat(hi[10], 2), np.array([1, 2]))
-    members.add(np.repeat(hi[10], 1), np.array([3]))
-    assert len(members) == len(hi) + 3
-    assert members.nbytes == 16 * len(members)
-    assert len(members._runs) <= math.log2(len(members)) + 1
-    assert members.contains(hi, lo).all()
-    assert members.contains(np.repeat(hi[10], 4), np.array([1, 2, 3, 4])).tolist() == [True, True, True, False]
-    assert not members.contains(hi, lo + 1).any()
-    assert not members.contains(*(rng.integers(-(2**63), 2**63 - 1, 1000) for _ in range(2))).any()
-    members.add(hi[:100], lo[:100])
-    assert len(members) == len(hi) + 3, "members already present are not added again"
+def test_ids_whose_first_64_hash_bits_collide_are_still_told_apart(data_dir, make_trajectories, monkeypatch):
+    """With every id's first fingerprint half forced to 0, the second half alone tells trained from not."""
+    real = cursors_module.hash_strings
+    monkeypatch.setattr(cursors_module, "hash_strings", lambda ids: (np.zeros(len(ids), dtype=np.int64), real(ids)[1]))
+    ids = _ingest(data_dir, make_trajectories, "acme", 4, per_file=5)
+    reader = Cursors(data_dir)
+    reader.commit("acme", step=1, ids=ids[:7], checkpoint=_checkpoint("s1"))
+    assert reader.untrained("acme").column("id").to_pylist() == ids[7:]
+    reader.commit("acme", step=2, ids=ids[7:12], checkpoint=_checkpoint("s2"))
+    write_dataset(data_dir, "trajectories", make_trajectories(ids[:3] + ["late"], "acme", start=1000), file_id="late")
+    assert reader.backlog() == {"acme": 9}
+    assert reader.untrained("acme").column("id").to_pylist() == ids[12:] + ["late"]
