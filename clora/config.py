@@ -126,6 +126,11 @@ class IngestConfig(_Strict):
     pending_expiry_hours: float = Field(
         72.0, gt=0, description="Feedback or unscored interactions older than this without a partner are dropped."
     )
+    max_pending_feedback_per_tenant: int = Field(
+        100_000, ge=1, description="Feedback waiting in memory for an interaction not seen yet, per tenant (~0.5 KB "
+        "each); beyond it the tenant's oldest waiting feedback leaves the join (it stays in feedback/, and a late "
+        "interaction is then not scored by it). Bounds what a flood of feedback for made-up ids can hold."
+    )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port of the ingest process (0: none).")
 
 

@@ -12,7 +12,9 @@
                                           ts, score and source; a resent event comes at a new offset)
                                        -> trajectories when its interaction is in this batch or stored and
                                           not scored yet (stored ones are read back after the loop);
-                                          otherwise it waits in the store's `pending`
+                                          otherwise it waits in the store's `pending`, which holds at
+                                          most a cap per tenant: the oldest waiting entry leaves memory
+                                          (counted in `pending_dropped`; the row is in feedback/ still)
 
 Every decision consults the store *and* this batch, so replaying any range of offsets (after a crash, or
 when another process takes a partition over) writes nothing twice and misses nothing: each dataset is
@@ -82,6 +84,7 @@ class Output:
     replayed_dead_letters: list[Rejected] = field(default_factory=list)  # stored before; for the topic only
     duplicates: int = 0  # messages already stored (replayed offsets, or an id sent twice)
     reasons: Counter = field(default_factory=Counter)  # dead letters by reason
+    pending_dropped: Counter = field(default_factory=Counter)  # pending feedback dropped from memory, by reason
     ranges: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)  # (topic, partition) -> first, last
 
     @property
@@ -146,7 +149,12 @@ class Processor:
         def score(row: InteractionRow, reward: float, source: str) -> None:
             out.trajectories.append(trajectory_row(row, reward, source, now_ms))
             scored.add((row.tenant, row.id))
-            store.pending.pop((row.tenant, row.id), None)
+            store.pending.pop((row.tenant, row.id))
+
+        def wait(fb: FeedbackRow) -> None:
+            """Feedback whose interaction has not arrived waits for it, within the tenant's cap."""
+            if store.pending.add(fb):
+                out.pending_dropped["over_cap"] += 1
 
         def reject(dl: DeadLetter, raw: bytes, at: Coords) -> None:
             rejected = Rejected(dead_letter_row(dl, raw, at, now_ms), raw, at)
@@ -218,7 +226,7 @@ class Processor:
                 elif key in stored_interactions:
                     to_fetch.setdefault(key, fb)
                 else:
-                    store.pending.setdefault(key, fb)
+                    wait(fb)
 
         if to_fetch:
             stored = store.fetch_interactions(to_fetch)
@@ -227,7 +235,7 @@ class Processor:
                 if key in scored:
                     continue
                 if row is None:  # indexed but not found (a hash collision): wait like any early feedback
-                    store.pending.setdefault(key, fb)
+                    wait(fb)
                 elif store.within_expiry(fb.ts, row.ts):
                     score(row, fb.score, fb.source or "feedback")
         return out

@@ -41,7 +41,8 @@ Stopping: `stop` (an Event the process's signal handler sets) is checked after e
 flight and the buffer are written and committed before the consumer closes. `drain` (set instead of `stop` with --drain-on-stop)
 first reads every assigned partition to its end, for brokers that keep topics in memory only. `once` exits
 when every assigned partition is read to its end. Memory: the buffer holds at most flush_rows records, plus
-the batch being processed and the one being written; the store view is bounded as pending.py says.
+the batch being processed and the one being written; the store view is bounded as pending.py says
+(pending feedback by `max_pending_per_tenant` per tenant).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ from kafka.structs import OffsetAndMetadata
 from ingest.batch import Output, Processor, Record, Rejected
 from ingest.events import utc_now
 from ingest.metrics import IngestMetrics
-from ingest.pending import PendingStore
+from ingest.pending import MAX_PENDING_PER_TENANT, PendingStore
 from ingest.rows import FEEDBACK_KEY, DeadLetterRow, FeedbackRow, InteractionRow, TrajectoryRow, epoch_ms, to_table
 from storage.files import mark_ready
 from storage.layout import as_datadir
@@ -242,6 +243,7 @@ class Ingest:
         session_timeout_ms: int,
         heartbeat_interval_ms: int,
         metrics: IngestMetrics,
+        max_pending_per_tenant: int = MAX_PENDING_PER_TENANT,
     ) -> None:
         self.root = root
         self.bootstrap = bootstrap
@@ -252,6 +254,7 @@ class Ingest:
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
         self.expiry_ms = expiry_ms
+        self.max_pending_per_tenant = max_pending_per_tenant
         self.session_timeout_ms = session_timeout_ms
         self.heartbeat_interval_ms = heartbeat_interval_ms
         self.metrics = metrics
@@ -394,6 +397,7 @@ class Ingest:
             self.expired_at = time.monotonic()
             if dropped := store.expire(now_ms()):
                 logger.info("ingest: %d pending feedback expired without meeting its interaction", dropped)
+                self.metrics.pending_dropped("expired", dropped)
         self.last_flush_at, self.last_flush_cpu = time.monotonic(), time.process_time()
         self.metrics.flushed(write.messages, write.batch.out, self.last_flush_at - write.started, len(store.pending))
         return True
@@ -512,7 +516,9 @@ class Ingest:
             self.store = None
 
     def load_store(self) -> None:
-        self.store = PendingStore.load(self.root, expiry_ms=self.expiry_ms, now_ms=now_ms())
+        self.store = PendingStore.load(
+            self.root, expiry_ms=self.expiry_ms, now_ms=now_ms(), max_pending_per_tenant=self.max_pending_per_tenant
+        )
         self.metrics.set_pending(len(self.store.pending))
         if self.assigned_at is None:
             self.assigned_at, self.assigned_cpu = time.monotonic(), time.process_time()

@@ -1,7 +1,9 @@
 """What the ingest process reports about itself: a log line every LOG_EVERY_S seconds, and Prometheus metrics.
 
 Reported: events/s, rows written per dataset, duplicates skipped, dead letters by reason, consumer lag per
-partition, pending feedback, flush time. Prometheus metrics live in a registry of their own (so several
+partition, pending feedback, pending feedback dropped from memory by reason (`over_cap`: the tenant's cap,
+ingest.max_pending_feedback_per_tenant, made room for newer feedback; `expired`: waited longer than
+ingest.pending_expiry_hours; either way the event stays in feedback/), flush time. Prometheus metrics live in a registry of their own (so several
 Ingest objects in one test process do not collide) and are served on 127.0.0.1:`port` when the port is
 non-zero (config `ingest.metrics_port`).
 
@@ -32,9 +34,15 @@ class IngestMetrics:
         self.dead = PromCounter("clora_ingest_dead_letters", "Dead letters, by reason", ["reason"], registry=self.registry)
         self.lag_gauge = Gauge("clora_ingest_lag", "Consumer lag, by topic and partition", ["topic", "partition"], registry=self.registry)
         self.pending_gauge = Gauge("clora_ingest_pending_feedback", "Feedback waiting for its interaction", registry=self.registry)
+        self.dropped_counter = PromCounter(
+            "clora_ingest_pending_feedback_dropped",
+            "Pending feedback dropped from memory (still in feedback/), by reason: over_cap, expired",
+            ["reason"], registry=self.registry,
+        )
         self.flush_seconds = Histogram("clora_ingest_flush_seconds", "Time to write one batch", registry=self.registry)
         self.total = Counter()  # the same counts as plain numbers, for logs, --once summaries and tests
         self.reasons: Counter = Counter()
+        self.dropped: Counter = Counter()  # pending feedback dropped from memory, by reason
         self.lag: dict[tuple[str, int], int] = {}
         self.pending = 0
         self._last_log = time.monotonic()
@@ -60,8 +68,14 @@ class IngestMetrics:
         for reason, n in out.reasons.items():
             self.dead.labels(reason).inc(n)
         self.reasons.update(out.reasons)
+        for reason, n in out.pending_dropped.items():
+            self.pending_dropped(reason, n)
         self.flush_seconds.observe(seconds)
         self.set_pending(pending)
+
+    def pending_dropped(self, reason: str, n: int) -> None:
+        self.dropped_counter.labels(reason).inc(n)
+        self.dropped[reason] += n
 
     def set_pending(self, n: int) -> None:
         self.pending = n
@@ -81,11 +95,12 @@ class IngestMetrics:
         self._last_log, self._last_messages = now, self.total["messages"]
         lag = ", ".join(f"{t}:{p}={n}" for (t, p), n in sorted(self.lag.items())) or "-"
         reasons = ", ".join(f"{r}={n}" for r, n in sorted(self.reasons.items())) or "none"
+        dropped = ", ".join(f"{r}={n}" for r, n in sorted(self.dropped.items())) or "none"
         logger.info(
             "ingest: %.0f events/s; totals: %d messages, %d interactions, %d trajectories, %d feedback, "
-            "%d duplicates; dead letters: %s; pending feedback: %d; lag: %s",
+            "%d duplicates; dead letters: %s; pending feedback: %d (dropped: %s); lag: %s",
             rate, self.total["messages"], self.total["interactions"], self.total["trajectories"],
-            self.total["feedback"], self.total["duplicates"], reasons, self.pending, lag,
+            self.total["feedback"], self.total["duplicates"], reasons, self.pending, dropped, lag,
         )
 
     def close(self) -> None:

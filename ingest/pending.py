@@ -14,12 +14,23 @@ see below):
   feedback        KeyIndex (tenant, id, ts, score, source): feedback events already stored (rows.FEEDBACK_KEY;
                   a resent event comes at a new offset, so offsets would not recognise it)
   dead_letters    KeyIndex (topic, partition, offset): rejected messages already stored
-  pending         dict (tenant, id) -> the earliest unjoined FeedbackRow, ingested within the expiry
+  pending         PendingFeedback (tenant, id) -> the earliest unjoined FeedbackRow, ingested within the
+                  expiry, at most `max_pending_per_tenant` per tenant
 
 Memory: 12 bytes per stored row for the indexes (index.py), plus one entry per piece of feedback that is
-waiting (feedback for interactions not seen yet: rare, and dropped from memory after the expiry), plus the
-file list below. Interaction rows themselves stay on disk and are read back only when feedback arrives for
-them.
+waiting (feedback for interactions not seen yet), plus the file list below. Interaction rows themselves
+stay on disk and are read back only when feedback arrives for them.
+
+Pending feedback is capped per tenant (config `ingest.max_pending_feedback_per_tenant`). Feedback may name
+any id (the serving tier's POST /v1/feedback takes whatever id a tenant's key sends), so without a cap a
+flood of ids that never arrive would hold ~0.5 KB per event (measured: 460 bytes with 41-character ids)
+for the whole expiry, in the one process every tenant shares. Beyond the cap the tenant's oldest waiting
+entry leaves memory: it is still in `feedback/` (every feedback event is written before the join is
+decided), but an interaction arriving after that is not scored by it (a later feedback event for the same
+id waits again). Only feedback without its interaction is ever pending: feedback for an interaction that
+has arrived joins at once, so the cap never touches it. At start the same cap holds: of each tenant's
+unjoined feedback within the expiry, the ids whose first feedback came last are kept (`_load_pending`
+picks them in Arrow, one tenant at a time, so a flood on disk is never turned into Python objects).
 
 The interactions file list: each write adds a file per tenant, and the index keeps a row's file number, so
 the list grows with every write while compaction keeps the files on disk few. A join whose file is gone
@@ -40,7 +51,8 @@ memory. At most one batch is in flight. If its write fails the process stops (or
 this view), so the view never outlives a row that did not land.
 
 Expiry (`expiry_ms`, config `ingest.pending_expiry_hours`): feedback joins an interaction only when their
-event times are at most that far apart; pending feedback leaves memory once it was ingested that long ago.
+event times are at most that far apart; pending feedback leaves memory once it was ingested that long ago
+(entries are held in the order they were ingested, so expiry looks only at the oldest).
 
 The join relies on co-partitioning: both topics keyed by tenant with the same partition count, and the
 range assignor, so one process sees all of a tenant's interactions and feedback (consumer.py).
@@ -50,7 +62,7 @@ What this module leaves to others: deciding what a message means (batch.py) and 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -61,7 +73,16 @@ import pyarrow.compute as pc
 from ingest.index import KeyIndex
 from ingest.rows import FEEDBACK_KEY_COLUMNS, FeedbackRow, InteractionRow, interaction_rows
 from storage.layout import StorageError, as_datadir
-from storage.parquet import READ_ATTEMPTS, live_files, read_dataset, read_file, read_rows, retry_vanished, superseded_by
+from storage.parquet import (
+    READ_ATTEMPTS,
+    live_files,
+    partition_tenants,
+    read_dataset,
+    read_file,
+    read_rows,
+    retry_vanished,
+    superseded_by,
+)
 from storage.schema import FEEDBACK, INTERACTIONS, conform
 
 logger = logging.getLogger(__name__)
@@ -70,19 +91,90 @@ Key = tuple[str, str]  # (tenant, id)
 
 RELOAD_MIN_FILES = 4096  # the file list grows by at least this much between two looks at the live files
 ROWS_PER_RELOAD_FILE = 64  # ... and by at least 1/64 of the stored interactions (a rebuild reads them all)
+MAX_PENDING_PER_TENANT = 100_000  # the default of ingest.max_pending_feedback_per_tenant
+LOAD_CHUNK = 65_536  # ids checked against the trajectories index at once when pending feedback is loaded
+
+
+class PendingFeedback:
+    """(tenant, id) -> the earliest unjoined FeedbackRow, at most `cap` per tenant, oldest dropped first.
+
+    One insertion-ordered map per tenant, so the oldest entry of a tenant is found and dropped in O(1)."""
+
+    def __init__(self, cap: int) -> None:
+        if cap < 1:
+            raise ValueError(f"the cap on pending feedback per tenant must be at least 1, got {cap}")
+        self.cap = cap
+        self.by_tenant: dict[str, OrderedDict[str, FeedbackRow]] = {}
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __contains__(self, key: Key) -> bool:
+        waiting = self.by_tenant.get(key[0])
+        return waiting is not None and key[1] in waiting
+
+    def __iter__(self):
+        for tenant, waiting in self.by_tenant.items():
+            for id_ in waiting:
+                yield tenant, id_
+
+    def get(self, key: Key) -> FeedbackRow | None:
+        waiting = self.by_tenant.get(key[0])
+        return None if waiting is None else waiting.get(key[1])
+
+    def add(self, row: FeedbackRow) -> int:
+        """Keeps `row` unless feedback for its (tenant, id) is waiting already (the first one wins). Returns
+        how many entries the cap dropped to make room: the tenant's oldest (0 or 1)."""
+        waiting = self.by_tenant.get(row.tenant)
+        if waiting is None:
+            waiting = self.by_tenant[row.tenant] = OrderedDict()
+        elif row.id in waiting:
+            return 0
+        waiting[row.id] = row
+        if len(waiting) > self.cap:
+            waiting.popitem(last=False)  # one in, one out: the size is unchanged
+            return 1
+        self._size += 1
+        return 0
+
+    def pop(self, key: Key) -> FeedbackRow | None:
+        waiting = self.by_tenant.get(key[0])
+        if waiting is None:
+            return None
+        row = waiting.pop(key[1], None)
+        if row is not None:
+            self._size -= 1
+            if not waiting:
+                del self.by_tenant[key[0]]
+        return row
+
+    def expire(self, cutoff_ms: int) -> int:
+        """Drops entries ingested before `cutoff_ms`; returns how many went. Entries are kept in the order
+        they were ingested, so only each tenant's oldest are looked at."""
+        dropped = 0
+        for tenant in list(self.by_tenant):
+            waiting = self.by_tenant[tenant]
+            while waiting and next(iter(waiting.values())).ingested_at < cutoff_ms:
+                waiting.popitem(last=False)
+                dropped += 1
+            if not waiting:
+                del self.by_tenant[tenant]
+        self._size -= dropped
+        return dropped
 
 
 class PendingStore:
     """In-memory view of the stored datasets; see the module docstring. Build it with `load`."""
 
-    def __init__(self, root: str | Path, *, expiry_ms: int) -> None:
+    def __init__(self, root: str | Path, *, expiry_ms: int, max_pending_per_tenant: int = MAX_PENDING_PER_TENANT) -> None:
         self.root = as_datadir(root)
         self.expiry_ms = expiry_ms
         self.interactions = KeyIndex()
         self.trajectories = KeyIndex()
         self.feedback = KeyIndex()
         self.dead_letters = KeyIndex()
-        self.pending: dict[Key, FeedbackRow] = {}
+        self.pending = PendingFeedback(max_pending_per_tenant)
         self.files: list[str] = []  # interactions file number -> path ("" while its write is in flight)
         self.unwritten: dict[Key, InteractionRow] = {}  # interactions of the batch being written
         self._reserved: dict[str, int] = {}  # tenant -> its file number in the batch being written
@@ -91,8 +183,10 @@ class PendingStore:
     # --- building -------------------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, root: str | Path, *, expiry_ms: int, now_ms: int) -> PendingStore:
-        store = cls(root, expiry_ms=expiry_ms)
+    def load(
+        cls, root: str | Path, *, expiry_ms: int, now_ms: int, max_pending_per_tenant: int = MAX_PENDING_PER_TENANT
+    ) -> PendingStore:
+        store = cls(root, expiry_ms=expiry_ms, max_pending_per_tenant=max_pending_per_tenant)
         retry_vanished(store._load_interactions, "loading interaction ids")
         store.trajectories = retry_vanished(lambda: store._load_index("trajectories", ["tenant", "id"]), "loading trajectory ids")
         store.feedback = retry_vanished(
@@ -134,23 +228,47 @@ class PendingStore:
         return KeyIndex.from_hashes(all_hashes, np.zeros(len(all_hashes), dtype=np.int32))
 
     def _load_pending(self, now_ms: int) -> None:
-        """The earliest unjoined feedback per (tenant, id) among what was ingested within the expiry."""
-        self.pending = {}
+        """Per tenant, the earliest unjoined feedback of each id among what was ingested within the expiry,
+        for at most the cap of ids: those whose first feedback came last (as if the cap had dropped the
+        oldest while they came in). Chosen in Arrow, one tenant at a time, so only the rows kept become
+        Python objects."""
+        self.pending = PendingFeedback(self.pending.cap)
         cutoff = now_ms - self.expiry_ms
-        recent = []
-        for path in live_files(self.root, "feedback"):
-            t = conform(read_file(self.root, path), FEEDBACK, strict=False)
-            recent.append(t.filter(pc.greater_equal(t.column("ingested_at").cast(pa.int64()), cutoff)))
-        if not recent:
-            return
-        table = pa.concat_tables(recent).sort_by([("ingested_at", "ascending"), ("kafka_offset", "ascending")])
-        ms = {c: table.column(c).cast(pa.int64()).to_pylist() for c in ("ts", "ingested_at")}
-        columns = [ms[f] if f in ms else table.column(f).to_pylist() for f in FeedbackRow._fields]
-        for values in zip(*columns):
-            row = FeedbackRow(*values)
-            key = (row.tenant, row.id)
-            if key not in self.pending and key not in self.trajectories:
-                self.pending[key] = row
+        for tenant in partition_tenants(self.root, "feedback"):
+            recent = []
+            for path in live_files(self.root, "feedback", tenant):
+                t = conform(read_file(self.root, path), FEEDBACK, strict=False)
+                recent.append(t.filter(pc.greater_equal(t.column("ingested_at").cast(pa.int64()), cutoff)))
+            table = pa.concat_tables(recent) if recent else None
+            if table is None or not table.num_rows:
+                continue
+            for row in self._unjoined(tenant, table):
+                self.pending.add(row)
+
+    def _unjoined(self, tenant: str, table: pa.Table) -> list[FeedbackRow]:
+        """Of one tenant's recent feedback: the first row of each id without a trajectory, for the cap of
+        ids whose first row came last, in the order they came."""
+        table = table.sort_by([("ingested_at", "ascending"), ("kafka_offset", "ascending")])
+        table = table.append_column("_row", pa.array(np.arange(table.num_rows, dtype=np.int64)))
+        # Each id's first row, newest first: walked until the cap of ids without a trajectory is found.
+        first = np.sort(table.group_by("id", use_threads=False).aggregate([("_row", "min")]).column("_row_min").to_numpy())[::-1]
+        cap, keep = self.pending.cap, []
+        for start in range(0, len(first), LOAD_CHUNK):
+            rows = first[start:start + LOAD_CHUNK]
+            ids = table.column("id").take(pa.array(rows)).to_pylist()
+            scored = self.trajectories.present((tenant, id_) for id_ in ids)
+            keep.extend(int(r) for r, id_ in zip(rows, ids) if (tenant, id_) not in scored)
+            if len(keep) > cap:
+                logger.warning(
+                    "tenant %s: more than %d feedback events wait for their interactions; the oldest are left out "
+                    "of the join (ingest.max_pending_feedback_per_tenant; they stay in feedback/)", tenant, cap,
+                )
+                del keep[cap:]
+                break
+        chosen = table.take(pa.array(sorted(keep), pa.int64()))
+        ms = {c: chosen.column(c).cast(pa.int64()).to_pylist() for c in ("ts", "ingested_at")}
+        columns = [ms[f] if f in ms else chosen.column(f).to_pylist() for f in FeedbackRow._fields]
+        return [FeedbackRow(*values) for values in zip(*columns)]
 
     # --- questions ------------------------------------------------------------------------------------
 
@@ -257,7 +375,7 @@ class PendingStore:
     def stored_trajectories(self, keys: list[Key]) -> None:
         self.trajectories.add_many(keys)
         for key in keys:
-            self.pending.pop(key, None)
+            self.pending.pop(key)
 
     def stored_feedback(self, keys: list[tuple]) -> None:
         self.feedback.add_many(keys)
@@ -267,10 +385,7 @@ class PendingStore:
 
     def expire(self, now_ms: int) -> int:
         """Drops pending feedback ingested more than the expiry ago; returns how many went."""
-        old = [k for k, row in self.pending.items() if now_ms - row.ingested_at > self.expiry_ms]
-        for k in old:
-            del self.pending[k]
-        return len(old)
+        return self.pending.expire(now_ms - self.expiry_ms)
 
 
 def _concat(arrays: list[np.ndarray], dtype: type) -> np.ndarray:

@@ -69,6 +69,7 @@ def build(cfg: Config, metrics: IngestMetrics | None = None) -> Ingest:
         flush_rows=cfg.ingest.flush_rows,
         flush_seconds=cfg.ingest.flush_seconds,
         expiry_ms=int(cfg.ingest.pending_expiry_hours * 3_600_000),
+        max_pending_per_tenant=cfg.ingest.max_pending_feedback_per_tenant,
         session_timeout_ms=cfg.kafka.session_timeout_ms,
         heartbeat_interval_ms=cfg.kafka.heartbeat_interval_ms,
         metrics=metrics or IngestMetrics(port=cfg.ingest.metrics_port),

@@ -1,7 +1,8 @@
 """The join and the dedup, without Kafka: batches of records -> Parquet through the real store view.
 
 Covers: feedback before / after its interaction, across a restart (the view rebuilt from the datasets),
-days apart within and beyond the expiry; the first score wins; inline rewards and scorer functions;
+days apart within and beyond the expiry; the per-tenant cap on pending feedback (also after a restart);
+the first score wins; inline rewards and scorer functions;
 scorer failures and unknown tenants dead-lettered; replays of any range write nothing twice; a batch
 decided while the previous one is still being written (consumer.py's pipelining) decides the same.
 """
@@ -32,9 +33,10 @@ def bad_scorer(completion, prompt):
 class Harness:
     """Feeds records through Processor + write_output as consumer.py does, one call per batch."""
 
-    def __init__(self, root, *, scorers=None, unknown_tenant="create", expiry_hours=72):
+    def __init__(self, root, *, scorers=None, unknown_tenant="create", expiry_hours=72, max_pending_per_tenant=100_000):
         self.root = str(root)
         self.expiry_ms = int(expiry_hours * HOUR_MS)
+        self.max_pending = max_pending_per_tenant
         self.processor = Processor(
             scorers or {"fb": "feedback", "inl": "inline", "dig": "digits"},
             unknown_tenant=unknown_tenant, max_message_bytes=10_000,
@@ -44,7 +46,9 @@ class Harness:
         self.restart()
 
     def restart(self, now_ms=NOW_MS):
-        self.store = PendingStore.load(self.root, expiry_ms=self.expiry_ms, now_ms=now_ms)
+        self.store = PendingStore.load(
+            self.root, expiry_ms=self.expiry_ms, now_ms=now_ms, max_pending_per_tenant=self.max_pending
+        )
 
     def record(self, event_or_bytes) -> Record:
         topic = "f" if isinstance(event_or_bytes, FeedbackEvent) else "i"
@@ -132,6 +136,45 @@ def test_pending_feedback_leaves_memory_after_the_expiry(h):
     assert h.store.expire(NOW_MS + 73 * HOUR_MS) == 1 and not h.store.pending
     h.restart(now_ms=NOW_MS + 73 * HOUR_MS)  # nor is it reloaded
     assert not h.store.pending
+
+
+def test_pending_feedback_is_capped_per_tenant_and_the_oldest_leaves_memory_first(data_dir):
+    """A flood of feedback for ids that never arrive (any API key can send it) holds at most the cap per
+    tenant in memory; what leaves is still in feedback/, and counted."""
+    h = Harness(data_dir, max_pending_per_tenant=3)
+    out = h.feed(*(fb(f"x{i}", 0.5) for i in range(5)), fb("y", 0.5, tenant="inl"))
+    assert out.pending_dropped == {"over_cap": 2}
+    assert sorted(h.store.pending) == [("fb", "x2"), ("fb", "x3"), ("fb", "x4"), ("inl", "y")]
+    assert len(h.store.pending) == 4
+    out = h.feed(fb("x5", 0.5))
+    assert out.pending_dropped == {"over_cap": 1} and ("fb", "x2") not in h.store.pending
+    assert h.table("feedback").num_rows == 7  # every feedback event is kept
+    # A dropped one no longer scores its late interaction; one still waiting does.
+    h.feed(inter("x0"), inter("x5"))
+    assert h.rewards() == [("x5", 0.5, "feedback")]
+
+
+def test_the_cap_holds_after_a_restart_keeping_the_newest(data_dir, monkeypatch):
+    monkeypatch.setattr("ingest.pending.LOAD_CHUNK", 2)  # ids are checked for a trajectory a chunk at a time
+    h = Harness(data_dir, max_pending_per_tenant=3)
+    for i in range(5):  # one batch each, ingested a minute apart
+        h.feed(fb(f"x{i}", 0.5), now_ms=NOW_MS + i * 60_000)
+    h.feed(fb("x4", -1.0), inter("x3"), now_ms=NOW_MS + 5 * 60_000)  # x3 joined: not pending any more
+    h.restart(now_ms=NOW_MS + 6 * 60_000)
+    assert sorted(h.store.pending) == [("fb", "x1"), ("fb", "x2"), ("fb", "x4")]
+    assert h.store.pending.get(("fb", "x4")).score == 0.5  # the earliest feedback still wins
+    h.feed(inter("x4"), inter("x0"))
+    assert h.rewards() == [("x3", 0.5, "feedback"), ("x4", 0.5, "feedback")]
+
+
+def test_the_cap_never_drops_feedback_whose_interaction_has_arrived(data_dir):
+    """Feedback for an interaction stored (or in the same batch) joins at once: it is never pending."""
+    h = Harness(data_dir, max_pending_per_tenant=2)
+    h.feed(inter("a"))
+    h.feed(*(fb(f"flood{i}", 1.0) for i in range(5)), fb("a", 0.25), *(fb(f"more{i}", 1.0) for i in range(5)))
+    h.feed(inter("b"), *(fb(f"again{i}", 1.0) for i in range(5)), fb("b", -0.25))
+    assert h.rewards() == [("a", 0.25, "feedback"), ("b", -0.25, "feedback")]
+    assert len(h.store.pending) == 2
 
 
 def test_first_score_wins(h):

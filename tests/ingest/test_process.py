@@ -1,0 +1,24 @@
+"""ingest.process: the ingest section of the config reaches the objects `build` makes (no broker needed)."""
+
+import pytest
+from pydantic import ValidationError
+
+from clora.config import Config, IngestConfig
+from ingest.metrics import IngestMetrics
+from ingest.process import build
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_pending_feedback_cap_reaches_the_store_view(tmp_path):
+    cfg = Config(data_dir=tmp_path, ingest=IngestConfig(max_pending_feedback_per_tenant=7))
+    ingest = build(cfg, metrics=IngestMetrics())
+    assert ingest.max_pending_per_tenant == 7
+    ingest.load_store()
+    assert ingest.store.pending.cap == 7
+
+
+@pytest.mark.parametrize("field", ["max_pending_feedback_per_tenant"])
+def test_the_caps_are_at_least_one(field):
+    with pytest.raises(ValidationError, match=field):
+        IngestConfig(**{field: 0})
