@@ -292,7 +292,7 @@ class Learner:
         With `hold_partial`, a logs-mode backlog below the tenant's batch_size counts as 0 until it has
         been seen for `learner.batch_wait_seconds`: a step on one or two trajectories with sparse rewards
         is mostly noise, which Adam turns into a full-size step all the same."""
-        backlog = self.cursors.backlog()
+        backlog = self.cursors.backlog(include=self._owns)
         for name in backlog:
             if name not in self.tenants and self._owns(name):
                 self._set_spec(TenantSpec.default(name))

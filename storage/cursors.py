@@ -158,8 +158,10 @@ class Cursors:
 
         return retry_vanished(read, f"reading untrained trajectories of {tenant}")
 
-    def backlog(self) -> dict[str, int]:
-        """tenant -> number of its trajectories not yet trained (distinct ids)."""
+    def backlog(self, include: Callable[[str], bool] | None = None) -> dict[str, int]:
+        """tenant -> number of its trajectories not yet trained (distinct ids), for every tenant in storage or
+        those `include` accepts (a learner shard asks for its own: the others' backlogs cost it nothing, and
+        what it kept of a tenant it no longer asks for is let go)."""
 
         def read() -> dict[str, int]:
             out = {}
@@ -167,6 +169,9 @@ class Cursors:
                 try:
                     check_tenant(tenant)
                 except StorageError:
+                    continue
+                if include is not None and not include(tenant):
+                    self._backlogs.pop(tenant, None)
                     continue
                 self._untrained_index(tenant)
                 out[tenant] = self._backlogs[tenant].distinct

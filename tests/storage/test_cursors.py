@@ -63,6 +63,16 @@ def test_backlog_counts_untrained_per_tenant(data_dir, make_trajectories):
     assert cursors.backlog() == {"acme": 5, "globex": 4}, "new files are seen by the same instance"
 
 
+def test_a_shard_asks_only_for_its_own_tenants_backlog(data_dir, make_trajectories):
+    _ingest(data_dir, make_trajectories, "acme", 3)
+    _ingest(data_dir, make_trajectories, "globex", 1)
+    cursors = Cursors(data_dir)
+    assert cursors.backlog() == {"acme": 9, "globex": 3}
+    assert cursors.backlog(include=lambda t: t == "globex") == {"globex": 3}
+    assert set(cursors._backlogs) == {"globex"}, "what it kept of acme is let go"
+    assert cursors.backlog() == {"acme": 9, "globex": 3}, "and read again when asked for"
+
+
 def test_commit_returns_checkpoint_and_latest_checkpoint_finds_it(data_dir):
     cursors = Cursors(data_dir, keep_checkpoints=2)
     assert cursors.latest_checkpoint("acme") is None
