@@ -121,7 +121,13 @@ class IngestConfig(_Strict):
     flush_seconds: float = Field(1.0, gt=0, description="Write Parquet at least this often (freshness bound).")
     max_message_bytes: int = Field(1_000_000, ge=64, description="Larger messages are dead-lettered.")
     unknown_tenant: Literal["reject", "create"] = Field(
-        "create", description="Events of tenants absent from the config: dead-letter them, or create the tenant."
+        "create", description="Events of tenants absent from the config: dead-letter them, or create the tenant "
+        "(with the feedback scorer, up to max_auto_tenants)."
+    )
+    max_auto_tenants: int = Field(
+        64, ge=1, description="With unknown_tenant = \"create\": tenants absent from the config that may exist, those "
+        "already on disk included; events of further new tenants are dead-lettered (unknown_tenant). Any Kafka "
+        "producer can name a tenant, and each gets a partition in every dataset and a learner adapter."
     )
     pending_expiry_hours: float = Field(
         72.0, gt=0, description="Feedback or unscored interactions older than this without a partner are dropped."

@@ -3,7 +3,8 @@
 `Processor.process(records, store, now_ms)` reads top to bottom, one record at a time, in Kafka order:
 
     bytes --decode--> DeadLetter                      -> dead_letters (unless that offset is stored)
-                   -> tenant not configured, "reject" -> dead_letters, reason unknown_tenant
+                   -> tenant not configured, and "reject" or the cap on tenants created on the fly
+                      reached                         -> dead_letters, reason unknown_tenant
                    -> InteractionEvent -> interactions (unless (tenant, id) is stored)
                                        -> trajectories when it has a reward and (tenant, id) is not scored:
                                           the tenant's scorer function, else its inline `reward`, else
@@ -24,6 +25,16 @@ costs little more than its decoding.
 Which reward wins for one interaction: a scorer function (the tenant's config decides), else the inline
 reward, else the first feedback in partition order. Feedback for a function-scored tenant is kept in
 `feedback/` but scores nothing.
+
+Tenants not in the config: any Kafka producer can name any tenant, and each tenant gets a partition in
+every dataset (and a learner adapter), so names must not mint directories without limit. With
+ingest.unknown_tenant = "create", at most `max_auto_tenants` tenants the config does not list are created,
+counting those already on disk (the store lists the tenant partitions at load); tenants on disk are always
+served, new ones beyond the cap are dead-lettered. A dead letter is filed under its tenant's partition only
+when that tenant is configured or was created (now or before); otherwise under `_unknown`, the name it
+claimed kept in the detail, so neither "reject" nor a flood of malformed events makes a directory per name.
+With several ingest processes each counts the tenants on disk at its last load plus those it created, so
+the total can exceed the cap by what they create between loads.
 
 Nothing here touches Kafka or writes files; the store is read (and its `pending` map updated) only.
 """
@@ -55,6 +66,7 @@ from ingest.scorers import Scorer, ScorerError, ScorerSpecError, apply, build_sc
 logger = logging.getLogger(__name__)
 
 DEFAULT_SCORER = "feedback"  # the scorer of tenants created on the fly (ingest.unknown_tenant = "create")
+MAX_AUTO_TENANTS = 64  # the default of ingest.max_auto_tenants
 
 
 class Record(NamedTuple):
@@ -93,7 +105,8 @@ class Output:
 
 
 class Processor:
-    """Holds what does not change between batches: the tenants' scorers and the edge limits."""
+    """Holds what does not change between batches: the tenants' scorers and the edge limits, and which
+    tenants not in the config were created on the fly."""
 
     def __init__(
         self,
@@ -101,10 +114,16 @@ class Processor:
         *,
         unknown_tenant: Literal["reject", "create"],
         max_message_bytes: int,
+        max_auto_tenants: int = MAX_AUTO_TENANTS,
     ) -> None:
         self.specs = dict(scorers)
+        self.configured = frozenset(scorers)
         self.unknown_tenant = unknown_tenant
         self.max_message_bytes = max_message_bytes
+        self.max_auto_tenants = max_auto_tenants
+        self.auto: set[str] = set()  # tenants not configured that exist: created here or found on disk ("create")
+        self._merged: frozenset[str] | None = None  # the store's tenants_on_disk last added to `auto`
+        self._cap_logged = False
         # Built once, so a scorer that cannot be built (say, a python scorer that does not import) fails at
         # start, naming the tenant, rather than at the first event.
         self.functions: dict[str, Scorer] = {}
@@ -115,16 +134,39 @@ class Processor:
                 except ScorerSpecError as e:
                     raise ScorerSpecError(f"tenant {tenant!r}: {e}") from e
 
-    def spec(self, tenant: str) -> str | None:
-        """The tenant's scorer spec; None when the tenant is unknown and unknown tenants are rejected."""
-        spec = self.specs.get(tenant)
-        if spec is None and self.unknown_tenant == "create":
-            logger.info("tenant %r is not configured; creating it with scorer %r", tenant, DEFAULT_SCORER)
-            spec = self.specs[tenant] = DEFAULT_SCORER
-        return spec
+    def admit(self, tenant: str) -> str | None:
+        """None when events of `tenant` may be stored (a tenant not configured is created when the mode and
+        the cap allow; see the module docstring); otherwise why not, for the dead letter."""
+        if tenant in self.specs:
+            return None
+        if self.unknown_tenant == "reject":
+            return f'tenant {tenant!r} is not configured (ingest.unknown_tenant = "reject")'
+        if tenant not in self.auto:
+            if len(self.auto) >= self.max_auto_tenants:
+                if not self._cap_logged:  # once: each refused event is counted as an unknown_tenant dead letter
+                    self._cap_logged = True
+                    logger.warning(
+                        "ingest.max_auto_tenants (%d) reached (%d tenants not in the config exist): events of further "
+                        "new tenants are dead-lettered (unknown_tenant), the first of them %r",
+                        self.max_auto_tenants, len(self.auto), tenant,
+                    )
+                return (f"tenant {tenant!r} is not configured, and ingest.max_auto_tenants ({self.max_auto_tenants}) "
+                        f"tenants were created on the fly already")
+            self.auto.add(tenant)
+        logger.info("tenant %r is not configured; serving it with scorer %r (%d tenants not in the config, "
+                    "ingest.max_auto_tenants = %d)", tenant, DEFAULT_SCORER, len(self.auto), self.max_auto_tenants)
+        self.specs[tenant] = DEFAULT_SCORER
+        return None
+
+    def _known(self, tenant: str) -> bool:
+        """Whether `tenant` has (or may have) partitions of its own: configured, or created on the fly."""
+        return tenant in self.specs or tenant in self.auto
 
     def process(self, records: list[Record], store: PendingStore, now_ms: int) -> Output:
         out = Output()
+        if self.unknown_tenant == "create" and store.tenants_on_disk is not self._merged:  # a view (re)loaded
+            self.auto |= store.tenants_on_disk - self.configured
+            self._merged = store.tenants_on_disk
         ranges = out.ranges
         for rec in records:
             tp = (rec.topic, rec.partition)
@@ -157,6 +199,9 @@ class Processor:
                 out.pending_dropped["over_cap"] += 1
 
         def reject(dl: DeadLetter, raw: bytes, at: Coords) -> None:
+            if dl.tenant is not None and not self._known(dl.tenant):  # no partition for a name anyone can claim
+                detail = dl.detail if dl.reason == "unknown_tenant" else f"{dl.detail} (tenant {dl.tenant!r}, not configured)"
+                dl = DeadLetter(dl.reason, detail, None, dl.id)
             rejected = Rejected(dead_letter_row(dl, raw, at, now_ms), raw, at)
             if at in store.dead_letters:
                 # In dead_letters/ already: a replay after a crash that may have come before this batch's
@@ -173,10 +218,13 @@ class Processor:
             if type(ev) is DeadLetter:
                 reject(ev, raw, at)
                 continue
-            spec = specs.get(ev.tenant) or self.spec(ev.tenant)
+            spec = specs.get(ev.tenant)
             if spec is None:
-                reject(DeadLetter("unknown_tenant", f"tenant {ev.tenant!r} is not configured", ev.tenant, ev.id), raw, at)
-                continue
+                why = self.admit(ev.tenant)
+                if why is not None:
+                    reject(DeadLetter("unknown_tenant", why, ev.tenant, ev.id), raw, at)
+                    continue
+                spec = specs[ev.tenant]
             key = (ev.tenant, ev.id)
             function = functions.get(spec)
 

@@ -16,6 +16,8 @@ see below):
   dead_letters    KeyIndex (topic, partition, offset): rejected messages already stored
   pending         PendingFeedback (tenant, id) -> the earliest unjoined FeedbackRow, ingested within the
                   expiry, at most `max_pending_per_tenant` per tenant
+  tenants_on_disk frozenset: tenants with a partition in interactions/, feedback/ or trajectories/ at load
+                  (batch.py counts the tenants created on the fly from it)
 
 Memory: 12 bytes per stored row for the indexes (index.py), plus one entry per piece of feedback that is
 waiting (feedback for interactions not seen yet), plus the file list below. Interaction rows themselves
@@ -72,7 +74,7 @@ import pyarrow.compute as pc
 
 from ingest.index import KeyIndex
 from ingest.rows import FEEDBACK_KEY_COLUMNS, FeedbackRow, InteractionRow, interaction_rows
-from storage.layout import StorageError, as_datadir
+from storage.layout import UNKNOWN_TENANT, StorageError, as_datadir
 from storage.parquet import (
     READ_ATTEMPTS,
     live_files,
@@ -93,6 +95,8 @@ RELOAD_MIN_FILES = 4096  # the file list grows by at least this much between two
 ROWS_PER_RELOAD_FILE = 64  # ... and by at least 1/64 of the stored interactions (a rebuild reads them all)
 MAX_PENDING_PER_TENANT = 100_000  # the default of ingest.max_pending_feedback_per_tenant
 LOAD_CHUNK = 65_536  # ids checked against the trajectories index at once when pending feedback is loaded
+# Where a tenant's partition means it exists (dead_letters/ does not: it held names nobody admitted).
+TENANT_DATASETS = ("interactions", "feedback", "trajectories")
 
 
 class PendingFeedback:
@@ -175,6 +179,7 @@ class PendingStore:
         self.feedback = KeyIndex()
         self.dead_letters = KeyIndex()
         self.pending = PendingFeedback(max_pending_per_tenant)
+        self.tenants_on_disk: frozenset[str] = frozenset()
         self.files: list[str] = []  # interactions file number -> path ("" while its write is in flight)
         self.unwritten: dict[Key, InteractionRow] = {}  # interactions of the batch being written
         self._reserved: dict[str, int] = {}  # tenant -> its file number in the batch being written
@@ -197,6 +202,9 @@ class PendingStore:
             "loading dead-letter offsets",
         )
         retry_vanished(lambda: store._load_pending(now_ms), "loading pending feedback")
+        store.tenants_on_disk = frozenset(
+            t for dataset in TENANT_DATASETS for t in partition_tenants(store.root, dataset) if t != UNKNOWN_TENANT
+        )
         logger.info(
             "store loaded: %d interactions (%d files), %d trajectories, %d feedback, %d dead letters, %d pending feedback",
             len(store.interactions), len(store.files), len(store.trajectories), len(store.feedback),

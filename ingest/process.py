@@ -57,6 +57,7 @@ def build(cfg: Config, metrics: IngestMetrics | None = None) -> Ingest:
         {t.name: t.scorer for t in cfg.tenants},
         unknown_tenant=cfg.ingest.unknown_tenant,
         max_message_bytes=cfg.ingest.max_message_bytes,
+        max_auto_tenants=cfg.ingest.max_auto_tenants,
     )
     return Ingest(
         root=str(cfg.data_dir),

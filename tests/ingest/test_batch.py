@@ -3,7 +3,7 @@
 Covers: feedback before / after its interaction, across a restart (the view rebuilt from the datasets),
 days apart within and beyond the expiry; the per-tenant cap on pending feedback (also after a restart);
 the first score wins; inline rewards and scorer functions;
-scorer failures and unknown tenants dead-lettered; replays of any range write nothing twice; a batch
+scorer failures and unknown tenants dead-lettered (under `_unknown`), the cap on tenants created on the fly; replays of any range write nothing twice; a batch
 decided while the previous one is still being written (consumer.py's pipelining) decides the same.
 """
 
@@ -33,13 +33,14 @@ def bad_scorer(completion, prompt):
 class Harness:
     """Feeds records through Processor + write_output as consumer.py does, one call per batch."""
 
-    def __init__(self, root, *, scorers=None, unknown_tenant="create", expiry_hours=72, max_pending_per_tenant=100_000):
+    def __init__(self, root, *, scorers=None, unknown_tenant="create", expiry_hours=72, max_pending_per_tenant=100_000,
+                 max_auto_tenants=64):
         self.root = str(root)
         self.expiry_ms = int(expiry_hours * HOUR_MS)
         self.max_pending = max_pending_per_tenant
         self.processor = Processor(
             scorers or {"fb": "feedback", "inl": "inline", "dig": "digits"},
-            unknown_tenant=unknown_tenant, max_message_bytes=10_000,
+            unknown_tenant=unknown_tenant, max_message_bytes=10_000, max_auto_tenants=max_auto_tenants,
         )
         self.offsets: dict[str, int] = {}
         self.log: list[Record] = []
@@ -208,13 +209,52 @@ def test_scorer_failure_and_unknown_tenant_are_dead_letters(data_dir):
     dl = h.table("dead_letters")
     by_reason = dict(zip(dl.column("reason").to_pylist(), dl.column("detail").to_pylist()))
     assert "ZeroDivisionError" in by_reason["scorer_error"] and "scorer bug" in by_reason["scorer_error"]
-    assert sorted(dl.column("tenant").to_pylist()) == ["_unknown", "bad", "stranger"]
+    assert sorted(dl.column("tenant").to_pylist()) == ["_unknown", "_unknown", "bad"]
     assert h.table("interactions").column("id").to_pylist() == ["c"]
+
+
+def test_dead_letters_of_tenants_not_configured_go_under_unknown_naming_the_claimed_tenant(data_dir):
+    """Any producer can claim any tenant name: its dead letters must not make a directory per name."""
+    h = Harness(data_dir, scorers={"fb": "feedback"}, unknown_tenant="reject")
+    missing_completion = b'{"type": "interaction", "id": "x", "tenant": "ghost", "ts": 0, "prompt": "p"}'
+    out = h.feed(inter("a", tenant="stranger"), fb("a", 1.0, tenant="stranger"), missing_completion,
+                 b'{"type": "interaction", "id": "y", "tenant": "fb", "ts": 0}')
+    assert out.reasons == {"unknown_tenant": 2, "missing_completion": 2}
+    dl = h.table("dead_letters")
+    rows = sorted(zip(dl.column("tenant").to_pylist(), dl.column("reason").to_pylist(), dl.column("detail").to_pylist()))
+    assert [(t, r) for t, r, _ in rows] == [("_unknown", "missing_completion"), ("_unknown", "unknown_tenant"),
+                                            ("_unknown", "unknown_tenant"), ("fb", "missing_completion")]
+    assert "'ghost'" in rows[0][2] and all("'stranger'" in d for _, _, d in rows[1:3])
+    assert sorted(p.name for p in (data_dir / "dead_letters").iterdir()) == ["tenant=_unknown", "tenant=fb"]
+    assert [r.row.tenant for r in out.dead_letters] == ["_unknown"] * 3 + ["fb"]  # the dead-letter topic's key
 
 
 def test_unknown_tenant_created_with_feedback_scoring(h):
     h.feed(inter("a", tenant="newcomer"), fb("a", 0.5, tenant="newcomer"))
     assert h.rewards() == [("a", 0.5, "feedback")]
+
+
+def test_tenants_created_on_the_fly_are_capped_also_across_a_restart(data_dir):
+    h = Harness(data_dir, max_auto_tenants=2)
+    out = h.feed(inter("a", tenant="new1"), fb("a", 0.5, tenant="new2"), inter("b", tenant="new3"), inter("c"),
+                 b'{"type": "interaction", "id": "d", "tenant": "new4", "ts": 0}')
+    assert out.reasons == {"unknown_tenant": 1, "missing_completion": 1}
+    (refused,) = [d.row for d in out.dead_letters if d.row.reason == "unknown_tenant"]
+    assert refused.tenant == "_unknown" and "'new3'" in refused.detail and "ingest.max_auto_tenants (2)" in refused.detail
+    assert h.feed(inter("e", tenant="new1"), inter("f", tenant="new2")).reasons == {}  # created ones go on
+    assert sorted(p.name for p in (data_dir / "dead_letters").iterdir()) == ["tenant=_unknown"]
+    assert "tenant=new3" not in {p.name for d in data_dir.iterdir() for p in d.iterdir()}
+
+    # A new process counts the tenants on disk that the config does not list (configured ones do not count).
+    again = Harness(data_dir, max_auto_tenants=2)
+    again.offsets = dict(h.offsets)
+    out = again.feed(inter("g", tenant="new5"), inter("h", tenant="new2"), inter("i", tenant="inl"))
+    assert out.reasons == {"unknown_tenant": 1} and "'new5'" in out.dead_letters[0].row.detail
+    # ... and more of them on disk than the cap (say, from before it was lowered) are all still served
+    lower = Harness(data_dir, max_auto_tenants=1)
+    lower.offsets = dict(again.offsets)
+    assert lower.feed(inter("j", tenant="new1"), inter("k", tenant="new2")).reasons == {}
+    assert lower.feed(inter("l", tenant="new6")).reasons == {"unknown_tenant": 1}
 
 
 def test_replays_write_nothing_twice(h):
