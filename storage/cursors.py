@@ -4,15 +4,23 @@ On disk, per tenant:
     cursors/<tenant>/step-<step>/commit.json     {"format", "tenant", "step", "n_ids", "created_at"}
     cursors/<tenant>/step-<step>/ids.parquet     the trajectory ids trained at that step
     cursors/<tenant>/step-<step>/checkpoint/     what the learner's checkpoint(dir) wrote (adapter + optimizer)
-    cursors/<tenant>/trained-<step>.parquet      optional snapshot: every id trained at steps <= <step>
+    cursors/<tenant>/trained-<first>-<last>.parquet   snapshot: every id trained at steps first..last
 
 `commit` builds a step directory under a hidden staging name (checkpoint files, ids, commit.json), fsyncs
 it and renames it into place: the ids and the checkpoint become visible together or not at all. Only the
 newest `keep_checkpoints` step directories keep their checkpoint/; older ones keep just their ids.
 
 The cursor is a set of trajectory *ids*, never file names or offsets, so compaction of the trajectory
-files (which renames and merges them) cannot move it. `compact` folds the per-step id files into one
-snapshot so a learner restart reads a few files, not one per step ever taken.
+files (which renames and merges them) cannot move it. `compact` folds the per-step id files into a
+snapshot so a learner restart reads a few files, not one per step ever taken. Snapshots are tiered, so a
+compaction costs the steps it folds, not the history (a learner compacts every 100 steps, for ever): the
+new steps become one snapshot, which is merged with the one before while it holds at least as many ids,
+and so on (a binary counter). Every id is rewritten about log2(compactions) times in all (~10 after 1,000
+compactions, where rewriting the history each time would be ~500), and a cursor is a chain of at most
+~log2(compactions) snapshots: first..last ranges that follow one another from step 0 (a snapshot named `trained-<last>.parquet`, which older versions wrote, is the range 0..last).
+After a crash between writing a merged snapshot and deleting what it merged, both are there: readers
+take, from each starting step, the snapshot that reaches furthest, and the next compaction deletes the
+ones no chain uses.
 
 Reads are lock-free; `commit` and `compact` take a per-tenant lock (one learner owns a tenant at a time).
 
@@ -70,7 +78,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d{20})$")
-_SNAPSHOT = re.compile(r"^trained-(\d{20})\.parquet$")
+_SNAPSHOT = re.compile(r"^trained-(?:(\d{20})-)?(\d{20})\.parquet$")  # first (0 when absent), last
 _INDEX_SCHEMA = pa.schema([TRAJECTORIES.field("id"), TRAJECTORIES.field("ingested_at")])
 _IDS_SCHEMA = pa.schema([pa.field("id", pa.string(), nullable=False)], metadata={b"clora.cursor_format": b"1"})
 # Untrained rows and where they are. `file` is a file's number in _Backlog.files (pending rows, which also
@@ -86,6 +94,50 @@ class CursorError(StorageError):
 
 def _step_name(step: int) -> str:
     return f"step-{step:020d}"
+
+
+@dataclass(frozen=True, order=True)
+class _Snapshot:
+    first: int
+    last: int
+    path: Path = field(compare=False)
+
+
+def _snapshot_name(first: int, last: int) -> str:
+    return f"trained-{first:020d}-{last:020d}.parquet"
+
+
+def _chain(snapshots: list[_Snapshot]) -> list[_Snapshot]:
+    """The snapshots that hold the cursor: from step 0, each time the one starting where the last ended that
+    reaches furthest (a crash may leave a merged snapshot beside the ones it merged)."""
+    by_first: dict[int, _Snapshot] = {}
+    for snap in snapshots:
+        if snap.first not in by_first or snap.last > by_first[snap.first].last:
+            by_first[snap.first] = snap
+    chain, at = [], 0
+    while at in by_first:
+        chain.append(by_first[at])
+        at = by_first[at].last + 1
+    return chain
+
+
+def _rows(path: Path) -> int:
+    with pq.ParquetFile(path) as f:
+        return f.metadata.num_rows
+
+
+def _write_ids(final: Path, sources: list[Path]) -> None:
+    """One ids file from `sources`, streamed (one batch of ids in memory at a time), written durably. An id
+    in two sources (the learner never commits one twice) would be kept twice; readers take a set."""
+
+    def write(tmp: Path) -> None:
+        with pq.ParquetWriter(tmp, _IDS_SCHEMA) as out:
+            for path in sources:
+                with pq.ParquetFile(path) as ids_file:
+                    for batch in ids_file.iter_batches(batch_size=_READ_BATCH, columns=["id"]):
+                        out.write_batch(pa.record_batch([batch.column("id")], schema=_IDS_SCHEMA))
+
+    write_new_file(final, write)
 
 
 @dataclass
@@ -127,7 +179,7 @@ class Cursors:
 
     def latest_step(self, tenant: str) -> int | None:
         snapshots, steps = self._listing(tenant)
-        return max([s for s, _ in steps] + [s for s, _ in snapshots], default=None)
+        return max([s for s, _ in steps] + [snap.last for snap in snapshots], default=None)
 
     def untrained(self, tenant: str, limit: int | None = None) -> pa.Table:
         """Trajectories of `tenant` not yet trained, oldest first by ingested_at (TRAJECTORIES schema)."""
@@ -223,31 +275,33 @@ class Cursors:
         return final / "checkpoint"
 
     def compact(self, tenant: str) -> int:
-        """Folds the per-step id files into one snapshot; returns how many step files it folded (0: nothing to do)."""
+        """Folds the per-step id files into the snapshot chain; returns how many step files it folded (0:
+        nothing to do). Costs the steps it folds plus the merges the chain's sizes call for (see the module
+        note), not a rewrite of every id trained so far."""
         check_tenant(tenant)
         tenant_dir = self.dd.tenant_cursors(tenant)
         with FileLock(self._lock_path(tenant)):
-            snapshots = self._snapshots(tenant)
-            base = snapshots[-1][0] if snapshots else -1
-            newer = [(s, p) for s, p in self._steps(tenant) if s > base]
-            if not newer or (len(newer) == 1 and not snapshots):
+            snapshots, steps = self._listing(tenant)
+            chain = _chain(snapshots)
+            end = chain[-1].last if chain else -1
+            newer = [(s, p) for s, p in steps if s > end]
+            if not newer or (len(newer) == 1 and not chain):
                 return 0
             top = newer[-1][0]
-            sources = self._trained_sources(tenant)
-
-            def write(tmp: Path) -> None:
-                # Streamed: folding a long history holds one batch of ids at a time, not all of them. An id
-                # committed at two steps (the learner never does) would be kept twice; readers take a set.
-                with pq.ParquetWriter(tmp, _IDS_SCHEMA) as out:
-                    for path in sources:
-                        with pq.ParquetFile(path) as ids_file:
-                            for batch in ids_file.iter_batches(batch_size=_READ_BATCH, columns=["id"]):
-                                out.write_batch(pa.record_batch([batch.column("id")], schema=_IDS_SCHEMA))
-
-            write_new_file(tenant_dir / f"trained-{top:020d}.parquet", write)
-            # The snapshot covers everything up to `top`: older snapshots and checkpoint-less step dirs go.
-            for _, path in snapshots:
-                path.unlink(missing_ok=True)
+            folded = _Snapshot(end + 1, top, tenant_dir / _snapshot_name(end + 1, top))
+            _write_ids(folded.path, [p / "ids.parquet" for _, p in newer])
+            chain.append(folded)
+            while len(chain) > 1 and _rows(chain[-1].path) >= _rows(chain[-2].path):  # a binary counter
+                older, newest = chain[-2], chain[-1]
+                merged = _Snapshot(older.first, newest.last, tenant_dir / _snapshot_name(older.first, newest.last))
+                _write_ids(merged.path, [older.path, newest.path])
+                chain[-2:] = [merged]
+                for gone in (older, newest):  # after the merged one is durable; a crash before leaves both
+                    gone.path.unlink(missing_ok=True)
+            kept = {snap.path for snap in chain}
+            for snap in self._listing(tenant)[0]:  # what earlier crashes or older versions left
+                if snap.path not in kept and snap.last <= top:
+                    snap.path.unlink(missing_ok=True)
             for s, path in self._steps(tenant):
                 if s <= top and not (path / "checkpoint").exists():
                     remove_tree(path)
@@ -260,17 +314,14 @@ class Cursors:
     def _steps(self, tenant: str) -> list[tuple[int, Path]]:
         return self._listing(tenant)[1]
 
-    def _snapshots(self, tenant: str) -> list[tuple[int, Path]]:
-        return self._listing(tenant)[0]
-
-    def _listing(self, tenant: str) -> tuple[list[tuple[int, Path]], list[tuple[int, Path]]]:
-        """(snapshots, step directories) of the tenant's cursor, each by number, from one read of the directory."""
+    def _listing(self, tenant: str) -> tuple[list[_Snapshot], list[tuple[int, Path]]]:
+        """(snapshots, step directories by number) of the tenant's cursor, from one read of the directory."""
         d = self.dd.tenant_cursors(tenant)
         try:
             names = os.listdir(d)
         except FileNotFoundError:
             return [], []
-        snapshots = sorted((int(m[1]), d / n) for n in names if (m := _SNAPSHOT.match(n)))
+        snapshots = sorted(_Snapshot(int(m[1] or 0), int(m[2]), d / n) for n in names if (m := _SNAPSHOT.match(n)))
         steps = sorted((int(m[1]), d / n) for n in names if (m := _STEP_DIR.match(n)))
         return snapshots, steps
 
@@ -283,15 +334,13 @@ class Cursors:
         )
 
     def _trained_sources(self, tenant: str) -> list[Path]:
-        """The files that hold the cursor: the newest snapshot, then the ids of every later step. From one
+        """The files that hold the cursor: the snapshot chain, then the ids of every later step. From one
         listing: a compaction running meanwhile writes a snapshot and then deletes the steps it covers, so a
         snapshot listed before it and steps listed after it would miss those steps' ids."""
         snapshots, steps = self._listing(tenant)
-        base, sources = -1, []
-        if snapshots:
-            base, path = snapshots[-1]
-            sources.append(path)
-        return sources + [p / "ids.parquet" for s, p in steps if s > base]
+        chain = _chain(snapshots)
+        end = chain[-1].last if chain else -1
+        return [snap.path for snap in chain] + [p / "ids.parquet" for s, p in steps if s > end]
 
     def _read_trained(self, sources: list[Path]) -> pa.Array:
         """Every id in `sources` (duplicates possible), read from disk: for `trained_ids` and `compact`, not
@@ -327,22 +376,21 @@ class Cursors:
         return state.index, paths
 
     def _follow_cursor(
-        self, state: _Backlog, snapshots: list[tuple[int, Path]], steps: list[tuple[int, Path]]
+        self, state: _Backlog, snapshots: list[_Snapshot], steps: list[tuple[int, Path]]
     ) -> _Backlog:
         """`state` with the ids of the listed cursor in `trained` and gone from `pending` (a new state when
         the cursor went back). Reads everything before changing anything."""
-        top = snapshots[-1][0] if snapshots else -1
+        chain = _chain(snapshots)
+        top = chain[-1].last if chain else -1
         newest = max([top, *(s for s, _ in steps)])
         if newest < state.through:  # the cursor went back (deleted by hand): start over
             state = _Backlog()
-        newer = [(s, p) for s, p in steps if s > state.through]
-        # Steps up to the snapshot's that are not listed were folded into it (and deleted) since the last
-        # call, or before this instance's first: their ids are only in the snapshot, so read it.
-        folded_unseen = top > state.through and sum(s <= top for s, _ in newer) != top - state.through
-        if folded_unseen:
-            sources = [snapshots[-1][1]] + [p / "ids.parquet" for s, p in steps if s > top]
-        else:
-            sources = [p / "ids.parquet" for _, p in newer]
+        # A snapshot reaching past what this instance has read may hold steps it never saw (folded and
+        # deleted since its last call, or before its first): read it. Steps it read itself before they were
+        # folded are not read again: then the snapshot ends at or before `through`.
+        unseen = [snap for snap in chain if snap.last > state.through]
+        read_to = max(state.through, unseen[-1].last if unseen else -1)
+        sources = [snap.path for snap in unseen] + [p / "ids.parquet" for s, p in steps if s > read_to]
         his, los = [], []
         for path in sources:
             with pq.ParquetFile(path) as ids_file:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import random
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pyarrow.compute as pc
 import pytest
 
@@ -208,7 +211,7 @@ def test_cursor_snapshot_keeps_every_trained_id(data_dir):
     tenant_dir = data_dir / "cursors" / "acme"
     assert sorted(p.name for p in tenant_dir.iterdir()) == [
         "step-00000000000000000005",
-        "trained-00000000000000000005.parquet",
+        "trained-00000000000000000000-00000000000000000005.parquet",
     ]
     assert Cursors(data_dir).trained_ids("acme") == expected
     assert cursors.trained_ids("acme") == expected
@@ -296,7 +299,7 @@ def test_a_snapshot_folding_steps_the_reader_never_saw_hides_their_ids(data_dir,
     assert other.compact("acme") == 4
     assert sorted(p.name for p in (data_dir / "cursors" / "acme").iterdir()) == [
         "step-00000000000000000004",
-        "trained-00000000000000000004.parquet",
+        "trained-00000000000000000000-00000000000000000004.parquet",
     ], "steps 2 and 3 are only in the snapshot now"
     assert reader.backlog() == {"acme": 4}
     assert reader.untrained("acme").column("id").to_pylist() == ids[8:]
@@ -428,3 +431,88 @@ def test_ids_whose_first_64_hash_bits_collide_are_still_told_apart(data_dir, mak
     write_dataset(data_dir, "trajectories", make_trajectories(ids[:3] + ["late"], "acme", start=1000), file_id="late")
     assert reader.backlog() == {"acme": 9}
     assert reader.untrained("acme").column("id").to_pylist() == ids[12:] + ["late"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tiered snapshots: a compaction costs the steps it folds, not the history
+
+
+def _snapshot_names(data_dir) -> list[str]:
+    return sorted(p.name for p in (data_dir / "cursors" / "acme").iterdir() if p.name.startswith("trained-"))
+
+
+def test_compaction_rewrites_each_id_a_few_times_not_the_history_every_time(data_dir, monkeypatch):
+    written = []
+    real = cursors_module._write_ids
+
+    def counting(final, sources):
+        real(final, sources)
+        written.append(cursors_module._rows(final))
+
+    monkeypatch.setattr(cursors_module, "_write_ids", counting)
+    cursors = Cursors(data_dir, keep_checkpoints=1)
+    expected = set()
+    for s in range(1, 401):
+        ids = [f"id{s}a", f"id{s}b"]
+        cursors.commit("acme", step=s, ids=ids, checkpoint=_checkpoint(f"s{s}"))
+        expected.update(ids)
+        if s % 10 == 0:
+            cursors.compact("acme")
+    # 800 ids in 40 compactions: rewriting the history each time would write 16,400 ids; a binary counter
+    # writes each id about log2(40) + 1 times.
+    assert sum(written) <= (math.log2(40) + 1) * len(expected), sum(written)
+    assert len(_snapshot_names(data_dir)) <= math.log2(40) + 1, _snapshot_names(data_dir)
+    assert Cursors(data_dir).trained_ids("acme") == expected
+    assert cursors.trained_ids("acme") == expected and cursors.latest_step("acme") == 400
+
+
+def test_a_snapshot_an_older_version_wrote_is_the_chain_from_step_zero(data_dir, make_trajectories):
+    ids = _ingest(data_dir, make_trajectories, "acme", 2)
+    tenant_dir = data_dir / "cursors" / "acme"
+    tenant_dir.mkdir(parents=True)
+    pq.write_table(pa.table({"id": pa.array(ids[:3], pa.string())}, schema=cursors_module._IDS_SCHEMA),
+                   tenant_dir / "trained-00000000000000000007.parquet")
+    cursors = Cursors(data_dir, keep_checkpoints=1)
+    assert cursors.latest_step("acme") == 7 and cursors.trained_ids("acme") == set(ids[:3])
+    assert cursors.backlog() == {"acme": 3}
+    cursors.commit("acme", step=8, ids=ids[3:5], checkpoint=_checkpoint("s8"))
+    cursors.commit("acme", step=9, ids=ids[5:], checkpoint=_checkpoint("s9"))
+    assert cursors.compact("acme") == 2
+    assert _snapshot_names(data_dir) == ["trained-00000000000000000000-00000000000000000009.parquet"]
+    assert Cursors(data_dir).trained_ids("acme") == set(ids) and cursors.backlog() == {"acme": 0}
+
+
+def test_a_crash_between_a_merge_and_its_deletions_is_read_right_and_cleaned_up(data_dir, make_trajectories,
+                                                                                   monkeypatch):
+    ids = _ingest(data_dir, make_trajectories, "acme", 2)
+    cursors = Cursors(data_dir, keep_checkpoints=1)
+    for s in (1, 2):
+        cursors.commit("acme", step=s, ids=[ids[s - 1]], checkpoint=_checkpoint(f"s{s}"))
+    cursors.compact("acme")  # 0..2
+    for s in (3, 4):
+        cursors.commit("acme", step=s, ids=[ids[s - 1]], checkpoint=_checkpoint(f"s{s}"))
+    real_unlink = Path.unlink
+
+    def crash_on_snapshots(self, *args, **kwargs):
+        if self.name.startswith("trained-"):
+            raise SystemExit("killed")
+        return real_unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", crash_on_snapshots)
+    with pytest.raises(SystemExit):
+        cursors.compact("acme")  # folds 3..4, merges with 0..2 (as many ids), dies before deleting
+    monkeypatch.undo()
+    assert _snapshot_names(data_dir) == [
+        "trained-00000000000000000000-00000000000000000002.parquet",
+        "trained-00000000000000000000-00000000000000000004.parquet",
+        "trained-00000000000000000003-00000000000000000004.parquet",
+    ]
+    fresh = Cursors(data_dir, keep_checkpoints=1)
+    assert fresh.trained_ids("acme") == set(ids[:4]) and fresh.backlog() == {"acme": 2}
+    fresh.commit("acme", step=5, ids=[ids[4]], checkpoint=_checkpoint("s5"))
+    fresh.compact("acme")
+    assert _snapshot_names(data_dir) == [  # the leftovers are gone; 5..5 is smaller than 0..4, so not merged
+        "trained-00000000000000000000-00000000000000000004.parquet",
+        "trained-00000000000000000005-00000000000000000005.parquet",
+    ]
+    assert Cursors(data_dir).trained_ids("acme") == set(ids[:5])
