@@ -140,6 +140,16 @@ class IngestConfig(_Strict):
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port of the ingest process (0: none).")
 
 
+class CompactionConfig(_Strict):
+    every_seconds: float = Field(
+        600.0, ge=0, description="`clora up` runs `clora compact --every` as a child at this interval: ingest writes "
+        "a file per flush per tenant (~86,000 a day), which every listing would otherwise read. 0: not run."
+    )
+    grace_seconds: float = Field(
+        60.0, ge=0, description="Merged inputs are deleted once the merged file is this old (running queries finish)."
+    )
+
+
 class LearnerConfig(_Strict):
     scheduler: Literal["round_robin", "most_backlog", "fair_share"] = Field(
         "round_robin", description="How the next tenant is chosen."
@@ -286,6 +296,7 @@ class Config(_Strict):
     serving: ServingConfig = Field(default_factory=ServingConfig, description="The serving tier.")
     ingest: IngestConfig = Field(default_factory=IngestConfig, description="The ingest process.")
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The learner process.")
+    compaction: CompactionConfig = Field(default_factory=CompactionConfig, description="Background compaction.")
     tenants: list[TenantConfig] = Field(default_factory=list, description="Tenants, each owning one adapter.")
 
     @model_validator(mode="after")

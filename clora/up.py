@@ -1,7 +1,7 @@
 """`clora up`: the whole loop on one machine as supervised child processes.
 
 Children, in start order: the embedded broker (unless an external Kafka is configured), serving, ingest,
-learner. Each is the same process a deployment runs alone (`python -m serving`, ...), so `up` adds no
+learner, and the compactor (`clora compact --every`, unless [compaction] every_seconds is 0). Each is the same process a deployment runs alone (`python -m serving`, ...), so `up` adds no
 behaviour of its own: it starts them, waits until each is healthy (a child that exits while starting is
 started again, with backoff, up to 3 attempts in all), prefixes their output, restarts a child that
 crashes (with exponential backoff, and says so), and stops them in a safe order on Ctrl-C/SIGTERM:
@@ -264,7 +264,10 @@ def stack_specs(cfg, config_path: str | None) -> tuple[list[ChildSpec], list[str
         specs.append(ChildSpec(name, [*py, "learner", *conf, *flag], healthy=marked_ready(learner_process_name(shard)),
                                start_timeout=600, stop_timeout=120, env=learner_env))
         learners.append(name)
-    return specs, ["serving", *learners, "ingest", "broker"]
+    if cfg.compaction.every_seconds > 0:  # any moment is a safe one to stop it (compact.py)
+        specs.append(ChildSpec("compactor", [*py, "clora", "compact", "--every", f"{cfg.compaction.every_seconds:g}",
+                                             *conf], healthy=marked_ready("compactor"), stop_timeout=30))
+    return specs, ["compactor", "serving", *learners, "ingest", "broker"]
 
 
 def ports_taken(cfg) -> list[str]:

@@ -58,10 +58,18 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p.add_argument(
         "--grace",
         type=float,
-        default=60.0,
+        default=None,
         metavar="SECONDS",
         help="delete merged inputs only once the merged file is this old, so running queries finish "
-        "(default 60; 0 deletes them now)",
+        "(default: [compaction] grace_seconds, 60; 0 deletes them now)",
+    )
+    p.add_argument(
+        "--every",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="run again every SECONDS until stopped (SIGTERM, Ctrl-C); `clora up` runs it so, every "
+        "[compaction] every_seconds",
     )
     p.set_defaults(func=cmd_compact)
 
@@ -243,18 +251,58 @@ def cmd_adapters_retire(args: argparse.Namespace) -> int:
 
 def cmd_compact(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
+
+    cfg = config_from_args(args)
+    grace = cfg.compaction.grace_seconds if args.grace is None else args.grace
+    if grace < 0:
+        print("clora compact: --grace must be >= 0", file=sys.stderr)
+        return 2
+    if args.every is None:
+        return _compact_once(cfg, args, grace)
+    if args.every <= 0:
+        print("clora compact: --every must be > 0 seconds", file=sys.stderr)
+        return 2
+    return _compact_every(cfg, args, grace)
+
+
+def _compact_once(cfg, args: argparse.Namespace, grace: float) -> int:
     from storage.compact import compact
     from storage.layout import StorageError
 
-    cfg = config_from_args(args)
     try:
-        results = compact(cfg.data_dir, args.dataset, args.tenant, grace_s=args.grace)
+        results = compact(cfg.data_dir, args.dataset, args.tenant, grace_s=grace)
     except StorageError as e:
         print(f"clora compact: {e}", file=sys.stderr)
         return 1
     for r in results:
         if r.inputs or r.removed or r.waiting or r.skipped:
-            print(r)
+            print(r, flush=True)
     merged = sum(r.inputs for r in results)
-    print(f"compacted {merged} files in {sum(1 for r in results if r.outputs)} partition(s)")
+    print(f"compacted {merged} files in {sum(1 for r in results if r.outputs)} partition(s)", flush=True)
+    return 0
+
+
+def _compact_every(cfg, args: argparse.Namespace, grace: float) -> int:
+    """The loop `clora up` runs: a run every `args.every` seconds until SIGTERM or Ctrl-C. A run that fails
+    (a disk error, a file that will not read) is reported and the next one comes on time."""
+    import signal
+    import threading
+    import time
+
+    from storage.files import mark_ready
+    from storage.layout import DataDir
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    mark_ready(DataDir(cfg.data_dir).state, "compactor")
+    print(f"compacting {cfg.data_dir} every {args.every:g}s (Ctrl-C to stop)", flush=True)
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            _compact_once(cfg, args, grace)
+        except Exception as e:  # noqa: BLE001 (one failed run must not end the loop; the next may succeed)
+            print(f"clora compact: this run failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        stop.wait(max(0.0, args.every - (time.monotonic() - started)))
+    print("compactor stopped", flush=True)
     return 0

@@ -149,7 +149,7 @@ def test_the_stack_runs_one_learner_per_configured_shard(tmp_path, monkeypatch):
     specs, stop_order = stack_specs(one, "clora.toml")
     (learner,) = [s for s in specs if s.name.startswith("learner")]
     assert learner.name == "learner" and "--shard" not in learner.argv and learner.env == {"OMP_NUM_THREADS": "4"}
-    assert stop_order == ["serving", "learner", "ingest", "broker"]
+    assert stop_order == ["compactor", "serving", "learner", "ingest", "broker"]
 
     two = Config.model_validate({"data_dir": str(tmp_path), "learner": {"processes": 2}})
     specs, stop_order = stack_specs(two, "clora.toml")
@@ -157,7 +157,17 @@ def test_the_stack_runs_one_learner_per_configured_shard(tmp_path, monkeypatch):
     assert [s.name for s in learners] == ["learner-0", "learner-1"]
     assert [s.argv[-2:] for s in learners] == [["--shard", "0/2"], ["--shard", "1/2"]]
     assert all(s.env == {"OMP_NUM_THREADS": "2"} for s in learners)  # the learners' half of the cores, shared
-    assert stop_order == ["serving", "learner-0", "learner-1", "ingest", "broker"]
+    assert stop_order == ["compactor", "serving", "learner-0", "learner-1", "ingest", "broker"]
+
+
+def test_the_stack_runs_the_compactor_unless_it_is_turned_off(tmp_path):
+    from clora.config import Config
+
+    specs, _ = stack_specs(Config.model_validate({"data_dir": str(tmp_path)}), "clora.toml")
+    (compactor,) = [s for s in specs if s.name == "compactor"]
+    assert compactor.argv[-5:] == ["compact", "--every", "600", "--config", "clora.toml"]
+    off = Config.model_validate({"data_dir": str(tmp_path), "compaction": {"every_seconds": 0}})
+    assert "compactor" not in [s.name for s in stack_specs(off, "clora.toml")[0]]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from clora.cli import build_parser
-from storage.parquet import live_files, write_dataset
+from storage.parquet import live_files, read_dataset, write_dataset
 from storage.registry import Registry
 
 pytestmark = pytest.mark.unit
@@ -130,3 +130,46 @@ def test_adapters_list_shows_what_can_still_change_unless_all(clora, data_dir, p
     code, out, _ = clora("adapters", "list", "--all")
     assert [line.split()[0] for line in out.splitlines()[2:] if line.startswith("acme@")] == [f"acme@{n}" for n in range(1, 7)]
     assert "older versions" not in out
+
+
+def test_compact_every_runs_until_sigterm_and_marks_itself_ready(tmp_path, data_dir, make_trajectories):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from storage.files import ready_pid
+
+    for k in range(4):
+        write_dataset(data_dir, "trajectories", make_trajectories([f"x{k}"], "acme", start=k), file_id=f"f{k}")
+    config = tmp_path / "loop.toml"
+    config.write_text(f'data_dir = "{data_dir}"\n')
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clora", "compact", "--every", "0.2", "--grace", "0", "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (
+            ready_pid(data_dir / "state", "compactor") == proc.pid
+            and len(live_files(data_dir, "trajectories", "acme")) == 1
+            and len(list((data_dir / "trajectories" / "tenant=acme").glob("*.parquet"))) == 1
+        ):
+            time.sleep(0.1)
+        write_dataset(data_dir, "trajectories", make_trajectories(["late"], "acme", start=9), file_id="late")
+        while time.monotonic() < deadline and len(list((data_dir / "trajectories" / "tenant=acme").glob("*.parquet"))) != 1:
+            time.sleep(0.1)  # the next run merges the new file too
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "compactor stopped" in out
+    assert ready_pid(data_dir / "state", "compactor") == proc.pid
+    assert sorted(read_dataset(data_dir, "trajectories").column("id").to_pylist()) == ["late", "x0", "x1", "x2", "x3"]
+    assert len(list((data_dir / "trajectories" / "tenant=acme").glob("*.parquet"))) == 1
