@@ -112,9 +112,17 @@ def run_demo(cfg, *, minutes: float, rate: float, preferences: list[str], seed: 
             done.set()
 
     threading.Thread(target=simulate_when_up, daemon=True, name="simulate").start()
-    code = up(demo_cfg, str(config_path), until=done.is_set)
-    finished = done.is_set()  # before the stop below, which ends the simulation too
-    sim.stop.set()
+    outcome = {}
+
+    def stop_traffic() -> None:
+        """Before the stack stops (minutes, while ingest drains): whether the simulation had finished, and no
+        more requests to a stack that is going away."""
+        outcome["finished"] = done.is_set()
+        outcome["stopped_at"] = time.time()
+        sim.stop.set()
+
+    code = up(demo_cfg, str(config_path), until=done.is_set, on_stop=stop_traffic)
+    finished = outcome.get("finished", done.is_set())
     if code != 0:
         print("demo: the stack failed; see the log above")
         return code
@@ -123,7 +131,7 @@ def run_demo(cfg, *, minutes: float, rate: float, preferences: list[str], seed: 
         if "t" not in started:
             print("\ndemo: interrupted before the simulated traffic started")
             return 130
-        interrupted_after = time.time() - started["t"]
+        interrupted_after = outcome.get("stopped_at", time.time()) - started["t"]
 
     (demo_dir / "records.json").write_text(records_to_json(sim.records))
     summary = summarise(sim.records, sim_tenants)

@@ -134,6 +134,8 @@ class Simulator:
         import httpx
         import openai
 
+        if self.stop.is_set():  # queued behind slow answers when the run was stopped: not sent
+            return
         client = openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=tenant.api_key, max_retries=0, timeout=120)
         try:
             raw = client.chat.completions.with_raw_response.create(

@@ -298,8 +298,9 @@ def _can_bind(host: str, port: int) -> bool:
 
 
 def up(cfg, config_path: str | None, *, until: Callable[[], bool] = lambda: False,
-       emit: Callable[[str, str], None] | None = None) -> int:
-    """Runs the stack until Ctrl-C/SIGTERM (or `until()`); returns an exit code."""
+       emit: Callable[[str, str], None] | None = None, on_stop: Callable[[], None] = lambda: None) -> int:
+    """Runs the stack until Ctrl-C/SIGTERM (or `until()`); returns an exit code. `on_stop` is called once the
+    stop is decided, before the children are stopped (which can take minutes: ingest drains)."""
     specs, order = stack_specs(cfg, config_path)
     sup = Supervisor(specs, order, emit=emit)
     taken = ports_taken(cfg)
@@ -319,6 +320,9 @@ def up(cfg, config_path: str | None, *, until: Callable[[], bool] = lambda: Fals
         sup.emit("up", f"error: {e}")
         return 1
     finally:
-        sup.stop_all()
+        try:
+            on_stop()
+        finally:
+            sup.stop_all()
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -44,19 +44,21 @@ def run_demo(tmp_path, fake_up, monkeypatch):
 
 
 def test_a_demo_interrupted_before_the_traffic_started_exits_130(tmp_path, monkeypatch, capsys):
-    code = run_demo(tmp_path, lambda *a, **kw: 0, monkeypatch)  # `up` stopped by Ctrl-C while starting
+    code = run_demo(tmp_path, lambda *a, on_stop, **kw: on_stop() or 0, monkeypatch)  # Ctrl-C while starting
     assert code == 130
     assert "interrupted before the simulated traffic started" in capsys.readouterr().out
 
 
 def test_a_demo_interrupted_during_the_traffic_reports_partial_figures_and_exits_130(tmp_path, monkeypatch, capsys):
     posted = threading.Event()
+    posts = []
 
     class Serving(BaseHTTPRequestHandler):  # healthy, but refuses every request: the records are failures
         def do_GET(self):
             self._answer(200, {"status": "ok"})
 
         def do_POST(self):
+            posts.append(time.monotonic())
             posted.set()
             self._answer(503, {"error": {"message": "stand-in", "type": "unavailable", "code": 503}})
 
@@ -71,20 +73,29 @@ def test_a_demo_interrupted_during_the_traffic_reports_partial_figures_and_exits
         def log_message(self, *_):
             pass
 
-    def interrupted_up(cfg, config_path, *, until):
-        """Serves until the simulated traffic has begun, then returns as `up` does after Ctrl-C."""
+    after_stop = {}
+
+    def interrupted_up(cfg, config_path, *, until, on_stop):
+        """Serves until the simulated traffic has begun, then stops as `up` does after Ctrl-C: on_stop, then
+        the children's stop, which takes a while (and outlasts the simulation's own end here)."""
         server = ThreadingHTTPServer((cfg.serving.host, cfg.serving.port), Serving)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         try:
             assert posted.wait(20), "the simulation never started"
             time.sleep(0.3)
             assert not until()
+            on_stop()
+            stopped = time.monotonic()
+            time.sleep(1.0)  # serving still answers while the rest of the stack stops
+            after_stop["posts"] = sum(t > stopped + 0.2 for t in posts)
+            assert until(), "the simulation ends once the stop is decided"
         finally:
             server.shutdown()
             server.server_close()
         return 0
 
-    assert run_demo(tmp_path, interrupted_up, monkeypatch) == 130
+    assert run_demo(tmp_path, interrupted_up, monkeypatch) == 130, "still an interrupted run, though it ended"
+    assert after_stop["posts"] == 0, "no traffic once the stop is decided"
     out = capsys.readouterr().out
     assert re.search(r"\ndemo: interrupted after \ds of simulated traffic; partial figures:\n", out)
     assert "digits-app" in out and "every tenant improved" not in out
