@@ -108,7 +108,10 @@ class ServingConfig(_Strict):
     max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank the engine accepts.")
     max_model_len: int = Field(512, ge=16, description="Longest sequence (prompt + completion) in tokens.")
     max_num_seqs: int = Field(64, ge=1, description="Sequences decoded together in one engine step.")
-    default_max_tokens: int = Field(32, ge=1, description="Completion length when a request sets none.")
+    default_max_tokens: int | None = Field(
+        None, ge=1, description="Completion length of a request that sets none (max_tokens/max_completion_tokens). "
+        "Unset: the room its context leaves (max_model_len - prompt), as OpenAI and vLLM do."
+    )
     dtype: str = Field("auto", description="Engine dtype: auto, float32, bfloat16, float16.")
     kv_cache_gib: float = Field(
         1.0, ge=0, description="KV cache the engine reserves, GiB (small on CPU hosts); 0: vLLM sizes it from free memory."

@@ -8,6 +8,7 @@ the given process is signalled (never a name or a port), so nothing clora did no
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import subprocess
 from collections.abc import Callable
@@ -15,13 +16,32 @@ from collections.abc import Callable
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """`preexec_fn` for a child that must not outlive its parent (Linux parent-death signal: SIGTERM when
-    the thread that started it exits, so start such children from a thread that lives as long as they do)."""
+def _load_prctl():
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: children may outlive a killed parent, as with any plain subprocess
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None  # not Linux: children may outlive a killed parent, as with any plain subprocess
+
+
+# Looked up here, in the parent: loading a library between fork and exec can deadlock on a lock another
+# thread of the parent held at the fork.
+_PRCTL = _load_prctl()
+
+
+def die_with_parent() -> Callable[[], None]:
+    """A `preexec_fn` for a child that must not outlive the process starting it (Linux parent-death signal:
+    SIGTERM when the thread that started it exits, so start such children from a thread that lives as long
+    as they do). Call it in the parent: `preexec_fn=die_with_parent()`."""
+    parent = os.getpid()
+
+    def in_child() -> None:
+        if _PRCTL is None:
+            return
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died between the fork and the prctl: no signal will come
+            os._exit(1)
+
+    return in_child
 
 
 def terminate(process: subprocess.Popen, timeout: float, *, on_kill: Callable[[], None] | None = None) -> int:

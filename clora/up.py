@@ -68,7 +68,7 @@ class Child:
             stdin=subprocess.DEVNULL,
             env={**os.environ, **self.spec.env},
             start_new_session=True,  # Ctrl-C reaches only `up`, which stops children in order
-            preexec_fn=die_with_parent,
+            preexec_fn=die_with_parent(),
             text=True,
             errors="replace",
             bufsize=1,

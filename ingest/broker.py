@@ -163,7 +163,7 @@ class EmbeddedBroker:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C in a terminal reaches our handler, which stops the child in order
-                preexec_fn=die_with_parent,  # a SIGKILLed owner must not leave the broker holding the port
+                preexec_fn=die_with_parent(),  # a SIGKILLed owner must not leave the broker holding the port
             )
         finally:
             if out is not subprocess.DEVNULL:

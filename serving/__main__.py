@@ -93,7 +93,7 @@ async def serve(cfg, host: str, port: int) -> int:
         check = functools.partial(
             validate_adapter, max_rank=s.max_lora_rank, base_shapes=base_linear_shapes(model_path)
         )
-        adapters = AdapterSet(engine, registry, tenants, check, metrics)
+        adapters = AdapterSet(engine, registry, tenants, check, metrics, base_name=cfg.model.name)
         await adapters.refresh()
         try:
             ensure_topics(cfg.kafka.bootstrap, [cfg.kafka.interactions_topic, cfg.kafka.feedback_topic],

@@ -41,8 +41,6 @@ logger = logging.getLogger(__name__)
 
 REFUSED_KEPT = 16  # refused versions remembered per tenant (and shown by /health)
 
-BASE_LABEL = "base"
-
 
 class AdapterEngine(Protocol):
     def new_handle(self, name: str, path: Path) -> AdapterHandle: ...
@@ -96,10 +94,14 @@ class AdapterSet:
         check: Callable[[Path], object],
         metrics: ServingMetrics,
         *,
+        base_name: str = "base",
         clock: Callable[[], float] = time.time,
     ) -> None:
-        """`check(path)` validates an adapter directory and raises `AdapterRejected` (adapter_check.py)."""
+        """`check(path)` validates an adapter directory and raises `AdapterRejected` (adapter_check.py);
+        `base_name` (the config's `model.name`) labels what the base model serves, so a client can send the
+        label back as `model`."""
         self.engine = engine
+        self.base_name = base_name
         self.registry = registry
         self.tenants = tuple(tenants)
         self.check = check
@@ -117,16 +119,16 @@ class AdapterSet:
 
     # --- what requests see --------------------------------------------------------------------------------
     def current(self, tenant: str) -> str:
-        """The label of what "<tenant>" serves now: "acme@3", or "base"."""
+        """The label of what "<tenant>" serves now: "acme@3", or the base model's name."""
         loaded = self._current.get(tenant)
-        return loaded.handle.name if loaded else BASE_LABEL
+        return loaded.handle.name if loaded else self.base_name
 
     def refused(self) -> dict[str, str]:
         """version name -> why it was refused."""
         return {f"{t}@{n}": reason for (t, n), reason in self._refused.items()}
 
     def base_lease(self) -> Lease:
-        return Lease(None, BASE_LABEL)
+        return Lease(None, self.base_name)
 
     async def acquire(self, tenant: str, version: int | None = None) -> Lease:
         """A lease on the tenant's current version (`version` None) or on version `version` of the tenant."""

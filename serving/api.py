@@ -1,19 +1,28 @@
 """The HTTP API: OpenAI-compatible completions for every tenant, over one shared engine.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (both stream as server-sent events with
-`"stream": true`), `GET /v1/models`, `POST /v1/feedback`, `GET /health`, `GET /metrics`.
+`"stream": true`), `GET /v1/models`, `GET /v1/models/{model}`, `POST /v1/feedback`, `GET /health`,
+`GET /metrics`.
 
-One generation request, top to bottom (`_generate`): authenticate the bearer key (auth.py) -> parse the
-body (protocol.py) -> resolve `model` to the tenant's adapter or the base model -> render the prompt
-(chat template) -> lease the adapter version (adapters.py; held until the last token, so a hot-swap never
+One generation request, top to bottom (`_generate`): authenticate the bearer key (auth.py) -> read the
+body and parse it (protocol.py) -> resolve `model` to the tenant's
+adapter or the base model -> render and tokenize the prompt, check it fits and check the sampling with
+the engine -> lease the adapter version (adapters.py; held until the last token, so a hot-swap never
 changes weights mid-generation) -> run it on the engine -> answer -> log one interaction event per
-choice (events_log.py; never blocks) -> count it (metrics.py).
+choice (events_log.py; never blocks) -> count it (metrics.py). Everything the
+engine would refuse is refused before the first byte, so a stream's refusals are real 4xx/5xx statuses;
+only failures after that arrive as an error event in the stream.
+
+A /v1/completions request may carry several prompts; each becomes its own engine request and gets `n`
+choices, numbered `i * n + j` for choice j of prompt i (OpenAI's numbering), each logged as its own
+interaction event with its own prompt.
 
 Every response carries `x-request-id`; completion responses also carry `x-clora-adapter-version`
-("acme@3" or "base"). The response `id` is the interaction id: `POST /v1/feedback {"id", "score"}` with
-it scores that interaction (with n > 1, choice i is the interaction "<id>-<i>"). The `model` field of a
-response names the version that produced it. Refusals use OpenAI's error shape
-`{"error": {"message", "type", "code"}}` with the status of serving/errors.py.
+("acme@3", or the base model's name). The response `id` is the interaction id: `POST /v1/feedback {"id",
+"score"}` with it scores that interaction (with several choices, choice i is the interaction "<id>-<i>").
+The `model` field of a response names the version that produced it. Refusals, unknown routes (404) and
+wrong methods (405) use OpenAI's error shape `{"error": {"message", "type", "param", "code"}}` with the
+status of serving/errors.py; a choice the engine fails (finish reason "error") is a 500 and logs no event.
 
 The log-probabilities of the sampled tokens are always captured for the event (RL needs them); the
 response shows them only when the request asks (`logprobs`), as OpenAI does.
@@ -28,20 +37,29 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ingest.events import FeedbackEvent, InteractionEvent, utc_now
 from serving import protocol
 from serving.adapters import AdapterSet, Lease
 from serving.auth import Authenticator, resolve_model
-from serving.engine import Choice, Engine, Sampling
-from serving.errors import ServingError, internal_error_body
+from serving.engine import Choice, Delta, Engine, Sampling
+from serving.errors import (
+    BadRequest,
+    Forbidden,
+    MethodNotAllowed,
+    ModelNotFound,
+    ServingError,
+    UnknownRoute,
+    internal_error_body,
+)
 from serving.events_log import EventLog
 from serving.metrics import ServingMetrics
 
@@ -53,21 +71,44 @@ ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "
              "/v1/models": "models"}
 
 
+def endpoint_label(path: str) -> str:
+    """The metrics label of a path: one of a few names, never the raw path (its values would be unbounded)."""
+    if path.startswith("/v1/models/"):
+        return "models"
+    return ENDPOINTS.get(path, "other")
+
+
+@dataclass
+class _Prompt:
+    """One prompt of a request: its text (rendered, for chat), token ids, and sampling fitted to its room."""
+
+    text: str
+    ids: list[int]
+    sampling: Sampling
+
+
 @dataclass
 class _Call:
-    """One generation request after the edge: who, what, on which adapter, with which prompt."""
+    """One generation request after the edge: who, what, on which adapter, with which prompts."""
 
     endpoint: str  # "chat" or "completions"
     tenant: str
     response_id: str
     body: Any  # ChatRequest | CompletionRequest
     messages: list[dict[str, str]] | None
-    prompt_text: str
-    prompt_ids: list[int]
-    sampling: Sampling
+    prompts: list[_Prompt]
     lease: Lease
+    release: Callable[[], None]  # gives back the lease; idempotent
     arrived: float  # monotonic seconds, for latency
     arrived_at: datetime  # wall clock, the event's ts
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.body.n
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p.ids) for p in self.prompts)
 
 
 class Api:
@@ -82,8 +123,10 @@ class Api:
         events: EventLog,
         metrics: ServingMetrics,
         registry: Any,
-        default_max_tokens: int,
+        default_max_tokens: int | None = None,
     ) -> None:
+        """`default_max_tokens`: the completion length of a request that sets none (None: the room its
+        context leaves, as OpenAI and vLLM do)."""
         self.engine = engine
         self.adapters = adapters
         self.auth = authenticator
@@ -108,52 +151,99 @@ class Api:
         request.state.tenant = tenant
         body = protocol.parse(model, await request.body())
         choice = resolve_model(body.model, tenant=tenant, tenants=self.tenants, base_name=self.base_name)
+        sampling = body.sampling(self.default_max_tokens)
         if endpoint == "chat":
             messages = body.plain_messages()
-            prompt_text = self.engine.render_chat(messages)
-            prompt_ids = self.engine.encode(prompt_text)
+            text = self.engine.render_chat(messages)
+            prompts = [self._prompt(text, self.engine.encode(text), sampling, "messages")]
         else:
             messages = None
-            prompt = body.single_prompt()
-            if isinstance(prompt, str):
-                prompt_text, prompt_ids = prompt, self.engine.encode(prompt)
-            else:
-                prompt_text, prompt_ids = self.engine.decode(prompt), list(prompt)
-        sampling = self.engine.check_prompt(prompt_ids, body.sampling(self.default_max_tokens))
+            prompts = []
+            for p in body.prompts():
+                if isinstance(p, str):
+                    prompts.append(self._prompt(p, self.engine.encode(p), sampling, "prompt"))
+                else:
+                    prompts.append(self._prompt(self.engine.decode(p), list(p), sampling, "prompt"))
         lease = await self.adapters.acquire(tenant, choice.version) if choice.adapter else self.adapters.base_lease()
+        release = lease.release
+
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
-        call = _Call(
-            endpoint, tenant, f"{prefix}-{request.state.request_id}", body, messages, prompt_text, prompt_ids,
-            sampling, lease, arrived, arrived_at,
-        )
+        call = _Call(endpoint, tenant, f"{prefix}-{request.state.request_id}", body, messages, prompts, lease,
+                     release, arrived, arrived_at)
         headers = {REQUEST_ID: call.response_id, ADAPTER_VERSION: lease.label}
         if body.stream:
             chunks = self._stream(call)
             # Started here, the generator owns the lease: its `finally` releases it even if the client leaves
             # before the body is sent (asyncio closes a started, abandoned async generator; an unstarted
-            # one would never run its `finally`).
+            # one would never run its `finally`). A refusal before its first chunk raises here: a real status.
             first = await anext(chunks)
             return StreamingResponse(_prepend(first, chunks), media_type="text/event-stream", headers=headers)
         try:
-            choices = await self.engine.generate(prompt_ids, sampling, lease.adapter, call.response_id)
+            choices = {k: Choice(k) for k in range(call.choices)}
+            async for delta in self._deltas(call):
+                choices[delta.index].add(delta)
         finally:
-            lease.release()
-        self._finished(call, choices)
+            release()
+        done = [choices[k] for k in range(call.choices)]
+        self._finished(call, done)
         build = protocol.chat_response if endpoint == "chat" else protocol.completion_response
         with_logprobs = bool(body.logprobs) if endpoint == "chat" else body.logprobs is not None
-        return JSONResponse(build(call.response_id, lease.label, choices, len(prompt_ids), with_logprobs), headers=headers)
+        return JSONResponse(build(call.response_id, lease.label, done, call.prompt_tokens, with_logprobs),
+                            headers=headers)
+
+    def _prompt(self, text: str, ids: list[int], sampling: Sampling, param: str) -> _Prompt:
+        """A rendered prompt checked against the context and the engine, before anything is answered."""
+        fitted = self.engine.check_prompt(ids, sampling, param=param)
+        self.engine.check_sampling(fitted)
+        return _Prompt(text, ids, fitted)
+
+    async def _deltas(self, call: _Call) -> AsyncIterator[Delta]:
+        """Every choice's deltas, numbered across prompts (choice j of prompt i is i * n + j)."""
+        adapter, n = call.lease.adapter, call.body.n
+        if len(call.prompts) == 1:
+            p = call.prompts[0]
+            async for delta in self.engine.stream(p.ids, p.sampling, adapter, call.response_id):
+                yield delta
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        end = object()
+
+        async def pump(i: int, p: _Prompt) -> None:
+            try:
+                async for delta in self.engine.stream(p.ids, p.sampling, adapter, f"{call.response_id}-p{i}"):
+                    queue.put_nowait(replace(delta, index=i * n + delta.index))
+                queue.put_nowait(end)
+            except Exception as e:  # handed to the reader, which raises it
+                queue.put_nowait(e)
+
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(call.prompts)]
+        try:
+            running = len(tasks)
+            while running:
+                item = await queue.get()
+                if item is end:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:  # a failure, or the client gone: the other prompts' engine requests are aborted too
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _stream(self, call: _Call) -> AsyncIterator[bytes]:
         body, chat = call.body, call.endpoint == "chat"
         created = int(time.time())
         label = call.lease.label
-        choices = {i: Choice(i) for i in range(call.sampling.n)}
-        finished = False
+        choices = {i: Choice(i) for i in range(call.choices)}
+        finished = sent = False
         try:
             if chat:
                 for i in choices:
+                    sent = True
                     yield protocol.sse(protocol.chat_chunk(call.response_id, label, created, None, index=i, role=True))
-            async for delta in self.engine.stream(call.prompt_ids, call.sampling, call.lease.adapter, call.response_id):
+            async for delta in self._deltas(call):
                 text_start = len(choices[delta.index].text)
                 choices[delta.index].add(delta)
                 if chat:
@@ -165,15 +255,18 @@ class Api:
                         call.response_id, label, created, delta, with_logprobs=body.logprobs is not None,
                         text_start=text_start,
                     )
+                sent = True
                 yield protocol.sse(chunk)
             finished = True  # the completion is whole: it is logged even if the client leaves now
             if body.include_usage:
                 done = protocol.chat_chunk if chat else protocol.completion_chunk
                 last = done(call.response_id, label, created, None)
-                last["usage"] = protocol.usage(len(call.prompt_ids), sum(len(c.token_ids) for c in choices.values()))
+                last["usage"] = protocol.usage(call.prompt_tokens, sum(len(c.token_ids) for c in choices.values()))
                 yield protocol.sse(last)
             yield protocol.sse("[DONE]")
         except ServingError as e:
+            if not sent:
+                raise  # nothing answered yet: the app's handler gives it its own status
             self.metrics.request_refused(call.tenant, call.endpoint, e.status)
             yield protocol.sse(e.body())
             yield protocol.sse("[DONE]")
@@ -182,27 +275,31 @@ class Api:
                 logger.info("request %s: the client went away; generation aborted", call.response_id)
             raise
         except Exception as e:  # the status line is sent: the stream still ends with an error and [DONE]
+            if not sent:
+                raise
             logger.exception("request %s: the stream failed", call.response_id)
             self.metrics.request_refused(call.tenant, call.endpoint, 500)
             yield protocol.sse(internal_error_body(e))
             yield protocol.sse("[DONE]")
         finally:
-            call.lease.release()
+            call.release()
             if finished:
-                self._finished(call, [choices[i] for i in range(call.sampling.n)])
+                self._finished(call, [choices[i] for i in range(call.choices)])
 
     def _finished(self, call: _Call, choices: list[Choice]) -> None:
         """Logs one interaction event per choice and counts the request."""
         seconds = time.monotonic() - call.arrived
         completion_tokens = sum(len(c.token_ids) for c in choices)
         for c in choices:
+            prompt = call.prompts[c.index // call.body.n]
+            sampling = prompt.sampling
             event_id = call.response_id if len(choices) == 1 else f"{call.response_id}-{c.index}"
             self.events.log(
                 InteractionEvent(
                     id=event_id,
                     tenant=call.tenant,
                     completion=c.text,
-                    prompt=call.prompt_text,
+                    prompt=prompt.text,
                     messages=call.messages,
                     ts=call.arrived_at,
                     adapter_version=call.lease.adapter.name if call.lease.adapter else None,
@@ -215,19 +312,14 @@ class Api:
                         "served_by": call.lease.label,
                         "finish_reason": c.finish_reason,
                         "latency_ms": round(seconds * 1000, 1),
-                        "usage": protocol.usage(len(call.prompt_ids), len(c.token_ids)),
-                        "sampling": {
-                            "temperature": call.sampling.temperature,
-                            "top_p": call.sampling.top_p,
-                            "max_tokens": call.sampling.max_tokens,
-                            "n": call.sampling.n,
-                        },
+                        "usage": protocol.usage(len(prompt.ids), len(c.token_ids)),
+                        "sampling": _sampling_metadata(sampling),
                         "logprobs": "raw",
                         "stream": bool(call.body.stream),
                     },
                 )
             )
-        self.metrics.request_done(call.tenant, call.endpoint, 200, seconds, len(call.prompt_ids), completion_tokens)
+        self.metrics.request_done(call.tenant, call.endpoint, 200, seconds, call.prompt_tokens, completion_tokens)
 
     # --- everything else ----------------------------------------------------------------------------------
     async def feedback(self, request: Request) -> Response:
@@ -249,6 +341,31 @@ class Api:
         ]
         return JSONResponse({"object": "list", "data": data})
 
+    async def model(self, request: Request) -> Response:
+        """One model card: the base model, the caller's tenant, or one of its published versions; anything
+        else (another tenant's included) is 404, as if it did not exist."""
+        from storage.registry import VersionNotFound
+
+        tenant = self.auth.tenant(request.headers.get("authorization"))
+        request.state.tenant = tenant
+        model_id = request.path_params["model_id"]
+        try:
+            choice = resolve_model(model_id, tenant=tenant, tenants=self.tenants, base_name=self.base_name)
+        except Forbidden:
+            raise ModelNotFound(f"model {model_id!r} does not exist", param="model") from None
+        if not choice.adapter:
+            return JSONResponse(_model_card(self.base_name, self.started))
+        if choice.version is None:
+            return JSONResponse(_model_card(tenant, self.started))
+        try:
+            version = await asyncio.to_thread(self.registry.get, tenant, choice.version)
+        except VersionNotFound:
+            version = None
+        if version is None or version.status != "published":
+            raise ModelNotFound(f"model {model_id!r} does not exist or is not published", param="model")
+        return JSONResponse(
+            _model_card(version.name, int((version.published_at or version.created_at).timestamp()), parent=tenant))
+
     async def health(self, request: Request) -> Response:
         ok = not self.engine.errored
         body = {
@@ -263,6 +380,23 @@ class Api:
 
     async def prometheus(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+
+def _sampling_metadata(sampling: Sampling) -> dict[str, Any]:
+    """The interaction event's record of how it was sampled (penalties only when set)."""
+    out: dict[str, Any] = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "max_tokens": sampling.max_tokens,
+        "n": sampling.n,
+    }
+    defaults = Sampling()
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p"):
+        if getattr(sampling, name) != getattr(defaults, name):
+            out[name] = getattr(sampling, name)
+    if sampling.logit_bias:
+        out["logit_bias"] = {str(t): b for t, b in sampling.logit_bias}
+    return out
 
 
 async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -311,16 +445,30 @@ def create_app(api: Api) -> FastAPI:
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])  # base names may hold "/"
     app.add_api_route("/v1/feedback", api.feedback, methods=["POST"])
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/metrics", api.prometheus, methods=["GET"])
 
     @app.exception_handler(ServingError)
     async def _refused(request: Request, e: ServingError) -> Response:
-        endpoint = ENDPOINTS.get(request.url.path, request.url.path)
-        api.metrics.request_refused(getattr(request.state, "tenant", "-"), endpoint, e.status)
-        headers = {"www-authenticate": "Bearer"} if e.status == 401 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        api.metrics.request_refused(getattr(request.state, "tenant", "-"), endpoint_label(request.url.path), e.status)
+        headers = {"www-authenticate": "Bearer", **e.headers} if e.status == 401 else e.headers
+        return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing(request: Request, e: StarletteHTTPException) -> Response:
+        """Unknown routes and wrong methods, in OpenAI's error shape instead of FastAPI's {"detail": ...}."""
+        where = f"{request.method} {request.url.path}"
+        if e.status_code == 404:
+            error: ServingError = UnknownRoute(f"Invalid URL ({where})")
+        elif e.status_code == 405:
+            allowed = (e.headers or {}).get("Allow")
+            error = MethodNotAllowed(f"Method not allowed ({where})" + (f"; it takes {allowed}" if allowed else ""))
+        else:
+            error = ServingError(str(e.detail))
+            error.status = e.status_code
+        return JSONResponse(error.body(), status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(Exception)
     async def _failed(request: Request, e: Exception) -> Response:

@@ -10,6 +10,11 @@ This module speaks the engine's language only: token ids in; text, token ids, th
 every sampled token (always; RL needs them) and a finish reason out, in one piece (`generate`) or as
 deltas (`stream`). Chat templates are applied here too, because the tokenizer is the engine's.
 
+Before a request's first byte is answered, `check_prompt` (the context left for the completion, which is
+also the default `max_tokens`) and `check_sampling` (a dead engine, and everything vLLM's SamplingParams
+refuses) turn the engine's refusals into proper statuses. A choice the engine ends with finish reason
+"error" raises `GenerationFailed`.
+
 Log-probabilities are vLLM's default `raw_logprobs`: log-softmax of the model's logits before
 temperature, top-p or penalties, i.e. the log-probability under the policy at temperature 1, which is
 what a learner recomputes with the same weights.
@@ -43,7 +48,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from serving.errors import BadRequest, Unavailable
+from serving.errors import BadRequest, ContextLengthExceeded, GenerationFailed, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -75,13 +80,19 @@ class AdapterHandle:
 class Sampling:
     """How to sample: what an OpenAI request may set, plus `top_logprobs` alternatives to report per token."""
 
-    max_tokens: int
+    max_tokens: int | None = None  # None: the room the context leaves (check_prompt resolves it)
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = 1
     stop: tuple[str, ...] = ()
     seed: int | None = None
     top_logprobs: int = 0  # the sampled token's own log-probability is always returned
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
 
 
@@ -239,6 +250,8 @@ class Engine:
         self.llm = llm
         self.max_model_len = max_model_len
         self.tokenizer = llm.get_tokenizer()
+        self.vocab_size = llm.model_config.get_vocab_size()
+        self._developer_role = "developer" in str(getattr(self.tokenizer, "chat_template", None) or "")
         self._ids = itertools.count(1)
         self._temporary_dir = temporary_dir
         self.zero_adapter = self.new_handle(ZERO_ADAPTER_NAME, zero_adapter_dir) if zero_adapter_dir else None
@@ -254,18 +267,22 @@ class Engine:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
-        """The tokenizer's chat template applied to `messages`, with the assistant turn opened."""
+        """The tokenizer's chat template applied to `messages`, with the assistant turn opened. A `developer`
+        message (OpenAI's newer name for system) becomes `system` unless the template knows the role, as
+        vLLM does."""
+        if not self._developer_role:
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         try:
             return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
         except Exception as e:  # jinja raises its own types (TemplateError, UndefinedError, TypeError, ...)
-            raise BadRequest(f"the chat template cannot render these messages: {e}") from e
+            raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from e
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Token ids (a prompt given as ids) -> text; BadRequest for ids the tokenizer does not have."""
         size = len(self.tokenizer)
         bad = [t for t in token_ids if not 0 <= t < size]
         if bad:
-            raise BadRequest(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{size - 1})")
+            raise BadRequest(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{size - 1})", param="prompt")
         return self.tokenizer.decode(list(token_ids))
 
     def token_text(self, token_id: int) -> str:
@@ -288,16 +305,28 @@ class Engine:
         return set(await self.llm.list_loras())
 
     # --- generation ---------------------------------------------------------------------------------------
-    def check_prompt(self, prompt_ids: Sequence[int], sampling: Sampling) -> Sampling:
-        """Refuses a prompt that leaves no room to generate; shortens max_tokens to what fits."""
+    def check_prompt(self, prompt_ids: Sequence[int], sampling: Sampling, *, param: str = "prompt") -> Sampling:
+        """Refuses a prompt that leaves no room to generate; max_tokens becomes what fits (all of the room
+        when the request set none). `param` names the request field in the error ("messages" or "prompt")."""
         room = self.max_model_len - len(prompt_ids)
         if not prompt_ids:
-            raise BadRequest("the prompt is empty")
+            raise BadRequest(f"the {param} is empty", param=param)
         if room < 1:
-            raise BadRequest(
-                f"the prompt is {len(prompt_ids)} tokens; this server's max_model_len is {self.max_model_len}"
-            )
-        return replace(sampling, max_tokens=room) if sampling.max_tokens > room else sampling
+            raise _too_long(self.max_model_len, len(prompt_ids), param)
+        if sampling.max_tokens is None or sampling.max_tokens > room:
+            return replace(sampling, max_tokens=room)
+        return sampling
+
+    def check_sampling(self, sampling: Sampling) -> None:
+        """What the engine would refuse once the request is in, refused now: a dead engine (503), sampling
+        vLLM's SamplingParams rejects and logit_bias ids outside the vocabulary (400)."""
+        if self.errored:
+            raise Unavailable("the engine has stopped; the server must be restarted")
+        bad = [t for t, _ in sampling.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise BadRequest(f"logit_bias token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})",
+                             param="logit_bias")
+        _sampling_params(sampling)
 
     async def stream(
         self, prompt_ids: list[int], sampling: Sampling, adapter: AdapterHandle | None, request_id: str
@@ -317,6 +346,9 @@ class Engine:
             params = _sampling_params(sampling)  # vLLM refuses some combinations: a 400, like its own server
             async for output in self.llm.generate(tokens_input(list(prompt_ids)), params, request_id, lora_request=lora):
                 for out in output.outputs:
+                    if out.finish_reason == "error":  # vLLM: a request-level internal error, always a 500
+                        raise GenerationFailed(f"the engine failed request {request_id} (choice {out.index}); "
+                                               "it may succeed if retried")
                     yield Delta(
                         index=out.index,
                         text=out.text,
@@ -325,7 +357,7 @@ class Engine:
                         finish_reason=out.finish_reason,
                     )
         except VLLMClientError as e:
-            raise BadRequest(str(e)) from e
+            raise BadRequest(str(e), param=getattr(e, "parameter", None)) from e
         except EngineDeadError as e:
             raise Unavailable("the engine has stopped; the server must be restarted") from e
 
@@ -364,18 +396,37 @@ def _lora_request(adapter: AdapterHandle):
 
 def _sampling_params(sampling: Sampling):
     from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import RequestOutputKind
 
-    return SamplingParams(
-        n=sampling.n,
-        max_tokens=sampling.max_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        stop=list(sampling.stop) or None,
-        seed=sampling.seed,
-        logprobs=sampling.top_logprobs,  # 0: the sampled token's logprob only
-        ignore_eos=sampling.ignore_eos,
-        output_kind=RequestOutputKind.DELTA,
+    try:
+        return SamplingParams(
+            n=sampling.n,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            stop=list(sampling.stop) or None,
+            seed=sampling.seed,
+            logprobs=sampling.top_logprobs,  # 0: the sampled token's logprob only
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            repetition_penalty=sampling.repetition_penalty,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
+            logit_bias=dict(sampling.logit_bias) or None,
+            ignore_eos=sampling.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+        )
+    except VLLMValidationError as e:  # its own server answers these with 400 too
+        raise BadRequest(str(e), param=e.parameter) from e
+
+
+def _too_long(max_model_len: int, tokens: int, param: str) -> ContextLengthExceeded:
+    what = "messages" if param == "messages" else "prompt"
+    return ContextLengthExceeded(
+        f"This model's maximum context length is {max_model_len} tokens. However, your {what} resulted in "
+        f"{tokens} tokens, which leaves no room for the completion. Please reduce the length of the {what}.",
+        param=param,
     )
 
 

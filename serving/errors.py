@@ -1,32 +1,48 @@
 """The errors the serving tier answers with, each knowing its HTTP status and OpenAI error `type`/`code`.
 
-OpenAI clients parse `{"error": {"message", "type", "code"}}` and pick an exception class by status, so
-every refusal is one of these; serving/api.py turns any of them into a response without knowing the cases.
-Raised by auth.py (who may use what), adapters.py (which versions exist), engine.py (what the engine
-refuses) and api.py (malformed requests).
+OpenAI clients parse `{"error": {"message", "type", "param", "code"}}` and pick an exception class by
+status (400 BadRequestError, 401, 403, 404, 5xx), so every refusal is one of
+these; serving/api.py turns any of them into a response without knowing the cases. `param` names the
+request field at fault (null when none), as OpenAI's own errors do. Raised by auth.py (who may use what),
+adapters.py (which versions exist), engine.py (what the engine refuses) and api.py and protocol.py
+(malformed requests).
 """
 
 from __future__ import annotations
 
 
 class ServingError(Exception):
-    """A request the serving tier refuses."""
+    """A request the serving tier refuses; `headers` go on the response (e.g. Retry-After)."""
 
     status: int = 400
     type: str = "invalid_request_error"
     code: str | None = None
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.param = param
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class BadRequest(ServingError):
     status = 400
     code = "invalid_request"
+
+
+class UnsupportedParameter(BadRequest):
+    """A field OpenAI defines that this server does not implement (tools, structured outputs, ...)."""
+
+    code = "unsupported_parameter"
+
+
+class ContextLengthExceeded(BadRequest):
+    """The prompt leaves no room for the completion (OpenAI's code, so clients can tell it apart)."""
+
+    code = "context_length_exceeded"
 
 
 class Unauthenticated(ServingError):
@@ -46,6 +62,26 @@ class ModelNotFound(ServingError):
     code = "model_not_found"
 
 
+class UnknownRoute(ServingError):
+    """No such URL (404) or not with this method (405); OpenAI answers both in its error shape."""
+
+    status = 404
+    code = "unknown_url"
+
+
+class MethodNotAllowed(ServingError):
+    status = 405
+    code = "method_not_allowed"
+
+
+class GenerationFailed(ServingError):
+    """The engine ended a request with finish reason "error" (a request-level failure worth retrying)."""
+
+    status = 500
+    type = "server_error"
+    code = "generation_failed"
+
+
 class Unavailable(ServingError):
     status = 503
     type = "server_error"
@@ -54,4 +90,5 @@ class Unavailable(ServingError):
 
 def internal_error_body(e: BaseException) -> dict:
     """OpenAI's error shape for a failure of the server's own (HTTP 500, or the last event of a stream)."""
-    return {"error": {"message": f"internal error: {type(e).__name__}", "type": "server_error", "code": None}}
+    return {"error": {"message": f"internal error: {type(e).__name__}", "type": "server_error", "param": None,
+                      "code": None}}

@@ -1,11 +1,17 @@
 """The OpenAI wire format: request bodies parsed at the edge, response bodies and stream chunks built here.
 
 Requests are validated into pydantic models (unknown fields are ignored, as OpenAI's own server ignores
-fields newer clients send); a malformed body becomes one 400 naming every bad field. Responses are plain
-dicts built from the engine's `Choice`/`Delta` (serving/engine.py) by pure functions, so the shapes can be
-checked without an engine: `chat.completion`, `chat.completion.chunk`, `text_completion`, and the two
-logprobs layouts (chat: `content[{token, logprob, bytes, top_logprobs}]`; completions: `tokens`,
-`token_logprobs`, `top_logprobs`, `text_offset`).
+fields newer clients send; an explicit `null` means the field's default, as OpenAI and vLLM read it); a
+malformed body becomes one 400 listing every bad field, `param` naming the first. Fields OpenAI defines
+that clora does not implement are refused rather than silently dropped, so a client never gets an answer
+that ignored its request: tool calling (`tools`/`functions` unless `tool_choice`/`function_call` is
+"none"), structured outputs (`response_format` other than text), `echo`, `suffix`, and `best_of` other
+than `n`. README.md ("Serving: the HTTP contract") has the table of what is accepted and refused.
+
+Responses are plain dicts built from the engine's `Choice`/`Delta` (serving/engine.py) by pure
+functions, so the shapes can be checked without an engine: `chat.completion`, `chat.completion.chunk`,
+`text_completion`, and the two logprobs layouts (chat: `content[{token, logprob, bytes, top_logprobs}]`;
+completions: `tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
 
 Not here: authentication, adapters, the engine call, or events (api.py wires those).
 """
@@ -19,14 +25,20 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from serving.engine import Choice, Delta, Sampling, TokenLogprob
-from serving.errors import BadRequest
+from serving.errors import BadRequest, UnsupportedParameter
 
 MAX_N = 16
+MAX_CHOICES = 128  # prompts x n of one /v1/completions request
 GREEDY_BELOW = 1e-5  # vLLM decodes greedily below this temperature, and then allows n = 1 only
 MAX_TOP_LOGPROBS = 20
 MAX_METADATA_KEYS = 16  # OpenAI's limits on a request's `metadata`
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range of a logit_bias value
+
+
+def _finite(default: float, **bounds) -> Any:
+    return Field(default, allow_inf_nan=False, **bounds)
 
 
 class _Request(BaseModel):
@@ -34,8 +46,8 @@ class _Request(BaseModel):
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = _finite(1.0, ge=0, le=2)
+    top_p: float = _finite(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # vLLM's range (a larger one fails inside it)
@@ -43,6 +55,23 @@ class _Request(BaseModel):
     stream_options: dict[str, Any] | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None  # the caller's tags, kept on the interaction event (see README)
+    presence_penalty: float = _finite(0.0, ge=-2, le=2)
+    frequency_penalty: float = _finite(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
+    # vLLM's extensions, which its OpenAI server also takes
+    top_k: int = Field(0, ge=-1)  # 0 or -1: off
+    min_p: float = _finite(0.0, ge=0, le=1)
+    repetition_penalty: float = _finite(1.0, gt=0)
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """`"temperature": null` means the default, as OpenAI and vLLM take it (required fields stay required)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in cls.model_fields or cls.model_fields[k].is_required()}
+        return data
 
     @field_validator("metadata")
     @classmethod
@@ -67,10 +96,33 @@ class _Request(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        """Keys are token ids (OpenAI's JSON carries them as strings), values in [-100, 100]."""
+        for key, bias in (v or {}).items():
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:  # NaN fails this too
+                raise ValueError(f"logit_bias[{key}] must be in [-100, 100], got {bias}")
+        return v
+
     @model_validator(mode="after")
     def _greedy_has_one_choice(self):
         if self.temperature < GREEDY_BELOW and self.n > 1:
             raise ValueError(f"n must be 1 with temperature {self.temperature:g} (greedy decoding has one answer)")
+        return self
+
+    @model_validator(mode="after")
+    def _what_clora_does_not_do(self):
+        # Raised as a BadRequest (not a ValueError), so it carries its `param`; it runs once the fields are valid.
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise UnsupportedParameter(
+                f"response_format {kind!r} is not supported by this server (structured outputs are not "
+                "implemented); leave it out or use {\"type\": \"text\"}", param="response_format")
         return self
 
     def stop_tuple(self) -> tuple[str, ...]:
@@ -82,15 +134,33 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
+    def _sampling(self, max_tokens: int | None, top_logprobs: int) -> Sampling:
+        return Sampling(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            n=self.n,
+            stop=self.stop_tuple(),
+            seed=self.seed,
+            top_logprobs=top_logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
+        )
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore")  # `name` (and any other field) is dropped
 
     role: str = Field(min_length=1)
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
-        """The content as text: a string, or the text parts of a content list joined."""
+        """The content as text: a string, or the text parts of a content list joined with newlines (as vLLM
+        joins them)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -98,9 +168,14 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise BadRequest(f"only text content parts are supported, got {part.get('type')!r}")
+                raise UnsupportedParameter(f"only text content parts are supported, got {part.get('type')!r}",
+                                           param="messages")
             parts.append(part["text"])
-        return "".join(parts)
+        return "\n".join(parts)
+
+
+def _uses(tools: list[Any] | None, choice: Any) -> bool:
+    return bool(tools) and choice != "none"
 
 
 class ChatRequest(_Request):
@@ -108,55 +183,72 @@ class ChatRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None  # the deprecated form of tools
+    function_call: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _no_tool_calling(self):
+        if _uses(self.tools, self.tool_choice):
+            raise UnsupportedParameter(
+                "tool calling is not supported by this server; send no tools, or tool_choice \"none\"", param="tools")
+        if _uses(self.functions, self.function_call):
+            raise UnsupportedParameter(
+                "function calling is not supported by this server; send no functions, or function_call \"none\"",
+                param="functions")
+        return self
 
     def plain_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
-    def sampling(self, default_max_tokens: int) -> Sampling:
+    def sampling(self, default_max_tokens: int | None = None) -> Sampling:
+        """`default_max_tokens` applies when the request sets no length; None: the room the context leaves."""
         if self.top_logprobs and not self.logprobs:
-            raise BadRequest("top_logprobs needs logprobs: true")
-        return Sampling(
-            max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            n=self.n,
-            stop=self.stop_tuple(),
-            seed=self.seed,
-            top_logprobs=(self.top_logprobs or 0) if self.logprobs else 0,
-        )
+            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else 0)
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt (text or token ids); several prompts in one request are refused."""
+    @model_validator(mode="after")
+    def _completions_only(self):
         if self.echo:
-            raise BadRequest("echo is not supported")
+            raise UnsupportedParameter("echo is not supported", param="echo")
         if self.suffix:
-            raise BadRequest("suffix is not supported")
-        p = self.prompt
-        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-            if len(p) != 1:
-                raise BadRequest(f"send one prompt per request (got {len(p)}); use n for several completions")
-            return p[0]
-        if isinstance(p, list) and not p:
-            raise BadRequest("the prompt is empty")
-        return p
+            raise UnsupportedParameter("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedParameter(
+                f"best_of ({self.best_of}) must equal n ({self.n}): this server returns every sampled completion "
+                "and ranks none", param="best_of")
+        return self
 
-    def sampling(self, default_max_tokens: int) -> Sampling:
-        return Sampling(
-            max_tokens=self.max_tokens or default_max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            n=self.n,
-            stop=self.stop_tuple(),
-            seed=self.seed,
-            top_logprobs=self.logprobs or 0,
-        )
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids (a batch is several; each gets n choices)."""
+        p = self.prompt
+        if isinstance(p, str):
+            prompts: list[str | list[int]] = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        else:
+            prompts = list(p)
+        if not prompts or any(len(x) == 0 for x in prompts if isinstance(x, list)):
+            raise BadRequest("the prompt is empty", param="prompt")
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise BadRequest(
+                f"{len(prompts)} prompts x n={self.n} is {len(prompts) * self.n} completions; at most {MAX_CHOICES} "
+                "per request", param="prompt")
+        return prompts
+
+    def sampling(self, default_max_tokens: int | None = None) -> Sampling:
+        """`default_max_tokens` applies when the request sets no length; None: the room the context leaves."""
+        return self._sampling(self.max_tokens or default_max_tokens, self.logprobs or 0)
 
 
 class FeedbackRequest(BaseModel):
@@ -178,11 +270,13 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
+        errors = e.errors()
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg'].removeprefix('Value error, ')}"
-            for err in e.errors()
+            for err in errors
         )
-        raise BadRequest(f"invalid request: {problems}") from None
+        param = next((str(err["loc"][0]) for err in errors if err["loc"]), None)
+        raise BadRequest(f"invalid request: {problems}", param=param) from None
 
 
 # ---------------------------------------------------------------------------------------------------------

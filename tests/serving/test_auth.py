@@ -53,4 +53,5 @@ def test_unknown_models_and_versions_are_404(model):
         resolve(model)
     body = e.value.body()
     assert e.value.status == 404
-    assert body == {"error": {"message": e.value.message, "type": "invalid_request_error", "code": "model_not_found"}}
+    assert body == {"error": {"message": e.value.message, "type": "invalid_request_error", "param": None,
+                              "code": "model_not_found"}}

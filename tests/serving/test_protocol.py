@@ -15,11 +15,12 @@ def test_chat_request_defaults_and_sampling():
     req = protocol.parse(protocol.ChatRequest, json.dumps(
         {"model": "acme", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}],
          "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 3, "stop": "\n", "future_field": 1}).encode())
-    assert req.plain_messages() == [{"role": "user", "content": "hi there"}]
+    assert req.plain_messages() == [{"role": "user", "content": "hi \nthere"}]  # joined with "\n", as vLLM does
     s = req.sampling(default_max_tokens=32)
     assert (s.max_tokens, s.top_logprobs, s.stop, s.n, s.temperature) == (7, 3, ("\n",), 1, 1.0)
     no_logprobs = protocol.parse(protocol.ChatRequest, b'{"model":"m","messages":[{"role":"user","content":"x"}]}')
     assert no_logprobs.sampling(32).top_logprobs == 0 and no_logprobs.sampling(32).max_tokens == 32
+    assert no_logprobs.sampling().max_tokens is None  # the engine gives it the room the context leaves
 
 
 def test_bad_bodies_list_every_problem():
@@ -27,6 +28,7 @@ def test_bad_bodies_list_every_problem():
         protocol.parse(protocol.ChatRequest, b'{"model": "", "messages": [], "temperature": 9}')
     for field in ("model", "messages", "temperature"):
         assert field in e.value.message
+    assert e.value.param == "model"  # the first one
     with pytest.raises(BadRequest, match="not JSON"):
         protocol.parse(protocol.ChatRequest, b"{nope")
     with pytest.raises(BadRequest, match="JSON object"):
@@ -51,15 +53,40 @@ def test_sampling_the_engine_would_refuse_is_a_bad_request(extra, expected):
     assert protocol.parse(protocol.ChatRequest, json.dumps(ok).encode()).seed == 2**63 - 1
 
 
-def test_completion_prompt_forms():
-    one = protocol.parse(protocol.CompletionRequest, b'{"model":"m","prompt":["only"]}')
-    assert one.single_prompt() == "only"
-    ids = protocol.parse(protocol.CompletionRequest, b'{"model":"m","prompt":[5, 6, 7]}')
-    assert ids.single_prompt() == [5, 6, 7]
-    with pytest.raises(BadRequest, match="one prompt per request"):
-        protocol.parse(protocol.CompletionRequest, b'{"model":"m","prompt":["a","b"]}').single_prompt()
-    with pytest.raises(BadRequest, match="echo"):
-        protocol.parse(protocol.CompletionRequest, b'{"model":"m","prompt":"a","echo":true}').single_prompt()
+@pytest.mark.parametrize("prompt, expected", [
+    ("text", ["text"]),
+    (["only"], ["only"]),
+    ([5, 6, 7], [[5, 6, 7]]),
+    ([[5, 6, 7]], [[5, 6, 7]]),
+    (["a", "b"], ["a", "b"]),
+    ([[1], [2, 3]], [[1], [2, 3]]),
+])
+def test_completion_prompt_forms(prompt, expected):
+    body = json.dumps({"model": "m", "prompt": prompt}).encode()
+    assert protocol.parse(protocol.CompletionRequest, body).prompts() == expected
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"echo": True}, "echo"),
+    ({"suffix": "x"}, "suffix"),
+    ({"best_of": 2}, "best_of"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_completion_fields_clora_does_not_implement(extra, param):
+    with pytest.raises(BadRequest) as e:
+        protocol.parse(protocol.CompletionRequest, json.dumps({"model": "m", "prompt": "a", **extra}).encode())
+    assert e.value.param == param
+
+
+def test_null_is_the_default_but_required_fields_stay_required():
+    req = protocol.parse(protocol.ChatRequest, json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": None, "n": None,
+         "stream": None, "logprobs": None, "top_p": None}).encode())
+    assert (req.temperature, req.n, req.stream, req.logprobs, req.top_p) == (1.0, 1, False, False, 1.0)
+    with pytest.raises(BadRequest) as e:
+        protocol.parse(protocol.ChatRequest, b'{"model": null, "messages": [{"role": "user", "content": "x"}]}')
+    assert e.value.param == "model"
 
 
 def _choice():

@@ -112,7 +112,7 @@ def test_refusals_use_the_openai_error_shape(server):
         anonymous.chat.completions.create(model="acme", messages=MESSAGES)
     assert e.value.body["type"] == "authentication_error"
     no_key = httpx.post(server.base_url + "/v1/chat/completions", json={"model": "base", "messages": MESSAGES})
-    assert no_key.status_code == 401 and set(no_key.json()["error"]) == {"message", "type", "code"}
+    assert no_key.status_code == 401 and set(no_key.json()["error"]) == {"message", "type", "param", "code"}
     assert no_key.headers["x-request-id"]
 
     with pytest.raises(openai.PermissionDeniedError) as e:
@@ -131,13 +131,44 @@ def test_refusals_use_the_openai_error_shape(server):
     with pytest.raises(openai.BadRequestError, match="metadata"):
         client(server, "initech").chat.completions.create(
             model="base", messages=MESSAGES, extra_body={"metadata": {"source": 3}})
-    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 256 tokens") as e:
         client(server, "initech").completions.create(model="base", prompt="word " * 400)
+    assert (e.value.body["code"], e.value.body["param"]) == ("context_length_exceeded", "prompt")
     for extra in ({"stop": [""]}, {"temperature": 0, "n": 2}, {"seed": 2**64}):  # vLLM itself refuses these
         for stream in (False, True):
             r = httpx.post(server.base_url + "/v1/chat/completions", headers={"Authorization": "Bearer " + server.keys["initech"]},
                            json={"model": "base", "messages": MESSAGES, "max_tokens": 2, "stream": stream, **extra})
             assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (extra, r.text)
+
+
+def test_openai_fields_reach_the_real_engine(server):
+    """What the fake engine of test_api.py cannot show: vLLM takes every field clora maps onto it."""
+    c = client(server, "initech")
+    token = 100
+    biased = c.completions.create(model="base", prompt="1 2 3", max_tokens=4, temperature=0,
+                                  logit_bias={str(token): 100})
+    [event] = read_events(server.bootstrap, "clora.interactions", {biased.id}).values()
+    assert event["completion_token_ids"] == [token] * 4 and event["metadata"]["sampling"]["logit_bias"] == {"100": 100.0}
+    penalised = c.chat.completions.create(
+        model="base", messages=MESSAGES, max_tokens=4, presence_penalty=0.5, frequency_penalty=0.5,
+        extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "temperature": None})
+    assert penalised.choices[0].finish_reason in ("stop", "length")
+
+    batch = c.completions.create(model="base", prompt=["1 2", "3 4 5"], max_tokens=3, n=2, temperature=1.0)
+    assert sorted(ch.index for ch in batch.choices) == [0, 1, 2, 3]
+    ids = {f"{batch.id}-{k}" for k in range(4)}
+    events = read_events(server.bootstrap, "clora.interactions", ids)
+    assert [events[f"{batch.id}-{k}"]["prompt"] for k in range(4)] == ["1 2", "1 2", "3 4 5", "3 4 5"]
+
+    assert c.models.retrieve("base").id == "base" and c.models.retrieve("initech").id == "initech"
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("acme")
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="base", messages=MESSAGES, max_tokens=2,
+                                  tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert e.value.body["param"] == "tools"
+    lost = httpx.get(server.base_url + "/v1/nope")
+    assert lost.status_code == 404 and set(lost.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_hot_swap_under_streaming_load(server, tiny_model):

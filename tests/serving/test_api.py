@@ -1,0 +1,423 @@
+"""The HTTP API against what OpenAI clients send, without a real engine: the real `Engine` wrapper over a
+fake vLLM `AsyncLLM` (one character = one token, the completion echoes the prompt's first characters), the
+real `AdapterSet`, auth, protocol and app, over httpx's ASGI transport.
+
+Each test states an OpenAI behaviour a client relies on (defaults, nulls, batches, refusals with their
+status, `param` and `code`) and checks the engine saw what it should.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import datetime, timezone
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from serving.adapters import AdapterSet
+from serving.api import Api, create_app
+from serving.auth import Authenticator
+from serving.engine import Engine
+from serving.metrics import ServingMetrics
+
+pytestmark = pytest.mark.unit
+
+MAX_MODEL_LEN = 64
+BASE = "tiny-base"
+KEYS = {"acme": "acme-key", "globex": "globex-key"}
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fakes
+
+
+class FakeTokenizer:
+    """One character per token (ids are code points below 256)."""
+
+    chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+
+    def __len__(self):
+        return 256
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 256 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+class FakeLLM:
+    """What serving/engine.py reads of vLLM's AsyncLLM. Each choice is the prompt's first (up to 3) tokens."""
+
+    def __init__(self):
+        self.tokenizer = FakeTokenizer()
+        self.model_config = SimpleNamespace(get_vocab_size=lambda: 256)
+        self.errored = False
+        self.calls: list[SimpleNamespace] = []
+        self.finish_reason: str | None = None  # forces every choice's finish reason
+        self.fail: Exception | None = None  # raised when a request is added
+        self.gate: asyncio.Event | None = None  # holds every request before its first token
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def shutdown(self):
+        pass
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        self.calls.append(SimpleNamespace(prompt=prompt, params=params, request_id=request_id))
+        if self.fail is not None:
+            raise self.fail
+        if self.gate is not None:
+            await self.gate.wait()
+        tokens = prompt["prompt_token_ids"][: min(3, params.max_tokens)]
+        for step, token in enumerate(tokens):
+            last = step == len(tokens) - 1
+            finish = (self.finish_reason or ("length" if len(tokens) == params.max_tokens else "stop")) if last else None
+            text = chr(token)
+            yield SimpleNamespace(outputs=[
+                SimpleNamespace(index=i, text=text, token_ids=[token], finish_reason=finish,
+                                logprobs=[{token: SimpleNamespace(logprob=-0.5, rank=1, decoded_token=text)}])
+                for i in range(params.n)
+            ])
+
+
+class FakeAdapterEngine:
+    def new_handle(self, name, path):
+        raise AssertionError("no adapter is loaded in these tests")
+
+
+class FakeRegistry:
+    """Published versions of "acme": 1 (published) and 2 (a candidate)."""
+
+    def __init__(self):
+        when = datetime(2025, 1, 1, tzinfo=timezone.utc)
+        self.versions = {("acme", 1): SimpleNamespace(name="acme@1", status="published", published_at=when, created_at=when),
+                         ("acme", 2): SimpleNamespace(name="acme@2", status="candidate", published_at=None, created_at=when)}
+
+    def generation(self):
+        return 0
+
+    def published(self):
+        return {}
+
+    def get(self, tenant, number):
+        from storage.registry import VersionNotFound
+
+        try:
+            return self.versions[(tenant, number)]
+        except KeyError:
+            raise VersionNotFound(tenant, number) from None
+
+    def unsettled(self, tenant):
+        return [v for (t, _), v in self.versions.items() if t == tenant]
+
+
+class FakeEvents:
+    connected, spooled = True, 0
+
+    def __init__(self):
+        self.logged = []
+
+    def log(self, event):
+        self.logged.append(event)
+
+
+class World:
+    def __init__(self, **api_settings):
+        self.llm = FakeLLM()
+        self.engine = Engine(self.llm, max_model_len=MAX_MODEL_LEN)
+        self.events = FakeEvents()
+        metrics = ServingMetrics()
+        adapters = AdapterSet(FakeAdapterEngine(), FakeRegistry(), list(KEYS), lambda path: None, metrics,
+                              base_name=BASE)
+        self.api = Api(engine=self.engine, adapters=adapters, authenticator=Authenticator(KEYS.items()),
+                       tenants=list(KEYS), base_name=BASE, events=self.events, metrics=metrics,
+                       registry=FakeRegistry(), **api_settings)
+        self.app = create_app(self.api)
+
+    def client(self, tenant="acme") -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://clora",
+                                 headers={"Authorization": f"Bearer {KEYS[tenant]}"} if tenant else {})
+
+    def run(self, scenario):
+        """Runs `scenario(client)` (a coroutine function) and returns what it returns."""
+
+        async def main():
+            async with self.client() as c:
+                return await scenario(c)
+
+        return asyncio.run(main())
+
+    def post(self, path, body, tenant="acme", **kwargs):
+        async def one(_):
+            async with self.client(tenant) as c:
+                return await c.post(path, json=body, **kwargs)
+        return self.run(one)
+
+    def get(self, path, tenant="acme"):
+        async def one(_):
+            async with self.client(tenant) as c:
+                return await c.get(path)
+        return self.run(one)
+
+
+def chat(**extra):
+    return {"model": "acme", "messages": MESSAGES, **extra}
+
+
+def sse_events(response) -> list:
+    return [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]"
+            for line in response.text.split("\n\n") if line]
+
+
+def error(response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A. What broke common clients
+
+
+def test_no_max_tokens_means_the_room_the_context_leaves():
+    w = World()
+    r = w.post("/v1/chat/completions", chat())
+    prompt_tokens = len("<user>hi<assistant>")
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == prompt_tokens
+    assert w.llm.calls[0].params.max_tokens == MAX_MODEL_LEN - prompt_tokens
+    assert w.events.logged[0].metadata["sampling"]["max_tokens"] == MAX_MODEL_LEN - prompt_tokens
+
+    capped = World(default_max_tokens=5)
+    capped.post("/v1/completions", {"model": "acme", "prompt": "hello"})
+    capped.post("/v1/completions", {"model": "acme", "prompt": "hello", "max_tokens": 9})
+    capped.post("/v1/completions", {"model": "acme", "prompt": "hello", "max_tokens": 999})  # shortened to fit
+    assert [c.params.max_tokens for c in capped.llm.calls] == [5, 9, MAX_MODEL_LEN - 5]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function"}}, "tools"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+])
+def test_tool_calling_and_structured_outputs_are_refused_not_dropped(extra, param):
+    r = World().post("/v1/chat/completions", chat(**extra))
+    assert r.status_code == 400
+    e = error(r)
+    assert e["param"] == param and e["code"] == "unsupported_parameter" and "not supported" in e["message"]
+
+
+@pytest.mark.parametrize("extra", [
+    {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"},
+    {"tools": [], "tool_choice": None},
+    {"functions": [{"name": "f"}], "function_call": "none"},
+    {"response_format": {"type": "text"}},
+    {"parallel_tool_calls": False},
+])
+def test_tools_that_cannot_be_called_and_text_format_are_fine(extra):
+    assert World().post("/v1/chat/completions", chat(**extra)).status_code == 200
+
+
+def test_explicit_null_is_the_default():
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "stream_options", "logprobs", "top_logprobs", "stop",
+                           "seed", "max_tokens", "max_completion_tokens", "presence_penalty", "frequency_penalty",
+                           "logit_bias", "user", "metadata", "tools", "tool_choice", "response_format"])
+    w = World()
+    r = w.post("/v1/chat/completions", chat(**nulls))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
+    params = w.llm.calls[0].params
+    assert (params.temperature, params.top_p, params.n, params.presence_penalty) == (1.0, 1.0, 1, 0.0)
+    completion = {**dict.fromkeys(["echo", "suffix", "logprobs", "best_of", "n", "stream", "temperature"]),
+                  "model": "acme", "prompt": "hello"}
+    assert World().post("/v1/completions", completion).status_code == 200
+    for required in ({"model": None, "messages": MESSAGES}, {"model": "acme", "messages": None}):
+        assert World().post("/v1/chat/completions", required).status_code == 400
+
+
+def test_token_id_batches_and_one_string_list():
+    w = World()
+    for prompt in ([[104, 105]], ["hi"], [104, 105], "hi"):
+        r = w.post("/v1/completions", {"model": "acme", "prompt": prompt})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hi", (prompt, r.text)
+    for empty in ([], [[]], [[104], []], [""]):
+        r = World().post("/v1/completions", {"model": "acme", "prompt": empty})
+        assert r.status_code == 400 and error(r)["param"] == "prompt", empty
+
+
+def test_several_prompts_fan_out_with_openai_choice_numbering():
+    w = World()
+    r = w.post("/v1/completions", {"model": "acme", "prompt": ["ab", "xyz", "q"], "n": 2, "temperature": 1})
+    assert r.status_code == 200
+    body = r.json()
+    # choice j of prompt i is i * n + j
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "ab"), (1, "ab"), (2, "xyz"), (3, "xyz"),
+                                                                  (4, "q"), (5, "q")]
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 12, "total_tokens": 18}
+    assert len({c.request_id for c in w.llm.calls}) == 3  # one engine request per prompt
+    # one interaction event per prompt x choice, each with its own prompt, ids as with n > 1
+    assert [(e.id, e.prompt, e.completion) for e in w.events.logged] == [
+        (f"{body['id']}-{k}", p, p) for k, p in enumerate(["ab", "ab", "xyz", "xyz", "q", "q"])]
+
+    streamed = World().post("/v1/completions", {"model": "acme", "prompt": ["ab", "xyz"], "stream": True,
+                                                "stream_options": {"include_usage": True}})
+    events = sse_events(streamed)
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["prompt_tokens"] == 5
+    texts: dict[int, str] = {}
+    for chunk in events[:-2]:
+        for c in chunk["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert texts == {0: "ab", 1: "xyz"}
+
+    too_many = World().post("/v1/completions", {"model": "acme", "prompt": ["a"] * 17, "n": 8})
+    assert too_many.status_code == 400 and error(too_many)["param"] == "prompt"
+
+
+def test_one_failing_prompt_of_a_batch_fails_the_request_before_any_work():
+    w = World()
+    r = w.post("/v1/completions", {"model": "acme", "prompt": ["ok", "x" * MAX_MODEL_LEN]})
+    assert r.status_code == 400 and error(r)["code"] == "context_length_exceeded"
+    assert w.llm.calls == []
+
+
+# ---------------------------------------------------------------------------------------------------------
+# B. What surprised clients
+
+
+def test_penalties_and_vllm_sampling_extensions_reach_the_engine():
+    w = World()
+    r = w.post("/v1/chat/completions", chat(presence_penalty=0.5, frequency_penalty=-1.5, logit_bias={"104": 5, "7": -100},
+                                            top_k=5, min_p=0.1, repetition_penalty=1.2))
+    assert r.status_code == 200, r.text
+    p = w.llm.calls[0].params
+    assert (p.presence_penalty, p.frequency_penalty, p.top_k, p.min_p, p.repetition_penalty) == (0.5, -1.5, 5, 0.1, 1.2)
+    assert p.logit_bias == {104: 5.0, 7: -100.0}
+    sampling = w.events.logged[0].metadata["sampling"]
+    assert sampling["presence_penalty"] == 0.5 and sampling["logit_bias"] == {"104": 5.0, "7": -100.0}
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"300": 1}}, "logit_bias"),  # outside the vocabulary (256): vLLM's own check, made up front
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+])
+def test_sampling_out_of_range_is_a_400_naming_the_field(extra, param):
+    w = World()
+    for stream in (False, True):
+        r = w.post("/v1/chat/completions", chat(stream=stream, **extra))
+        assert r.status_code == 400 and error(r)["param"] == param, r.text
+    assert w.llm.calls == []
+
+
+def test_best_of_other_than_n_is_refused():
+    w = World()
+    assert w.post("/v1/completions", {"model": "acme", "prompt": "a", "best_of": 1}).status_code == 200
+    r = w.post("/v1/completions", {"model": "acme", "prompt": "a", "best_of": 3})
+    assert r.status_code == 400 and error(r)["param"] == "best_of"
+
+
+def test_stream_refusals_are_real_statuses_not_errors_inside_a_200():
+    w = World()
+    w.llm.errored = True
+    for path, body in (("/v1/chat/completions", chat(stream=True)),
+                       ("/v1/completions", {"model": "acme", "prompt": "a", "stream": True})):
+        r = w.post(path, body)
+        assert r.status_code == 503 and error(r)["code"] == "engine_unavailable"
+    assert w.llm.calls == []
+
+    from vllm.exceptions import VLLMValidationError
+
+    w = World()
+    w.llm.fail = VLLMValidationError("nope", parameter="temperature")  # refused by the engine when added
+    r = w.post("/v1/completions", {"model": "acme", "prompt": "a", "stream": True})
+    assert r.status_code == 400 and error(r)["param"] == "temperature"
+
+
+def test_prompt_too_long_says_so_as_openai_does():
+    w = World()
+    r = w.post("/v1/chat/completions", chat(messages=[{"role": "user", "content": "x" * MAX_MODEL_LEN}]))
+    e = error(r)
+    assert r.status_code == 400 and e["code"] == "context_length_exceeded" and e["param"] == "messages"
+    assert e["message"].startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your "
+                                   f"messages resulted in {MAX_MODEL_LEN + len('<user><assistant>')} tokens")
+    r = w.post("/v1/completions", {"model": "acme", "prompt": [1] * MAX_MODEL_LEN})
+    assert error(r)["param"] == "prompt" and "your prompt resulted in 64 tokens" in error(r)["message"]
+
+
+def test_engine_error_finish_is_a_500_and_logs_nothing():
+    w = World()
+    w.llm.finish_reason = "error"
+    r = w.post("/v1/chat/completions", chat())
+    assert r.status_code == 500 and error(r)["code"] == "generation_failed"
+    streamed = w.post("/v1/chat/completions", chat(stream=True))
+    events = sse_events(streamed)
+    assert streamed.status_code == 200  # the role chunk was out before the engine ran
+    assert events[-2]["error"]["code"] == "generation_failed" and events[-1] == "[DONE]"
+    assert w.events.logged == []
+
+
+def test_unknown_routes_and_methods_use_the_openai_error_shape():
+    w = World()
+    r = w.get("/v1/nope")
+    assert r.status_code == 404 and "Invalid URL (GET /v1/nope)" in error(r)["message"]
+    r = w.get("/v1/chat/completions")
+    assert r.status_code == 405 and error(r)["code"] == "method_not_allowed" and "POST" in error(r)["message"]
+
+
+def test_one_model_card_of_your_own_models():
+    w = World()
+    assert w.get(f"/v1/models/{BASE}").json()["id"] == BASE
+    assert w.get("/v1/models/acme").json()["id"] == "acme"
+    card = w.get("/v1/models/acme@1").json()
+    assert card == {"id": "acme@1", "object": "model", "created": 1735689600, "owned_by": "clora", "parent": "acme"}
+    for other in ("acme@2", "acme@9", "globex", "globex@1", "nobody", "acme@x"):  # unpublished, missing, not yours
+        r = w.get(f"/v1/models/{other}")
+        assert r.status_code == 404 and error(r)["code"] == "model_not_found", other
+    assert w.get("/v1/models/acme", tenant=None).status_code == 401
+
+
+def test_base_model_answers_carry_the_configured_base_name():
+    w = World()
+    for model in ("acme", BASE):  # acme has nothing published: the base model serves it
+        r = w.post("/v1/chat/completions", chat(model=model))
+        assert r.json()["model"] == BASE and r.headers["x-clora-adapter-version"] == BASE
+    assert w.events.logged[0].adapter_version is None and w.events.logged[0].metadata["served_by"] == BASE
+    assert w.get("/health").json()["adapters"] == {"acme": BASE, "globex": BASE}
+
+
+def test_developer_role_and_text_parts():
+    w = World()
+    messages = [{"role": "developer", "content": "be brief", "name": "dev"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert w.post("/v1/chat/completions", chat(messages=messages)).status_code == 200
+    assert w.events.logged[0].prompt == "<system>be brief<user>a\nb<assistant>"
+    r = w.post("/v1/chat/completions", chat(stream_options={"include_usage": True}))
+    assert r.status_code == 400 and error(r)["param"] == "stream_options"
+    r = w.post("/v1/chat/completions", chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]))
+    assert r.status_code == 400 and error(r)["param"] == "messages"
+
+
+def test_every_error_names_its_param_or_null():
+    w = World()
+    r = w.post("/v1/chat/completions", chat(), tenant=None)
+    assert r.status_code == 401 and error(r)["param"] is None
+    r = w.post("/v1/chat/completions", chat(temperature=9))
+    assert error(r)["param"] == "temperature"
+    r = w.post("/v1/chat/completions", chat(model="globex"))
+    assert r.status_code == 403 and error(r)["param"] is None
