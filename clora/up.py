@@ -84,9 +84,11 @@ class Child:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def wait_healthy(self, stop: threading.Event) -> None:
+    def wait_healthy(self, stop: threading.Event, tick: Callable[[], None] = lambda: None) -> None:
+        """Returns once healthy; `tick` runs between checks (the supervisor watches the other children)."""
         deadline = time.monotonic() + self.spec.start_timeout
         while not stop.is_set():
+            tick()
             healthy = self.spec.healthy(self.proc.pid)
             # Alive checked after the health check: a port that answered for a child that has exited by now
             # was another process's.
@@ -144,21 +146,27 @@ class Supervisor:
         for attempt in range(1, self.start_attempts + 1):
             child.start()
             try:
-                child.wait_healthy(self.stopping)
+                # The children started before keep being watched: serving may take minutes to start, and
+                # a broker that dies meanwhile is restarted, not left to fail the next child's start.
+                child.wait_healthy(self.stopping, tick=lambda: self.watch_once(skip=child))
                 return
             except ChildExited as e:
                 if attempt == self.start_attempts:
                     raise ChildExited(f"{e} ({attempt} attempts; giving up)") from e
                 delay = min(self.max_backoff, 2.0 ** (attempt - 1))
                 self.emit("up", f"{e}; starting it again in {delay:.0f}s (attempt {attempt + 1} of {self.start_attempts})")
-                if self.stopping.wait(delay):
-                    return
+                deadline = time.monotonic() + delay
+                while time.monotonic() < deadline:
+                    if self.stopping.wait(min(0.3, max(0.0, deadline - time.monotonic()))):
+                        return
+                    self.watch_once(skip=child)
 
-    def watch_once(self) -> None:
-        """Restarts children that died; called periodically by `run`."""
+    def watch_once(self, skip: Child | None = None) -> None:
+        """Restarts children that died; called periodically by `run`, and by `start_all` for the children
+        started before the one it is starting (`skip`; those not started yet are left alone)."""
         now = time.monotonic()
         for child in self.children.values():
-            if child.alive() or self.stopping.is_set():
+            if child is skip or child.proc is None or child.alive() or self.stopping.is_set():
                 continue
             if child.restart_at is None:
                 if now - child.started_at > 60:  # it ran well for a while: start the backoff afresh

@@ -116,6 +116,26 @@ def test_a_child_that_exits_while_starting_is_started_again(tmp_path):
         sup.stop_all()
 
 
+def test_children_started_before_are_watched_while_a_slow_one_starts(tmp_path):
+    starts = tmp_path / "starts"
+    # The broker stand-in dies at once the first time (after being healthy), then stays up.
+    broker = counting(starts, f"import sys, time; len(open({str(starts)!r}).read()) > 1 or (time.sleep(0.3), "
+                              "sys.exit(3)); time.sleep(600)")
+    ready = tmp_path / "slow-ready"
+    slow = [sys.executable, "-c", "import time; time.sleep(600)"]
+    lines, emit = collect()
+    sup = Supervisor([spec("broker", broker), ChildSpec("slow", slow, healthy=lambda _pid: ready.exists(), stop_timeout=5)],
+                     stop_order=[], emit=emit, max_backoff=0.1)
+    threading.Timer(3.0, ready.touch).start()  # the slow child becomes healthy after 3 s
+    try:
+        sup.start_all()
+        assert starts.read_text() == "xx", "the broker was restarted while the slow child started"
+        assert sup.children["broker"].alive() and sup.children["slow"].alive()
+        assert any("broker exited with code 3; restarting" in line for _, line in lines)
+    finally:
+        sup.stop_all()
+
+
 def test_a_child_that_keeps_exiting_while_starting_fails_the_start(tmp_path):
     starts = tmp_path / "starts"
     lines, emit = collect()
