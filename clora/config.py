@@ -112,6 +112,14 @@ class ServingConfig(_Strict):
         None, ge=1, description="Completion length of a request that sets none (max_tokens/max_completion_tokens). "
         "Unset: the room its context leaves (max_model_len - prompt), as OpenAI and vLLM do."
     )
+    max_request_bytes: int | None = Field(
+        None, ge=1024, description="Largest request body; larger ones get 413. Unset: 1 MiB, or 96 bytes per "
+        "max_model_len token when that is more (a prompt that fills the context, JSON-escaped, still fits)."
+    )
+    max_inflight_per_tenant: int = Field(
+        64, ge=1, description="Completions (prompts x n) one tenant may have in the engine at once; beyond it, "
+        "429 with Retry-After, so one tenant cannot take the whole engine."
+    )
     dtype: str = Field("auto", description="Engine dtype: auto, float32, bfloat16, float16.")
     kv_cache_gib: float = Field(
         1.0, ge=0, description="KV cache the engine reserves, GiB (small on CPU hosts); 0: vLLM sizes it from free memory."

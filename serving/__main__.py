@@ -60,7 +60,7 @@ async def serve(cfg, host: str, port: int) -> int:
     from ingest.broker import ensure_topics
     from serving.adapter_check import base_linear_shapes, validate_adapter
     from serving.adapters import AdapterSet
-    from serving.api import Api, create_app
+    from serving.api import Api, create_app, default_request_bytes
     from serving.auth import Authenticator
     from serving.engine import build_engine
     from serving.events_log import MAX_REQUEST_BYTES, EventLog, kafka_producer
@@ -120,6 +120,8 @@ async def serve(cfg, host: str, port: int) -> int:
             metrics=metrics,
             registry=registry,
             default_max_tokens=s.default_max_tokens,
+            max_request_bytes=s.max_request_bytes or default_request_bytes(s.max_model_len),
+            max_inflight_per_tenant=s.max_inflight_per_tenant,
         )
         watcher = asyncio.create_task(adapters.watch(s.registry_poll_seconds, stop))
         server = uvicorn.Server(

@@ -5,11 +5,13 @@ Routes: `POST /v1/chat/completions`, `POST /v1/completions` (both stream as serv
 `GET /metrics`.
 
 One generation request, top to bottom (`_generate`): authenticate the bearer key (auth.py) -> read the
-body and parse it (protocol.py) -> resolve `model` to the tenant's
-adapter or the base model -> render and tokenize the prompt, check it fits and check the sampling with
-the engine -> lease the adapter version (adapters.py; held until the last token, so a hot-swap never
-changes weights mid-generation) -> run it on the engine -> answer -> log one interaction event per
-choice (events_log.py; never blocks) -> count it (metrics.py). Everything the
+body (at most `max_request_bytes`, else 413) and parse it (protocol.py) -> resolve `model` to the tenant's
+adapter or the base model -> take the tenant's in-flight slots (`InflightLimit`: 429 beyond
+`max_inflight_per_tenant` completions) -> render and tokenize the prompt (the engine's prompt thread, off
+the event loop), check it fits and check the sampling with the engine -> lease the adapter version
+(adapters.py; held until the last token, so a hot-swap never changes weights mid-generation) -> run it on
+the engine, salted with the tenant (no prefix-cache sharing between tenants) -> answer -> log one
+interaction event per choice (events_log.py; never blocks) -> count it (metrics.py). Everything the
 engine would refuse is refused before the first byte, so a stream's refusals are real 4xx/5xx statuses;
 only failures after that arrive as an error event in the stream.
 
@@ -50,12 +52,14 @@ from ingest.events import FeedbackEvent, InteractionEvent, utc_now
 from serving import protocol
 from serving.adapters import AdapterSet, Lease
 from serving.auth import Authenticator, resolve_model
-from serving.engine import Choice, Delta, Engine, Sampling
+from serving.engine import MAX_CHARS_PER_TOKEN, Choice, Delta, Engine, Sampling
 from serving.errors import (
     BadRequest,
     Forbidden,
     MethodNotAllowed,
     ModelNotFound,
+    RateLimited,
+    RequestTooLarge,
     ServingError,
     UnknownRoute,
     internal_error_body,
@@ -69,6 +73,14 @@ REQUEST_ID = "x-request-id"
 ADAPTER_VERSION = "x-clora-adapter-version"
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/feedback": "feedback",
              "/v1/models": "models"}
+RETRY_AFTER_SECONDS = 1  # what a tenant over its in-flight limit is told to wait
+MIN_REQUEST_BYTES = 1 << 20
+REQUEST_BYTES_PER_TOKEN = 6 * MAX_CHARS_PER_TOKEN  # the most characters a token may stand for, JSON-escaped ("\u00e9")
+
+
+def default_request_bytes(max_model_len: int) -> int:
+    """The body limit when the config sets none: 1 MiB, or room for a prompt that fills the context."""
+    return max(MIN_REQUEST_BYTES, REQUEST_BYTES_PER_TOKEN * max_model_len)
 
 
 def endpoint_label(path: str) -> str:
@@ -98,7 +110,7 @@ class _Call:
     messages: list[dict[str, str]] | None
     prompts: list[_Prompt]
     lease: Lease
-    release: Callable[[], None]  # gives back the lease; idempotent
+    release: Callable[[], None]  # gives back the lease and the in-flight slots; idempotent
     arrived: float  # monotonic seconds, for latency
     arrived_at: datetime  # wall clock, the event's ts
 
@@ -109,6 +121,48 @@ class _Call:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p.ids) for p in self.prompts)
+
+
+class InflightLimit:
+    """Sequences (prompts x n) each tenant has in the engine at once; past `limit`, 429 with Retry-After.
+
+    Runs on the event loop only, like the rest of the API: no lock.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held: dict[str, int] = {}
+
+    def held(self, tenant: str) -> int:
+        return self._held.get(tenant, 0)
+
+    def take(self, tenant: str, sequences: int) -> Callable[[], None]:
+        """Takes `sequences` slots of `tenant`; returns the (idempotent) function that gives them back."""
+        if sequences > self.limit:
+            raise BadRequest(
+                f"this request asks for {sequences} completions at once (prompts x n); this server runs at most "
+                f"{self.limit} per tenant", param="n")
+        held = self.held(tenant)
+        if held + sequences > self.limit:
+            raise RateLimited(
+                f"tenant {tenant!r} has {held} completions in flight; at most {self.limit} at once "
+                f"(this request asks for {sequences}). Retry after the running requests finish.",
+                headers={"retry-after": str(RETRY_AFTER_SECONDS)})
+        self._held[tenant] = held + sequences
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
+            left = self._held[tenant] - sequences
+            if left:
+                self._held[tenant] = left
+            else:
+                del self._held[tenant]
+
+        return release
 
 
 class Api:
@@ -124,6 +178,8 @@ class Api:
         metrics: ServingMetrics,
         registry: Any,
         default_max_tokens: int | None = None,
+        max_request_bytes: int = 1 << 20,
+        max_inflight_per_tenant: int = 64,
     ) -> None:
         """`default_max_tokens`: the completion length of a request that sets none (None: the room its
         context leaves, as OpenAI and vLLM do)."""
@@ -136,6 +192,8 @@ class Api:
         self.metrics = metrics
         self.registry = registry
         self.default_max_tokens = default_max_tokens
+        self.max_request_bytes = max_request_bytes
+        self.inflight = InflightLimit(max_inflight_per_tenant)
         self.started = int(time.time())
 
     # --- generation ---------------------------------------------------------------------------------------
@@ -149,23 +207,32 @@ class Api:
         arrived, arrived_at = time.monotonic(), utc_now()
         tenant = self.auth.tenant(request.headers.get("authorization"))
         request.state.tenant = tenant
-        body = protocol.parse(model, await request.body())
+        body = protocol.parse(model, await self._body(request))
         choice = resolve_model(body.model, tenant=tenant, tenants=self.tenants, base_name=self.base_name)
         sampling = body.sampling(self.default_max_tokens)
-        if endpoint == "chat":
-            messages = body.plain_messages()
-            text = self.engine.render_chat(messages)
-            prompts = [self._prompt(text, self.engine.encode(text), sampling, "messages")]
-        else:
-            messages = None
-            prompts = []
-            for p in body.prompts():
-                if isinstance(p, str):
-                    prompts.append(self._prompt(p, self.engine.encode(p), sampling, "prompt"))
-                else:
-                    prompts.append(self._prompt(self.engine.decode(p), list(p), sampling, "prompt"))
-        lease = await self.adapters.acquire(tenant, choice.version) if choice.adapter else self.adapters.base_lease()
-        release = lease.release
+        given = [None] if endpoint == "chat" else body.prompts()
+        give_back = self.inflight.take(tenant, len(given) * body.n)  # before the prompt work, which costs too
+        try:
+            if endpoint == "chat":
+                messages = body.plain_messages()
+                prompts = [self._prompt(await self.engine.chat_prompt(messages), sampling, "messages")]
+            else:
+                messages = None
+                prompts = []
+                for p in given:
+                    rendered = await (self.engine.text_prompt(p) if isinstance(p, str) else self.engine.ids_prompt(p))
+                    prompts.append(self._prompt(rendered, sampling, "prompt"))
+            if choice.adapter:
+                lease = await self.adapters.acquire(tenant, choice.version)
+            else:
+                lease = self.adapters.base_lease()
+        except BaseException:
+            give_back()
+            raise
+
+        def release() -> None:
+            lease.release()
+            give_back()
 
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         call = _Call(endpoint, tenant, f"{prefix}-{request.state.request_id}", body, messages, prompts, lease,
@@ -191,18 +258,33 @@ class Api:
         return JSONResponse(build(call.response_id, lease.label, done, call.prompt_tokens, with_logprobs),
                             headers=headers)
 
-    def _prompt(self, text: str, ids: list[int], sampling: Sampling, param: str) -> _Prompt:
+    def _prompt(self, rendered: tuple[str, list[int]], sampling: Sampling, param: str) -> _Prompt:
         """A rendered prompt checked against the context and the engine, before anything is answered."""
+        text, ids = rendered
         fitted = self.engine.check_prompt(ids, sampling, param=param)
         self.engine.check_sampling(fitted)
         return _Prompt(text, ids, fitted)
+
+    async def _body(self, request: Request) -> bytes:
+        """The request body, refused with 413 past `max_request_bytes` (by Content-Length, and while read)."""
+        limit = self.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise RequestTooLarge(f"the request body is {int(declared)} bytes; this server takes at most {limit}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestTooLarge(f"the request body is over {limit} bytes, the most this server takes")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def _deltas(self, call: _Call) -> AsyncIterator[Delta]:
         """Every choice's deltas, numbered across prompts (choice j of prompt i is i * n + j)."""
         adapter, n = call.lease.adapter, call.body.n
         if len(call.prompts) == 1:
             p = call.prompts[0]
-            async for delta in self.engine.stream(p.ids, p.sampling, adapter, call.response_id):
+            async for delta in self.engine.stream(p.ids, p.sampling, adapter, call.response_id, cache_salt=call.tenant):
                 yield delta
             return
         queue: asyncio.Queue = asyncio.Queue()
@@ -210,7 +292,8 @@ class Api:
 
         async def pump(i: int, p: _Prompt) -> None:
             try:
-                async for delta in self.engine.stream(p.ids, p.sampling, adapter, f"{call.response_id}-p{i}"):
+                async for delta in self.engine.stream(p.ids, p.sampling, adapter, f"{call.response_id}-p{i}",
+                                                      cache_salt=call.tenant):
                     queue.put_nowait(replace(delta, index=i * n + delta.index))
                 queue.put_nowait(end)
             except Exception as e:  # handed to the reader, which raises it
@@ -325,7 +408,7 @@ class Api:
     async def feedback(self, request: Request) -> Response:
         tenant = self.auth.tenant(request.headers.get("authorization"))
         request.state.tenant = tenant
-        body = protocol.parse(protocol.FeedbackRequest, await request.body())
+        body = protocol.parse(protocol.FeedbackRequest, await self._body(request))
         self.events.log(FeedbackEvent(id=body.id, tenant=tenant, score=body.score, source=body.source or "http"))
         self.metrics.requests.labels(tenant, "feedback", "202").inc()
         return JSONResponse({"id": body.id, "object": "feedback", "status": "accepted"}, status_code=202)

@@ -8,12 +8,16 @@ step; requests for more wait in the scheduler's queue (they are never refused fo
 
 This module speaks the engine's language only: token ids in; text, token ids, the log-probability of
 every sampled token (always; RL needs them) and a finish reason out, in one piece (`generate`) or as
-deltas (`stream`). Chat templates are applied here too, because the tokenizer is the engine's.
+deltas (`stream`). Chat templates are applied here too, because the tokenizer is the engine's; they and
+tokenization run in one worker thread (`chat_prompt`, `text_prompt`, `ids_prompt`), never on the event
+loop, where one tenant's long prompt would stall every stream; text obviously longer than the context
+(more than `MAX_CHARS_PER_TOKEN` characters a token) is refused before it is tokenized.
 
 Before a request's first byte is answered, `check_prompt` (the context left for the completion, which is
 also the default `max_tokens`) and `check_sampling` (a dead engine, and everything vLLM's SamplingParams
-refuses) turn the engine's refusals into proper statuses. A choice the engine ends with finish reason
-"error" raises `GenerationFailed`.
+refuses) turn the engine's refusals into proper statuses. Each request carries `cache_salt` (the tenant):
+vLLM then never shares cached prefix blocks between tenants, so no tenant can time another's prompts
+through the prefix cache. A choice the engine ends with finish reason "error" raises `GenerationFailed`.
 
 Log-probabilities are vLLM's default `raw_logprobs`: log-softmax of the model's logits before
 temperature, top-p or penalties, i.e. the log-probability under the policy at temperature 1, which is
@@ -37,6 +41,7 @@ light.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -44,6 +49,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -61,6 +67,10 @@ DEFAULT_BATCHED_TOKENS = 2048
 # The layers a LoRA may wrap in the Qwen/Llama family (what the zero adapter covers).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ZERO_ADAPTER_NAME = "_zero"  # never a tenant version name ("<tenant>@<n>")
+
+# Text longer than this many characters per token of context is refused before it is tokenized (vLLM's
+# renderer makes the same bound from its tokenizer; no real tokenizer averages more than a few characters).
+MAX_CHARS_PER_TOKEN = 16
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -251,6 +261,8 @@ class Engine:
         self.max_model_len = max_model_len
         self.tokenizer = llm.get_tokenizer()
         self.vocab_size = llm.model_config.get_vocab_size()
+        # One thread: templating and tokenizing leave the event loop, and take at most one core from the engine.
+        self._prompt_thread = ThreadPoolExecutor(1, thread_name_prefix="clora-prompts")
         self._developer_role = "developer" in str(getattr(self.tokenizer, "chat_template", None) or "")
         self._ids = itertools.count(1)
         self._temporary_dir = temporary_dir
@@ -262,6 +274,39 @@ class Engine:
             await self.load_adapter(self.zero_adapter)
 
     # --- prompts ------------------------------------------------------------------------------------------
+    async def chat_prompt(self, messages: Sequence[dict[str, str]]) -> tuple[str, list[int]]:
+        """Messages -> (rendered prompt, its token ids), in the prompt thread; refuses text far too long first."""
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        return await self._in_prompt_thread(self._render_and_encode, list(messages))
+
+    async def text_prompt(self, text: str) -> tuple[str, list[int]]:
+        self._check_chars(len(text), "prompt")
+        return text, await self._in_prompt_thread(self.encode, text)
+
+    async def ids_prompt(self, token_ids: Sequence[int]) -> tuple[str, list[int]]:
+        """A prompt given as token ids -> (its text, the ids); BadRequest for ids outside the vocabulary."""
+        if len(token_ids) >= self.max_model_len:  # no decoding needed to refuse it
+            raise _too_long(self.max_model_len, len(token_ids), "prompt")
+        return await self._in_prompt_thread(self.decode, token_ids), list(token_ids)
+
+    async def _in_prompt_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_thread, fn, *args)
+
+    def _check_chars(self, chars: int, param: str) -> None:
+        limit = self.max_model_len * MAX_CHARS_PER_TOKEN
+        if chars > limit:
+            what = "messages" if param == "messages" else "prompt"
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your {what} "
+                f"{'are' if what == 'messages' else 'is'} {chars} characters long, more than {limit} characters, "
+                f"the most that {self.max_model_len} tokens can hold. Please reduce the length of the {what}.",
+                param=param,
+            )
+
+    def _render_and_encode(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+        text = self.render_chat(messages)
+        return text, self.encode(text)
+
     def encode(self, text: str) -> list[int]:
         """Text -> token ids, without adding special tokens (a chat template has already placed them)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -329,11 +374,13 @@ class Engine:
         _sampling_params(sampling)
 
     async def stream(
-        self, prompt_ids: list[int], sampling: Sampling, adapter: AdapterHandle | None, request_id: str
+        self, prompt_ids: list[int], sampling: Sampling, adapter: AdapterHandle | None, request_id: str,
+        *, cache_salt: str | None = None,
     ) -> AsyncIterator[Delta]:
         """Deltas of every choice as the engine produces them; the last delta of a choice has its finish reason.
 
         Leaving the iteration early (client gone, task cancelled) aborts the request in the engine.
+        `cache_salt` (the tenant) keeps this request's prefix-cache blocks apart from other salts'.
         """
         from vllm.exceptions import VLLMClientError
         from vllm.inputs.engine import tokens_input
@@ -344,7 +391,8 @@ class Engine:
         lora = _lora_request(adapter) if adapter is not None else None
         try:
             params = _sampling_params(sampling)  # vLLM refuses some combinations: a 400, like its own server
-            async for output in self.llm.generate(tokens_input(list(prompt_ids)), params, request_id, lora_request=lora):
+            prompt = tokens_input(list(prompt_ids), cache_salt=cache_salt)
+            async for output in self.llm.generate(prompt, params, request_id, lora_request=lora):
                 for out in output.outputs:
                     if out.finish_reason == "error":  # vLLM: a request-level internal error, always a 500
                         raise GenerationFailed(f"the engine failed request {request_id} (choice {out.index}); "
@@ -362,11 +410,12 @@ class Engine:
             raise Unavailable("the engine has stopped; the server must be restarted") from e
 
     async def generate(
-        self, prompt_ids: list[int], sampling: Sampling, adapter: AdapterHandle | None, request_id: str
+        self, prompt_ids: list[int], sampling: Sampling, adapter: AdapterHandle | None, request_id: str,
+        *, cache_salt: str | None = None,
     ) -> list[Choice]:
         """Runs the request to the end; one `Choice` per `sampling.n`, ordered by index."""
         choices = {i: Choice(i) for i in range(sampling.n)}
-        async for delta in self.stream(prompt_ids, sampling, adapter, request_id):
+        async for delta in self.stream(prompt_ids, sampling, adapter, request_id, cache_salt=cache_salt):
             choices[delta.index].add(delta)
         return [choices[i] for i in range(sampling.n)]
 
@@ -380,6 +429,7 @@ class Engine:
         llm, self.llm = self.llm, None
         if llm is not None:
             llm.shutdown()
+        self._prompt_thread.shutdown(wait=False, cancel_futures=True)
         if self._temporary_dir is not None:
             shutil.rmtree(self._temporary_dir, ignore_errors=True)
 

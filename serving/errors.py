@@ -1,11 +1,11 @@
 """The errors the serving tier answers with, each knowing its HTTP status and OpenAI error `type`/`code`.
 
 OpenAI clients parse `{"error": {"message", "type", "param", "code"}}` and pick an exception class by
-status (400 BadRequestError, 401, 403, 404, 5xx), so every refusal is one of
+status (400 BadRequestError, 401, 403, 404, 413, 429 RateLimitError, 5xx), so every refusal is one of
 these; serving/api.py turns any of them into a response without knowing the cases. `param` names the
 request field at fault (null when none), as OpenAI's own errors do. Raised by auth.py (who may use what),
 adapters.py (which versions exist), engine.py (what the engine refuses) and api.py and protocol.py
-(malformed requests).
+(malformed, oversized or too many requests).
 """
 
 from __future__ import annotations
@@ -72,6 +72,19 @@ class UnknownRoute(ServingError):
 class MethodNotAllowed(ServingError):
     status = 405
     code = "method_not_allowed"
+
+
+class RequestTooLarge(ServingError):
+    status = 413
+    code = "request_too_large"
+
+
+class RateLimited(ServingError):
+    """Too much in flight for one tenant; OpenAI's 429 shape (`type` "requests", code "rate_limit_exceeded")."""
+
+    status = 429
+    type = "requests"
+    code = "rate_limit_exceeded"
 
 
 class GenerationFailed(ServingError):

@@ -3,13 +3,14 @@ fake vLLM `AsyncLLM` (one character = one token, the completion echoes the promp
 real `AdapterSet`, auth, protocol and app, over httpx's ASGI transport.
 
 Each test states an OpenAI behaviour a client relies on (defaults, nulls, batches, refusals with their
-status, `param` and `code`) and checks the engine saw what it should.
+status, `param` and `code`, limits) and checks the engine saw what it should.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from datetime import datetime, timezone
 from types import SimpleNamespace
 
@@ -39,16 +40,21 @@ class FakeTokenizer:
 
     chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 
+    def __init__(self):
+        self.threads: list[str] = []
+
     def __len__(self):
         return 256
 
     def encode(self, text, add_special_tokens=False):
+        self.threads.append(threading.current_thread().name)
         return [ord(c) % 256 for c in text]
 
     def decode(self, ids):
         return "".join(chr(i) for i in ids)
 
     def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        self.threads.append(threading.current_thread().name)
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
 
@@ -287,7 +293,7 @@ def test_one_failing_prompt_of_a_batch_fails_the_request_before_any_work():
     w = World()
     r = w.post("/v1/completions", {"model": "acme", "prompt": ["ok", "x" * MAX_MODEL_LEN]})
     assert r.status_code == 400 and error(r)["code"] == "context_length_exceeded"
-    assert w.llm.calls == []
+    assert w.llm.calls == [] and w.api.inflight.held("acme") == 0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -347,6 +353,7 @@ def test_stream_refusals_are_real_statuses_not_errors_inside_a_200():
     w.llm.fail = VLLMValidationError("nope", parameter="temperature")  # refused by the engine when added
     r = w.post("/v1/completions", {"model": "acme", "prompt": "a", "stream": True})
     assert r.status_code == 400 and error(r)["param"] == "temperature"
+    assert w.api.inflight.held("acme") == 0
 
 
 def test_prompt_too_long_says_so_as_openai_does():
@@ -360,6 +367,20 @@ def test_prompt_too_long_says_so_as_openai_does():
     assert error(r)["param"] == "prompt" and "your prompt resulted in 64 tokens" in error(r)["message"]
 
 
+def test_text_far_beyond_the_context_is_refused_before_tokenizing():
+    w = World()
+    r = w.post("/v1/completions", {"model": "acme", "prompt": "x" * (MAX_MODEL_LEN * 16 + 1)})
+    assert r.status_code == 400 and error(r)["code"] == "context_length_exceeded"
+    assert w.llm.tokenizer.threads == []  # never tokenized
+
+
+def test_templating_and_tokenizing_run_off_the_event_loop():
+    w = World()
+    w.post("/v1/chat/completions", chat())
+    w.post("/v1/completions", {"model": "acme", "prompt": "abc"})
+    assert len(w.llm.tokenizer.threads) == 3 and all(t.startswith("clora-prompts") for t in w.llm.tokenizer.threads)
+
+
 def test_engine_error_finish_is_a_500_and_logs_nothing():
     w = World()
     w.llm.finish_reason = "error"
@@ -369,7 +390,7 @@ def test_engine_error_finish_is_a_500_and_logs_nothing():
     events = sse_events(streamed)
     assert streamed.status_code == 200  # the role chunk was out before the engine ran
     assert events[-2]["error"]["code"] == "generation_failed" and events[-1] == "[DONE]"
-    assert w.events.logged == []
+    assert w.events.logged == [] and w.api.inflight.held("acme") == 0
 
 
 def test_unknown_routes_and_methods_use_the_openai_error_shape():
@@ -421,3 +442,59 @@ def test_every_error_names_its_param_or_null():
     assert error(r)["param"] == "temperature"
     r = w.post("/v1/chat/completions", chat(model="globex"))
     assert r.status_code == 403 and error(r)["param"] is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# C. Limits a tenant cannot push past
+
+
+def test_bodies_over_the_limit_are_413():
+    w = World(max_request_bytes=2048)
+    big = chat(messages=[{"role": "user", "content": "x" * 4096}])
+    r = w.post("/v1/chat/completions", big)
+    assert r.status_code == 413 and error(r)["code"] == "request_too_large"
+
+    async def chunked(c):  # no Content-Length: counted while read
+        async def parts():
+            for _ in range(8):
+                yield b" " * 512
+        return await c.post("/v1/feedback", content=parts(), headers={"content-type": "application/json"})
+
+    r = World(max_request_bytes=2048).run(chunked)
+    assert r.status_code == 413
+    assert w.post("/v1/chat/completions", chat()).status_code == 200
+
+
+def test_a_tenant_over_its_in_flight_limit_gets_429_with_retry_after():
+    w = World(max_inflight_per_tenant=3)
+    w.llm.gate = asyncio.Event()
+
+    async def scenario(c):
+        held = asyncio.create_task(c.post("/v1/chat/completions", json=chat(n=2, temperature=1)))
+        while not w.llm.calls:
+            await asyncio.sleep(0.01)
+        over = await c.post("/v1/chat/completions", json=chat(n=2, temperature=1))
+        fits = asyncio.create_task(c.post("/v1/chat/completions", json=chat()))
+        async with w.client("globex") as g:  # another tenant is not held back
+            other = asyncio.create_task(g.post("/v1/chat/completions", json=chat(model="globex", n=3, temperature=1)))
+            while len(w.llm.calls) < 3:
+                await asyncio.sleep(0.01)
+            w.llm.gate.set()
+            results = await asyncio.gather(held, fits, other)
+        after = await c.post("/v1/chat/completions", json=chat(n=3, temperature=1))
+        too_many = await c.post("/v1/chat/completions", json=chat(n=4, temperature=1))
+        return over, results, after, too_many
+
+    over, results, after, too_many = w.run(scenario)
+    assert over.status_code == 429 and over.headers["retry-after"] == "1"
+    assert error(over)["type"] == "requests" and error(over)["code"] == "rate_limit_exceeded"
+    assert [r.status_code for r in results] == [200, 200, 200] and after.status_code == 200
+    assert too_many.status_code == 400 and error(too_many)["param"] == "n"  # could never fit
+    assert w.api.inflight.held("acme") == 0
+
+
+def test_each_tenant_salts_the_prefix_cache():
+    w = World()
+    w.post("/v1/chat/completions", chat())
+    w.post("/v1/chat/completions", chat(model=BASE), tenant="globex")
+    assert [c.prompt["cache_salt"] for c in w.llm.calls] == ["acme", "globex"]
