@@ -29,11 +29,12 @@ per tenant) is kept per tenant and brought up to date on each call, so a pass co
 last one, not the history:
   - the trained ids are held as 128-bit fingerprints (a hashindex.HashIndex): 16 bytes per trained id,
     the only memory that grows with the history (8.6 million ids, a day at 100 trajectories/s: ~140 MB;
-    for a moment twice that when a merge grows the largest run, each time the history grows by 1/16). A
-    step committed since the last call is read once and its ids added;
+    for a moment twice that when a merge grows the largest run, each time the history grows by 1/16; ids
+    are read and added a batch at a time, so a cold start holds no second copy of them). A step committed
+    since the last call is read once and its ids added;
   - a trajectories file keeps only its untrained rows (id, ingested_at, row, fingerprint: ~80 bytes each,
     in one `pending` table); a fully trained file costs a dictionary entry, whatever its size. The pending
-    rows are filtered against each new step's ids only: the trained set only grows;
+    rows (the backlog) are checked again only when new ids were added: the trained set only grows;
   - a file listed for the first time (ingest's new file, or a compacted file replacing others, which holds
     their rows, trained ones included) is read once and its rows checked against the fingerprints; a file
     no longer listed takes its pending rows with it.
@@ -41,7 +42,8 @@ A pass is thus two directory listings, the new files and step files, and arrow w
 Everything is read once when a Cursors starts (after a crash or restart), and when the cursor cannot be
 followed step by step: a snapshot that folded steps this instance never read (a compaction by another
 process while it was not looking; the snapshot is read and merged) or a cursor that went back (deleted by
-hand; the tenant is read again from scratch).
+hand; the tenant is read again from scratch, if the next call sees it behind what was read: a cursor
+deleted and committed past its old step in between goes unnoticed until the next start).
 
 Fingerprints are hashindex.hash_strings of the id: two 64-bit SipHash values, keyed per process and kept
 in memory only. A stored row would be taken for trained only if its fingerprint equalled a trained id's:
@@ -391,21 +393,18 @@ class Cursors:
         unseen = [snap for snap in chain if snap.last > state.through]
         read_to = max(state.through, unseen[-1].last if unseen else -1)
         sources = [snap.path for snap in unseen] + [p / "ids.parquet" for s, p in steps if s > read_to]
-        his, los = [], []
+        # Added batch by batch, so a long history is never held twice. Adding before every source is read is
+        # safe: the ids are trained, and `through` moves only at the end (a source that vanishes mid-way makes
+        # the caller list again and come back here with the same `through`).
+        added = False
         for path in sources:
             with pq.ParquetFile(path) as ids_file:
                 for batch in ids_file.iter_batches(batch_size=_READ_BATCH, columns=["id"]):
-                    hi, lo = hash_strings(batch.column("id").to_pylist())
-                    his.append(hi)
-                    los.append(lo)
-        if his:
-            hi, lo = np.concatenate(his), np.concatenate(los)
-            if state.pending.num_rows:
-                step_ids = HashIndex()
-                step_ids.add(hi, lo)
-                pending_hi, pending_lo = (state.pending.column(c).to_numpy() for c in ("hi", "lo"))
-                state.pending = state.pending.filter(pa.array(~step_ids.contains(pending_hi, pending_lo)))
-            state.trained.add(hi, lo)
+                    state.trained.add(*hash_strings(batch.column("id").to_pylist()))
+                    added = True
+        if added and state.pending.num_rows:
+            pending_hi, pending_lo = (state.pending.column(c).to_numpy() for c in ("hi", "lo"))
+            state.pending = state.pending.filter(pa.array(~state.trained.contains(pending_hi, pending_lo)))
         state.through = max(state.through, newest)
         return state
 

@@ -8,7 +8,7 @@ sorted numpy arrays, instead of as Python strings (~50-110 bytes each).
 Costs, for n keys:
   - memory: 16 bytes per key, 20 with values. A merge briefly holds the run it grows twice: the largest
     run, about the whole index, each time the index grows by 1/16.
-  - hashing (`hash_strings`): two `hash()` calls, ~0.3 µs per key (blake2b, which parquet.py used, ~1.7).
+  - hashing (`hash_strings`): an encode and two `hash()` calls, ~0.4 µs per key (blake2b, ~1.7).
   - lookups (`find`, `contains`: numpy batches of queries): one binary search per run, and there are few
     runs: each is at least 16 times the next and at least MIN_MERGE keys, so at most 2 up to ~1M keys and
     3 up to ~16M.
@@ -17,8 +17,10 @@ Costs, for n keys:
     key it moves up, and a key moves up about log16(n / MIN_MERGE) times: amortised, ~34 copies per key at
     16M keys; while the runs are small a call also copies up to MIN_MERGE keys (~0.3 ms).
 
-The hashes are Python's `hash()` of the string and of the string with "\\x00" appended: two SipHash values,
-keyed per process (unless PYTHONHASHSEED fixes the key). They mean nothing in another process, so an index
+The hashes are Python's `hash()` of the string's UTF-8 bytes and of the string with "\\x00" appended: two
+SipHash values, keyed per process (unless PYTHONHASHSEED fixes the key). Not `hash()` of the string twice:
+that hashes its internal buffer, which two different strings can share ("AA" and "\\u4141"), a collision
+anyone can build whatever the key. They mean nothing in another process, so an index
 lives in memory only and is rebuilt from the strings when a process starts; neither user writes them
 anywhere. A query is taken for a member it is not only if both 64-bit halves match a member's: about
 n / 2**128 per query, 3e-30 at a billion keys (and two keys share both, so that one stands for the other,
@@ -44,7 +46,9 @@ ABSENT = -1  # what `find` answers for a key not in the index (values are >= 0)
 def hash_strings(values: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """(h1, h2): two 64-bit hashes of each string, as int64 arrays (salted per process: see the module note)."""
     n = len(values)
-    h1 = np.fromiter((hash(v) for v in values), dtype=np.int64, count=n)
+    # The first of the UTF-8 bytes: a str's hash() is of its internal buffer, which two strings can share
+    # ("AA" in one-byte storage, "\u4141" in two-byte storage), so hash(str) collides by construction.
+    h1 = np.fromiter((hash(v.encode("utf-8", "surrogatepass")) for v in values), dtype=np.int64, count=n)
     h2 = np.fromiter((hash(v + "\x00") for v in values), dtype=np.int64, count=n)
     return h1, h2
 

@@ -122,3 +122,13 @@ def test_duplicate_keys_are_kept_once_with_their_first_value():
     members = HashIndex()
     members.add(*hash_strings(["x", "x", "y"]))
     assert len(members) == 2 and members.nbytes == 32
+
+
+def test_strings_sharing_an_internal_buffer_are_different_keys():
+    """hash("AA") == hash("\u4141") in CPython whatever the key: both hash the same two bytes."""
+    assert hash("AA") == hash("\u4141")
+    a, b = hash_strings(["AA"]), hash_strings(["\u4141"])
+    assert a[0][0] != b[0][0] and a[1][0] != b[1][0], "neither half may collide by construction"
+    index = HashIndex()
+    index.add(*hash_strings(["AA"]))
+    assert index.contains(*hash_strings(["AA", "\u4141"])).tolist() == [True, False]
