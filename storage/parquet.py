@@ -376,7 +376,8 @@ def read_file(dd: DataDir, path: str, columns: list[str] | None = None) -> pa.Ta
 
 def read_rows(dd: DataDir, path: str, rows: list[int]) -> pa.Table:
     """Rows `rows` (positions in the file, in that order) of one file, reading only the row groups that
-    hold them: the learner takes a batch out of a large compacted file without reading all of it."""
+    hold them: the learner takes a batch out of a large compacted file without reading all of it. No rows
+    give an empty table with the file's schema (ingest asks for the rows of ids a file may not hold)."""
     with dd.filesystem.open_input_file(path) as f:
         pf = pq.ParquetFile(f)
         sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
@@ -385,7 +386,8 @@ def read_rows(dd: DataDir, path: str, rows: list[int]) -> pa.Table:
         groups = sorted(set(group_of))
         table = pf.read_row_groups(groups)
     at = {g: sum(sizes[h] for h in groups[:k]) for k, g in enumerate(groups)}  # where group g starts in `table`
-    return table.take([at[g] + r - starts[g] for r, g in zip(rows, group_of)])
+    # Typed indices: an empty Python list would become a null array, which take() has no kernel for.
+    return table.take(pa.array([at[g] + r - starts[g] for r, g in zip(rows, group_of)], pa.int64()))
 
 
 def read_dataset(root, dataset: str, tenant: str | None = None) -> pa.Table:

@@ -116,6 +116,21 @@ def test_feedback_after_a_restart_finds_the_stored_interaction(h):
     assert h.rewards() == [("b", 0.75, "feedback")]
 
 
+def test_feedback_whose_id_the_index_confuses_with_a_stored_one_waits_instead_of_crashing(h):
+    """"AA" and "䅁" have one hash() in every process (CPython hashes a str's internal buffer: "AA" in
+    one-byte storage, "䅁" in two-byte storage, the same bytes). The index says "AA" is stored, its file
+    has no such id: the read of no rows raised (array_take on a null array), ingest exited, and every
+    restart replayed the batch into the same crash."""
+    assert hash(("fb", "AA")) == hash(("fb", "䅁"))
+    h.feed(inter("䅁"))
+    h.feed(fb("AA", 1.0))
+    assert set(h.store.pending) == {("fb", "AA")} and h.rewards() == []
+    assert h.table("feedback").column("id").to_pylist() == ["AA"]
+    h.restart()  # what the crash loop did: the feedback's offsets replayed on a view rebuilt from disk
+    h.replay(h.log[-1:])
+    assert set(h.store.pending) == {("fb", "AA")} and h.table("feedback").num_rows == 1 and h.rewards() == []
+
+
 def test_pending_feedback_survives_a_restart(h):
     h.feed(fb("a", 0.2))
     h.restart()

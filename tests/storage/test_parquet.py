@@ -205,6 +205,13 @@ def test_read_rows_reads_the_rows_asked_for_in_order(tmp_path, make_trajectories
     assert got.equals(table.take(rows))
 
 
+def test_read_rows_of_no_rows_is_an_empty_table_with_the_files_schema(tmp_path, make_trajectories):
+    path = tmp_path / "t.parquet"
+    pq.write_table(make_trajectories(["a", "b"]), path)
+    got = read_rows(DataDir(tmp_path), str(path), [])
+    assert got.num_rows == 0 and got.schema == pq.read_schema(path)
+
+
 def test_new_directories_and_replayed_files_are_made_durable_in_their_parents(tmp_path, monkeypatch):
     """A power loss must not take a new `tenant=` directory (and the files fsynced into it) with it, nor a
     file whose link landed just before a crash (its replay finds it and makes it durable)."""
