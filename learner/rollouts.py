@@ -168,6 +168,16 @@ class LocalSampler:
         return out
 
 
+RATE_LIMIT_WAIT_S = 120.0  # how long a rollout request waits out 429s before the step fails
+
+
+def _retry_after(resp) -> float:
+    try:
+        return min(10.0, max(0.05, float(resp.headers.get("retry-after", "1"))))
+    except ValueError:
+        return 1.0
+
+
 class ServingSampler:
     """Samples through the serving tier's `/v1/completions`, all requests concurrently."""
 
@@ -194,10 +204,17 @@ class ServingSampler:
             "temperature": r.temperature,
             "metadata": {"source": ROLLOUT_SOURCE},
         }
-        try:
-            resp = self._client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {r.api_key}"})
-        except httpx.HTTPError as e:
-            raise SamplingError(f"tenant {r.tenant!r}: rollout request to {self.base_url} failed: {e}") from e
+        deadline = time.monotonic() + RATE_LIMIT_WAIT_S
+        while True:
+            try:
+                resp = self._client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {r.api_key}"})
+            except httpx.HTTPError as e:
+                raise SamplingError(f"tenant {r.tenant!r}: rollout request to {self.base_url} failed: {e}") from e
+            # 429: the tenant has serving.max_inflight_per_tenant completions in the engine (a step's rollouts
+            # and the next step's, sampled ahead, plus the tenant's own traffic): wait for room, as asked.
+            if resp.status_code != 429 or time.monotonic() >= deadline:
+                break
+            time.sleep(min(_retry_after(resp), max(0.0, deadline - time.monotonic())))
         if resp.status_code != 200:
             raise SamplingError(
                 f"tenant {r.tenant!r}: {self.base_url}/v1/completions answered {resp.status_code}: {resp.text[:300]}"

@@ -1,0 +1,62 @@
+"""learner.rollouts.ServingSampler against a stand-in HTTP server (no engine): it waits out 429s."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from learner.rollouts import SampleRequest, SamplingError, ServingSampler
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def server():
+    answers = []  # status codes to give, in order; then 200
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["content-length"]))
+            status = answers.pop(0) if answers else 200
+            body = ({"id": "cmpl-1", "choices": [{"index": 0, "text": " 42", "finish_reason": "stop"}]} if status == 200
+                    else {"error": {"message": "too many", "type": "requests", "param": None, "code": "rate_limit_exceeded"}})
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            if status == 429:
+                self.send_header("retry-after", "0.1")
+            if status == 200:
+                self.send_header("x-clora-adapter-version", "acme@3")
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *_):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", answers
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def request():
+    return SampleRequest(tenant="acme", api_key="sk-acme-123", prompt="2+2=", n=1, max_tokens=4, temperature=1.0)
+
+
+def test_a_rate_limited_rollout_waits_for_room(server):
+    url, answers = server
+    answers.extend([429, 429])
+    (samples,) = ServingSampler(url).sample([request()])
+    assert [s.text for s in samples] == [" 42"] and not answers
+
+
+def test_other_errors_fail_the_request_at_once(server):
+    url, answers = server
+    answers.append(503)
+    with pytest.raises(SamplingError, match="answered 503"):
+        ServingSampler(url).sample([request()])
