@@ -108,7 +108,7 @@ async def serve(cfg, host: str, port: int) -> int:
             metrics=metrics,
             # Every event ingest would store fits (its limit plus room for the key and the batch framing).
             producer_factory=functools.partial(
-                kafka_producer, max_request_size=max(MAX_REQUEST_BYTES, cfg.ingest.max_message_bytes + 65536)),
+                kafka_producer, max_request_size=max(MAX_REQUEST_BYTES, cfg.ingest.max_message_bytes + 4096)),
         ).start()
         api = Api(
             engine=engine,
