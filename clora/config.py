@@ -94,6 +94,13 @@ class ModelConfig(_Strict):
     name: str = Field("base", description="Name under which the serving tier exposes the base model.")
     seed: int = Field(0, description="Seed of the tiny local model (same seed, byte-identical weights).")
 
+    @field_validator("name")
+    @classmethod
+    def _name_is_not_a_version(cls, v: str) -> str:
+        if not v.strip() or "@" in v:  # "<tenant>@<n>" names a tenant's version, in requests and responses
+            raise ValueError(f"model.name {v!r} must be non-empty and must not contain '@'")
+        return v
+
     @field_validator("path", mode="before")
     @classmethod
     def _empty_is_the_tiny_model(cls, v):

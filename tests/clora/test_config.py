@@ -181,3 +181,11 @@ def test_a_tenant_spec_never_shows_its_api_key():
 
     spec = TenantSpec.from_config(TenantConfig(name="acme", api_key="sk-secret-key-123"))
     assert spec.api_key == "sk-secret-key-123" and "sk-secret-key-123" not in repr(spec)
+
+
+@pytest.mark.parametrize("name", ["", " ", "qwen@4b"])
+def test_the_base_model_name_cannot_look_like_a_version(tmp_path, name):
+    p = tmp_path / "clora.toml"
+    p.write_text(f'[model]\nname = "{name}"\n')
+    with pytest.raises(ConfigError, match="must not contain '@'"):
+        load_config(p, environ={})
