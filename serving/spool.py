@@ -26,8 +26,8 @@ batch's) and the next batch goes to a new one.
 
 Names sort by creation time, so segments are sent in the order they were written.
 
-One `Spool` may be written from two threads (the event log's thread, and a request handler whose event
-finds the in-memory queue full): appends and seals take a lock.
+Appends and seals take a lock, so one `Spool` may be shared by threads. (The event log writes it from its
+own thread only: a request never waits for an fsync.)
 
 Dead letters: a message Kafka refuses for good (larger than the producer's or the broker's limit) would
 wedge the spool if it stayed in a segment, so the event log moves it, with its reason, to
