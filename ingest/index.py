@@ -1,18 +1,30 @@
 """KeyIndex: which keys the store already holds, in 12 bytes per key, for deduplication across the whole store.
 
 Ingest must know, for every event, whether its key ((tenant, id) for interactions and trajectories;
-(topic, partition, offset) for feedback and dead letters) is already on disk. A Python set of tuples costs
-~200 bytes per key; this index keeps a 64-bit hash per key in a sorted numpy array (plus an int32 value,
-which the interactions index uses to say which file holds the row), and recent additions in a small dict
-that is merged into the array once it grows past 1/16 of it (each merge is linear, so the amortised cost
-per key stays constant). Memory is therefore 12 bytes per stored row in the arrays, plus up to 1/16 as
-many recent keys at ~100 bytes each in the dict: 12 to ~18 bytes per row, not a function of throughput.
-A merge briefly holds the old and the new arrays (twice the arrays' size).
+(tenant, id, ts, score, source) for feedback; (topic, partition, offset) for dead letters) is already on
+disk. A Python set of tuples costs ~200 bytes per key; this index keeps a 64-bit hash per key in a sorted
+numpy array (plus an int32 value, which the interactions index uses to say which file holds the row), and
+recent additions in a small dict that is merged into the array once it grows past 1/16 of it (each merge
+is linear, so the amortised cost per key stays constant). Memory is therefore 12 bytes per stored row in
+the arrays, plus up to 1/16 as many recent keys at ~100 bytes each in the dict: 12 to ~18 bytes per row,
+not a function of throughput. A merge briefly holds the old and the new arrays (twice the arrays' size).
 
-Hashes are Python's `hash()` of the key tuple: 64 bits, salted per process, which is fine because the index
-lives only in memory and is rebuilt from the Parquet datasets at every start. Two different keys share a
-hash with probability about n / 2**64 per lookup (n keys stored): ~5e-12 for 100 million keys. Such a
-collision would make ingest treat a new key as already stored; at that rate we accept it.
+Hashes are `key_hash(key)`, the one function every entry point uses: `hash()` of the key tuple with each
+non-ASCII str part replaced by its UTF-8 bytes. 64 bits, salted per process, which is fine because the
+index lives only in memory and is rebuilt from the Parquet datasets at every start (nothing here is written
+anywhere). Not `hash()` of the key as it is: a str hashes its internal buffer, which two different strings
+can share ("AA" in one-byte storage, "\u4141" in two-byte storage: the same bytes), so anyone could make
+two ids of one hash, in every process whatever PYTHONHASHSEED says, and a new interaction was dropped as
+stored. An ASCII str stays as it is (its buffer is its UTF-8 bytes, and its hash is cached); any other
+string's UTF-8 bytes hold a byte over 0x7f, so they never equal an ASCII string's. Cost per key, measured
+against hash() of the key (~90 ns): +80-100 ns for a (tenant, id) of ASCII strings, +160 ns for a feedback
+key, +500-600 ns with a non-ASCII string; a load hashes 1M keys in 0.20 s (was 0.12).
+
+Two different keys then share a hash only by chance, about n / 2**64 per lookup (n keys stored): ~5e-12 for
+100 million keys. Numbers still hash by value (hash(1.0) == hash(2**-61), hash(-1) == hash(-2)), which only
+a tenant's own feedback events with purpose-built scores or timestamps can meet (the second then reads as a
+resend of the first). A collision makes ingest treat a new key as already stored (a feedback join that then
+does not find its id waits, as feedback does before its interaction: batch.py); at that rate we accept it.
 
 Not storage/hashindex.py's HashIndex (the 128-bit index cursors.py and parquet.py share): ingest asks single
 keys per event and adds a batch at a time, which the recent dict serves in O(1) (a lookup at 1M keys:
@@ -23,11 +35,21 @@ What this module leaves to others: which keys to load (pending.py) and what a hi
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
 MIN_MERGE = 65536
+
+
+def key_hash(key: tuple) -> int:
+    """hash() of `key` with every non-ASCII str part as its UTF-8 bytes (see the module note): two different
+    strings never share a hash by construction. Every KeyIndex entry point hashes through this."""
+    for part in key:
+        if type(part) is str and not part.isascii():
+            # surrogatepass: a lone surrogate (decode refuses them; Parquet cannot hold them) hashes, not raises.
+            return hash(tuple([p.encode("utf-8", "surrogatepass") if type(p) is str else p for p in key]))
+    return hash(key)
 
 
 class KeyIndex:
@@ -39,14 +61,14 @@ class KeyIndex:
         self._recent: dict[int, int] = {}
 
     @classmethod
-    def from_keys(cls, keys: Iterable[Hashable], values: Iterable[int] | None = None) -> KeyIndex:
-        hashes = np.fromiter((hash(k) for k in keys), dtype=np.int64)
+    def from_keys(cls, keys: Iterable[tuple], values: Iterable[int] | None = None) -> KeyIndex:
+        hashes = np.fromiter(map(key_hash, keys), dtype=np.int64)
         vals = np.zeros(len(hashes), dtype=np.int32) if values is None else np.fromiter(values, dtype=np.int32)
         return cls.from_hashes(hashes, vals)
 
     @classmethod
     def from_hashes(cls, hashes: np.ndarray, values: np.ndarray) -> KeyIndex:
-        """From `hash(key)` values (int64) and their int32 values, e.g. gathered file by file."""
+        """From `key_hash(key)` values (int64, e.g. `hash_keys` file by file) and their int32 values."""
         if len(values) != len(hashes):
             raise ValueError(f"{len(hashes)} keys but {len(values)} values")
         index = cls()
@@ -57,8 +79,8 @@ class KeyIndex:
 
     @staticmethod
     def hash_keys(columns: list[list]) -> np.ndarray:
-        """hash() of each row's key tuple, the key's parts given column by column."""
-        return np.fromiter((hash(k) for k in zip(*columns)), dtype=np.int64, count=len(columns[0]))
+        """key_hash() of each row's key tuple, the key's parts given column by column."""
+        return np.fromiter(map(key_hash, zip(*columns)), dtype=np.int64, count=len(columns[0]))
 
     def __len__(self) -> int:
         return len(self._hashes) + len(self._recent)
@@ -72,16 +94,16 @@ class KeyIndex:
         i = int(np.searchsorted(self._hashes, h))
         return i if i < len(self._hashes) and self._hashes[i] == h else -1
 
-    def get(self, key: Hashable) -> int | None:
+    def get(self, key: tuple) -> int | None:
         """The value stored with `key`, or None if the key is absent."""
-        h = hash(key)
+        h = key_hash(key)
         v = self._recent.get(h)
         if v is not None:
             return v
         i = self._find(h)
         return None if i < 0 else int(self._values[i])
 
-    def __contains__(self, key: Hashable) -> bool:
+    def __contains__(self, key: tuple) -> bool:
         return self.get(key) is not None
 
     def _hits(self, hashes: list[int]) -> list[bool]:
@@ -95,18 +117,18 @@ class KeyIndex:
         recent = self._recent
         return [hit or h in recent for h, hit in zip(hashes, base)]
 
-    def present(self, keys: Iterable[Hashable]) -> set:
+    def present(self, keys: Iterable[tuple]) -> set:
         """The subset of `keys` in the index (what a batch asks first, all at once)."""
         keys = list(keys)
-        return {k for k, hit in zip(keys, self._hits([hash(k) for k in keys])) if hit}
+        return {k for k, hit in zip(keys, self._hits(list(map(key_hash, keys)))) if hit}
 
-    def add(self, key: Hashable, value: int = 0) -> None:
+    def add(self, key: tuple, value: int = 0) -> None:
         """Adds `key` (a key already present keeps its value)."""
         self.add_many([key], [value])
 
-    def add_many(self, keys: Iterable[Hashable], values: Iterable[int] | None = None) -> None:
+    def add_many(self, keys: Iterable[tuple], values: Iterable[int] | None = None) -> None:
         """Adds every key (one already present keeps its value)."""
-        hashes = [hash(k) for k in keys]
+        hashes = list(map(key_hash, keys))
         values = [0] * len(hashes) if values is None else list(values)
         for h, v, hit in zip(hashes, values, self._hits(hashes)):
             if not hit:

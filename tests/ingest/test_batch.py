@@ -13,6 +13,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+import ingest.index as index_module
 from ingest.batch import Processor, Record
 from ingest.consumer import BatchWrite, write_output
 from ingest.events import FeedbackEvent, InteractionEvent, encode
@@ -116,12 +117,13 @@ def test_feedback_after_a_restart_finds_the_stored_interaction(h):
     assert h.rewards() == [("b", 0.75, "feedback")]
 
 
-def test_feedback_whose_id_the_index_confuses_with_a_stored_one_waits_instead_of_crashing(h):
-    """"AA" and "䅁" have one hash() in every process (CPython hashes a str's internal buffer: "AA" in
-    one-byte storage, "䅁" in two-byte storage, the same bytes). The index says "AA" is stored, its file
-    has no such id: the read of no rows raised (array_take on a null array), ingest exited, and every
-    restart replayed the batch into the same crash."""
-    assert hash(("fb", "AA")) == hash(("fb", "䅁"))
+def test_feedback_whose_id_the_index_confuses_with_a_stored_one_waits_instead_of_crashing(h, monkeypatch):
+    """A hash collision (1 in 2**64 by chance; forced here) makes the index say "AA" is stored, and the
+    file it names has no such id: the read of no rows raised (array_take on a null array), ingest exited,
+    and every restart replayed the batch into the same crash. Before key_hash, "AA" and "䅁" collided so
+    in every process."""
+    real = index_module.key_hash
+    monkeypatch.setattr(index_module, "key_hash", lambda key: real(tuple("AA" if p == "䅁" else p for p in key)))
     h.feed(inter("䅁"))
     h.feed(fb("AA", 1.0))
     assert set(h.store.pending) == {("fb", "AA")} and h.rewards() == []
@@ -129,6 +131,22 @@ def test_feedback_whose_id_the_index_confuses_with_a_stored_one_waits_instead_of
     h.restart()  # what the crash loop did: the feedback's offsets replayed on a view rebuilt from disk
     h.replay(h.log[-1:])
     assert set(h.store.pending) == {("fb", "AA")} and h.table("feedback").num_rows == 1 and h.rewards() == []
+
+
+def test_ids_whose_str_hash_collides_are_different_interactions(h):
+    """"AA" and "䅁" share hash() in every process (CPython hashes a str's internal buffer: "AA" in one-byte
+    storage, "䅁" in two-byte storage, the same bytes); the index told them apart only by chance, so the
+    second to arrive was dropped as a duplicate."""
+    assert hash(("fb", "AA")) == hash(("fb", "䅁"))
+    h.feed(inter("AA"))
+    h.feed(inter("䅁"), inter("BB"))
+    h.restart()  # the index rebuilt from Parquet hashes as the one built batch by batch did
+    h.feed(inter("䉂"), inter("BB"))  # "䉂" shares hash() with "BB", stored before the restart
+    assert sorted(h.table("interactions").column("id").to_pylist()) == ["AA", "BB", "䅁", "䉂"]
+    h.feed(fb("䅁", -0.5), fb("AA", 0.5), fb("BB", 0.25), fb("䉂", -0.25))
+    assert h.rewards() == [("AA", 0.5, "feedback"), ("BB", 0.25, "feedback"), ("䅁", -0.5, "feedback"),
+                           ("䉂", -0.25, "feedback")]
+    assert not h.store.pending
 
 
 def test_pending_feedback_survives_a_restart(h):

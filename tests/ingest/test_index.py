@@ -1,9 +1,10 @@
 """KeyIndex: a set/map of keys that holds only their hashes."""
 
+import numpy as np
 import pytest
 
 import ingest.index as index_module
-from ingest.index import KeyIndex
+from ingest.index import KeyIndex, key_hash
 
 pytestmark = pytest.mark.unit
 
@@ -33,3 +34,23 @@ def test_merges_keep_every_key(monkeypatch):
     assert all(ix.get(("t", str(i))) == i for i in range(1000))
     assert ("t", "1000") not in ix
     assert ix.nbytes < 1000 * 12 + 64 * 100  # 12 bytes a key once merged
+
+
+def test_strings_sharing_a_str_hash_are_different_keys_at_every_entry_point():
+    """hash("AA") == hash("䅁") in every process (the same bytes in one-byte and two-byte storage)."""
+    a, b = ("t", "AA"), ("t", "䅁")
+    assert hash(a) == hash(b) and key_hash(a) != key_hash(b)
+    ix = KeyIndex()
+    ix.add(a, 1)
+    assert b not in ix and ix.present([a, b]) == {a}
+    ix.add_many([b], [2])
+    assert ix.get(a) == 1 and ix.get(b) == 2 and len(ix) == 2
+    loaded = KeyIndex.from_hashes(KeyIndex.hash_keys([["t", "t"], ["AA", "䅁"]]), np.array([1, 2], np.int32))
+    assert loaded.get(a) == 1 and loaded.get(b) == 2  # what a load from Parquet hashes, a lookup hashes
+    assert KeyIndex.from_keys([b]).present([a, b]) == {b}
+    # keys of other shapes: non-ASCII parts anywhere, numbers and None beside them
+    fb = ("t", "AA", 1_746_057_600_000, 0.5, "䅁")
+    assert key_hash(fb) != key_hash(("t", "AA", 1_746_057_600_000, 0.5, "AA"))
+    other = ("t", "x", 1, 0.5, None)
+    assert KeyIndex.from_keys([fb, other]).present([fb, other, ("t", "x", 1, 0.5, "")]) == {fb, other}
+    assert key_hash(("t", "\ud800")) != key_hash(("t", "\ud801"))  # a lone surrogate hashes, not raises
