@@ -31,11 +31,12 @@ stopped, is waited for but not committed, and the view is dropped. A commit the 
 likewise stops this process writing: the batch decided meanwhile and the buffer are dropped, their
 partitions sought back to the first dropped offset (the next owner, or this process after rejoining,
 replays them), and the view is dropped. The one write in flight at an eviction can land after the new owner
-loaded its view, and its rows are then stored twice; nothing is lost. After an
-assignment the view is rebuilt from the datasets (right after poll() returns, outside the listener, so
-heartbeats go on meanwhile), so whatever the previous owner wrote is seen. The range assignor keeps
-partition i of both topics on one process, which is what lets feedback find its interaction (both are
-keyed by tenant).
+loaded its view, and its rows are then stored twice; nothing is lost. After an assignment the view is
+rebuilt from the datasets (right after poll() returns, outside the listener, so heartbeats go on
+meanwhile), so whatever the previous owner wrote is seen. Likewise the view's own occasional rebuild of its
+interactions index (pending.py, `shrink_files`) runs in the loop after a commit, never in the listener,
+which only finishes the write in flight. The range assignor keeps partition i of both topics on one
+process, which is what lets feedback find its interaction (both are keyed by tenant).
 
 Stopping: `stop` (an Event the process's signal handler sets) is checked after every poll; the write in
 flight and the buffer are written and committed before the consumer closes. `drain` (set instead of `stop` with --drain-on-stop)
@@ -157,13 +158,15 @@ def _tell_store(store: PendingStore, part: DatasetRows) -> None:
 
 
 def write_output(root: str, store: PendingStore, out: Output) -> None:
-    """Writes one processed batch on this thread, then tells the store view. A failed write raises (the
-    view learns nothing), and the caller then commits nothing."""
+    """Writes one processed batch on this thread, then tells the store view (and lets it shrink its file
+    list, as the loop does after a commit). A failed write raises (the view learns nothing), and the caller
+    then commits nothing."""
     parts = batch_datasets(out)
     paths = {part.dataset: write_rows(root, part, out.ranges) for part in parts}
     for part in parts:
         _tell_store(store, part)
     store.interactions_written(paths.get("interactions", []))
+    store.shrink_files()
 
 
 class BatchWrite:
@@ -334,7 +337,7 @@ class Ingest:
                 # tuple.__new__ builds the NamedTuple at half the cost of Record(...), once per message.
                 self.buffer.extend([tuple.__new__(Record, (topic, partition, m.offset, m.value)) for m in messages])
             # Commit a write as soon as it is done.
-            if self.writing is not None and self.writing.done() and not self._finish_write():
+            if self.writing is not None and self.writing.done() and not self._finish_write(shrink=True):
                 self._drop_uncommitted({}, "the group refused a commit")
             # Flush when the batch is full, old enough, or when a full poll came back empty (caught up: waiting
             # longer would only add latency).
@@ -342,7 +345,7 @@ class Ingest:
             if self.buffer and (
                 caught_up or len(self.buffer) >= self.flush_rows or time.monotonic() - self.buffer_since >= self.flush_seconds
             ):
-                self._start_flush()
+                self._start_flush(shrink=True)
             if self.metrics.due():
                 self.metrics.set_lag(self.lag())
                 self.metrics.log()
@@ -361,18 +364,19 @@ class Ingest:
         self._start_flush()
         self._finish_write()
 
-    def _start_flush(self) -> None:
+    def _start_flush(self, *, shrink: bool = False) -> None:
         """Processes the buffer while the previous batch is still being written, then finishes that write
-        (commits it) and starts writing this batch."""
+        (commits it) and starts writing this batch. `shrink`: as for `_finish_write`."""
         if not self.buffer:
-            self._finish_write()
+            self._finish_write(shrink=shrink)
             return
         if self.store is None:  # records are only buffered while partitions are assigned
             raise RuntimeError(f"{len(self.buffer)} buffered records but no store view: a rebalance bug")
         started = time.monotonic()
         records, self.buffer = self.buffer, []
         out = self.processor.process(records, self.store, now_ms())
-        if not self._finish_write():  # if the previous write failed, this raises and `out` is never written
+        # If the previous write failed, this raises and `out` is never written.
+        if not self._finish_write(shrink=shrink):
             self._drop_uncommitted(out.ranges, "the group refused the previous batch's commit")
             return
         self.writing = _Write(
@@ -382,9 +386,13 @@ class Ingest:
             started,
         )
 
-    def _finish_write(self) -> bool:
+    def _finish_write(self, *, shrink: bool = False) -> bool:
         """Waits for the write in flight; once it is durable, commits its offsets. Returns False if the group
-        refused the commit (this process must then stop writing: see `_drop_uncommitted`)."""
+        refused the commit (this process must then stop writing: see `_drop_uncommitted`).
+
+        `shrink` (the loop's calls only): then lets the store view shrink its interactions file list, which
+        may rebuild its index from every stored id (pending.py). Not in a rebalance callback, where slow
+        work holds up the group's rebalance, nor in a final flush: both drop the view right after."""
         if self.writing is None:
             return True
         write, self.writing = self.writing, None
@@ -400,6 +408,8 @@ class Ingest:
                 self.metrics.pending_dropped("expired", dropped)
         self.last_flush_at, self.last_flush_cpu = time.monotonic(), time.process_time()
         self.metrics.flushed(write.messages, write.batch.out, self.last_flush_at - write.started, len(store.pending))
+        if shrink:
+            store.shrink_files()
         return True
 
     def _dead_letters(self, out: Output) -> None:

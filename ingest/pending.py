@@ -41,10 +41,10 @@ then on, and reads there the `id` column and the row groups it needs (not the te
 is left for a file deleted by something other than compaction). Once the list has grown by
 max(live files, stored interactions / 64, RELOAD_MIN_FILES) since the last look, with no write in flight,
 it is compared with the live files, and the interactions index is rebuilt from them if the list is over
-twice as long. So the list stays within three times the live files plus RELOAD_MIN_FILES entries and
-~2.5 bytes per stored interaction (an entry is a path, ~150 bytes); a rebuild reads every stored
-interaction id, but only after 1/64 as many were written since, so it costs at most ~64 id reads per
-interaction written.
+twice as long (`shrink_files`: the consumer's loop calls it after a commit, never a rebalance callback).
+So the list stays within three times the live files plus RELOAD_MIN_FILES entries and ~2.5 bytes per
+stored interaction (an entry is a path, ~150 bytes); a rebuild reads every stored interaction id, but only
+after 1/64 as many were written since, so it costs at most ~64 id reads per interaction written.
 
 A batch being written: the consumer decides batch N+1 while batch N is still being written, so the view
 is told of N's rows when its write starts (`writing_interactions`, `stored_*`), and where its interactions
@@ -358,7 +358,14 @@ class PendingStore:
         if self._reserved:
             raise RuntimeError(f"no interactions file came back for tenants {sorted(self._reserved)}")
         self.unwritten = {}
-        if len(self.files) >= self._look_at:
+
+    def shrink_files(self) -> None:
+        """Compares the file list with the live files (`_shrink_files`) if it has grown enough since the last
+        look and no write is in flight. Left to the caller, not done on `interactions_written`: the consumer
+        also waits for a write inside Kafka's rebalance callbacks, where a rebuild (it reads every stored
+        interaction id) would hold up the group, for a view that is dropped right after. The loop calls this
+        after each commit."""
+        if not self._reserved and len(self.files) >= self._look_at:
             self._shrink_files()
 
     def _next_look(self, live: int) -> int:

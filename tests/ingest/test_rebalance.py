@@ -9,12 +9,16 @@ test_ingest_process.py (two processes in one group, one killed).
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import pytest
 from kafka import TopicPartition
 from kafka.errors import CommitFailedError
 
+import ingest.pending as pending
 from ingest.batch import Processor, Record
 from ingest.consumer import Ingest
 from ingest.events import InteractionEvent, encode
@@ -111,3 +115,92 @@ def test_after_a_normal_batch_the_commit_goes_through(ingest, data_dir):
     ingest.flush()
     assert ingest.consumer.commits == [{TopicPartition("t.i", 0): 2}] and ingest.consumer.seeks == []
     assert stored_ids(data_dir) == ["p0-0", "p0-1"] and ingest.store is not None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The interactions index's rebuild (pending.py, shrink_files) runs in the loop, never in a listener
+
+
+class LoopConsumer(FakeConsumer):
+    """What `Ingest._loop` asks of a consumer. `poll` hands out `batches` so that each is one write: a batch
+    when nothing is buffered or in flight, then nothing (the loop, caught up, flushes it), then nothing once
+    its write is done (the loop commits it). With all handed out and written it sets `stop`."""
+
+    def __init__(self, ingest, batches, stop):
+        super().__init__({TopicPartition("t.i", 0)})
+        self.ingest, self.batches, self.stop = ingest, list(batches), stop
+
+    def poll(self, timeout_ms, max_records):
+        if self.ingest.writing is not None:
+            while not self.ingest.writing.done():
+                time.sleep(0.005)
+            return {}
+        if self.ingest.buffer:
+            return {}
+        if not self.batches:
+            self.stop.set()
+            return {}
+        return {TopicPartition("t.i", 0): [_Message(r.offset, r.value) for r in self.batches.pop(0)]}
+
+    def assignment(self):
+        return set(self.assigned)
+
+    def highwater(self, tp):
+        return None
+
+
+class _Message(NamedTuple):
+    offset: int
+    value: bytes
+
+
+@pytest.fixture
+def shrinks(ingest, data_dir, monkeypatch):
+    """Every call of PendingStore._shrink_files, as whether a rebalance callback was running; a fresh store
+    whose file list is due for a look after its first write (RELOAD_MIN_FILES = 1)."""
+    monkeypatch.setattr(pending, "RELOAD_MIN_FILES", 1)
+    calls, in_callback = [], []
+    real = PendingStore._shrink_files
+    monkeypatch.setattr(PendingStore, "_shrink_files", lambda store: (calls.append(bool(in_callback)), real(store))[1])
+    for name in ("revoked", "assigned", "lost"):
+        callback = getattr(ingest, name)
+
+        def listener(partitions, callback=callback):
+            in_callback.append(1)
+            try:
+                callback(partitions)
+            finally:
+                in_callback.pop()
+
+        monkeypatch.setattr(ingest, name, listener)
+    ingest.load_store = lambda: setattr(ingest, "store", PendingStore.load(str(data_dir), expiry_ms=ingest.expiry_ms, now_ms=0))
+    ingest.load_store()
+    return calls
+
+
+@pytest.mark.parametrize("callback", ["revoked", "assigned", "lost"])
+def test_the_interactions_index_is_not_rebuilt_inside_a_rebalance_callback(ingest, data_dir, shrinks, callback):
+    """Finishing the write in flight inside a listener used to rebuild the index there (it reads every stored
+    interaction id while the group waits), for a view dropped right after."""
+    ingest.buffer = records(0, 0, 3)
+    ingest._start_flush()  # in flight when the rebalance comes
+    ingest.buffer = records(0, 3, 2)
+    getattr(ingest, callback)([TopicPartition("t.i", 0)])
+    assert ingest.writing is None and ingest.store is None
+    assert stored_ids(data_dir)[:3] == ["p0-0", "p0-1", "p0-2"]
+    assert shrinks == []
+
+
+def test_the_loop_looks_at_the_file_list_after_its_commits(ingest, data_dir, shrinks):
+    """... and the loop still does it, after a commit, when the list is due (after writes 1 and 2 here: the
+    next look is due once the list has grown by the live files since)."""
+    stop = threading.Event()
+    ingest.consumer = LoopConsumer(ingest, [records(0, 0, 3), records(0, 3, 3), records(0, 6, 3)], stop)
+    ingest._loop(stop, once=False, deadline=time.monotonic() + 60, drain=threading.Event())
+    assert stop.is_set() and len(ingest.consumer.commits) == 3
+    assert stored_ids(data_dir) == sorted(f"p0-{i}" for i in range(9))
+    assert shrinks == [False, False]
+    ingest.buffer = records(0, 9, 2)
+    ingest._start_flush()
+    ingest.revoked([TopicPartition("t.i", 0)])  # a look is due when this write lands: not taken there
+    assert shrinks == [False, False] and ingest.consumer.commits[-1] == {TopicPartition("t.i", 0): 11}
