@@ -221,7 +221,7 @@ def _plot(records, tenants, out_png: Path) -> None:
         for r in recs:
             if r.adapter_version not in seen:
                 seen.add(r.adapter_version)
-                if r.adapter_version not in ("base", "?"):
+                if "@" in r.adapter_version:  # a version, not the base model (whatever model.name is)
                     ax.axvline(r.t, color=color, alpha=0.25, linestyle=":")
     ax.set_xlabel("seconds since the simulation started")
     ax.set_ylabel("user feedback score (rolling mean)")

@@ -165,6 +165,42 @@ class InflightLimit:
         return release
 
 
+async def _chain_first(first, rest: AsyncIterator):
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item
+
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client left (never sent: nobody reads it)
+
+
+async def _unless_disconnected(request: Request, work) -> bool:
+    """Runs `work` (a coroutine) to the end and returns True, or cancels it and returns False as soon as the
+    client disconnects. The body has been read, so `receive()` can only answer the disconnect."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+    if task.cancelled():
+        return False
+    task.result()  # its exception, if it failed
+    return True
+
+
 class Api:
     def __init__(
         self,
@@ -215,12 +251,13 @@ class Api:
         try:
             if endpoint == "chat":
                 messages = body.plain_messages()
-                prompts = [self._prompt(await self.engine.chat_prompt(messages), sampling, "messages")]
+                prompts = [self._prompt(await self.engine.chat_prompt(messages, tenant), sampling, "messages")]
             else:
                 messages = None
                 prompts = []
                 for p in given:
-                    rendered = await (self.engine.text_prompt(p) if isinstance(p, str) else self.engine.ids_prompt(p))
+                    rendered = await (self.engine.text_prompt(p, tenant) if isinstance(p, str)
+                                      else self.engine.ids_prompt(p, tenant))
                     prompts.append(self._prompt(rendered, sampling, "prompt"))
             if choice.adapter:
                 lease = await self.adapters.acquire(tenant, choice.version)
@@ -245,10 +282,18 @@ class Api:
             # one would never run its `finally`). A refusal before its first chunk raises here: a real status.
             first = await anext(chunks)
             return StreamingResponse(_prepend(first, chunks), media_type="text/event-stream", headers=headers)
-        try:
-            choices = {k: Choice(k) for k in range(call.choices)}
+        choices = {k: Choice(k) for k in range(call.choices)}
+
+        async def collect() -> None:
             async for delta in self._deltas(call):
                 choices[delta.index].add(delta)
+
+        try:
+            # A client that leaves is not noticed by the server while this handler runs: watch for it, and
+            # abort the generation (closing `_deltas` aborts the engine's request), so the tenant's in-flight
+            # slots come back at once, not when a long completion nobody reads would have ended.
+            if not await _unless_disconnected(request, collect()):
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
         finally:
             release()
         done = [choices[k] for k in range(call.choices)]
@@ -321,12 +366,16 @@ class Api:
         label = call.lease.label
         choices = {i: Choice(i) for i in range(call.choices)}
         finished = sent = False
+        deltas = self._deltas(call)
         try:
+            # The first delta before any byte: an engine that fails the request (a dead engine, a refusal)
+            # then gets its own status, for chat too, whose role chunks come first.
+            first = await anext(deltas, None)
             if chat:
                 for i in choices:
                     sent = True
                     yield protocol.sse(protocol.chat_chunk(call.response_id, label, created, None, index=i, role=True))
-            async for delta in self._deltas(call):
+            async for delta in _chain_first(first, deltas):
                 text_start = len(choices[delta.index].text)
                 choices[delta.index].add(delta)
                 if chat:
@@ -365,6 +414,7 @@ class Api:
             yield protocol.sse(internal_error_body(e))
             yield protocol.sse("[DONE]")
         finally:
+            await deltas.aclose()  # aborts the engine's request if the stream ended early
             call.release()
             if finished:
                 self._finished(call, [choices[i] for i in range(call.choices)])

@@ -10,8 +10,10 @@ This module speaks the engine's language only: token ids in; text, token ids, th
 every sampled token (always; RL needs them) and a finish reason out, in one piece (`generate`) or as
 deltas (`stream`). Chat templates are applied here too, because the tokenizer is the engine's; they and
 tokenization run in one worker thread (`chat_prompt`, `text_prompt`, `ids_prompt`), never on the event
-loop, where one tenant's long prompt would stall every stream; text obviously longer than the context
-(more than `MAX_CHARS_PER_TOKEN` characters a token) is refused before it is tokenized.
+loop, where one tenant's long prompt would stall every stream, and with one job per tenant queued at a
+time, so a tenant's flood of long prompts queues behind itself; text obviously longer than the context
+(more than `MAX_CHARS_PER_TOKEN` characters a token, counting each chat message's role and framing) is
+refused before it is tokenized.
 
 Before a request's first byte is answered, `check_prompt` (the context left for the completion, which is
 also the default `max_tokens`) and `check_sampling` (a dead engine, and everything vLLM's SamplingParams
@@ -71,6 +73,7 @@ ZERO_ADAPTER_NAME = "_zero"  # never a tenant version name ("<tenant>@<n>")
 # Text longer than this many characters per token of context is refused before it is tokenized (vLLM's
 # renderer makes the same bound from its tokenizer; no real tokenizer averages more than a few characters).
 MAX_CHARS_PER_TOKEN = 16
+MESSAGE_FRAMING_CHARS = 16  # what a chat template adds around each message, at least (counted with its role)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -263,6 +266,7 @@ class Engine:
         self.vocab_size = llm.model_config.get_vocab_size()
         # One thread: templating and tokenizing leave the event loop, and take at most one core from the engine.
         self._prompt_thread = ThreadPoolExecutor(1, thread_name_prefix="clora-prompts")
+        self._prompt_turns: dict[str, asyncio.Semaphore] = {}  # tenant -> its turn in the prompt thread
         self._developer_role = "developer" in str(getattr(self.tokenizer, "chat_template", None) or "")
         self._ids = itertools.count(1)
         self._temporary_dir = temporary_dir
@@ -274,23 +278,33 @@ class Engine:
             await self.load_adapter(self.zero_adapter)
 
     # --- prompts ------------------------------------------------------------------------------------------
-    async def chat_prompt(self, messages: Sequence[dict[str, str]]) -> tuple[str, list[int]]:
-        """Messages -> (rendered prompt, its token ids), in the prompt thread; refuses text far too long first."""
-        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
-        return await self._in_prompt_thread(self._render_and_encode, list(messages))
+    async def chat_prompt(self, messages: Sequence[dict[str, str]], tenant: str = "") -> tuple[str, list[int]]:
+        """Messages -> (rendered prompt, its token ids), in the prompt thread; refuses text far too long first.
+        Each message counts its role and the template's framing too, so many empty messages (or a long role)
+        cannot render into a huge prompt past the check; and a message takes at least one token."""
+        if len(messages) >= self.max_model_len:
+            raise _too_long(self.max_model_len, len(messages), "messages")
+        self._check_chars(sum(len(m["role"]) + len(m["content"]) + MESSAGE_FRAMING_CHARS for m in messages), "messages")
+        return await self._in_prompt_thread(tenant, self._render_and_encode, list(messages))
 
-    async def text_prompt(self, text: str) -> tuple[str, list[int]]:
+    async def text_prompt(self, text: str, tenant: str = "") -> tuple[str, list[int]]:
         self._check_chars(len(text), "prompt")
-        return text, await self._in_prompt_thread(self.encode, text)
+        return text, await self._in_prompt_thread(tenant, self.encode, text)
 
-    async def ids_prompt(self, token_ids: Sequence[int]) -> tuple[str, list[int]]:
+    async def ids_prompt(self, token_ids: Sequence[int], tenant: str = "") -> tuple[str, list[int]]:
         """A prompt given as token ids -> (its text, the ids); BadRequest for ids outside the vocabulary."""
         if len(token_ids) >= self.max_model_len:  # no decoding needed to refuse it
             raise _too_long(self.max_model_len, len(token_ids), "prompt")
-        return await self._in_prompt_thread(self.decode, token_ids), list(token_ids)
+        return await self._in_prompt_thread(tenant, self.decode, token_ids), list(token_ids)
 
-    async def _in_prompt_thread(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._prompt_thread, fn, *args)
+    async def _in_prompt_thread(self, tenant: str, fn, *args):
+        """Runs `fn` in the prompt thread, with at most one job of each tenant queued there at a time: a
+        tenant sending many long prompts waits behind its own, not in front of everyone else's."""
+        turn = self._prompt_turns.get(tenant)
+        if turn is None:
+            turn = self._prompt_turns[tenant] = asyncio.Semaphore(1)
+        async with turn:
+            return await asyncio.get_running_loop().run_in_executor(self._prompt_thread, fn, *args)
 
     def _check_chars(self, chars: int, param: str) -> None:
         limit = self.max_model_len * MAX_CHARS_PER_TOKEN

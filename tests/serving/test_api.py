@@ -351,8 +351,10 @@ def test_stream_refusals_are_real_statuses_not_errors_inside_a_200():
 
     w = World()
     w.llm.fail = VLLMValidationError("nope", parameter="temperature")  # refused by the engine when added
-    r = w.post("/v1/completions", {"model": "acme", "prompt": "a", "stream": True})
-    assert r.status_code == 400 and error(r)["param"] == "temperature"
+    for path, body in (("/v1/completions", {"model": "acme", "prompt": "a", "stream": True}),
+                       ("/v1/chat/completions", chat(stream=True))):  # chat too: its role chunks wait for the engine
+        r = w.post(path, body)
+        assert r.status_code == 400 and error(r)["param"] == "temperature"
     assert w.api.inflight.held("acme") == 0
 
 
@@ -374,6 +376,46 @@ def test_text_far_beyond_the_context_is_refused_before_tokenizing():
     assert w.llm.tokenizer.threads == []  # never tokenized
 
 
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": ""}] * MAX_MODEL_LEN,  # many empty messages: each renders to framing
+    [{"role": "r" * (MAX_MODEL_LEN * 16), "content": "hi"}],  # a huge role
+], ids=["many-empty-messages", "long-role"])
+def test_chat_text_counts_roles_and_framing_before_tokenizing(messages):
+    w = World()
+    r = w.post("/v1/chat/completions", chat(messages=messages))
+    assert r.status_code == 400 and error(r)["code"] == "context_length_exceeded"
+    assert w.llm.tokenizer.threads == []  # refused before the prompt thread
+
+
+def test_one_tenants_queue_of_prompts_does_not_go_before_another_tenants():
+    """The prompt thread takes one job of each tenant at a time: a flood from one tenant queues behind itself."""
+    w = World(max_inflight_per_tenant=64)
+    order = []
+    real = w.llm.tokenizer.apply_chat_template
+
+    def slow(messages, **kw):
+        import time
+
+        order.append(messages[0]["content"])
+        time.sleep(0.05)
+        return real(messages, **kw)
+
+    w.llm.tokenizer.apply_chat_template = slow
+
+    async def scenario(c):
+        flood = [asyncio.create_task(c.post("/v1/chat/completions", json=chat(
+            messages=[{"role": "user", "content": f"acme{i}"}]))) for i in range(10)]
+        await asyncio.sleep(0.02)  # the flood is queued first
+        async with w.client("globex") as g:
+            other = await g.post("/v1/chat/completions", json=chat(model="globex",
+                                                                      messages=[{"role": "user", "content": "globex"}]))
+        await asyncio.gather(*flood)
+        return other
+
+    assert w.run(scenario).status_code == 200
+    assert order.index("globex") <= 2, order  # not behind the whole flood
+
+
 def test_templating_and_tokenizing_run_off_the_event_loop():
     w = World()
     w.post("/v1/chat/completions", chat())
@@ -388,7 +430,7 @@ def test_engine_error_finish_is_a_500_and_logs_nothing():
     assert r.status_code == 500 and error(r)["code"] == "generation_failed"
     streamed = w.post("/v1/chat/completions", chat(stream=True))
     events = sse_events(streamed)
-    assert streamed.status_code == 200  # the role chunk was out before the engine ran
+    assert streamed.status_code == 200  # its first tokens were out before the engine failed it
     assert events[-2]["error"]["code"] == "generation_failed" and events[-1] == "[DONE]"
     assert w.events.logged == [] and w.api.inflight.held("acme") == 0
 
@@ -498,3 +540,41 @@ def test_each_tenant_salts_the_prefix_cache():
     w.post("/v1/chat/completions", chat())
     w.post("/v1/chat/completions", chat(model=BASE), tenant="globex")
     assert [c.prompt["cache_salt"] for c in w.llm.calls] == ["acme", "globex"]
+
+
+def test_a_client_that_leaves_a_non_streamed_request_gives_its_slots_back_at_once():
+    """The server does not notice a client leaving while a non-streamed handler runs; the API watches for it
+    and aborts the generation, instead of holding the tenant's in-flight slots until it would have ended."""
+    w = World(max_inflight_per_tenant=4)
+    w.llm.gate = asyncio.Event()  # the generation never gets its first token unless the test lets it
+    body = json.dumps(chat(n=4, temperature=1)).encode()
+
+    async def scenario():
+        left = asyncio.Event()
+        sent = []
+
+        async def receive():
+            if not sent:
+                sent.append(1)
+                return {"type": "http.request", "body": body, "more_body": False}
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+                 "query_string": b"", "root_path": "", "server": ("clora", 80), "client": ("127.0.0.1", 5000),
+                 "headers": [(b"authorization", f"Bearer {KEYS['acme']}".encode()),
+                             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+        handler = asyncio.create_task(w.app(scope, receive, send))
+        while not w.llm.calls:
+            await asyncio.sleep(0.01)
+        assert w.api.inflight.held("acme") == 4
+        left.set()  # the client goes away
+        await asyncio.wait_for(handler, 5)
+        return w.api.inflight.held("acme")
+
+    assert asyncio.run(scenario()) == 0
+    assert w.events.logged == [], "nothing was answered, so no interaction is logged"
