@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -179,7 +180,9 @@ def _retry_after(resp) -> float:
 
 
 class ServingSampler:
-    """Samples through the serving tier's `/v1/completions`, all requests concurrently."""
+    """Samples through the serving tier's `/v1/completions`, all requests concurrently: each tenant's in its
+    own thread pool, so a tenant whose requests wait out 429s (its in-flight limit) holds no thread another
+    tenant's rollouts need."""
 
     background = True
 
@@ -188,10 +191,20 @@ class ServingSampler:
 
         self.base_url = base_url.rstrip("/")
         self._client = httpx.Client(base_url=self.base_url, timeout=timeout)
-        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rollout-http")
+        self._concurrency = concurrency
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._pools_lock = threading.Lock()
 
     def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]:
-        return list(self._pool.map(self._one, requests))
+        futures = [self._pool(r.tenant).submit(self._one, r) for r in requests]
+        return [f.result() for f in futures]
+
+    def _pool(self, tenant: str) -> ThreadPoolExecutor:
+        with self._pools_lock:  # threads start on demand and idle ones cost little: a pool per tenant is cheap
+            pool = self._pools.get(tenant)
+            if pool is None:
+                pool = self._pools[tenant] = ThreadPoolExecutor(self._concurrency, thread_name_prefix=f"rollout-{tenant}")
+            return pool
 
     def _one(self, r: SampleRequest) -> list[Sample]:
         import httpx
@@ -235,7 +248,10 @@ class ServingSampler:
         ]
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._pools_lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
         self._client.close()
 
 

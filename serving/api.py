@@ -280,8 +280,16 @@ class Api:
             # Started here, the generator owns the lease: its `finally` releases it even if the client leaves
             # before the body is sent (asyncio closes a started, abandoned async generator; an unstarted
             # one would never run its `finally`). A refusal before its first chunk raises here: a real status.
-            first = await anext(chunks)
-            return StreamingResponse(_prepend(first, chunks), media_type="text/event-stream", headers=headers)
+            got = []
+
+            async def first_chunk() -> None:
+                got.append(await anext(chunks))
+
+            # Until the first chunk (the engine's first token, for chat too) nothing else watches the client.
+            if not await _unless_disconnected(request, first_chunk()):
+                await chunks.aclose()  # aborts the engine's request, gives the slots back
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            return StreamingResponse(_prepend(got[0], chunks), media_type="text/event-stream", headers=headers)
         choices = {k: Choice(k) for k in range(call.choices)}
 
         async def collect() -> None:

@@ -54,8 +54,9 @@ stays in memory, in order, to be sent as Kafka allows (none of it is dropped), a
 the spool again only SPILL_RETRY seconds later, so a full disk does not cost a 32 MiB write per batch.
 
 What can be lost: events still in memory when the process is killed without a chance to stop
-(SIGKILL, power loss) — a few milliseconds' worth, at most twice `queue_bytes`; and, while Kafka is
-slow and the spool cannot take the queue, the events `log` drops past twice `queue_bytes`. A normal stop
+(SIGKILL, power loss) — a few milliseconds' worth, at most twice `queue_bytes`; while Kafka is slow
+or away and the spool cannot take events (a full disk: they stay queued, retried every SPILL_RETRY
+seconds), the events `log` drops past twice `queue_bytes`; and at a stop, what the spool then refuses. A normal stop
 (`close(timeout)`) drains the queue to Kafka or to the spool first, within its timeout: from the stop on,
 every wait for acknowledgements ends by a deadline a little before the timeout, the spool's backlog is
 left for the next start, and whatever is still queued at the deadline goes to the spool (a local append),
@@ -368,16 +369,28 @@ class EventLog:
         return delivery
 
     # --- the spool ------------------------------------------------------------------------------------------
-    def _to_spool(self, messages: list[Message]) -> None:
+    def _to_spool(self, messages: list[Message]) -> bool:
+        """Appends `messages` to the spool. If the spool refuses them (a full disk), they go back to the front
+        of the queue (they are older than anything queued) and the thread waits SPILL_RETRY seconds before
+        it goes on, so log()'s bound is what drops events, not this; only at a stop are they lost."""
         try:
             self.spool.append(messages)
         except SpoolError:
-            logger.exception("could not spool %d events; they are lost", len(messages))
-            self._count(messages, "dropped")
-            return
+            if self._stopping:
+                logger.exception("could not spool %d events at the stop; they are lost", len(messages))
+                self._count(messages, "dropped")
+                return False
+            logger.exception("could not spool %d events; they stay queued, the next try in %.0fs", len(messages),
+                             SPILL_RETRY)
+            with self._ready:
+                self._queue.extendleft(reversed(messages))
+                self._queued_bytes += sum(len(m.value) for m in messages)
+                self._ready.wait_for(lambda: self._stopping, timeout=SPILL_RETRY)
+            return False
         self._spooled += len(messages)
         self.metrics.spool_events.set(self._spooled)
         self._count(messages, "spooled")
+        return True
 
     def _send_spool(self) -> None:
         """Sends the backlog, oldest segment first. What is queued meanwhile goes to the spool before each
@@ -410,7 +423,8 @@ class EventLog:
             if not batch:
                 return
             try:
-                self._to_spool(batch)
+                if not self._to_spool(batch):
+                    return  # back in the queue: the segments go on, the queue waits
             finally:
                 self._landed()
 

@@ -60,3 +60,27 @@ def test_other_errors_fail_the_request_at_once(server):
     answers.append(503)
     with pytest.raises(SamplingError, match="answered 503"):
         ServingSampler(url).sample([request()])
+
+
+def test_a_tenant_waiting_out_429s_does_not_hold_back_another_tenants_rollouts(server):
+    url, answers = server
+    answers.extend([429] * 30)  # acme's requests keep being refused for ~3 s (Retry-After 0.1 s each)
+    sampler = ServingSampler(url, concurrency=2)
+    try:
+        import concurrent.futures
+        import time
+
+        with concurrent.futures.ThreadPoolExecutor(2) as jobs:
+            acme = jobs.submit(sampler.sample, [request()] * 4)
+            time.sleep(0.2)  # acme's requests occupy its threads, asleep between 429s
+            started = time.monotonic()
+            other = SampleRequest(tenant="globex", api_key="sk-globex-123", prompt="1+1=", n=1, max_tokens=4,
+                                  temperature=1.0)
+            answers.insert(0, 200)  # globex's request is answered at once
+            (samples,) = sampler.sample([other])
+            waited = time.monotonic() - started
+            assert [s.text for s in samples] == [" 42"]
+            assert waited < 1.0, f"globex waited {waited:.1f}s behind acme"
+            assert len(acme.result(timeout=30)) == 4
+    finally:
+        sampler.close()

@@ -542,12 +542,14 @@ def test_each_tenant_salts_the_prefix_cache():
     assert [c.prompt["cache_salt"] for c in w.llm.calls] == ["acme", "globex"]
 
 
-def test_a_client_that_leaves_a_non_streamed_request_gives_its_slots_back_at_once():
-    """The server does not notice a client leaving while a non-streamed handler runs; the API watches for it
-    and aborts the generation, instead of holding the tenant's in-flight slots until it would have ended."""
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_before_the_answer_gives_its_slots_back_at_once(stream):
+    """The server does not notice a client leaving while a handler runs (a non-streamed one, or a stream
+    before its first chunk); the API watches for it and aborts the generation, instead of holding the
+    tenant's in-flight slots until it would have ended."""
     w = World(max_inflight_per_tenant=4)
     w.llm.gate = asyncio.Event()  # the generation never gets its first token unless the test lets it
-    body = json.dumps(chat(n=4, temperature=1)).encode()
+    body = json.dumps(chat(n=4, temperature=1, stream=stream)).encode()
 
     async def scenario():
         left = asyncio.Event()

@@ -401,3 +401,31 @@ def test_after_a_backlog_steady_traffic_goes_straight_to_kafka_again(tmp_path):
     events = log.metrics.events
     assert events.labels("interaction", "resent")._value.get() < 150  # the backlog, and a little traffic
     assert events.labels("interaction", "sent")._value.get() > 300  # not an fsync per event for ever
+
+
+def test_with_kafka_away_a_spool_that_refuses_events_keeps_them_queued_in_order(tmp_path, monkeypatch):
+    monkeypatch.setattr(events_log, "SPILL_RETRY", 0.2)
+    broker = FakeBroker()
+    broker.up = False
+    log = make_log(tmp_path, broker)
+    append = log.spool.append
+    attempts = []
+    disk_full = True
+
+    def append_unless_full(messages):
+        attempts.append(len(messages))
+        if disk_full:
+            raise SpoolError("cannot append: [Errno 28] No space left on device")
+        append(messages)
+
+    log.spool.append = append_unless_full
+    for i in range(10):
+        log.log(interaction(i))
+    wait_for(lambda: len(attempts) >= 2)  # refused, waited SPILL_RETRY, refused again
+    disk_full = False
+    wait_for(lambda: log.spooled == 10)
+    broker.up = True
+    wait_for(lambda: len(broker.received) == 10)
+    log.close()
+    assert [r[2] for r in broker.received] == [f"i{i}" for i in range(10)]
+    assert log.metrics.events.labels("interaction", "dropped")._value.get() == 0
