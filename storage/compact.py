@@ -52,7 +52,7 @@ import pyarrow.parquet as pq
 
 from storage.cursors import Cursors
 from storage.files import FileLock, LockBusy, fsync_dir, remove_stale_hidden, write_new_file
-from storage.layout import DATASETS, as_datadir, check_dataset
+from storage.layout import DATASETS, as_datadir, check_dataset, is_tenant
 from storage.parquet import (
     COMPACTED_PREFIX,
     ROW_GROUP_ROWS,
@@ -114,6 +114,8 @@ def compact(
         cursors = Cursors(dd)
         tenants = [tenant] if tenant else sorted(p.name for p in dd.cursors.glob("*") if p.is_dir())
         for t in tenants:
+            if tenant is None and not is_tenant(t):  # a directory left by hand ("_old", ".x"): not a cursor
+                continue
             folded = cursors.compact(t)
             if folded:
                 logger.info("cursor of %s: folded %d step files into a snapshot", t, folded)

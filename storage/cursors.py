@@ -290,6 +290,9 @@ class Cursors:
             if not newer or (len(newer) == 1 and not chain):
                 return 0
             top = newer[-1][0]
+            state = self._backlogs.get(tenant)
+            if state is not None:  # read the steps about to be folded first: its next pass then reads no snapshot
+                self._backlogs[tenant] = self._follow_cursor(state, snapshots, steps)
             folded = _Snapshot(end + 1, top, tenant_dir / _snapshot_name(end + 1, top))
             _write_ids(folded.path, [p / "ids.parquet" for _, p in newer])
             chain.append(folded)

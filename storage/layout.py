@@ -59,6 +59,11 @@ def check_tenant(tenant: str, *, allow_unknown: bool = False) -> str:
     raise InvalidName(f"tenant {tenant!r} is not a valid tenant name (it must be {TENANT_NAME_RULE})")
 
 
+def is_tenant(name: str) -> bool:
+    """Whether `name` is a usable tenant name (a directory found on disk may be anything)."""
+    return isinstance(name, str) and bool(TENANT_NAME.match(name))
+
+
 def check_dataset(name: str) -> str:
     if name not in DATASETS:
         raise InvalidName(f"unknown dataset {name!r}; expected one of {', '.join(DATASETS)}")

@@ -281,3 +281,14 @@ def test_superseded_by_names_the_compacted_file_holding_a_deleted_files_rows(dat
     assert parquet.superseded_by(data_dir, gone) == merged
     assert parquet.superseded_by(data_dir, gone.with_name("never-written.parquet")) is None
     assert parquet.superseded_by(data_dir, merged) is None
+
+
+def test_a_stray_directory_among_the_cursors_does_not_stop_the_others_folding(data_dir):
+    from storage.cursors import Cursors
+
+    (data_dir / "cursors" / "_stray copy").mkdir(parents=True)  # not a tenant name
+    cursors = Cursors(data_dir, keep_checkpoints=1)
+    for s in (1, 2):
+        cursors.commit("zeta", step=s, ids=[f"z{s}"], checkpoint=lambda d: (d / "w").write_text("x"))
+    compact(data_dir)
+    assert [p.name for p in (data_dir / "cursors" / "zeta").iterdir() if p.name.startswith("trained-")]

@@ -516,3 +516,18 @@ def test_a_crash_between_a_merge_and_its_deletions_is_read_right_and_cleaned_up(
         "trained-00000000000000000005-00000000000000000005.parquet",
     ]
     assert Cursors(data_dir).trained_ids("acme") == set(ids[:5])
+
+
+def test_the_learners_own_compaction_does_not_make_its_next_pass_read_the_snapshot(data_dir, make_trajectories,
+                                                                                     monkeypatch):
+    ids = _ingest(data_dir, make_trajectories, "acme", 4)
+    cursors = Cursors(data_dir, keep_checkpoints=1)
+    for s in range(1, 5):
+        assert cursors.backlog() == {"acme": 12 - 2 * (s - 1)}
+        cursors.commit("acme", step=s, ids=ids[2 * s - 2 : 2 * s], checkpoint=_checkpoint(f"s{s}"))
+        cursors.compact("acme")  # as the learner does every 100 steps, right after a commit
+    hashed = []
+    real = cursors_module.hash_strings
+    monkeypatch.setattr(cursors_module, "hash_strings", lambda values: hashed.append(len(values)) or real(values))
+    assert cursors.backlog() == {"acme": 4}
+    assert hashed == [], "the steps it folded were read before they were folded, not read again from the snapshot"
