@@ -123,6 +123,11 @@ class ServingConfig(_Strict):
         None, ge=1024, description="Largest request body; larger ones get 413. Unset: 1 MiB, or 96 bytes per "
         "max_model_len token when that is more (a prompt that fills the context, JSON-escaped, still fits)."
     )
+    max_feedback_per_second: float = Field(
+        100.0, gt=0, description="Feedback calls one tenant may make a second on average (bursts of twice that); "
+        "beyond it, 429 with Retry-After. Every feedback event is stored, and one for an interaction not seen yet "
+        "waits in ingest's memory."
+    )
     max_inflight_per_tenant: int = Field(
         64, ge=1, description="Completions (prompts x n) one tenant may have in the engine at once; beyond it, "
         "429 with Retry-After, so one tenant cannot take the whole engine."

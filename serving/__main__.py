@@ -122,6 +122,7 @@ async def serve(cfg, host: str, port: int) -> int:
             default_max_tokens=s.default_max_tokens,
             max_request_bytes=s.max_request_bytes or default_request_bytes(s.max_model_len),
             max_inflight_per_tenant=s.max_inflight_per_tenant,
+            max_feedback_per_second=s.max_feedback_per_second,
         )
         watcher = asyncio.create_task(adapters.watch(s.registry_poll_seconds, stop))
         server = uvicorn.Server(

@@ -35,6 +35,7 @@ What this module does not do: choose versions, talk to Kafka, or touch vLLM type
 from __future__ import annotations
 
 import asyncio
+import math
 import logging
 import os
 import time
@@ -121,6 +122,26 @@ class _Call:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p.ids) for p in self.prompts)
+
+
+class RateLimit:
+    """At most `rate` calls a second per tenant on average, `burst` at once (a token bucket); past it, 429 with
+    the seconds until the next call fits as Retry-After. Runs on the event loop only: no lock."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, when counted)
+
+    def take(self, tenant: str, what: str) -> None:
+        now = self.clock()
+        tokens, then = self._buckets.get(tenant, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - then) * self.rate)
+        if tokens < 1.0:
+            wait = (1.0 - tokens) / self.rate
+            self._buckets[tenant] = (tokens, now)
+            raise RateLimited(f"tenant {tenant!r} sends {what} faster than {self.rate:g} a second (bursts of "
+                              f"{self.burst}); retry in {wait:.1f}s", headers={"retry-after": str(max(1, math.ceil(wait)))})
+        self._buckets[tenant] = (tokens - 1.0, now)
 
 
 class InflightLimit:
@@ -216,6 +237,7 @@ class Api:
         default_max_tokens: int | None = None,
         max_request_bytes: int = 1 << 20,
         max_inflight_per_tenant: int = 64,
+        max_feedback_per_second: float = 100.0,
     ) -> None:
         """`default_max_tokens`: the completion length of a request that sets none (None: the room its
         context leaves, as OpenAI and vLLM do)."""
@@ -230,6 +252,9 @@ class Api:
         self.default_max_tokens = default_max_tokens
         self.max_request_bytes = max_request_bytes
         self.inflight = InflightLimit(max_inflight_per_tenant)
+        # Feedback costs no engine time, but every event is stored, and feedback for an interaction not seen
+        # yet waits in ingest's memory: a tenant's feedback is limited by rate instead.
+        self.feedback_rate = RateLimit(max_feedback_per_second, burst=max(1, math.ceil(2 * max_feedback_per_second)))
         self.started = int(time.time())
 
     # --- generation ---------------------------------------------------------------------------------------
@@ -467,6 +492,7 @@ class Api:
         tenant = self.auth.tenant(request.headers.get("authorization"))
         request.state.tenant = tenant
         body = protocol.parse(protocol.FeedbackRequest, await self._body(request))
+        self.feedback_rate.take(tenant, "feedback")
         self.events.log(FeedbackEvent(id=body.id, tenant=tenant, score=body.score, source=body.source or "http"))
         self.metrics.requests.labels(tenant, "feedback", "202").inc()
         return JSONResponse({"id": body.id, "object": "feedback", "status": "accepted"}, status_code=202)

@@ -580,3 +580,23 @@ def test_a_client_that_leaves_before_the_answer_gives_its_slots_back_at_once(str
 
     assert asyncio.run(scenario()) == 0
     assert w.events.logged == [], "nothing was answered, so no interaction is logged"
+
+
+def test_feedback_is_limited_per_tenant_by_rate():
+    from serving.api import RateLimit
+    from serving.errors import RateLimited
+
+    now = [0.0]
+    limit = RateLimit(rate=2.0, burst=4, clock=lambda: now[0])
+    for _ in range(4):
+        limit.take("acme", "feedback")  # a burst
+    with pytest.raises(RateLimited) as e:
+        limit.take("acme", "feedback")
+    assert e.value.headers["retry-after"] == "1"
+    limit.take("globex", "feedback")  # another tenant has its own bucket
+    now[0] = 0.5  # one more a half second later (2 a second)
+    limit.take("acme", "feedback")
+
+    w = World(max_feedback_per_second=1.0)  # bursts of 2
+    codes = [w.post("/v1/feedback", {"id": f"chatcmpl-{i}", "score": 1}).status_code for i in range(3)]
+    assert codes == [202, 202, 429] and len(w.events.logged) == 2
