@@ -54,10 +54,11 @@ stays in memory, in order, to be sent as Kafka allows (none of it is dropped), a
 the spool again only SPILL_RETRY seconds later, so a full disk does not cost a 32 MiB write per batch.
 
 What can be lost: events still in memory when the process is killed without a chance to stop
-(SIGKILL, power loss) — a few milliseconds' worth, at most twice `queue_bytes`; while Kafka is slow
+(SIGKILL, power loss) — a few milliseconds' worth, at most twice `queue_bytes` plus the batch in flight
+(BATCH_MAX events and about BATCH_BYTES) and a spool segment being resent; while Kafka is slow
 or away and the spool cannot take events (a full disk: they stay queued, retried every SPILL_RETRY
-seconds), the events `log` drops past twice `queue_bytes`; and at a stop, what the spool then refuses. A normal stop
-(`close(timeout)`) drains the queue to Kafka or to the spool first, within its timeout: from the stop on,
+seconds), the events `log` drops past twice `queue_bytes`; and at a stop, what the spool then refuses. A
+normal stop (`close(timeout)`) drains the queue to Kafka or to the spool first, within its timeout: from the stop on,
 every wait for acknowledgements ends by a deadline a little before the timeout, the spool's backlog is
 left for the next start, and whatever is still queued at the deadline goes to the spool (a local append),
 so a slow or hanging broker cannot keep a queued event in memory past the stop.
@@ -85,6 +86,7 @@ from serving.spool import Message, Refused, Spool, SpoolError
 logger = logging.getLogger(__name__)
 
 BATCH_MAX = 512
+BATCH_BYTES = 4 << 20  # a batch in flight stops growing past this (it is held on top of the queue)
 QUEUE_BYTES = 32 << 20  # events (their JSON text) queued; past this the thread spools them, past twice this log() drops
 SPILL_RETRY = 5.0  # seconds after the spool refused the queue before the thread tries again (a full disk)
 STOP_MARGIN = 2.0  # seconds of a stop's timeout kept for spooling what is left at the deadline
@@ -238,14 +240,17 @@ class EventLog:
         self._shutdown()
 
     def _take(self, block_seconds: float) -> tuple[list[Message], bool]:
-        """Up to BATCH_MAX queued messages, now the batch in flight; and whether the thread should stop
+        """Up to BATCH_MAX queued messages (and about BATCH_BYTES), now the batch in flight; and whether the thread should stop
         (a stop was asked for and the queue is empty)."""
         self._spill_if_full()
         with self._ready:
             if not self._queue and not self._stopping and block_seconds > 0:
                 self._ready.wait(block_seconds)
-            batch = [self._queue.popleft() for _ in range(min(BATCH_MAX, len(self._queue)))]
-            self._queued_bytes -= sum(len(m.value) for m in batch)
+            batch, size = [], 0
+            while self._queue and len(batch) < BATCH_MAX and (not batch or size < BATCH_BYTES):
+                batch.append(self._queue.popleft())  # by count and by bytes: events can be ~1 MB each
+                size += len(batch[-1].value)
+            self._queued_bytes -= size
             stopping = self._stopping and not self._queue
         self._in_flight = batch
         return batch, stopping

@@ -429,3 +429,28 @@ def test_with_kafka_away_a_spool_that_refuses_events_keeps_them_queued_in_order(
     log.close()
     assert [r[2] for r in broker.received] == [f"i{i}" for i in range(10)]
     assert log.metrics.events.labels("interaction", "dropped")._value.get() == 0
+
+
+def test_a_batch_in_flight_is_bounded_by_bytes_too(tmp_path, monkeypatch):
+    monkeypatch.setattr(events_log, "BATCH_BYTES", 1000)
+    broker = FakeBroker()
+    log = EventLog(
+        bootstrap="fake:9092", interactions_topic="t.interactions", feedback_topic="t.feedback",
+        spool_dir=tmp_path / "spool", metrics=ServingMetrics(), producer_factory=broker.producer,
+        retry_seconds=0.05,
+    )
+    sizes = []
+    handle = log._handle
+
+    def recording(batch):
+        sizes.append(sum(len(m.value) for m in batch))
+        handle(batch)
+
+    log._handle = recording
+    big = "x" * 600
+    for i in range(6):  # all queued before the thread starts: one batch, were it not for the byte bound
+        log.log(InteractionEvent(id=f"i{i}", tenant="acme", completion=big, prompt="p"))
+    log.start()
+    wait_for(lambda: len(broker.received) == 6)
+    log.close()
+    assert all(size < 2 * 1000 for size in sizes), sizes  # at most one event past the byte bound
