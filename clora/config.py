@@ -109,6 +109,11 @@ class ModelConfig(_Strict):
 
 class ServingConfig(_Strict):
     host: str = Field("127.0.0.1", description="Address the HTTP API binds to.")
+    admin_key: SecretStr | None = Field(
+        None, description="Bearer key for /metrics and /health's details (every tenant's name and version). "
+        "Unset: both answer anyone who reaches the port, which the default host (127.0.0.1) keeps local; set it "
+        "when tenants can reach the port.", json_schema_extra=env("CLORA_ADMIN_KEY")
+    )
     port: int = Field(8000, ge=1, le=65535, description="Port of the HTTP API.", json_schema_extra=env("CLORA_PORT"))
     max_loras: int = Field(8, ge=1, description="Adapters that may take part in one engine batch.")
     max_cpu_loras: int = Field(16, ge=1, description="Adapters kept loaded (warm) in the engine.")
@@ -334,6 +339,11 @@ class Config(_Strict):
         keys = [t.api_key.get_secret_value() for t in self.tenants]
         if len(set(keys)) != len(keys):
             problems.append("two tenants share an api_key")
+        admin = self.serving.admin_key.get_secret_value() if self.serving.admin_key is not None else None
+        if admin is not None and len(admin) < 8:
+            problems.append("serving.admin_key must be at least 8 characters")
+        if admin is not None and admin in keys:
+            problems.append("serving.admin_key is also a tenant's api_key")
         if self.model.name in names:
             problems.append(f"tenant name {self.model.name!r} collides with model.name")
         for t in self.tenants:
@@ -436,4 +446,6 @@ def show_config(cfg: Config) -> str:
     data = cfg.model_dump(mode="json")
     for t in data["tenants"]:
         t["api_key"] = "********"
+    if data["serving"].get("admin_key") is not None:
+        data["serving"]["admin_key"] = "********"
     return json.dumps(data, indent=2)

@@ -123,6 +123,7 @@ async def serve(cfg, host: str, port: int) -> int:
             max_request_bytes=s.max_request_bytes or default_request_bytes(s.max_model_len),
             max_inflight_per_tenant=s.max_inflight_per_tenant,
             max_feedback_per_second=s.max_feedback_per_second,
+            admin_key=s.admin_key.get_secret_value() if s.admin_key is not None else None,
         )
         watcher = asyncio.create_task(adapters.watch(s.registry_poll_seconds, stop))
         server = uvicorn.Server(

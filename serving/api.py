@@ -52,7 +52,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ingest.events import FeedbackEvent, InteractionEvent, utc_now
 from serving import protocol
 from serving.adapters import AdapterSet, Lease
-from serving.auth import Authenticator, resolve_model
+from serving.auth import Authenticator, is_admin, resolve_model
 from serving.engine import MAX_CHARS_PER_TOKEN, Choice, Delta, Engine, Sampling
 from serving.errors import (
     BadRequest,
@@ -62,6 +62,7 @@ from serving.errors import (
     RateLimited,
     RequestTooLarge,
     ServingError,
+    Unauthenticated,
     UnknownRoute,
     internal_error_body,
 )
@@ -238,6 +239,7 @@ class Api:
         max_request_bytes: int = 1 << 20,
         max_inflight_per_tenant: int = 64,
         max_feedback_per_second: float = 100.0,
+        admin_key: str | None = None,
     ) -> None:
         """`default_max_tokens`: the completion length of a request that sets none (None: the room its
         context leaves, as OpenAI and vLLM do)."""
@@ -252,6 +254,7 @@ class Api:
         self.default_max_tokens = default_max_tokens
         self.max_request_bytes = max_request_bytes
         self.inflight = InflightLimit(max_inflight_per_tenant)
+        self.admin_key = admin_key  # None: /metrics and /health's details are open (a local deployment)
         # Feedback costs no engine time, but every event is stored, and feedback for an interaction not seen
         # yet waits in ingest's memory: a tenant's feedback is limited by rate instead.
         self.feedback_rate = RateLimit(max_feedback_per_second, burst=max(1, math.ceil(2 * max_feedback_per_second)))
@@ -534,18 +537,25 @@ class Api:
             _model_card(version.name, int((version.published_at or version.created_at).timestamp()), parent=tenant))
 
     async def health(self, request: Request) -> Response:
+        """Status and pid for anyone (a load balancer, `clora up`); every tenant's adapter, refused versions and
+        the event log's state too when no admin key is configured, or the caller sends it."""
         ok = not self.engine.errored
-        body = {
+        body: dict[str, Any] = {
             "status": "ok" if ok else "engine_dead",
             "pid": os.getpid(),  # lets a supervisor tell its own serving from another process on the port
-            "model": self.base_name,
-            "adapters": {t: self.adapters.current(t) for t in self.tenants},
-            "refused_adapters": self.adapters.refused(),
-            "events": {"kafka_connected": self.events.connected, "spooled": self.events.spooled},
         }
+        if self.admin_key is None or is_admin(request.headers.get("authorization"), self.admin_key):
+            body.update({
+                "model": self.base_name,
+                "adapters": {t: self.adapters.current(t) for t in self.tenants},
+                "refused_adapters": self.adapters.refused(),
+                "events": {"kafka_connected": self.events.connected, "spooled": self.events.spooled},
+            })
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def prometheus(self, request: Request) -> Response:
+        if self.admin_key is not None and not is_admin(request.headers.get("authorization"), self.admin_key):
+            raise Unauthenticated("/metrics needs the admin key: 'Authorization: Bearer <serving.admin_key>'")
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
 

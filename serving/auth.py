@@ -60,6 +60,14 @@ class Authenticator:
         return found
 
 
+def is_admin(authorization: str | None, admin_key: str | None) -> bool:
+    """Whether the header carries the admin key (always false when none is configured)."""
+    if admin_key is None or not authorization:
+        return False
+    scheme, _, key = authorization.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), admin_key.encode())
+
+
 def resolve_model(model: str, *, tenant: str, tenants: Iterable[str], base_name: str) -> ModelChoice:
     """Maps a request's `model` to a `ModelChoice` for `tenant`, or raises Forbidden / ModelNotFound."""
     known = set(tenants)

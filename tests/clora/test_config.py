@@ -189,3 +189,18 @@ def test_the_base_model_name_cannot_look_like_a_version(tmp_path, name):
     p.write_text(f'[model]\nname = "{name}"\n')
     with pytest.raises(ConfigError, match="must not contain '@'"):
         load_config(p, environ={})
+
+
+def test_the_admin_key_is_checked_and_never_shown(tmp_path):
+    from clora.config import show_config
+
+    p = tmp_path / "clora.toml"
+    p.write_text('[serving]\nadmin_key = "short"\n')
+    with pytest.raises(ConfigError, match="admin_key must be at least 8 characters"):
+        load_config(p, environ={})
+    p.write_text('[serving]\nadmin_key = "shared-key-123"\n[[tenants]]\nname = "acme"\napi_key = "shared-key-123"\n')
+    with pytest.raises(ConfigError, match="admin_key is also a tenant's api_key"):
+        load_config(p, environ={})
+    cfg = load_config(None, environ={"CLORA_ADMIN_KEY": "admin-key-123"})
+    assert cfg.serving.admin_key.get_secret_value() == "admin-key-123"
+    assert "admin-key-123" not in show_config(cfg)

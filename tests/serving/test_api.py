@@ -600,3 +600,25 @@ def test_feedback_is_limited_per_tenant_by_rate():
     w = World(max_feedback_per_second=1.0)  # bursts of 2
     codes = [w.post("/v1/feedback", {"id": f"chatcmpl-{i}", "score": 1}).status_code for i in range(3)]
     assert codes == [202, 202, 429] and len(w.events.logged) == 2
+
+
+def test_with_an_admin_key_health_details_and_metrics_need_it():
+    w = World(admin_key="admin-key-123")
+    anonymous = w.get("/health", tenant=None)
+    assert anonymous.status_code == 200 and set(anonymous.json()) == {"status", "pid"}  # enough for a supervisor
+    tenant = w.get("/health")  # a tenant's key is not the admin key: no other tenant's name or version
+    assert set(tenant.json()) == {"status", "pid"}
+    assert w.get("/metrics").status_code == 401
+
+    async def as_admin(_):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=w.app), base_url="http://clora",
+                                     headers={"Authorization": "Bearer admin-key-123"}) as admin:
+            return await admin.get("/health"), await admin.get("/metrics")
+
+    health, metrics = w.run(as_admin)
+    assert set(health.json()["adapters"]) == set(KEYS) and metrics.status_code == 200
+    assert "clora_serving" in metrics.text
+
+    open_ = World()  # no admin key: a local deployment, as before
+    assert "adapters" in open_.get("/health", tenant=None).json()
+    assert open_.get("/metrics", tenant=None).status_code == 200
