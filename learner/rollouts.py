@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -180,8 +179,8 @@ def _retry_after(resp) -> float:
 
 
 class ServingSampler:
-    """Samples through the serving tier's `/v1/completions`, all requests concurrently: each tenant's in its
-    own thread pool, so a tenant whose requests wait out 429s (its in-flight limit) holds no thread another
+    """Samples through the serving tier's `/v1/completions`, all of a call's requests concurrently, in threads
+    of that call's own: a tenant whose requests wait out 429s (its in-flight limit) holds no thread another
     tenant's rollouts need."""
 
     background = True
@@ -190,21 +189,20 @@ class ServingSampler:
         import httpx
 
         self.base_url = base_url.rstrip("/")
-        self._client = httpx.Client(base_url=self.base_url, timeout=timeout)
+        # No cap on connections: concurrent calls (the prefetcher samples several tenants at once) must not
+        # wait for one another's connections; each call caps its own threads.
+        self._client = httpx.Client(base_url=self.base_url, timeout=timeout,
+                                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self._concurrency = concurrency
-        self._pools: dict[str, ThreadPoolExecutor] = {}
-        self._pools_lock = threading.Lock()
 
     def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]:
-        futures = [self._pool(r.tenant).submit(self._one, r) for r in requests]
-        return [f.result() for f in futures]
-
-    def _pool(self, tenant: str) -> ThreadPoolExecutor:
-        with self._pools_lock:  # threads start on demand and idle ones cost little: a pool per tenant is cheap
-            pool = self._pools.get(tenant)
-            if pool is None:
-                pool = self._pools[tenant] = ThreadPoolExecutor(self._concurrency, thread_name_prefix=f"rollout-{tenant}")
-            return pool
+        if not requests:
+            return []
+        pool = ThreadPoolExecutor(min(self._concurrency, len(requests)), thread_name_prefix="rollout-http")
+        try:
+            return list(pool.map(self._one, requests))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # after a failure, the requests not started yet
 
     def _one(self, r: SampleRequest) -> list[Sample]:
         import httpx
@@ -248,10 +246,6 @@ class ServingSampler:
         ]
 
     def close(self) -> None:
-        with self._pools_lock:
-            pools, self._pools = list(self._pools.values()), {}
-        for pool in pools:
-            pool.shutdown(wait=False, cancel_futures=True)
         self._client.close()
 
 

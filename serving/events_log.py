@@ -88,6 +88,7 @@ logger = logging.getLogger(__name__)
 BATCH_MAX = 512
 BATCH_BYTES = 4 << 20  # a batch in flight stops growing past this (it is held on top of the queue)
 QUEUE_BYTES = 32 << 20  # events (their JSON text) queued; past this the thread spools them, past twice this log() drops
+REQUEUE_PAUSE = 0.1  # the thread's pause after the spool refused events while Kafka is up (no spinning)
 SPILL_RETRY = 5.0  # seconds after the spool refused the queue before the thread tries again (a full disk)
 STOP_MARGIN = 2.0  # seconds of a stop's timeout kept for spooling what is left at the deadline
 ACK_SLICE = 0.5  # acknowledgements are awaited in slices this long, so a stop's deadline cuts a wait short
@@ -262,15 +263,21 @@ class EventLog:
     def _handle(self, batch: list[Message]) -> None:
         """The batch in flight goes to Kafka (or the spool, or the dead letters); then it has landed."""
         try:
-            if self._spooled or self._past_deadline() or not self._connect():
-                self._to_spool(batch)
+            if self._past_deadline():
+                self._to_spool(batch, wait=0)
+                return
+            connected = self._connect()
+            if self._spooled or not connected:
+                # Should the spool refuse it: with Kafka away, wait until the next connection attempt; with
+                # Kafka back, the backlog's resend (right after this) frees the disk: only pause against spinning.
+                self._to_spool(batch, wait=self.retry_seconds if not connected else REQUEUE_PAUSE)
                 return
             delivery = self._send(batch)
             self._count(delivery.acked, "sent")
             if delivery.refused and not self._dead_letter(delivery.refused):
-                self._to_spool([r.message for r in delivery.refused])  # sent again, and refused again, later
+                self._to_spool([r.message for r in delivery.refused], wait=REQUEUE_PAUSE)  # sent again, refused again, later
             if delivery.failed:
-                self._to_spool(delivery.failed)
+                self._to_spool(delivery.failed, wait=REQUEUE_PAUSE)
         finally:
             self._landed()
 
@@ -374,23 +381,30 @@ class EventLog:
         return delivery
 
     # --- the spool ------------------------------------------------------------------------------------------
-    def _to_spool(self, messages: list[Message]) -> bool:
+    def _to_spool(self, messages: list[Message], *, wait: float) -> bool:
         """Appends `messages` to the spool. If the spool refuses them (a full disk), they go back to the front
-        of the queue (they are older than anything queued) and the thread waits SPILL_RETRY seconds before
-        it goes on, so log()'s bound is what drops events, not this; only at a stop are they lost."""
+        of the queue (they are older than anything queued), no spool write is tried for SPILL_RETRY seconds
+        (meanwhile they go straight back), and the thread waits up to `wait` seconds before it goes on; so
+        log()'s bound is what drops events, not this. Only at a stop are they lost."""
+        refusing = time.monotonic() < self._spill_after
         try:
+            if refusing:
+                raise SpoolError("the spool refused the last write; not tried again yet")
             self.spool.append(messages)
         except SpoolError:
             if self._stopping:
                 logger.exception("could not spool %d events at the stop; they are lost", len(messages))
                 self._count(messages, "dropped")
                 return False
-            logger.exception("could not spool %d events; they stay queued, the next try in %.0fs", len(messages),
-                             SPILL_RETRY)
+            if not refusing:
+                logger.exception("could not spool %d events; they stay queued, the next try in %.0fs", len(messages),
+                                 SPILL_RETRY)
+                self._spill_after = time.monotonic() + SPILL_RETRY
             with self._ready:
                 self._queue.extendleft(reversed(messages))
                 self._queued_bytes += sum(len(m.value) for m in messages)
-                self._ready.wait_for(lambda: self._stopping, timeout=SPILL_RETRY)
+                if wait > 0:
+                    self._ready.wait_for(lambda: self._stopping, timeout=wait)
             return False
         self._spooled += len(messages)
         self.metrics.spool_events.set(self._spooled)
@@ -422,13 +436,14 @@ class EventLog:
 
     def _queue_to_spool(self) -> None:
         """While the backlog is sent: what requests logged meanwhile goes to the spool, behind the backlog,
-        so the queue stays short."""
-        while True:
+        so the queue stays short. Not while the spool refuses writes (a full disk: the segments being sent
+        are what frees it), when the queue stays in memory, within log()'s bound."""
+        while time.monotonic() >= self._spill_after:
             batch, _ = self._take(block_seconds=0)
             if not batch:
                 return
             try:
-                if not self._to_spool(batch):
+                if not self._to_spool(batch, wait=0):
                     return  # back in the queue: the segments go on, the queue waits
             finally:
                 self._landed()

@@ -454,3 +454,32 @@ def test_a_batch_in_flight_is_bounded_by_bytes_too(tmp_path, monkeypatch):
     wait_for(lambda: len(broker.received) == 6)
     log.close()
     assert all(size < 2 * 1000 for size in sizes), sizes  # at most one event past the byte bound
+
+
+def test_a_full_disk_does_not_throttle_the_resend_of_a_backlog(tmp_path, monkeypatch):
+    """Kafka back while the spool's disk is full (the spool filled it): the segments are sent at Kafka's pace,
+    and what comes in meanwhile stays queued instead of costing a SPILL_RETRY wait per segment."""
+    monkeypatch.setattr(events_log, "SPILL_RETRY", 2.0)
+    broker = FakeBroker()
+    broker.up = False
+    log = EventLog(
+        bootstrap="fake:9092", interactions_topic="t.interactions", feedback_topic="t.feedback",
+        spool_dir=tmp_path / "spool", metrics=ServingMetrics(), producer_factory=broker.producer,
+        retry_seconds=0.05,
+    )
+    log.spool = events_log.Spool(tmp_path / "spool", segment_bytes=300)  # a segment every few events
+    log.start()
+    for i in range(20):
+        log.log(interaction(i))
+    wait_for(lambda: log.spooled == 20)
+    log.spool.append = lambda messages: (_ for _ in ()).throw(SpoolError("[Errno 28] No space left on device"))
+    broker.up = True
+    started = time.monotonic()
+    for i in range(20, 30):  # traffic during the resend: stays queued
+        log.log(interaction(i))
+        time.sleep(0.01)
+    wait_for(lambda: len(broker.received) == 30, timeout=10)
+    took = time.monotonic() - started
+    log.close()
+    assert took < 2.0, f"the resend waited {took:.1f}s"
+    assert [r[2] for r in broker.received] == [f"i{i}" for i in range(30)]
