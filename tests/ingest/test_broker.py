@@ -19,6 +19,23 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
+def start_clora_broker(cwd, port: int) -> tuple[subprocess.Popen, str]:
+    """`clora broker --port PORT` as a child; returns it and the last line it printed (its "ready" line, unless
+    it exited first)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clora", "broker", "--port", str(port)],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    line = ""
+    while proc.poll() is None and "broker ready" not in line:
+        line = proc.stdout.readline()
+    return proc, line
+
+
 def test_round_trip_through_session_broker(broker):
     topic = "test.broker.roundtrip"
     assert ensure_topics(broker.bootstrap, [topic], partitions=2) == [topic]
@@ -59,18 +76,8 @@ def test_port_taken_is_a_clear_error():
 def test_clora_broker_command_starts_fast_and_stops_on_sigterm(tmp_path):
     port = free_port()
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clora", "broker", "--port", str(port)],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    proc, line = start_clora_broker(tmp_path, port)
     try:
-        line = ""
-        while proc.poll() is None and "broker ready" not in line:
-            line = proc.stdout.readline()
         ready_after = time.monotonic() - t0
         assert f"broker ready at 127.0.0.1:{port}" in line, line
         assert ready_after < 5.0, f"broker took {ready_after:.1f}s to come up"
@@ -91,18 +98,8 @@ def test_a_sigkilled_owner_takes_its_broker_with_it(tmp_path):
     """`clora up` restarts a crashed `clora broker`; a Tansu orphan holding the port would make every
     restart fail with "port in use"."""
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clora", "broker", "--port", str(port)],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    proc, line = start_clora_broker(tmp_path, port)
     try:
-        line = ""
-        while proc.poll() is None and "broker ready" not in line:
-            line = proc.stdout.readline()
         assert "broker ready" in line, line
         (tansu,) = psutil.Process(proc.pid).children()
         proc.kill()

@@ -275,6 +275,23 @@ def gated_log(tmp_path, broker, bound):
     ).start()
 
 
+class FullDisk:
+    """Makes `log`'s spool refuse every append (ENOSPC) while `full`; records each append's size."""
+
+    def __init__(self, log):
+        self.full = True
+        self.attempts: list[int] = []
+        append = log.spool.append
+
+        def append_unless_full(messages):
+            self.attempts.append(len(messages))
+            if self.full:
+                raise SpoolError("cannot append: [Errno 28] No space left on device")
+            append(messages)
+
+        log.spool.append = append_unless_full
+
+
 def first_arrivals(broker):
     ids = [r[2] for r in broker.received]
     return sorted(set(ids), key=ids.index)
@@ -339,17 +356,8 @@ def test_a_failed_spill_keeps_the_queue_drops_only_past_twice_the_bound_and_wait
     broker = FakeBroker()
     bound = 2000  # twice the bound holds 36 events (110-111 bytes each)
     log = gated_log(tmp_path, broker, bound)
-    attempts = []
-    append = log.spool.append
-    disk_full = True
-
-    def append_unless_full(messages):
-        attempts.append(len(messages))
-        if disk_full:
-            raise SpoolError("cannot append: [Errno 28] No space left on device")
-        append(messages)
-
-    log.spool.append = append_unless_full
+    disk = FullDisk(log)
+    attempts = disk.attempts
     log.log(interaction(0))
     wait_for(lambda: log._in_flight)
     for i in range(1, 100):  # past twice the bound the newest are dropped
@@ -359,7 +367,7 @@ def test_a_failed_spill_keeps_the_queue_drops_only_past_twice_the_bound_and_wait
         log.log(interaction(i))
     time.sleep(0.2)
     assert len(attempts) == 1  # no new attempt within SPILL_RETRY
-    disk_full = False  # after SPILL_RETRY the thread spools the queue again, unasked
+    disk.full = False  # after SPILL_RETRY the thread spools the queue again, unasked
     wait_for(lambda: len(attempts) == 2 and log._spilling_bytes == 0 and log.spooled)
     for i in range(120, 130):
         log.log(interaction(i))
@@ -408,21 +416,12 @@ def test_with_kafka_away_a_spool_that_refuses_events_keeps_them_queued_in_order(
     broker = FakeBroker()
     broker.up = False
     log = make_log(tmp_path, broker)
-    append = log.spool.append
-    attempts = []
-    disk_full = True
-
-    def append_unless_full(messages):
-        attempts.append(len(messages))
-        if disk_full:
-            raise SpoolError("cannot append: [Errno 28] No space left on device")
-        append(messages)
-
-    log.spool.append = append_unless_full
+    disk = FullDisk(log)
+    attempts = disk.attempts
     for i in range(10):
         log.log(interaction(i))
     wait_for(lambda: len(attempts) >= 2)  # refused, waited SPILL_RETRY, refused again
-    disk_full = False
+    disk.full = False
     wait_for(lambda: log.spooled == 10)
     broker.up = True
     wait_for(lambda: len(broker.received) == 10)
