@@ -69,12 +69,14 @@ def interaction(i, tenant="acme"):
     return InteractionEvent(id=f"i{i}", tenant=tenant, completion="c", prompt="p")
 
 
-def make_log(tmp_path, broker):
-    return EventLog(
+def make_log(tmp_path, broker, producer_factory=None, *, start=True, **settings):
+    """An EventLog on `broker` (through `producer_factory` if given), spooling under tmp_path/spool."""
+    log = EventLog(
         bootstrap="fake:9092", interactions_topic="t.interactions", feedback_topic="t.feedback",
-        spool_dir=tmp_path / "spool", metrics=ServingMetrics(), producer_factory=broker.producer,
-        retry_seconds=0.05,
-    ).start()
+        spool_dir=tmp_path / "spool", metrics=ServingMetrics(), producer_factory=producer_factory or broker.producer,
+        retry_seconds=0.05, **settings,
+    )
+    return log.start() if start else log
 
 
 def wait_for(condition, timeout=5.0):
@@ -146,11 +148,7 @@ class HangingProducer(FakeProducer):
 
 def test_a_stop_with_a_hanging_broker_spools_the_queue_within_its_timeout(tmp_path):
     broker = FakeBroker()
-    log = EventLog(
-        bootstrap="fake:9092", interactions_topic="t.interactions", feedback_topic="t.feedback",
-        spool_dir=tmp_path / "spool", metrics=ServingMetrics(), producer_factory=lambda b: HangingProducer(broker),
-        retry_seconds=0.05, ack_timeout=30.0,
-    ).start()
+    log = make_log(tmp_path, broker, lambda b: HangingProducer(broker), ack_timeout=30.0)
     log.log(interaction(0))
     time.sleep(0.3)  # the first batch is being sent: its flush would wait 30 s
     for i in range(1, 1200):  # more than one batch behind it
@@ -191,11 +189,7 @@ def dead_letters(tmp_path):
 def test_an_event_the_broker_refuses_for_good_is_dead_lettered_and_the_spool_moves_past_it(tmp_path):
     broker = FakeBroker()
     broker.up = False
-    log = EventLog(
-        bootstrap="fake:9092", interactions_topic="t.interactions", feedback_topic="t.feedback",
-        spool_dir=tmp_path / "spool", metrics=ServingMetrics(),
-        producer_factory=lambda b: broker.producer(b) and RefusingProducer(broker), retry_seconds=0.05,
-    ).start()
+    log = make_log(tmp_path, broker, lambda b: broker.producer(b) and RefusingProducer(broker))
     big = InteractionEvent(id="big", tenant="acme", completion="BIG", prompt="p")
     for e in [interaction(0), big, interaction(1)]:  # spooled while the broker is away
         log.log(e)
@@ -220,11 +214,7 @@ def test_errors_that_hold_for_every_message_keep_the_events_in_the_spool(tmp_pat
     broker = FakeBroker()
     RefusingProducer.error = TopicAuthorizationFailedError("not allowed to write t.interactions")
     try:
-        log = EventLog(
-            bootstrap="fake:9092", interactions_topic="t.interactions", feedback_topic="t.feedback",
-            spool_dir=tmp_path / "spool", metrics=ServingMetrics(),
-            producer_factory=lambda b: RefusingProducer(broker), retry_seconds=0.05,
-        ).start()
+        log = make_log(tmp_path, broker, lambda b: RefusingProducer(broker))
         for i in range(3):
             log.log(interaction(i))
         wait_for(lambda: log.spooled == 3)
@@ -268,11 +258,7 @@ class GatedProducer(FakeProducer):
 
 def gated_log(tmp_path, broker, bound):
     GatedProducer.gate = threading.Event()
-    return EventLog(
-        bootstrap="fake:9092", interactions_topic="t.interactions", feedback_topic="t.feedback",
-        spool_dir=tmp_path / "spool", metrics=ServingMetrics(), producer_factory=lambda b: GatedProducer(broker),
-        retry_seconds=0.05, ack_timeout=30.0, queue_bytes=bound,
-    ).start()
+    return make_log(tmp_path, broker, lambda b: GatedProducer(broker), ack_timeout=30.0, queue_bytes=bound)
 
 
 class FullDisk:
@@ -391,11 +377,7 @@ class SlowAckProducer(FakeProducer):
 def test_after_a_backlog_steady_traffic_goes_straight_to_kafka_again(tmp_path):
     broker = FakeBroker()
     broker.up = False
-    log = EventLog(
-        bootstrap="fake:9092", interactions_topic="t.interactions", feedback_topic="t.feedback",
-        spool_dir=tmp_path / "spool", metrics=ServingMetrics(),
-        producer_factory=lambda b: broker.producer(b) and SlowAckProducer(broker), retry_seconds=0.05,
-    ).start()
+    log = make_log(tmp_path, broker, lambda b: broker.producer(b) and SlowAckProducer(broker))
     for i in range(50):
         log.log(interaction(i))
     wait_for(lambda: log.spooled == 50)
@@ -433,11 +415,7 @@ def test_with_kafka_away_a_spool_that_refuses_events_keeps_them_queued_in_order(
 def test_a_batch_in_flight_is_bounded_by_bytes_too(tmp_path, monkeypatch):
     monkeypatch.setattr(events_log, "BATCH_BYTES", 1000)
     broker = FakeBroker()
-    log = EventLog(
-        bootstrap="fake:9092", interactions_topic="t.interactions", feedback_topic="t.feedback",
-        spool_dir=tmp_path / "spool", metrics=ServingMetrics(), producer_factory=broker.producer,
-        retry_seconds=0.05,
-    )
+    log = make_log(tmp_path, broker, start=False)
     sizes = []
     handle = log._handle
 
@@ -461,11 +439,7 @@ def test_a_full_disk_does_not_throttle_the_resend_of_a_backlog(tmp_path, monkeyp
     monkeypatch.setattr(events_log, "SPILL_RETRY", 2.0)
     broker = FakeBroker()
     broker.up = False
-    log = EventLog(
-        bootstrap="fake:9092", interactions_topic="t.interactions", feedback_topic="t.feedback",
-        spool_dir=tmp_path / "spool", metrics=ServingMetrics(), producer_factory=broker.producer,
-        retry_seconds=0.05,
-    )
+    log = make_log(tmp_path, broker, start=False)
     log.spool = events_log.Spool(tmp_path / "spool", segment_bytes=300)  # a segment every few events
     log.start()
     for i in range(20):
