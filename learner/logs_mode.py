@@ -7,11 +7,11 @@ A step takes the tenant's oldest untrained trajectories (storage.cursors), and:
      `completion_token_ids` when present, else the tokenized `completion` text; behaviour log-probs from
      `completion_logprobs` when they are present, finite and as many as the completion tokens, else none;
   3. advantages: reward minus baseline, where the baseline is the mean reward of the other completions
-     of the same prompt in the batch when there are some, else the tenant's running mean reward
-     (maths.baseline_advantages), then divided by the std of the batch's rewards when
-     `learner.scale_advantages` is on (the default): production rewards are often small and sparse (a
-     digit fraction of 0.002, one thumbs-up in twenty), and unscaled they barely move the adapter; a
-     batch whose rewards are all equal is left unscaled (its advantages are only baseline noise);
+     of the same prompt in the batch when there are some, else the mean reward of the rest of the batch
+     (the tenant's running mean only in a batch of one; maths.baseline_advantages), then divided by the
+     std of the batch's rewards when `learner.scale_advantages` is on (the default): production rewards
+     are often small and sparse (a digit fraction of 0.002, one thumbs-up in twenty), and unscaled they
+     barely move the adapter; a batch whose rewards are all equal is left unscaled;
   4. one clipped importance-weighted policy-gradient update (update.py) with ratio pi / pi_behaviour per
      token (the current policy's detached log-probs where the behaviour ones are missing: ratio 1), and
      the optional KL penalty to the base model (`learner.kl_coef`).
@@ -28,12 +28,10 @@ rows are still committed with the step (so they are never looked at again) and c
 metrics as `n_dropped`.
 
 Flat batches: a batch of two or more trajectories whose rewards are all equal (twenty answers without a
-single digit, when the user wants digits) tells better from worse nowhere. Its advantages are only
-baseline noise (0 - 0.002 everywhere), and an Adam step normalises any gradient to a full-size step, so
-training on it would move the adapter by lr in a random direction each time: with sparse rewards the
-adapter drifts far from the base (and its exploration with it) before the first useful batch arrives.
-With `learner.skip_flat_batches` (the default) such a batch trains nothing: only the tenant's running
-mean reward takes it in, its ids are committed, and no version is made (decision "skipped").
+single digit, when the user wants digits) tells better from worse nowhere: centred on the batch, its
+advantages are all 0. With `learner.skip_flat_batches` (the default) such a batch trains nothing: only the
+tenant's running mean reward takes it in, its ids are committed, and no version is made (decision
+"skipped"), rather than publishing a version identical to its parent.
 
 Deliberately not here: which rows are untrained (storage.cursors), when the result is published (gate.py,
 loop.py), the update maths (maths.py, update.py).

@@ -44,14 +44,25 @@ def _group_stats(rewards: Tensor, groups: Tensor) -> tuple[Tensor, Tensor, Tenso
 
 
 def baseline_advantages(rewards: Tensor, groups: Tensor, baseline: float) -> Tensor:
-    """reward - baseline, where the baseline is the group mean for groups of two or more and `baseline`
-    (a running mean the caller keeps) for elements alone in their group.
+    """reward - baseline, where the baseline is the group mean for groups of two or more, the mean of the
+    batch's other rewards for an element alone in its group (leave-one-out), and `baseline` (a running mean
+    the caller keeps) only in a batch of one.
 
     A group mean is the better baseline when it exists (same prompt, several completions: the prompt's own
-    difficulty cancels); a single completion has no such peer, so it is compared with the running mean.
+    difficulty cancels). A single completion has no such peer, so it is compared with the rest of its batch:
+    that baseline is as fresh as the rewards themselves, so the batch's advantages are centred. A running
+    mean lags whenever the reward moves; with the advantages then scaled by the batch's std (often small),
+    that lag made every advantage of a batch the same sign, 2 std or more off. The update then pushed every
+    sampled completion up or down alike, which carries no contrast, and Adam turned that noise into full-size
+    steps: a demo tenant drifted to KL 4 while its reward fell from 0.15 to 0.08.
     """
     size, mean, _ = _group_stats(rewards, groups)
-    return torch.where(size >= 2, rewards - mean, rewards - baseline)
+    n = rewards.numel()
+    if n >= 2:
+        others = (rewards.sum() - rewards) / (n - 1)
+    else:
+        others = torch.full_like(rewards, baseline)
+    return torch.where(size >= 2, rewards - mean, rewards - others)
 
 
 def grpo_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:

@@ -180,7 +180,7 @@ def test_a_flat_batch_trains_nothing_but_moves_the_baseline(tiny_model, data_dir
     flat_row = max(read_dataset(data_dir, "train_steps").to_pylist(), key=lambda r: r["step"])
     assert (flat_row["reward_mean"], flat_row["n_trajectories"], flat_row["loss"]) == (0.0, 0, None)
 
-    # switched off, the same batch is trained (the running mean as baseline gives every row an advantage)
+    # switched off, a flat batch is trained all the same (its advantages are all 0) and makes a version
     cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], skip_flat_batches=False)
     write(data_dir, "acme", rows("zero2-", 8, reward=0.0), "b2", start=200)
     learn(cfg, tiny_model)  # a fresh learner with that config, resuming from storage

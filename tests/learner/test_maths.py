@@ -20,13 +20,20 @@ def test_group_ids_number_keys_by_first_sight():
     assert maths.group_ids(["b", "a", "b", "c", "a"]).tolist() == [0, 1, 0, 2, 1]
 
 
-def test_baseline_advantages_use_group_mean_for_groups_and_baseline_for_singletons():
-    # prompts: p, p, q, p, r ; rewards 1, 0, 0.5, 0.5, 0.2 ; running baseline 0.3
+def test_baseline_advantages_use_group_mean_for_groups_and_the_rest_of_the_batch_for_singletons():
+    # prompts: p, p, q, p, r ; rewards 1, 0, 0.5, 0.5, 0.2 (sum 2.2) ; running baseline 0.3
     # group p = {1, 0, 0.5}: mean 0.5 -> advantages 0.5, -0.5, 0.0
-    # q and r are alone: 0.5 - 0.3 = 0.2, 0.2 - 0.3 = -0.1
+    # q and r are alone, each against the mean of the other four rewards:
+    #   q: 0.5 - (2.2 - 0.5) / 4 = 0.5 - 0.425 = 0.075 ; r: 0.2 - (2.2 - 0.2) / 4 = 0.2 - 0.5 = -0.3
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2])
     groups = maths.group_ids(["p", "p", "q", "p", "r"])
-    close(maths.baseline_advantages(rewards, groups, baseline=0.3), [0.5, -0.5, 0.2, 0.0, -0.1])
+    close(maths.baseline_advantages(rewards, groups, baseline=0.3), [0.5, -0.5, 0.075, 0.0, -0.3])
+    # singletons only: leave-one-out means centre the batch whatever the running baseline says
+    # rewards 0.1, 0.2, 0.3: 0.1 - 0.25 = -0.15, 0.2 - 0.2 = 0, 0.3 - 0.15 = 0.15
+    close(maths.baseline_advantages(torch.tensor([0.1, 0.2, 0.3]), maths.group_ids(["a", "b", "c"]), baseline=0.9),
+          [-0.15, 0.0, 0.15])
+    # a batch of one has no peers: the running baseline, 0.5 - 0.3 = 0.2
+    close(maths.baseline_advantages(torch.tensor([0.5]), maths.group_ids(["q"]), baseline=0.3), [0.2])
 
 
 def test_grpo_advantages_normalise_by_group_sample_std():
