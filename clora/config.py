@@ -165,7 +165,21 @@ class IngestConfig(_Strict):
         "each); beyond it the tenant's oldest waiting feedback leaves the join (it stays in feedback/, and a late "
         "interaction is then not scored by it). Bounds what a flood of feedback for made-up ids can hold."
     )
+    max_pending_feedback: int = Field(
+        1_000_000, ge=1, description="Feedback waiting in memory for an interaction not seen yet, every tenant "
+        "together (~0.5 KB each); beyond it the oldest waiting feedback of the tenant holding the most leaves the "
+        "join, so one tenant's flood does not take the others' room."
+    )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port of the ingest process (0: none).")
+
+
+class RetentionConfig(_Strict):
+    days: float = Field(
+        0.0, ge=0, description="Delete stored interactions, feedback, trajectories and dead letters once every row "
+        "of their file is older than this (`clora prune`; `clora up`'s compactor does it on each run). 0: keep "
+        "everything. Keep it above the Kafka topics' retention (an event older than it that Kafka delivered again "
+        "would be stored again) and at least ingest.pending_expiry_hours."
+    )
 
 
 class CompactionConfig(_Strict):
@@ -325,6 +339,7 @@ class Config(_Strict):
     ingest: IngestConfig = Field(default_factory=IngestConfig, description="The ingest process.")
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The learner process.")
     compaction: CompactionConfig = Field(default_factory=CompactionConfig, description="Background compaction.")
+    retention: RetentionConfig = Field(default_factory=RetentionConfig, description="Deleting old data.")
     tenants: list[TenantConfig] = Field(default_factory=list, description="Tenants, each owning one adapter.")
 
     @model_validator(mode="after")
@@ -351,6 +366,11 @@ class Config(_Strict):
                 problems.append(
                     f"tenant {t.name!r}: lora.rank {t.lora.rank} exceeds serving.max_lora_rank {self.serving.max_lora_rank}"
                 )
+        if 0 < self.retention.days * 24 < self.ingest.pending_expiry_hours:
+            problems.append(
+                f"retention.days {self.retention.days:g} is shorter than ingest.pending_expiry_hours "
+                f"{self.ingest.pending_expiry_hours:g}: feedback could come for interactions already deleted"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -46,7 +46,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from ingest.events import DeadLetter, FeedbackEvent, InteractionEvent, decode
+from ingest.events import DeadLetter, FeedbackEvent, InteractionEvent, decode, key_mismatch
 from ingest.pending import Key, PendingStore
 from ingest.rows import (
     Coords,
@@ -70,12 +70,13 @@ MAX_AUTO_TENANTS = 64  # the default of ingest.max_auto_tenants
 
 
 class Record(NamedTuple):
-    """One consumed Kafka message (value None for a tombstone)."""
+    """One consumed Kafka message (value None for a tombstone; key None for a message without one)."""
 
     topic: str
     partition: int
     offset: int
     value: bytes | None
+    key: bytes | None = None
 
 
 @dataclass
@@ -179,6 +180,10 @@ class Processor:
         # tuple.__new__ builds the NamedTuple from (topic, partition, offset) at half the cost of Coords(...).
         decoded = [(tuple.__new__(Coords, r[:3]), r.value or b"") for r in records]
         events = [decode(raw, max_bytes=max_bytes) for _, raw in decoded]
+        for i, (rec, ev) in enumerate(zip(records, events)):
+            key = rec.key
+            if key is not None and type(ev) is not DeadLetter and key != ev.tenant.encode():
+                events[i] = key_mismatch(key, ev)
         keys = {(ev.tenant, ev.id) for ev in events if type(ev) is not DeadLetter}
         stored_interactions = store.interactions.present(keys)
         scored = store.trajectories.present(keys)  # grows with this batch's trajectories

@@ -43,7 +43,7 @@ flight and the buffer are written and committed before the consumer closes. `dra
 first reads every assigned partition to its end, for brokers that keep topics in memory only. `once` exits
 when every assigned partition is read to its end. Memory: the buffer holds at most flush_rows records, plus
 the batch being processed and the one being written; the store view is bounded as pending.py says
-(pending feedback by `max_pending_per_tenant` per tenant).
+(pending feedback by `max_pending_per_tenant` per tenant and `max_pending` in all).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from kafka.structs import OffsetAndMetadata
 from ingest.batch import Output, Processor, Record, Rejected
 from ingest.events import utc_now
 from ingest.metrics import IngestMetrics
-from ingest.pending import MAX_PENDING_PER_TENANT, PendingStore
+from ingest.pending import MAX_PENDING, MAX_PENDING_PER_TENANT, PendingStore
 from ingest.rows import FEEDBACK_KEY, DeadLetterRow, FeedbackRow, InteractionRow, TrajectoryRow, epoch_ms, to_table
 from storage.files import mark_ready
 from storage.layout import as_datadir
@@ -247,6 +247,7 @@ class Ingest:
         heartbeat_interval_ms: int,
         metrics: IngestMetrics,
         max_pending_per_tenant: int = MAX_PENDING_PER_TENANT,
+        max_pending: int | None = MAX_PENDING,
     ) -> None:
         self.root = root
         self.bootstrap = bootstrap
@@ -258,6 +259,7 @@ class Ingest:
         self.flush_seconds = flush_seconds
         self.expiry_ms = expiry_ms
         self.max_pending_per_tenant = max_pending_per_tenant
+        self.max_pending = max_pending
         self.session_timeout_ms = session_timeout_ms
         self.heartbeat_interval_ms = heartbeat_interval_ms
         self.metrics = metrics
@@ -335,7 +337,7 @@ class Ingest:
                     self.buffer_since = time.monotonic()
                 topic, partition = tp.topic, tp.partition
                 # tuple.__new__ builds the NamedTuple at half the cost of Record(...), once per message.
-                self.buffer.extend([tuple.__new__(Record, (topic, partition, m.offset, m.value)) for m in messages])
+                self.buffer.extend([tuple.__new__(Record, (topic, partition, m.offset, m.value, m.key)) for m in messages])
             # Commit a write as soon as it is done.
             if self.writing is not None and self.writing.done() and not self._finish_write(shrink=True):
                 self._drop_uncommitted({}, "the group refused a commit")
@@ -527,7 +529,8 @@ class Ingest:
 
     def load_store(self) -> None:
         self.store = PendingStore.load(
-            self.root, expiry_ms=self.expiry_ms, now_ms=now_ms(), max_pending_per_tenant=self.max_pending_per_tenant
+            self.root, expiry_ms=self.expiry_ms, now_ms=now_ms(), max_pending_per_tenant=self.max_pending_per_tenant,
+            max_pending=self.max_pending,
         )
         self.metrics.set_pending(len(self.store.pending))
         if self.assigned_at is None:

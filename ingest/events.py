@@ -53,6 +53,7 @@ REASONS: dict[str, str] = {
     "missing_completion": "an interaction without a completion string",
     "reward_not_finite": "an interaction's inline reward is NaN or infinite",
     "score_out_of_range": "a feedback score outside [-1, 1] (or NaN)",
+    "key_mismatch": "the Kafka message key is set and is not the event's tenant",
     "unknown_tenant": "the tenant is not configured and ingest.unknown_tenant is \"reject\"",
     "scorer_error": "the tenant's scorer raised or returned a bad value (the detail has the traceback summary)",
 }
@@ -383,3 +384,12 @@ def decode(raw: bytes, *, max_bytes: int) -> Event | DeadLetter:
         return _feedback(data, id_, tenant, ts)
     except _Reject as r:
         return DeadLetter(r.reason, r.detail, tenant, id_)
+
+
+def key_mismatch(key: bytes, event: Event) -> DeadLetter:
+    """The dead letter of a valid event whose Kafka message key is not its tenant. The key decides the
+    partition, and an interaction and its feedback meet only on one partition number of the two topics (one
+    ingest process owns both): keyed by anything else, they would be split between processes, and the
+    feedback would wait for its interaction until it expired. A message without a key is accepted."""
+    shown = key.decode("utf-8", "backslashreplace")
+    return DeadLetter("key_mismatch", f"message key {shown!r:.80} is not the tenant {event.tenant!r}", event.tenant, event.id)

@@ -23,7 +23,8 @@ Memory: 12 bytes per stored row for the indexes (index.py), plus one entry per p
 waiting (feedback for interactions not seen yet), plus the file list below. Interaction rows themselves
 stay on disk and are read back only when feedback arrives for them.
 
-Pending feedback is capped per tenant (config `ingest.max_pending_feedback_per_tenant`). Feedback may name
+Pending feedback is capped per tenant (config `ingest.max_pending_feedback_per_tenant`) and in all
+(`ingest.max_pending_feedback`; past it, room is made in the tenant holding the most). Feedback may name
 any id (the serving tier's POST /v1/feedback takes whatever id a tenant's key sends), so without a cap a
 flood of ids that never arrive would hold ~0.5 KB per event (measured: 460 bytes with 41-character ids)
 for the whole expiry, in the one process every tenant shares. Beyond the cap the tenant's oldest waiting
@@ -37,8 +38,9 @@ picks them in Arrow, one tenant at a time, so a flood on disk is never turned in
 The interactions file list: each write adds a file per tenant, and the index keeps a row's file number, so
 the list grows with every write while compaction keeps the files on disk few. A join whose file is gone
 follows it to the compacted file holding its rows now (parquet.superseded_by), which that number names from
-then on, and reads there the `id` column and the row groups it needs (not the tenant's whole dataset, which
-is left for a file deleted by something other than compaction). Once the list has grown by
+then on, and reads there the `id` column and the row groups it needs (not the tenant's whole dataset). A
+file gone with no compacted successor was pruned (storage.retention): its rows are gone, its number is read
+no more, and feedback for them waits as for an interaction not seen. Once the list has grown by
 max(live files, stored interactions / 64, RELOAD_MIN_FILES) since the last look, with no write in flight,
 it is compared with the live files, and the interactions index is rebuilt from them if the list is over
 twice as long (`shrink_files`: the consumer's loop calls it after a commit, never a rebalance callback).
@@ -79,7 +81,6 @@ from storage.parquet import (
     READ_ATTEMPTS,
     live_files,
     partition_tenants,
-    read_dataset,
     read_file,
     read_rows,
     retry_vanished,
@@ -94,20 +95,27 @@ Key = tuple[str, str]  # (tenant, id)
 RELOAD_MIN_FILES = 4096  # the file list grows by at least this much between two looks at the live files
 ROWS_PER_RELOAD_FILE = 64  # ... and by at least 1/64 of the stored interactions (a rebuild reads them all)
 MAX_PENDING_PER_TENANT = 100_000  # the default of ingest.max_pending_feedback_per_tenant
+MAX_PENDING = 1_000_000  # the default of ingest.max_pending_feedback (every tenant together)
 LOAD_CHUNK = 65_536  # ids checked against the trajectories index at once when pending feedback is loaded
 # Where a tenant's partition means it exists (dead_letters/ does not: it held names nobody admitted).
 TENANT_DATASETS = ("interactions", "feedback", "trajectories")
 
 
 class PendingFeedback:
-    """(tenant, id) -> the earliest unjoined FeedbackRow, at most `cap` per tenant, oldest dropped first.
+    """(tenant, id) -> the earliest unjoined FeedbackRow, at most `cap` per tenant and `total` in all, oldest
+    dropped first.
 
-    One insertion-ordered map per tenant, so the oldest entry of a tenant is found and dropped in O(1)."""
+    One insertion-ordered map per tenant, so the oldest entry of a tenant is found and dropped in O(1). Past
+    `total`, room is made in the tenant holding the most entries (the one flooding, usually the one adding):
+    a tenant under its fair share keeps its feedback while another floods."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, total: int | None = None) -> None:
         if cap < 1:
             raise ValueError(f"the cap on pending feedback per tenant must be at least 1, got {cap}")
+        if total is not None and total < 1:
+            raise ValueError(f"the cap on pending feedback in all must be at least 1, got {total}")
         self.cap = cap
+        self.total = total
         self.by_tenant: dict[str, OrderedDict[str, FeedbackRow]] = {}
         self._size = 0
 
@@ -127,9 +135,11 @@ class PendingFeedback:
         waiting = self.by_tenant.get(key[0])
         return None if waiting is None else waiting.get(key[1])
 
-    def add(self, row: FeedbackRow) -> int:
+    def add(self, row: FeedbackRow, *, hold_total: bool = True) -> int:
         """Keeps `row` unless feedback for its (tenant, id) is waiting already (the first one wins). Returns
-        how many entries the cap dropped to make room: the tenant's oldest (0 or 1)."""
+        how many entries the caps dropped to make room (0 or 1): the tenant's oldest, or past `total` the
+        oldest of the tenant holding the most. `hold_total=False` leaves `total` to a later `fit_total` (a
+        load adds a tenant's rows at once)."""
         waiting = self.by_tenant.get(row.tenant)
         if waiting is None:
             waiting = self.by_tenant[row.tenant] = OrderedDict()
@@ -140,7 +150,39 @@ class PendingFeedback:
             waiting.popitem(last=False)  # one in, one out: the size is unchanged
             return 1
         self._size += 1
+        if hold_total and self.total is not None and self._size > self.total:
+            largest = max(self.by_tenant, key=lambda t: len(self.by_tenant[t]))
+            self._drop_oldest(largest, 1)
+            return 1
         return 0
+
+    def fit_total(self) -> int:
+        """Drops entries until at most `total` are left, the same number from every tenant above a common
+        level (the highest that fits), each tenant's oldest first. Returns how many went."""
+        if self.total is None or self._size <= self.total:
+            return 0
+        sizes = sorted(len(w) for w in self.by_tenant.values())
+        room, level = self.total, 0
+        for i, size in enumerate(sizes):  # the level: every tenant smaller than it is kept whole
+            share = room // (len(sizes) - i)
+            if size > share:
+                level = share
+                break
+            room -= size
+        dropped = 0
+        for tenant in list(self.by_tenant):
+            dropped += self._drop_oldest(tenant, len(self.by_tenant[tenant]) - level)
+        return dropped
+
+    def _drop_oldest(self, tenant: str, n: int) -> int:
+        waiting = self.by_tenant[tenant]
+        n = max(0, min(n, len(waiting)))
+        for _ in range(n):
+            waiting.popitem(last=False)
+        if not waiting:
+            del self.by_tenant[tenant]
+        self._size -= n
+        return n
 
     def pop(self, key: Key) -> FeedbackRow | None:
         waiting = self.by_tenant.get(key[0])
@@ -171,16 +213,17 @@ class PendingFeedback:
 class PendingStore:
     """In-memory view of the stored datasets; see the module docstring. Build it with `load`."""
 
-    def __init__(self, root: str | Path, *, expiry_ms: int, max_pending_per_tenant: int = MAX_PENDING_PER_TENANT) -> None:
+    def __init__(self, root: str | Path, *, expiry_ms: int, max_pending_per_tenant: int = MAX_PENDING_PER_TENANT,
+                 max_pending: int | None = MAX_PENDING) -> None:
         self.root = as_datadir(root)
         self.expiry_ms = expiry_ms
         self.interactions = KeyIndex()
         self.trajectories = KeyIndex()
         self.feedback = KeyIndex()
         self.dead_letters = KeyIndex()
-        self.pending = PendingFeedback(max_pending_per_tenant)
+        self.pending = PendingFeedback(max_pending_per_tenant, max_pending)
         self.tenants_on_disk: frozenset[str] = frozenset()
-        self.files: list[str] = []  # interactions file number -> path ("" while its write is in flight)
+        self.files: list[str] = []  # interactions file number -> path ("" while its write is in flight, or pruned)
         self.unwritten: dict[Key, InteractionRow] = {}  # interactions of the batch being written
         self._reserved: dict[str, int] = {}  # tenant -> its file number in the batch being written
         self._look_at = 0  # len(files) at which to compare the file list with the live files again
@@ -189,9 +232,10 @@ class PendingStore:
 
     @classmethod
     def load(
-        cls, root: str | Path, *, expiry_ms: int, now_ms: int, max_pending_per_tenant: int = MAX_PENDING_PER_TENANT
+        cls, root: str | Path, *, expiry_ms: int, now_ms: int, max_pending_per_tenant: int = MAX_PENDING_PER_TENANT,
+        max_pending: int | None = MAX_PENDING,
     ) -> PendingStore:
-        store = cls(root, expiry_ms=expiry_ms, max_pending_per_tenant=max_pending_per_tenant)
+        store = cls(root, expiry_ms=expiry_ms, max_pending_per_tenant=max_pending_per_tenant, max_pending=max_pending)
         retry_vanished(store._load_interactions, "loading interaction ids")
         store.trajectories = retry_vanished(lambda: store._load_index("trajectories", ["tenant", "id"]), "loading trajectory ids")
         store.feedback = retry_vanished(
@@ -240,7 +284,7 @@ class PendingStore:
         for at most the cap of ids: those whose first feedback came last (as if the cap had dropped the
         oldest while they came in). Chosen in Arrow, one tenant at a time, so only the rows kept become
         Python objects."""
-        self.pending = PendingFeedback(self.pending.cap)
+        self.pending = PendingFeedback(self.pending.cap, self.pending.total)
         cutoff = now_ms - self.expiry_ms
         for tenant in partition_tenants(self.root, "feedback"):
             recent = []
@@ -251,7 +295,13 @@ class PendingStore:
             if table is None or not table.num_rows:
                 continue
             for row in self._unjoined(tenant, table):
-                self.pending.add(row)
+                self.pending.add(row, hold_total=False)
+            if self.pending.fit_total():  # so at most one tenant's rows beyond the total are ever held
+                logger.warning(
+                    "more than %d feedback events wait for their interactions in all; the oldest of the tenants "
+                    "holding the most are left out of the join (ingest.max_pending_feedback; they stay in feedback/)",
+                    self.pending.total,
+                )
 
     def _unjoined(self, tenant: str, table: pa.Table) -> list[FeedbackRow]:
         """Of one tenant's recent feedback: the first row of each id without a trajectory, for the cap of
@@ -316,11 +366,11 @@ class PendingStore:
                     continue
                 except FileNotFoundError:
                     holder = superseded_by(self.root, path)
-                if holder is None:  # deleted by something other than compaction
-                    tenant = Path(path).parent.name.removeprefix("tenant=")
-                    logger.warning("interactions file %s is gone; reading tenant %s's live files", path, tenant)
-                    table = read_dataset(self.root, "interactions", tenant)
-                    tables.append(table.filter(pc.is_in(table.column("id"), value_set=pa.array(sorted(ids), pa.string()))))
+                if holder is None:  # pruned (storage.retention), or deleted by hand: its rows are gone
+                    logger.info("interactions file %s was deleted (retention); feedback for its %d ids waits "
+                                "until it expires", path, len(ids))
+                    for n in numbers:
+                        self.files[n] = ""  # read no more (as rows in flight are not)
                     continue
                 logger.debug("interactions file %s was compacted into %s", path, holder)
                 for n in numbers:

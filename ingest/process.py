@@ -71,6 +71,7 @@ def build(cfg: Config, metrics: IngestMetrics | None = None) -> Ingest:
         flush_seconds=cfg.ingest.flush_seconds,
         expiry_ms=int(cfg.ingest.pending_expiry_hours * 3_600_000),
         max_pending_per_tenant=cfg.ingest.max_pending_feedback_per_tenant,
+        max_pending=cfg.ingest.max_pending_feedback,
         session_timeout_ms=cfg.kafka.session_timeout_ms,
         heartbeat_interval_ms=cfg.kafka.heartbeat_interval_ms,
         metrics=metrics or IngestMetrics(port=cfg.ingest.metrics_port),

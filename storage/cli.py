@@ -1,6 +1,6 @@
-"""`clora query`, `clora adapters list|show|rollback|retire` and `clora compact`.
+"""`clora query`, `clora adapters list|show|rollback|retire`, `clora compact` and `clora prune`.
 
-Argument parsing only; the work is in query.py, registry.py and compact.py. Only argparse is imported at
+Argument parsing only; the work is in query.py, registry.py, compact.py and retention.py. Only argparse is imported at
 module level so `clora --help` stays fast. The data dir comes from `cfg.data_dir`, keep_last from
 `cfg.learner.keep_versions`.
 """
@@ -68,10 +68,27 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         type=float,
         default=None,
         metavar="SECONDS",
-        help="run again every SECONDS until stopped (SIGTERM, Ctrl-C); `clora up` runs it so, every "
-        "[compaction] every_seconds",
+        help="run again every SECONDS until stopped (SIGTERM, Ctrl-C), pruning after each run when "
+        "[retention] days is set; `clora up` runs it so, every [compaction] every_seconds",
     )
     p.set_defaults(func=cmd_compact)
+
+    p = sub.add_parser(
+        "prune",
+        parents=[common],
+        help="delete stored data older than the retention, whole files at a time (safe while clora runs)",
+    )
+    p.add_argument(
+        "--older-than-days",
+        type=float,
+        default=None,
+        metavar="DAYS",
+        help="delete files whose rows were all ingested more than DAYS ago (default: [retention] days)",
+    )
+    p.add_argument("--dataset", default=None, help="only this dataset (interactions, feedback, trajectories, dead_letters)")
+    p.add_argument("--tenant", default=None, help="only this tenant")
+    p.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
+    p.set_defaults(func=cmd_prune)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -283,7 +300,8 @@ def _compact_once(cfg, args: argparse.Namespace, grace: float) -> int:
 
 
 def _compact_every(cfg, args: argparse.Namespace, grace: float) -> int:
-    """The loop `clora up` runs: a run every `args.every` seconds until SIGTERM or Ctrl-C. A run that fails
+    """The loop `clora up` runs: a run every `args.every` seconds until SIGTERM or Ctrl-C, each followed by
+    `clora prune` when `[retention] days` is set. A run that fails
     (a disk error, a file that will not read) is reported and the next one comes on time."""
     import signal
     import threading
@@ -301,8 +319,48 @@ def _compact_every(cfg, args: argparse.Namespace, grace: float) -> int:
         started = time.monotonic()
         try:
             _compact_once(cfg, args, grace)
+            if cfg.retention.days > 0:
+                _prune(cfg, cfg.retention.days, args.dataset, args.tenant, dry_run=False, command="compact")
         except Exception as e:  # noqa: BLE001 (one failed run must not end the loop; the next may succeed)
             print(f"clora compact: this run failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         stop.wait(max(0.0, args.every - (time.monotonic() - started)))
     print("compactor stopped", flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# prune
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from clora.cli import config_from_args
+
+    cfg = config_from_args(args)
+    days = cfg.retention.days if args.older_than_days is None else args.older_than_days
+    if days <= 0:
+        print("clora prune: no retention: give --older-than-days DAYS, or set [retention] days in the config",
+              file=sys.stderr)
+        return 2
+    if days * 24 < cfg.ingest.pending_expiry_hours:
+        print(f"clora prune: {days:g} days is shorter than ingest.pending_expiry_hours "
+              f"({cfg.ingest.pending_expiry_hours:g}): feedback could still come for what it deletes", file=sys.stderr)
+        return 2
+    return _prune(cfg, days, args.dataset, args.tenant, dry_run=args.dry_run, command="prune")
+
+
+def _prune(cfg, days: float, dataset: str | None, tenant: str | None, *, dry_run: bool, command: str) -> int:
+    from storage.layout import StorageError
+    from storage.retention import DAY_S, prune
+
+    try:
+        results = prune(cfg.data_dir, older_than_s=days * DAY_S, dataset=dataset, tenant=tenant, dry_run=dry_run)
+    except (StorageError, ValueError) as e:
+        print(f"clora {command}: {e}", file=sys.stderr)
+        return 1
+    for r in results:
+        if r.files or r.skipped:
+            print(r, flush=True)
+    verb = "would delete" if dry_run else "deleted"
+    print(f"pruned (older than {days:g} days): {verb} {sum(r.files for r in results)} files, "
+          f"{sum(r.rows for r in results)} rows, {sum(r.bytes for r in results) / 1e6:.1f} MB", flush=True)
     return 0

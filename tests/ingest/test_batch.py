@@ -35,10 +35,11 @@ class Harness:
     """Feeds records through Processor + write_output as consumer.py does, one call per batch."""
 
     def __init__(self, root, *, scorers=None, unknown_tenant="create", expiry_hours=72, max_pending_per_tenant=100_000,
-                 max_auto_tenants=64):
+                 max_pending=None, max_auto_tenants=64):
         self.root = str(root)
         self.expiry_ms = int(expiry_hours * HOUR_MS)
         self.max_pending = max_pending_per_tenant
+        self.max_pending_total = max_pending
         self.processor = Processor(
             scorers or {"fb": "feedback", "inl": "inline", "dig": "digits"},
             unknown_tenant=unknown_tenant, max_message_bytes=10_000, max_auto_tenants=max_auto_tenants,
@@ -49,7 +50,8 @@ class Harness:
 
     def restart(self, now_ms=NOW_MS):
         self.store = PendingStore.load(
-            self.root, expiry_ms=self.expiry_ms, now_ms=now_ms, max_pending_per_tenant=self.max_pending
+            self.root, expiry_ms=self.expiry_ms, now_ms=now_ms, max_pending_per_tenant=self.max_pending,
+            max_pending=self.max_pending_total,
         )
 
     def record(self, event_or_bytes) -> Record:
@@ -115,6 +117,28 @@ def test_feedback_after_a_restart_finds_the_stored_interaction(h):
     h.restart()
     h.feed(fb("b", 0.75))
     assert h.rewards() == [("b", 0.75, "feedback")]
+
+
+def test_feedback_for_a_pruned_interaction_waits_and_the_file_is_not_read_again(h, monkeypatch):
+    """Retention deleted the file holding "a": its feedback waits as for an interaction not seen (neither a
+    crash nor a read of the tenant's whole dataset), and the replayed interaction is still a duplicate."""
+    from storage.retention import prune
+
+    h.feed(inter("a"), inter("b"))
+    h.feed(inter("c"), now_ms=NOW_MS + 10 * HOUR_MS)
+    (pruned,) = prune(h.root, older_than_s=5 * 3600, dataset="interactions", now_s=NOW_MS / 1000 + 6 * 3600)
+    assert (pruned.files, pruned.rows) == (1, 2)
+    reads, read_ids = [], type(h.store)._read_ids
+    monkeypatch.setattr(type(h.store), "_read_ids", lambda self, path, ids: reads.append(path) or read_ids(self, path, ids))
+    out = h.feed(fb("a", 1.0))
+    assert not out.trajectories and ("fb", "a") in h.store.pending
+    assert len(reads) == 1  # found gone once...
+    h.feed(fb("b", 1.0))
+    assert len(reads) == 1 and ("fb", "b") in h.store.pending  # ...and not looked for again
+    # Sent again, "a" is a duplicate to the index (not stored again), but it carries its own content: the
+    # waiting feedback joins it.
+    assert h.feed(inter("a")).duplicates == 1
+    assert h.rewards() == [("a", 1.0, "feedback")]
 
 
 def test_feedback_whose_id_the_index_confuses_with_a_stored_one_waits_instead_of_crashing(h, monkeypatch):
@@ -201,6 +225,30 @@ def test_the_cap_holds_after_a_restart_keeping_the_newest(data_dir, monkeypatch)
     assert h.rewards() == [("x3", 0.5, "feedback"), ("x4", 0.5, "feedback")]
 
 
+def test_past_the_total_cap_the_tenant_holding_the_most_makes_room(data_dir):
+    """One tenant's flood must not take the room of the others: past the total, the oldest entry of whoever
+    holds the most goes (the flooding tenant itself, once it is the largest)."""
+    h = Harness(data_dir, max_pending_per_tenant=100, max_pending=6)
+    h.feed(fb("a1", 0.5, tenant="inl"), fb("a2", 0.5, tenant="inl"))
+    out = h.feed(*(fb(f"x{i}", 0.5) for i in range(7)))
+    assert out.pending_dropped == {"over_cap": 3}
+    assert sorted(h.store.pending) == [("fb", "x3"), ("fb", "x4"), ("fb", "x5"), ("fb", "x6"), ("inl", "a1"), ("inl", "a2")]
+    h.feed(inter("a1", tenant="inl"), inter("x0"), inter("x6"))
+    assert h.rewards() == [("a1", 0.5, "feedback"), ("x6", 0.5, "feedback")]
+
+
+def test_the_total_cap_holds_after_a_restart_levelling_the_largest_tenants(data_dir):
+    # Pending per tenant: dig 1, inl 2, fb 5 (8 in all). A total of 6: dig's 1 is under an even share (6 // 3),
+    # so is inl's 2 (5 left, 5 // 2), and fb, the only one above, keeps its newest 3 (what is left).
+    h = Harness(data_dir, max_pending_per_tenant=100)
+    for i in range(5):
+        h.feed(fb(f"x{i}", 0.5), now_ms=NOW_MS + i * 60_000)
+    h.feed(fb("a1", 0.5, tenant="inl"), fb("a2", 0.5, tenant="inl"), fb("d1", 0.5, tenant="dig"))
+    h.max_pending_total = 6
+    h.restart(now_ms=NOW_MS + 6 * 60_000)
+    assert sorted(h.store.pending) == [("dig", "d1"), ("fb", "x2"), ("fb", "x3"), ("fb", "x4"), ("inl", "a1"), ("inl", "a2")]
+
+
 def test_the_cap_never_drops_feedback_whose_interaction_has_arrived(data_dir):
     """Feedback for an interaction stored (or in the same batch) joins at once: it is never pending."""
     h = Harness(data_dir, max_pending_per_tenant=2)
@@ -244,6 +292,18 @@ def test_scorer_failure_and_unknown_tenant_are_dead_letters(data_dir):
     assert "ZeroDivisionError" in by_reason["scorer_error"] and "scorer bug" in by_reason["scorer_error"]
     assert sorted(dl.column("tenant").to_pylist()) == ["_unknown", "_unknown", "bad"]
     assert h.table("interactions").column("id").to_pylist() == ["c"]
+
+
+def test_a_message_keyed_by_another_tenant_is_a_dead_letter_and_one_without_a_key_is_accepted(h):
+    keyed = [Record("i", 0, 0, encode(inter("a")), b"fb"), Record("i", 0, 1, encode(inter("b")), b"inl"),
+             Record("i", 0, 2, encode(inter("c")), None), Record("i", 0, 3, encode(inter("d")), b"\xff")]
+    out = h.replay(keyed)
+    assert out.reasons == {"key_mismatch": 2}
+    dl = sorted(h.table("dead_letters").to_pylist(), key=lambda r: r["kafka_offset"])
+    assert [(r["kafka_offset"], r["tenant"], r["reason"]) for r in dl] == [(1, "fb", "key_mismatch"), (3, "fb", "key_mismatch")]
+    assert dl[0]["detail"] == "message key 'inl' is not the tenant 'fb'"
+    assert dl[1]["detail"] == "message key '\\\\xff' is not the tenant 'fb'"  # a key that is not UTF-8, escaped
+    assert sorted(h.table("interactions").column("id").to_pylist()) == ["a", "c"]
 
 
 def test_dead_letters_of_tenants_not_configured_go_under_unknown_naming_the_claimed_tenant(data_dir):

@@ -229,7 +229,8 @@ def test_feedback_before_after_and_across_a_restart(setup_factory):
         t = read_dataset(s.data_dir, dataset)
         return [r for r in t.to_pylist() if r["id"] == id_]
 
-    # Feedback before its interaction.
+    # Feedback before its interaction; feedback keyed by another tenant is a dead letter, not a join.
+    s.producer.send(s.feedback, key=b"other", value=encode(FeedbackEvent(id="before", tenant="acme", score=0.25)))
     s.send(FeedbackEvent(id="before", tenant="acme", score=-0.5))
     s.producer.flush()
     wait_for(lambda: rows("feedback", "before"), 30, "the early feedback row", [proc])
@@ -255,6 +256,8 @@ def test_feedback_before_after_and_across_a_restart(setup_factory):
     got = sorted((r["id"], r["reward"], r["reward_source"]) for r in traj)
     assert got == [("after", 0.75, "thumbs"), ("before", -0.5, "feedback"), ("restart", 1.0, "feedback")]
     assert s.count("feedback") == 4
+    (dead,) = read_dataset(s.data_dir, "dead_letters").to_pylist()
+    assert (dead["tenant"], dead["reason"], dead["detail"]) == ("acme", "key_mismatch", "message key 'other' is not the tenant 'acme'")
 
 
 def test_two_processes_share_the_group_and_survive_a_kill(setup_factory):

