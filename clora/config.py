@@ -366,6 +366,11 @@ class Config(_Strict):
                 problems.append(
                     f"tenant {t.name!r}: lora.rank {t.lora.rank} exceeds serving.max_lora_rank {self.serving.max_lora_rank}"
                 )
+        if self.retention.days > 0 and self.compaction.every_seconds == 0:
+            problems.append(
+                "retention.days is set but compaction.every_seconds is 0: the compactor that `clora up` runs is what "
+                "deletes old data (or leave retention.days at 0 and run `clora prune --older-than-days` yourself)"
+            )
         if 0 < self.retention.days * 24 < self.ingest.pending_expiry_hours:
             problems.append(
                 f"retention.days {self.retention.days:g} is shorter than ingest.pending_expiry_hours "

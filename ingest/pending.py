@@ -157,21 +157,23 @@ class PendingFeedback:
         return 0
 
     def fit_total(self) -> int:
-        """Drops entries until at most `total` are left, the same number from every tenant above a common
-        level (the highest that fits), each tenant's oldest first. Returns how many went."""
+        """Drops entries until exactly `total` are left: every tenant above a common level is cut to it (a
+        remainder that does not divide evenly goes one each to the largest), each tenant's oldest first.
+        Returns how many went."""
         if self.total is None or self._size <= self.total:
             return 0
-        sizes = sorted(len(w) for w in self.by_tenant.values())
-        room, level = self.total, 0
-        for i, size in enumerate(sizes):  # the level: every tenant smaller than it is kept whole
-            share = room // (len(sizes) - i)
-            if size > share:
-                level = share
+        order = sorted(self.by_tenant, key=lambda t: len(self.by_tenant[t]))
+        room = self.total
+        for i, tenant in enumerate(order):  # tenants under an even share of what is left are kept whole
+            above = len(order) - i
+            share, extra = divmod(room, above)
+            if len(self.by_tenant[tenant]) > share:
                 break
-            room -= size
+            room -= len(self.by_tenant[tenant])
         dropped = 0
-        for tenant in list(self.by_tenant):
-            dropped += self._drop_oldest(tenant, len(self.by_tenant[tenant]) - level)
+        for k, tenant in enumerate(order[i:]):
+            keep = share + (1 if k >= above - extra else 0)
+            dropped += self._drop_oldest(tenant, len(self.by_tenant[tenant]) - keep)
         return dropped
 
     def _drop_oldest(self, tenant: str, n: int) -> int:

@@ -319,10 +319,13 @@ def _compact_every(cfg, args: argparse.Namespace, grace: float) -> int:
         started = time.monotonic()
         try:
             _compact_once(cfg, args, grace)
-            if cfg.retention.days > 0:
-                _prune(cfg, cfg.retention.days, args.dataset, args.tenant, dry_run=False, command="compact")
         except Exception as e:  # noqa: BLE001 (one failed run must not end the loop; the next may succeed)
             print(f"clora compact: this run failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if cfg.retention.days > 0:  # on its own: a compaction that keeps failing must not stop retention
+            try:
+                _prune(cfg, cfg.retention.days, args.dataset, args.tenant, dry_run=False, command="compact")
+            except Exception as e:  # noqa: BLE001
+                print(f"clora compact: pruning failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         stop.wait(max(0.0, args.every - (time.monotonic() - started)))
     print("compactor stopped", flush=True)
     return 0
@@ -358,7 +361,7 @@ def _prune(cfg, days: float, dataset: str | None, tenant: str | None, *, dry_run
         print(f"clora {command}: {e}", file=sys.stderr)
         return 1
     for r in results:
-        if r.files or r.skipped:
+        if r.files or r.skipped or r.unreadable:
             print(r, flush=True)
     verb = "would delete" if dry_run else "deleted"
     print(f"pruned (older than {days:g} days): {verb} {sum(r.files for r in results)} files, "

@@ -7,12 +7,15 @@ read from the footer's statistics). A file holding newer rows too stays until it
 compaction merges files of neighbouring times, so that costs at most a compacted file's span.
 
 What pruning gives up, and why it is safe within limits the config enforces:
-  - idempotency: ingest recognises a replayed or resent event by the rows on disk, so an event older than
-    the retention that Kafka delivers again is stored again. Kafka replays only uncommitted offsets, which
-    are recent; keep the retention above the topics' `retention.ms`, so nothing older can come back;
+  - idempotency: ingest recognises a replayed or resent event by its key indexes, built from the rows on
+    disk when it starts. A running ingest still knows a pruned event's key; after a restart, an event older
+    than the retention that Kafka delivered again would be stored again. Kafka replays only uncommitted
+    offsets, which are recent; keep the retention above the topics' `retention.ms`, so nothing older can
+    come back;
   - the feedback join: feedback for a pruned interaction finds nothing (ingest treats a file that is gone
     without a compacted successor as pruned), so the retention must be at least
-    `ingest.pending_expiry_hours` (config.py refuses less);
+    `ingest.pending_expiry_hours` (config.py refuses less), plus the ingest lag to tolerate: the join
+    window counts event times, retention ingest times;
   - training: trajectories the learner has not reached within the retention are never trained.
 
 Deleting is safe while others run. The partition's compaction lock is held, so no merge runs beside it. A
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage.files import FileLock, LockBusy, fsync_dir
@@ -50,13 +54,15 @@ class PruneResult:
     files: int = 0  # files deleted (or, with dry_run, that would be)
     rows: int = 0
     bytes: int = 0
+    unreadable: int = 0  # files whose footer or time column could not be read (left alone, logged)
     skipped: str | None = None
 
     def __str__(self) -> str:
         where = f"{self.dataset}/tenant={self.tenant}"
         if self.skipped:
             return f"{where}: skipped ({self.skipped})"
-        return f"{where}: {self.files} files, {self.rows} rows, {self.bytes / 1e6:.1f} MB"
+        bad = f"; {self.unreadable} unreadable files left alone" if self.unreadable else ""
+        return f"{where}: {self.files} files, {self.rows} rows, {self.bytes / 1e6:.1f} MB{bad}"
 
 
 def newest_ms(root, path: str) -> tuple[int | None, int]:
@@ -78,7 +84,7 @@ def _newest(pf: pq.ParquetFile, path: str) -> tuple[int | None, int]:
             continue
         stats = group.column(index).statistics
         if stats is None or not stats.has_min_max:
-            values = pf.read(columns=[TIME_COLUMN]).column(0).cast("int64").to_pylist()
+            values = pf.read(columns=[TIME_COLUMN]).column(0).cast(pa.timestamp("ms", tz="UTC")).cast(pa.int64()).to_pylist()
             return max(values, default=None), meta.num_rows
         top = _epoch_ms(stats.max)
         newest = top if newest is None else max(newest, top)
@@ -127,17 +133,25 @@ def prune_partition(root, dataset: str, tenant: str, cutoff_ms: int, *, dry_run:
                     newest, rows = newest_ms(dd, info.path)
                 except FileNotFoundError:
                     continue
+                except Exception as e:  # noqa: BLE001 (one unreadable file must not stop the partition's retention)
+                    logger.warning("retention: %s is unreadable, left alone: %s: %s", info.path, type(e).__name__, e)
+                    result.unreadable += 1
+                    continue
                 if newest is None or newest < cutoff_ms:
                     doomed.append(info)
                     if info.base_name not in superseded:  # a superseded file's rows are counted in its successor
                         result.files, result.rows = result.files + 1, result.rows + rows
                     result.bytes += info.size
             if not dry_run and doomed:
-                # Superseded inputs first: with their compacted successor gone first, they would be live again.
-                for info in sorted(doomed, key=lambda i: i.base_name not in superseded):
-                    Path(info.path).unlink(missing_ok=True)
-                fsync_dir(dd.partition(dataset, tenant))
+                # Superseded inputs first, made durable before their compacted successor goes: were the
+                # successor's deletion on disk and not theirs after a crash, they would be live again.
+                directory = dd.partition(dataset, tenant)
+                for inputs in (True, False):
+                    for info in doomed:
+                        if (info.base_name in superseded) == inputs:
+                            Path(info.path).unlink(missing_ok=True)
+                    fsync_dir(directory)
     except LockBusy:
         result.skipped = "a compaction holds this partition"
-    logger.log(logging.INFO if result.files or result.skipped else logging.DEBUG, "pruned %s", result)
+    logger.log(logging.INFO if result.files or result.skipped or result.unreadable else logging.DEBUG, "pruned %s", result)
     return result

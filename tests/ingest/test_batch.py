@@ -237,6 +237,19 @@ def test_past_the_total_cap_the_tenant_holding_the_most_makes_room(data_dir):
     assert h.rewards() == [("a1", 0.5, "feedback"), ("x6", 0.5, "feedback")]
 
 
+def test_levelling_to_the_total_keeps_exactly_the_total_the_remainder_going_to_the_largest():
+    from ingest.pending import PendingFeedback
+    from ingest.rows import FeedbackRow
+
+    pending = PendingFeedback(cap=100, total=5)
+    for tenant, n in (("a", 3), ("b", 3), ("c", 4)):
+        for i in range(n):
+            pending.add(FeedbackRow(f"{tenant}{i}", tenant, NOW_MS, 1.0, None, "f", 0, i, NOW_MS), hold_total=False)
+    assert pending.fit_total() == 5 and len(pending) == 5
+    # an even share of 5 over three is 1, remainder 2: the two largest (b, then c, by size) keep 2 each
+    assert sorted(pending) == [("a", "a2"), ("b", "b1"), ("b", "b2"), ("c", "c2"), ("c", "c3")]
+
+
 def test_the_total_cap_holds_after_a_restart_levelling_the_largest_tenants(data_dir):
     # Pending per tenant: dig 1, inl 2, fb 5 (8 in all). A total of 6: dig's 1 is under an even share (6 // 3),
     # so is inl's 2 (5 left, 5 // 2), and fb, the only one above, keeps its newest 3 (what is left).
@@ -296,10 +309,12 @@ def test_scorer_failure_and_unknown_tenant_are_dead_letters(data_dir):
 
 def test_a_message_keyed_by_another_tenant_is_a_dead_letter_and_one_without_a_key_is_accepted(h):
     keyed = [Record("i", 0, 0, encode(inter("a")), b"fb"), Record("i", 0, 1, encode(inter("b")), b"inl"),
-             Record("i", 0, 2, encode(inter("c")), None), Record("i", 0, 3, encode(inter("d")), b"\xff")]
+             Record("i", 0, 2, encode(inter("c")), None), Record("i", 0, 3, encode(inter("d")), b"\xff"),
+             Record("f", 0, 0, encode(fb("a", 1.0)), b"inl")]
     out = h.replay(keyed)
-    assert out.reasons == {"key_mismatch": 2}
-    dl = sorted(h.table("dead_letters").to_pylist(), key=lambda r: r["kafka_offset"])
+    assert out.reasons == {"key_mismatch": 3}
+    assert h.rewards() == [] and not h.table("feedback").num_rows  # the mis-keyed feedback joined nothing
+    dl = sorted((r for r in h.table("dead_letters").to_pylist() if r["kafka_topic"] == "i"), key=lambda r: r["kafka_offset"])
     assert [(r["kafka_offset"], r["tenant"], r["reason"]) for r in dl] == [(1, "fb", "key_mismatch"), (3, "fb", "key_mismatch")]
     assert dl[0]["detail"] == "message key 'inl' is not the tenant 'fb'"
     assert dl[1]["detail"] == "message key '\\\\xff' is not the tenant 'fb'"  # a key that is not UTF-8, escaped

@@ -80,6 +80,21 @@ def test_a_partition_a_compaction_holds_is_skipped(data_dir, files):
     assert prune(data_dir, older_than_s=75, now_s=T0.timestamp() + 100)[0].files == 3
 
 
+def test_files_without_statistics_or_rows_are_read_and_an_unreadable_one_is_left_alone(data_dir, files, make_trajectories):
+    import pyarrow.parquet as pq
+
+    table = make_trajectories([f"n-{k}" for k in range(3)], start=40)  # T0 + 40..42 s
+    pq.write_table(table, files / "nostats.parquet", write_statistics=False)
+    assert newest_ms(data_dir, str(files / "nostats.parquet")) == (round(T0.timestamp() * 1000) + 42_000, 3)
+    pq.write_table(table.slice(0, 0), files / "empty.parquet")
+    assert newest_ms(data_dir, str(files / "empty.parquet")) == (None, 0)
+    (files / "broken.parquet").write_bytes(b"PAR1 not really")
+
+    (r,) = prune(data_dir, older_than_s=55, now_s=T0.timestamp() + 100)  # cutoff T0 + 45 s: all but broken
+    assert (r.files, r.rows, r.unreadable) == (7, 23, 1) and "1 unreadable files left alone" in str(r)
+    assert names(files) == ["broken.parquet"]
+
+
 def test_only_the_datasets_fed_from_kafka_are_pruned(data_dir):
     with pytest.raises(ValueError, match="train_steps is not pruned"):
         prune(data_dir, older_than_s=10, dataset="train_steps")
@@ -125,6 +140,8 @@ def test_the_config_refuses_a_retention_shorter_than_the_feedback_wait():
         Config.model_validate({"retention": {"days": 2}})
     assert Config.model_validate({"retention": {"days": 2}, "ingest": {"pending_expiry_hours": 48}}).retention.days == 2
     assert Config().retention.days == 0  # keeps everything by default
+    with pytest.raises(ValidationError, match="compaction.every_seconds is 0"):
+        Config.model_validate({"retention": {"days": 30}, "compaction": {"every_seconds": 0}})
 
 
 def test_the_compactor_loop_prunes_with_a_retention_set(tmp_path, data_dir, files):
