@@ -32,13 +32,13 @@ step. HEAD.json is derived: every writer rebuilds it from the version files unde
 that crashed between the two is repaired by the next change.
 
 Every operation costs the same however long a tenant's history grows (the learner publishes a version
-per step, forever; metadata is never deleted). A version is "settled" once nothing can change it any
+per step, forever; metadata is deleted only by retention, `prune`, never the newest). A version is "settled" once nothing can change it any
 more: retired, or rejected with its files removed, and its files gone. Settled versions are all but
 every one of a long history, and an operation only needs the others. The index hint names them: `last`
 (the newest number when it was written) and `open` (every number up to `last` that was not settled).
 Writers rewrite it under the lock after every publish and reject; everyone reads it without a lock,
 and versions newer than `last` are found by probing `last + 1, last + 2, ...` (numbers are allocated
-consecutively and metadata is never deleted). A hint that is missing or unreadable means one full
+consecutively, and retention deletes only settled versions older than `last`). A hint that is missing or unreadable means one full
 listing, which rewrites it. A stale hint (a writer crashed, or a power loss undid the rename: it is not
 fsynced) is still right, because a settled version never becomes unsettled: it only names more than
 it must.
@@ -64,6 +64,7 @@ from storage.files import (
     FileLock,
     atomic_write_bytes,
     ensure_dir,
+    fsync_dir,
     fsync_tree,
     publish_dir,
     remove_stale_hidden,
@@ -244,7 +245,7 @@ class Registry:
             for n in self._numbers(t):
                 try:
                     out.append(self.get(t, n))
-                except VersionNotFound:  # cannot happen today (metadata is never deleted); harmless if it does
+                except VersionNotFound:  # deleted since the listing (retention: `prune`)
                     continue
         return out
 
@@ -372,6 +373,38 @@ class Registry:
                 self._write_head()
         self._remove_files([v])
         return v
+
+    def prune(self, tenant: str, *, before_s: float, dry_run: bool = False) -> int:
+        """Deletes the metadata of the tenant's settled versions last written before `before_s` (epoch
+        seconds; retention, storage.retention), never the newest; returns how many (would) go. Settled is
+        what the index hint says (not named open, at most `last`), so no metadata is parsed: the file's
+        mtime, when it was last rewritten (retired, or its files recorded removed), stands for its age.
+        Without a hint nothing is settled for sure, and nothing goes."""
+        check_tenant(tenant)
+        removed = 0
+        with self._locked():
+            index = self._read_index(tenant)
+            if index is None:
+                return 0
+            last, open_ = index
+            keep = set(open_)
+            directory = self.dd.registry / tenant
+            for n in self._numbers(tenant):
+                if n >= last or n in keep:
+                    continue
+                path = self._meta_path(tenant, n)
+                try:
+                    if path.stat().st_mtime >= before_s:
+                        continue
+                except FileNotFoundError:
+                    continue
+                removed += 1
+                if not dry_run:
+                    path.unlink(missing_ok=True)
+                    self._metas.pop(path, None)
+            if removed and not dry_run:
+                fsync_dir(directory)
+        return removed
 
     def repair(self, tenant: str) -> bool:
         """Finishes what a writer that crashed mid-change left of the tenant's last change: rewrites HEAD.json

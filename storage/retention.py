@@ -21,8 +21,10 @@ What pruning gives up, and why it is safe within limits the config enforces:
 Deleting is safe while others run. The partition's compaction lock is held, so no merge runs beside it. A
 reader that listed the files before finds one gone and lists again (parquet.retry_vanished). Superseded
 inputs still waiting for their grace period are deleted before the files superseding them, so none becomes
-live again. Not here: train_steps/ (a row per step, small), the adapter registry (`learner.keep_versions`)
-and the learner's cursors (the ids it trained, 16 bytes each).
+live again. `prune_registry` deletes the records of settled adapter versions (retired, or rejected with
+their files gone; `learner.keep_versions` deletes the files) last written before the cutoff, never a
+tenant's newest. Not here: train_steps/ (a row per step, small) and the learner's cursors (the ids it
+trained, 16 bytes each).
 """
 
 from __future__ import annotations
@@ -119,6 +121,20 @@ def prune(
         for t in [tenant] if tenant else partition_tenants(dd, ds):
             results.append(prune_partition(dd, ds, t, cutoff_ms, dry_run=dry_run))
     return results
+
+
+def prune_registry(root, *, older_than_s: float, tenant: str | None = None, dry_run: bool = False,
+                   now_s: float | None = None) -> dict[str, int]:
+    """tenant -> how many settled adapter-version records (retired or rejected, files gone) last written
+    before the cutoff were (or, with dry_run, would be) deleted (Registry.prune): a tenant's learner makes
+    one per step, tens of thousands a day in one directory."""
+    from storage.registry import Registry
+
+    if older_than_s <= 0:
+        raise ValueError(f"older_than_s must be > 0, got {older_than_s}")
+    registry = Registry(root)
+    before_s = (time.time() if now_s is None else now_s) - older_than_s
+    return {t: registry.prune(t, before_s=before_s, dry_run=dry_run) for t in ([tenant] if tenant else registry.tenants())}
 
 
 def prune_partition(root, dataset: str, tenant: str, cutoff_ms: int, *, dry_run: bool = False) -> PruneResult:

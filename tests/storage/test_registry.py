@@ -115,6 +115,35 @@ def test_keep_last_retires_older_published(data_dir, peft_writer):
     assert reg.get("acme", 4).path.exists()
 
 
+def test_prune_deletes_old_settled_records_only_and_numbers_go_on(data_dir, peft_writer):
+    import os
+    import time
+
+    reg = Registry(data_dir, keep_last=2)
+    for n in range(1, 9):
+        _new(reg, peft_writer)
+        reg.publish("acme", n) if n != 7 else reg.reject("acme", n, reason="worse")
+    _new(reg, peft_writer)  # 9: a candidate
+    settled = [n for n in range(1, 9) if n not in {v.number for v in reg.unsettled("acme")}]
+    # retired with their files gone; 5 was retired by 8's publish and stays open until a later change sees
+    # its files gone; 6, 8 published, 7 rejected with its files
+    assert settled == [1, 2, 3, 4]
+    past = time.time() - 3600
+    for n in range(1, 10):  # every record an hour old but 3's
+        if n != 3:
+            os.utime(data_dir / "registry" / "acme" / f"{n}.json", (past, past))
+
+    assert reg.prune("acme", before_s=time.time() - 60, dry_run=True) == 3
+    assert len(reg.versions("acme")) == 9
+    assert reg.prune("acme", before_s=time.time() - 60) == 3
+    assert [v.number for v in reg.versions("acme")] == [3, 5, 6, 7, 8, 9]
+    assert reg.latest_published("acme").number == 8 and reg.newest_number("acme") == 9
+    assert [v.number for v in reg.candidates("acme")] == [9]
+    assert _new(reg, peft_writer).number == 10  # numbers go on after the newest
+    (data_dir / "registry" / "acme" / "index.json").unlink()  # without the hint nothing is settled for sure
+    assert reg.prune("acme", before_s=time.time() + 60) == 0
+
+
 def test_only_the_newest_rejected_versions_keep_their_files(data_dir, peft_writer):
     reg = Registry(data_dir, keep_last=2)
     for n in range(1, 5):

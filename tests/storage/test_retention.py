@@ -122,6 +122,7 @@ def test_prune_command(tmp_path, data_dir, files, monkeypatch, capsys):
     # The rows are from T0 (2025): all older than 30 days.
     code, out, _ = run("prune", "--older-than-days", "30", "--dry-run")
     assert code == 0 and "would delete 5 files, 20 rows" in out and len(names(files)) == 5
+    assert "0 adapter version records" in out
     code, out, _ = run("prune", "--older-than-days", "30")
     assert code == 0 and "deleted 5 files, 20 rows" in out and names(files) == []
 
