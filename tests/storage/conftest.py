@@ -105,3 +105,31 @@ def peft_writer():
 def python_subprocess():
     """(run, popen): run code in a fresh interpreter, to completion or in the background."""
     return run_python, popen_python
+
+
+def run_compactor(config: Path, done, timeout: float = 60) -> tuple[int, str, int]:
+    """Runs `clora compact --every 0.2 --grace 0 --config <config>` until `done()` holds (or `timeout`), then
+    stops it with SIGTERM; returns (exit code, output, pid)."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clora", "compact", "--every", "0.2", "--grace", "0", "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not done(proc):
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, out, proc.pid
+
+
+@pytest.fixture
+def compactor_loop():
+    """run_compactor: `clora compact --every` in a child process until a condition holds."""
+    return run_compactor

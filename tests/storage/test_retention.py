@@ -3,12 +3,6 @@ consistent, and `clora prune` / the compactor loop apply it."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 from datetime import datetime, timezone
 
@@ -21,7 +15,6 @@ from storage.retention import newest_ms, prune
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[2]
 T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)  # conftest.trajectories(): row k is ingested at T0 + start + k seconds
 
 
@@ -145,21 +138,9 @@ def test_the_config_refuses_a_retention_shorter_than_the_feedback_wait():
         Config.model_validate({"retention": {"days": 30}, "compaction": {"every_seconds": 0}})
 
 
-def test_the_compactor_loop_prunes_with_a_retention_set(tmp_path, data_dir, files):
+def test_the_compactor_loop_prunes_with_a_retention_set(tmp_path, data_dir, files, compactor_loop):
     config = tmp_path / "loop.toml"
     config.write_text(f'data_dir = "{data_dir}"\n[retention]\ndays = 30\n')
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clora", "compact", "--every", "0.2", "--grace", "0", "--config", str(config)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and names(files):
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out
+    code, out, _ = compactor_loop(config, lambda proc: not names(files))
+    assert code == 0, out
     assert names(files) == [] and "pruned (older than 30 days): deleted" in out

@@ -132,44 +132,31 @@ def test_adapters_list_shows_what_can_still_change_unless_all(clora, data_dir, p
     assert "older versions" not in out
 
 
-def test_compact_every_runs_until_sigterm_and_marks_itself_ready(tmp_path, data_dir, make_trajectories):
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
-
+def test_compact_every_runs_until_sigterm_and_marks_itself_ready(tmp_path, data_dir, make_trajectories, compactor_loop):
     from storage.files import ready_pid
 
     for k in range(4):
         write_dataset(data_dir, "trajectories", make_trajectories([f"x{k}"], "acme", start=k), file_id=f"f{k}")
     config = tmp_path / "loop.toml"
     config.write_text(f'data_dir = "{data_dir}"\n')
-    repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clora", "compact", "--every", "0.2", "--grace", "0", "--config", str(config)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONPATH": str(repo)},
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (
-            ready_pid(data_dir / "state", "compactor") == proc.pid
-            and len(live_files(data_dir, "trajectories", "acme")) == 1
-            and len(list((data_dir / "trajectories" / "tenant=acme").glob("*.parquet"))) == 1
-        ):
-            time.sleep(0.1)
-        write_dataset(data_dir, "trajectories", make_trajectories(["late"], "acme", start=9), file_id="late")
-        while time.monotonic() < deadline and len(list((data_dir / "trajectories" / "tenant=acme").glob("*.parquet"))) != 1:
-            time.sleep(0.1)  # the next run merges the new file too
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out
+    late = []
+
+    def on_disk() -> int:
+        return len(list((data_dir / "trajectories" / "tenant=acme").glob("*.parquet")))
+
+    def done(proc) -> bool:
+        if not late:  # first: ready, and the four files merged into one; then a late file, merged by a later run
+            merged = len(live_files(data_dir, "trajectories", "acme")) == 1 and on_disk() == 1
+            if ready_pid(data_dir / "state", "compactor") == proc.pid and merged:
+                write_dataset(data_dir, "trajectories", make_trajectories(["late"], "acme", start=9), file_id="late")
+                late.append(True)
+            return False
+        return on_disk() == 1
+
+    code, out, pid = compactor_loop(config, done)
+    assert code == 0, out
+    assert late, out
     assert "compactor stopped" in out
-    assert ready_pid(data_dir / "state", "compactor") == proc.pid
+    assert ready_pid(data_dir / "state", "compactor") == pid
     assert sorted(read_dataset(data_dir, "trajectories").column("id").to_pylist()) == ["late", "x0", "x1", "x2", "x3"]
     assert len(list((data_dir / "trajectories" / "tenant=acme").glob("*.parquet"))) == 1
