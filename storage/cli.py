@@ -353,11 +353,13 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def _prune(cfg, days: float, dataset: str | None, tenant: str | None, *, dry_run: bool, command: str) -> int:
     from storage.layout import StorageError
-    from storage.retention import DAY_S, prune, prune_registry
+    from storage.retention import DAY_S, forget_trained, prune, prune_registry
 
+    older_than_s = days * DAY_S
     try:
-        results = prune(cfg.data_dir, older_than_s=days * DAY_S, dataset=dataset, tenant=tenant, dry_run=dry_run)
-        records = {} if dataset else prune_registry(cfg.data_dir, older_than_s=days * DAY_S, tenant=tenant, dry_run=dry_run)
+        results = prune(cfg.data_dir, older_than_s=older_than_s, dataset=dataset, tenant=tenant, dry_run=dry_run)
+        records = {} if dataset else prune_registry(cfg.data_dir, older_than_s=older_than_s, tenant=tenant, dry_run=dry_run)
+        forgotten = {} if dataset else forget_trained(cfg.data_dir, older_than_s=older_than_s, tenant=tenant, dry_run=dry_run)
     except (StorageError, ValueError) as e:
         print(f"clora {command}: {e}", file=sys.stderr)
         return 1
@@ -367,5 +369,5 @@ def _prune(cfg, days: float, dataset: str | None, tenant: str | None, *, dry_run
     verb = "would delete" if dry_run else "deleted"
     print(f"pruned (older than {days:g} days): {verb} {sum(r.files for r in results)} files, "
           f"{sum(r.rows for r in results)} rows, {sum(r.bytes for r in results) / 1e6:.1f} MB, "
-          f"{sum(records.values())} adapter version records", flush=True)
+          f"{sum(records.values())} adapter version records; {sum(forgotten.values())} trained ids forgotten", flush=True)
     return 0

@@ -5,6 +5,7 @@ On disk, per tenant:
     cursors/<tenant>/step-<step>/ids.parquet     the trajectory ids trained at that step
     cursors/<tenant>/step-<step>/checkpoint/     what the learner's checkpoint(dir) wrote (adapter + optimizer)
     cursors/<tenant>/trained-<first>-<last>.parquet   snapshot: every id trained at steps first..last
+    cursors/<tenant>/horizon.json                 {"format", "through", "before_ms"}: what retention forgot
 
 `commit` builds a step directory under a hidden staging name (checkpoint files, ids, commit.json), fsyncs
 it and renames it into place: the ids and the checkpoint become visible together or not at all. Only the
@@ -22,7 +23,18 @@ After a crash between writing a merged snapshot and deleting what it merged, bot
 take, from each starting step, the snapshot that reaches furthest, and the next compaction deletes the
 ones no chain uses.
 
-Reads are lock-free; `commit` and `compact` take a per-tenant lock (one learner owns a tenant at a time).
+Retention (`forget`, which `clora prune` and the compactor call with the retention's cutoff): a cursor
+would otherwise hold every id ever trained (the backlog's fingerprints below grow by ~140 MB a day at 100
+trajectories/s, and a cold start reads them all). The snapshots at the head of the chain whose steps were
+all committed more than FORGET_MARGIN_MS before the cutoff (each snapshot records its newest commit time;
+one written before that was recorded is dated by its file) are forgotten: horizon.json says "steps <=
+through are forgotten, and trajectories ingested before before_ms are left out of the backlog", and the
+chain starts after `through`. A row trained at a forgotten step was ingested before its commit, so before
+the cutoff: leaving those rows out keeps every trained row out without its id. An untrained row that old
+is left out too (retention deletes its file). Step numbers go on after `through`.
+
+Reads are lock-free; `commit`, `compact` and `forget` take a per-tenant lock (one learner owns a tenant at
+a time).
 
 The backlog (`untrained`, `backlog`; the learner asks every pass, ingest adds a file about once a second
 per tenant) is kept per tenant and brought up to date on each call, so a pass costs what changed since the
@@ -43,7 +55,8 @@ Everything is read once when a Cursors starts (after a crash or restart), and wh
 followed step by step: a snapshot that folded steps this instance never read (a compaction by another
 process while it was not looking; the snapshot is read and merged) or a cursor that went back (deleted by
 hand; the tenant is read again from scratch, if the next call sees it behind what was read: a cursor
-deleted and committed past its old step in between goes unnoticed until the next start).
+deleted and committed past its old step in between goes unnoticed until the next start), and when the
+horizon moved (the forgotten fingerprints go with the old state).
 
 Fingerprints are hashindex.hash_strings of the id: two 64-bit SipHash values, keyed per process and kept
 in memory only. A stored row would be taken for trained only if its fingerprint equalled a trained id's:
@@ -70,7 +83,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from storage.files import FileLock, ensure_dir, fsync_tree, publish_dir, remove_stale_hidden, remove_tree, write_new_file
+from storage.files import (
+    FileLock,
+    atomic_write_bytes,
+    ensure_dir,
+    fsync_tree,
+    publish_dir,
+    remove_stale_hidden,
+    remove_tree,
+    write_new_file,
+)
 from storage.hashindex import HashIndex, hash_strings
 from storage.layout import StorageError, as_datadir, check_tenant
 from storage.parquet import live_files, partition_tenants, read_file, read_rows, retry_vanished
@@ -88,6 +110,11 @@ _IDS_SCHEMA = pa.schema([pa.field("id", pa.string(), nullable=False)], metadata=
 _ROWS_SCHEMA = pa.schema([*_INDEX_SCHEMA, pa.field("file", pa.int32()), pa.field("row", pa.int64())])
 _PENDING_SCHEMA = pa.schema([*_ROWS_SCHEMA, pa.field("hi", pa.int64()), pa.field("lo", pa.int64())])  # + fingerprint
 _READ_BATCH = 65536  # ids read at a time from a snapshot (bounds what a long history holds in memory)
+_HORIZON = "horizon.json"
+_NEWEST_COMMIT = b"clora.newest_commit_ms"  # snapshot metadata: the newest commit time of its steps
+# A snapshot is forgotten only once its newest commit is this much older than the cutoff, so a row it
+# trained was ingested before the cutoff even if the learner's clock ran this much behind ingest's.
+FORGET_MARGIN_MS = 3_600_000
 
 
 class CursorError(StorageError):
@@ -109,14 +136,24 @@ def _snapshot_name(first: int, last: int) -> str:
     return f"trained-{first:020d}-{last:020d}.parquet"
 
 
-def _chain(snapshots: list[_Snapshot]) -> list[_Snapshot]:
-    """The snapshots that hold the cursor: from step 0, each time the one starting where the last ended that
-    reaches furthest (a crash may leave a merged snapshot beside the ones it merged)."""
+@dataclass(frozen=True)
+class Horizon:
+    """What retention made the cursor forget: the ids of every step <= `through`, and with them every
+    trajectory ingested before `before_ms`, trained or not (it is never trained: see `Cursors.forget`)."""
+
+    through: int = -1
+    before_ms: int | None = None
+
+
+def _chain(snapshots: list[_Snapshot], horizon: Horizon = Horizon()) -> list[_Snapshot]:
+    """The snapshots that hold the cursor: from the step after the horizon (0 without one), each time the
+    one starting where the last ended that reaches furthest (a crash may leave a merged snapshot beside the
+    ones it merged)."""
     by_first: dict[int, _Snapshot] = {}
     for snap in snapshots:
         if snap.first not in by_first or snap.last > by_first[snap.first].last:
             by_first[snap.first] = snap
-    chain, at = [], 0
+    chain, at = [], horizon.through + 1
     while at in by_first:
         chain.append(by_first[at])
         at = by_first[at].last + 1
@@ -128,16 +165,33 @@ def _rows(path: Path) -> int:
         return f.metadata.num_rows
 
 
-def _write_ids(final: Path, sources: list[Path]) -> None:
+def _newest_commit_ms(path: Path) -> int:
+    """A snapshot's newest commit time: from its metadata, else (written before it was recorded) its mtime,
+    which is later than any commit it holds."""
+    with pq.ParquetFile(path) as f:
+        value = (f.schema_arrow.metadata or {}).get(_NEWEST_COMMIT)
+    return int(value) if value is not None else int(path.stat().st_mtime * 1000)
+
+
+def _step_commit_ms(step_dir: Path) -> int:
+    try:
+        created = json.loads((step_dir / "commit.json").read_text())["created_at"]
+        return int(datetime.fromisoformat(created).timestamp() * 1000)
+    except (OSError, ValueError, KeyError, TypeError):
+        return int((step_dir / "ids.parquet").stat().st_mtime * 1000)
+
+
+def _write_ids(final: Path, sources: list[Path], newest_commit_ms: int) -> None:
     """One ids file from `sources`, streamed (one batch of ids in memory at a time), written durably. An id
     in two sources (the learner never commits one twice) would be kept twice; readers take a set."""
+    schema = _IDS_SCHEMA.with_metadata({**_IDS_SCHEMA.metadata, _NEWEST_COMMIT: str(newest_commit_ms).encode()})
 
     def write(tmp: Path) -> None:
-        with pq.ParquetWriter(tmp, _IDS_SCHEMA) as out:
+        with pq.ParquetWriter(tmp, schema) as out:
             for path in sources:
                 with pq.ParquetFile(path) as ids_file:
                     for batch in ids_file.iter_batches(batch_size=_READ_BATCH, columns=["id"]):
-                        out.write_batch(pa.record_batch([batch.column("id")], schema=_IDS_SCHEMA))
+                        out.write_batch(pa.record_batch([batch.column("id")], schema=schema))
 
     write_new_file(final, write)
 
@@ -146,6 +200,7 @@ def _write_ids(final: Path, sources: list[Path]) -> None:
 class _Backlog:
     """One tenant's untrained trajectories, brought up to date by Cursors._untrained_index."""
 
+    horizon: Horizon = field(default_factory=Horizon)  # the one this state was built under
     trained: HashIndex = field(default_factory=HashIndex)  # fingerprints of the trained ids
     through: int = -1  # the ids of every step <= through are in `trained`
     files: dict[str, int] = field(default_factory=dict)  # every live trajectories file read -> its number
@@ -181,7 +236,19 @@ class Cursors:
 
     def latest_step(self, tenant: str) -> int | None:
         snapshots, steps = self._listing(tenant)
-        return max([s for s, _ in steps] + [snap.last for snap in snapshots], default=None)
+        through = self.horizon(tenant).through
+        return max([s for s, _ in steps] + [snap.last for snap in snapshots] + ([through] if through >= 0 else []),
+                   default=None)
+
+    def horizon(self, tenant: str) -> Horizon:
+        """What retention made the tenant's cursor forget (`forget`); Horizon() when nothing."""
+        try:
+            data = json.loads((self.dd.tenant_cursors(tenant) / _HORIZON).read_bytes())
+            return Horizon(int(data["through"]), int(data["before_ms"]))
+        except FileNotFoundError:
+            return Horizon()
+        except (ValueError, KeyError, TypeError) as e:
+            raise StorageError(f"the cursor horizon of {tenant} is unreadable: {e}") from e
 
     def untrained(self, tenant: str, limit: int | None = None) -> pa.Table:
         """Trajectories of `tenant` not yet trained, oldest first by ingested_at (TRAJECTORIES schema)."""
@@ -276,6 +343,52 @@ class Cursors:
                 logger.warning("tenant %s: step %d committed, but pruning old checkpoints failed: %s", tenant, step, e)
         return final / "checkpoint"
 
+    def forget(self, tenant: str, before_ms: int, *, dry_run: bool = False) -> int:
+        """Retention: forgets the snapshots of the cursor's chain whose steps were all committed more than
+        FORGET_MARGIN_MS before `before_ms`, and from then on leaves every trajectory ingested before
+        `before_ms` out of the backlog; returns how many ids were (or would be) forgotten.
+
+        Forgotten ids cost nothing any more (16 bytes each in every learner, and a cold start's read). It is
+        safe: a row trained at a forgotten step was ingested before that step's commit, so before the
+        cutoff, and the backlog leaves it out. The price is that a row ingested before the cutoff and not
+        trained by then is never trained; retention deletes its file anyway. The horizon is written first
+        (atomically: the commit point), then the forgotten snapshots are deleted; after a crash between the
+        two, readers ignore them and the next `compact` or `forget` deletes them."""
+        check_tenant(tenant)
+        tenant_dir = self.dd.tenant_cursors(tenant)
+        if not tenant_dir.is_dir():
+            return 0
+        with FileLock(self._lock_path(tenant)):
+            snapshots, steps = self._listing(tenant)
+            old = self.horizon(tenant)
+            chain = _chain(snapshots, old)
+            gone = []
+            for snap in chain:  # commit times grow along the chain: the old ones are a prefix
+                if _newest_commit_ms(snap.path) >= before_ms - FORGET_MARGIN_MS:
+                    break
+                gone.append(snap)
+            if not gone:
+                return 0
+            ids = sum(_rows(snap.path) for snap in gone)
+            if dry_run:
+                return ids
+            new = Horizon(gone[-1].last, max(before_ms, old.before_ms or before_ms))
+            atomic_write_bytes(tenant_dir / _HORIZON, json.dumps(
+                {"format": FORMAT, "through": new.through, "before_ms": new.before_ms}).encode())
+            self._remove_forgotten(tenant, new)
+        logger.info("cursor of %s: forgot %d ids (steps <= %d; trajectories ingested before %s are left out)",
+                    tenant, ids, new.through, datetime.fromtimestamp(new.before_ms / 1000, timezone.utc).isoformat())
+        return ids
+
+    def _remove_forgotten(self, tenant: str, horizon: Horizon) -> None:
+        snapshots, steps = self._listing(tenant)
+        for snap in snapshots:
+            if snap.last <= horizon.through:
+                snap.path.unlink(missing_ok=True)
+        for s, path in steps:
+            if s <= horizon.through and not (path / "checkpoint").exists():
+                remove_tree(path)
+
     def compact(self, tenant: str) -> int:
         """Folds the per-step id files into the snapshot chain; returns how many step files it folded (0:
         nothing to do). Costs the steps it folds plus the merges the chain's sizes call for (see the module
@@ -284,8 +397,9 @@ class Cursors:
         tenant_dir = self.dd.tenant_cursors(tenant)
         with FileLock(self._lock_path(tenant)):
             snapshots, steps = self._listing(tenant)
-            chain = _chain(snapshots)
-            end = chain[-1].last if chain else -1
+            horizon = self.horizon(tenant)
+            chain = _chain(snapshots, horizon)
+            end = chain[-1].last if chain else horizon.through
             newer = [(s, p) for s, p in steps if s > end]
             if not newer or (len(newer) == 1 and not chain):
                 return 0
@@ -294,12 +408,12 @@ class Cursors:
             if state is not None:  # read the steps about to be folded first: its next pass then reads no snapshot
                 self._backlogs[tenant] = self._follow_cursor(state, snapshots, steps)
             folded = _Snapshot(end + 1, top, tenant_dir / _snapshot_name(end + 1, top))
-            _write_ids(folded.path, [p / "ids.parquet" for _, p in newer])
+            _write_ids(folded.path, [p / "ids.parquet" for _, p in newer], max(_step_commit_ms(p) for _, p in newer))
             chain.append(folded)
             while len(chain) > 1 and _rows(chain[-1].path) >= _rows(chain[-2].path):  # a binary counter
                 older, newest = chain[-2], chain[-1]
                 merged = _Snapshot(older.first, newest.last, tenant_dir / _snapshot_name(older.first, newest.last))
-                _write_ids(merged.path, [older.path, newest.path])
+                _write_ids(merged.path, [older.path, newest.path], _newest_commit_ms(newest.path))
                 chain[-2:] = [merged]
                 for gone in (older, newest):  # after the merged one is durable; a crash before leaves both
                     gone.path.unlink(missing_ok=True)
@@ -343,8 +457,9 @@ class Cursors:
         listing: a compaction running meanwhile writes a snapshot and then deletes the steps it covers, so a
         snapshot listed before it and steps listed after it would miss those steps' ids."""
         snapshots, steps = self._listing(tenant)
-        chain = _chain(snapshots)
-        end = chain[-1].last if chain else -1
+        horizon = self.horizon(tenant)
+        chain = _chain(snapshots, horizon)
+        end = chain[-1].last if chain else horizon.through
         return [snap.path for snap in chain] + [p / "ids.parquet" for s, p in steps if s > end]
 
     def _read_trained(self, sources: list[Path]) -> pa.Array:
@@ -363,11 +478,14 @@ class Cursors:
         """
         paths = live_files(self.dd, "trajectories", tenant)
         snapshots, steps = self._listing(tenant)
-        listing = (tuple(paths), tuple(snapshots), tuple(steps))
+        horizon = self.horizon(tenant)
+        listing = (tuple(paths), tuple(snapshots), tuple(steps), horizon)
         state = self._backlogs.get(tenant)
         if state is not None and state.listing == listing:
             return state.index, paths
-        state = self._follow_cursor(state or _Backlog(), snapshots, steps)
+        if state is None or state.horizon != horizon:  # new, or retention moved the horizon: start over
+            state = _Backlog(horizon=horizon, through=horizon.through)
+        state = self._follow_cursor(state, snapshots, steps)
         self._backlogs[tenant] = state
         self._follow_files(state, paths)
         if state.pending.column("id").num_chunks > 16:
@@ -385,11 +503,11 @@ class Cursors:
     ) -> _Backlog:
         """`state` with the ids of the listed cursor in `trained` and gone from `pending` (a new state when
         the cursor went back). Reads everything before changing anything."""
-        chain = _chain(snapshots)
-        top = chain[-1].last if chain else -1
+        chain = _chain(snapshots, state.horizon)
+        top = chain[-1].last if chain else state.horizon.through
         newest = max([top, *(s for s, _ in steps)])
         if newest < state.through:  # the cursor went back (deleted by hand): start over
-            state = _Backlog()
+            state = _Backlog(horizon=state.horizon, through=state.horizon.through)
         # A snapshot reaching past what this instance has read may hold steps it never saw (folded and
         # deleted since its last call, or before its first): read it. Steps it read itself before they were
         # folded are not read again: then the snapshot ends at or before `through`.
@@ -425,7 +543,10 @@ class Cursors:
                 continue
             cols = conform(read_file(self.dd, path, columns=["id", "ingested_at"]), _INDEX_SCHEMA, strict=False)
             hi, lo = hash_strings(cols.column("id").to_pylist())
-            rows = np.flatnonzero(~state.trained.contains(hi, lo))
+            untrained = ~state.trained.contains(hi, lo)
+            if state.horizon.before_ms is not None:  # older than the horizon: left out (Cursors.forget)
+                untrained &= cols.column("ingested_at").cast(pa.int64()).to_numpy() >= state.horizon.before_ms
+            rows = np.flatnonzero(untrained)
             number = state.next_file
             if len(rows):
                 new = cols.take(rows).append_column("file", pa.array(np.full(len(rows), number, np.int32)))

@@ -23,8 +23,9 @@ reader that listed the files before finds one gone and lists again (parquet.retr
 inputs still waiting for their grace period are deleted before the files superseding them, so none becomes
 live again. `prune_registry` deletes the records of settled adapter versions (retired, or rejected with
 their files gone; `learner.keep_versions` deletes the files) last written before the cutoff, never a
-tenant's newest. Not here: train_steps/ (a row per step, small) and the learner's cursors (the ids it
-trained, 16 bytes each).
+tenant's newest. `forget_trained` makes each learner cursor forget the ids of steps committed before the
+cutoff (16 bytes each in every learner, and a cold start's read), and leave trajectories ingested before
+it out of the backlog (storage.cursors, `Cursors.forget`). Not here: train_steps/ (a row per step, small).
 """
 
 from __future__ import annotations
@@ -135,6 +136,22 @@ def prune_registry(root, *, older_than_s: float, tenant: str | None = None, dry_
     registry = Registry(root)
     before_s = (time.time() if now_s is None else now_s) - older_than_s
     return {t: registry.prune(t, before_s=before_s, dry_run=dry_run) for t in ([tenant] if tenant else registry.tenants())}
+
+
+def forget_trained(root, *, older_than_s: float, tenant: str | None = None, dry_run: bool = False,
+                   now_s: float | None = None) -> dict[str, int]:
+    """tenant -> how many trained ids its learner cursor forgot (or, with dry_run, would): the steps committed
+    before the cutoff, whose trajectories were all ingested before it (Cursors.forget)."""
+    from storage.cursors import Cursors
+    from storage.layout import is_tenant
+
+    if older_than_s <= 0:
+        raise ValueError(f"older_than_s must be > 0, got {older_than_s}")
+    dd = as_datadir(root)
+    cutoff_ms = round(((time.time() if now_s is None else now_s) - older_than_s) * 1000)
+    cursors = Cursors(dd)
+    tenants = [tenant] if tenant else sorted(p.name for p in dd.cursors.glob("*") if p.is_dir() and is_tenant(p.name))
+    return {t: cursors.forget(t, cutoff_ms, dry_run=dry_run) for t in tenants}
 
 
 def prune_partition(root, dataset: str, tenant: str, cutoff_ms: int, *, dry_run: bool = False) -> PruneResult:

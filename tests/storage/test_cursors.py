@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
 import shutil
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +23,8 @@ from storage.hashindex import HashIndex
 from storage.parquet import live_files, read_dataset, write_dataset
 
 pytestmark = pytest.mark.unit
+
+T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)  # conftest.trajectories(): row k is ingested at T0 + start + k seconds
 
 
 def _checkpoint(tag: str):
@@ -445,8 +450,8 @@ def test_compaction_rewrites_each_id_a_few_times_not_the_history_every_time(data
     written = []
     real = cursors_module._write_ids
 
-    def counting(final, sources):
-        real(final, sources)
+    def counting(final, sources, newest_commit_ms):
+        real(final, sources, newest_commit_ms)
         written.append(cursors_module._rows(final))
 
     monkeypatch.setattr(cursors_module, "_write_ids", counting)
@@ -531,3 +536,64 @@ def test_the_learners_own_compaction_does_not_make_its_next_pass_read_the_snapsh
     monkeypatch.setattr(cursors_module, "hash_strings", lambda values: hashed.append(len(values)) or real(values))
     assert cursors.backlog() == {"acme": 4}
     assert hashed == [], "the steps it folded were read before they were folded, not read again from the snapshot"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Retention: forgetting old steps
+
+
+def _commit_at(cursors, data_dir, step: int, ids: list[str], when: datetime) -> None:
+    """Commits `ids` at `step`, then dates the commit `when` (as if the learner had committed it then)."""
+    cursors.commit("acme", step=step, ids=ids, checkpoint=_checkpoint(f"s{step}"))
+    meta_path = data_dir / "cursors" / "acme" / f"step-{step:020d}" / "commit.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "created_at": when.isoformat()}))
+
+
+def test_forget_drops_old_steps_and_leaves_rows_older_than_the_cutoff_out(data_dir, make_trajectories):
+    day = 86_400
+    # o0..o5 ingested on T0 (2025-01-01); n0..n2 on T0 + 31 days
+    write_dataset(data_dir, "trajectories", make_trajectories([f"o{k}" for k in range(6)]), file_id="old")
+    write_dataset(data_dir, "trajectories", make_trajectories([f"n{k}" for k in range(3)], start=31 * day), file_id="new")
+    cursors = Cursors(data_dir, keep_checkpoints=1)
+    _commit_at(cursors, data_dir, 1, ["o0", "o1"], T0 + timedelta(days=1))
+    _commit_at(cursors, data_dir, 2, ["o2"], T0 + timedelta(days=2))
+    cursors.compact("acme")  # snapshot 1..2, newest commit T0 + 2 days
+    _commit_at(cursors, data_dir, 3, ["o3"], T0 + timedelta(days=10))
+    cursors.compact("acme")  # snapshot 3..3, newest commit T0 + 10 days
+    live = Cursors(data_dir)
+    assert live.backlog() == {"acme": 5}  # o4, o5, n0, n1, n2
+
+    cutoff_ms = int((T0 + timedelta(days=5)).timestamp() * 1000)
+    assert cursors.forget("acme", cutoff_ms, dry_run=True) == 3 and cursors.horizon("acme").through == -1
+    assert cursors.forget("acme", cutoff_ms) == 3  # o0, o1, o2: steps 1..2, committed before the cutoff
+    assert cursors.horizon("acme") == cursors_module.Horizon(2, cutoff_ms)
+    assert cursors.trained_ids("acme") == {"o3"}
+    assert sorted(p.name for p in (data_dir / "cursors" / "acme").glob("trained-*")) == [
+        "trained-00000000000000000003-00000000000000000003.parquet"
+    ]
+    # Rows ingested before the cutoff are left out, trained or not; a learner that had read the old
+    # cursor starts over and holds only what is left.
+    assert live.backlog() == {"acme": 3} and sorted(live.untrained("acme").column("id").to_pylist()) == ["n0", "n1", "n2"]
+    assert len(live._backlogs["acme"].trained) == 1
+    assert Cursors(data_dir).backlog() == {"acme": 3}
+    # Steps go on from where they were; a forgotten step number cannot be committed again.
+    assert cursors.latest_step("acme") == 3 and cursors.latest_checkpoint("acme")[0] == 3
+    with pytest.raises(CursorError):
+        cursors.commit("acme", step=2, ids=["n0"], checkpoint=_checkpoint("again"))
+    cursors.commit("acme", step=4, ids=["n0"], checkpoint=_checkpoint("s4"))
+    assert live.backlog() == {"acme": 2} and cursors.compact("acme") == 1
+    assert cursors.trained_ids("acme") == {"o3", "n0"}
+    assert cursors.forget("acme", cutoff_ms) == 0  # nothing more is that old
+
+    # Everything forgotten (steps 3 and 4 committed long ago by now): the horizon holds the step count.
+    assert cursors.forget("acme", int((T0 + timedelta(days=800)).timestamp() * 1000)) == 2
+    assert cursors.trained_ids("acme") == set() and cursors.latest_step("acme") == 4
+    assert live.backlog() == {"acme": 0}
+
+
+def test_a_snapshot_without_its_commit_time_is_dated_by_its_file(data_dir, tmp_path):
+    path = tmp_path / "trained-00000000000000000000-00000000000000000001.parquet"
+    pq.write_table(pa.table({"id": ["a"]}), path)  # written before the commit time was recorded
+    os.utime(path, (1_000, 1_000))
+    assert cursors_module._newest_commit_ms(path) == 1_000_000

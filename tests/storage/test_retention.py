@@ -4,11 +4,13 @@ consistent, and `clora prune` / the compactor loop apply it."""
 from __future__ import annotations
 
 
+import json
 from datetime import datetime, timezone
 
 import pytest
 
 from storage.compact import compact
+from storage.cursors import Cursors
 from storage.files import FileLock
 from storage.parquet import live_files, read_dataset, write_dataset
 from storage.retention import newest_ms, prune
@@ -112,12 +114,20 @@ def test_prune_command(tmp_path, data_dir, files, monkeypatch, capsys):
     assert code == 2 and "--older-than-days" in err and "[retention] days" in err
     code, _, err = run("prune", "--older-than-days", "1")  # shorter than the 72 h feedback may wait
     assert code == 2 and "pending_expiry_hours" in err
+    # A learner cursor whose two steps were committed on T0 + 1 day, folded into a snapshot.
+    cursors = Cursors(data_dir)
+    for step, ids in ((1, ["f0-0", "f0-1"]), (2, ["f0-2"])):
+        cursors.commit("acme", step=step, ids=ids, checkpoint=lambda d: (d / "weights").write_bytes(b"w"))
+        meta = data_dir / "cursors" / "acme" / f"step-{step:020d}" / "commit.json"
+        meta.write_text(json.dumps({**json.loads(meta.read_text()), "created_at": "2025-01-02T00:00:00+00:00"}))
+    cursors.compact("acme")
     # The rows are from T0 (2025): all older than 30 days.
     code, out, _ = run("prune", "--older-than-days", "30", "--dry-run")
     assert code == 0 and "would delete 5 files, 20 rows" in out and len(names(files)) == 5
-    assert "0 adapter version records" in out
+    assert "0 adapter version records; 3 trained ids forgotten" in out and cursors.trained_ids("acme") == {"f0-0", "f0-1", "f0-2"}
     code, out, _ = run("prune", "--older-than-days", "30")
     assert code == 0 and "deleted 5 files, 20 rows" in out and names(files) == []
+    assert "3 trained ids forgotten" in out and cursors.trained_ids("acme") == set() and cursors.latest_step("acme") == 2
 
     config.write_text(f'data_dir = "{data_dir}"\n[retention]\ndays = 2\n')  # refused when loaded
     with pytest.raises(SystemExit) as exit_:
