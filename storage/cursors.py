@@ -31,7 +31,10 @@ one written before that was recorded is dated by its file) are forgotten: horizo
 through are forgotten, and trajectories ingested before before_ms are left out of the backlog", and the
 chain starts after `through`. A row trained at a forgotten step was ingested before its commit, so before
 the cutoff: leaving those rows out keeps every trained row out without its id. An untrained row that old
-is left out too (retention deletes its file). Step numbers go on after `through`.
+is left out too (retention deletes its file). Step numbers go on after `through`. A merge dates a snapshot
+by its newest part, so the head of the chain is forgotten only once nothing was merged into it for a
+whole retention period: a cursor holds up to ~2.5 retention periods of ids, not one. Older clora versions
+do not read horizon.json: after a `forget`, do not go back to one.
 
 Reads are lock-free; `commit`, `compact` and `forget` take a per-tenant lock (one learner owns a tenant at
 a time).
@@ -166,11 +169,15 @@ def _rows(path: Path) -> int:
 
 
 def _newest_commit_ms(path: Path) -> int:
-    """A snapshot's newest commit time: from its metadata, else (written before it was recorded) its mtime,
-    which is later than any commit it holds."""
+    """A snapshot's newest commit time: from its metadata, else (written before it was recorded) the later
+    of its mtime and ctime, which are later than any commit it holds (a copy or a restore may set the mtime
+    back, not the ctime)."""
     with pq.ParquetFile(path) as f:
         value = (f.schema_arrow.metadata or {}).get(_NEWEST_COMMIT)
-    return int(value) if value is not None else int(path.stat().st_mtime * 1000)
+    if value is not None:
+        return int(value)
+    st = path.stat()
+    return int(max(st.st_mtime, st.st_ctime) * 1000)
 
 
 def _step_commit_ms(step_dir: Path) -> int:
@@ -212,6 +219,16 @@ class _Backlog:
     distinct: int = 0
 
 
+def _moved(state: _Backlog, horizon: Horizon) -> _Backlog:
+    """`state` under a new horizon: the files read and their untrained rows stay (forgetting trains nothing),
+    less the rows ingested before the horizon; the trained fingerprints start over (the caller reads the
+    cursor after the horizon again), which is what frees the forgotten ones."""
+    pending = state.pending
+    if horizon.before_ms is not None and pending.num_rows:
+        pending = pending.filter(pc.greater_equal(pending.column("ingested_at").cast(pa.int64()), horizon.before_ms))
+    return _Backlog(horizon=horizon, through=horizon.through, files=state.files, next_file=state.next_file, pending=pending)
+
+
 class Cursors:
     def __init__(self, root, *, keep_checkpoints: int = 2):
         if keep_checkpoints < 1:
@@ -242,13 +259,17 @@ class Cursors:
 
     def horizon(self, tenant: str) -> Horizon:
         """What retention made the tenant's cursor forget (`forget`); Horizon() when nothing."""
+        path = self.dd.tenant_cursors(tenant) / _HORIZON
         try:
-            data = json.loads((self.dd.tenant_cursors(tenant) / _HORIZON).read_bytes())
+            data = json.loads(path.read_bytes())
+            if data.get("format") != FORMAT:
+                raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
             return Horizon(int(data["through"]), int(data["before_ms"]))
         except FileNotFoundError:
             return Horizon()
-        except (ValueError, KeyError, TypeError) as e:
-            raise StorageError(f"the cursor horizon of {tenant} is unreadable: {e}") from e
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise StorageError(f"{path} is unreadable ({e}); it is written only by `clora prune` and the "
+                               "compactor: restore it, or delete it to have the tenant's backlog read in full") from e
 
     def untrained(self, tenant: str, limit: int | None = None) -> pa.Table:
         """Trajectories of `tenant` not yet trained, oldest first by ingested_at (TRAJECTORIES schema)."""
@@ -483,8 +504,10 @@ class Cursors:
         state = self._backlogs.get(tenant)
         if state is not None and state.listing == listing:
             return state.index, paths
-        if state is None or state.horizon != horizon:  # new, or retention moved the horizon: start over
+        if state is None:
             state = _Backlog(horizon=horizon, through=horizon.through)
+        elif state.horizon != horizon:  # retention moved it: the trained ids are read again, without the forgotten
+            state = _moved(state, horizon)
         state = self._follow_cursor(state, snapshots, steps)
         self._backlogs[tenant] = state
         self._follow_files(state, paths)

@@ -40,7 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage.files import FileLock, LockBusy, fsync_dir
-from storage.layout import as_datadir, check_dataset
+from storage.layout import StorageError, as_datadir, check_dataset
 from storage.parquet import partition_listing, partition_tenants
 
 logger = logging.getLogger(__name__)
@@ -151,7 +151,13 @@ def forget_trained(root, *, older_than_s: float, tenant: str | None = None, dry_
     cutoff_ms = round(((time.time() if now_s is None else now_s) - older_than_s) * 1000)
     cursors = Cursors(dd)
     tenants = [tenant] if tenant else sorted(p.name for p in dd.cursors.glob("*") if p.is_dir() and is_tenant(p.name))
-    return {t: cursors.forget(t, cutoff_ms, dry_run=dry_run) for t in tenants}
+    forgotten = {}
+    for t in tenants:
+        try:
+            forgotten[t] = cursors.forget(t, cutoff_ms, dry_run=dry_run)
+        except StorageError as e:  # one tenant's unreadable cursor must not stop the others' retention
+            logger.warning("retention: the cursor of %s was left as it is: %s", t, e)
+    return forgotten
 
 
 def prune_partition(root, dataset: str, tenant: str, cutoff_ms: int, *, dry_run: bool = False) -> PruneResult:

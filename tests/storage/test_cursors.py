@@ -592,8 +592,21 @@ def test_forget_drops_old_steps_and_leaves_rows_older_than_the_cutoff_out(data_d
     assert live.backlog() == {"acme": 0}
 
 
-def test_a_snapshot_without_its_commit_time_is_dated_by_its_file(data_dir, tmp_path):
+def test_a_snapshot_without_its_commit_time_is_dated_by_its_file_not_a_mtime_set_back(data_dir, tmp_path):
     path = tmp_path / "trained-00000000000000000000-00000000000000000001.parquet"
     pq.write_table(pa.table({"id": ["a"]}), path)  # written before the commit time was recorded
-    os.utime(path, (1_000, 1_000))
-    assert cursors_module._newest_commit_ms(path) == 1_000_000
+    os.utime(path, (1_000, 1_000))  # a restore that kept an old mtime: the ctime is the change's
+    assert cursors_module._newest_commit_ms(path) == int(path.stat().st_ctime * 1000) > 1_000_000
+
+
+def test_an_unreadable_horizon_is_a_clear_error_and_retention_goes_on_with_the_other_tenants(data_dir):
+    from storage.layout import StorageError
+    from storage.retention import forget_trained
+
+    cursors = Cursors(data_dir)
+    for tenant in ("acme", "globex"):
+        cursors.commit(tenant, step=1, ids=["a"], checkpoint=_checkpoint("s1"))
+    (data_dir / "cursors" / "acme" / "horizon.json").write_text('{"format": 9, "through": 1, "before_ms": 0}')
+    with pytest.raises(StorageError, match="horizon.json is unreadable .*format 9"):
+        cursors.latest_step("acme")
+    assert forget_trained(data_dir, older_than_s=1.0) == {"globex": 0}
