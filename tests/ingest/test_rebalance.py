@@ -140,7 +140,7 @@ class LoopConsumer(FakeConsumer):
         if not self.batches:
             self.stop.set()
             return {}
-        return {TopicPartition("t.i", 0): [_Message(r.offset, r.value) for r in self.batches.pop(0)]}
+        return {TopicPartition("t.i", 0): [_Message(r.offset, r.value, r.key) for r in self.batches.pop(0)]}
 
     def assignment(self):
         return set(self.assigned)
@@ -149,9 +149,10 @@ class LoopConsumer(FakeConsumer):
         return None
 
 
-class _Message(NamedTuple):
+class _Message(NamedTuple):  # what the loop reads of a kafka-python ConsumerRecord
     offset: int
     value: bytes
+    key: bytes | None
 
 
 @pytest.fixture
