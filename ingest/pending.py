@@ -19,7 +19,8 @@ see below):
   tenants_on_disk frozenset: tenants with a partition in interactions/, feedback/ or trajectories/ at load
                   (batch.py counts the tenants created on the fly from it)
 
-Memory: 12 bytes per stored row for the indexes (index.py), plus one entry per piece of feedback that is
+Memory: 12 bytes per stored row for the indexes (index.py; once retention has deleted more than half of a
+dataset's rows, its index is rebuilt from what is stored at the next look at the file list), plus one entry per piece of feedback that is
 waiting (feedback for interactions not seen yet), plus the file list below. Interaction rows themselves
 stay on disk and are read back only when feedback arrives for them.
 
@@ -73,6 +74,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from ingest.index import KeyIndex
 from ingest.rows import FEEDBACK_KEY_COLUMNS, FeedbackRow, InteractionRow, interaction_rows
@@ -94,6 +96,12 @@ Key = tuple[str, str]  # (tenant, id)
 
 RELOAD_MIN_FILES = 4096  # the file list grows by at least this much between two looks at the live files
 ROWS_PER_RELOAD_FILE = 64  # ... and by at least 1/64 of the stored interactions (a rebuild reads them all)
+# The key each row of the other datasets is indexed by (rows.FEEDBACK_KEY for feedback).
+KEY_COLUMNS = {
+    "trajectories": ["tenant", "id"],
+    "feedback": list(FEEDBACK_KEY_COLUMNS),
+    "dead_letters": ["kafka_topic", "kafka_partition", "kafka_offset"],
+}
 MAX_PENDING_PER_TENANT = 100_000  # the default of ingest.max_pending_feedback_per_tenant
 MAX_PENDING = 1_000_000  # the default of ingest.max_pending_feedback (every tenant together)
 LOAD_CHUNK = 65_536  # ids checked against the trajectories index at once when pending feedback is loaded
@@ -239,14 +247,8 @@ class PendingStore:
     ) -> PendingStore:
         store = cls(root, expiry_ms=expiry_ms, max_pending_per_tenant=max_pending_per_tenant, max_pending=max_pending)
         retry_vanished(store._load_interactions, "loading interaction ids")
-        store.trajectories = retry_vanished(lambda: store._load_index("trajectories", ["tenant", "id"]), "loading trajectory ids")
-        store.feedback = retry_vanished(
-            lambda: store._load_index("feedback", list(FEEDBACK_KEY_COLUMNS)), "loading feedback keys"
-        )
-        store.dead_letters = retry_vanished(
-            lambda: store._load_index("dead_letters", ["kafka_topic", "kafka_partition", "kafka_offset"]),
-            "loading dead-letter offsets",
-        )
+        for dataset, columns in KEY_COLUMNS.items():
+            setattr(store, dataset, retry_vanished(lambda: store._load_index(dataset, columns), f"loading {dataset} keys"))
         retry_vanished(lambda: store._load_pending(now_ms), "loading pending feedback")
         store.tenants_on_disk = frozenset(
             t for dataset in TENANT_DATASETS for t in partition_tenants(store.root, dataset) if t != UNKNOWN_TENANT
@@ -419,6 +421,7 @@ class PendingStore:
         after each commit."""
         if not self._reserved and len(self.files) >= self._look_at:
             self._shrink_files()
+            self._shrink_indexes()
 
     def _next_look(self, live: int) -> int:
         return len(self.files) + max(live, len(self.interactions) // ROWS_PER_RELOAD_FILE, RELOAD_MIN_FILES)
@@ -438,6 +441,29 @@ class PendingStore:
             logger.exception("could not rebuild the interactions index; keeping it as it is")
             live = 0
         self._look_at = self._next_look(live)
+
+    def _shrink_indexes(self) -> None:
+        """Rebuilds the trajectories, feedback and dead-letter key indexes, each from its live files, if it
+        knows over twice the rows stored there: retention (storage.retention) deleted the rest, and without
+        this a process that runs for months would hold 12 bytes for every row it ever stored. The row counts
+        come from the files' footers. No write is in flight (see `_shrink_files`). A failure keeps the index
+        (it is still right) and is tried again at the next look."""
+        for dataset, columns in KEY_COLUMNS.items():
+            index = getattr(self, dataset)
+            try:
+                stored = retry_vanished(lambda: self._stored_rows(dataset), f"counting {dataset} rows")
+                if len(index) > 2 * stored:
+                    setattr(self, dataset, retry_vanished(lambda: self._load_index(dataset, columns), f"reloading {dataset} keys"))
+                    logger.info("%s index rebuilt: %d keys -> %d stored rows", dataset, len(index), len(getattr(self, dataset)))
+            except Exception:
+                logger.exception("could not rebuild the %s index; keeping it as it is", dataset)
+
+    def _stored_rows(self, dataset: str) -> int:
+        total = 0
+        for path in live_files(self.root, dataset):
+            with self.root.filesystem.open_input_file(path) as f:
+                total += pq.ParquetFile(f).metadata.num_rows
+        return total
 
     def stored_trajectories(self, keys: list[Key]) -> None:
         self.trajectories.add_many(keys)

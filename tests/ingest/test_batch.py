@@ -141,6 +141,26 @@ def test_feedback_for_a_pruned_interaction_waits_and_the_file_is_not_read_again(
     assert h.rewards() == [("a", 1.0, "feedback")]
 
 
+def test_after_retention_the_key_indexes_shrink_to_the_rows_stored(h):
+    """A process that runs for months would otherwise hold a key for every row it ever stored."""
+    from storage.retention import prune
+
+    h.feed(*(inter(f"a{i}", tenant="inl", reward=0.5) for i in range(4)), fb("x", 1.0), b"nope")
+    h.feed(inter("late", tenant="inl", reward=1.0), now_ms=NOW_MS + 10 * HOUR_MS)
+    store = h.store
+    assert (len(store.trajectories), len(store.feedback), len(store.dead_letters)) == (5, 1, 1)
+    prune(h.root, older_than_s=5 * 3600, now_s=NOW_MS / 1000 + 6 * 3600)
+    store._look_at = 0  # the loop looks after a commit once the file list has grown enough
+    store.shrink_files()
+    assert (len(store.trajectories), len(store.feedback), len(store.dead_letters)) == (1, 0, 0)
+    assert h.feed(inter("late", tenant="inl", reward=1.0)).duplicates == 1  # what is stored is still known
+    # An index within twice its stored rows is left as it is.
+    store._look_at = 0
+    before = store.trajectories
+    store.shrink_files()
+    assert store.trajectories is before
+
+
 def test_feedback_whose_id_the_index_confuses_with_a_stored_one_waits_instead_of_crashing(h, monkeypatch):
     """A hash collision (1 in 2**64 by chance; forced here) makes the index say "AA" is stored, and the
     file it names has no such id: the read of no rows raised (array_take on a null array), ingest exited,
