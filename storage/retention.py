@@ -100,6 +100,12 @@ def _epoch_ms(value) -> int:
     return int(value)  # the physical value: the schema's timestamps are milliseconds
 
 
+def _cutoff_s(older_than_s: float, now_s: float | None) -> float:
+    if older_than_s <= 0:
+        raise ValueError(f"older_than_s must be > 0, got {older_than_s}")
+    return (time.time() if now_s is None else now_s) - older_than_s
+
+
 def prune(
     root,
     *,
@@ -111,12 +117,10 @@ def prune(
 ) -> list[PruneResult]:
     """Deletes every file whose rows were all ingested more than `older_than_s` ago, in each partition of
     the pruned datasets (one dataset / one tenant if given); see the module note."""
-    if older_than_s <= 0:
-        raise ValueError(f"older_than_s must be > 0, got {older_than_s}")
+    cutoff_ms = round(_cutoff_s(older_than_s, now_s) * 1000)
     dd = as_datadir(root)
     if dataset is not None and check_dataset(dataset) not in PRUNED_DATASETS:
         raise ValueError(f"{dataset} is not pruned; pruned datasets: {', '.join(PRUNED_DATASETS)}")
-    cutoff_ms = round(((time.time() if now_s is None else now_s) - older_than_s) * 1000)
     results = []
     for ds in [dataset] if dataset else PRUNED_DATASETS:
         for t in [tenant] if tenant else partition_tenants(dd, ds):
@@ -131,10 +135,8 @@ def prune_registry(root, *, older_than_s: float, tenant: str | None = None, dry_
     one per step, tens of thousands a day in one directory."""
     from storage.registry import Registry
 
-    if older_than_s <= 0:
-        raise ValueError(f"older_than_s must be > 0, got {older_than_s}")
+    before_s = _cutoff_s(older_than_s, now_s)
     registry = Registry(root)
-    before_s = (time.time() if now_s is None else now_s) - older_than_s
     return {t: registry.prune(t, before_s=before_s, dry_run=dry_run) for t in ([tenant] if tenant else registry.tenants())}
 
 
@@ -145,10 +147,8 @@ def forget_trained(root, *, older_than_s: float, tenant: str | None = None, dry_
     from storage.cursors import Cursors
     from storage.layout import is_tenant
 
-    if older_than_s <= 0:
-        raise ValueError(f"older_than_s must be > 0, got {older_than_s}")
+    cutoff_ms = round(_cutoff_s(older_than_s, now_s) * 1000)
     dd = as_datadir(root)
-    cutoff_ms = round(((time.time() if now_s is None else now_s) - older_than_s) * 1000)
     cursors = Cursors(dd)
     tenants = [tenant] if tenant else sorted(p.name for p in dd.cursors.glob("*") if p.is_dir() and is_tenant(p.name))
     forgotten = {}
