@@ -393,7 +393,7 @@ class Cursors:
             ids = sum(_rows(snap.path) for snap in gone)
             if dry_run:
                 return ids
-            new = Horizon(gone[-1].last, max(before_ms, old.before_ms or before_ms))
+            new = Horizon(gone[-1].last, before_ms if old.before_ms is None else max(before_ms, old.before_ms))
             atomic_write_bytes(tenant_dir / _HORIZON, json.dumps(
                 {"format": FORMAT, "through": new.through, "before_ms": new.before_ms}).encode())
             self._remove_forgotten(tenant, new)
