@@ -2,7 +2,8 @@
 
 It writes a demo config (its own data directory, free ports, one tenant per simulated preference), runs
 `clora up` with `clora simulate` against it for a few minutes, and then reports per tenant: versions
-published, reward in the first vs the last window, adapter swaps seen by the app, interactions ingested.
+published, reward of the base model's answers vs the last window, adapter swaps seen by the app,
+interactions ingested.
 `demo.png` shows reward over time per tenant with the moments each new adapter went live. The exit code
 is 0 only when every tenant's reward improved; otherwise it says which did not. Interrupted (Ctrl-C,
 SIGTERM), it says so above the partial figures, gives no verdict and exits with 130.
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 
 DEMO_PREFERENCES = ["digits", "upper", "short"]
-IMPROVEMENT = 0.05  # the last window must beat the first by at least this much reward
+IMPROVEMENT = 0.05  # the last window must beat the base model's answers by at least this much reward
 
 
 def demo_config_text(data_dir: Path, model_path: Path, broker_port: int, serving_port: int,
@@ -169,7 +170,7 @@ def _report(summary: dict[str, dict], stats: dict[str, dict], out_png: Path, *,
     """Prints the per-tenant table; returns the exit code: 0 if every tenant improved, 1 if not, 130 (no
     verdict) for a run interrupted `interrupted_after` seconds into the simulated traffic."""
     header = f"{'tenant':<12} {'prefers':<8} {'requests':>8} {'failed':>6} {'ingested':>8} {'published':>9} " \
-             f"{'swaps':>5} {'reward first':>12} {'reward last':>11}  improved"
+             f"{'swaps':>5} {'reward base':>11} {'reward last':>11}  improved"
     if interrupted_after is not None:
         print(f"\ndemo: interrupted after {interrupted_after:.0f}s of simulated traffic; partial figures:")
     print("\n" + header + "\n" + "-" * len(header))
@@ -183,7 +184,7 @@ def _report(summary: dict[str, dict], stats: dict[str, dict], out_png: Path, *,
             not_improved.append(name)
         print(
             f"{name:<12} {s['preference']:<8} {s['requests']:>8} {s['failed']:>6} {st.get('ingested', 0):>8} "
-            f"{st.get('published', 0):>9} {max(0, len(s['versions_seen']) - 1):>5} {s['reward_first']:>12.3f} "
+            f"{st.get('published', 0):>9} {max(0, len(s['versions_seen']) - 1):>5} {s['reward_first']:>11.3f} "
             f"{s['reward_last']:>11.3f}  {'yes' if improved else 'NO'}"
         )
     print(f"\nreward over time: {out_png}")

@@ -186,19 +186,24 @@ class Simulator:
 
 
 def summarise(records: list[Record], tenants: list[SimTenant], window: float = 0.25) -> dict[str, dict]:
-    """Per tenant: requests, failures, reward in the first and last `window` fraction of its exchanges,
-    and the adapter versions that answered, in order of first appearance."""
+    """Per tenant: requests, failures, the reward before learning and in the last `window` fraction of its
+    exchanges, and the adapter versions that answered, in order of first appearance.
+
+    The reward before learning is the mean over the base model's answers (those that came before an
+    adapter went live), or over the first `window` of exchanges when the base model answered none: a tenant
+    that learns within the first window would otherwise show part of its gain as its starting point."""
     out = {}
     for tenant in tenants:
         recs = sorted((r for r in records if r.tenant == tenant.name), key=lambda r: r.t)
         ok = [r for r in recs if r.ok]
         k = max(1, int(len(ok) * window))
         versions = list(dict.fromkeys(r.adapter_version for r in ok))
+        before = [r for r in ok if r.adapter_version == "base"] or ok[:k]
         out[tenant.name] = {
             "preference": tenant.preference,
             "requests": len(recs),
             "failed": len(recs) - len(ok),
-            "reward_first": sum(r.score for r in ok[:k]) / k if ok else float("nan"),
+            "reward_first": sum(r.score for r in before) / len(before) if before else float("nan"),
             "reward_last": sum(r.score for r in ok[-k:]) / k if ok else float("nan"),
             "versions_seen": versions,
         }
