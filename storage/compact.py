@@ -52,7 +52,7 @@ import pyarrow.parquet as pq
 
 from storage.cursors import Cursors
 from storage.files import FileLock, LockBusy, fsync_dir, remove_stale_hidden, write_new_file
-from storage.layout import DATASETS, as_datadir, check_dataset, is_tenant
+from storage.layout import DATASETS, as_datadir, check_dataset
 from storage.parquet import (
     COMPACTED_PREFIX,
     ROW_GROUP_ROWS,
@@ -112,14 +112,16 @@ def compact(
             )
     if dataset is None:
         cursors = Cursors(dd)
-        tenants = [tenant] if tenant else sorted(p.name for p in dd.cursors.glob("*") if p.is_dir())
-        for t in tenants:
-            if tenant is None and not is_tenant(t):  # a directory left by hand ("_old", ".x"): not a cursor
-                continue
+        for t in [tenant] if tenant else cursors.tenants():
             folded = cursors.compact(t)
             if folded:
                 logger.info("cursor of %s: folded %d step files into a snapshot", t, folded)
     return results
+
+
+def partition_lock(dd, dataset: str, tenant: str):
+    """The lock of one partition's compaction (non-blocking: LockBusy when held); retention takes it too."""
+    return FileLock(dd.locks / f"compact-{dataset}-{tenant}.lock", blocking=False)
 
 
 def compact_partition(
@@ -135,7 +137,7 @@ def compact_partition(
     result = CompactionResult(dataset, tenant)
     directory = dd.partition(dataset, tenant)
     try:
-        with FileLock(dd.locks / f"compact-{dataset}-{tenant}.lock", blocking=False):
+        with partition_lock(dd, dataset, tenant):
             on_disk, superseded = partition_listing(dd, dataset, tenant)
             live = sorted((i for i in on_disk if i.base_name not in superseded), key=lambda i: i.base_name)
             for batch in _batches([i for i in live if i.size < target_bytes], target_bytes):

@@ -97,7 +97,7 @@ from storage.files import (
     write_new_file,
 )
 from storage.hashindex import HashIndex, hash_strings
-from storage.layout import StorageError, as_datadir, check_tenant
+from storage.layout import StorageError, as_datadir, check_tenant, is_tenant
 from storage.parquet import live_files, partition_tenants, read_file, read_rows, retry_vanished
 from storage.schema import TRAJECTORIES, conform
 
@@ -241,6 +241,10 @@ class Cursors:
         return f"Cursors({str(self.dd.root)!r})"
 
     # --- reading the cursor ---------------------------------------------------------------------------
+    def tenants(self) -> list[str]:
+        """The tenants with a cursor, sorted (a directory left by hand, "_old" or ".x", is not one)."""
+        return sorted(p.name for p in self.dd.cursors.glob("*") if p.is_dir() and is_tenant(p.name))
+
     def trained_ids(self, tenant: str) -> set[str]:
         return set(self._trained(tenant))
 

@@ -39,7 +39,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.files import FileLock, LockBusy, fsync_dir
+from storage.compact import partition_lock
+from storage.files import LockBusy, fsync_dir
 from storage.layout import StorageError, as_datadir, check_dataset
 from storage.parquet import partition_listing, partition_tenants
 
@@ -145,14 +146,11 @@ def forget_trained(root, *, older_than_s: float, tenant: str | None = None, dry_
     """tenant -> how many trained ids its learner cursor forgot (or, with dry_run, would): the steps committed
     before the cutoff, whose trajectories were all ingested before it (Cursors.forget)."""
     from storage.cursors import Cursors
-    from storage.layout import is_tenant
 
     cutoff_ms = round(_cutoff_s(older_than_s, now_s) * 1000)
-    dd = as_datadir(root)
-    cursors = Cursors(dd)
-    tenants = [tenant] if tenant else sorted(p.name for p in dd.cursors.glob("*") if p.is_dir() and is_tenant(p.name))
+    cursors = Cursors(root)
     forgotten = {}
-    for t in tenants:
+    for t in [tenant] if tenant else cursors.tenants():
         try:
             forgotten[t] = cursors.forget(t, cutoff_ms, dry_run=dry_run)
         except StorageError as e:  # one tenant's unreadable cursor must not stop the others' retention
@@ -164,7 +162,7 @@ def prune_partition(root, dataset: str, tenant: str, cutoff_ms: int, *, dry_run:
     dd = as_datadir(root)
     result = PruneResult(dataset, tenant)
     try:
-        with FileLock(dd.locks / f"compact-{dataset}-{tenant}.lock", blocking=False):
+        with partition_lock(dd, dataset, tenant):
             on_disk, superseded = partition_listing(dd, dataset, tenant)
             doomed = []
             for info in on_disk:
