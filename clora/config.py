@@ -371,14 +371,18 @@ class Config(_Strict):
                 "retention.days is set but compaction.every_seconds is 0: the compactor that `clora up` runs is what "
                 "deletes old data (or leave retention.days at 0 and run `clora prune --older-than-days` yourself)"
             )
-        if 0 < self.retention.days * 24 < self.ingest.pending_expiry_hours:
-            problems.append(
-                f"retention.days {self.retention.days:g} is shorter than ingest.pending_expiry_hours "
-                f"{self.ingest.pending_expiry_hours:g}: feedback could come for interactions already deleted"
-            )
+        if self.retention.days > 0 and (short := self.retention_too_short(self.retention.days)):
+            problems.append(f"retention.days {short}")
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def retention_too_short(self, days: float) -> str | None:
+        """Why a retention of `days` would delete interactions feedback may still come for, or None."""
+        if days * 24 < self.ingest.pending_expiry_hours:
+            return (f"{days:g} is shorter than ingest.pending_expiry_hours {self.ingest.pending_expiry_hours:g}: "
+                    "feedback could come for interactions already deleted")
+        return None
 
     def tenant(self, name: str) -> TenantConfig | None:
         return next((t for t in self.tenants if t.name == name), None)

@@ -344,9 +344,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
         print("clora prune: no retention: give --older-than-days DAYS, or set [retention] days in the config",
               file=sys.stderr)
         return 2
-    if days * 24 < cfg.ingest.pending_expiry_hours:
-        print(f"clora prune: {days:g} days is shorter than ingest.pending_expiry_hours "
-              f"({cfg.ingest.pending_expiry_hours:g}): feedback could still come for what it deletes", file=sys.stderr)
+    if short := cfg.retention_too_short(days):
+        print(f"clora prune: --older-than-days {short}", file=sys.stderr)
         return 2
     return _prune(cfg, days, args.dataset, args.tenant, dry_run=args.dry_run, command="prune")
 
