@@ -118,6 +118,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     sim = Simulator(url, tenants, rate=args.rate, duration=args.seconds, seed=args.seed, max_tokens=args.max_tokens)
     sim.run()
     for name, s in summarise(sim.records, tenants).items():
-        print(f"{name}: {s['requests']} requests, {s['failed']} failed, reward {s['reward_first']:.3f} -> "
+        print(f"{name}: {s['requests']} requests, {s['failed']} failed, reward {s['reward_base']:.3f} -> "
               f"{s['reward_last']:.3f}, versions {', '.join(s['versions_seen'])}")
     return 0

@@ -178,13 +178,13 @@ def _report(summary: dict[str, dict], stats: dict[str, dict], out_png: Path, *,
     for name, s in summary.items():
         st = stats.get(name, {})
         improved = (
-            not math.isnan(s["reward_first"]) and s["reward_last"] >= s["reward_first"] + IMPROVEMENT
+            not math.isnan(s["reward_base"]) and s["reward_last"] >= s["reward_base"] + IMPROVEMENT
         )
         if not improved:
             not_improved.append(name)
         print(
             f"{name:<12} {s['preference']:<8} {s['requests']:>8} {s['failed']:>6} {st.get('ingested', 0):>8} "
-            f"{st.get('published', 0):>9} {max(0, len(s['versions_seen']) - 1):>5} {s['reward_first']:>11.3f} "
+            f"{st.get('published', 0):>9} {max(0, len(s['versions_seen']) - 1):>5} {s['reward_base']:>11.3f} "
             f"{s['reward_last']:>11.3f}  {'yes' if improved else 'NO'}"
         )
     print(f"\nreward over time: {out_png}")

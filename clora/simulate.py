@@ -203,7 +203,7 @@ def summarise(records: list[Record], tenants: list[SimTenant], window: float = 0
             "preference": tenant.preference,
             "requests": len(recs),
             "failed": len(recs) - len(ok),
-            "reward_first": sum(r.score for r in before) / len(before) if before else float("nan"),
+            "reward_base": sum(r.score for r in before) / len(before) if before else float("nan"),
             "reward_last": sum(r.score for r in ok[-k:]) / k if ok else float("nan"),
             "versions_seen": versions,
         }

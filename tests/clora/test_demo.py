@@ -18,7 +18,7 @@ pytestmark = pytest.mark.unit
 
 def figures(reward_last):
     return {"digits-app": {"preference": "digits", "requests": 40, "failed": 0, "versions_seen": ["base", "digits-app@1"],
-                           "reward_first": 0.1, "reward_last": reward_last}}
+                           "reward_base": 0.1, "reward_last": reward_last}}
 
 
 def test_a_finished_run_gets_a_verdict(tmp_path, capsys):

@@ -37,11 +37,11 @@ def test_summary_windows_and_versions():
     recs.append(Record(9, "a", "", "", 0.0, "", False, "boom"))
     s = summarise(recs, [t], window=0.25)["a"]
     assert s["requests"] == 9 and s["failed"] == 1
-    assert s["reward_first"] == pytest.approx((0.0 + 0.1 + 0.2 + 0.3) / 4)  # the base model's answers
+    assert s["reward_base"] == pytest.approx((0.0 + 0.1 + 0.2 + 0.3) / 4)  # the base model's answers
     assert s["reward_last"] == pytest.approx((0.6 + 0.7) / 2)
     assert s["versions_seen"] == ["base", "a@1"]
     # Without a base-model answer (every one came from an adapter): the first window.
     adapted = [Record(i, "a", f"r{i}", "a@1", i / 10, "", True) for i in range(8)]
-    assert summarise(adapted, [t], window=0.25)["a"]["reward_first"] == pytest.approx((0.0 + 0.1) / 2)
+    assert summarise(adapted, [t], window=0.25)["a"]["reward_base"] == pytest.approx((0.0 + 0.1) / 2)
     empty = summarise([], [t])["a"]
-    assert empty["requests"] == 0 and math.isnan(empty["reward_first"])
+    assert empty["requests"] == 0 and math.isnan(empty["reward_base"])
