@@ -20,9 +20,9 @@ see below):
                   (batch.py counts the tenants created on the fly from it)
 
 Memory: 12 bytes per stored row for the indexes (index.py; once retention has deleted more than half of a
-dataset's rows, its index is rebuilt from what is stored at the next look at the file list), plus one entry per piece of feedback that is
-waiting (feedback for interactions not seen yet), plus the file list below. Interaction rows themselves
-stay on disk and are read back only when feedback arrives for them.
+dataset's rows, its index is rebuilt from what is stored at the next look at the file list), plus one entry
+per piece of feedback that is waiting (feedback for interactions not seen yet), plus the file list below.
+Interaction rows themselves stay on disk and are read back only when feedback arrives for them.
 
 Pending feedback is capped per tenant (config `ingest.max_pending_feedback_per_tenant`) and in all
 (`ingest.max_pending_feedback`; past it, room is made in the tenant holding the most). Feedback may name

@@ -1,8 +1,8 @@
 """`clora query`, `clora adapters list|show|rollback|retire`, `clora compact` and `clora prune`.
 
-Argument parsing only; the work is in query.py, registry.py, compact.py and retention.py. Only argparse is imported at
-module level so `clora --help` stays fast. The data dir comes from `cfg.data_dir`, keep_last from
-`cfg.learner.keep_versions`.
+Argument parsing only; the work is in query.py, registry.py, compact.py and retention.py. Only argparse is
+imported at module level so `clora --help` stays fast. The data dir comes from `cfg.data_dir`, keep_last
+from `cfg.learner.keep_versions`.
 """
 
 from __future__ import annotations

@@ -31,17 +31,17 @@ happen (a poll always sees the latest state), and 0.5 s of extra staleness is sm
 step. HEAD.json is derived: every writer rebuilds it from the version files under the lock, so a writer
 that crashed between the two is repaired by the next change.
 
-Every operation costs the same however long a tenant's history grows (the learner publishes a version
-per step, forever; metadata is deleted only by retention, `prune`, never the newest). A version is "settled" once nothing can change it any
-more: retired, or rejected with its files removed, and its files gone. Settled versions are all but
-every one of a long history, and an operation only needs the others. The index hint names them: `last`
-(the newest number when it was written) and `open` (every number up to `last` that was not settled).
-Writers rewrite it under the lock after every publish and reject; everyone reads it without a lock,
-and versions newer than `last` are found by probing `last + 1, last + 2, ...` (numbers are allocated
-consecutively, and retention deletes only settled versions older than `last`). A hint that is missing or unreadable means one full
-listing, which rewrites it. A stale hint (a writer crashed, or a power loss undid the rename: it is not
-fsynced) is still right, because a settled version never becomes unsettled: it only names more than
-it must.
+Every operation costs the same however long a tenant's history grows (the learner publishes a version per
+step, forever; metadata is deleted only by retention, `prune`, never the newest). A version is "settled"
+once nothing can change it any more: retired, or rejected with its files removed, and its files gone.
+Settled versions are all but every one of a long history, and an operation only needs the others. The index
+hint names them: `last` (the newest number when it was written) and `open` (every number up to `last` that
+was not settled). Writers rewrite it under the lock after every publish and reject; everyone reads it
+without a lock, and versions newer than `last` are found by probing `last + 1, last + 2, ...` (numbers are
+allocated consecutively, and retention deletes only settled versions older than `last`). A hint that is
+missing or unreadable means one full listing, which rewrites it. A stale hint (a writer crashed, or a power
+loss undid the rename: it is not fsynced) is still right, because a settled version never becomes unsettled:
+it only names more than it must.
 
 Readers never lock. This module needs no peft or torch: it moves files and JSON.
 """
