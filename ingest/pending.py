@@ -74,7 +74,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from ingest.index import KeyIndex
 from ingest.rows import FEEDBACK_KEY_COLUMNS, FeedbackRow, InteractionRow, interaction_rows
@@ -82,6 +81,7 @@ from storage.layout import UNKNOWN_TENANT, StorageError, as_datadir
 from storage.parquet import (
     READ_ATTEMPTS,
     live_files,
+    live_rows,
     partition_tenants,
     read_file,
     read_rows,
@@ -451,19 +451,12 @@ class PendingStore:
         for dataset, columns in KEY_COLUMNS.items():
             index = getattr(self, dataset)
             try:
-                stored = retry_vanished(lambda: self._stored_rows(dataset), f"counting {dataset} rows")
+                stored = retry_vanished(lambda: live_rows(self.root, dataset), f"counting {dataset} rows")
                 if len(index) > 2 * stored:
                     setattr(self, dataset, retry_vanished(lambda: self._load_index(dataset, columns), f"reloading {dataset} keys"))
                     logger.info("%s index rebuilt: %d keys -> %d stored rows", dataset, len(index), len(getattr(self, dataset)))
             except Exception:
                 logger.exception("could not rebuild the %s index; keeping it as it is", dataset)
-
-    def _stored_rows(self, dataset: str) -> int:
-        total = 0
-        for path in live_files(self.root, dataset):
-            with self.root.filesystem.open_input_file(path) as f:
-                total += pq.ParquetFile(f).metadata.num_rows
-        return total
 
     def stored_trajectories(self, keys: list[Key]) -> None:
         self.trajectories.add_many(keys)

@@ -352,6 +352,16 @@ def live_files(root, dataset: str, tenant: str | None = None) -> list[str]:
     return [i.path for t in tenants for i in partition_files(dd, dataset, t)]
 
 
+def live_rows(root, dataset: str, tenant: str | None = None) -> int:
+    """How many rows the live files of `dataset` hold, from their footers (no data is read)."""
+    dd = as_datadir(root)
+    total = 0
+    for path in live_files(dd, dataset, tenant):
+        with dd.filesystem.open_input_file(path) as f:
+            total += pq.ParquetFile(f).metadata.num_rows
+    return total
+
+
 def retry_vanished(fn: Callable[[], T], what: str) -> T:
     """Runs `fn`, again if a file it listed vanished before it was opened (a compaction finished meanwhile)."""
     for attempt in range(READ_ATTEMPTS):
