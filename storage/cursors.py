@@ -17,8 +17,12 @@ snapshot so a learner restart reads a few files, not one per step ever taken. Sn
 compaction costs the steps it folds, not the history (a learner compacts every 100 steps, for ever): the
 new steps become one snapshot, which is merged with the one before while it holds at least as many ids,
 and so on (a binary counter). Every id is rewritten about log2(compactions) times in all (~10 after 1,000
-compactions, where rewriting the history each time would be ~500), and a cursor is a chain of at most
-~log2(compactions) snapshots: first..last ranges that follow one another from step 0 (a snapshot named `trained-<last>.parquet`, which older versions wrote, is the range 0..last).
+compactions, where rewriting the history each time would be ~500). The counter runs within one UTC day of
+commits: a snapshot is dated by its newest commit, the first compaction of a new day merges the day before
+into one snapshot, and snapshots of different days are never merged (so retention can drop a day whole,
+below). A cursor is thus a chain of one snapshot per earlier day plus ~log2(today's compactions):
+first..last ranges that follow one another from step 0 (a snapshot named `trained-<last>.parquet`, which
+older versions wrote, is the range 0..last).
 After a crash between writing a merged snapshot and deleting what it merged, both are there: readers
 take, from each starting step, the snapshot that reaches furthest, and the next compaction deletes the
 ones no chain uses.
@@ -31,10 +35,11 @@ one written before that was recorded is dated by its file) are forgotten: horizo
 through are forgotten, and trajectories ingested before before_ms are left out of the backlog", and the
 chain starts after `through`. A row trained at a forgotten step was ingested before its commit, so before
 the cutoff: leaving those rows out keeps every trained row out without its id. An untrained row that old
-is left out too (retention deletes its file). Step numbers go on after `through`. A merge dates a snapshot
-by its newest part, so the head of the chain is forgotten only once nothing was merged into it for a
-whole retention period: a cursor holds up to ~2.5 retention periods of ids, not one. Older clora versions
-do not read horizon.json: after a `forget`, do not go back to one.
+is left out too (retention deletes its file). Step numbers go on after `through`. Since snapshots hold one
+day each, a cursor holds the retention period's ids plus at most a day and the margin (before snapshots
+were kept apart by day, a merge dated old ids by the newest ones merged with them, and a cursor could
+hold ~2.5 retention periods). Older clora versions do not read horizon.json: after a `forget`, do not go
+back to one.
 
 Reads are lock-free; `commit`, `compact` and `forget` take a per-tenant lock (one learner owns a tenant at
 a time).
@@ -118,6 +123,9 @@ _NEWEST_COMMIT = b"clora.newest_commit_ms"  # snapshot metadata: the newest comm
 # A snapshot is forgotten only once its newest commit is this much older than the cutoff, so a row it
 # trained was ingested before the cutoff even if the learner's clock ran this much behind ingest's.
 FORGET_MARGIN_MS = 3_600_000
+# Snapshots are dated by the UTC day of their newest commit, and those of different days are never merged, so
+# retention can forget a whole day once it is old (see the module note).
+DAY_MS = 86_400_000
 
 
 class CursorError(StorageError):
@@ -186,6 +194,16 @@ def _step_commit_ms(step_dir: Path) -> int:
         return int(datetime.fromisoformat(created).timestamp() * 1000)
     except (OSError, ValueError, KeyError, TypeError):
         return int((step_dir / "ids.parquet").stat().st_mtime * 1000)
+
+
+def _merged(tenant_dir: Path, run: list[_Snapshot]) -> _Snapshot:
+    """One snapshot holding the consecutive snapshots of `run`; they are deleted once it is durable (a crash
+    before leaves both, which readers and the next compaction handle)."""
+    merged = _Snapshot(run[0].first, run[-1].last, tenant_dir / _snapshot_name(run[0].first, run[-1].last))
+    _write_ids(merged.path, [snap.path for snap in run], max(_newest_commit_ms(snap.path) for snap in run))
+    for gone in run:
+        gone.path.unlink(missing_ok=True)
+    return merged
 
 
 def _write_ids(final: Path, sources: list[Path], newest_commit_ms: int) -> None:
@@ -435,13 +453,7 @@ class Cursors:
             folded = _Snapshot(end + 1, top, tenant_dir / _snapshot_name(end + 1, top))
             _write_ids(folded.path, [p / "ids.parquet" for _, p in newer], max(_step_commit_ms(p) for _, p in newer))
             chain.append(folded)
-            while len(chain) > 1 and _rows(chain[-1].path) >= _rows(chain[-2].path):  # a binary counter
-                older, newest = chain[-2], chain[-1]
-                merged = _Snapshot(older.first, newest.last, tenant_dir / _snapshot_name(older.first, newest.last))
-                _write_ids(merged.path, [older.path, newest.path], _newest_commit_ms(newest.path))
-                chain[-2:] = [merged]
-                for gone in (older, newest):  # after the merged one is durable; a crash before leaves both
-                    gone.path.unlink(missing_ok=True)
+            chain = self._merge(tenant_dir, chain)
             kept = {snap.path for snap in chain}
             for snap in self._listing(tenant)[0]:  # what earlier crashes or older versions left
                 if snap.path not in kept and snap.last <= top:
@@ -450,6 +462,26 @@ class Cursors:
                 if s <= top and not (path / "checkpoint").exists():
                     remove_tree(path)
             return len(newer)
+
+    @staticmethod
+    def _merge(tenant_dir: Path, chain: list[_Snapshot]) -> list[_Snapshot]:
+        """The chain after the merges its snapshots' sizes and days call for (see the module note): each
+        earlier day's run of snapshots becomes one, never merged again, and the newest day's run is a binary
+        counter (the newest snapshot is merged with the one before while it holds at least as many ids)."""
+        days = [_newest_commit_ms(snap.path) // DAY_MS for snap in chain]
+        runs: list[list[_Snapshot]] = []
+        for snap, day, previous in zip(chain, days, [None, *days]):
+            if day == previous:
+                runs[-1].append(snap)
+            else:
+                runs.append([snap])
+        out: list[_Snapshot] = []
+        for run in runs[:-1]:  # a closed day: its commits are all in
+            out.append(_merged(tenant_dir, run) if len(run) > 1 else run[0])
+        today = runs[-1]
+        while len(today) > 1 and _rows(today[-1].path) >= _rows(today[-2].path):
+            today[-2:] = [_merged(tenant_dir, today[-2:])]
+        return out + today
 
     # --- internals ------------------------------------------------------------------------------------
     def _lock_path(self, tenant: str) -> Path:

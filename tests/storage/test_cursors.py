@@ -592,6 +592,31 @@ def test_forget_drops_old_steps_and_leaves_rows_older_than_the_cutoff_out(data_d
     assert live.backlog() == {"acme": 0}
 
 
+def test_snapshots_of_different_days_are_never_merged_so_forget_keeps_the_retention_not_more(data_dir):
+    # Ten days of a learner that commits four steps a day and compacts after each: the binary counter runs
+    # within a day, the next day's first compaction merges the day before into one snapshot.
+    cursors = Cursors(data_dir, keep_checkpoints=1)
+    expected, step = {}, 0
+    for day in range(10):
+        for k in range(4):
+            step += 1
+            expected[step] = [f"d{day}s{k}a", f"d{day}s{k}b"]
+            _commit_at(cursors, data_dir, step, expected[step], T0 + timedelta(days=day, hours=6 * k))
+            cursors.compact("acme")
+    names = _snapshot_names(data_dir)
+    days = [(int(n[8:28]), int(n[29:49])) for n in names]
+    assert days == [(0, 4), (5, 8), (9, 12), (13, 16), (17, 20), (21, 24), (25, 28), (29, 32), (33, 36), (37, 40)], names
+    assert Cursors(data_dir).trained_ids("acme") == {i for ids in expected.values() for i in ids}
+
+    # A cutoff at day 5, 18:30: days 0..4 go; day 5's last commit (18:00) is within the hour's margin before
+    # it, so day 5 stays whole. What is kept beyond the cutoff is at most that one day.
+    cutoff = T0 + timedelta(days=5, hours=18, minutes=30)
+    assert cursors.forget("acme", int(cutoff.timestamp() * 1000)) == 5 * 4 * 2
+    assert cursors.horizon("acme").through == 20
+    kept = cursors.trained_ids("acme")
+    assert kept == {i for s in range(21, 41) for i in expected[s]}
+
+
 def test_a_snapshot_without_its_commit_time_is_dated_by_its_file_not_a_mtime_set_back(data_dir, tmp_path):
     path = tmp_path / "trained-00000000000000000000-00000000000000000001.parquet"
     pq.write_table(pa.table({"id": ["a"]}), path)  # written before the commit time was recorded
