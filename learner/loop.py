@@ -589,6 +589,7 @@ class Learner:
                 n=rt.spec.group_size,
                 max_tokens=self.settings.max_new_tokens,
                 temperature=self.settings.temperature,
+                version=f"{rt.spec.name}@{rt.version}" if rt.version else None,
             )
             for p in plan.prompts
         ]

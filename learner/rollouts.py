@@ -40,7 +40,7 @@ import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -138,6 +138,9 @@ class SampleRequest:
     n: int
     max_tokens: int
     temperature: float
+    # The tenant's adapter version the learner holds ("acme@3"; None: none yet). A local sampler samples
+    # with exactly that adapter and labels its samples with it; the serving tier labels its own.
+    version: str | None = None
 
 
 class Sampler(Protocol):
@@ -158,13 +161,13 @@ class LocalSampler:
         out: list[list[Sample]] = [[] for _ in requests]
         by_key: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
-            by_key.setdefault((r.tenant, r.n, r.max_tokens, r.temperature), []).append(i)
-        for (tenant, n, max_tokens, temperature), idx in by_key.items():
+            by_key.setdefault((r.tenant, r.version, r.n, r.max_tokens, r.temperature), []).append(i)
+        for (tenant, version, n, max_tokens, temperature), idx in by_key.items():
             results = self.policy.generate(
                 tenant, [requests[i].prompt for i in idx], n=n, max_new_tokens=max_tokens, temperature=temperature
             )
             for i, samples in zip(idx, results):
-                out[i] = samples
+                out[i] = [replace(s, version=version) for s in samples]
         return out
 
 

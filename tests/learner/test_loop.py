@@ -402,13 +402,15 @@ def test_rollouts_mode_with_a_prompts_file_and_the_local_sampler(tiny_model, dat
         gate_prompts=2,
         gate_max_kl=50.0,
         gate_reward_tolerance=1.0,
+        max_staleness=0,  # the local sampler samples with the adapter being trained: never stale
     )
     learn(cfg, tiny_model, until_idle=False, max_steps=3)
     steps = read_dataset(data_dir, "train_steps").to_pylist()
     assert [r["step"] for r in sorted(steps, key=lambda r: r["step"])] == [1, 2, 3]
-    assert {r["mode"] for r in steps} == {"rollouts"} and all(r["n_trajectories"] == 8 for r in steps)
+    assert {r["mode"] for r in steps} == {"rollouts"} and all(r["n_trajectories"] == 8 for r in steps), steps
     versions = Registry(data_dir).versions("lab")
     assert versions, "no version was created"
+    assert [v.status for v in versions].count("published") >= 2, "the steps after a publish trained nothing"
     for v in versions:  # the gate compared probe rewards of parent and candidate
         assert v.gate["probe_reward"] is not None and v.gate["parent_probe_reward"] is not None
         # per prompt, paired: the mean is their mean, and the allowance is at least the tolerance
