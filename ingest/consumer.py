@@ -82,6 +82,7 @@ POLL_MS = 500
 DEAD_LETTER_ATTEMPTS = 3  # sends of a dead letter the broker did not acknowledge, in all
 DEAD_LETTER_BACKOFF_SECONDS = 0.5  # times the attempt number, between attempts
 DEAD_LETTER_TIMEOUT_SECONDS = 30.0  # for the broker's answer to one dead letter, after flush()
+DEAD_LETTER_BLOCK_MS = 10_000  # the longest a send may wait for the topic's metadata (kafka-python's max_block_ms)
 WRITING_POLL_MS = 10  # while a write is in flight: poll briefly, so its commit follows it closely
 WRITER_THREADS = 3  # the two large datasets (interactions, trajectories) at once, and the small ones
 EXPIRE_EVERY_S = 60.0  # how often pending feedback is checked for expiry (a pass over all of it)
@@ -295,6 +296,7 @@ class Ingest:
                 bootstrap_servers=self.bootstrap,
                 acks="all",
                 linger_ms=5,
+                max_block_ms=DEAD_LETTER_BLOCK_MS,
                 max_request_size=self.processor.max_message_bytes + 65536,
             )
             resources.callback(self.producer.close)
@@ -360,17 +362,17 @@ class Ingest:
 
     # --- flushing -------------------------------------------------------------------------------------
 
-    def flush(self) -> None:
-        """Finishes the write in flight, writes the buffer, and commits both; returns once all is durable.
-        Raises (and commits nothing more) if a write fails."""
-        self._start_flush()
-        self._finish_write()
+    def flush(self, *, commit: bool = True) -> None:
+        """Finishes the write in flight, writes the buffer, and commits both (unless not `commit`: see
+        `revoked`); returns once all is durable. Raises (and commits nothing more) if a write fails."""
+        self._start_flush(commit=commit)
+        self._finish_write(commit=commit)
 
-    def _start_flush(self, *, shrink: bool = False) -> None:
+    def _start_flush(self, *, shrink: bool = False, commit: bool = True) -> None:
         """Processes the buffer while the previous batch is still being written, then finishes that write
-        (commits it) and starts writing this batch. `shrink`: as for `_finish_write`."""
+        (commits it) and starts writing this batch. `shrink`, `commit`: as for `_finish_write`."""
         if not self.buffer:
-            self._finish_write(shrink=shrink)
+            self._finish_write(shrink=shrink, commit=commit)
             return
         if self.store is None:  # records are only buffered while partitions are assigned
             raise RuntimeError(f"{len(self.buffer)} buffered records but no store view: a rebalance bug")
@@ -378,7 +380,7 @@ class Ingest:
         records, self.buffer = self.buffer, []
         out = self.processor.process(records, self.store, now_ms())
         # If the previous write failed, this raises and `out` is never written.
-        if not self._finish_write(shrink=shrink):
+        if not self._finish_write(shrink=shrink, commit=commit):
             self._drop_uncommitted(out.ranges, "the group refused the previous batch's commit")
             return
         self.writing = _Write(
@@ -388,9 +390,10 @@ class Ingest:
             started,
         )
 
-    def _finish_write(self, *, shrink: bool = False) -> bool:
-        """Waits for the write in flight; once it is durable, commits its offsets. Returns False if the group
-        refused the commit (this process must then stop writing: see `_drop_uncommitted`).
+    def _finish_write(self, *, shrink: bool = False, commit: bool = True) -> bool:
+        """Waits for the write in flight; once it is durable, commits its offsets (unless not `commit`: the
+        rebalance callbacks', which cannot). Returns False if the group refused the commit (this process must
+        then stop writing: see `_drop_uncommitted`).
 
         `shrink` (the loop's calls only): then lets the store view shrink its interactions file list, which
         may rebuild its index from every stored id (pending.py). Not in a rebalance callback, where slow
@@ -400,7 +403,7 @@ class Ingest:
         write, self.writing = self.writing, None
         write.batch.wait()  # a failed write raises here, and nothing of it is committed
         write.dead_letters.result()
-        if not self._commit(write.batch.out.ranges):
+        if commit and not self._commit(write.batch.out.ranges):
             return False
         store = write.batch.store
         if time.monotonic() - self.expired_at >= EXPIRE_EVERY_S:
@@ -426,7 +429,14 @@ class Ingest:
         for attempt in range(1, DEAD_LETTER_ATTEMPTS + 1):
             if not pending:
                 return
-            sent = [(rejected, self._send_dead_letter(rejected)) for rejected in pending]
+            try:
+                sent = [(rejected, self._send_dead_letter(rejected)) for rejected in pending]
+            except (KafkaError, ValueError) as e:
+                # send() raises (rather than failing its future) when the topic's metadata does not come
+                # within DEAD_LETTER_BLOCK_MS: the topic is missing or the cluster unreachable. The others
+                # would wait as long each: give up on this batch's dead letters at once.
+                failed = [(rejected, e) for rejected in pending]
+                break
             self.producer.flush()
             failed = []
             for rejected, future in sent:
@@ -497,9 +507,16 @@ class Ingest:
     # --- rebalancing ----------------------------------------------------------------------------------
 
     def revoked(self, partitions: list[TopicPartition]) -> None:
+        """Before the group hands the partitions on: writes the buffer and the write in flight durably, so
+        their next owner (which loads its view after every member's revocation) finds their keys.
+
+        Not committed: kafka-python (3.x) runs rebalance callbacks on its network thread, where a blocking
+        commit raises (it cannot wait for the loop it is running on), and that error would end the process.
+        The next owner, this process included, replays the uncommitted offsets and its key indexes skip
+        what is stored: one batch read twice per rebalance, nothing stored twice."""
         logger.info("ingest: revoked partitions %s", _names(partitions))
         try:
-            self.flush()
+            self.flush(commit=False)
         finally:
             self.store = None
 
@@ -523,7 +540,7 @@ class Ingest:
         # network loop, and a long load would hold up heartbeats until the group evicts this process.
         logger.info("ingest: assigned partitions %s", _names(partitions))
         try:
-            self._finish_write()  # normally done on revocation already
+            self._finish_write(commit=False)  # normally done on revocation already; not committed: see revoked
         finally:
             self.store = None
 

@@ -1,5 +1,5 @@
 """What one ingest process does when the group moves on without it: a commit the group refuses, and
-partitions lost to an eviction. Nothing more is written or committed on the stale view; what was dropped
+partitions lost to an eviction; and when the dead-letter topic cannot be reached. Nothing more is written or committed on the stale view; what was dropped
 is read again (this process seeks back) or replayed by the partitions' next owner.
 
 The consumer is a fake (FakeConsumer: it records commits and seeks, and refuses commits on demand); the
@@ -38,8 +38,11 @@ class FakeConsumer:
         self.commits: list[dict] = []
         self.seeks: list[tuple[TopicPartition, int]] = []
         self.refuse = False
+        self.in_callback = False
 
     def commit(self, offsets):
+        if self.in_callback:  # kafka-python 3 runs rebalance callbacks on its network thread, where this raises
+            raise RuntimeError("Cannot block on net.run() from the IO thread itself.")
         if self.refuse:
             raise CommitFailedError("the group has already rebalanced")
         self.commits.append({tp: meta.offset for tp, meta in offsets.items()})
@@ -115,6 +118,52 @@ def test_after_a_normal_batch_the_commit_goes_through(ingest, data_dir):
     ingest.flush()
     assert ingest.consumer.commits == [{TopicPartition("t.i", 0): 2}] and ingest.consumer.seeks == []
     assert stored_ids(data_dir) == ["p0-0", "p0-1"] and ingest.store is not None
+
+
+def test_a_revocation_writes_the_buffer_and_the_write_in_flight_without_committing(ingest, data_dir):
+    ingest.buffer = records(0, 0, 3)
+    ingest._start_flush()  # batch 1 is being written
+    ingest.buffer = records(0, 3, 2)  # polled meanwhile
+    ingest.consumer.in_callback = True
+    ingest.revoked([TopicPartition("t.i", 0)])  # as kafka-python calls it: a commit here would raise
+    assert ingest.writing is None and ingest.buffer == [] and ingest.store is None
+    assert stored_ids(data_dir) == ["p0-0", "p0-1", "p0-2", "p0-3", "p0-4"] and ingest.consumer.commits == []
+    ingest.assigned([TopicPartition("t.i", 0)])
+    # The partition comes back from its last commit: the replay is skipped, what follows is stored, and the
+    # loop's commit covers both.
+    ingest.consumer.in_callback = False
+    ingest.load_store()
+    ingest.buffer = records(0, 0, 7)
+    ingest.flush()
+    assert stored_ids(data_dir) == [f"p0-{k}" for k in range(7)]
+    assert ingest.consumer.commits == [{TopicPartition("t.i", 0): 7}]
+
+
+class NoTopicProducer:
+    """Stands in for KafkaProducer when the dead-letter topic does not exist and the cluster does not create
+    topics: kafka-python's send() raises once max_block_ms pass without the topic's metadata."""
+
+    def __init__(self):
+        self.sends = 0
+
+    def send(self, topic, **kwargs):
+        from kafka.errors import KafkaTimeoutError
+
+        self.sends += 1
+        raise KafkaTimeoutError(f"Failed to update metadata after 10.0 secs (topic {topic})")
+
+    def flush(self):
+        pass
+
+
+def test_a_dead_letter_topic_that_cannot_be_reached_does_not_stop_ingest(ingest, data_dir, caplog):
+    ingest.producer = NoTopicProducer()
+    ingest.buffer = records(0, 0, 2) + [Record("t.i", 0, 2, b"not json"), Record("t.i", 0, 3, b"{}")]
+    ingest.flush()  # the dead letters' task gave up (logged), so the batch commits
+    assert stored_ids(data_dir) == ["p0-0", "p0-1"] and len(read_dataset(str(data_dir), "dead_letters")) == 2
+    assert ingest.consumer.commits == [{TopicPartition("t.i", 0): 4}]
+    assert ingest.producer.sends == 1, "the other dead letters would each wait as long: given up at once"
+    assert "2 of 2 dead letters could not be sent to t.d" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -204,4 +253,5 @@ def test_the_loop_looks_at_the_file_list_after_its_commits(ingest, data_dir, shr
     ingest.buffer = records(0, 9, 2)
     ingest._start_flush()
     ingest.revoked([TopicPartition("t.i", 0)])  # a look is due when this write lands: not taken there
-    assert shrinks == [False, False] and ingest.consumer.commits[-1] == {TopicPartition("t.i", 0): 11}
+    assert shrinks == [False, False] and stored_ids(data_dir) == sorted(f"p0-{i}" for i in range(11))
+    assert len(ingest.consumer.commits) == 3  # written, not committed there (see Ingest.revoked)
