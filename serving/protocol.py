@@ -2,11 +2,13 @@
 
 Requests are validated into pydantic models (unknown fields are ignored, as OpenAI's own server ignores
 fields newer clients send; an explicit `null` means the field's default, as OpenAI and vLLM read it); a
-malformed body becomes one 400 listing every bad field, `param` naming the first. Fields OpenAI defines
-that clora does not implement are refused rather than silently dropped, so a client never gets an answer
-that ignored its request: tool calling (`tools`/`functions` unless `tool_choice`/`function_call` is
-"none"), structured outputs (`response_format` other than text), `echo`, `suffix`, and `best_of` other
-than `n`. README.md ("Serving: the HTTP contract") has the table of what is accepted and refused.
+malformed body becomes one 400 listing every bad field, `param` naming the first. A body must be text: a
+string or key holding an unpaired UTF-16 surrogate (JSON can escape one, "\\udc00") is refused wherever it
+is, since vLLM, the tokenizer and the event log would each fail on it later. Fields OpenAI defines that
+clora does not implement are refused rather than silently dropped, so a client never gets an answer that
+ignored its request: tool calling (`tools`/`functions` unless `tool_choice`/`function_call` is "none"),
+structured outputs (`response_format` other than text), `echo`, `suffix`, and `best_of` other than `n`.
+README.md ("Serving: the HTTP contract") has the table of what is accepted and refused.
 
 Responses are plain dicts built from the engine's `Choice`/`Delta` (serving/engine.py) by pure
 functions, so the shapes can be checked without an engine: `chat.completion`, `chat.completion.chunk`,
@@ -19,9 +21,11 @@ Not here: authentication, adapters, the engine call, or events (api.py wires tho
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from serving.engine import Choice, Delta, Sampling, TokenLogprob
@@ -259,12 +263,65 @@ class FeedbackRequest(BaseModel):
     source: str | None = Field(None, max_length=128)
 
 
-def parse(model: type[BaseModel], raw: bytes) -> Any:
-    """Bytes of a JSON body -> the request model; one BadRequest listing every problem otherwise."""
+# msgspec's parser takes strict JSON in valid UTF-8 only, so what it accepts holds no lone surrogate (the
+# idea of ingest/events.py); it is also faster than the standard library's.
+_strict_loads = msgspec.json.Decoder().decode
+# After json.loads a surrogate left in a string is unpaired: it combines an escaped pair into one character.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _loads(raw: bytes) -> Any:
+    """The body's JSON value. BadRequest when it is not JSON, or holds a string that is not text: JSON may
+    escape half of a UTF-16 pair ("\\udc00"), which Python's parser takes, but a lone surrogate fails deep
+    inside later (vLLM's stop strings, the tokenizer, the interaction event's encoding), after the engine
+    holds the request; it is refused here instead, for every body route."""
     try:
-        data = json.loads(raw or b"null")
+        return _strict_loads(raw)
+    except (msgspec.DecodeError, RecursionError):
+        pass  # the standard library's parser decides what is wrong (and takes NaN, a BOM, UTF-16, as before)
+    try:
+        data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise BadRequest(f"the request body is not JSON: {e}") from e
+    found = _lone_surrogate(data)
+    if found is not None:
+        path, text = found
+        where = ".".join(str(p) if isinstance(p, int) else _shown(p) for p in path) or "body"
+        at = _SURROGATE.search(text)
+        param = path[0] if path and isinstance(path[0], str) and not _SURROGATE.search(path[0]) else None
+        raise BadRequest(f"invalid request: {where}: the string holds an unpaired UTF-16 surrogate "
+                         f"{at.group()!r} at character {at.start()}; strings must be valid Unicode", param=param)
+    return data
+
+
+def _shown(key: str) -> str:
+    """A key as a path step; repr'd when it holds a surrogate (repr escapes it, so the message stays text)."""
+    return repr(key) if _SURROGATE.search(key) else key
+
+
+def _lone_surrogate(value: Any) -> tuple[tuple[str | int, ...], str] | None:
+    """(its path, the string) of a string or key holding a surrogate (a dict's keys are looked at before its
+    values); None when there is none. Iterative: a value as deep as json.loads allows would overflow a
+    recursive walk."""
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return path, v
+        elif isinstance(v, dict):
+            for key in v:
+                if _SURROGATE.search(key):
+                    return (*path, key), key
+            stack.extend(((*path, k), item) for k, item in reversed(v.items()))
+        elif isinstance(v, list):
+            stack.extend(((*path, i), item) for i, item in reversed(list(enumerate(v))))
+    return None
+
+
+def parse(model: type[BaseModel], raw: bytes) -> Any:
+    """Bytes of a JSON body -> the request model; one BadRequest listing every problem otherwise."""
+    data = _loads(raw or b"null")
     if not isinstance(data, dict):
         raise BadRequest("the request body must be a JSON object")
     try:

@@ -622,3 +622,55 @@ def test_with_an_admin_key_health_details_and_metrics_need_it():
     open_ = World()  # no admin key: a local deployment, as before
     assert "adapters" in open_.get("/health", tenant=None).json()
     assert open_.get("/metrics", tenant=None).status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------------------
+# D. Bodies that are JSON but not text
+
+
+def post_raw(w: World, path: str, body: bytes):
+    """Posts `body` as is (httpx's `json=` cannot encode a lone surrogate)."""
+    return w.post(path, None, content=body, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", chat(stop=["ok", "\udc00"]), "stop"),
+    ("/v1/chat/completions", chat(stream=True, stop="\ud800"), "stop"),
+    ("/v1/chat/completions", chat(metadata={"tag": "a\udc00b"}), "metadata"),
+    ("/v1/chat/completions", chat(stream=True, metadata={"tag": "\udfff"}), "metadata"),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "hi \ud83d"}]), "messages"),
+    ("/v1/completions", {"model": "acme", "prompt": "x\udc00"}, "prompt"),
+    ("/v1/completions", {"model": "acme", "prompt": ["fine", "\udc00"]}, "prompt"),
+    ("/v1/feedback", {"id": "chatcmpl-\udc00", "score": 1}, "id"),
+    ("/v1/feedback", {"id": "chatcmpl-1", "score": 1, "source": "\udc00"}, "source"),
+], ids=["stop", "stop-stream", "metadata", "metadata-stream", "message", "prompt", "prompt-batch", "feedback-id",
+        "feedback-source"])
+def test_an_unpaired_surrogate_is_refused_before_any_work(path, body, param):
+    """JSON can escape half of a UTF-16 pair ("\\udc00"); Python's parser takes it, but the string is not text:
+    vLLM, the tokenizer and the event's encoding fail on it deep inside, after the engine holds the request."""
+    w = World()
+    raw = json.dumps(body).encode()  # ASCII, with "\\udc00" escapes
+    assert b"\\ud" in raw
+    r = post_raw(w, path, raw)
+    assert r.status_code == 400, r.text
+    e = error(r)
+    assert e["param"] == param and "surrogate" in e["message"], e
+    assert w.llm.calls == [] and w.llm.tokenizer.threads == [] and w.events.logged == []
+    assert w.api.inflight.held("acme") == 0
+
+
+def test_surrogates_anywhere_are_refused_and_a_whole_pair_is_text():
+    w = World()
+    for path, raw, param in (
+        ("/v1/chat/completions", b'{"\\udc00": 1, "model": "acme", "messages": [{"role": "user", "content": "hi"}]}',
+         None),  # a key: no field to name
+        ("/v1/chat/completions", b'{"model": "acme", "messages": [{"role": "user", "content": "hi"}], "x": {"\\ud800": 1}}',
+         "x"),  # in a field clora ignores: the body is still not text
+        ("/v1/completions", '{"model": "acme", "prompt": "\udc00"}'.encode("utf-8", "surrogatepass"),
+         "prompt"),  # as bytes (not valid UTF-8, which Python's parser takes too)
+    ):
+        r = post_raw(w, path, raw)
+        assert r.status_code == 400 and error(r)["param"] == param, (raw, r.text)
+    r = post_raw(w, "/v1/chat/completions", json.dumps(chat(stop="\ud83d\ude00", metadata={"e": "\ud83d\ude00"})).encode())
+    assert r.status_code == 200, r.text  # an escaped pair is one character (U+1F600)
+    assert w.llm.calls[0].params.stop == ["\U0001F600"] and w.events.logged[0].metadata["e"] == "\U0001F600"
