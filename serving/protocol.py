@@ -271,16 +271,18 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _loads(raw: bytes) -> Any:
-    """The body's JSON value. BadRequest when it is not JSON, or holds a string that is not text: JSON may
-    escape half of a UTF-16 pair ("\\udc00"), which Python's parser takes, but a lone surrogate fails deep
-    inside later (vLLM's stop strings, the tokenizer, the interaction event's encoding), after the engine
-    holds the request; it is refused here instead, for every body route."""
+    """The body's JSON value. BadRequest when it is not JSON, nests too deeply, or holds a string that is not
+    text: JSON may escape half of a UTF-16 pair ("\\udc00"), which Python's parser takes, but a lone
+    surrogate fails deep inside later (vLLM's stop strings, the tokenizer, the interaction event's
+    encoding), after the engine holds the request; it is refused here instead, for every body route."""
     try:
         return _strict_loads(raw)
     except (msgspec.DecodeError, RecursionError):
         pass  # the standard library's parser decides what is wrong (and takes NaN, a BOM, UTF-16, as before)
     try:
         data = json.loads(raw)
+    except RecursionError:  # "[" * 100000: Python's parser recurses per level
+        raise BadRequest("the request body is nested too deeply to parse") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise BadRequest(f"the request body is not JSON: {e}") from e
     found = _lone_surrogate(data)

@@ -674,3 +674,13 @@ def test_surrogates_anywhere_are_refused_and_a_whole_pair_is_text():
     r = post_raw(w, "/v1/chat/completions", json.dumps(chat(stop="\ud83d\ude00", metadata={"e": "\ud83d\ude00"})).encode())
     assert r.status_code == 200, r.text  # an escaped pair is one character (U+1F600)
     assert w.llm.calls[0].params.stop == ["\U0001F600"] and w.events.logged[0].metadata["e"] == "\U0001F600"
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000, b'{"model": "acme", "prompt": ' + b"[" * 100_000,
+                                 b'{"model": "acme", "prompt": "a", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"])
+def test_a_body_nested_too_deeply_is_a_400(raw):
+    w = World()
+    for path in ("/v1/completions", "/v1/feedback"):
+        r = post_raw(w, path, raw)
+        assert r.status_code == 400 and "nested too deeply" in error(r)["message"], r.text
+    assert w.llm.calls == []
