@@ -649,8 +649,11 @@ def create_app(api: Api) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _failed(request: Request, e: Exception) -> Response:
-        logger.exception("request %s to %s failed", getattr(request.state, "request_id", "?"), request.url.path)
-        return JSONResponse(internal_error_body(e), status_code=500)
+        # Starlette runs this handler in its outermost middleware, outside RequestIdMiddleware, whose `send`
+        # never sees this response: the id goes on here. The scope's state is shared, so it is the same id.
+        request_id = getattr(request.state, "request_id", None) or uuid.uuid4().hex
+        logger.exception("request %s to %s failed", request_id, request.url.path)
+        return JSONResponse(internal_error_body(e), status_code=500, headers={REQUEST_ID: request_id})
 
     app.add_middleware(RequestIdMiddleware)
     return app

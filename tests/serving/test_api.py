@@ -684,3 +684,31 @@ def test_a_body_nested_too_deeply_is_a_400(raw):
         r = post_raw(w, path, raw)
         assert r.status_code == 400 and "nested too deeply" in error(r)["message"], r.text
     assert w.llm.calls == []
+
+
+# ---------------------------------------------------------------------------------------------------------
+# E. The server's own failures
+
+
+def test_a_500_carries_its_request_id_and_the_error_shape(caplog):
+    """Starlette runs the catch-all handler outside every middleware, so the id is set there too."""
+    w = World()
+
+    def broken(tenant):
+        raise RuntimeError("the registry is gone")
+
+    w.api.registry.unsettled = broken
+
+    async def scenario(_):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=w.app, raise_app_exceptions=False),
+                                     base_url="http://clora", headers={"Authorization": f"Bearer {KEYS['acme']}"}) as c:
+            return await c.get("/v1/models"), await c.get("/v1/models")
+
+    first, second = w.run(scenario)
+    for r in (first, second):
+        assert r.status_code == 500 and error(r) == {"message": "internal error: RuntimeError", "type": "server_error",
+                                                     "param": None, "code": None}
+        assert len(r.headers.get("x-request-id", "")) == 32, r.headers
+    assert first.headers["x-request-id"] != second.headers["x-request-id"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "serving.api"]
+    assert logged == [f"request {r.headers['x-request-id']} to /v1/models failed" for r in (first, second)]
