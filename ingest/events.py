@@ -16,11 +16,21 @@ frozen only because frozen construction costs ~5x more on the hot path.
 
 Parsing takes two paths with one outcome. The fast one is msgspec's strict parser (~3x the standard
 library's speed on a 1 KB event), which accepts only strict JSON in valid UTF-8: no NaN or Infinity, no
-number that overflows a float, no unpaired surrogate escape, integers kept exact; whatever it accepts, the
-standard library parses to the same value, and none of it can hold a non-finite number. Anything it
-refuses goes through the standard library path (UTF-8 check, `json.loads`, surrogate and finiteness
-checks), which alone decides the dead-letter reason, so reasons are the same whichever path ran
+fraction or exponent that overflows a float, no unpaired surrogate escape, integers kept exact; whatever
+it accepts, the standard library parses to the same value, and none of it can hold a non-finite number.
+Anything it refuses goes through the standard library path (UTF-8 check, `json.loads`, surrogate and
+finiteness checks), which alone decides the dead-letter reason, so reasons are the same whichever path ran
 (tests/ingest/test_events.py checks both on arbitrary input).
+
+JSON integers are exact and unbounded (both parsers stop at 4300 digits), so a number field can hold an
+integer no float can: a reward of 1 followed by 400 zeros made `math.isfinite` raise OverflowError out of
+`decode`, and the replayed message stopped ingest for good. Numbers are therefore compared or converted
+only in ways that cannot overflow or whose overflow is caught (`_as_float`; a comparison of an int with a
+float is exact), an integer past a float's range counting as infinite, as `1e999` parses to infinity. And
+should a check still raise something nobody foresaw, `decode` turns that into a dead letter too
+(`bad_field` once the tenant and id are read, `not_json` before) and logs the traceback: a bug here costs
+one message, never the consumer. MemoryError alone goes up: it is the process's trouble, and a dead letter
+would lose a good event for good.
 
 Unknown fields are ignored (newer producers may add some). Not here: scoring (scorers.py), what a row
 looks like on disk (rows.py), or whether a tenant is known (batch.py, which has the config).
@@ -29,6 +39,7 @@ looks like on disk (rows.py), or whether a tenant is known (batch.py, which has 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -38,6 +49,8 @@ from typing import Any, ClassVar
 import msgspec
 
 from clora.config import TENANT_NAME, TENANT_NAME_RULE
+
+logger = logging.getLogger(__name__)
 
 # Reason codes of dead letters: short, stable strings (dashboards and alerts key on them).
 REASONS: dict[str, str] = {
@@ -51,7 +64,7 @@ REASONS: dict[str, str] = {
     "missing_id": "no id, or an id that is not a non-empty string of at most 256 characters",
     "bad_field": "a field has the wrong type or an impossible value (the detail names it)",
     "missing_completion": "an interaction without a completion string",
-    "reward_not_finite": "an interaction's inline reward is NaN or infinite",
+    "reward_not_finite": "an interaction's inline reward is NaN, infinite or beyond a float's range",
     "score_out_of_range": "a feedback score outside [-1, 1] (or NaN)",
     "key_mismatch": "the Kafka message key is set and is not the event's tenant",
     "unknown_tenant": "the tenant is not configured and ingest.unknown_tenant is \"reject\"",
@@ -218,6 +231,22 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _as_float(v: int | float) -> float:
+    """A JSON number as a float, without raising: an integer beyond a float's range (float() raises
+    OverflowError on it) becomes an infinity of its sign, as a decimal like 1e999 does in json.loads."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
+
+
+def _shown(v: Any) -> str:
+    """A number for a dead letter's detail: a long integer by its size, not its 400 digits."""
+    if isinstance(v, int) and v.bit_length() > 64:
+        return f"an integer of {len(str(abs(v)))} digits"
+    return f"{v!r:.80}"
+
+
 def _optional_str(data: dict, name: str) -> str | None:
     v = data.get(name)
     if v is not None and not isinstance(v, str):
@@ -234,12 +263,12 @@ def parse_ts(v: Any) -> datetime:
                 ts = ts.replace(tzinfo=timezone.utc)
             elif ts.tzinfo is not timezone.utc:
                 ts = ts.astimezone(timezone.utc)
-        elif _is_number(v) and math.isfinite(v):
+        elif _is_number(v):  # int() raises on NaN and infinities, timedelta past year 9999 (huge integers too)
             ts = EPOCH + timedelta(milliseconds=int(v))
         else:
-            raise _Reject("bad_field", f"ts must be ISO-8601 text or epoch milliseconds, got {v!r:.80}")
+            raise _Reject("bad_field", f"ts must be ISO-8601 text or epoch milliseconds, got {_shown(v)}")
     except (ValueError, OverflowError, OSError) as e:
-        raise _Reject("bad_field", f"ts {v!r:.80} is not a usable time: {e}") from e
+        raise _Reject("bad_field", f"ts {_shown(v)} is not a usable time: {e}") from e
     sub_ms = ts.microsecond % 1000
     return ts.replace(microsecond=ts.microsecond - sub_ms) if sub_ms else ts
 
@@ -296,9 +325,10 @@ def _interaction(data: dict, id_: str, tenant: str, ts: datetime, strict: bool) 
     if reward is not None:
         if not _is_number(reward):
             raise _Reject("bad_field", f"reward must be a number or null, got {type(reward).__name__}")
-        if not math.isfinite(reward):
-            raise _Reject("reward_not_finite", f"reward is {reward}")
-        reward = float(reward)
+        as_float = _as_float(reward)
+        if not math.isfinite(as_float):
+            raise _Reject("reward_not_finite", f"reward is {_shown(reward)}, not a finite float")
+        reward = as_float
     metadata = data.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict):
@@ -327,8 +357,8 @@ def _feedback(data: dict, id_: str, tenant: str, ts: datetime) -> FeedbackEvent:
     score = data.get("score")
     if not _is_number(score):
         raise _Reject("bad_field", f"score must be a number, got {type(score).__name__}")
-    if not -1.0 <= score <= 1.0:
-        raise _Reject("score_out_of_range", f"score {score} is outside [-1, 1]")
+    if not -1.0 <= score <= 1.0:  # exact for an integer of any size, and False for NaN
+        raise _Reject("score_out_of_range", f"score {_shown(score)} is outside [-1, 1]")
     return FeedbackEvent(id=id_, tenant=tenant, score=float(score), ts=ts, source=_optional_str(data, "source"))
 
 
@@ -353,7 +383,18 @@ def _lenient_loads(raw: bytes) -> Any:
 
 
 def decode(raw: bytes, *, max_bytes: int) -> Event | DeadLetter:
-    """One Kafka message value -> a valid event, or a DeadLetter with its reason. Never raises."""
+    """One Kafka message value -> a valid event, or a DeadLetter with its reason. Never raises (but
+    MemoryError; see the module docstring)."""
+    try:
+        return _decode(raw, max_bytes)
+    except MemoryError:
+        raise
+    except Exception as e:  # a check that failed in a way nobody foresaw: see the module docstring
+        logger.exception("ingest.events: decoding a message of %d bytes raised; it is dead-lettered", len(raw))
+        return DeadLetter("not_json", f"the message could not be decoded: {_describe(e)}")
+
+
+def _decode(raw: bytes, max_bytes: int) -> Event | DeadLetter:
     if len(raw) > max_bytes:
         return DeadLetter("too_large", f"{len(raw)} bytes is more than the limit of {max_bytes}")
     try:
@@ -384,6 +425,21 @@ def decode(raw: bytes, *, max_bytes: int) -> Event | DeadLetter:
         return _feedback(data, id_, tenant, ts)
     except _Reject as r:
         return DeadLetter(r.reason, r.detail, tenant, id_)
+    except MemoryError:
+        raise
+    except Exception as e:  # as in `decode`, but here the dead letter can name its tenant and id
+        logger.exception("ingest.events: checking the fields of %s %r (tenant %r) raised; it is dead-lettered",
+                         kind, id_, tenant)
+        return DeadLetter("bad_field", f"a field could not be checked: {_describe(e)}", tenant, id_)
+
+
+def _describe(e: BaseException) -> str:
+    """An unexpected exception for a dead letter's detail; its own str() may fail too."""
+    try:
+        text = str(e)
+    except Exception:
+        text = "(its message cannot be shown)"
+    return f"{type(e).__name__}: {text}"[:300]
 
 
 def key_mismatch(key: bytes, event: Event) -> DeadLetter:

@@ -2,7 +2,8 @@
 
 Covers: feedback before / after its interaction, across a restart (the view rebuilt from the datasets),
 days apart within and beyond the expiry; the per-tenant cap on pending feedback (also after a restart);
-the first score wins; inline rewards and scorer functions;
+the first score wins; inline rewards and scorer functions; integers too large for a float (in an event, or
+from a scorer) dead-lettered without stopping the batch;
 scorer failures and unknown tenants dead-lettered (under `_unknown`), the cap on tenants created on the fly; replays of any range write nothing twice; a batch
 decided while the previous one is still being written (consumer.py's pipelining) decides the same.
 """
@@ -29,6 +30,10 @@ NOW_MS = int(T0.timestamp() * 1000)
 
 def bad_scorer(completion, prompt):
     raise ZeroDivisionError("scorer bug")
+
+
+def huge_scorer(completion, prompt):
+    return 10**400
 
 
 class Harness:
@@ -325,6 +330,24 @@ def test_scorer_failure_and_unknown_tenant_are_dead_letters(data_dir):
     assert "ZeroDivisionError" in by_reason["scorer_error"] and "scorer bug" in by_reason["scorer_error"]
     assert sorted(dl.column("tenant").to_pylist()) == ["_unknown", "_unknown", "bad"]
     assert h.table("interactions").column("id").to_pylist() == ["c"]
+
+
+def test_integers_too_large_for_a_float_are_dead_letters_and_ingest_goes_on(data_dir):
+    """A reward of 1 and 400 zeros raised OverflowError out of decode, and a python scorer returning 10**400
+    out of apply: the batch was never written nor committed, and its replay crashed the same way for ever."""
+    h = Harness(data_dir, scorers={"huge": f"python:{__name__}:huge_scorer", "fb": "feedback"})
+    big = b"1" + b"0" * 400
+    out = h.feed(
+        b'{"type": "interaction", "id": "r", "tenant": "fb", "ts": 0, "prompt": "p", "completion": "c", "reward": ' + big + b"}",
+        b'{"type": "feedback", "id": "a", "tenant": "fb", "ts": 0, "score": ' + big + b"}",
+        b'{"type": "feedback", "id": "a", "tenant": "fb", "ts": ' + big + b', "score": 1}',
+        inter("s", tenant="huge"), inter("a"), fb("a", 0.5),
+    )
+    assert out.reasons == {"reward_not_finite": 1, "score_out_of_range": 1, "bad_field": 1, "scorer_error": 1}
+    detail = {r.row.reason: r.row.detail for r in out.dead_letters}["scorer_error"]
+    assert "scorer returned an integer of 1329 bits, outside [-1, 1]" in detail
+    assert h.rewards() == [("a", 0.5, "feedback")]
+    assert h.table("interactions").column("id").to_pylist() == ["a"]
 
 
 def test_a_message_keyed_by_another_tenant_is_a_dead_letter_and_one_without_a_key_is_accepted(h):

@@ -130,6 +130,63 @@ def test_non_finite_numbers_and_lone_surrogates(text, expected):
     assert reason(text) == expected
 
 
+HUGE = 10**400  # exact in JSON and in both parsers; float() of it raises OverflowError
+
+
+@pytest.mark.parametrize(("message", "expected"), [
+    (interaction(reward=HUGE), "reward_not_finite"),  # raised OverflowError out of decode: ingest stopped for good
+    (interaction(reward=-HUGE), "reward_not_finite"),
+    (interaction(ts=HUGE), "bad_field"),
+    (interaction(ts=-HUGE), "bad_field"),
+    ({"type": "feedback", "id": "r1", "tenant": "acme", "ts": HUGE, "score": 1}, "bad_field"),
+    ({"type": "feedback", "id": "r1", "tenant": "acme", "ts": 0, "score": HUGE}, "score_out_of_range"),
+    ({"type": "feedback", "id": "r1", "tenant": "acme", "ts": 0, "score": -HUGE}, "score_out_of_range"),
+    (interaction(completion_token_ids=[HUGE]), "bad_field"),
+    (interaction(completion_token_ids=[1], completion_logprobs=[-HUGE]), "bad_field"),
+    (b'{"type":"interaction","id":"r1","tenant":"acme","ts":0,"prompt":"p","completion":"c","reward":1' + b"0" * 4299 + b"}",
+     "reward_not_finite"),  # 4300 digits: the most either parser reads
+])
+def test_integers_beyond_a_float_are_dead_letters_not_exceptions(message, expected):
+    dl = decode(message if isinstance(message, bytes) else raw(message), max_bytes=MAX)
+    assert isinstance(dl, DeadLetter) and dl.reason == expected and (dl.tenant, dl.id) == ("acme", "r1")
+    assert len(dl.detail) < 200  # a long integer is described by its size, not written out
+    _same(message if isinstance(message, bytes) else raw(message))
+
+
+def test_a_huge_integer_in_metadata_is_kept_exactly():
+    ev = decode(raw(interaction(metadata={"n": HUGE})), max_bytes=MAX)
+    assert ev.metadata == {"n": HUGE} and json.loads(decoded_to_json(ev.metadata)) == {"n": HUGE}
+
+
+def test_an_unexpected_exception_in_a_field_check_is_a_dead_letter_naming_tenant_and_id(monkeypatch, caplog):
+    """decode promises never to raise: a check failing in a way nobody foresaw costs one message."""
+    def broken(*args):
+        raise RuntimeError("a bug in a check")
+
+    monkeypatch.setattr(events, "_feedback", broken)
+    dl = decode(raw({"type": "feedback", "id": "r1", "tenant": "acme", "ts": 0, "score": 1}), max_bytes=MAX)
+    assert (dl.reason, dl.tenant, dl.id) == ("bad_field", "acme", "r1")
+    assert "RuntimeError: a bug in a check" in dl.detail
+    assert "raised; it is dead-lettered" in caplog.text  # with the traceback, for whoever fixes the bug
+
+
+def test_an_unexpected_exception_while_parsing_is_a_dead_letter(monkeypatch, caplog):
+    class Unprintable(Exception):
+        def __str__(self):
+            raise ValueError("no")
+
+    def broken(raw):
+        raise Unprintable()
+
+    monkeypatch.setattr(events, "_strict_loads", broken)
+    dl = decode(raw(interaction()), max_bytes=MAX)
+    assert (dl.reason, dl.tenant) == ("not_json", None) and "Unprintable" in dl.detail
+    assert "raised; it is dead-lettered" in caplog.text
+    monkeypatch.setattr(events, "_strict_loads", lambda raw: (_ for _ in ()).throw(MemoryError()))
+    with pytest.raises(MemoryError):  # the process's trouble: dead-lettering would lose a good message
+        decode(raw(interaction()), max_bytes=MAX)
+
+
 def test_paired_surrogate_escape_is_fine():
     ev = decode(b'{"type":"interaction","id":"r","tenant":"a","ts":0,"prompt":"\\ud83d\\ude00","completion":"c"}', max_bytes=MAX)
     assert isinstance(ev, InteractionEvent) and ev.prompt == "\U0001F600"
@@ -167,8 +224,11 @@ times = st.datetimes(min_value=datetime(1971, 1, 1), max_value=datetime(9000, 1,
     lambda t: t.replace(microsecond=t.microsecond // 1000 * 1000)
 )
 finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
+# Integers no float can hold, up to the 4300 digits either parser reads (float() of them overflows).
+huge_ints = st.builds(lambda sign, digits, low: sign * (10**digits + low),
+                      st.sampled_from([1, -1]), st.integers(308, 4299), st.integers(0, 10**6))
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | texts,
+    st.none() | st.booleans() | st.integers() | huge_ints | st.floats() | texts,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(texts, inner, max_size=4),
     max_leaves=20,
 )
@@ -215,13 +275,31 @@ def test_arbitrary_json_decodes_to_an_event_or_a_dead_letter(value):
 @given(st.dictionaries(st.sampled_from(["type", "id", "tenant", "ts", "messages", "prompt", "completion", "score",
                                          "reward", "metadata", "completion_token_ids", "completion_logprobs",
                                          "adapter_version", "source"]),
-                       json_values | st.sampled_from(["interaction", "feedback", "acme", "2025-01-01T00:00:00Z"])))
+                       json_values | huge_ints | st.sampled_from(["interaction", "feedback", "acme", "2025-01-01T00:00:00Z"])))
 def test_event_shaped_json_decodes_to_an_event_or_a_dead_letter(value):
     out = decode(json.dumps(value).encode(), max_bytes=MAX)
     assert _well_formed(out)
     if isinstance(out, InteractionEvent):  # what passed the edge is what storage needs
         assert isinstance(out.completion, str) and isinstance(out.rendered_prompt, str)
         assert out.reward is None or math.isfinite(out.reward)
+
+
+_numbers = st.integers() | huge_ints | st.floats()
+_FEEDBACK = {"type": "feedback", "id": "r1", "tenant": "acme", "ts": 0, "score": 0.5}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([
+    lambda n: interaction(ts=n), lambda n: interaction(reward=n), lambda n: interaction(metadata={"n": [n]}),
+    lambda n: interaction(completion_token_ids=[n]), lambda n: interaction(completion_token_ids=[1], completion_logprobs=[n]),
+    lambda n: {**_FEEDBACK, "ts": n}, lambda n: {**_FEEDBACK, "score": n},
+]), _numbers)
+def test_any_number_in_a_numeric_field_of_a_valid_event_decodes_to_an_event_or_a_dead_letter(put, n):
+    """Arbitrary JSON rarely makes an event valid up to the one number being checked; this does."""
+    out = decode(json.dumps(put(n)).encode(), max_bytes=MAX)
+    assert _well_formed(out)
+    if isinstance(out, InteractionEvent) and out.reward is not None:
+        assert math.isfinite(out.reward) and out.reward == float(n)
 
 
 @settings(max_examples=200, deadline=None)
@@ -254,7 +332,7 @@ def _same(raw: bytes, max_bytes: int = MAX) -> None:
 _event_fields = st.dictionaries(
     st.sampled_from(["type", "id", "tenant", "ts", "messages", "prompt", "completion", "score", "reward", "metadata",
                      "completion_token_ids", "completion_logprobs", "adapter_version", "source"]),
-    json_values | st.sampled_from(["interaction", "feedback", "acme", "2025-01-01T00:00:00Z", 1740832215123]),
+    json_values | huge_ints | st.sampled_from(["interaction", "feedback", "acme", "2025-01-01T00:00:00Z", 1740832215123]),
 )
 
 
@@ -273,6 +351,7 @@ def test_the_fast_parser_changes_no_valid_event(ev):
 @pytest.mark.parametrize("raw", [
     b'{"type":"interaction","id":"r","tenant":"a","ts":0,"prompt":"p","completion":"c","metadata":{"n":123456789012345678901234567890}}',
     b'{"type":"interaction","id":"r","tenant":"a","ts":0,"prompt":"p","completion":"c","reward":1e999}',
+    b'{"type":"interaction","id":"r","tenant":"a","ts":0,"prompt":"p","completion":"c","reward":1' + b"0" * 400 + b'}',
     b'{"type":"interaction","id":"r","tenant":"a","ts":0,"prompt":"\\ud800","completion":"c"}',
     b'{"type":"feedback","id":"r","tenant":"a","ts":0,"score":0.5,"type":"interaction","completion":"c","prompt":"p"}',
     b'\xef\xbb\xbf{"type":"feedback","id":"r","tenant":"a","ts":0,"score":0.5}',

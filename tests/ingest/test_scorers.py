@@ -106,6 +106,37 @@ def test_apply_turns_failures_into_scorer_error():
     assert apply(lambda c, p: 1, "c", "p") == 1.0
 
 
+class _Unshowable:
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+
+class _Unprintable(Exception):
+    def __str__(self):
+        raise ValueError("no str")
+
+
+@pytest.mark.parametrize(("returned", "match"), [
+    (10**400, "integer of 1329 bits, outside"),  # float() overflows: math.isfinite raised out of apply
+    (-(10**400), "integer of 1329 bits, outside"),
+    (10**5000, "integer of 16610 bits, outside"),  # repr() of it raises ValueError (over 4300 digits)
+    (10**300, "1e\\+300, outside"),  # a float can hold this one
+    ([10**5000], "not a finite number"),  # repr() of the list raises as well
+    (_Unshowable(), "_Unshowable \\(its repr\\(\\) failed\\), not a finite number"),
+], ids=["1e400", "-1e400", "1e5000", "1e300", "list", "unshowable"])  # the default ids would str() 10**5000
+def test_apply_turns_any_returned_value_into_a_reward_or_scorer_error(returned, match):
+    with pytest.raises(ScorerError, match=match):
+        apply(lambda c, p: returned, "c", "p")
+
+
+def test_apply_reports_a_scorer_exception_that_cannot_be_printed():
+    def boom(completion, prompt):
+        raise _Unprintable()
+
+    with pytest.raises(ScorerError, match="_Unprintable: \\(its message cannot be shown\\)"):
+        apply(boom, "c", "p")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The counting scorers take shortcuts (bytes.translate, a first-character check); they must agree with
 # the plain definitions on any text.
