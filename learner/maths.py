@@ -44,12 +44,14 @@ def _group_stats(rewards: Tensor, groups: Tensor) -> tuple[Tensor, Tensor, Tenso
 
 
 def baseline_advantages(rewards: Tensor, groups: Tensor, baseline: float) -> Tensor:
-    """reward - baseline, where the baseline is the group mean for groups of two or more, the mean of the
-    batch's other rewards for an element alone in its group (leave-one-out), and `baseline` (a running mean
-    the caller keeps) only in a batch of one.
+    """reward - baseline, where the baseline is the mean of the group's other rewards for groups of two or
+    more, the mean of the batch's other rewards for an element alone in its group (leave-one-out both, as
+    RLOO), and `baseline` (a running mean the caller keeps) only in a batch of one.
 
-    A group mean is the better baseline when it exists (same prompt, several completions: the prompt's own
-    difficulty cancels). A single completion has no such peer, so it is compared with the rest of its batch:
+    The group's baseline is the better one when it exists (same prompt, several completions: the prompt's
+    own difficulty cancels). Leaving the element out of its own baseline keeps it unbiased and weighs a pair
+    as much as a lone completion (the group mean with the element in would scale a group of n by (n-1)/n).
+    A single completion has no such peer, so it is compared with the rest of its batch:
     that baseline is as fresh as the rewards themselves, so the batch's advantages are centred. A running
     mean lags whenever the reward moves; with the advantages then scaled by the batch's std (often small),
     that lag made every advantage of a batch the same sign, 2 std or more off. The update then pushed every
@@ -57,19 +59,23 @@ def baseline_advantages(rewards: Tensor, groups: Tensor, baseline: float) -> Ten
     steps: a demo tenant drifted to KL 4 while its reward fell from 0.15 to 0.08.
     """
     size, mean, _ = _group_stats(rewards, groups)
+    group_others = (mean * size - rewards) / (size - 1).clamp(min=1)
     n = rewards.numel()
     if n >= 2:
         others = (rewards.sum() - rewards) / (n - 1)
     else:
         others = torch.full_like(rewards, baseline)
-    return torch.where(size >= 2, rewards - mean, rewards - others)
+    return torch.where(size >= 2, rewards - group_others, rewards - others)
 
 
 def grpo_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:
     """GRPO: (reward - group mean) / (group sample std + eps). A group of one, or a group whose rewards are
-    all equal, gets advantage 0: it says nothing about which completion was better."""
+    all equal, gets advantage exactly 0: it says nothing about which completion was better. "Equal" allows
+    for rounding: eight rewards of 0.7 have a mean of 0.7 - 1e-16 and would otherwise get advantages of
+    -1e-10, all of one sign, which made a batch without any contrast train, gate and publish a version."""
     size, mean, std = _group_stats(rewards, groups)
-    return torch.where(size >= 2, (rewards - mean) / (std + eps), torch.zeros_like(rewards))
+    flat = std <= eps * (1 + mean.abs())
+    return torch.where((size >= 2) & ~flat, (rewards - mean) / (std + eps), torch.zeros_like(rewards))
 
 
 def scale_by_std(advantages: Tensor, rewards: Tensor | None = None, eps: float = 1e-6) -> Tensor:

@@ -22,12 +22,13 @@ def test_group_ids_number_keys_by_first_sight():
 
 def test_baseline_advantages_use_group_mean_for_groups_and_the_rest_of_the_batch_for_singletons():
     # prompts: p, p, q, p, r ; rewards 1, 0, 0.5, 0.5, 0.2 (sum 2.2) ; running baseline 0.3
-    # group p = {1, 0, 0.5}: mean 0.5 -> advantages 0.5, -0.5, 0.0
+    # group p = {1, 0, 0.5}, each against the mean of the other two: 1 - 0.25 = 0.75, 0 - 0.75 = -0.75,
+    #   0.5 - 0.5 = 0.0
     # q and r are alone, each against the mean of the other four rewards:
     #   q: 0.5 - (2.2 - 0.5) / 4 = 0.5 - 0.425 = 0.075 ; r: 0.2 - (2.2 - 0.2) / 4 = 0.2 - 0.5 = -0.3
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2])
     groups = maths.group_ids(["p", "p", "q", "p", "r"])
-    close(maths.baseline_advantages(rewards, groups, baseline=0.3), [0.5, -0.5, 0.075, 0.0, -0.3])
+    close(maths.baseline_advantages(rewards, groups, baseline=0.3), [0.75, -0.75, 0.075, 0.0, -0.3])
     # singletons only: leave-one-out means centre the batch whatever the running baseline says
     # rewards 0.1, 0.2, 0.3: 0.1 - 0.25 = -0.15, 0.2 - 0.2 = 0, 0.3 - 0.15 = 0.15
     close(maths.baseline_advantages(torch.tensor([0.1, 0.2, 0.3]), maths.group_ids(["a", "b", "c"]), baseline=0.9),
@@ -44,6 +45,14 @@ def test_grpo_advantages_normalise_by_group_sample_std():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 7.0])
     groups = torch.tensor([0, 0, 0, 0, 1, 1, 2])
     close(maths.grpo_advantages(rewards, groups), [0.866025, -0.866025, -0.866025, 0.866025, 0, 0, 0], tol=1e-4)
+
+
+@pytest.mark.parametrize("value, n", [(0.1, 3), (0.7, 8), (1 / 3, 5), (123.456, 4)])
+def test_grpo_advantages_of_equal_rewards_are_exactly_zero_whatever_the_rounding(value, n):
+    # the mean of n equal floats is not always exactly that float (0.7 * 8 / 8 = 0.7 - 1e-16); a group without
+    # contrast must still give exactly 0, or rollouts.train_step would train on rounding noise
+    rewards = torch.full((n,), value, dtype=torch.float64)
+    assert maths.grpo_advantages(rewards, torch.zeros(n, dtype=torch.long)).abs().max().item() == 0.0
 
 
 def test_scale_by_std_divides_by_the_sample_std_without_recentring():
