@@ -77,7 +77,7 @@ from learner.types import Shard, TenantSpec, learner_process_name
 from learner.update import UpdateResult
 from storage.cursors import Cursors
 from storage.files import FileLock, HeldLock, atomic_write_bytes, mark_ready
-from storage.layout import DataDir
+from storage.layout import DataDir, is_tenant
 from storage.parquet import write_dataset
 from storage.registry import Registry
 from storage.schema import TRAIN_STEPS, TRAJECTORIES
@@ -243,7 +243,6 @@ class Learner:
             rt.status = "idle"
         rt.loaded = False
         self._recover(rt)
-        self._load_served(rt)
         return True
 
     def _load_served(self, rt: TenantRuntime) -> None:
@@ -293,7 +292,7 @@ class Learner:
         been seen for `learner.batch_wait_seconds`: a step on one or two trajectories with sparse rewards
         is mostly noise, which Adam turns into a full-size step all the same."""
         backlog = self.cursors.backlog(include=self._owns)
-        for name in backlog:
+        for name in [*backlog, *self.cursors.backlog_errors]:
             if name not in self.tenants and self._owns(name):
                 self._set_spec(TenantSpec.default(name))
         now = time.monotonic()
@@ -303,6 +302,11 @@ class Learner:
             if not self._claim(rt):
                 out[name] = 0
                 continue
+            unreadable = self.cursors.backlog_errors.get(name)
+            if unreadable is not None:  # left out until it can be read; the other tenants go on
+                rt.status, rt.error = "error", f"backlog unreadable: {unreadable}"
+            elif rt.error is not None and rt.error.startswith("backlog unreadable: "):
+                rt.status, rt.error = "idle", None
             n = backlog.get(name, 0)
             if rt.spec.mode == "rollouts" and rt.spec.prompts_file is not None:
                 n = max(n, rt.spec.batch_size)
@@ -693,9 +697,8 @@ class Learner:
     def recover(self) -> None:
         """At start: takes every tenant this process owns that no other learner process holds (`_claim`),
         which completes its last committed step. Needs no model: it moves registry records and writes rows."""
-        names = set(self.registry.tenants())
-        if self.dd.cursors.is_dir():
-            names |= {p.name for p in self.dd.cursors.iterdir() if p.is_dir() and not p.name.startswith(".")}
+        # Folders left by hand ("_old") are no tenants (is_tenant), as Cursors.tenants() already knows.
+        names = {n for n in self.registry.tenants() if is_tenant(n)} | set(self.cursors.tenants())
         for name in sorted(n for n in names if self._owns(n)):
             if name not in self.tenants:
                 self._set_spec(TenantSpec.default(name))
@@ -714,6 +717,7 @@ class Learner:
                 rt.step, rt.version = latest[0], int(meta["version"] or 0)
                 self._finish(rt, meta)
             self._reject_abandoned(name)
+            self._load_served(rt)
         except Exception as e:  # this tenant's recovery is retried on its next step; the others go on
             logger.exception("tenant %s: recovery failed", name)
             rt.status, rt.error = "error", f"{type(e).__name__}: {e}"

@@ -254,6 +254,8 @@ class Cursors:
         self.dd = as_datadir(root)
         self.keep_checkpoints = keep_checkpoints
         self._backlogs: dict[str, _Backlog] = {}  # tenant -> its untrained rows (see the module note)
+        # tenant -> why its backlog could not be read at the last `backlog` call (it is left out of the answer)
+        self.backlog_errors: dict[str, str] = {}
 
     def __repr__(self) -> str:
         return f"Cursors({str(self.dd.root)!r})"
@@ -325,10 +327,12 @@ class Cursors:
     def backlog(self, include: Callable[[str], bool] | None = None) -> dict[str, int]:
         """tenant -> number of its trajectories not yet trained (distinct ids), for every tenant in storage or
         those `include` accepts (a learner shard asks for its own: the others' backlogs cost it nothing, and
-        what it kept of a tenant it no longer asks for is let go)."""
+        what it kept of a tenant it no longer asks for is let go). A tenant whose backlog cannot be read (an
+        unreadable file, horizon.json) is left out, with the reason in `backlog_errors`: one tenant's bad file
+        must not stop the others' training."""
 
         def read() -> dict[str, int]:
-            out = {}
+            out, errors = {}, {}
             for tenant in partition_tenants(self.dd, "trajectories"):
                 try:
                     check_tenant(tenant)
@@ -337,8 +341,17 @@ class Cursors:
                 if include is not None and not include(tenant):
                     self._backlogs.pop(tenant, None)
                     continue
-                self._untrained_index(tenant)
+                try:
+                    self._untrained_index(tenant)
+                except FileNotFoundError:
+                    raise  # a file vanished (compaction): retry_vanished lists again
+                except Exception as e:
+                    errors[tenant] = f"{type(e).__name__}: {e}"
+                    if self.backlog_errors.get(tenant) != errors[tenant]:
+                        logger.error("backlog of %s cannot be read; left out until it can: %s", tenant, errors[tenant])
+                    continue
                 out[tenant] = self._backlogs[tenant].distinct
+            self.backlog_errors = errors
             return out
 
         return retry_vanished(read, "computing backlog")
@@ -600,7 +613,12 @@ class Cursors:
         for path in paths:
             if path in state.files:
                 continue
-            cols = conform(read_file(self.dd, path, columns=["id", "ingested_at"]), _INDEX_SCHEMA, strict=False)
+            try:
+                cols = conform(read_file(self.dd, path, columns=["id", "ingested_at"]), _INDEX_SCHEMA, strict=False)
+            except FileNotFoundError:
+                raise
+            except (OSError, pa.ArrowException) as e:
+                raise StorageError(f"cannot read {path}: {e}") from e
             hi, lo = hash_strings(cols.column("id").to_pylist())
             untrained = ~state.trained.contains(hi, lo)
             if state.horizon.before_ms is not None:  # older than the horizon: left out (Cursors.forget)

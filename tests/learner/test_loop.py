@@ -387,6 +387,26 @@ def test_one_tenants_failure_does_not_stop_the_others(tiny_model, data_dir):
     assert Cursors(data_dir).backlog()["broken"] == 8  # nothing of it was committed
 
 
+def test_one_tenants_unreadable_files_and_stray_folders_do_not_stop_the_others(tiny_model, data_dir):
+    write(data_dir, "ok", rows("a", 8), "b0")
+    write(data_dir, "broken", rows("b", 8), "b0")
+    (bad,) = (Path(data_dir) / "trajectories" / "tenant=broken").glob("*.parquet")
+    bad.write_bytes(bad.read_bytes()[:100])  # truncated: pyarrow cannot read it
+    (Path(data_dir) / "cursors" / "_old").mkdir(parents=True)  # left by hand: no tenant
+    cfg = make_config(data_dir, tiny_model, [{"name": "ok", "batch_size": 8}, {"name": "broken", "batch_size": 8}])
+    learner = learn(cfg, tiny_model)
+    assert Registry(data_dir).latest_published("ok").number == 1 and "_old" not in learner.tenants
+    broken = learner.tenants["broken"]
+    assert broken.status == "error" and broken.error.startswith("backlog unreadable: ") and str(bad) in broken.error
+    status = json.loads((Path(data_dir) / "state" / "learner" / "status.json").read_text())
+    assert status["broken"]["status"] == "error" and status["ok"]["status"] == "published"
+    # Mended, it is trained on the next pass, and its error clears.
+    bad.unlink()
+    write(data_dir, "broken", rows("b", 8), "b1")
+    assert learner.pending(hold_partial=False)["broken"] == 8 and learner.tenants["broken"].error is None
+    learner.close()
+
+
 def test_rollouts_mode_with_a_prompts_file_and_the_local_sampler(tiny_model, data_dir, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Write a number.\nTell me about cats.\n\nhello\n")
