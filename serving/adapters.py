@@ -3,10 +3,12 @@
 `AdapterSet.refresh()` reads the registry's change counter (`Registry.generation()`, one small file) and,
 when it moved, each configured tenant's newest published version. A version that differs from the
 tenant's current one is validated (serving/adapter_check.py, in a worker thread), loaded into the engine
-under a fresh int id, and only then made current. A version that fails either step is refused: the
-reason is logged, `adapters_refused_total` counts it, and the tenant keeps the version it had (a refused
-version is not retried; publishing a new one is the fix). `watch()` calls `refresh()` every
-`poll_seconds` until stopped.
+under a fresh int id, and only then made current. A version validation refuses (`AdapterRejected`) is
+refused for good: the reason is logged, `adapters_refused_total` counts it, and the tenant keeps the
+version it had (a refused version is not retried; publishing a new one is the fix). A failure that says
+nothing about the adapter (an I/O error while checking it, the engine failing the load) leaves the
+registry's change unseen, so the next poll tries again; it is logged once, not on every poll it lasts, and
+the tenant keeps its version meanwhile. `watch()` calls `refresh()` every `poll_seconds` until stopped.
 
 Requests take a `Lease` (`acquire`) for the whole generation and give it back when the response is done
 (`release`): a generation never changes adapter mid-way, because the engine request carries its own
@@ -110,6 +112,7 @@ class AdapterSet:
         self._loaded: dict[tuple[str, int], _Loaded] = {}
         self._current: dict[str, _Loaded] = {}
         self._refused: dict[tuple[str, int], str] = {}
+        self._failing: dict[str, tuple[int, str]] = {}  # tenant -> (version, error) of a swap to try again
         self._loading: dict[tuple[str, int], asyncio.Future] = {}
         self._generation: int | None = None
         self._refresh_lock = asyncio.Lock()
@@ -193,14 +196,23 @@ class AdapterSet:
     async def _swap_in(self, tenant: str, version, *, startup: bool = False) -> bool:
         """Validates, loads and makes current; False when it failed for a reason worth retrying."""
         started = time.monotonic()
+        name = f"{tenant}@{version.number}"
         try:
             loaded = await self._load(tenant, version.number, Path(version.path))
-        except AdapterRejected as e:
+        except AdapterRejected as e:  # the adapter itself is bad: trying again cannot help
+            self._failing.pop(tenant, None)
             self._refuse(tenant, version.number, str(e))
             return True
-        except Exception as e:  # the engine's own load errors have no common type
-            self._refuse(tenant, version.number, f"the engine could not load it: {type(e).__name__}: {e}")
-            return True
+        except Exception as e:  # an I/O error while checking, the engine's load errors (no common type): may pass
+            error = f"{type(e).__name__}: {e}"
+            if self._failing.get(tenant) != (version.number, error):  # once, not on every poll it lasts
+                logger.warning("adapter %s could not be loaded (tried again every poll); tenant %s stays on %s",
+                               name, tenant, self.current(tenant), exc_info=True)
+            else:
+                logger.debug("adapter %s still could not be loaded: %s", name, error)
+            self._failing[tenant] = (version.number, error)
+            return False
+        self._failing.pop(tenant, None)
         self._set_current(tenant, loaded)
         published_at = getattr(version, "published_at", None)
         lag = None if startup or not isinstance(published_at, datetime) else self.clock() - published_at.timestamp()

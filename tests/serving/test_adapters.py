@@ -194,3 +194,43 @@ def test_concurrent_requests_for_one_version_load_it_once(world):
         assert engine.loaded == {}
 
     run(scenario())
+
+
+def test_a_transient_failure_is_tried_again_on_the_next_poll_and_logged_once(world, caplog):
+    """An I/O error while checking, or the engine failing a load, says nothing about the adapter: only a
+    validation refusal is for good."""
+    registry, engine, adapters, publish = world
+    check, load = adapters.check, engine.load_adapter
+    failures = {"check": 0, "load": 0}
+
+    def flaky_check(path):
+        if failures["check"]:
+            failures["check"] -= 1
+            raise OSError(5, "Input/output error", str(path))
+        return check(path)
+
+    async def flaky_load(adapter):
+        if failures["load"]:
+            failures["load"] -= 1
+            raise RuntimeError(f"the engine did not load adapter {adapter.name}")
+        await load(adapter)
+
+    adapters.check, engine.load_adapter = flaky_check, flaky_load
+
+    async def scenario():
+        for step, (kind, seed) in enumerate((("check", 1), ("load", 2))):
+            failures[kind] = 3
+            caplog.clear()
+            number = publish("acme", seed=seed)
+            for _ in range(3):  # the registry does not change between these polls
+                await adapters.refresh()
+                assert adapters.current("acme") == ("base" if step == 0 else "acme@1")
+            assert adapters.refused() == {} and adapters.metrics.refused.labels("acme")._value.get() == 0
+            loud = [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+            assert len(loud) == 1 and f"acme@{number}" in loud[0].getMessage(), loud  # not once a poll
+            await adapters.refresh()  # the error has passed
+            assert adapters.current("acme") == f"acme@{number}" and adapters.refused() == {}
+        await adapters.drain()
+        assert set(engine.loaded.values()) == {"acme@2"}
+
+    run(scenario())
