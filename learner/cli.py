@@ -43,7 +43,7 @@ def _add_learn_commands(sub: argparse._SubParsersAction, common: argparse.Argume
 def add_learn_arguments(parser: argparse.ArgumentParser) -> None:
     """The learner's options (shared by `clora learn` and `python -m learner`)."""
     parser.add_argument("--once", action="store_true", help="one pass: at most one step per tenant with work, then exit")
-    parser.add_argument("--until-idle", action="store_true", help="exit when no tenant has new work")
+    parser.add_argument("--until-idle", action="store_true", help="exit when no tenant has new work (a rollouts tenant with a prompts_file always has: bound it with --max-steps)")
     parser.add_argument("--max-steps", type=int, default=None, metavar="N", help="exit after N steps in all")
     parser.add_argument("--no-progress", action="store_true", help="no per-tenant progress bars")
     parser.add_argument("--shard", default=None, metavar="K/N",

@@ -366,18 +366,18 @@ class Learner:
             rt.status = "idle"
             return None
         with clock("publish"):
-            self._finish(rt, meta)
+            decision = self._finish(rt, meta)
             if meta["step"] % COMPACT_EVERY_STEPS == 0:
                 self.cursors.compact(name)
         self._start_prefetch(rt)
-        rt.status = meta["decision"]
+        rt.status = decision
         timings = clock.timings(total=time.monotonic() - started)
         if work.sampling_seconds is not None:
             timings["sampling"] = work.sampling_seconds
         return StepRecord(
             tenant=name,
             step=meta["step"],
-            decision=meta["decision"],
+            decision=decision,
             version=None if meta["created"] is None else f"{name}@{meta['created']}",
             reason=meta["reason"],
             row=meta["row"],
@@ -798,9 +798,12 @@ class Learner:
         rt.state_id += 1
         self._load_served(rt)
 
-    def _finish(self, rt: TenantRuntime, meta: dict) -> None:
-        """Completes a committed step: publish or reject its version, write its train_steps row. Idempotent."""
+    def _finish(self, rt: TenantRuntime, meta: dict) -> str:
+        """Completes a committed step: publish or reject its version, write its train_steps row. Idempotent.
+        Returns what became of the step: its decision, or "rejected" where the registry refused to publish
+        (an operator's rollback since: the version's parent is no longer served)."""
         name, created = rt.spec.name, meta.get("created")
+        decision = meta["decision"]
         if created is not None:
             v = self.registry.get(name, created)
             if v.status == "candidate":
@@ -809,10 +812,14 @@ class Learner:
                     if v.status == "rejected":  # the operator changed what is served: follow it next step
                         logger.warning("tenant %s: %s not published: %s", name, v.name, v.reason)
                 else:
-                    self.registry.reject(name, created, reason=meta.get("reason") or "rejected by the gate", gate=meta.get("gate"))
+                    v = self.registry.reject(name, created, reason=meta.get("reason") or "rejected by the gate",
+                                             gate=meta.get("gate"))
+            if decision == "published" and v.status == "rejected":
+                decision = "rejected"
         write_dataset(self.dd, "train_steps", _row_table(meta["row"]), file_id=f"step-{int(meta['step']):020d}")
         rt.last = meta["row"]
         rt.unfinished = None
+        return decision
 
     def _write_checkpoint(self, name: str, directory: Path, meta: dict) -> None:
         self.policy.save_checkpoint(name, directory)

@@ -286,6 +286,7 @@ def test_a_rollback_during_a_step_is_not_undone_by_that_steps_version(tiny_model
     reg = Registry(data_dir)
     assert reg.get("acme", 2).status == "rejected" and "superseded" in reg.get("acme", 2).reason
     assert reg.published()["acme"].name == "acme@3"  # the rollback stands
+    assert learner.tenants["acme"].status == "rejected"  # what became of the step, not what the gate said
     write(data_dir, "acme", rows("c", 8, seed=3), "b1", start=200)
     learn(cfg, tiny_model, learner=learner)
     assert Registry(data_dir).get("acme", 4).parent == "acme@3"  # and the learner went on from it
