@@ -130,6 +130,10 @@ class AdapterSet:
         """version name -> why it was refused."""
         return {f"{t}@{n}": reason for (t, n), reason in self._refused.items()}
 
+    def refusal(self, tenant: str, number: int) -> str | None:
+        """Why version `number` of `tenant` was refused; None when it was not (or is forgotten, REFUSED_KEPT)."""
+        return self._refused.get((tenant, number))
+
     def base_lease(self) -> Lease:
         return Lease(None, self.base_name)
 

@@ -501,19 +501,21 @@ class Api:
         return JSONResponse({"id": body.id, "object": "feedback", "status": "accepted"}, status_code=202)
 
     async def models(self, request: Request) -> Response:
+        """The base model, the caller's tenant, and its published versions that serving has not refused (a
+        generation naming one of those is 404)."""
         tenant = self.auth.tenant(request.headers.get("authorization"))
         versions = await asyncio.to_thread(self.registry.unsettled, tenant)  # every published one, not the history
         data = [_model_card(self.base_name, self.started), _model_card(tenant, self.started)]
         data += [
             _model_card(v.name, int((v.published_at or v.created_at).timestamp()), parent=tenant)
             for v in versions
-            if v.status == "published"
+            if v.status == "published" and self.adapters.refusal(tenant, v.number) is None
         ]
         return JSONResponse({"object": "list", "data": data})
 
     async def model(self, request: Request) -> Response:
         """One model card: the base model, the caller's tenant, or one of its published versions; anything
-        else (another tenant's included) is 404, as if it did not exist."""
+        else (another tenant's, or a version serving refused, included) is 404, as a generation naming it is."""
         from storage.registry import VersionNotFound
 
         tenant = self.auth.tenant(request.headers.get("authorization"))
@@ -533,6 +535,9 @@ class Api:
             version = None
         if version is None or version.status != "published":
             raise ModelNotFound(f"model {model_id!r} does not exist or is not published", param="model")
+        refused = self.adapters.refusal(tenant, choice.version)
+        if refused is not None:
+            raise ModelNotFound(f"model {model_id!r} cannot be served: {refused}", param="model")
         return JSONResponse(
             _model_card(version.name, int((version.published_at or version.created_at).timestamp()), parent=tenant))
 

@@ -104,8 +104,10 @@ class FakeRegistry:
 
     def __init__(self):
         when = datetime(2025, 1, 1, tzinfo=timezone.utc)
-        self.versions = {("acme", 1): SimpleNamespace(name="acme@1", status="published", published_at=when, created_at=when),
-                         ("acme", 2): SimpleNamespace(name="acme@2", status="candidate", published_at=None, created_at=when)}
+        self.versions = {("acme", n): SimpleNamespace(name=f"acme@{n}", number=n, status=status, created_at=when,
+                                                      published_at=when if status == "published" else None,
+                                                      path=f"/adapters/acme/{n}")
+                         for n, status in ((1, "published"), (2, "candidate"))}
 
     def generation(self):
         return 0
@@ -453,6 +455,30 @@ def test_one_model_card_of_your_own_models():
         r = w.get(f"/v1/models/{other}")
         assert r.status_code == 404 and error(r)["code"] == "model_not_found", other
     assert w.get("/v1/models/acme", tenant=None).status_code == 401
+
+
+def test_a_version_serving_refused_is_neither_listed_nor_carded():
+    """A generation naming a refused version is 404, so the models routes do not offer it either."""
+    from pathlib import Path
+
+    from serving.adapter_check import AdapterRejected
+
+    w = World()
+    assert "acme@1" in [m["id"] for m in w.get("/v1/models").json()["data"]]
+
+    def refuse(path):
+        raise AdapterRejected(Path(path), ["rank 64 is above serving.max_lora_rank 16"])
+
+    w.api.adapters.check = refuse
+    r = w.post("/v1/chat/completions", chat(model="acme@1"))
+    assert r.status_code == 404 and "cannot be served" in error(r)["message"]
+    assert w.api.adapters.refused() == {"acme@1": "adapter /adapters/acme/1 refused: (1) rank 64 is above "
+                                                  "serving.max_lora_rank 16"}
+    assert [m["id"] for m in w.get("/v1/models").json()["data"]] == [BASE, "acme"]
+    r = w.get("/v1/models/acme@1")
+    assert r.status_code == 404 and error(r)["code"] == "model_not_found" and error(r)["param"] == "model"
+    assert "rank 64" in error(r)["message"]  # the same reason the generation got
+    assert w.get("/v1/models/acme").status_code == 200  # the tenant's name still serves (the base model here)
 
 
 def test_base_model_answers_carry_the_configured_base_name():
