@@ -75,7 +75,7 @@ from learner.rollouts import SampledBatch
 from learner.scheduler import Ledger, charge, choose
 from learner.types import Shard, TenantSpec, learner_process_name
 from learner.update import UpdateResult
-from storage.cursors import Cursors
+from storage.cursors import CursorError, Cursors
 from storage.files import FileLock, HeldLock, atomic_write_bytes, mark_ready
 from storage.layout import DataDir, is_tenant
 from storage.parquet import write_dataset
@@ -472,10 +472,15 @@ class Learner:
         try:
             with clock("publish"):
                 self.cursors.commit(name, step=step, ids=list(work.ids), checkpoint=lambda d: self._write_checkpoint(name, d, meta))
-        except Exception:
-            if self.cursors.latest_step(name) != step:
+        except Exception as e:
+            # A CursorError is raised before the commit point: this process was behind its cursor (an earlier
+            # failure left it so), and the step on disk with this number is another one.
+            behind = isinstance(e, CursorError)
+            if behind or self.cursors.latest_step(name) != step:
                 if meta["created"] is not None:  # nothing references the candidate: it must never be published
                     self._reject_abandoned(name)
+                if behind:
+                    rt.loaded = False  # the next step starts from the cursor's last checkpoint
                 raise
             # The commit point (the step directory's rename) was passed and what failed came after it: the
             # step is committed, and its candidate is the committed step's to publish or reject.

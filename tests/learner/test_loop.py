@@ -270,6 +270,28 @@ def test_a_commit_that_fails_after_its_commit_point_counts_as_committed(tiny_mod
     assert_each_id_once(data_dir, "acme", {f"a{i}" for i in range(16)})
 
 
+def test_a_learner_behind_its_cursor_publishes_nothing_and_catches_up_from_disk(tiny_model, data_dir):
+    """An earlier failure can leave the in-memory step behind the cursor (a commit that failed after its
+    commit point, then the check of it failed too). The next commit is refused before its commit point: its
+    candidate must not be taken for that step's and published; the learner reloads the tenant from disk."""
+    write(data_dir, "acme", rows("a", 16), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    assert learner.pending(hold_partial=False) == {"acme": 16}
+    assert learner.step_safely("acme").step == 1  # acme@1
+    learner.tenants["acme"].step = 0  # behind: the cursor has step 1
+    assert learner.step_safely("acme") is None
+    reg = Registry(data_dir)
+    assert [(v.number, v.status) for v in reg.versions("acme")] == [(1, "published"), (2, "rejected")]
+    assert reg.get("acme", 2).reason == ABANDONED and learner.tenants["acme"].status == "error"
+    record = learner.step_safely("acme")  # from the cursor's last checkpoint
+    assert (record.step, record.decision, record.version) == (2, "published", "acme@3")
+    assert read_dataset(data_dir, "train_steps").column("step").to_pylist() == [1, 2]
+    assert reg.get("acme", 3).parent == "acme@1"
+    assert_each_id_once(data_dir, "acme", {f"a{i}" for i in range(16)})
+    learner.close()
+
+
 def test_a_rollback_during_a_step_is_not_undone_by_that_steps_version(tiny_model, data_dir, monkeypatch):
     write(data_dir, "acme", rows("a", 16), "b0")
     cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
