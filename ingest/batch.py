@@ -12,10 +12,12 @@
                    -> FeedbackEvent    -> feedback (unless the same event is stored: same tenant, id,
                                           ts, score and source; a resent event comes at a new offset)
                                        -> trajectories when its interaction is in this batch or stored and
-                                          not scored yet (stored ones are read back after the loop);
-                                          otherwise it waits in the store's `pending`, which holds at
-                                          most a cap per tenant: the oldest waiting entry leaves memory
-                                          (counted in `pending_dropped`; the row is in feedback/ still)
+                                          not scored yet, and their times are within the expiry (stored
+                                          ones are read back after the loop, then tried with all of the
+                                          batch's feedback for them); otherwise it waits in the store's
+                                          `pending`, which holds a few rows per id and at most a cap per
+                                          tenant: the oldest waiting row leaves memory (counted in
+                                          `pending_dropped`; the row is in feedback/ still)
 
 Every decision consults the store *and* this batch, so replaying any range of offsets (after a crash, or
 when another process takes a partition over) writes nothing twice and misses nothing: each dataset is
@@ -23,8 +25,10 @@ deduplicated on its own key, and a trajectory is derived again if its write was 
 interaction already stored and scored is counted as a duplicate before any row is built, so a replay
 costs little more than its decoding.
 Which reward wins for one interaction: a scorer function (the tenant's config decides), else the inline
-reward, else the first feedback in partition order. Feedback for a function-scored tenant is kept in
-`feedback/` but scores nothing.
+reward, else the first feedback in partition order whose event time is within the expiry of the
+interaction's, however the batches were cut: one outside it does not stop a later one from joining
+(pending.py says how the feedback that waits is bounded). Feedback for a function-scored tenant is kept
+in `feedback/` but scores nothing.
 
 Tenants not in the config: any Kafka producer can name any tenant, and each tenant gets a partition in
 every dataset (and a learner adapter), so names must not mint directories without limit. With
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -191,7 +196,7 @@ class Processor:
         batch_feedback: set = set()  # this batch's feedback keys so far: a resend within one batch
 
         new_interactions: dict[Key, InteractionRow] = {}
-        to_fetch: dict[Key, FeedbackRow] = {}  # feedback whose interaction is on disk
+        to_fetch: dict[Key, list[FeedbackRow]] = {}  # feedback whose interaction is on disk, in stream order
 
         def score(row: InteractionRow, reward: float, source: str) -> None:
             out.trajectories.append(trajectory_row(row, reward, source, now_ms))
@@ -199,9 +204,13 @@ class Processor:
             store.pending.pop((row.tenant, row.id))
 
         def wait(fb: FeedbackRow) -> None:
-            """Feedback whose interaction has not arrived waits for it, within the tenant's cap."""
-            if store.pending.add(fb):
-                out.pending_dropped["over_cap"] += 1
+            """Feedback whose interaction has not arrived waits for it, within the caps."""
+            if dropped := store.pending.add(fb):
+                out.pending_dropped["over_cap"] += dropped
+
+        def first_within(waiting: Iterable[FeedbackRow], row: InteractionRow) -> FeedbackRow | None:
+            """The feedback that scores `row`: the first (in stream order) within the expiry of it."""
+            return next((fb for fb in waiting if store.within_expiry(fb.ts, row.ts)), None)
 
         def reject(dl: DeadLetter, raw: bytes, at: Coords) -> None:
             if dl.tenant is not None and not self._known(dl.tenant):  # no partition for a name anyone can claim
@@ -258,8 +267,8 @@ class Processor:
                 elif ev.reward is not None:
                     score(row, ev.reward, "inline")
                 elif function is None:
-                    fb = store.pending.get(key)
-                    if fb is not None and store.within_expiry(fb.ts, row.ts):
+                    fb = first_within(store.pending.get(key), row)
+                    if fb is not None:
                         score(row, fb.score, fb.source or "feedback")
 
             else:
@@ -277,18 +286,19 @@ class Processor:
                     if store.within_expiry(fb.ts, row.ts):
                         score(row, fb.score, fb.source or "feedback")
                 elif key in stored_interactions:
-                    to_fetch.setdefault(key, fb)
+                    to_fetch.setdefault(key, []).append(fb)  # all of them: the first may be outside the expiry
                 else:
                     wait(fb)
 
         if to_fetch:
             stored = store.fetch_interactions(to_fetch)
-            for key, fb in to_fetch.items():
+            for key, waiting in to_fetch.items():
                 row = stored.get(key)
                 if key in scored:
                     continue
                 if row is None:  # indexed but not found (a hash collision): wait like any early feedback
-                    wait(fb)
-                elif store.within_expiry(fb.ts, row.ts):
+                    for fb in waiting:
+                        wait(fb)
+                elif (fb := first_within(waiting, row)) is not None:
                     score(row, fb.score, fb.source or "feedback")
         return out

@@ -14,8 +14,9 @@ see below):
   feedback        KeyIndex (tenant, id, ts, score, source): feedback events already stored (rows.FEEDBACK_KEY;
                   a resent event comes at a new offset, so offsets would not recognise it)
   dead_letters    KeyIndex (topic, partition, offset): rejected messages already stored
-  pending         PendingFeedback (tenant, id) -> the earliest unjoined FeedbackRow, ingested within the
-                  expiry, at most `max_pending_per_tenant` per tenant
+  pending         PendingFeedback (tenant, id) -> the first unjoined FeedbackRows of the id, in stream order
+                  (at most MAX_WAITING_PER_ID), ingested within the expiry, at most `max_pending_per_tenant`
+                  rows per tenant
   tenants_on_disk frozenset: tenants with a partition in interactions/, feedback/ or trajectories/ at load
                   (batch.py counts the tenants created on the fly from it)
 
@@ -27,14 +28,30 @@ Interaction rows themselves stay on disk and are read back only when feedback ar
 Pending feedback is capped per tenant (config `ingest.max_pending_feedback_per_tenant`) and in all
 (`ingest.max_pending_feedback`; past it, room is made in the tenant holding the most). Feedback may name
 any id (the serving tier's POST /v1/feedback takes whatever id a tenant's key sends), so without a cap a
-flood of ids that never arrive would hold ~0.5 KB per event (measured: 460 bytes with 41-character ids)
-for the whole expiry, in the one process every tenant shares. Beyond the cap the tenant's oldest waiting
-entry leaves memory: it is still in `feedback/` (every feedback event is written before the join is
-decided), but an interaction arriving after that is not scored by it (a later feedback event for the same
-id waits again). Only feedback without its interaction is ever pending: feedback for an interaction that
-has arrived joins at once, so the cap never touches it. At start the same cap holds: of each tenant's
-unjoined feedback within the expiry, the ids whose first feedback came last are kept (`_load_pending`
-picks them in Arrow, one tenant at a time, so a flood on disk is never turned into Python objects).
+flood of ids that never arrive would hold ~0.5 KB per event (measured: 460 bytes with 41-character ids,
+plus 48 for the tuple holding an id's rows) for the whole expiry, in the one process every tenant shares.
+Beyond the cap the tenant's oldest waiting entry leaves memory: it is still in `feedback/` (every feedback
+event is written before the join is decided), but an interaction arriving after that is not scored by it (a
+later feedback event for the same id waits again). Only feedback without its interaction is ever pending:
+feedback for an interaction that has arrived joins at once, so the cap never touches it. At start the same
+cap holds: of each tenant's unjoined feedback within the expiry, the first rows of the ids whose first
+feedback came last are kept (`_load_pending` picks them in Arrow, one tenant at a time, so a flood on disk
+is never turned into Python objects).
+
+Several feedback events for one id: the reward is the first of them (in stream order) whose event time is
+within the expiry of its interaction's, however the batches were cut. While feedback waits, its
+interaction's time is unknown, and the first event may turn out to lie outside it (a skewed client clock,
+an old event sent again) while a later one lies within; keeping only the first per id, as this view did,
+made the outcome depend on whether the interaction came in an earlier batch, the same one or a later one.
+So an id keeps the rows that came for it, in stream order, and the join takes the first within the expiry
+of the interaction when it arrives (batch.py does the same with a batch's feedback for an interaction
+already stored, once it has read its time back). Memory stays bounded: at most MAX_WAITING_PER_ID rows per
+id, later ones left out (the earlier ones win anyway; only a ninth event for one interaction after eight
+outside its expiry is missed), and the caps count rows, not ids. Keeping one row per id and checking the
+window against the interaction's time instead works only where that time is known: for a stored
+interaction, which is how batch.py handles it, not for one still to come. Nothing new is stored: the rows
+are the `feedback/` rows, and a restart takes each id's first MAX_WAITING_PER_ID rows from them (data
+written before this loads the same way).
 
 The interactions file list: each write adds a file per tenant, and the index keeps a row's file number, so
 the list grows with every write while compaction keeps the files on disk few. A join whose file is gone
@@ -57,7 +74,8 @@ this view), so the view never outlives a row that did not land.
 
 Expiry (`expiry_ms`, config `ingest.pending_expiry_hours`): feedback joins an interaction only when their
 event times are at most that far apart; pending feedback leaves memory once it was ingested that long ago
-(entries are held in the order they were ingested, so expiry looks only at the oldest).
+(ids are held in the order their first rows were ingested, so expiry looks only at the oldest; an id with
+rows of different ages is handled as `PendingFeedback.expire` says).
 
 The join relies on co-partitioning: both topics keyed by tenant with the same partition count, and the
 range assignor, so one process sees all of a tenant's interactions and feedback (consumer.py).
@@ -104,18 +122,20 @@ KEY_COLUMNS = {
 }
 MAX_PENDING_PER_TENANT = 100_000  # the default of ingest.max_pending_feedback_per_tenant
 MAX_PENDING = 1_000_000  # the default of ingest.max_pending_feedback (every tenant together)
+MAX_WAITING_PER_ID = 8  # feedback rows kept for one id whose interaction has not arrived (see the docstring)
 LOAD_CHUNK = 65_536  # ids checked against the trajectories index at once when pending feedback is loaded
 # Where a tenant's partition means it exists (dead_letters/ does not: it held names nobody admitted).
 TENANT_DATASETS = ("interactions", "feedback", "trajectories")
 
 
 class PendingFeedback:
-    """(tenant, id) -> the earliest unjoined FeedbackRow, at most `cap` per tenant and `total` in all, oldest
-    dropped first.
+    """(tenant, id) -> the unjoined FeedbackRows of that id in stream order, at most MAX_WAITING_PER_ID of
+    them; at most `cap` rows per tenant and `total` in all, the oldest dropped first.
 
-    One insertion-ordered map per tenant, so the oldest entry of a tenant is found and dropped in O(1). Past
-    `total`, room is made in the tenant holding the most entries (the one flooding, usually the one adding):
-    a tenant under its fair share keeps its feedback while another floods."""
+    One insertion-ordered map per tenant (id -> its rows, placed where the id's first row came), so the
+    oldest row of a tenant is found and dropped in O(1). Past `total`, room is made in the tenant holding
+    the most rows (the one flooding, usually the one adding): a tenant under its fair share keeps its
+    feedback while another floods."""
 
     def __init__(self, cap: int, total: int | None = None) -> None:
         if cap < 1:
@@ -124,10 +144,12 @@ class PendingFeedback:
             raise ValueError(f"the cap on pending feedback in all must be at least 1, got {total}")
         self.cap = cap
         self.total = total
-        self.by_tenant: dict[str, OrderedDict[str, FeedbackRow]] = {}
+        self.by_tenant: dict[str, OrderedDict[str, tuple[FeedbackRow, ...]]] = {}
+        self.held: dict[str, int] = {}  # tenant -> rows it holds (its map counts ids)
         self._size = 0
 
     def __len__(self) -> int:
+        """Rows held (what the caps count), not ids."""
         return self._size
 
     def __contains__(self, key: Key) -> bool:
@@ -135,88 +157,113 @@ class PendingFeedback:
         return waiting is not None and key[1] in waiting
 
     def __iter__(self):
+        """The keys of the ids that have feedback waiting."""
         for tenant, waiting in self.by_tenant.items():
             for id_ in waiting:
                 yield tenant, id_
 
-    def get(self, key: Key) -> FeedbackRow | None:
+    def get(self, key: Key) -> tuple[FeedbackRow, ...]:
+        """The rows waiting for `key`, in stream order; empty when none."""
         waiting = self.by_tenant.get(key[0])
-        return None if waiting is None else waiting.get(key[1])
+        return () if waiting is None else waiting.get(key[1], ())
 
     def add(self, row: FeedbackRow, *, hold_total: bool = True) -> int:
-        """Keeps `row` unless feedback for its (tenant, id) is waiting already (the first one wins). Returns
-        how many entries the caps dropped to make room (0 or 1): the tenant's oldest, or past `total` the
-        oldest of the tenant holding the most. `hold_total=False` leaves `total` to a later `fit_total` (a
-        load adds a tenant's rows at once)."""
+        """Keeps `row` after the rows already waiting for its (tenant, id), unless MAX_WAITING_PER_ID wait
+        already (the earlier ones come first). Returns how many rows left the join (0 or 1): `row` itself
+        when its id is full; else, past the caps, the tenant's oldest, or past `total` the oldest of the
+        tenant holding the most. `hold_total=False` leaves `total` to a later `fit_total` (a load adds a
+        tenant's rows at once)."""
         waiting = self.by_tenant.get(row.tenant)
         if waiting is None:
             waiting = self.by_tenant[row.tenant] = OrderedDict()
-        elif row.id in waiting:
-            return 0
-        waiting[row.id] = row
-        if len(waiting) > self.cap:
-            waiting.popitem(last=False)  # one in, one out: the size is unchanged
+            self.held[row.tenant] = 0
+        rows = waiting.get(row.id, ())
+        if len(rows) >= MAX_WAITING_PER_ID:
             return 1
+        waiting[row.id] = (*rows, row)  # an id already waiting keeps its place
+        self.held[row.tenant] += 1
         self._size += 1
+        if self.held[row.tenant] > self.cap:
+            return self._drop_oldest(row.tenant, 1)  # one in, one out
         if hold_total and self.total is not None and self._size > self.total:
-            largest = max(self.by_tenant, key=lambda t: len(self.by_tenant[t]))
-            self._drop_oldest(largest, 1)
-            return 1
+            return self._drop_oldest(max(self.held, key=self.held.__getitem__), 1)
         return 0
 
     def fit_total(self) -> int:
-        """Drops entries until exactly `total` are left: every tenant above a common level is cut to it (a
+        """Drops rows until exactly `total` are left: every tenant above a common level is cut to it (a
         remainder that does not divide evenly goes one each to the largest), each tenant's oldest first.
         Returns how many went."""
         if self.total is None or self._size <= self.total:
             return 0
-        order = sorted(self.by_tenant, key=lambda t: len(self.by_tenant[t]))
+        order = sorted(self.held, key=self.held.__getitem__)
         room = self.total
         for i, tenant in enumerate(order):  # tenants under an even share of what is left are kept whole
             above = len(order) - i
             share, extra = divmod(room, above)
-            if len(self.by_tenant[tenant]) > share:
+            if self.held[tenant] > share:
                 break
-            room -= len(self.by_tenant[tenant])
+            room -= self.held[tenant]
         dropped = 0
         for k, tenant in enumerate(order[i:]):
             keep = share + (1 if k >= above - extra else 0)
-            dropped += self._drop_oldest(tenant, len(self.by_tenant[tenant]) - keep)
+            dropped += self._drop_oldest(tenant, self.held[tenant] - keep)
         return dropped
 
     def _drop_oldest(self, tenant: str, n: int) -> int:
+        """Drops the tenant's `n` oldest rows: the first rows of its first ids (an id whose first rows go
+        keeps its place with the rest)."""
         waiting = self.by_tenant[tenant]
-        n = max(0, min(n, len(waiting)))
-        for _ in range(n):
-            waiting.popitem(last=False)
-        if not waiting:
-            del self.by_tenant[tenant]
-        self._size -= n
+        n = max(0, min(n, self.held[tenant]))
+        left = n
+        while left:
+            id_, rows = next(iter(waiting.items()))
+            if len(rows) <= left:
+                del waiting[id_]
+                left -= len(rows)
+            else:
+                waiting[id_] = rows[left:]
+                left = 0
+        self._forget(tenant, n)
         return n
 
-    def pop(self, key: Key) -> FeedbackRow | None:
+    def _forget(self, tenant: str, n: int) -> None:
+        """Counts `n` rows of `tenant` as gone (they were taken out of its map)."""
+        self.held[tenant] -= n
+        self._size -= n
+        if not self.by_tenant[tenant]:
+            del self.by_tenant[tenant], self.held[tenant]
+
+    def pop(self, key: Key) -> tuple[FeedbackRow, ...]:
+        """Takes every row waiting for `key` out (its interaction was scored); empty when none."""
         waiting = self.by_tenant.get(key[0])
-        if waiting is None:
-            return None
-        row = waiting.pop(key[1], None)
-        if row is not None:
-            self._size -= 1
-            if not waiting:
-                del self.by_tenant[key[0]]
-        return row
+        rows = () if waiting is None else waiting.pop(key[1], ())
+        if rows:
+            self._forget(key[0], len(rows))
+        return rows
 
     def expire(self, cutoff_ms: int) -> int:
-        """Drops entries ingested before `cutoff_ms`; returns how many went. Entries are kept in the order
-        they were ingested, so only each tenant's oldest are looked at."""
+        """Drops rows ingested before `cutoff_ms`; returns how many went. Ids are kept in the order their
+        first rows were ingested, so only each tenant's first ids are looked at. An id whose older rows
+        expire while a newer one does not moves to the back with that one: it is looked at again once the
+        ids ahead of it have gone, at most one expiry later than exact, and never holds more than its
+        MAX_WAITING_PER_ID rows meanwhile."""
         dropped = 0
         for tenant in list(self.by_tenant):
             waiting = self.by_tenant[tenant]
-            while waiting and next(iter(waiting.values())).ingested_at < cutoff_ms:
-                waiting.popitem(last=False)
-                dropped += 1
-            if not waiting:
-                del self.by_tenant[tenant]
-        self._size -= dropped
+            gone = 0
+            while waiting:
+                id_, rows = next(iter(waiting.items()))
+                if rows[0].ingested_at >= cutoff_ms:
+                    break
+                kept = tuple(r for r in rows if r.ingested_at >= cutoff_ms)
+                gone += len(rows) - len(kept)
+                if kept:
+                    waiting[id_] = kept
+                    waiting.move_to_end(id_)
+                else:
+                    del waiting[id_]
+            self._forget(tenant, gone)
+            dropped += gone
         return dropped
 
 
@@ -284,10 +331,10 @@ class PendingStore:
         return KeyIndex.from_hashes(all_hashes, np.zeros(len(all_hashes), dtype=np.int32))
 
     def _load_pending(self, now_ms: int) -> None:
-        """Per tenant, the earliest unjoined feedback of each id among what was ingested within the expiry,
-        for at most the cap of ids: those whose first feedback came last (as if the cap had dropped the
-        oldest while they came in). Chosen in Arrow, one tenant at a time, so only the rows kept become
-        Python objects."""
+        """Per tenant, the first MAX_WAITING_PER_ID unjoined rows of each id among what was ingested within
+        the expiry, for the ids whose first feedback came last, up to the cap of rows (as if the cap had
+        dropped the oldest while they came in). Chosen in Arrow, one tenant at a time, so only the rows
+        kept become Python objects."""
         self.pending = PendingFeedback(self.pending.cap, self.pending.total)
         cutoff = now_ms - self.expiry_ms
         for tenant in partition_tenants(self.root, "feedback"):
@@ -299,7 +346,7 @@ class PendingStore:
             if table is None or not table.num_rows:
                 continue
             for row in self._unjoined(tenant, table):
-                self.pending.add(row, hold_total=False)
+                self.pending.add(row, hold_total=False)  # past the cap, the oldest rows go, as live
             if self.pending.fit_total():  # so at most one tenant's rows beyond the total are ever held
                 logger.warning(
                     "more than %d feedback events wait for their interactions in all; the oldest of the tenants "
@@ -308,28 +355,43 @@ class PendingStore:
                 )
 
     def _unjoined(self, tenant: str, table: pa.Table) -> list[FeedbackRow]:
-        """Of one tenant's recent feedback: the first row of each id without a trajectory, for the cap of
-        ids whose first row came last, in the order they came."""
+        """Of one tenant's recent feedback, in the order it came: the first MAX_WAITING_PER_ID rows of each
+        id without a trajectory, for the ids whose first row came last, until they pass the cap of rows (by
+        at most the rows of the oldest id taken, whose first ones `add` then drops)."""
         table = table.sort_by([("ingested_at", "ascending"), ("kafka_offset", "ascending")])
-        table = table.append_column("_row", pa.array(np.arange(table.num_rows, dtype=np.int64)))
-        # Each id's first row, newest first: walked until the cap of ids without a trajectory is found.
-        first = np.sort(table.group_by("id", use_threads=False).aggregate([("_row", "min")]).column("_row_min").to_numpy())[::-1]
-        cap, keep = self.pending.cap, []
-        for start in range(0, len(first), LOAD_CHUNK):
-            rows = first[start:start + LOAD_CHUNK]
-            ids = table.column("id").take(pa.array(rows)).to_pylist()
+        encoded = pc.dictionary_encode(table.column("id").combine_chunks())
+        codes = encoded.indices.to_numpy()  # ids numbered 0..n-1, every number used
+        # Rows grouped by id, in stream order within each (a stable sort): where each id's rows start is its
+        # first row, and each row's rank among its id's rows says whether it is one of the first kept.
+        order = np.argsort(codes, kind="stable")
+        starts = np.flatnonzero(np.r_[True, np.diff(codes[order]) != 0])
+        counts = np.diff(np.r_[starts, len(codes)])
+        rank = np.empty(len(codes), dtype=np.int64)
+        rank[order] = np.arange(len(codes)) - np.repeat(starts, counts)
+        first_row, kept_rows = order[starts], np.minimum(counts, MAX_WAITING_PER_ID)  # by id number
+        # Ids newest first (by their first row), walked until their rows without a trajectory pass the cap.
+        newest_first = np.argsort(first_row)[::-1]
+        cap, chosen, held = self.pending.cap, [], 0
+        for start in range(0, len(newest_first), LOAD_CHUNK):
+            numbers = newest_first[start:start + LOAD_CHUNK]
+            ids = encoded.dictionary.take(pa.array(numbers)).to_pylist()
             scored = self.trajectories.present((tenant, id_) for id_ in ids)
-            keep.extend(int(r) for r, id_ in zip(rows, ids) if (tenant, id_) not in scored)
-            if len(keep) > cap:
+            for number, id_ in zip(numbers, ids):
+                if (tenant, id_) not in scored:
+                    chosen.append(number)
+                    held += int(kept_rows[number])
+                    if held > cap:
+                        break
+            if held > cap:
                 logger.warning(
                     "tenant %s: more than %d feedback events wait for their interactions; the oldest are left out "
                     "of the join (ingest.max_pending_feedback_per_tenant; they stay in feedback/)", tenant, cap,
                 )
-                del keep[cap:]
                 break
-        chosen = table.take(pa.array(sorted(keep), pa.int64()))
-        ms = {c: chosen.column(c).cast(pa.int64()).to_pylist() for c in ("ts", "ingested_at")}
-        columns = [ms[f] if f in ms else chosen.column(f).to_pylist() for f in FeedbackRow._fields]
+        keep = np.flatnonzero(np.isin(codes, np.asarray(chosen, dtype=codes.dtype)) & (rank < MAX_WAITING_PER_ID))
+        chosen_rows = table.take(pa.array(keep, pa.int64()))
+        ms = {c: chosen_rows.column(c).cast(pa.int64()).to_pylist() for c in ("ts", "ingested_at")}
+        columns = [ms[f] if f in ms else chosen_rows.column(f).to_pylist() for f in FeedbackRow._fields]
         return [FeedbackRow(*values) for values in zip(*columns)]
 
     # --- questions ------------------------------------------------------------------------------------

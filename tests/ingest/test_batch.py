@@ -1,20 +1,25 @@
 """The join and the dedup, without Kafka: batches of records -> Parquet through the real store view.
 
 Covers: feedback before / after its interaction, across a restart (the view rebuilt from the datasets),
-days apart within and beyond the expiry; the per-tenant cap on pending feedback (also after a restart);
+days apart within and beyond the expiry; the first feedback within the expiry wins however the batches are
+cut; the per-tenant cap on pending feedback (also after a restart);
 the first score wins; inline rewards and scorer functions; integers too large for a float (in an event, or
 from a scorer) dead-lettered without stopping the batch;
 scorer failures and unknown tenants dead-lettered (under `_unknown`), the cap on tenants created on the fly; replays of any range write nothing twice; a batch
 decided while the previous one is still being written (consumer.py's pipelining) decides the same.
 """
 
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ingest.index as index_module
+import ingest.pending as pending_module
 from ingest.batch import Processor, Record
 from ingest.consumer import BatchWrite, write_output
 from ingest.events import FeedbackEvent, InteractionEvent, encode
@@ -213,6 +218,59 @@ def test_days_apart_within_and_beyond_the_expiry(h):
     assert h.table("feedback").num_rows == 2  # every feedback event is kept
 
 
+# One interaction X and two feedback events for it, expiry 24 h: F1 30 days off X (score -1), then F2 one hour off
+# (score +1). The first feedback within the expiry of X wins, wherever the batches were cut: F2, reward 1.0.
+# F1 alone was remembered when it came first (for a stored X, or waiting for X), so F2 was never tried.
+LAYOUTS = {
+    "[X] [F1, F2]": [["X"], ["F1", "F2"]],
+    "[F1, F2] [X]": [["F1", "F2"], ["X"]],
+    "[X] [F1] [F2]": [["X"], ["F1"], ["F2"]],
+    "[X, F1, F2]": [["X", "F1", "F2"]],
+    "[F1] [F2] [X]": [["F1"], ["F2"], ["X"]],
+    "[F1, F2, X]": [["F1", "F2", "X"]],
+    "[F1, X, F2]": [["F1", "X", "F2"]],
+    "[F1, F2] restart [X]": [["F1", "F2"], "restart", ["X"]],
+    "[F1] restart [F2] [X]": [["F1"], "restart", ["F2"], ["X"]],
+    "[X] restart [F1, F2]": [["X"], "restart", ["F1", "F2"]],
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_first_feedback_within_the_expiry_wins_however_the_batches_are_cut(data_dir, layout):
+    h = Harness(data_dir, expiry_hours=24)
+    x_ts = T0 + timedelta(days=40)
+    events = {"X": inter("a", ts=x_ts), "F1": fb("a", -1.0, ts=x_ts - timedelta(days=30)),
+              "F2": fb("a", 1.0, ts=x_ts + timedelta(hours=1))}
+    for batch in LAYOUTS[layout]:
+        if batch == "restart":
+            h.restart()
+        else:
+            h.feed(*(events[name] for name in batch))
+    assert h.rewards() == [("a", 1.0, "feedback")]
+    assert not h.store.pending and h.table("feedback").num_rows == 2
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([-50, -30, -24, -1, 0, 12, 25, 40]), st.sampled_from([-1.0, 0.0, 0.5, 1.0])),
+                min_size=1, max_size=pending_module.MAX_WAITING_PER_ID),
+       st.data())
+def test_the_reward_does_not_depend_on_where_batches_are_cut_or_restarts_fall(feedback, data):
+    """Any order of one interaction and its feedback (hours off it, expiry 24 h), cut into batches anyhow,
+    with restarts anywhere: the reward is the first feedback in stream order within 24 h of it, or none."""
+    stream = [fb("a", score, ts=T0 + timedelta(hours=hours)) for hours, score in feedback]
+    stream.insert(data.draw(st.integers(0, len(stream)), label="where X comes"), inter("a", ts=T0))
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(stream) - 1)), label="cuts")) if len(stream) > 1 else []
+    restarts = data.draw(st.lists(st.booleans(), min_size=len(cuts), max_size=len(cuts)), label="restarts")
+    with tempfile.TemporaryDirectory() as root:
+        h = Harness(root, expiry_hours=24)
+        for start, end, restart in zip([0, *cuts], [*cuts, len(stream)], [False, *restarts]):
+            if restart:
+                h.restart()
+            h.feed(*stream[start:end])
+        expected = next((score for hours, score in feedback if abs(hours) <= 24), None)
+        assert h.rewards() == ([] if expected is None else [("a", expected, "feedback")])
+
+
 def test_pending_feedback_leaves_memory_after_the_expiry(h):
     h.feed(fb("a", 0.5))
     assert h.store.expire(NOW_MS + 71 * HOUR_MS) == 0
@@ -244,8 +302,9 @@ def test_the_cap_holds_after_a_restart_keeping_the_newest(data_dir, monkeypatch)
         h.feed(fb(f"x{i}", 0.5), now_ms=NOW_MS + i * 60_000)
     h.feed(fb("x4", -1.0), inter("x3"), now_ms=NOW_MS + 5 * 60_000)  # x3 joined: not pending any more
     h.restart(now_ms=NOW_MS + 6 * 60_000)
-    assert sorted(h.store.pending) == [("fb", "x1"), ("fb", "x2"), ("fb", "x4")]
-    assert h.store.pending.get(("fb", "x4")).score == 0.5  # the earliest feedback still wins
+    # The cap counts rows: x4's two take two of the three places, the newest id before it the third.
+    assert sorted(h.store.pending) == [("fb", "x2"), ("fb", "x4")] and len(h.store.pending) == 3
+    assert [f.score for f in h.store.pending.get(("fb", "x4"))] == [0.5, -1.0]  # in the order they came
     h.feed(inter("x4"), inter("x0"))
     assert h.rewards() == [("x3", 0.5, "feedback"), ("x4", 0.5, "feedback")]
 

@@ -1,7 +1,8 @@
 """ingest.pending: the store view follows compaction: a join reads the compacted file that replaced its
-interaction's file (not the tenant's whole dataset), and the file list stays near the live files."""
+interaction's file (not the tenant's whole dataset), and the file list stays near the live files. Pending
+feedback keeps the first rows of each id in the order they came, the caps counting rows, live and reloaded."""
 
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
@@ -10,6 +11,7 @@ from ingest.batch import Processor, Record
 from ingest.consumer import write_output
 from ingest.events import FeedbackEvent, InteractionEvent, encode
 from ingest.pending import PendingStore
+from ingest.rows import FeedbackRow
 from storage.compact import compact
 from storage.parquet import live_files, read_dataset
 
@@ -103,3 +105,57 @@ def test_without_compaction_the_index_is_not_rebuilt(data_dir, monkeypatch):
     for i in range(30):
         ing.feed(inter(f"a{i}", "fa"))
     assert len(loads) == 1 and len(ing.store.files) == 30
+
+
+# ---------------------------------------------------------------------------------------------------------
+# PendingFeedback: several rows may wait for one id (the first may turn out outside its interaction's expiry).
+
+
+def row(id_, n, tenant="fa", ts=NOW_MS, ingested_at=NOW_MS):
+    return FeedbackRow(id_, tenant, ts, 0.5, None, "f", 0, n, ingested_at)
+
+
+def offsets(waiting: pending.PendingFeedback, key):
+    return [r.kafka_offset for r in waiting.get(key)]
+
+
+def test_rows_of_one_id_wait_in_the_order_they_came_up_to_the_limit_per_id():
+    waiting = pending.PendingFeedback(cap=100)
+    assert [waiting.add(row("a", n)) for n in range(pending.MAX_WAITING_PER_ID + 2)] == [0] * 8 + [1, 1]
+    assert offsets(waiting, ("fa", "a")) == list(range(pending.MAX_WAITING_PER_ID))  # the later ones are left out
+    assert len(waiting) == pending.MAX_WAITING_PER_ID and list(waiting) == [("fa", "a")]
+    assert waiting.get(("fa", "nope")) == () and waiting.pop(("fa", "nope")) == ()
+    assert len(waiting.pop(("fa", "a"))) == pending.MAX_WAITING_PER_ID and not waiting and len(waiting) == 0
+
+
+def test_the_caps_count_rows_and_drop_the_oldest_rows_first():
+    waiting = pending.PendingFeedback(cap=3, total=4)
+    waiting.add(row("a", 0)), waiting.add(row("b", 1)), waiting.add(row("a", 2))
+    assert waiting.add(row("c", 3)) == 1  # the tenant's oldest row goes: a's first; a keeps its place
+    assert list(waiting) == [("fa", "a"), ("fa", "b"), ("fa", "c")] and offsets(waiting, ("fa", "a")) == [2]
+    assert waiting.add(row("x", 4, tenant="fb")) == 0 and waiting.add(row("y", 5, tenant="fb")) == 1  # past 4 in all
+    assert len(waiting) == 4 and offsets(waiting, ("fa", "a")) == []  # fa held the most: its oldest went
+    assert waiting.held == {"fa": 2, "fb": 2}
+
+
+def test_expiry_drops_old_rows_and_an_id_left_with_newer_ones_moves_back():
+    waiting = pending.PendingFeedback(cap=100)
+    waiting.add(row("a", 0, ingested_at=NOW_MS))
+    waiting.add(row("b", 1, ingested_at=NOW_MS + 1))
+    waiting.add(row("a", 2, ingested_at=NOW_MS + 5))
+    assert waiting.expire(NOW_MS + 2) == 2  # a's first row and b
+    assert list(waiting) == [("fa", "a")] and offsets(waiting, ("fa", "a")) == [2] and len(waiting) == 1
+    waiting.add(row("c", 3, ingested_at=NOW_MS + 6))
+    assert waiting.expire(NOW_MS + 6) == 1 and list(waiting) == [("fa", "c")]
+
+
+def test_a_restart_loads_the_first_rows_of_each_id_in_the_order_they_came(data_dir):
+    """A flood of feedback for one id on disk becomes at most MAX_WAITING_PER_ID Python rows."""
+    ing = Ingest(data_dir)
+    ing.feed(*(FeedbackEvent(id="a", tenant="fa", score=1.0, ts=T0 + timedelta(seconds=s)) for s in range(20)),
+             fb("b", "fa"), FeedbackEvent(id="b", tenant="fa", score=-1.0, ts=T0))
+    live = {key: ing.store.pending.get(key) for key in ing.store.pending}
+    again = PendingStore.load(data_dir, expiry_ms=72 * 3_600_000, now_ms=NOW_MS)
+    assert {key: again.pending.get(key) for key in again.pending} == live
+    assert [r.ts for r in live[("fa", "a")]] == [NOW_MS + 1000 * s for s in range(pending.MAX_WAITING_PER_ID)]
+    assert [r.score for r in live[("fa", "b")]] == [1.0, -1.0]
