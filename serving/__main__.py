@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import functools
 import logging
+import shutil
 import signal
 import socket
 import sys
@@ -59,7 +60,7 @@ async def serve(cfg, host: str, port: int) -> int:
 
     from ingest.broker import ensure_topics
     from serving.adapter_check import base_linear_shapes, validate_adapter
-    from serving.adapters import AdapterSet
+    from serving.adapters import AdapterSet, stage_directory
     from serving.api import Api, create_app, default_request_bytes
     from serving.auth import Authenticator
     from serving.engine import build_engine
@@ -84,7 +85,7 @@ async def serve(cfg, host: str, port: int) -> int:
     )
     events = None
     stop = asyncio.Event()
-    watcher = monitor = None
+    watcher = monitor = stage = None
     engine_died = False
     try:
         await engine.start()
@@ -93,7 +94,8 @@ async def serve(cfg, host: str, port: int) -> int:
         check = functools.partial(
             validate_adapter, max_rank=s.max_lora_rank, base_shapes=base_linear_shapes(model_path)
         )
-        adapters = AdapterSet(engine, registry, tenants, check, metrics, base_name=cfg.model.name)
+        stage = stage_directory(DataDir(cfg.data_dir).state / "serving-adapters")
+        adapters = AdapterSet(engine, registry, tenants, check, metrics, base_name=cfg.model.name, stage_dir=stage)
         await adapters.refresh()
         try:
             ensure_topics(cfg.kafka.bootstrap, [cfg.kafka.interactions_topic, cfg.kafka.feedback_topic],
@@ -156,6 +158,8 @@ async def serve(cfg, host: str, port: int) -> int:
         if events is not None:
             events.close()
         engine.shutdown()
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
         logger.info("serving stopped")
     return 1 if engine_died else 0
 

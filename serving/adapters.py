@@ -16,6 +16,15 @@ Requests take a `Lease` (`acquire`) for the whole generation and give it back wh
 engine when its last lease is released (or at once if it had none). Explicitly requested older
 versions (`<tenant>@<n>`) are loaded on demand the same way and leave when unused.
 
+Each version is loaded from serving's own copy of its files (`stage_dir`, hard links where the file system
+allows, one directory per load), made before it is checked, so what is checked is what is loaded.
+The registry deletes a retired version's files at once, while the engine may still need them: vLLM keeps
+`max_cpu_loras` adapters in memory and reads an evicted one again from its path when a request wants it
+(a leased old version, an explicit `<tenant>@<n>`, a current version an operator just retired), and a
+missing path there fails the engine step, for every tenant. The copy goes when the version leaves the
+engine; `stage_directory` gives each serving process its own directory and removes those of this host's
+dead processes.
+
 Everything here runs on the event loop (one thread), so the tables need no locks; the slow parts
 (registry reads, validation) go to worker threads and the engine calls are awaited.
 
@@ -27,6 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
+import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -98,11 +110,15 @@ class AdapterSet:
         *,
         base_name: str = "base",
         clock: Callable[[], float] = time.time,
+        stage_dir: Path | None = None,
     ) -> None:
         """`check(path)` validates an adapter directory and raises `AdapterRejected` (adapter_check.py);
         `base_name` (the config's `model.name`) labels what the base model serves, so a client can send the
-        label back as `model`."""
+        label back as `model`; `stage_dir` (this process's, from `stage_directory`) holds the copies versions
+        are loaded from (None: loaded from the registry's files, for tests whose registry deletes nothing)."""
         self.engine = engine
+        self.stage_dir = stage_dir
+        self._staged = 0  # copies made: each has its own directory, so a copy is never reused
         self.base_name = base_name
         self.registry = registry
         self.tenants = tuple(tenants)
@@ -264,7 +280,13 @@ class AdapterSet:
             return await self._load(tenant, number, path)  # it was used and unloaded while we waited
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._loading[key] = future
+        source = path
+        if self.stage_dir is not None:
+            self._staged += 1
+            path = self.stage_dir / f"{tenant}@{number}.{self._staged}"
         try:
+            if path != source:
+                await asyncio.to_thread(_stage, source, path)
             await asyncio.to_thread(self.check, path)
             handle = self.engine.new_handle(f"{tenant}@{number}", path)
             await self.engine.load_adapter(handle)
@@ -273,6 +295,7 @@ class AdapterSet:
             future.set_result(loaded)
             return loaded
         except BaseException as e:
+            self._discard_stage(path)
             future.set_exception(e)
             future.exception()  # mark retrieved: concurrent waiters (if any) re-raise it themselves
             raise
@@ -316,6 +339,11 @@ class AdapterSet:
             logger.info("adapter %s (id %d) left the engine", handle.name, handle.lora_id)
         except Exception:  # the engine drops it on eviction anyway; nothing else to do
             logger.exception("could not unload adapter %s (id %d)", handle.name, handle.lora_id)
+        self._discard_stage(handle.path)  # its id is never used again, so the engine never reads the copy again
+
+    def _discard_stage(self, path: Path) -> None:
+        if self.stage_dir is not None and path.parent == self.stage_dir:
+            shutil.rmtree(path, ignore_errors=True)
 
     def _spawn(self, coro: Awaitable) -> None:
         task = asyncio.ensure_future(coro)
@@ -333,3 +361,46 @@ class AdapterSet:
             v.handle.name: {"lora_id": v.handle.lora_id, "leases": v.leases, "current": v.current}
             for v in self._loaded.values()
         }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Serving's copies of adapter files
+
+
+def stage_directory(root: Path) -> Path:
+    """This process's directory under `root` for the adapter copies it loads (empty), after removing those
+    of this host's serving processes that are gone (a crash leaves its copies behind)."""
+    host = socket.gethostname()
+    root.mkdir(parents=True, exist_ok=True)
+    for d in root.iterdir():
+        owner, _, pid = d.name.rpartition("-")
+        if owner == host and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+    mine = root / f"{host}-{os.getpid()}"
+    shutil.rmtree(mine, ignore_errors=True)  # a process before this one had the same id
+    mine.mkdir()
+    return mine
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _stage(source: Path, target: Path) -> None:
+    """`target`: the adapter directory `source`'s files, hard-linked (copied across file systems). The
+    registry never rewrites a file in place (it writes new ones and renames), so a link is a snapshot."""
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(source, target, copy_function=link)

@@ -9,7 +9,7 @@ import pytest
 
 from make_adapter import write_peft_adapter
 from serving.adapter_check import base_linear_shapes, validate_adapter
-from serving.adapters import AdapterSet, UnknownVersion
+from serving.adapters import AdapterSet, UnknownVersion, stage_directory
 from serving.engine import AdapterHandle
 from serving.metrics import ServingMetrics
 from storage.registry import Registry
@@ -234,3 +234,56 @@ def test_a_transient_failure_is_tried_again_on_the_next_poll_and_logged_once(wor
         assert set(engine.loaded.values()) == {"acme@2"}
 
     run(scenario())
+
+
+def test_versions_load_from_servings_own_copy_which_outlives_the_registrys_files(tmp_path, tiny_model):
+    """The registry deletes a retired version's files at once; vLLM reads an evicted adapter again from its
+    path. Serving's copy (hard links) keeps the path good until the version leaves the engine."""
+    registry = Registry(tmp_path / "data", keep_last=1)
+    checked = []
+
+    def check(path):
+        checked.append(path)
+        validate_adapter(path, max_rank=16, base_shapes=base_linear_shapes(tiny_model))
+
+    engine = FakeEngine()
+    stage = stage_directory(tmp_path / "stage")
+    adapters = AdapterSet(engine, registry, ["acme"], check, ServingMetrics(), stage_dir=stage)
+
+    def publish(seed):
+        v = registry.create("acme", parent=None, write=lambda d: write_peft_adapter(tiny_model, d, seed=seed, rank=4))
+        return registry.publish("acme", v.number)
+
+    async def scenario():
+        v1 = publish(seed=1)
+        await adapters.refresh()
+        held = await adapters.acquire("acme")  # a request still running on acme@1
+        copy = held.adapter.path
+        assert copy.parent == stage and checked == [copy]  # what is loaded is what was checked
+        original = (v1.path / "adapter_model.safetensors").read_bytes()
+        publish(seed=2)  # keep_last 1: acme@1 is retired and its files deleted
+        await adapters.refresh()
+        assert not v1.path.exists() and adapters.current("acme") == "acme@2"
+        assert (copy / "adapter_model.safetensors").read_bytes() == original  # the engine can still read it
+        held.release()
+        await adapters.drain()
+        assert not copy.exists() and sorted(p.name for p in stage.iterdir()) == ["acme@2.2"]  # acme@2's copy
+
+    run(scenario())
+
+
+def test_a_stage_directory_of_a_dead_process_on_this_host_is_removed(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    gone = tmp_path / f"{host}-{int(dead.stdout)}"
+    other_host = tmp_path / "elsewhere-1"
+    for d in (gone, other_host):
+        (d / "7").mkdir(parents=True)
+    mine = stage_directory(tmp_path)
+    assert mine.name == f"{host}-{os.getpid()}" and list(mine.iterdir()) == []
+    assert not gone.exists() and other_host.exists()  # another host's processes are not ours to judge
