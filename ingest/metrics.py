@@ -2,7 +2,8 @@
 
 Reported: events/s, rows written per dataset, duplicates skipped, dead letters by reason, consumer lag per
 partition, pending feedback, pending feedback dropped from memory by reason (`over_cap`: the tenant's cap,
-ingest.max_pending_feedback_per_tenant, made room for newer feedback; `expired`: waited longer than
+ingest.max_pending_feedback_per_tenant, or the total cap made room for newer feedback, or an id already
+had 8 feedback events waiting; `expired`: waited longer than
 ingest.pending_expiry_hours; either way the event stays in feedback/), flush time. Prometheus metrics live in a registry of their own (so several
 Ingest objects in one test process do not collide) and are served on 127.0.0.1:`port` when the port is
 non-zero (config `ingest.metrics_port`).
