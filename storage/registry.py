@@ -524,6 +524,8 @@ class Registry:
         """Rename without fsync: a hint a crash undid is an older hint, which is still right. A write that
         fails leaves the older hint too, so it is logged, not raised: the change it follows is committed."""
         path = self._index_path(tenant)
+        if not path.parent.is_dir():  # a tenant without versions (a learner's first look): nothing to hint
+            return
         tmp = tmp_name(path)
         try:
             tmp.write_bytes(_dumps({"format": INDEX_FORMAT, "last": last, "open": sorted(open_)}))
