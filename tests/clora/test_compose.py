@@ -1,6 +1,10 @@
-"""compose.yaml describes a real deployment: Kafka in KRaft mode, serving, ingest, learner, one data volume."""
+"""compose.yaml describes a real deployment: Kafka in KRaft mode, serving, ingest, the learner and the compactor,
+one data volume. The commands are executed here with stand-in executables (no docker needed)."""
 
+import os
+import re
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -11,20 +15,155 @@ pytestmark = pytest.mark.unit
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
 
+CLORA_SERVICES = ("serving", "serving-cpu", "ingest", "learner", "learner-cpu", "compactor")
+
+# What each service must exec once clora is installed (the last command its shell runs).
+SERVICE_COMMANDS = {
+    "serving": ["python3", "-m", "serving", "--host", "0.0.0.0"],
+    "serving-cpu": ["python3", "-m", "serving", "--host", "0.0.0.0"],
+    "ingest": ["python3", "-m", "ingest", "--drain-on-stop"],
+    "learner": ["python3", "-m", "learner"],
+    "learner-cpu": ["python3", "-m", "learner"],
+    "compactor": ["clora", "compact", "--every", "600"],
+}
+
+# The stand-ins put first on PATH: each appends its name and argv (tab-separated) to a log and exits 0, or 1
+# when named in `failing`. `rm` is faked too, so that running a command never deletes anything on this host.
+FAKE_EXECUTABLES = ("rm", "cp", "pip", "python", "python3", "clora")
+
+
+def _spec():
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _gpu_reserved(svc) -> bool:
+    devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    return any("gpu" in d.get("capabilities", []) for d in devices)
+
+
+def _interpolate(value: str) -> str:
+    """Compose's interpolation as a container sees it, with nothing set on the host: ${NAME:-default} and
+    ${NAME-default} give the default, $${...} / $$ give a literal $. Anything else with a $ would be filled from
+    the host's environment, which these files must not depend on."""
+    out, i = [], 0
+    for m in re.finditer(r"\$\$|\$\{[A-Za-z_][A-Za-z0-9_]*:?-([^}]*)\}|\$", value):
+        out.append(value[i:m.start()])
+        token = m.group(0)
+        if token == "$$":
+            out.append("$")
+        elif token == "$":
+            raise AssertionError(f"unescaped $ (compose would interpolate it from the host): {value!r}")
+        else:
+            out.append(m.group(1))
+        i = m.end()
+    out.append(value[i:])
+    return "".join(out)
+
+
+def _make_fakes(directory: Path, log: Path, failing=()):
+    directory.mkdir()
+    for name in FAKE_EXECUTABLES:
+        fake = directory / name
+        fake.write_text(
+            "#!/bin/sh\n"
+            f"# fake {name} for test_compose: records its argv\n"
+            f"{{ printf '%s' '{name}'; for a in \"$@\"; do printf '\\t%s' \"$a\"; done; printf '\\n'; }} >> '{log}'\n"
+            f"exit {1 if name in failing else 0}\n"
+        )
+        fake.chmod(fake.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+def _run_service_command(name: str, svc: dict, tmp_path: Path, failing=()):
+    """Run `name`'s command as its container would: entrypoint /bin/sh -c, the command after compose's
+    interpolation, the service's environment, PATH starting with the fakes. Returns (returncode, stderr, calls)."""
+    assert svc["entrypoint"] == ["/bin/sh", "-c"], name
+    command = svc["command"]
+    # A list of one string: `sh -c STRING`. A plain string would be split into words by compose first.
+    assert isinstance(command, list) and len(command) == 1, (name, command)
+    script = _interpolate(command[0])
+    work = tmp_path / name
+    work.mkdir()
+    log = work / "calls.log"
+    log.touch()
+    fakes = work / "fakes"
+    _make_fakes(fakes, log, failing)
+    env = {k: _interpolate(str(v)) for k, v in svc.get("environment", {}).items()}
+    env["PATH"] = os.pathsep.join([str(fakes), "/usr/bin", "/bin"])
+    out = subprocess.run(["/bin/sh", "-c", script], cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    calls = [line.split("\t") for line in log.read_text().splitlines()]
+    return out.returncode, out.stderr, calls
+
+
+def _expected_install(name: str, svc: dict):
+    """The install steps, checked call by call: each must run as its own command with its own arguments."""
+    fresh_copy = [["rm", "-rf", "/tmp/clora-src"], ["cp", "-r", "/app", "/tmp/clora-src"]]
+    if name == "serving-cpu":  # its own image (python:3.11-slim) and the cpu extra
+        return [
+            *fresh_copy,
+            ["pip", "install", "-q", "/tmp/clora-src[cpu]"],
+            ["pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+            ["clora", "model", "tiny"],
+        ]
+    light = svc["environment"]["CLORA_INSTALL"].rsplit("pip install -q", 1)[1].split()
+    assert {"kafka-python", "duckdb", "pyarrow", "peft"} <= set(light), light
+    return [*fresh_copy, ["pip", "install", "-q", "--no-deps", "/tmp/clora-src"], ["pip", "install", "-q", *light]]
+
 
 def test_services_volumes_and_health():
-    spec = yaml.safe_load(COMPOSE.read_text())
+    spec = _spec()
     services = spec["services"]
-    assert {"kafka", "serving", "ingest", "learner"} <= set(services)
+    assert {"kafka", *CLORA_SERVICES} <= set(services)
     assert "KAFKA_PROCESS_ROLES" in services["kafka"]["environment"]  # KRaft, no ZooKeeper
     for name in ("kafka", "serving"):
         assert "healthcheck" in services[name], name
-    for name in ("serving", "ingest", "learner"):
+    for name in CLORA_SERVICES:
         svc = services[name]
         assert any(str(v).startswith("clora-data:") for v in svc["volumes"]), name
-        assert svc["environment"]["CLORA_KAFKA_BOOTSTRAP"] == "kafka:9092"
-        assert svc["depends_on"]["kafka"]["condition"] == "service_healthy"
+        assert svc["environment"]["CLORA_KAFKA_BOOTSTRAP"] == "kafka:9092", name
+        assert svc["depends_on"]["kafka"]["condition"] == "service_healthy", name
     assert all(p.startswith("127.0.0.1:") for p in services["serving"]["ports"])
+
+
+@pytest.mark.parametrize("name", CLORA_SERVICES)
+def test_service_command_installs_clora_then_execs_the_service(name, tmp_path):
+    svc = _spec()["services"][name]
+    rc, stderr, calls = _run_service_command(name, svc, tmp_path)
+    assert rc == 0, stderr
+    assert calls == [*_expected_install(name, svc), SERVICE_COMMANDS[name]], stderr
+
+
+@pytest.mark.parametrize("name", CLORA_SERVICES)
+def test_failed_install_does_not_start_the_service(name, tmp_path):
+    """A pip that fails stops the command (the container restarts and tries again) instead of starting the
+    service without clora installed."""
+    svc = _spec()["services"][name]
+    rc, _, calls = _run_service_command(name, svc, tmp_path, failing=("pip",))
+    assert rc != 0
+    assert ["pip", "install"] == calls[-1][:2], calls
+    assert SERVICE_COMMANDS[name] not in calls
+
+
+def test_cpu_trial_needs_no_gpu_and_learners_reach_serving():
+    spec = _spec()
+    services = spec["services"]
+    for name in ("serving-cpu", "learner-cpu"):
+        assert services[name].get("profiles") == ["cpu"], name
+        assert not _gpu_reserved(services[name]), name
+    assert not _gpu_reserved(services["compactor"])
+    for name in ("serving", "learner"):
+        assert _gpu_reserved(services[name]), name
+    # learner-cpu is the learner without the GPU: same command, same environment but for where serving is
+    assert services["learner-cpu"]["command"] == services["learner"]["command"]
+    assert services["learner"]["environment"]["CLORA_SERVING_URL"] == "http://serving:8000"
+    assert services["learner-cpu"]["environment"]["CLORA_SERVING_URL"] == "http://serving-cpu:8000"
+    without_url = {n: {k: v for k, v in services[n]["environment"].items() if k != "CLORA_SERVING_URL"}
+                   for n in ("learner", "learner-cpu")}
+    assert without_url["learner"] == without_url["learner-cpu"] == spec["x-clora"]["environment"]
+    # the CPU-only command in the header comment names services that exist and reserve no GPU, compactor included
+    header = next(line for line in COMPOSE.read_text().splitlines() if "--profile cpu up" in line)
+    named = header.split("up -d", 1)[1].split("#", 1)[0].split()
+    assert set(named) == {"kafka", "serving-cpu", "ingest", "learner-cpu", "compactor"}, header
+    assert not any(_gpu_reserved(services[n]) for n in named)
 
 
 def _compose_cli():
