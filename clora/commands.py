@@ -114,7 +114,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not tenants:
         print("clora simulate: the config has no tenants")
         return 2
-    url = args.url or f"http://{cfg.serving.host}:{cfg.serving.port}"
+    url = args.url or cfg.serving.local_url
     sim = Simulator(url, tenants, rate=args.rate, duration=args.seconds, seed=args.seed, max_tokens=args.max_tokens)
     sim.run()
     for name, s in summarise(sim.records, tenants).items():

@@ -115,6 +115,14 @@ class ServingConfig(_Strict):
         "when tenants can reach the port.", json_schema_extra=env("CLORA_ADMIN_KEY")
     )
     port: int = Field(8000, ge=1, le=65535, description="Port of the HTTP API.", json_schema_extra=env("CLORA_PORT"))
+
+    @property
+    def local_url(self) -> str:
+        """Where a client on this machine reaches the API: a wildcard bind address is reached on loopback,
+        and an IPv6 address goes in brackets."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
     max_loras: int = Field(8, ge=1, description="Adapters that may take part in one engine batch.")
     max_cpu_loras: int = Field(16, ge=1, description="Adapters kept loaded (warm) in the engine.")
     max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank the engine accepts.")
@@ -244,6 +252,12 @@ class LearnerConfig(_Strict):
         "serving",
         description="Rollouts mode: sample through the serving tier's HTTP API, or with the learner's own model.",
     )
+    serving_url: str | None = Field(
+        None,
+        description="Where rollouts reach the serving tier, e.g. http://serving:8000 in another container. "
+        "Unset: http://<serving.host>:<serving.port>, the serving process on this machine.",
+        json_schema_extra=env("CLORA_SERVING_URL"),
+    )
     max_new_tokens: int = Field(32, ge=1, description="Completion length of rollouts and of the gate's probes.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient norm clip of every update.")
@@ -308,7 +322,7 @@ class TenantConfig(_Strict):
             raise ValueError(f"unknown scorer kind {kind!r}; expected one of {', '.join(SCORER_KINDS)}")
         if kind in SCORERS_WITH_ARGUMENT and not arg:
             raise ValueError(f"scorer {kind!r} needs an argument, e.g. {kind}:...")
-        if kind == "length" and not arg.isdigit():
+        if kind == "length" and not (arg.isdigit() and int(arg) > 0):
             raise ValueError(f"scorer 'length' needs a positive integer target, got {arg!r}")
         if kind == "regex":
             try:
@@ -324,7 +338,14 @@ class Config(_Strict):
     data_dir: Path = Field(
         Path(".clora"), description="Root of everything clora keeps on disk.", json_schema_extra=env("CLORA_DATA_DIR")
     )
-    log_level: str = Field("INFO", description="Logging level of every process.", json_schema_extra=env("CLORA_LOG_LEVEL"))
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
+        "INFO", description="Logging level of every process.", json_schema_extra=env("CLORA_LOG_LEVEL")
+    )
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level_any_case(cls, v):
+        return v.upper() if isinstance(v, str) else v
 
     @field_validator("data_dir", mode="before")
     @classmethod
@@ -456,7 +477,7 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
         except OSError as e:  # a directory, no permission, an I/O error
             raise ConfigError(f"config file {file} cannot be read: {e}") from e
     for keys, var in _env_fields(Config):
-        if var not in environ:
+        if not environ.get(var):  # unset, or set to nothing (compose's `${X:-}`): the file's value stands
             continue
         node = raw
         for k in keys[:-1]:

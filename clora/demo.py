@@ -88,7 +88,7 @@ def run_demo(cfg, *, minutes: float, rate: float, preferences: list[str], seed: 
     )
     demo_cfg = load_config(config_path, environ={})
     sim_tenants = tenants_from_config(demo_cfg, preferences)
-    base_url = f"http://{demo_cfg.serving.host}:{demo_cfg.serving.port}"
+    base_url = demo_cfg.serving.local_url
     sim = Simulator(base_url, sim_tenants, rate=rate, duration=minutes * 60, seed=seed)
     done = threading.Event()
     started = {}
@@ -122,7 +122,9 @@ def run_demo(cfg, *, minutes: float, rate: float, preferences: list[str], seed: 
         outcome["stopped_at"] = time.time()
         sim.stop.set()
 
-    code = up(demo_cfg, str(config_path), until=done.is_set, on_stop=stop_traffic)
+    # The children read the demo's own file only, as demo_cfg was: CLORA_DATA_DIR or CLORA_KAFKA_BOOTSTRAP set
+    # for a real deployment must not send the demo's processes into its data or its Kafka group.
+    code = up(demo_cfg, str(config_path), until=done.is_set, on_stop=stop_traffic, file_only=True)
     finished = outcome.get("finished", done.is_set())
     if code != 0:
         print("demo: the stack failed; see the log above")

@@ -30,11 +30,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from clora.processes import die_with_parent, terminate
 
 logger = logging.getLogger("clora.up")
+
+INGEST_DRAIN_EMBEDDED_S = 900.0  # how long a stopping ingest may drain the embedded broker's topics
+
 
 @dataclass
 class ChildSpec:
@@ -43,7 +46,7 @@ class ChildSpec:
     healthy: Callable[[int], bool]  # given the child's pid
     start_timeout: float = 120.0
     stop_timeout: float = 60.0
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str | None] = field(default_factory=dict)  # on top of up's own environment; None: unset
     restart_note: str = ""  # said each time the child is restarted after a crash: what the restart cost
 
 
@@ -66,7 +69,7 @@ class Child:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **self.spec.env},
+            env={k: v for k, v in {**os.environ, **self.spec.env}.items() if v is not None},
             start_new_session=True,  # Ctrl-C reaches only `up`, which stops children in order
             preexec_fn=die_with_parent(),
             text=True,
@@ -213,8 +216,10 @@ def _print_prefixed(name: str, line: str) -> None:
 # The clora stack
 
 
-def stack_specs(cfg, config_path: str | None) -> tuple[list[ChildSpec], list[str]]:
-    """The children of `clora up` for this config, and their stop order."""
+def stack_specs(cfg, config_path: str | None, *, file_only: bool = False) -> tuple[list[ChildSpec], list[str]]:
+    """The children of `clora up` for this config, and their stop order. `file_only`: the children read
+    `config_path` without the environment's overrides (CLORA_DATA_DIR and the like), as `cfg` was loaded
+    (the demo: its own data and ports, whatever the shell has set for a real deployment)."""
     import httpx
 
     from ingest.broker import port_in_use
@@ -246,7 +251,7 @@ def stack_specs(cfg, config_path: str | None) -> tuple[list[ChildSpec], list[str
     def serving_healthy(pid: int) -> bool:
         """/health answers 200 from this very process (not from an earlier serving still on the port)."""
         try:
-            r = httpx.get(f"http://{cfg.serving.host}:{cfg.serving.port}/health", timeout=1)
+            r = httpx.get(f"{cfg.serving.local_url}/health", timeout=1)
             return r.status_code == 200 and r.json().get("pid") == pid
         except (httpx.HTTPError, ValueError):
             return False
@@ -258,7 +263,11 @@ def stack_specs(cfg, config_path: str | None) -> tuple[list[ChildSpec], list[str
         return lambda pid: ready_pid(state, name) == pid
 
     specs.append(ChildSpec("serving", [*py, "serving", *conf], healthy=serving_healthy, start_timeout=300))
-    specs.append(ChildSpec("ingest", [*py, "ingest", "--drain-on-stop", *conf], healthy=marked_ready("ingest")))
+    # Ingest drains the topics when stopped. The embedded broker keeps them in memory only and stops right
+    # after ingest, so what ingest has not stored by then is lost: it gets long to finish. An external
+    # Kafka keeps what is left for the next start.
+    specs.append(ChildSpec("ingest", [*py, "ingest", "--drain-on-stop", *conf], healthy=marked_ready("ingest"),
+                           stop_timeout=INGEST_DRAIN_EMBEDDED_S if cfg.broker.embedded else 60.0))
     # On one machine the CPU engine binds its threads to its own cores; the learners' torch gets half of them
     # (shared out between learner processes) so they do not fight over the same cores (an explicit
     # OMP_NUM_THREADS wins).
@@ -275,17 +284,29 @@ def stack_specs(cfg, config_path: str | None) -> tuple[list[ChildSpec], list[str
     if cfg.compaction.every_seconds > 0:  # any moment is a safe one to stop it (compact.py)
         specs.append(ChildSpec("compactor", [*py, "clora", "compact", "--every", f"{cfg.compaction.every_seconds:g}",
                                              *conf], healthy=marked_ready("compactor"), stop_timeout=30))
+    if file_only:
+        from clora.config import CONFIG_ENV, env_variables
+
+        unset: dict[str, str | None] = dict.fromkeys([CONFIG_ENV, *env_variables()])
+        specs = [replace(spec, env={**unset, **spec.env}) for spec in specs]
     return specs, ["compactor", "serving", *learners, "ingest", "broker"]
 
 
-def ports_taken(cfg) -> list[str]:
-    """What is wrong with the ports `up`'s own children will bind (the embedded broker's, serving's): one
-    line per port that another process already holds. Checked before anything starts, because a child
-    that cannot bind its port exits, and a health check would see the other process answering."""
+def setup_problems(cfg) -> list[str]:
+    """What would keep `up`'s children from working, one line each, checked before anything starts: the
+    embedded broker somewhere else than kafka.bootstrap says (serving and ingest would never reach it), and
+    ports another process already holds (a child that cannot bind its port exits, and a health check would
+    see the other process answering)."""
+    problems = []
+    broker = f"{cfg.broker.host}:{cfg.broker.port}"
+    if cfg.broker.embedded and cfg.kafka.bootstrap != broker:
+        problems.append(f"kafka.bootstrap is {cfg.kafka.bootstrap!r} but the embedded broker listens on {broker} "
+                        "(broker.host, broker.port): set kafka.bootstrap to it, or broker.embedded = false to use "
+                        "the Kafka at kafka.bootstrap")
     wanted = [("serving.port", cfg.serving.host, cfg.serving.port)]
     if cfg.broker.embedded:
-        wanted.insert(0, ("broker.port", cfg.broker.host, cfg.broker.port))
-    return [
+        wanted.insert(0, ("broker.port and kafka.bootstrap", cfg.broker.host, cfg.broker.port))
+    return problems + [
         f"port {port} on {host} is already in use by another process (perhaps an earlier clora still "
         f"running): stop it, or set {key} to a free port"
         for key, host, port in wanted
@@ -306,12 +327,14 @@ def _can_bind(host: str, port: int) -> bool:
 
 
 def up(cfg, config_path: str | None, *, until: Callable[[], bool] = lambda: False,
-       emit: Callable[[str, str], None] | None = None, on_stop: Callable[[], None] = lambda: None) -> int:
+       emit: Callable[[str, str], None] | None = None, on_stop: Callable[[], None] = lambda: None,
+       file_only: bool = False) -> int:
     """Runs the stack until Ctrl-C/SIGTERM (or `until()`); returns an exit code. `on_stop` is called once the
-    stop is decided, before the children are stopped (which can take minutes: ingest drains)."""
-    specs, order = stack_specs(cfg, config_path)
+    stop is decided, before the children are stopped (which can take minutes: ingest drains). `file_only`:
+    as for `stack_specs`."""
+    specs, order = stack_specs(cfg, config_path, file_only=file_only)
     sup = Supervisor(specs, order, emit=emit)
-    taken = ports_taken(cfg)
+    taken = setup_problems(cfg)
     if taken:
         for problem in taken:
             sup.emit("up", f"error: {problem}")

@@ -190,7 +190,7 @@ class Learner:
             if cfg.learner.rollout_sampler == "local":
                 sampler = LocalSampler(self.policy)
             else:
-                sampler = ServingSampler(f"http://{cfg.serving.host}:{cfg.serving.port}")
+                sampler = ServingSampler(cfg.learner.serving_url or cfg.serving.local_url)
         self.sampler = sampler
         self.prefetcher = Prefetcher(sampler) if sampler.background else None
         self.progress = progress

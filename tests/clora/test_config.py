@@ -113,6 +113,29 @@ def test_empty_paths_mean_the_default_model_and_no_data_dir():
         load_config(None, environ={"CLORA_DATA_DIR": " "})
 
 
+def test_a_variable_set_to_nothing_overrides_nothing(tmp_path):
+    # compose passes `CLORA_MODEL_PATH: ${CLORA_MODEL:-}` to every service: unset CLORA_MODEL must leave the
+    # file's model, not swap in the tiny one
+    p = write(tmp_path, '[model]\npath = "/models/Qwen3-4B"\n[kafka]\nbootstrap = "k:9092"\n')
+    cfg = load_config(p, environ={"CLORA_MODEL_PATH": "", "CLORA_KAFKA_BOOTSTRAP": ""})
+    assert str(cfg.model.path) == "/models/Qwen3-4B" and cfg.kafka.bootstrap == "k:9092"
+    assert str(load_config(p, environ={"CLORA_MODEL_PATH": "/other"}).model.path) == "/other"
+
+
+def test_the_learners_serving_url_and_the_log_level(tmp_path):
+    assert load_config(None, environ={}).learner.serving_url is None  # serving.host:port on this machine
+    assert load_config(None, environ={"CLORA_SERVING_URL": "http://serving:8000"}).learner.serving_url == "http://serving:8000"
+    assert load_config(None, environ={"CLORA_LOG_LEVEL": "debug"}).log_level == "DEBUG"
+    with pytest.raises(ConfigError, match="log_level"):
+        load_config(None, environ={"CLORA_LOG_LEVEL": "VERBOSE"})  # was silently INFO
+
+
+def test_a_length_scorer_needs_a_target_above_zero(tmp_path):
+    p = write(tmp_path, '[[tenants]]\nname = "a"\napi_key = "long-enough-key"\nscorer = "length:0"\n')
+    with pytest.raises(ConfigError, match="positive integer target"):  # ingest's scorer refused it at start
+        load_config(p, environ={})
+
+
 def test_show_masks_keys():
     cfg = load_config(REPO / "clora.example.toml", environ={})
     text = show_config(cfg)
@@ -204,3 +227,12 @@ def test_the_admin_key_is_checked_and_never_shown(tmp_path):
     cfg = load_config(None, environ={"CLORA_ADMIN_KEY": "admin-key-123"})
     assert cfg.serving.admin_key.get_secret_value() == "admin-key-123"
     assert "admin-key-123" not in show_config(cfg)
+
+
+@pytest.mark.parametrize("host, url", [("127.0.0.1", "http://127.0.0.1:8000"), ("0.0.0.0", "http://127.0.0.1:8000"),
+                                       ("::1", "http://[::1]:8000"), ("::", "http://[::1]:8000"),
+                                       ("serving.internal", "http://serving.internal:8000")])
+def test_the_serving_tiers_url_from_this_machine(host, url):
+    from clora.config import ServingConfig
+
+    assert ServingConfig(host=host).local_url == url

@@ -214,9 +214,10 @@ def test_up_refuses_to_start_when_another_process_holds_a_port(tmp_path, monkeyp
     port = held.getsockname()[1]
     ports = {"broker": {"port": free_port()}, "serving": {"port": free_port()}}
     ports[key.split(".")[0]]["port"] = port
-    cfg = Config.model_validate({"data_dir": str(tmp_path), **ports})
+    bootstrap = f"127.0.0.1:{ports['broker']['port']}"
+    cfg = Config.model_validate({"data_dir": str(tmp_path), **ports, "kafka": {"bootstrap": bootstrap}})
     started = []
-    monkeypatch.setattr(up_module, "stack_specs", lambda *_: (
+    monkeypatch.setattr(up_module, "stack_specs", lambda *_, **__: (
         [ChildSpec("a", SLEEPER, healthy=lambda pid: started.append(pid) or True, stop_timeout=5)], ["a"]))
     lines, emit = collect()
     try:
@@ -227,7 +228,66 @@ def test_up_refuses_to_start_when_another_process_holds_a_port(tmp_path, monkeyp
     assert not started, "no child may start"
     (error,) = [line for n, line in lines if n == "up" and line.startswith("error")]
     assert f"port {port} on 127.0.0.1 is already in use by another process" in error
-    assert "earlier clora" in error and f"set {key} to a free port" in error
+    assert "earlier clora" in error and f"set {key}" in error and "to a free port" in error
+    if key == "broker.port":  # both: the broker's clients find it through kafka.bootstrap
+        assert "set broker.port and kafka.bootstrap to a free port" in error
+
+
+def test_up_refuses_an_embedded_broker_that_kafka_bootstrap_does_not_name(tmp_path, monkeypatch):
+    from clora import up as up_module
+    from clora.config import Config
+    from ingest.broker import free_port
+
+    port = free_port()
+    cfg = Config.model_validate({"data_dir": str(tmp_path), "broker": {"port": port}, "serving": {"port": free_port()}})
+    monkeypatch.setattr(up_module, "stack_specs", lambda *_, **__: ([spec("a")], ["a"]))
+    lines, emit = collect()
+    assert up_module.up(cfg, None, until=lambda: True, emit=emit) == 1
+    (error,) = [line for n, line in lines if n == "up" and line.startswith("error")]
+    assert f"kafka.bootstrap is '127.0.0.1:9092' but the embedded broker listens on 127.0.0.1:{port}" in error
+    external = Config.model_validate({"data_dir": str(tmp_path), "broker": {"embedded": False, "port": port},
+                                      "serving": {"port": free_port()}})
+    assert up_module.setup_problems(external) == []  # the Kafka at kafka.bootstrap is used as it is
+
+
+def test_ingest_may_drain_the_embedded_brokers_topics_for_long(tmp_path):
+    from clora.config import Config
+    from clora.up import INGEST_DRAIN_EMBEDDED_S
+
+    def ingest_stop_timeout(embedded):
+        cfg = Config.model_validate({"data_dir": str(tmp_path), "broker": {"embedded": embedded}})
+        (ingest,) = [s for s in stack_specs(cfg, None)[0] if s.name == "ingest"]
+        return ingest.stop_timeout
+
+    # in memory only, stopped right after ingest: what ingest has not stored by then is lost
+    assert ingest_stop_timeout(True) == INGEST_DRAIN_EMBEDDED_S >= 600
+    assert ingest_stop_timeout(False) == 60  # an external Kafka keeps the rest for the next start
+
+
+def test_file_only_children_do_not_see_the_environments_overrides(tmp_path, monkeypatch):
+    from clora.config import Config
+    from clora.up import Child
+
+    monkeypatch.setenv("CLORA_DATA_DIR", "/somewhere/real")
+    monkeypatch.setenv("CLORA_KAFKA_BOOTSTRAP", "kafka.prod:9092")
+    monkeypatch.setenv("UNRELATED", "kept")
+    specs, _ = stack_specs(Config.model_validate({"data_dir": str(tmp_path)}), "demo.toml", file_only=True)
+    assert all(s.env["CLORA_DATA_DIR"] is None and s.env["CLORA_CONFIG"] is None for s in specs)
+    learner = next(s for s in specs if s.name == "learner")
+    assert learner.env.get("OMP_NUM_THREADS") not in (None, "")  # the spec's own settings stay
+    # What a child started from such a spec sees
+    show = [sys.executable, "-c", "import os; print([os.environ.get(k) for k in "
+            "('CLORA_DATA_DIR', 'CLORA_KAFKA_BOOTSTRAP', 'UNRELATED')], flush=True); import time; time.sleep(60)"]
+    lines, emit = collect()
+    child = Child(ChildSpec("probe", show, healthy=lambda _pid: True, stop_timeout=5, env=specs[0].env), emit)
+    child.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not any(n == "probe" for n, _ in lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        child.stop()
+    assert ("probe", "[None, None, 'kept']") in lines
 
 
 def test_a_child_that_exits_while_the_health_check_runs_is_not_healthy():

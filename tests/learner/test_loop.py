@@ -561,3 +561,14 @@ def test_a_tenant_remembers_only_the_served_versions_staleness_can_count(tiny_mo
     monkeypatch.setattr("learner.loop.SERVED_KEPT", 1)
     learner = learn(make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], max_staleness=0), tiny_model)
     assert learner.tenants["acme"].served == published[-2:], "max_staleness + 2 of them, the newest"
+
+
+def test_rollouts_reach_the_serving_url_when_one_is_set(tiny_model, data_dir):
+    cfg = make_config(data_dir, tiny_model, [{"name": "lab"}], serving_url="http://serving:8000")
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    assert learner.sampler.base_url == "http://serving:8000"  # not serving.host:port, which is another container's
+    learner.close()
+    plain = make_config(data_dir, tiny_model, [{"name": "lab"}])
+    default = Learner(plain, model_path=tiny_model, progress=False)
+    assert default.sampler.base_url == f"http://127.0.0.1:{plain.serving.port}"
+    default.close()
