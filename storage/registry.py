@@ -71,7 +71,7 @@ from storage.files import (
     remove_tree,
     tmp_name,
 )
-from storage.layout import DataDir, StorageError, as_datadir, check_tenant
+from storage.layout import DataDir, StorageError, as_datadir, check_tenant, is_tenant
 
 FORMAT = 1
 INDEX_FORMAT = 1
@@ -252,7 +252,9 @@ class Registry:
     def tenants(self) -> list[str]:
         if not self.dd.registry.is_dir():
             return []
-        return sorted(p.name for p in self.dd.registry.iterdir() if p.is_dir() and not p.name.startswith("."))
+        # A folder left by hand ("_old", "acme backup") is no tenant: naming it would make every registry
+        # change fail after its commit point (HEAD lists every tenant's newest version).
+        return sorted(p.name for p in self.dd.registry.iterdir() if p.is_dir() and is_tenant(p.name))
 
     def latest_published(self, tenant: str) -> AdapterVersion | None:
         for n in reversed(self._live(check_tenant(tenant))[1]):  # newest first: usually the first one or two
@@ -348,8 +350,12 @@ class Registry:
             )
 
         def copy(staging: Path) -> None:
-            try:
-                shutil.copytree(old.path, staging, dirs_exist_ok=True)
+            try:  # entry by entry: copytree would give `staging` the old directory's times (see _create)
+                for entry in old.path.iterdir():
+                    if entry.is_dir():
+                        shutil.copytree(entry, staging / entry.name)
+                    else:
+                        shutil.copy(entry, staging / entry.name)
             except FileNotFoundError as e:
                 raise RegistryError(f"cannot roll back to {old.name}: its files vanished ({e})") from e
 
@@ -448,6 +454,9 @@ class Registry:
         staging.mkdir()
         try:
             write(staging)
+            # Stale-staging cleanup (a concurrent create's remove_stale_hidden) judges age by mtime; a writer
+            # that copies old files with their times (rollback's copytree) must not look an hour old.
+            os.utime(staging)
             _check_peft_files(staging, tenant)
             fsync_tree(staging)
             with self._locked():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import time
 
@@ -171,6 +173,42 @@ def test_rollback_republishes_old_files_as_newest(data_dir, peft_writer):
     assert reg.latest_published("acme").name == "acme@3"
     assert reg.published()["acme"].name == "acme@3"
     assert reg.get("acme", 1).status == "published", "history is not rewritten"
+
+
+def test_a_rollback_to_old_files_survives_a_concurrent_creates_cleanup(data_dir, peft_writer, monkeypatch):
+    """A create removes hidden staging directories over an hour old (a crashed writer's). A rollback's staging
+    holds copies of files that may be days old: it must not look that old itself."""
+    import storage.registry as registry_module
+    from storage.files import remove_stale_hidden
+
+    reg = Registry(data_dir, keep_last=5)
+    _new(reg, lambda d: peft_writer(d, payload=b"weights-1"))
+    reg.publish("acme", 1)
+    _new(reg, lambda d: peft_writer(d, payload=b"weights-2"), parent="acme@1")
+    reg.publish("acme", 2)
+    two_hours_ago = time.time() - 7200
+    for f in [reg.get("acme", 1).path, *reg.get("acme", 1).path.iterdir()]:
+        os.utime(f, (two_hours_ago, two_hours_ago))
+    real_check = registry_module._check_peft_files
+    removed = []
+
+    def learner_creates_meanwhile(directory, tenant):  # the learner's step, between the copy and the rename
+        removed.append(remove_stale_hidden(directory.parent, older_than_s=registry_module.STALE_STAGING_S))
+        return real_check(directory, tenant)
+
+    monkeypatch.setattr(registry_module, "_check_peft_files", learner_creates_meanwhile)
+    back = reg.rollback("acme", 1)
+    assert removed == [0] and (back.path / "adapter_model.safetensors").read_bytes() == b"weights-1"
+
+
+def test_a_folder_left_by_hand_under_registry_is_no_tenant(data_dir, peft_writer):
+    reg = Registry(data_dir, keep_last=5)
+    _new(reg, peft_writer)
+    reg.publish("acme", 1)
+    shutil.copytree(data_dir / "registry" / "acme", data_dir / "registry" / "_old")  # a backup, by hand
+    assert reg.tenants() == ["acme"]
+    _new(reg, peft_writer, parent="acme@1")  # HEAD is rewritten for every tenant: "_old" made this fail
+    assert reg.publish("acme", 2).status == "published" and reg.published()["acme"].name == "acme@2"
 
 
 def test_publish_if_parent_served_refuses_a_candidate_the_operator_overtook(data_dir, peft_writer):
