@@ -18,6 +18,27 @@ the next run cleans it up. Writers are not disturbed: a file ingest writes durin
 input, and a replay of an input's file id is recognised as superseded (see parquet.py). Inputs are
 converted to the current schema on the way, so compaction also upgrades old files.
 
+Each merged file holds one UTC day: files of different days are never merged, the day of a file being that
+of its newest `ingested_at` (from its footer's statistics, parquet.newest_ms); one day's files are batched
+by size, in name order. This is what bounds retention, which deletes a whole file once its newest row is
+older than the cutoff: were days merged, a quiet partition's merged file (under the target size) would be
+merged again at every run with whatever arrived, always hold a recent row, and never be deleted. A closed
+day gets no new files (ingest dates a row when it stores it), so its files are never merged again, and each
+goes once its newest row passes the cutoff: a row outlives the retention by a day at most (plus an ingest
+flush's span for a file written across midnight, and the wait for the next prune). The price: a partition
+keeps a file per day that had data, where it could have kept one. A file without rows has no day; it joins
+the newest day's files (it adds no rows, so it dates nothing). A file compacted before this rule may span
+many days; it is dated by its newest row like any other, and goes when that row is old. train_steps/ has no
+ingest time and is never pruned: its files are batched by size alone.
+
+Dating costs a footer read per candidate (a live file under the target): the new files, which the merge
+reads whole anyway, and each kept day's merged files still under the target, which are candidates at every
+run (zstd makes a merged file smaller than its inputs, so a busy day leaves many just under it). So each
+process keeps what it read of the last run's candidates (keyed by name, size and mtime: a name is written
+once): a run of the `--every` loop reads the footers of new files only; a one-off `clora compact` reads
+each candidate's once. A file whose footer cannot be read is left out, logged and counted (merging it would
+fail the run, and every later one); it stays live, and retention reports it too.
+
 Plain glob readers (DuckDB/Spark/pandas pointed at the tree, not `clora query`) do count the superseded
 inputs twice until they are deleted; run `clora compact --grace 0` before handing the tree to such a tool.
 
@@ -57,19 +78,21 @@ from storage.parquet import (
     COMPACTED_PREFIX,
     ROW_GROUP_ROWS,
     SUPERSEDES_KEY,
+    newest_in,
     partition_listing,
     parquet_options,
     partition_tenants,
     read_file,
     supersedes,
 )
-from storage.schema import SCHEMAS, conform
+from storage.schema import INGESTED_AT, SCHEMAS, conform
 
 logger = logging.getLogger(__name__)
 
 TARGET_BYTES = 64 * 1024 * 1024  # files at least this large are left alone; merged files aim at this size
 STALE_TMP_S = 3600.0  # hidden temp files older than this belong to crashed writers
 GRACE_S = 60.0  # superseded inputs are deleted once the file superseding them is this old
+DAY_MS = 86_400_000
 
 
 @dataclass
@@ -81,15 +104,17 @@ class CompactionResult:
     outputs: list[str] = field(default_factory=list)
     removed: int = 0  # superseded files (of this or earlier runs) and stale temp files deleted
     waiting: int = 0  # superseded files kept until their grace period is over
+    left_out: int = 0  # live files this run would not merge (logged with their reason)
     skipped: str | None = None
 
     def __str__(self) -> str:
         where = f"{self.dataset}/tenant={self.tenant}"
         if self.skipped:
             return f"{where}: skipped ({self.skipped})"
+        left_out = f"; {self.left_out} files left out (see the log)" if self.left_out else ""
         return (
             f"{where}: {self.inputs} files -> {len(self.outputs)} ({self.rows} rows); "
-            f"{self.removed} superseded files deleted, {self.waiting} waiting for the grace period"
+            f"{self.removed} superseded files deleted, {self.waiting} waiting for the grace period{left_out}"
         )
 
 
@@ -140,18 +165,74 @@ def compact_partition(
         with partition_lock(dd, dataset, tenant):
             on_disk, superseded = partition_listing(dd, dataset, tenant)
             live = sorted((i for i in on_disk if i.base_name not in superseded), key=lambda i: i.base_name)
-            for batch in _batches([i for i in live if i.size < target_bytes], target_bytes):
-                if len(batch) >= min_files:
-                    name, rows = _merge(dd, dataset, directory, batch)
-                    result.inputs += len(batch)
-                    result.rows += rows
-                    result.outputs.append(name)
+            for day in _by_day(dd, dataset, tenant, [i for i in live if i.size < target_bytes], result):
+                for batch in _batches(day, target_bytes):
+                    if len(batch) >= min_files:
+                        name, rows = _merge(dd, dataset, directory, batch)
+                        result.inputs += len(batch)
+                        result.rows += rows
+                        result.outputs.append(name)
             result.removed, result.waiting = _remove_superseded(dd, dataset, tenant, grace_s)
             result.removed += remove_stale_hidden(directory, older_than_s=STALE_TMP_S)
     except LockBusy:
         result.skipped = "another compaction holds this partition"
-    logger.log(logging.INFO if result.inputs or result.removed or result.skipped else logging.DEBUG, "%s", result)
+    loud = result.inputs or result.removed or result.skipped or result.left_out
+    logger.log(logging.INFO if loud else logging.DEBUG, "%s", result)
     return result
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Which files may be merged together
+
+
+@dataclass(frozen=True)
+class _Footer:
+    """What a candidate's footer says about merging it."""
+
+    day: int | None  # UTC day (since the epoch) of its newest ingested_at; None: no rows
+
+
+# partition directory -> {(name, size, mtime_ns): _Footer} for the candidates of its last run (see the module
+# note). Runs on one partition never overlap (its lock is taken per call, even within a process), and a run
+# replaces its partition's entry whole.
+_footers: dict[str, dict[tuple[str, int, int], _Footer]] = {}
+
+
+def _by_day(dd, dataset: str, tenant: str, infos: list, result: CompactionResult) -> list[list]:
+    """`infos` (live files under the target, in name order) in the groups that may be merged: one per UTC
+    day, oldest first, files without rows in the newest. A file whose footer cannot be read is in none."""
+    if SCHEMAS[dataset].get_field_index(INGESTED_AT) < 0:
+        return [infos]  # train_steps: never pruned, so nothing is gained by keeping its days apart
+    directory = str(dd.partition(dataset, tenant))
+    known = _footers.get(directory, {})
+    footers: dict[tuple[str, int, int], _Footer] = {}
+    days: dict[int | None, list] = {}
+    for info in infos:
+        key = (info.base_name, info.size, info.mtime_ns)
+        try:
+            footers[key] = known[key] if key in known else _footer_of(dd, dataset, info)
+        except FileNotFoundError:  # deleted by hand meanwhile (clora deletes only under this lock)
+            continue
+        except Exception as e:  # noqa: BLE001 (one bad file must not stop the partition's compaction)
+            logger.warning("compaction of %s/tenant=%s: %s is unreadable, left out: %s: %s",
+                           dataset, tenant, info.base_name, type(e).__name__, e)
+            result.left_out += 1
+            continue
+        days.setdefault(footers[key].day, []).append(info)
+    _footers[directory] = footers
+    undated = days.pop(None, [])
+    groups = [days[d] for d in sorted(days)]
+    if undated and groups:
+        groups[-1] = sorted(groups[-1] + undated, key=lambda i: i.base_name)
+    elif undated:
+        groups = [undated]
+    return groups
+
+
+def _footer_of(dd, dataset: str, info) -> _Footer:
+    with dd.filesystem.open_input_file(info.path) as f:
+        newest, _ = newest_in(pq.ParquetFile(f), INGESTED_AT, info.path)
+    return _Footer(None if newest is None else newest // DAY_MS)
 
 
 def _batches(infos: list, target_bytes: int) -> list[list]:
@@ -166,6 +247,10 @@ def _batches(infos: list, target_bytes: int) -> list[list]:
     if current:
         batches.append(current)
     return batches
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Merging and deleting
 
 
 def _merge(dd, dataset: str, directory: Path, batch: list) -> tuple[str, int]:

@@ -29,6 +29,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import TypeVar
 
@@ -398,6 +399,40 @@ def read_rows(dd: DataDir, path: str, rows: list[int]) -> pa.Table:
     at = {g: sum(sizes[h] for h in groups[:k]) for k, g in enumerate(groups)}  # where group g starts in `table`
     # Typed indices: an empty Python list would become a null array, which take() has no kernel for.
     return table.take(pa.array([at[g] + r - starts[g] for r, g in zip(rows, group_of)], pa.int64()))
+
+
+def newest_ms(root, path: str, column: str) -> tuple[int | None, int]:
+    """(the newest value of the timestamp column `column` in a file as epoch ms, its row count), from the
+    footer's statistics; the column is read only when a row group has none. (None, 0) for a file without
+    rows. Retention dates files by it, and compaction groups them by day."""
+    with as_datadir(root).filesystem.open_input_file(path) as f:
+        return newest_in(pq.ParquetFile(f), column, path)
+
+
+def newest_in(pf: pq.ParquetFile, column: str, path: str) -> tuple[int | None, int]:
+    """newest_ms of an open file (`path` names it in errors)."""
+    meta = pf.metadata
+    index = meta.schema.to_arrow_schema().get_field_index(column)
+    if index < 0:
+        raise ValueError(f"{path} has no {column} column")
+    newest = None
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        if group.num_rows == 0:
+            continue
+        stats = group.column(index).statistics
+        if stats is None or not stats.has_min_max:
+            values = pf.read(columns=[column]).column(0).cast(pa.timestamp("ms", tz="UTC")).cast(pa.int64()).to_pylist()
+            return max(values, default=None), meta.num_rows
+        top = _epoch_ms(stats.max)
+        newest = top if newest is None else max(newest, top)
+    return newest, meta.num_rows
+
+
+def _epoch_ms(value) -> int:
+    if isinstance(value, datetime):
+        return round(value.timestamp() * 1000)
+    return int(value)  # the physical value: clora's timestamps are milliseconds (schema.TS)
 
 
 def read_dataset(root, dataset: str, tenant: str | None = None) -> pa.Table:

@@ -3,8 +3,11 @@
 Ingest keeps every interaction, feedback event, trajectory and dead letter, so a tenant's data grows for
 ever (~8.6 GB a day at 100 interactions a second). `prune` deletes, in interactions/, feedback/,
 trajectories/ and dead_letters/, every file whose rows were all ingested before the cutoff (`ingested_at`,
-read from the footer's statistics). A file holding newer rows too stays until its newest row is old:
-compaction merges files of neighbouring times, so that costs at most a compacted file's span.
+read from the footer's statistics: parquet.newest_ms). A file holding newer rows too stays until its newest
+row is old. Compaction never merges files of different UTC days (see compact.py), so a file's rows span a
+day at most (plus an ingest flush's, for a file written across midnight), and a closed day's files are never
+merged again: a row is deleted at most a day after it passes the cutoff, at the next prune. (A file
+compacted before that rule may span many days; it goes when its newest row is old.)
 
 What pruning gives up, and why it is safe within limits the config enforces:
   - idempotency: ingest recognises a replayed or resent event by its key indexes, built from the rows on
@@ -33,21 +36,19 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
+from storage import parquet
 from storage.compact import partition_lock
 from storage.files import LockBusy, fsync_dir
 from storage.layout import StorageError, as_datadir, check_dataset
 from storage.parquet import partition_listing, partition_tenants
+from storage.schema import INGESTED_AT
 
 logger = logging.getLogger(__name__)
 
 PRUNED_DATASETS = ("interactions", "feedback", "trajectories", "dead_letters")
-TIME_COLUMN = "ingested_at"
+TIME_COLUMN = INGESTED_AT
 DAY_S = 86_400
 
 
@@ -72,33 +73,7 @@ class PruneResult:
 def newest_ms(root, path: str) -> tuple[int | None, int]:
     """(the newest `ingested_at` in a file as epoch ms, its row count), from the footer's statistics; the
     column is read only when a row group has none. (None, 0) for a file without rows."""
-    with as_datadir(root).filesystem.open_input_file(path) as f:
-        return _newest(pq.ParquetFile(f), path)
-
-
-def _newest(pf: pq.ParquetFile, path: str) -> tuple[int | None, int]:
-    meta = pf.metadata
-    index = meta.schema.to_arrow_schema().get_field_index(TIME_COLUMN)
-    if index < 0:
-        raise ValueError(f"{path} has no {TIME_COLUMN} column")
-    newest = None
-    for g in range(meta.num_row_groups):
-        group = meta.row_group(g)
-        if group.num_rows == 0:
-            continue
-        stats = group.column(index).statistics
-        if stats is None or not stats.has_min_max:
-            values = pf.read(columns=[TIME_COLUMN]).column(0).cast(pa.timestamp("ms", tz="UTC")).cast(pa.int64()).to_pylist()
-            return max(values, default=None), meta.num_rows
-        top = _epoch_ms(stats.max)
-        newest = top if newest is None else max(newest, top)
-    return newest, meta.num_rows
-
-
-def _epoch_ms(value) -> int:
-    if isinstance(value, datetime):
-        return round(value.timestamp() * 1000)
-    return int(value)  # the physical value: the schema's timestamps are milliseconds
+    return parquet.newest_ms(root, path, TIME_COLUMN)
 
 
 def _cutoff_s(older_than_s: float, now_s: float | None) -> float:

@@ -37,12 +37,16 @@ def _f(name: str, type_: pa.DataType, nullable: bool = True) -> pa.Field:
     return pa.field(name, type_, nullable=nullable)
 
 
+# When ingest stored a row: what retention deletes by, and the day compaction keeps each merged file to.
+# Every dataset fed from Kafka has it; train_steps (the learner's, never pruned) does not.
+INGESTED_AT = "ingested_at"
+
 # Provenance columns shared by every dataset fed from Kafka: where the row came from and when it landed.
 _KAFKA = [
     _f("kafka_topic", pa.string()),
     _f("kafka_partition", pa.int32()),
     _f("kafka_offset", pa.int64()),
-    _f("ingested_at", TS, nullable=False),
+    _f(INGESTED_AT, TS, nullable=False),
 ]
 
 _INTERACTION = [

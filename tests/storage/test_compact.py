@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import datetime, timezone
 
 import numpy as np
 import pytest
@@ -96,6 +97,95 @@ def test_target_size_splits_output_and_skips_large_files(data_dir, make_trajecto
     result = compact_partition(data_dir, "trajectories", "acme", target_bytes=size * 4 + 1)
     assert result.inputs == 8 and len(result.outputs) == 2
     assert read_dataset(data_dir, "trajectories").num_rows == 32
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one UTC day per merged file (what lets retention delete a quiet partition's old rows)
+
+T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)  # conftest.trajectories(start=s): row k is ingested at T0 + s + k s
+DAY = 86_400
+
+
+def _days_of_live_files(data_dir, tenant="acme") -> dict[str, set[int]]:
+    """live file name -> the UTC days (since T0) of its rows."""
+    base = round(T0.timestamp() * 1000)
+    out = {}
+    for path in live_files(data_dir, "trajectories", tenant):
+        at = parquet.read_file(parquet.as_datadir(data_dir), path, ["ingested_at"]).column(0).cast("int64").to_pylist()
+        out[path.rsplit("/", 1)[1]] = {(ms - base) // (DAY * 1000) for ms in at}
+    return out
+
+
+def test_files_of_two_days_are_merged_per_day_never_across(data_dir, make_trajectories):
+    # In name order the days alternate; e0 spans midnight (T0 + 1 day - 2 s .. + 1 s): it belongs to day 1,
+    # the day of its newest row.
+    for name, start in (("a0", 0), ("a1", DAY + 10), ("a2", 100), ("a3", DAY + 200), ("e0", DAY - 2)):
+        write_dataset(data_dir, "trajectories", make_trajectories([f"{name}-{k}" for k in range(4)], start=start), file_id=name)
+    (r,) = compact(data_dir, "trajectories", grace_s=0)
+    assert (r.inputs, len(r.outputs), r.rows) == (5, 2, 20)
+    days = _days_of_live_files(data_dir)
+    assert sorted(days.values(), key=min) == [{0}, {0, 1}]
+    day0 = next(n for n, d in days.items() if d == {0})
+    day0_ids = parquet.read_file(parquet.as_datadir(data_dir), str(data_dir / "trajectories" / "tenant=acme" / day0), ["id"])
+    assert sorted(day0_ids.column(0).to_pylist()) == [f"{n}-{k}" for n in ("a0", "a2") for k in range(4)]
+
+    # A new file of day 1 is merged with day 1's file only; day 0's is left as it is, for good.
+    write_dataset(data_dir, "trajectories", make_trajectories(["b0-0"], start=DAY + 500), file_id="b0")
+    (r,) = compact(data_dir, "trajectories", grace_s=0)
+    assert (r.inputs, len(r.outputs)) == (2, 1)
+    assert day0 in _days_of_live_files(data_dir) and len(live_files(data_dir, "trajectories")) == 2
+    assert sum(r.inputs for r in compact(data_dir, "trajectories", grace_s=0)) == 0
+    assert read_dataset(data_dir, "trajectories").num_rows == 21
+
+
+def test_a_file_without_statistics_is_dated_by_its_rows_and_one_without_rows_joins_the_newest_day(
+    data_dir, make_trajectories, caplog
+):
+    import pyarrow.parquet as pq
+
+    directory = data_dir / "trajectories" / "tenant=acme"
+    write_dataset(data_dir, "trajectories", make_trajectories(["a0-0", "a0-1"], start=0), file_id="a0")
+    write_dataset(data_dir, "trajectories", make_trajectories(["b0-0", "b0-1"], start=DAY), file_id="b0")
+    pq.write_table(make_trajectories(["n-0", "n-1"], start=50), directory / "nostats.parquet", write_statistics=False)
+    pq.write_table(make_trajectories(["x"], start=3 * DAY).slice(0, 0), directory / "empty.parquet")
+    (directory / "broken.parquet").write_bytes(b"PAR1 not really")
+
+    (r,) = compact(data_dir, "trajectories", grace_s=0)
+    assert (r.inputs, len(r.outputs), r.rows, r.left_out) == (4, 2, 6, 1)
+    assert "1 files left out" in str(r)
+    assert "broken.parquet" in caplog.text and "tenant=acme" in caplog.text
+    # a0 + nostats (day 0) and b0 + empty (the newest day) were merged; broken is left where it was
+    on_disk = _files_on_disk(data_dir)
+    assert on_disk[0] == "broken.parquet" and len(on_disk) == 3
+    (directory / "broken.parquet").unlink()
+    assert sorted(_days_of_live_files(data_dir).values(), key=min) == [{0}, {1}]
+    assert sorted(read_dataset(data_dir, "trajectories").column("id").to_pylist()) == ["a0-0", "a0-1", "b0-0", "b0-1", "n-0", "n-1"]
+
+
+def test_datasets_without_an_ingest_time_are_merged_by_size_alone(data_dir, make_train_steps):
+    """train_steps (the learner's) has no ingested_at and is not pruned: its days may share a file."""
+    for step in (1, 2, 3):
+        write_dataset(data_dir, "train_steps", make_train_steps("acme", [step * DAY]), file_id=f"step-{step:020d}")
+    (r,) = compact(data_dir, "train_steps", grace_s=0)
+    assert (r.inputs, len(r.outputs), r.rows) == (3, 1, 3)
+
+
+def test_each_footer_is_read_once_per_process(data_dir, make_trajectories, monkeypatch):
+    """A day's compacted files stay under the target (zstd makes them smaller than their inputs) and are
+    candidates at every run: their footers are read once, not at every run."""
+    from storage import compact as compact_module
+
+    opened = []
+    real = compact_module._footer_of
+    monkeypatch.setattr(compact_module, "_footer_of", lambda dd, dataset, info: opened.append(info.base_name) or real(dd, dataset, info))
+    _write_files(data_dir, make_trajectories, 3, prefix="a")
+    compact(data_dir, "trajectories", grace_s=0)
+    assert len(opened) == 3
+    _write_files(data_dir, make_trajectories, 1, prefix="b")
+    compact(data_dir, "trajectories", grace_s=0)
+    assert len(opened) == 3 + 2  # the first run's merged file and b0000
+    compact(data_dir, "trajectories", grace_s=0)
+    assert len(opened) == 3 + 2 + 1  # the second run's merged file
 
 
 CRASH_BETWEEN_RENAME_AND_DELETE = r"""

@@ -3,17 +3,17 @@ consistent, and `clora prune` / the compactor loop apply it."""
 
 from __future__ import annotations
 
-
 import json
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
+import pyarrow as pa
 import pytest
 
 from storage.compact import compact
 from storage.cursors import Cursors
 from storage.files import FileLock
 from storage.parquet import live_files, read_dataset, write_dataset
-from storage.retention import newest_ms, prune
+from storage.retention import DAY_S, newest_ms, prune
 
 pytestmark = pytest.mark.unit
 
@@ -88,6 +88,48 @@ def test_files_without_statistics_or_rows_are_read_and_an_unreadable_one_is_left
     (r,) = prune(data_dir, older_than_s=55, now_s=T0.timestamp() + 100)  # cutoff T0 + 45 s: all but broken
     assert (r.files, r.rows, r.unreadable) == (7, 23, 1) and "1 unreadable files left alone" in str(r)
     assert names(files) == ["broken.parquet"]
+
+
+def _dead_letter(at: datetime, offset: int) -> pa.Table:
+    """One dead letter of acme, ingested at `at`."""
+    return pa.table(
+        {
+            "tenant": ["acme"], "reason": ["invalid_json"], "detail": [f"sent at {at}"], "raw": [b"{"],
+            "kafka_topic": ["clora.interactions"], "kafka_partition": [0], "kafka_offset": [offset], "ingested_at": [at],
+        }
+    )
+
+
+def _kept(data_dir) -> list[datetime]:
+    return sorted(read_dataset(data_dir, "dead_letters").column("ingested_at").to_pylist())
+
+
+def test_a_low_volume_partition_compacted_after_every_write_still_loses_its_old_rows(data_dir):
+    """A dead letter every 3 days over 30 days, compacted after each: each stays in its own day's file
+    (compaction merged them all into one file, always holding a recent row, which retention never deleted)."""
+    for n, day in enumerate(range(0, 31, 3)):
+        write_dataset(data_dir, "dead_letters", _dead_letter(T0 + timedelta(days=day), n), file_id=f"dl{day:02d}")
+        compact(data_dir, "dead_letters", grace_s=0)
+    now = T0 + timedelta(days=30)
+    (r,) = prune(data_dir, older_than_s=7 * DAY_S, dataset="dead_letters", now_s=now.timestamp())
+    assert (r.files, r.rows) == (8, 8)  # days 0..21; days 24, 27 and 30 are within the 7 days
+    assert _kept(data_dir) == [T0 + timedelta(days=d) for d in (24, 27, 30)]
+
+
+def test_retention_keeps_rows_at_most_a_day_beyond_the_cutoff(data_dir):
+    """A dead letter every 5 hours for 10 days, compacted after each: whatever the cutoff, every row older
+    than a day before it is gone, and none newer than it is."""
+    times = [T0 + timedelta(hours=5 * n) for n in range(48)]
+    for n, at in enumerate(times):
+        write_dataset(data_dir, "dead_letters", _dead_letter(at, n), file_id=f"dl{n:03d}")
+        compact(data_dir, "dead_letters", grace_s=0)
+    for hours_ago in (200, 150, 101, 60, 7):  # each prune runs on what the previous one left
+        now = times[-1]
+        cutoff = now - timedelta(hours=hours_ago)
+        (r,) = prune(data_dir, older_than_s=hours_ago * 3600, dataset="dead_letters", now_s=now.timestamp())
+        kept = _kept(data_dir)
+        assert [t for t in times if t >= cutoff] == [t for t in kept if t >= cutoff]
+        assert kept[0] >= cutoff - timedelta(days=1), (hours_ago, kept[0], cutoff)
 
 
 def test_only_the_datasets_fed_from_kafka_are_pruned(data_dir):
