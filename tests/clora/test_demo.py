@@ -75,9 +75,10 @@ def test_a_demo_interrupted_during_the_traffic_reports_partial_figures_and_exits
 
     after_stop = {}
 
-    def interrupted_up(cfg, config_path, *, until, on_stop):
+    def interrupted_up(cfg, config_path, *, until, on_stop, file_only):
         """Serves until the simulated traffic has begun, then stops as `up` does after Ctrl-C: on_stop, then
         the children's stop, which takes a while (and outlasts the simulation's own end here)."""
+        assert file_only, "the demo's children must read its own file only"
         server = ThreadingHTTPServer((cfg.serving.host, cfg.serving.port), Serving)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         try:
