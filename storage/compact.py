@@ -16,7 +16,11 @@ from failing mid-way when a compaction finishes under them; the price is superse
 for a while, invisible to clora readers. A crash between (1) and (2) leaves exactly that state too, and
 the next run cleans it up. Writers are not disturbed: a file ingest writes during a run is simply not an
 input, and a replay of an input's file id is recognised as superseded (see parquet.py). Inputs are
-converted to the current schema on the way, so compaction also upgrades old files.
+converted to the current schema on the way, so compaction also upgrades old files. It never downgrades
+one: a file a newer clora wrote (during a rolling upgrade) may hold columns this version does not know, or a
+newer schema version (schema.conform_loses); merging it would drop what this code cannot carry, for good
+once the grace period deleted the input. Such a file is left out of the merge and logged at each run with
+its partition and name; it stays live and readable, and a compactor of its version merges it.
 
 Each merged file holds one UTC day: files of different days are never merged, the day of a file being that
 of its newest `ingested_at` (from its footer's statistics, parquet.newest_ms); one day's files are batched
@@ -31,13 +35,14 @@ the newest day's files (it adds no rows, so it dates nothing). A file compacted 
 many days; it is dated by its newest row like any other, and goes when that row is old. train_steps/ has no
 ingest time and is never pruned: its files are batched by size alone.
 
-Dating costs a footer read per candidate (a live file under the target): the new files, which the merge
-reads whole anyway, and each kept day's merged files still under the target, which are candidates at every
-run (zstd makes a merged file smaller than its inputs, so a busy day leaves many just under it). So each
-process keeps what it read of the last run's candidates (keyed by name, size and mtime: a name is written
-once): a run of the `--every` loop reads the footers of new files only; a one-off `clora compact` reads
-each candidate's once. A file whose footer cannot be read is left out, logged and counted (merging it would
-fail the run, and every later one); it stays live, and retention reports it too.
+Dating a file and checking its schema cost a footer read per candidate (a live file under the target): the
+new files, which the merge reads whole anyway, and each kept day's merged files still under the target,
+which are candidates at every run (zstd makes a merged file smaller than its inputs, so a busy day leaves
+many just under it). So each process keeps what it read of the last run's candidates (keyed by name, size
+and mtime: a name is written once): a run of the `--every` loop reads the footers of new files only; a
+one-off `clora compact` reads each candidate's once. A file whose footer cannot be read is left out, logged
+and counted too (merging it would fail the run, and every later one); it stays live, and retention reports
+it as well.
 
 Plain glob readers (DuckDB/Spark/pandas pointed at the tree, not `clora query`) do count the superseded
 inputs twice until they are deleted; run `clora compact --grace 0` before handing the tree to such a tool.
@@ -85,7 +90,7 @@ from storage.parquet import (
     read_file,
     supersedes,
 )
-from storage.schema import INGESTED_AT, SCHEMAS, conform
+from storage.schema import INGESTED_AT, SCHEMAS, conform, conform_loses
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +170,7 @@ def compact_partition(
         with partition_lock(dd, dataset, tenant):
             on_disk, superseded = partition_listing(dd, dataset, tenant)
             live = sorted((i for i in on_disk if i.base_name not in superseded), key=lambda i: i.base_name)
-            for day in _by_day(dd, dataset, tenant, [i for i in live if i.size < target_bytes], result):
+            for day in _groups(dd, dataset, tenant, [i for i in live if i.size < target_bytes], result):
                 for batch in _batches(day, target_bytes):
                     if len(batch) >= min_files:
                         name, rows = _merge(dd, dataset, directory, batch)
@@ -189,7 +194,8 @@ def compact_partition(
 class _Footer:
     """What a candidate's footer says about merging it."""
 
-    day: int | None  # UTC day (since the epoch) of its newest ingested_at; None: no rows
+    day: int | None  # UTC day (since the epoch) of its newest ingested_at; None: no rows, or not dated
+    left_out: str | None  # why it must not be merged (schema.conform_loses), or None
 
 
 # partition directory -> {(name, size, mtime_ns): _Footer} for the candidates of its last run (see the module
@@ -198,11 +204,10 @@ class _Footer:
 _footers: dict[str, dict[tuple[str, int, int], _Footer]] = {}
 
 
-def _by_day(dd, dataset: str, tenant: str, infos: list, result: CompactionResult) -> list[list]:
+def _groups(dd, dataset: str, tenant: str, infos: list, result: CompactionResult) -> list[list]:
     """`infos` (live files under the target, in name order) in the groups that may be merged: one per UTC
-    day, oldest first, files without rows in the newest. A file whose footer cannot be read is in none."""
-    if SCHEMAS[dataset].get_field_index(INGESTED_AT) < 0:
-        return [infos]  # train_steps: never pruned, so nothing is gained by keeping its days apart
+    day, oldest first, files without rows in the newest (train_steps, undated: one group). A file that
+    must not be merged, or whose footer cannot be read, is in none: logged and counted instead."""
     directory = str(dd.partition(dataset, tenant))
     known = _footers.get(directory, {})
     footers: dict[tuple[str, int, int], _Footer] = {}
@@ -210,7 +215,7 @@ def _by_day(dd, dataset: str, tenant: str, infos: list, result: CompactionResult
     for info in infos:
         key = (info.base_name, info.size, info.mtime_ns)
         try:
-            footers[key] = known[key] if key in known else _footer_of(dd, dataset, info)
+            footer = footers[key] = known[key] if key in known else _footer_of(dd, dataset, info)
         except FileNotFoundError:  # deleted by hand meanwhile (clora deletes only under this lock)
             continue
         except Exception as e:  # noqa: BLE001 (one bad file must not stop the partition's compaction)
@@ -218,7 +223,12 @@ def _by_day(dd, dataset: str, tenant: str, infos: list, result: CompactionResult
                            dataset, tenant, info.base_name, type(e).__name__, e)
             result.left_out += 1
             continue
-        days.setdefault(footers[key].day, []).append(info)
+        if footer.left_out:
+            logger.warning("compaction of %s/tenant=%s: %s left out of the merge (it stays live and readable): %s",
+                           dataset, tenant, info.base_name, footer.left_out)
+            result.left_out += 1
+            continue
+        days.setdefault(footer.day, []).append(info)
     _footers[directory] = footers
     undated = days.pop(None, [])
     groups = [days[d] for d in sorted(days)]
@@ -230,9 +240,14 @@ def _by_day(dd, dataset: str, tenant: str, infos: list, result: CompactionResult
 
 
 def _footer_of(dd, dataset: str, info) -> _Footer:
+    schema = SCHEMAS[dataset]
     with dd.filesystem.open_input_file(info.path) as f:
-        newest, _ = newest_in(pq.ParquetFile(f), INGESTED_AT, info.path)
-    return _Footer(None if newest is None else newest // DAY_MS)
+        pf = pq.ParquetFile(f)
+        left_out = conform_loses(pf.schema_arrow, schema)
+        if left_out or schema.get_field_index(INGESTED_AT) < 0:  # train_steps: never pruned, so not dated
+            return _Footer(None, left_out)
+        newest, _ = newest_in(pf, INGESTED_AT, info.path)
+    return _Footer(None if newest is None else newest // DAY_MS, None)
 
 
 def _batches(infos: list, target_bytes: int) -> list[list]:
@@ -262,6 +277,7 @@ def _merge(dd, dataset: str, directory: Path, batch: list) -> tuple[str, int]:
         names.add(info.base_name)
         if info.base_name.startswith(COMPACTED_PREFIX):
             names.update(supersedes(dd, info))  # transitive: a replay of those stays a no-op
+        # Not strict: an old file lacks the columns added since (nulls); _groups kept out any it would drop.
         tables.append(conform(read_file(dd, info.path), schema, strict=False))
     merged = pa.concat_tables(tables)
     merged = merged.replace_schema_metadata({**schema.metadata, SUPERSEDES_KEY: json.dumps(sorted(names)).encode()})

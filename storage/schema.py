@@ -7,7 +7,9 @@ which version wrote a file.
 
 Evolution rule (what keeps old files readable): add nullable columns, never rename, retype or drop one.
 `conform` fills columns a file lacks with nulls, so readers always get the current schema. A change that
-breaks the rule bumps SCHEMA_VERSION and adds a converter in `conform`.
+breaks the rule bumps SCHEMA_VERSION and adds a converter in `conform`. The other way round, a file a newer
+clora wrote may hold columns this code does not know, which a non-strict `conform` drops: fine for a reader,
+not for whatever rewrites the file (compaction), which asks `conform_loses` first.
 
 Timestamps are timestamp[ms, UTC] everywhere; token ids and logprobs are list<int32> / list<float32> so a
 trajectory can be re-scored without a tokenizer.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 SCHEMA_VERSION = 1
+VERSION_KEY = b"clora.schema_version"
 
 TS = pa.timestamp("ms", tz="UTC")
 
@@ -29,7 +32,7 @@ class SchemaMismatch(ValueError):
 def _schema(name: str, fields: list[pa.Field]) -> pa.Schema:
     return pa.schema(
         fields,
-        metadata={b"clora.schema_version": str(SCHEMA_VERSION).encode(), b"clora.dataset": name.encode()},
+        metadata={VERSION_KEY: str(SCHEMA_VERSION).encode(), b"clora.dataset": name.encode()},
     )
 
 
@@ -201,3 +204,23 @@ def conform(table: pa.Table, schema: pa.Schema, *, strict: bool = True, what: st
         columns.append(col)
     # Built from arrays + schema: the nullability flags and the version metadata come with the schema.
     return pa.Table.from_arrays(columns, schema=schema)
+
+
+def conform_loses(file_schema: pa.Schema, schema: pa.Schema) -> str | None:
+    """Why `conform(strict=False)` would lose part of a file whose footer schema is `file_schema` (columns
+    `schema` lacks, or a newer SCHEMA_VERSION, whose converter this code does not have), or None. A newer
+    clora writes such files during a rolling upgrade; reading them without those columns is fine, rewriting
+    them without (and deleting the original) loses the columns for good."""
+    unknown = [n for n in file_schema.names if schema.get_field_index(n) < 0]
+    if unknown:
+        return f"columns not in this version's schema: {', '.join(unknown)}"
+    version = (file_schema.metadata or {}).get(VERSION_KEY)
+    if version is None:
+        return None  # not written by clora; nothing in it is unknown
+    try:
+        number = int(version)
+    except ValueError:
+        return f"schema version {version!r} is not a number"
+    if number > SCHEMA_VERSION:
+        return f"schema version {number} is newer than this version's {SCHEMA_VERSION}"
+    return None

@@ -188,6 +188,37 @@ def test_each_footer_is_read_once_per_process(data_dir, make_trajectories, monke
     assert len(opened) == 3 + 2 + 1  # the second run's merged file
 
 
+def test_files_a_newer_clora_wrote_are_left_out_not_stripped_of_what_this_version_does_not_know(
+    data_dir, make_trajectories, caplog
+):
+    """A rolling upgrade: a newer clora added a nullable column (or bumped the schema version). Merging its
+    files here would drop what this version cannot carry, for good once the inputs are deleted."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from storage.schema import SCHEMA_VERSION, TRAJECTORIES, VERSION_KEY, conform
+
+    directory = data_dir / "trajectories" / "tenant=acme"
+    _write_files(data_dir, make_trajectories, 2, prefix="old")
+    newer = conform(make_trajectories(["n-0", "n-1"], start=10), TRAJECTORIES)
+    newer = newer.append_column("judge_notes", pa.array(["fine", "terse"]))
+    pq.write_table(newer, directory / "newcol.parquet")
+    bumped = conform(make_trajectories(["v-0"], start=20), TRAJECTORIES)
+    pq.write_table(bumped.replace_schema_metadata({VERSION_KEY: str(SCHEMA_VERSION + 1).encode()}), directory / "v2.parquet")
+
+    for run in range(2):
+        caplog.clear()
+        (r,) = compact(data_dir, "trajectories", grace_s=0)
+        assert (r.inputs, r.left_out) == ((2, 2), (0, 2))[run]
+        warnings = [m.getMessage() for m in caplog.records if m.levelname == "WARNING"]
+        assert len(warnings) == 2, "once per file and run"
+        assert any("trajectories/tenant=acme" in w and "newcol.parquet" in w and "judge_notes" in w for w in warnings)
+        assert any("trajectories/tenant=acme" in w and "v2.parquet" in w and "schema version 2" in w for w in warnings)
+    assert pq.read_table(directory / "newcol.parquet").column("judge_notes").to_pylist() == ["fine", "terse"]
+    assert {p.rsplit("/", 1)[1] for p in live_files(data_dir, "trajectories")} >= {"newcol.parquet", "v2.parquet"}
+    assert read_dataset(data_dir, "trajectories").num_rows == 8 + 2 + 1
+
+
 CRASH_BETWEEN_RENAME_AND_DELETE = r"""
 import os, pathlib, sys
 from storage.compact import compact_partition
