@@ -56,6 +56,7 @@ from serving.auth import Authenticator, is_admin, resolve_model
 from serving.engine import MAX_CHARS_PER_TOKEN, Choice, Delta, Engine, Sampling
 from serving.errors import (
     BadRequest,
+    EventLogFull,
     Forbidden,
     MethodNotAllowed,
     ModelNotFound,
@@ -76,6 +77,7 @@ ADAPTER_VERSION = "x-clora-adapter-version"
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/feedback": "feedback",
              "/v1/models": "models"}
 RETRY_AFTER_SECONDS = 1  # what a tenant over its in-flight limit is told to wait
+FEEDBACK_RETRY_AFTER_S = 5  # what a client whose feedback the full event log refused is told to wait
 MIN_REQUEST_BYTES = 1 << 20
 REQUEST_BYTES_PER_TOKEN = 6 * MAX_CHARS_PER_TOKEN  # the most characters a token may stand for, JSON-escaped ("\u00e9")
 
@@ -496,7 +498,11 @@ class Api:
         request.state.tenant = tenant
         body = protocol.parse(protocol.FeedbackRequest, await self._body(request))
         self.feedback_rate.take(tenant, "feedback")
-        self.events.log(FeedbackEvent(id=body.id, tenant=tenant, score=body.score, source=body.source or "http"))
+        if not self.events.log(FeedbackEvent(id=body.id, tenant=tenant, score=body.score, source=body.source or "http")):
+            # Nothing else keeps it: the client must send it again (a completion's event, by contrast, is lost
+            # after its answer was sent; that is counted and logged only).
+            raise EventLogFull("feedback not accepted: the event log is full (Kafka is slow and the spool failing); "
+                               "send it again", headers={"retry-after": str(FEEDBACK_RETRY_AFTER_S)})
         self.metrics.requests.labels(tenant, "feedback", "202").inc()
         return JSONResponse({"id": body.id, "object": "feedback", "status": "accepted"}, status_code=202)
 

@@ -101,6 +101,14 @@ class Unavailable(ServingError):
     code = "engine_unavailable"
 
 
+class EventLogFull(ServingError):
+    """Feedback the event log could not take (it holds twice `queue_bytes` already): worth sending again."""
+
+    status = 503
+    type = "server_error"
+    code = "event_log_full"
+
+
 def internal_error_body(e: BaseException) -> dict:
     """OpenAI's error shape for a failure of the server's own (HTTP 500, or the last event of a stream)."""
     return {"error": {"message": f"internal error: {type(e).__name__}", "type": "server_error", "param": None,

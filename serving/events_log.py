@@ -47,7 +47,8 @@ is older: should its send fail, its own spooling would come behind the queue; it
 well as the spool, a duplicate, harmless like any other. Until the thread gets there (and while it
 writes), `log` keeps accepting events up to twice `queue_bytes` in all; past that it drops the new event,
 counted (`clora_serving_events_total{outcome="dropped"}`) and logged at error level (at most once per
-SPILL_RETRY). Over-admitting instead would keep them only until memory ran out, and a serving process
+SPILL_RETRY), and returns False: the API answers feedback so with a 503 the client can retry, while a
+completion's event is lost (its answer has been sent). Over-admitting instead would keep them only until memory ran out, and a serving process
 killed for memory loses everything it holds and every request it is serving: the bound is what stands
 between a slow broker plus a failing disk and that. If the spool refuses the queue (disk full), the queue
 stays in memory, in order, to be sent as Kafka allows (none of it is dropped), and the thread tries
@@ -181,7 +182,9 @@ class EventLog:
         self._thread = threading.Thread(target=self._run, name="clora-event-log", daemon=True)
 
     # --- the request side: never waits for Kafka, never touches the disk ----------------------------------
-    def log(self, event: Event) -> None:
+    def log(self, event: Event) -> bool:
+        """Queues `event` for Kafka (or the spool); False when it was dropped: twice `queue_bytes` of events are
+        in memory already (Kafka slow and the spool failing or behind)."""
         message = Message(self.topics[type(event)], event.tenant, encode(event).decode("utf-8"))
         size = len(message.value)
         with self._lock:
@@ -190,7 +193,7 @@ class EventLog:
                 self._queue.append(message)
                 self._queued_bytes += size
                 self._ready.notify()
-                return
+                return True
             self._unreported_drops += 1
             now = time.monotonic()
             report = 0
@@ -200,6 +203,7 @@ class EventLog:
         if report:
             logger.error("dropped %d events: %d bytes of events in memory, twice queue_bytes, and the spool has "
                          "not taken them (Kafka is slow and the spool is failing, or behind)", report, held)
+        return False
 
     def start(self) -> EventLog:
         self._thread.start()

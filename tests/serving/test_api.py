@@ -128,13 +128,16 @@ class FakeRegistry:
 
 
 class FakeEvents:
-    connected, spooled = True, 0
+    connected, spooled, full = True, 0, False
 
     def __init__(self):
         self.logged = []
 
     def log(self, event):
+        if self.full:
+            return False
         self.logged.append(event)
+        return True
 
 
 class World:
@@ -626,6 +629,16 @@ def test_feedback_is_limited_per_tenant_by_rate():
     w = World(max_feedback_per_second=1.0)  # bursts of 2
     codes = [w.post("/v1/feedback", {"id": f"chatcmpl-{i}", "score": 1}).status_code for i in range(3)]
     assert codes == [202, 202, 429] and len(w.events.logged) == 2
+
+
+def test_feedback_the_full_event_log_cannot_take_is_503_so_the_client_sends_it_again():
+    w = World()
+    w.events.full = True  # Kafka slow and the spool failing: twice queue_bytes in memory already
+    r = w.post("/v1/feedback", {"id": "chatcmpl-1", "score": 1})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "event_log_full"
+    assert r.headers["retry-after"] == "5" and w.events.logged == []
+    w.events.full = False
+    assert w.post("/v1/feedback", {"id": "chatcmpl-1", "score": 1}).status_code == 202 and len(w.events.logged) == 1
 
 
 def test_with_an_admin_key_health_details_and_metrics_need_it():

@@ -349,14 +349,14 @@ def test_a_failed_spill_keeps_the_queue_drops_only_past_twice_the_bound_and_wait
     for i in range(1, 100):  # past twice the bound the newest are dropped
         log.log(interaction(i))
     wait_for(lambda: attempts and log._spilling_bytes == 0)  # tried, failed, the queue is back
-    for i in range(100, 120):  # still at twice the bound: dropped
-        log.log(interaction(i))
+    for i in range(100, 120):  # still at twice the bound: dropped, and the caller is told
+        assert log.log(interaction(i)) is False
     time.sleep(0.2)
     assert len(attempts) == 1  # no new attempt within SPILL_RETRY
     disk.full = False  # after SPILL_RETRY the thread spools the queue again, unasked
     wait_for(lambda: len(attempts) == 2 and log._spilling_bytes == 0 and log.spooled)
     for i in range(120, 130):
-        log.log(interaction(i))
+        assert log.log(interaction(i)) is True
     GatedProducer.gate.set()
     wait_for(lambda: log.spooled == 0 and "i129" in {r[2] for r in broker.received})
     log.close()
