@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import math
 import re
 from collections.abc import Sequence
@@ -56,6 +57,8 @@ from learner.types import Example
 from learner.update import UpdateResult, pg_update
 
 _VERSION = re.compile(r"^(?P<tenant>.+)@(?P<number>[0-9]+)$")
+
+logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -124,16 +127,36 @@ def select_fresh(rows: pa.Table, tenant: str, current: int, max_staleness: int,
 
 
 def prompt_text(row: dict, tokenizer) -> str | None:
-    """The rendered prompt of a trajectory row: the stored text, else the chat template on its messages."""
-    if row.get("prompt"):
-        return row["prompt"]
+    """The prompt of a trajectory row as the model sees it: the stored text, else the chat template on its
+    messages; None when there is neither, or the template refuses the messages.
+
+    For an event that came with `messages` only (an app producing to Kafka itself), ingest stores as `prompt`
+    the messages' "role: content" lines, for scorers and queries to read; the model never saw that text. The
+    serving tier sends both, the template's text as `prompt`. So a stored prompt that is exactly those lines
+    means "no prompt": the template is applied to the messages, as serving would have."""
+    from ingest.events import render_messages
+
+    messages = None
     if row.get("messages_json"):
         try:
             messages = json.loads(row["messages_json"])
         except ValueError:
+            messages = None
+    prompt = row.get("prompt")
+    if prompt:
+        try:
+            derived = messages is not None and prompt == render_messages(messages)
+        except (KeyError, TypeError):  # not the shape ingest renders: the stored prompt is the app's own
+            derived = False
+        if not derived:
+            return prompt
+    if messages:
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template with rules of its own (roles that must alternate, ...): unusable
+            logger.debug("chat template refused the messages of %s: %s", row.get("id"), e)
             return None
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return None
+    return prompt or None
 
 
 def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None) -> tuple[list[Example], dict[str, str]]:

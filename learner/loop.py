@@ -556,7 +556,8 @@ class Learner:
         n_prompts = max(1, rt.spec.batch_size // rt.spec.group_size)
         rows = self.cursors.untrained(rt.spec.name, limit=n_prompts * (rt.spec.group_size + 1) * 2)
         file_prompts = self._file_prompts(rt) if rt.spec.prompts_file is not None else ()
-        plan = rollouts.plan_from_rows(rows, n_prompts, file_prompts=file_prompts, step=rt.step + 1, own_rollouts=rt.rollout_ids)
+        plan = rollouts.plan_from_rows(rows, n_prompts, file_prompts=file_prompts, step=rt.step + 1,
+                                       own_rollouts=rt.rollout_ids, tokenizer=self.policy.tokenizer)
         return plan if plan.prompts or plan.consumed_ids else None
 
     def _file_plan(self, rt: TenantRuntime, step: int) -> RolloutPlan:

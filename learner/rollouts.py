@@ -49,7 +49,7 @@ import torch
 
 from learner import maths
 from learner.batch import pack
-from learner.logs_mode import stale_reason
+from learner.logs_mode import prompt_text, stale_reason
 from learner.policy import Policy
 from learner.types import Sample
 from learner.update import UpdateResult, pg_update
@@ -108,18 +108,22 @@ def plan_from_rows(
     file_prompts: Sequence[str] = (),
     step: int = 0,
     own_rollouts: Collection[str] = (),
+    tokenizer=None,
 ) -> RolloutPlan:
     """The step's prompts: `n_prompts` from `file_prompts` (rotating with `step`) when given, else the
     rendered prompts of the untrained production rows (rows that are the learner's own rollouts, by id
-    in `own_rollouts` or by metadata, are not production). Every row looked at is consumed."""
+    in `own_rollouts` or by metadata, are not production): as the model sees them (logs_mode.prompt_text,
+    which renders a messages-only row with `tokenizer`'s chat template; without a tokenizer, the stored
+    text). Every row looked at is consumed."""
     consumed, prompts = [], []
-    for row in rows.select(["id", "prompt", "metadata_json"]).to_pylist():
+    for row in rows.select(["id", "prompt", "messages_json", "metadata_json"]).to_pylist():
         rollout = row["id"] in own_rollouts or is_rollout_row(row["metadata_json"])
-        if file_prompts or rollout or not row["prompt"]:
+        prompt = None if file_prompts or rollout else (prompt_text(row, tokenizer) if tokenizer else row["prompt"])
+        if not prompt:
             consumed.append(row["id"])
         elif len(prompts) < n_prompts:
             consumed.append(row["id"])
-            prompts.append(row["prompt"])
+            prompts.append(prompt)
     if file_prompts:
         start = (step * n_prompts) % len(file_prompts)
         prompts = [file_prompts[(start + i) % len(file_prompts)] for i in range(n_prompts)]

@@ -104,3 +104,43 @@ def test_rows_become_examples_with_token_ids_and_behaviour_logprobs_when_usable(
     assert a.group == b.group == chat_prompt("q")
     assert c.prompt_ids == tuple(tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False).input_ids)
     assert c.group.endswith("<|im_start|>assistant\n")
+
+
+def test_an_event_with_messages_only_is_trained_and_sampled_on_the_chat_template_not_on_ingests_text(tiny_model):
+    """An app producing to Kafka itself may send `messages` without `prompt`; ingest then stores the messages'
+    "role: content" lines as `prompt` (for scorers and queries). The model never saw that text: the learner
+    renders the messages with the chat template, as serving does."""
+    from transformers import AutoTokenizer
+
+    from ingest.events import InteractionEvent
+    from ingest.rows import Coords, interaction_row
+    from learner.rollouts import plan_from_rows
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 6 x 7?"}]
+    stored = interaction_row(InteractionEvent(id="m1", tenant="acme", messages=messages, completion="42"),
+                             Coords("clora.interactions", 0, 0), 0)
+    assert stored.prompt == "system: Be brief.\nuser: What is 6 x 7?"  # what ingest keeps for scorers
+    template = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    rows = trajectories("acme", [
+        {"id": "m1", "prompt": stored.prompt, "messages_json": stored.messages_json, "completion": "42", "reward": 1.0},
+        # serving's events carry both: the template's text is the prompt, used as it is
+        {"id": "s1", "prompt": chat_prompt("q"), "messages_json": json.dumps([{"role": "user", "content": "q"}]),
+         "completion": "ok", "reward": 0.0},
+    ])
+    (m1, s1), unusable = to_examples(rows, tok)
+    assert unusable == {} and m1.group == template and s1.group == chat_prompt("q")
+    assert plan_from_rows(rows, 2, tokenizer=tok).prompts == (template, chat_prompt("q"))
+
+    class StrictTemplate:  # a template with rules of its own (say, roles that must alternate)
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def __call__(self, *args, **kwargs):
+            return tok(*args, **kwargs)
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise ValueError("Conversation roles must alternate user/assistant/user/assistant/...")
+
+    examples, unusable = to_examples(rows, StrictTemplate())
+    assert [e.id for e in examples] == ["s1"] and set(unusable) == {"m1"}  # unusable, not a failing step
