@@ -387,6 +387,21 @@ class Config(_Strict):
                 problems.append(
                     f"tenant {t.name!r}: lora.rank {t.lora.rank} exceeds serving.max_lora_rank {self.serving.max_lora_rank}"
                 )
+        if self.learner.rollout_sampler == "serving":  # rollouts are /v1/completions requests with n = group_size
+            from serving.protocol import GREEDY_BELOW, MAX_N
+
+            for t in self.tenants:
+                if t.mode != "rollouts":
+                    continue
+                if t.group_size > MAX_N:
+                    problems.append(f"tenant {t.name!r}: group_size {t.group_size} is more than the {MAX_N} "
+                                    "completions a serving request may ask for (n)")
+                if t.group_size > self.serving.max_inflight_per_tenant:
+                    problems.append(f"tenant {t.name!r}: group_size {t.group_size} is more than "
+                                    f"serving.max_inflight_per_tenant {self.serving.max_inflight_per_tenant}")
+                if t.group_size > 1 and not GREEDY_BELOW <= self.learner.temperature <= 2:
+                    problems.append(f"learner.temperature {self.learner.temperature:g} is outside what serving "
+                                    f"samples {t.group_size} completions at ({GREEDY_BELOW:g} to 2)")
         if self.retention.days > 0 and self.compaction.every_seconds == 0:
             problems.append(
                 "retention.days is set but compaction.every_seconds is 0: the compactor that `clora up` runs is what "

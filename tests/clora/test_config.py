@@ -236,3 +236,30 @@ def test_the_serving_tiers_url_from_this_machine(host, url):
     from clora.config import ServingConfig
 
     assert ServingConfig(host=host).local_url == url
+
+
+def test_rollouts_through_serving_ask_only_for_what_serving_allows(tmp_path):
+    def tenant(**kw):
+        return {"name": "lab", "api_key": "long-enough-key", "mode": "rollouts", "scorer": "length:10", **kw}
+
+    with pytest.raises(ConfigError) as e:
+        Config_of(tenants=[tenant(group_size=32)])
+    assert "group_size 32 is more than the 16 completions" in str(e.value)
+    with pytest.raises(ConfigError, match="serving.max_inflight_per_tenant 4"):
+        Config_of(tenants=[tenant(group_size=8)], serving={"max_inflight_per_tenant": 4})
+    with pytest.raises(ConfigError, match="learner.temperature 1e-06 is outside"):
+        Config_of(tenants=[tenant()], learner={"temperature": 1e-6})
+    # the learner's own sampler has no such limits
+    Config_of(tenants=[tenant(group_size=32)], learner={"rollout_sampler": "local"})
+
+
+def Config_of(**sections):
+    """Config.model_validate, failing as load_config does."""
+    from pydantic import ValidationError
+
+    from clora.config import Config
+
+    try:
+        return Config.model_validate(sections)
+    except ValidationError as e:
+        raise ConfigError(str(e)) from None
