@@ -197,6 +197,7 @@ class Learner:
         self.tenants: dict[str, TenantRuntime] = {}
         self._bars: dict[str, object] = {}
         self._prompts_cache: dict[str, tuple[tuple | None, list[str]]] = {}  # tenant -> (file identity, rendered)
+        self._base_shapes: dict | None = None  # the base model's linear layers, for _check_servable
         self.ledger = Ledger()
         self.apply_config(cfg)
         self.recover()
@@ -206,6 +207,7 @@ class Learner:
         """Takes the learner settings and tenants of `cfg`; existing tenants keep their adapters."""
         self.settings = cfg.learner
         self.max_len = cfg.serving.max_model_len
+        self.max_lora_rank = cfg.serving.max_lora_rank
         self.scheduler = cfg.learner.scheduler
         self.limits = gate.GateLimits(
             max_kl=cfg.learner.gate_max_kl,
@@ -773,7 +775,30 @@ class Learner:
             spec = replace(spec, **shape)
         if not self.policy.has(spec.name):
             self.policy.add_tenant(spec)
+            try:
+                self._check_servable(spec.name)
+            except BaseException:
+                self.policy.remove_tenant(spec.name)
+                raise
         rt.spec = spec
+
+    def _check_servable(self, name: str) -> None:
+        """Raises LearnerError when serving would refuse every version of the tenant's adapter (its shape: a
+        target name PEFT matches by suffix but serving does not, the tied lm_head, a rank over
+        serving.max_lora_rank): it would train and publish versions that are never served. Checked once, on
+        the fresh adapter, with serving's own check."""
+        import tempfile
+
+        from serving.adapter_check import AdapterRejected, base_linear_shapes, validate_adapter
+
+        if self._base_shapes is None:
+            self._base_shapes = base_linear_shapes(self.policy.model_path)
+        with tempfile.TemporaryDirectory(prefix="clora-check-") as d:
+            self.policy.save_adapter(name, d)
+            try:
+                validate_adapter(Path(d), max_rank=self.max_lora_rank, base_shapes=self._base_shapes)
+            except AdapterRejected as e:
+                raise LearnerError(f"tenant {name!r}: serving would refuse every version of this adapter: {e}") from e
 
     def _follow_registry(self, rt: TenantRuntime) -> None:
         """If the served version is not the learner's (an operator rolled back, or published or retired a

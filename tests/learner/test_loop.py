@@ -572,3 +572,17 @@ def test_rollouts_reach_the_serving_url_when_one_is_set(tiny_model, data_dir):
     default = Learner(plain, model_path=tiny_model, progress=False)
     assert default.sampler.base_url == f"http://127.0.0.1:{plain.serving.port}"
     default.close()
+
+
+def test_an_adapter_shape_serving_would_refuse_is_an_error_before_anything_is_trained(tiny_model, data_dir):
+    # PEFT matches target names by suffix ("self_attn.q_proj" works for it); serving's check takes layer
+    # names or full paths only, and would refuse every version: none would ever be served
+    write(data_dir, "odd", rows("a", 8), "b0")
+    write(data_dir, "ok", rows("o", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "odd", "batch_size": 8, "lora": {"target_modules": ["self_attn.q_proj"]}},
+                                             {"name": "ok", "batch_size": 8}])
+    learner = learn(cfg, tiny_model)
+    odd = learner.tenants["odd"]
+    assert odd.status == "error" and "serving would refuse every version" in odd.error and "self_attn.q_proj" in odd.error
+    assert Registry(data_dir).versions("odd") == [] and Registry(data_dir).latest_published("ok").number == 1
+    assert not learner.policy.has("odd")  # tried again (with the config mended) from scratch
