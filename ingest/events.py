@@ -4,7 +4,8 @@ One JSON object per Kafka message, UTF-8, message key = tenant. Two event types 
 README, "Events"):
 
     interaction  {"type":"interaction","id","tenant","ts","messages"|"prompt","completion",
-                  "adapter_version"?,"completion_token_ids"?,"completion_logprobs"?,"reward"?,"metadata"?}
+                  "adapter_version"?,"prompt_token_ids"?,"completion_token_ids"?,"completion_logprobs"?,
+                  "reward"?,"metadata"?}
     feedback     {"type":"feedback","id","tenant","ts","score" in [-1, 1],"source"?}
 
 `decode` turns bytes into an `InteractionEvent`, a `FeedbackEvent` or a `DeadLetter` naming a short, stable
@@ -118,7 +119,9 @@ class InteractionEvent:
     """One model call: what was asked, what came back, and (optionally) how good it was.
 
     Give `messages` (chat) or `prompt` (plain text), or both: the serving tier sends both, `prompt` then
-    being the exact text the chat template produced. `ts` defaults to now.
+    being the exact text the chat template produced. `ts` defaults to now. `prompt_token_ids`: the prompt
+    as the model saw it, when it was sent as token ids (the serving tier sets it for those prompts only;
+    text and chat prompts re-tokenize to exactly what was served, and their events stay small).
     """
 
     id: str
@@ -128,6 +131,7 @@ class InteractionEvent:
     messages: list[dict[str, Any]] | None = None
     ts: datetime = field(default_factory=utc_now)
     adapter_version: str | None = None
+    prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None
     completion_logprobs: list[float] | None = None
     reward: float | None = None
@@ -203,6 +207,7 @@ def encode(event: Event) -> bytes:
             "prompt": event.prompt,
             "completion": event.completion,
             "adapter_version": event.adapter_version,
+            "prompt_token_ids": event.prompt_token_ids,
             "completion_token_ids": event.completion_token_ids,
             "completion_logprobs": event.completion_logprobs,
             "reward": event.reward,
@@ -287,11 +292,11 @@ _INT = {int}
 _NUMBER = {int, float}  # not bool: type() is exact
 
 
-def _token_ids(v: Any) -> list[int] | None:
+def _token_ids(v: Any, name: str = "completion_token_ids") -> list[int] | None:
     if v is None:
         return None
     if not isinstance(v, list) or (v and not (set(map(type, v)) <= _INT and min(v) >= 0 and max(v) <= INT32_MAX)):
-        raise _Reject("bad_field", "completion_token_ids must be a list of non-negative 32-bit integers")
+        raise _Reject("bad_field", f"{name} must be a list of non-negative 32-bit integers")
     return v
 
 
@@ -314,6 +319,7 @@ def _interaction(data: dict, id_: str, tenant: str, ts: datetime, strict: bool) 
         messages = _messages(messages)
     elif prompt is None:
         raise _Reject("bad_field", "an interaction needs messages or a prompt")
+    prompt_token_ids = _token_ids(data.get("prompt_token_ids"), "prompt_token_ids")
     token_ids = _token_ids(data.get("completion_token_ids"))
     logprobs = _logprobs(data.get("completion_logprobs"))
     if token_ids is not None and logprobs is not None and len(token_ids) != len(logprobs):
@@ -346,6 +352,7 @@ def _interaction(data: dict, id_: str, tenant: str, ts: datetime, strict: bool) 
         messages=messages,
         ts=ts,
         adapter_version=_optional_str(data, "adapter_version"),
+        prompt_token_ids=prompt_token_ids,
         completion_token_ids=token_ids,
         completion_logprobs=logprobs,
         reward=reward,

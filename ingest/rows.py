@@ -43,6 +43,7 @@ class InteractionRow(NamedTuple):
     messages_json: str | None
     completion: str | None
     adapter_version: str | None
+    prompt_token_ids: list[int] | None
     completion_token_ids: list[int] | None
     completion_logprobs: list[float] | None
     metadata_json: str | None
@@ -62,6 +63,7 @@ class TrajectoryRow(NamedTuple):
     reward: float
     reward_source: str
     adapter_version: str | None
+    prompt_token_ids: list[int] | None
     completion_token_ids: list[int] | None
     completion_logprobs: list[float] | None
     metadata_json: str | None
@@ -121,6 +123,7 @@ def interaction_row(ev: InteractionEvent, at: Coords, ingested_at: int) -> Inter
         None if ev.messages is None else decoded_to_json(ev.messages),
         ev.completion,
         ev.adapter_version,
+        ev.prompt_token_ids,
         ev.completion_token_ids,
         ev.completion_logprobs,
         None if ev.metadata is None else decoded_to_json(ev.metadata),
@@ -133,7 +136,7 @@ def interaction_row(ev: InteractionEvent, at: Coords, ingested_at: int) -> Inter
 
 def trajectory_row(row: InteractionRow, reward: float, source: str, ingested_at: int) -> TrajectoryRow:
     """A scored interaction; it keeps the interaction's Kafka provenance."""
-    return _row(TrajectoryRow, row[:6] + (reward, source) + row[6:13] + (ingested_at,))
+    return _row(TrajectoryRow, row[:6] + (reward, source) + row[6:-1] + (ingested_at,))
 
 
 # What makes two feedback events one event, the key feedback/ is deduplicated on: a resent event (the

@@ -2,8 +2,10 @@
 
 A step takes the tenant's oldest untrained trajectories (storage.cursors), and:
   1. drops stale ones (below);
-  2. turns each row into an Example: prompt tokens from the stored rendered `prompt` text (or, when a
-     row has none, the chat template applied to `messages_json`); completion tokens from
+  2. turns each row into an Example: prompt tokens from `prompt_token_ids` when the row has them (a
+     prompt sent to serving as token ids: its decoded text may re-tokenize to other ids, which the model
+     never saw), else from the stored rendered `prompt` text (or, when a row has none, the chat template
+     applied to `messages_json`); completion tokens from
      `completion_token_ids` when present, else the tokenized `completion` text; behaviour log-probs from
      `completion_logprobs` when they are present, finite and as many as the completion tokens, else none;
   3. advantages: reward minus baseline, where the baseline is the mean reward of the other completions
@@ -161,15 +163,31 @@ def prompt_text(row: dict, tokenizer) -> str | None:
 
 def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None) -> tuple[list[Example], dict[str, str]]:
     """Examples for every usable row, and id -> reason for the rows that cannot be trained on (among them
-    completion token ids outside the model's `vocab_size` rows: an app's own ids, or rows logged for another
-    base model, would otherwise fail every step of the tenant)."""
+    prompt or completion token ids outside the model's `vocab_size` rows: an app's own ids, or rows logged
+    for another base model, would otherwise fail every step of the tenant).
+
+    A row with `prompt_token_ids` trains on those ids, and its `group` is their decoded text: a function of
+    the ids alone, so rows with the same prompt ids are one group whatever text they stored, and still a
+    text (the loop hands groups to the gate as probe prompts)."""
     examples, unusable = [], {}
     for row in rows.to_pylist():
-        prompt = prompt_text(row, tokenizer)
-        if not prompt:
-            unusable[row["id"]] = "no prompt text or messages"
-            continue
-        prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
+        stored_ids = row.get("prompt_token_ids")
+        if stored_ids:
+            prompt_ids = [int(t) for t in stored_ids]
+            if vocab_size is not None and not all(0 <= t < vocab_size for t in prompt_ids):
+                unusable[row["id"]] = f"prompt token ids outside the model's vocabulary of {vocab_size}"
+                continue
+            try:
+                prompt = tokenizer.decode(prompt_ids)
+            except Exception as e:  # ids this tokenizer does not have (no vocab_size given to catch them)
+                unusable[row["id"]] = f"prompt token ids the tokenizer cannot decode: {type(e).__name__}"
+                continue
+        else:
+            prompt = prompt_text(row, tokenizer)
+            if not prompt:
+                unusable[row["id"]] = "no prompt text or messages"
+                continue
+            prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
         if row.get("completion_token_ids"):
             completion_ids = [int(t) for t in row["completion_token_ids"]]
         else:

@@ -96,11 +96,14 @@ def endpoint_label(path: str) -> str:
 
 @dataclass
 class _Prompt:
-    """One prompt of a request: its text (rendered, for chat), token ids, and sampling fitted to its room."""
+    """One prompt of a request: its text (rendered, for chat), token ids, and sampling fitted to its room.
+    `sent_as_ids`: the request gave it as token ids, which its text (decoded) may not re-tokenize to, so
+    its event carries the ids (`prompt_token_ids`) for the learner to train on what the model saw."""
 
     text: str
     ids: list[int]
     sampling: Sampling
+    sent_as_ids: bool = False
 
 
 @dataclass
@@ -286,9 +289,9 @@ class Api:
                 messages = None
                 prompts = []
                 for p in given:
-                    rendered = await (self.engine.text_prompt(p, tenant) if isinstance(p, str)
-                                      else self.engine.ids_prompt(p, tenant))
-                    prompts.append(self._prompt(rendered, sampling, "prompt"))
+                    as_ids = not isinstance(p, str)
+                    rendered = await (self.engine.ids_prompt(p, tenant) if as_ids else self.engine.text_prompt(p, tenant))
+                    prompts.append(self._prompt(rendered, sampling, "prompt", sent_as_ids=as_ids))
             if choice.adapter:
                 lease = await self.adapters.acquire(tenant, choice.version)
             else:
@@ -341,12 +344,13 @@ class Api:
         return JSONResponse(build(call.response_id, lease.label, done, call.prompt_tokens, with_logprobs),
                             headers=headers)
 
-    def _prompt(self, rendered: tuple[str, list[int]], sampling: Sampling, param: str) -> _Prompt:
+    def _prompt(self, rendered: tuple[str, list[int]], sampling: Sampling, param: str, *,
+                sent_as_ids: bool = False) -> _Prompt:
         """A rendered prompt checked against the context and the engine, before anything is answered."""
         text, ids = rendered
         fitted = self.engine.check_prompt(ids, sampling, param=param)
         self.engine.check_sampling(fitted)
-        return _Prompt(text, ids, fitted)
+        return _Prompt(text, ids, fitted, sent_as_ids)
 
     async def _body(self, request: Request) -> bytes:
         """The request body, refused with 413 past `max_request_bytes` (by Content-Length, and while read)."""
@@ -474,6 +478,7 @@ class Api:
                     messages=call.messages,
                     ts=call.arrived_at,
                     adapter_version=call.lease.adapter.name if call.lease.adapter else None,
+                    prompt_token_ids=list(prompt.ids) if prompt.sent_as_ids else None,
                     completion_token_ids=list(c.token_ids),
                     completion_logprobs=[lp.logprob for lp in c.logprobs],
                     metadata={

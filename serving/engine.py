@@ -292,7 +292,9 @@ class Engine:
         return text, await self._in_prompt_thread(tenant, self.encode, text)
 
     async def ids_prompt(self, token_ids: Sequence[int], tenant: str = "") -> tuple[str, list[int]]:
-        """A prompt given as token ids -> (its text, the ids); BadRequest for ids outside the vocabulary."""
+        """A prompt given as token ids -> (its text, the ids); BadRequest for ids outside the vocabulary.
+        The text need not re-tokenize to the ids (ids [74, 71, 78, 78, 81] decode to "hello", which encodes
+        otherwise), so the api logs these ids with the event (`prompt_token_ids`)."""
         if len(token_ids) >= self.max_model_len:  # no decoding needed to refuse it
             raise _too_long(self.max_model_len, len(token_ids), "prompt")
         return await self._in_prompt_thread(tenant, self.decode, token_ids), list(token_ids)

@@ -60,6 +60,9 @@ _INTERACTION = [
     _f("messages_json", pa.string()),  # the chat messages as sent, JSON (null for plain-prompt requests)
     _f("completion", pa.string()),
     _f("adapter_version", pa.string()),  # "<tenant>@<n>" that produced the completion; null = base model
+    # the prompt as the model saw it, when it was sent as token ids (null otherwise: the text re-tokenizes
+    # to what was served). Added after version 1's first files: older files lack it and read as nulls.
+    _f("prompt_token_ids", pa.list_(pa.int32())),
     _f("completion_token_ids", pa.list_(pa.int32())),
     _f("completion_logprobs", pa.list_(pa.float32())),
     _f("metadata_json", pa.string()),

@@ -54,6 +54,22 @@ def test_interaction_with_prompt_and_all_optional_fields():
     assert ev.reward == 1.0 and isinstance(ev.reward, float)
 
 
+def test_prompt_token_ids_are_decoded_checked_and_encoded():
+    """A prompt sent to serving as token ids comes with them: the learner trains on those ids."""
+    ev = decode(raw(interaction(messages=..., prompt="hello", prompt_token_ids=[74, 71, 78, 78, 81, 0, 2**31 - 1])),
+                max_bytes=MAX)
+    assert isinstance(ev, InteractionEvent) and ev.prompt_token_ids == [74, 71, 78, 78, 81, 0, 2**31 - 1]
+    assert decode(encode(ev), max_bytes=MAX) == ev
+    assert json.loads(encode(ev))["prompt_token_ids"] == [74, 71, 78, 78, 81, 0, 2**31 - 1]
+    without = decode(raw(interaction()), max_bytes=MAX)
+    assert without.prompt_token_ids is None and "prompt_token_ids" not in json.loads(encode(without))
+    for bad in ([1, -2], [1, 2**31], [1, 2.0], [1, "2"], [True], [None], [[1]], "74 71", 74, {"0": 1}):
+        dl = decode(raw(interaction(prompt_token_ids=bad)), max_bytes=MAX)
+        assert isinstance(dl, DeadLetter) and dl.reason == "bad_field" and "prompt_token_ids" in dl.detail, bad
+        assert (dl.tenant, dl.id) == ("acme", "r1")
+    assert decode(raw(interaction(prompt_token_ids=None)), max_bytes=MAX).prompt_token_ids is None
+
+
 def test_prompt_wins_over_messages_for_the_rendered_text():
     ev = decode(raw(interaction(prompt="<|user|>2+2?<|assistant|>")), max_bytes=MAX)
     assert ev.rendered_prompt == "<|user|>2+2?<|assistant|>"
@@ -244,6 +260,7 @@ def _interactions():
         messages=st.none() | st.lists(st.fixed_dictionaries({"role": texts, "content": texts}), min_size=1, max_size=3),
         ts=times,
         adapter_version=st.none() | texts,
+        prompt_token_ids=st.none() | st.lists(st.integers(0, 2**31 - 1), max_size=5),
         completion_token_ids=st.none() | st.lists(st.integers(0, 2**31 - 1), max_size=5),
         reward=st.none() | finite,
         metadata=st.none() | st.dictionaries(texts, st.integers() | texts, max_size=3),
@@ -274,7 +291,7 @@ def test_arbitrary_json_decodes_to_an_event_or_a_dead_letter(value):
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.sampled_from(["type", "id", "tenant", "ts", "messages", "prompt", "completion", "score",
                                          "reward", "metadata", "completion_token_ids", "completion_logprobs",
-                                         "adapter_version", "source"]),
+                                         "prompt_token_ids", "adapter_version", "source"]),
                        json_values | huge_ints | st.sampled_from(["interaction", "feedback", "acme", "2025-01-01T00:00:00Z"])))
 def test_event_shaped_json_decodes_to_an_event_or_a_dead_letter(value):
     out = decode(json.dumps(value).encode(), max_bytes=MAX)
@@ -292,6 +309,7 @@ _FEEDBACK = {"type": "feedback", "id": "r1", "tenant": "acme", "ts": 0, "score":
 @given(st.sampled_from([
     lambda n: interaction(ts=n), lambda n: interaction(reward=n), lambda n: interaction(metadata={"n": [n]}),
     lambda n: interaction(completion_token_ids=[n]), lambda n: interaction(completion_token_ids=[1], completion_logprobs=[n]),
+    lambda n: interaction(prompt_token_ids=[n]),
     lambda n: {**_FEEDBACK, "ts": n}, lambda n: {**_FEEDBACK, "score": n},
 ]), _numbers)
 def test_any_number_in_a_numeric_field_of_a_valid_event_decodes_to_an_event_or_a_dead_letter(put, n):

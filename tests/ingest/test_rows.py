@@ -13,6 +13,7 @@ from ingest.rows import (
     Coords,
     DeadLetterRow,
     InteractionRow,
+    TrajectoryRow,
     dead_letter_row,
     epoch_ms,
     feedback_row,
@@ -45,6 +46,22 @@ def test_interaction_and_trajectory_rows():
     assert traj.reward == 0.5 and traj.reward_source == "feedback" and traj.ingested_at == 2000
     assert traj.completion_token_ids == [5] and traj.kafka_offset == 41
     assert interaction_rows(to_table([row], InteractionRow)) == [row]
+
+
+def test_prompt_token_ids_go_to_interaction_and_trajectory_rows():
+    ev = InteractionEvent(id="r", tenant="acme", completion="!", prompt="hello", prompt_token_ids=[74, 71, 78, 78, 81],
+                          completion_token_ids=[5], completion_logprobs=[-0.25])
+    row = interaction_row(ev, AT, ingested_at=1000)
+    assert row.prompt == "hello" and row.prompt_token_ids == [74, 71, 78, 78, 81] and row.completion_token_ids == [5]
+    traj = trajectory_row(row, 1.0, "inline", ingested_at=2000)
+    assert traj.prompt_token_ids == [74, 71, 78, 78, 81] and traj.completion_token_ids == [5]
+    assert traj.metadata_json is None and traj.kafka_offset == 41 and traj.ingested_at == 2000
+    assert interaction_rows(to_table([row], InteractionRow)) == [row]
+    table = to_table([traj], TrajectoryRow)
+    assert table.column("prompt_token_ids").to_pylist() == [[74, 71, 78, 78, 81]]
+    assert table.schema.field("prompt_token_ids").type == table.schema.field("completion_token_ids").type
+    text_only = interaction_row(InteractionEvent(id="t", tenant="acme", completion="!", prompt="hello"), AT, 1000)
+    assert text_only.prompt_token_ids is None
 
 
 def test_feedback_and_dead_letter_rows():

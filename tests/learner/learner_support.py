@@ -37,6 +37,7 @@ def trajectories(tenant: str, rows: list[dict], *, start: int = 0) -> pa.Table:
                 "reward": r["reward"],
                 "reward_source": r.get("reward_source", "feedback"),
                 "adapter_version": r.get("adapter_version"),
+                "prompt_token_ids": r.get("prompt_token_ids"),
                 "completion_token_ids": r.get("completion_token_ids"),
                 "completion_logprobs": r.get("completion_logprobs"),
                 "metadata_json": json.dumps(r["metadata"]) if "metadata" in r else None,

@@ -106,6 +106,30 @@ def test_rows_become_examples_with_token_ids_and_behaviour_logprobs_when_usable(
     assert c.group.endswith("<|im_start|>assistant\n")
 
 
+def test_a_prompt_sent_as_token_ids_is_trained_on_those_ids_not_on_its_text_re_tokenized(tiny_model):
+    """ids [74, 71, 78, 78, 81] decode to "hello", which re-encodes as [261, 300, 81]: the model saw the first,
+    and the behaviour log-probs were sampled under them, so the learner trains on the stored ids."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    sent = [74, 71, 78, 78, 81]
+    assert tok.decode(sent) == "hello" and tok("hello", add_special_tokens=False).input_ids == [261, 300, 81]
+    rows = trajectories("acme", [
+        {"id": "ids1", "prompt": "hello", "prompt_token_ids": sent, "completion": "!", "reward": 1.0,
+         "completion_token_ids": [5], "completion_logprobs": [-0.5]},
+        {"id": "ids2", "prompt": "hello", "prompt_token_ids": sent, "completion": "?", "reward": 0.0},
+        {"id": "text", "prompt": "hello", "completion": "!", "reward": 0.5},  # no ids: the text, tokenized
+        {"id": "far", "prompt": "hello", "prompt_token_ids": [74, len(tok) + 5], "completion": "!", "reward": 0.5},
+    ])
+    examples, unusable = to_examples(rows, tok, vocab_size=len(tok))
+    ids1, ids2, text = examples
+    assert ids1.prompt_ids == ids2.prompt_ids == tuple(sent)
+    assert ids1.completion_ids == (5,) and ids1.behaviour_logprobs == (-0.5,)
+    assert text.prompt_ids == (261, 300, 81)
+    assert ids1.group == ids2.group  # the same prompt ids: one group
+    assert set(unusable) == {"far"} and "prompt token ids outside the model's vocabulary" in unusable["far"]
+
+
 def test_an_event_with_messages_only_is_trained_and_sampled_on_the_chat_template_not_on_ingests_text(tiny_model):
     """An app producing to Kafka itself may send `messages` without `prompt`; ingest then stores the messages'
     "role: content" lines as `prompt` (for scorers and queries). The model never saw that text: the learner

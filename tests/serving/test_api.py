@@ -266,6 +266,22 @@ def test_token_id_batches_and_one_string_list():
         assert r.status_code == 400 and error(r)["param"] == "prompt", empty
 
 
+def test_a_prompt_sent_as_token_ids_is_logged_with_those_ids_and_a_text_prompt_without():
+    """The learner trains on the prompt the model saw: for token ids, the ids themselves (their decoded text
+    may re-tokenize to other ids); text and chat prompts re-tokenize to what was served and carry none."""
+    w = World()
+    r = w.post("/v1/completions", {"model": "acme", "prompt": [[104, 105], [120, 121, 122]], "stream": False})
+    assert r.status_code == 200, r.text
+    assert [(e.prompt, e.prompt_token_ids) for e in w.events.logged] == [("hi", [104, 105]), ("xyz", [120, 121, 122])]
+    streamed = World()
+    events = sse_events(streamed.post("/v1/completions", {"model": "acme", "prompt": [104, 105], "stream": True}))
+    assert events[-1] == "[DONE]" and [e.prompt_token_ids for e in streamed.events.logged] == [[104, 105]]
+    mixed = World()
+    assert mixed.post("/v1/completions", {"model": "acme", "prompt": "hi"}).status_code == 200
+    assert mixed.post("/v1/chat/completions", {"model": "acme", "messages": MESSAGES}).status_code == 200
+    assert [e.prompt_token_ids for e in mixed.events.logged] == [None, None]
+
+
 def test_several_prompts_fan_out_with_openai_choice_numbering():
     w = World()
     r = w.post("/v1/completions", {"model": "acme", "prompt": ["ab", "xyz", "q"], "n": 2, "temperature": 1})

@@ -48,6 +48,7 @@ def test_trajectory_columns_and_types():
         "reward": pa.float64(),
         "reward_source": pa.string(),
         "adapter_version": pa.string(),
+        "prompt_token_ids": pa.list_(pa.int32()),
         "completion_token_ids": pa.list_(pa.int32()),
         "completion_logprobs": pa.list_(pa.float32()),
         "metadata_json": pa.string(),
@@ -192,6 +193,32 @@ def test_files_of_an_older_schema_stay_readable(data_dir, make_trajectories):
     back = read_dataset(data_dir, "trajectories")
     assert back.schema == TRAJECTORIES
     assert back.column("completion_logprobs").to_pylist() == [None]
+
+
+def test_prompt_token_ids_are_a_nullable_column_that_files_written_before_it_read_as_nulls(data_dir, make_trajectories):
+    """prompt_token_ids (a prompt sent as token ids) came after the first version-1 files: those lack it, and
+    read with nulls there; compaction finds nothing in them it would lose."""
+    from storage.schema import conform, conform_loses
+
+    for schema in (INTERACTIONS, TRAJECTORIES):
+        field = schema.field("prompt_token_ids")
+        assert field.nullable and field.type == schema.field("completion_token_ids").type == pa.list_(pa.int32())
+    old = make_trajectories(["a", "b"])
+    assert "prompt_token_ids" not in old.column_names  # what a file of the version before looks like
+    directory = data_dir / "trajectories" / "tenant=acme"
+    directory.mkdir(parents=True)
+    pq.write_table(old, directory / "old.parquet")
+    back = read_dataset(data_dir, "trajectories")
+    assert back.schema == TRAJECTORIES and back.column("prompt_token_ids").to_pylist() == [None, None]
+    assert conform_loses(pq.read_schema(directory / "old.parquet"), TRAJECTORIES) is None
+    old_interactions = old.drop_columns(["reward", "reward_source"])
+    assert conform(old_interactions, INTERACTIONS, strict=False).column("prompt_token_ids").to_pylist() == [None, None]
+    new = conform(old.append_column("prompt_token_ids", pa.array([[74, 71, 78, 78, 81], None], pa.list_(pa.int64()))),
+                  TRAJECTORIES)
+    write_dataset(data_dir, "trajectories", new, file_id="new")
+    rows = read_dataset(data_dir, "trajectories").to_pylist()
+    assert sorted((r["id"], r["prompt_token_ids"] or []) for r in rows) == [
+        ("a", []), ("a", [74, 71, 78, 78, 81]), ("b", []), ("b", [])]
 
 
 def test_read_rows_reads_the_rows_asked_for_in_order(tmp_path, make_trajectories):
