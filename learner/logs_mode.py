@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
+from ingest.events import render_messages
 from learner import maths
 from learner.batch import pack, pad_values
 from learner.policy import Policy
@@ -136,8 +137,6 @@ def prompt_text(row: dict, tokenizer) -> str | None:
     the messages' "role: content" lines, for scorers and queries to read; the model never saw that text. The
     serving tier sends both, the template's text as `prompt`. So a stored prompt that is exactly those lines
     means "no prompt": the template is applied to the messages, as serving would have."""
-    from ingest.events import render_messages
-
     messages = None
     if row.get("messages_json"):
         try:
