@@ -245,11 +245,24 @@ def _as_float(v: int | float) -> float:
         return math.inf if v > 0 else -math.inf
 
 
-def _shown(v: Any) -> str:
-    """A number for a dead letter's detail: a long integer by its size, not its 400 digits."""
-    if isinstance(v, int) and v.bit_length() > 64:
-        return f"an integer of {len(str(abs(v)))} digits"
-    return f"{v!r:.80}"
+def shown(value: Any) -> str:
+    """A value for a message (a dead letter's detail, a scorer error): a long integer by its size, not its
+    thousands of digits (repr() of one over 4300 digits raises), and a user object whose repr() fails by its
+    type."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        return f"{value!r:.80}"
+    except Exception:
+        return f"a {type(value).__name__} (its repr() failed)"
+
+
+def exception_text(e: BaseException) -> str:
+    """str(e), which may fail too (an exception holding such an integer, a user's exception class)."""
+    try:
+        return str(e)
+    except Exception:
+        return "(its message cannot be shown)"
 
 
 def _optional_str(data: dict, name: str) -> str | None:
@@ -271,9 +284,9 @@ def parse_ts(v: Any) -> datetime:
         elif _is_number(v):  # int() raises on NaN and infinities, timedelta past year 9999 (huge integers too)
             ts = EPOCH + timedelta(milliseconds=int(v))
         else:
-            raise _Reject("bad_field", f"ts must be ISO-8601 text or epoch milliseconds, got {_shown(v)}")
+            raise _Reject("bad_field", f"ts must be ISO-8601 text or epoch milliseconds, got {shown(v)}")
     except (ValueError, OverflowError, OSError) as e:
-        raise _Reject("bad_field", f"ts {_shown(v)} is not a usable time: {e}") from e
+        raise _Reject("bad_field", f"ts {shown(v)} is not a usable time: {e}") from e
     sub_ms = ts.microsecond % 1000
     return ts.replace(microsecond=ts.microsecond - sub_ms) if sub_ms else ts
 
@@ -333,7 +346,7 @@ def _interaction(data: dict, id_: str, tenant: str, ts: datetime, strict: bool) 
             raise _Reject("bad_field", f"reward must be a number or null, got {type(reward).__name__}")
         as_float = _as_float(reward)
         if not math.isfinite(as_float):
-            raise _Reject("reward_not_finite", f"reward is {_shown(reward)}, not a finite float")
+            raise _Reject("reward_not_finite", f"reward is {shown(reward)}, not a finite float")
         reward = as_float
     metadata = data.get("metadata")
     if metadata is not None:
@@ -365,7 +378,7 @@ def _feedback(data: dict, id_: str, tenant: str, ts: datetime) -> FeedbackEvent:
     if not _is_number(score):
         raise _Reject("bad_field", f"score must be a number, got {type(score).__name__}")
     if not -1.0 <= score <= 1.0:  # exact for an integer of any size, and False for NaN
-        raise _Reject("score_out_of_range", f"score {_shown(score)} is outside [-1, 1]")
+        raise _Reject("score_out_of_range", f"score {shown(score)} is outside [-1, 1]")
     return FeedbackEvent(id=id_, tenant=tenant, score=float(score), ts=ts, source=_optional_str(data, "source"))
 
 
@@ -441,12 +454,8 @@ def _decode(raw: bytes, max_bytes: int) -> Event | DeadLetter:
 
 
 def _describe(e: BaseException) -> str:
-    """An unexpected exception for a dead letter's detail; its own str() may fail too."""
-    try:
-        text = str(e)
-    except Exception:
-        text = "(its message cannot be shown)"
-    return f"{type(e).__name__}: {text}"[:300]
+    """An unexpected exception for a dead letter's detail."""
+    return f"{type(e).__name__}: {exception_text(e)}"[:300]
 
 
 def key_mismatch(key: bytes, event: Event) -> DeadLetter:

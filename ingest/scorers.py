@@ -32,6 +32,8 @@ import string
 import traceback
 from collections.abc import Callable
 
+from ingest.events import exception_text, shown
+
 Scorer = Callable[[str, str], float]  # (completion, prompt) -> reward in [-1, 1]
 
 # Kinds whose reward comes from events rather than from a function.
@@ -192,35 +194,17 @@ def apply(scorer: Scorer, completion: str, prompt: str) -> float:
         reward = scorer(completion, prompt)
     except Exception as e:  # a user-supplied scorer may raise anything; it must not stop the consumer
         summary = "".join(traceback.format_exception(e, limit=-3)).strip()
-        raise ScorerError(f"scorer raised {type(e).__name__}: {_message(e)}\n{summary}"[:2000]) from e
+        raise ScorerError(f"scorer raised {type(e).__name__}: {exception_text(e)}\n{summary}"[:2000]) from e
     if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-        raise ScorerError(f"scorer returned {_shown(reward)}, not a finite number")
+        raise ScorerError(f"scorer returned {shown(reward)}, not a finite number")
     try:
         value = float(reward)
     except OverflowError:  # an int beyond a float's range: outside [-1, 1] by far
-        raise ScorerError(f"scorer returned {_shown(reward)}, outside [-1, 1]") from None
+        raise ScorerError(f"scorer returned {shown(reward)}, outside [-1, 1]") from None
     except Exception as e:  # an int or float subclass whose __float__ fails: the scorer's value, not ingest
-        raise ScorerError(f"scorer returned {_shown(reward)}, which float() refuses: {_message(e)}") from e
+        raise ScorerError(f"scorer returned {shown(reward)}, which float() refuses: {exception_text(e)}") from e
     if not math.isfinite(value):
         raise ScorerError(f"scorer returned {value!r}, not a finite number")
     if not -1.0 <= value <= 1.0:
         raise ScorerError(f"scorer returned {value!r}, outside [-1, 1]")
     return value
-
-
-def _shown(value: object) -> str:
-    """What a scorer returned, for a message: repr() of an int over 4300 digits raises ValueError, and a
-    user's object may have a __repr__ that fails."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return f"an integer of {value.bit_length()} bits"
-    try:
-        return f"{value!r:.80}"
-    except Exception:
-        return f"a {type(value).__name__} (its repr() failed)"
-
-
-def _message(e: BaseException) -> str:
-    try:
-        return str(e)
-    except Exception:  # str() of an exception holding such an int fails the same way
-        return "(its message cannot be shown)"
