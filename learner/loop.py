@@ -77,7 +77,7 @@ from learner.types import Shard, TenantSpec, learner_process_name
 from learner.update import UpdateResult
 from storage.cursors import CursorError, Cursors
 from storage.files import FileLock, HeldLock, atomic_write_bytes, mark_ready
-from storage.layout import DataDir, is_tenant
+from storage.layout import DataDir
 from storage.parquet import write_dataset
 from storage.registry import Registry
 from storage.schema import TRAIN_STEPS, TRAJECTORIES
@@ -92,6 +92,7 @@ COMPACT_EVERY_STEPS = 100
 MAX_REMEMBERED_ROLLOUTS = 100_000  # rollout interaction ids awaiting ingest; older ones are forgotten
 SERVED_KEPT = 1024  # served version numbers a tenant remembers for staleness (at least max_staleness + 2)
 ABANDONED = "abandoned: the learner stopped before committing the step that made it"
+BACKLOG_UNREADABLE = "backlog unreadable: "  # the error of a tenant whose backlog cannot be read (cleared once it can)
 
 
 class LearnerError(RuntimeError):
@@ -306,8 +307,8 @@ class Learner:
                 continue
             unreadable = self.cursors.backlog_errors.get(name)
             if unreadable is not None:  # left out until it can be read; the other tenants go on
-                rt.status, rt.error = "error", f"backlog unreadable: {unreadable}"
-            elif rt.error is not None and rt.error.startswith("backlog unreadable: "):
+                rt.status, rt.error = "error", BACKLOG_UNREADABLE + unreadable
+            elif rt.error is not None and rt.error.startswith(BACKLOG_UNREADABLE):
                 rt.status, rt.error = "idle", None
             n = backlog.get(name, 0)
             if rt.spec.mode == "rollouts" and rt.spec.prompts_file is not None:
@@ -705,8 +706,7 @@ class Learner:
     def recover(self) -> None:
         """At start: takes every tenant this process owns that no other learner process holds (`_claim`),
         which completes its last committed step. Needs no model: it moves registry records and writes rows."""
-        # Folders left by hand ("_old") are no tenants (is_tenant), as Cursors.tenants() already knows.
-        names = {n for n in self.registry.tenants() if is_tenant(n)} | set(self.cursors.tenants())
+        names = set(self.registry.tenants()) | set(self.cursors.tenants())  # both leave out folders left by hand
         for name in sorted(n for n in names if self._owns(n)):
             if name not in self.tenants:
                 self._set_spec(TenantSpec.default(name))
