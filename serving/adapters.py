@@ -402,5 +402,4 @@ def _stage(source: Path, target: Path) -> None:
         except OSError:
             shutil.copy2(src, dst)
 
-    shutil.rmtree(target, ignore_errors=True)
-    shutil.copytree(source, target, copy_function=link)
+    shutil.copytree(source, target, copy_function=link)  # `target` is new: each load has its own
