@@ -299,7 +299,7 @@ def setup_problems(cfg) -> list[str]:
     see the other process answering)."""
     problems = []
     broker = f"{cfg.broker.host}:{cfg.broker.port}"
-    if cfg.broker.embedded and cfg.kafka.bootstrap != broker:
+    if cfg.broker.embedded and not _names_broker(cfg.kafka.bootstrap, cfg.broker.host, cfg.broker.port):
         problems.append(f"kafka.bootstrap is {cfg.kafka.bootstrap!r} but the embedded broker listens on {broker} "
                         "(broker.host, broker.port): set kafka.bootstrap to it, or broker.embedded = false to use "
                         "the Kafka at kafka.bootstrap")
@@ -312,6 +312,28 @@ def setup_problems(cfg) -> list[str]:
         for key, host, port in wanted
         if not _can_bind(host, port)
     ]
+
+
+def _names_broker(bootstrap: str, host: str, port: int) -> bool:
+    """Whether one of the bootstrap servers is the broker at host:port: that port, and a name for the same
+    address ("localhost" for 127.0.0.1), or any name when the broker binds every address."""
+    for entry in bootstrap.split(","):
+        name, _, given = entry.strip().rpartition(":")
+        name = name.strip("[]")
+        if not given.isdigit() or int(given) != port:
+            continue
+        if name == host or host in ("0.0.0.0", "::", ""):
+            return True
+        try:
+            if _addresses(name) & _addresses(host):
+                return True
+        except OSError:  # a name that does not resolve names nothing here
+            continue
+    return False
+
+
+def _addresses(host: str) -> set[str]:
+    return {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
 
 
 def _can_bind(host: str, port: int) -> bool:
@@ -334,9 +356,9 @@ def up(cfg, config_path: str | None, *, until: Callable[[], bool] = lambda: Fals
     as for `stack_specs`."""
     specs, order = stack_specs(cfg, config_path, file_only=file_only)
     sup = Supervisor(specs, order, emit=emit)
-    taken = setup_problems(cfg)
-    if taken:
-        for problem in taken:
+    problems = setup_problems(cfg)
+    if problems:
+        for problem in problems:
             sup.emit("up", f"error: {problem}")
         return 1
     # SIGHUP too: a closed terminal must stop the stack in order (ingest drains before the broker goes).

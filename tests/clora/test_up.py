@@ -248,6 +248,10 @@ def test_up_refuses_an_embedded_broker_that_kafka_bootstrap_does_not_name(tmp_pa
     external = Config.model_validate({"data_dir": str(tmp_path), "broker": {"embedded": False, "port": port},
                                       "serving": {"port": free_port()}})
     assert up_module.setup_problems(external) == []  # the Kafka at kafka.bootstrap is used as it is
+    for bootstrap in (f"localhost:{port}", f"kafka.example:9092,127.0.0.1:{port}"):  # other names for it
+        named = Config.model_validate({"data_dir": str(tmp_path), "broker": {"port": port},
+                                       "kafka": {"bootstrap": bootstrap}, "serving": {"port": free_port()}})
+        assert up_module.setup_problems(named) == [], bootstrap
 
 
 def test_ingest_may_drain_the_embedded_brokers_topics_for_long(tmp_path):
