@@ -7,8 +7,9 @@ under a fresh int id, and only then made current. A version validation refuses (
 refused for good: the reason is logged, `adapters_refused_total` counts it, and the tenant keeps the
 version it had (a refused version is not retried; publishing a new one is the fix). A failure that says
 nothing about the adapter (an I/O error while checking it, the engine failing the load) leaves the
-registry's change unseen, so the next poll tries again; it is logged once, not on every poll it lasts, and
-the tenant keeps its version meanwhile. `watch()` calls `refresh()` every `poll_seconds` until stopped.
+registry's change unseen, so a later poll tries again, backing off (RETRY_FIRST_S doubling up to
+RETRY_MAX_S: each try validates the adapter again); it is logged once, not on every try, and the tenant
+keeps its version meanwhile. `watch()` calls `refresh()` every `poll_seconds` until stopped.
 
 Requests take a `Lease` (`acquire`) for the whole generation and give it back when the response is done
 (`release`): a generation never changes adapter mid-way, because the engine request carries its own
@@ -54,6 +55,8 @@ from serving.metrics import ServingMetrics
 logger = logging.getLogger(__name__)
 
 REFUSED_KEPT = 16  # refused versions remembered per tenant (and shown by /health)
+RETRY_FIRST_S = 0.5  # a transient load failure is tried again after this, then after twice as long each time
+RETRY_MAX_S = 30.0
 
 
 class AdapterEngine(Protocol):
@@ -85,6 +88,14 @@ class _Loaded:
 
 
 @dataclass
+class _Failing:
+    number: int  # the version whose swap failed
+    error: str
+    tries: int
+    retry_at: float  # monotonic seconds
+
+
+@dataclass
 class Lease:
     """The adapter one request runs on (None: the base model) and its label for headers and events."""
 
@@ -110,6 +121,7 @@ class AdapterSet:
         *,
         base_name: str = "base",
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         stage_dir: Path | None = None,
     ) -> None:
         """`check(path)` validates an adapter directory and raises `AdapterRejected` (adapter_check.py);
@@ -125,10 +137,11 @@ class AdapterSet:
         self.check = check
         self.metrics = metrics
         self.clock = clock
+        self.monotonic = monotonic
         self._loaded: dict[tuple[str, int], _Loaded] = {}
         self._current: dict[str, _Loaded] = {}
         self._refused: dict[tuple[str, int], str] = {}
-        self._failing: dict[str, tuple[int, str]] = {}  # tenant -> (version, error) of a swap to try again
+        self._failing: dict[str, _Failing] = {}  # tenant -> the swap to try again, and when
         self._loading: dict[tuple[str, int], asyncio.Future] = {}
         self._generation: int | None = None
         self._refresh_lock = asyncio.Lock()
@@ -209,6 +222,10 @@ class AdapterSet:
                     continue
                 if (tenant, version.number) in self._refused:
                     continue
+                failing = self._failing.get(tenant)
+                if failing is not None and failing.number == version.number and self.monotonic() < failing.retry_at:
+                    settled = False  # backing off: a later poll tries it
+                    continue
                 settled &= await self._swap_in(tenant, version, startup=startup)
             if settled:  # a transient failure leaves the generation unseen, so the next poll tries again
                 self._generation = generation
@@ -225,12 +242,15 @@ class AdapterSet:
             return True
         except Exception as e:  # an I/O error while checking, the engine's load errors (no common type): may pass
             error = f"{type(e).__name__}: {e}"
-            if self._failing.get(tenant) != (version.number, error):  # once, not on every poll it lasts
-                logger.warning("adapter %s could not be loaded (tried again every poll); tenant %s stays on %s",
-                               name, tenant, self.current(tenant), exc_info=True)
+            failing = self._failing.get(tenant)
+            tries = failing.tries + 1 if failing is not None and failing.number == version.number else 1
+            delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (tries - 1))
+            if failing is None or (failing.number, failing.error) != (version.number, error):  # once, not each try
+                logger.warning("adapter %s could not be loaded (tried again, backing off up to %.0fs); tenant %s "
+                               "stays on %s", name, RETRY_MAX_S, tenant, self.current(tenant), exc_info=True)
             else:
-                logger.debug("adapter %s still could not be loaded: %s", name, error)
-            self._failing[tenant] = (version.number, error)
+                logger.debug("adapter %s still could not be loaded (try %d, next in %.1fs): %s", name, tries, delay, error)
+            self._failing[tenant] = _Failing(version.number, error, tries, self.monotonic() + delay)
             return False
         self._failing.pop(tenant, None)
         self._set_current(tenant, loaded)

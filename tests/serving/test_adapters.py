@@ -196,14 +196,21 @@ def test_concurrent_requests_for_one_version_load_it_once(world):
     run(scenario())
 
 
-def test_a_transient_failure_is_tried_again_on_the_next_poll_and_logged_once(world, caplog):
+def test_a_transient_failure_is_tried_again_backing_off_and_logged_once(world, caplog):
     """An I/O error while checking, or the engine failing a load, says nothing about the adapter: only a
-    validation refusal is for good."""
+    validation refusal is for good. Tries are spaced RETRY_FIRST_S, doubling up to RETRY_MAX_S (each one
+    validates the adapter again), not made at every poll."""
+    from serving.adapters import RETRY_FIRST_S, RETRY_MAX_S
+
     registry, engine, adapters, publish = world
     check, load = adapters.check, engine.load_adapter
     failures = {"check": 0, "load": 0}
+    tries = []
+    now = [1000.0]
+    adapters.monotonic = lambda: now[0]
 
     def flaky_check(path):
+        tries.append(now[0])
         if failures["check"]:
             failures["check"] -= 1
             raise OSError(5, "Input/output error", str(path))
@@ -221,17 +228,56 @@ def test_a_transient_failure_is_tried_again_on_the_next_poll_and_logged_once(wor
         for step, (kind, seed) in enumerate((("check", 1), ("load", 2))):
             failures[kind] = 3
             caplog.clear()
+            tries.clear()
             number = publish("acme", seed=seed)
-            for _ in range(3):  # the registry does not change between these polls
+            start = now[0]
+            for _ in range(3):  # each failed try, then polls before its back-off has passed: no try
+                await adapters.refresh()
                 await adapters.refresh()
                 assert adapters.current("acme") == ("base" if step == 0 else "acme@1")
+                wait = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (len(tries) - 1))
+                now[0] += wait - 0.01
+                await adapters.refresh()
+                now[0] += 0.01
+            assert [round(t - start, 6) for t in tries] == [0.0, RETRY_FIRST_S, 3 * RETRY_FIRST_S], tries
             assert adapters.refused() == {} and adapters.metrics.refused.labels("acme")._value.get() == 0
             loud = [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
-            assert len(loud) == 1 and f"acme@{number}" in loud[0].getMessage(), loud  # not once a poll
+            assert len(loud) == 1 and f"acme@{number}" in loud[0].getMessage(), loud  # not once a try
             await adapters.refresh()  # the error has passed
             assert adapters.current("acme") == f"acme@{number}" and adapters.refused() == {}
         await adapters.drain()
         assert set(engine.loaded.values()) == {"acme@2"}
+
+    run(scenario())
+
+
+def test_the_back_off_is_per_version_and_capped(world):
+    """A newer version published while one backs off is tried at once; the wait never exceeds RETRY_MAX_S."""
+    from serving.adapters import RETRY_MAX_S
+
+    registry, engine, adapters, publish = world
+    now = [0.0]
+    adapters.monotonic = lambda: now[0]
+    load = engine.load_adapter
+    broken = {"acme@1"}
+
+    async def flaky_load(adapter):
+        if adapter.name in broken:
+            raise RuntimeError("engine busy")
+        await load(adapter)
+
+    engine.load_adapter = flaky_load
+
+    async def scenario():
+        publish("acme", seed=1)
+        for _ in range(12):
+            await adapters.refresh()
+            now[0] += RETRY_MAX_S
+        assert adapters._failing["acme"].retry_at - now[0] <= RETRY_MAX_S
+        publish("acme", seed=2)
+        await adapters.refresh()
+        assert adapters.current("acme") == "acme@2" and "acme" not in adapters._failing
+        await adapters.drain()
 
     run(scenario())
 
