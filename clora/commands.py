@@ -12,8 +12,9 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p = sub.add_parser(
         "up",
         parents=[common],
-        help="run the whole loop: broker, serving, ingest and learner as supervised processes",
-        description="Starts the embedded broker (unless broker.embedded = false), serving, ingest and learner; "
+        help="run the whole loop: broker, serving, ingest, learner and compactor as supervised processes",
+        description="Starts the embedded broker (unless broker.embedded = false), serving, ingest, the learner and the "
+        "compactor; "
         "restarts a crashed one; Ctrl-C stops them in a safe order.",
     )
     p.set_defaults(func=cmd_up)

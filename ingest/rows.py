@@ -21,7 +21,8 @@ from ingest.events import DeadLetter, FeedbackEvent, InteractionEvent, decoded_t
 from storage.layout import UNKNOWN_TENANT
 from storage.schema import DEAD_LETTERS, FEEDBACK, INTERACTIONS, TRAJECTORIES
 
-# How much of a rejected message is kept in dead_letters.raw (and nothing of it is lost on the topic).
+# How much of a rejected message is kept in dead_letters.raw, and sent to the dead-letter topic when it is
+# larger than ingest.max_message_bytes (smaller ones are sent whole).
 RAW_PREFIX_BYTES = 4096
 
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
