@@ -539,9 +539,16 @@ def worker(argv: list[str] | None = None) -> int:
             "shard": args.shard,
         })
         done[record.tenant] = record.step
+        if record.step >= args.steps and learner.prefetcher is not None:
+            learner.prefetcher.discard(record.tenant)  # its samples ahead would take the engine from the rest
         if all(done.get(name, 0) >= args.steps for name in names):
             stop.set()
 
+    # An experiment that has made its steps stops (as it does alone): training it on would take learner
+    # turns and engine time from those still running, which an experiment alone never pays.
+    pending = learner.pending
+    learner.pending = lambda **kw: {name: 0 if done.get(name, 0) >= args.steps else n
+                                    for name, n in pending(**kw).items()}
     run_loop(cfg, model_path=path, learner=learner, stop=stop, on_step=on_step,
              max_steps=3 * args.steps * len(names), progress=False)
     errors = {name: t.error for name, t in learner.tenants.items() if t.error}
@@ -632,6 +639,8 @@ def summarize(record: dict, steps: int, window: int) -> dict:
         "staleness_max": max((s["staleness"] for s in all_steps if s.get("staleness") is not None), default=None),
         "steps": len(all_steps),
         "rejected": sum(s.get("decision") == "rejected" for s in all_steps),
+        "rejected_by": {name: sum(s.get("decision") == "rejected" for s in rows) for name, rows in by_tenant.items()},
+        "steps_by": {name: len(rows) for name, rows in by_tenant.items()},
         "errors": timeline.get("errors", {}),
     }
 
@@ -663,6 +672,11 @@ def compare(n: int, concurrent: dict, alone: list[dict | None], steps: int, wind
                          noise=t_quantile_975(df) * math.hypot(ra["final_se"], rb["final_se"]) if df >= 1 else math.nan)
         experiments_.append(entry)
     diffs = [e["diff"] for e in experiments_ if not math.isnan(e["diff"])]
+    # Rewards and rejections of (a) against (b) over the same experiments: with --alone K < N only the K run
+    # alone have a (b), and each experiment has its own objective (and its own reward scale).
+    paired = [e for e in experiments_ if not math.isnan(e["diff"])]
+    paired_names = {e["name"] for e in paired}
+    paired_steps_a = sum(a["steps_by"].get(name, 0) for name in paired_names)
     if len(diffs) >= 2:  # paired over experiments: the spread of the differences includes run-to-run randomness
         noise = t_quantile_975(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
     else:  # one experiment: the noise of its final reward over the window's steps (one run each)
@@ -686,8 +700,10 @@ def compare(n: int, concurrent: dict, alone: list[dict | None], steps: int, wind
         "first_step_b": _mean([x for b in measured for x in b["first_step"].values()]),
         "serving_startup_b": _mean([b["serving_startup"] for b in measured]),
         "learner_startup_b": _mean([b["learner_startup"] for b in measured]),
-        "reward_final_a": _mean([e["final_a"] for e in experiments_]),
-        "reward_final_b": _mean([e["final_b"] for e in experiments_ if not math.isnan(e["final_b"])]),
+        "reward_paired": len(paired),
+        "reward_final_a": _mean([e["final_a"] for e in paired]),
+        "reward_final_b": _mean([e["final_b"] for e in paired]),
+        "reward_final_a_all": _mean([e["final_a"] for e in experiments_]),
         "reward_diff_mean": _mean(diffs),
         "reward_diff_noise": noise,
         "experiments": experiments_,
@@ -697,7 +713,9 @@ def compare(n: int, concurrent: dict, alone: list[dict | None], steps: int, wind
         "publish_to_live_a": a["publish_to_live"],
         "publish_to_live_b": _mean([b["publish_to_live"] for b in measured if not math.isnan(b["publish_to_live"])]),
         "staleness_max_a": a["staleness_max"],
-        "rejected_a": a["rejected"] / a["steps"] if a["steps"] else math.nan,
+        "rejected_a": (sum(a["rejected_by"].get(name, 0) for name in paired_names) / paired_steps_a
+                       if paired_steps_a else math.nan),
+        "rejected_a_all": a["rejected"] / a["steps"] if a["steps"] else math.nan,
         "rejected_b": sum(b["rejected"] for b in measured) / max(1, sum(b["steps"] for b in measured)),
         "errors": {**a["errors"], **{k: v for b in measured for k, v in b["errors"].items()}},
     }
@@ -720,10 +738,17 @@ COLUMNS = (
     ("step latency mean/p90 s", lambda r: f"{_f(r['latency_mean_a'], '.2f')} / {_f(r['latency_p90_a'], '.2f')}"),
     ("first step s (a)/(b)", lambda r: f"{_f(r['first_step_a'])} / {_f(r['first_step_b'])}"),
     ("start-up s (a)/(b) each", lambda r: f"{_f(r['startup_a'])} / {_f(r['startup_b'] / r['n'])}"),
-    ("final reward (a)/(b)", lambda r: f"{_f(r['reward_final_a'], '.3f')} / {_f(r['reward_final_b'], '.3f')}"),
-    ("diff +- noise", lambda r: f"{_f(r['reward_diff_mean'], '+.3f')} +- {_f(r['reward_diff_noise'], '.3f')}"),
-    ("gate rejected (a)/(b)", lambda r: f"{_f(100 * r['rejected_a'], '.0f')}% / {_f(100 * r['rejected_b'], '.0f')}%"),
+    ("final reward (a)/(b)", lambda r: f"{_f(r['reward_final_a'], '.3f')} / {_f(r['reward_final_b'], '.3f')}" + _paired_mark(r)),
+    ("diff +- noise", lambda r: f"{_f(r['reward_diff_mean'], '+.3f')} +- {_f(r['reward_diff_noise'], '.3f')}" + _paired_mark(r)),
+    ("gate rejected (a)/(b)", lambda r: f"{_f(100 * r['rejected_a'], '.0f')}% / {_f(100 * r['rejected_b'], '.0f')}%" + _paired_mark(r)),
 )
+
+
+def _paired_mark(row: dict) -> str:
+    """Marks reward and rejection cells compared over fewer experiments than N (those run alone)."""
+    return "" if row.get("reward_paired", row["n"]) == row["n"] else f" ({row['reward_paired']} of {row['n']})"
+
+
 PHASE_COLUMNS = ("wait", "score", "train", "probe", "publish", "other", "total", "sampling")
 
 
@@ -772,10 +797,12 @@ def _sections(result: dict, markdown: bool) -> list[str]:
                      f"{'ok' if factor < LATENCY_FACTOR else 'MISSED'}")
     same = all(abs(r["reward_diff_mean"]) <= r["reward_diff_noise"] for r in rows if not math.isnan(r["reward_diff_noise"]))
     lines.append(f"Final reward (a) vs (b): {'equal within noise' if same else 'DIFFERENT beyond noise'} (\"diff +- noise\": "
-                 "the mean difference over the N experiments and its 95% half-width, paired t over the experiments, "
-                 "so run-to-run randomness counts; for one experiment, t over the final window's steps of each run)")
+                 "the mean difference over the experiments run both ways and its 95% half-width, paired t over the "
+                 "experiments, so run-to-run randomness counts; for one experiment, a within-run interval: t over the "
+                 "final window's step means of each run, which leaves out run-to-run variance and is too narrow)")
     if any(r["alone_measured"] < r["n"] for r in rows):
-        lines.append(f"* (b) measured for experiments {result['alone_measured']}; the others at their mean.")
+        lines.append(f"* (b) measured for experiments {result['alone_measured']}; the others' run time at their mean. "
+                     "\"(K of N)\": rewards and gate rejections compared over the K experiments run both ways only.")
     errors = {k: v for r in rows for k, v in r["errors"].items()}
     if errors:
         lines.append(f"Tenant errors during the runs: {errors}")

@@ -52,6 +52,7 @@ class Response:
     headers_at: float
     done_at: float
     ok: bool
+    tokens: int = 0  # completion tokens, from the stream's usage chunk
 
 
 @dataclass
@@ -126,8 +127,8 @@ async def _load(base_url: str, tenants: list[str], concurrency: int, tokens: int
                 turn += 1
                 started = time.monotonic()
                 body = {"model": tenant, "messages": [{"role": "user", "content": f"Request {turn}: five digits?"}],
-                        "max_tokens": tokens, "stream": True}
-                headers_at, label, finished = started, "?", False
+                        "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}}
+                headers_at, label, finished, generated = started, "?", False, 0
                 try:
                     async with http.stream("POST", "/v1/chat/completions", json=body,
                                            headers={"Authorization": f"Bearer {tenant}-bench-key"}) as r:
@@ -137,10 +138,11 @@ async def _load(base_url: str, tenants: list[str], concurrency: int, tokens: int
                             if line.startswith("data: {"):
                                 chunk = json.loads(line[6:])
                                 finished |= any(c.get("finish_reason") for c in chunk.get("choices", []))
+                                generated = (chunk.get("usage") or {}).get("completion_tokens", generated)
                         ok = r.status_code == 200 and finished
                 except httpx.HTTPError:
                     ok = False
-                responses.append(Response(tenant, label, started, headers_at, time.monotonic(), ok))
+                responses.append(Response(tenant, label, started, headers_at, time.monotonic(), ok, generated))
 
     await asyncio.gather(*[worker(i) for i in range(concurrency)])
 
@@ -155,7 +157,7 @@ def _publish(data_dir: Path, tenant: str, shapes, rank: int, seed: int) -> str:
     return version.name
 
 
-async def _scenario(base_url: str, data_dir: Path, tenants: list[str], shapes, args) -> tuple[list, list, float]:
+async def _scenario(base_url: str, data_dir: Path, tenants: list[str], shapes, args) -> tuple[list, list, float, float]:
     responses: list[Response] = []
     publishes: list[Publish] = []
     stop = asyncio.Event()
@@ -172,7 +174,8 @@ async def _scenario(base_url: str, data_dir: Path, tenants: list[str], shapes, a
         await asyncio.sleep(0.1)
     stop.set()
     await load
-    return responses, publishes, time.monotonic() - started
+    # the rates count the requests that started in the measured window, not the warm-up's before it
+    return responses, publishes, time.monotonic() - started, started
 
 
 def _server_means(metrics_url: str) -> dict[str, float]:
@@ -226,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
                 _publish(directory / "data", t, shapes, 8, i)
             process = _start_server(config, port, directory / "serving.log")
             try:
-                responses, publishes, seconds = asyncio.run(
+                responses, publishes, seconds, window_start = asyncio.run(
                     _scenario(f"http://127.0.0.1:{port}", directory / "data", tenants, shapes, args)
                 )
                 server_side = _server_means(f"http://127.0.0.1:{port}/metrics")
@@ -244,7 +247,8 @@ def run(args: argparse.Namespace) -> int:
         to_headers.append(first.headers_at - p.at)
         to_done.append(first.done_at - p.at)
     failed = sum(1 for r in responses if not r.ok)
-    tokens = sum(args.tokens for r in responses if r.ok)
+    measured = [r for r in responses if r.started >= window_start]  # the warm-up's requests are not in `seconds`
+    tokens = sum(r.tokens for r in measured if r.ok)
     result = {
         "benchmark": "swap",
         "model": str(model_path),
@@ -261,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
         "publish_to_complete_s": {"p50": _percentile(to_done, 50), "p99": _percentile(to_done, 99),
                                   "max": max(to_done, default=float("nan"))},
         "server_mean_s": server_side,
-        "requests_per_s": round(len(responses) / seconds, 2),
+        "requests_per_s": round(len(measured) / seconds, 2),
         "tokens_per_s": round(tokens / seconds, 1),
         "samples_publish_to_headers_s": [round(x, 4) for x in to_headers],
     }

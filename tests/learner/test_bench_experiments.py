@@ -25,7 +25,7 @@ def test_the_benchmark_runs_end_to_end_with_two_experiments(tiny_model, tmp_path
     assert code == 0
     result = json.loads((out / "experiments.json").read_text())
     (row,) = result["rows"]
-    assert row["n"] == 2 and row["alone_measured"] == 1 and not row["errors"]
+    assert row["n"] == 2 and row["alone_measured"] == 1 and row["reward_paired"] == 1 and not row["errors"]
 
     # (a): one stack trained both experiments, each for exactly the asked steps, each by its own learner shard
     concurrent = result["runs"]["concurrent"]["2"]
@@ -118,6 +118,21 @@ def test_compare_sums_the_alone_runs_and_tests_rewards_paired_over_experiments()
     assert row["reward_diff_noise"] == pytest.approx(12.706 * 0.2 / math.sqrt(2) / math.sqrt(2))  # t(1) sd/sqrt(n)
     assert row["rejected_a"] == pytest.approx(1 / 4) and row["rejected_b"] == pytest.approx(2 / 4)
     assert t_quantile_975(7) == 2.365 and t_quantile_975(12) == 2.228 and t_quantile_975(1000) == 1.96
+
+
+def test_with_fewer_experiments_alone_rewards_and_rejections_compare_the_same_experiments():
+    """--alone 1 at N = 2: (a)'s reward and rejection rate are taken over experiment 0 only, the one with a
+    (b); each experiment has its own objective, so averaging (a) over all of them compares unlike things."""
+    concurrent = record(["exp-0", "exp-1"], spawned=0.0, ready=30.0, step_times=[2.0, 4.0],
+                        rewards={"exp-0": [[0.1], [0.1]], "exp-1": [[0.9], [0.9]]}, rejected={("exp-1", 1), ("exp-1", 2)})
+    alone = [record(["exp-0"], spawned=100.0, ready=125.0, step_times=[1.0, 2.0], rewards={"exp-0": [[0.1], [0.1]]}),
+             None]
+    row = compare(2, concurrent, alone, steps=2, window=1, startup=25.0)
+    assert row["reward_paired"] == 1
+    assert row["reward_final_a"] == pytest.approx(0.1) and row["reward_final_b"] == pytest.approx(0.1)
+    assert row["reward_final_a_all"] == pytest.approx(0.5)
+    assert row["rejected_a"] == 0.0 and row["rejected_a_all"] == pytest.approx(0.5)
+    assert row["reward_diff_mean"] == pytest.approx(0.0)
 
 
 def test_one_experiments_reward_noise_takes_the_windows_steps_as_units():
