@@ -48,6 +48,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ingest.events import FeedbackEvent, InteractionEvent, utc_now
 from serving import protocol
@@ -56,6 +57,7 @@ from serving.auth import Authenticator, is_admin, resolve_model
 from serving.engine import MAX_CHARS_PER_TOKEN, Choice, Delta, Engine, Sampling
 from serving.errors import (
     BadRequest,
+    ClientClosedRequest,
     EventLogFull,
     Forbidden,
     MethodNotAllowed,
@@ -320,7 +322,7 @@ class Api:
 
             # Until the first chunk (the engine's first token, for chat too) nothing else watches the client.
             if not await _unless_disconnected(request, first_chunk()):
-                await chunks.aclose()  # aborts the engine's request, gives the slots back
+                await chunks.aclose()  # aborts the engine's request, gives the slots back (and counts the 499)
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             return StreamingResponse(_prepend(got[0], chunks), media_type="text/event-stream", headers=headers)
         choices = {k: Choice(k) for k in range(call.choices)}
@@ -334,6 +336,7 @@ class Api:
             # abort the generation (closing `_deltas` aborts the engine's request), so the tenant's in-flight
             # slots come back at once, not when a long completion nobody reads would have ended.
             if not await _unless_disconnected(request, collect()):
+                self.metrics.request_refused(tenant, endpoint, CLIENT_CLOSED_REQUEST)
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
         finally:
             release()
@@ -359,11 +362,14 @@ class Api:
         if declared.isdigit() and int(declared) > limit:
             raise RequestTooLarge(f"the request body is {int(declared)} bytes; this server takes at most {limit}")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise RequestTooLarge(f"the request body is over {limit} bytes, the most this server takes")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise RequestTooLarge(f"the request body is over {limit} bytes, the most this server takes")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ClientClosedRequest("the client left before its request body was read") from None
         return b"".join(chunks)
 
     async def _deltas(self, call: _Call) -> AsyncIterator[Delta]:
@@ -447,6 +453,7 @@ class Api:
         except (asyncio.CancelledError, GeneratorExit):
             if not finished:
                 logger.info("request %s: the client went away; generation aborted", call.response_id)
+                self.metrics.request_refused(call.tenant, call.endpoint, CLIENT_CLOSED_REQUEST)
             raise
         except Exception as e:  # the status line is sent: the stream still ends with an error and [DONE]
             if not sent:
@@ -589,6 +596,10 @@ def _sampling_metadata(sampling: Sampling) -> dict[str, Any]:
             out[name] = getattr(sampling, name)
     if sampling.logit_bias:
         out["logit_bias"] = {str(t): b for t, b in sampling.logit_bias}
+    if sampling.stop:  # a completion that ended on one is cut there: the event says why
+        out["stop"] = list(sampling.stop)
+    if sampling.seed is not None:
+        out["seed"] = sampling.seed
     return out
 
 

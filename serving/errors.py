@@ -109,6 +109,15 @@ class EventLogFull(ServingError):
     code = "event_log_full"
 
 
+class ClientClosedRequest(ServingError):
+    """The client left while its body was being read: counted (499, nginx's status), never sent, not logged as a
+    failure of the server's."""
+
+    status = 499
+    type = "invalid_request_error"
+    code = "client_closed_request"
+
+
 def internal_error_body(e: BaseException) -> dict:
     """OpenAI's error shape for a failure of the server's own (HTTP 500, or the last event of a stream)."""
     return {"error": {"message": f"internal error: {type(e).__name__}", "type": "server_error", "param": None,

@@ -32,6 +32,7 @@ from serving.engine import Choice, Delta, Sampling, TokenLogprob
 from serving.errors import BadRequest, UnsupportedParameter
 
 MAX_N = 16
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM default it
 MAX_CHOICES = 128  # prompts x n of one /v1/completions request
 GREEDY_BELOW = 1e-5  # vLLM decodes greedily below this temperature, and then allows n = 1 only
 MAX_TOP_LOGPROBS = 20
@@ -42,19 +43,24 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range of a logit_bias value
 
 
 def _finite(default: float, **bounds) -> Any:
-    return Field(default, allow_inf_nan=False, **bounds)
+    # strict: `true` or "0.5" is a 400, as OpenAI answers, not 1.0 or 0.5 (ints are still numbers)
+    return Field(default, allow_inf_nan=False, strict=True, **bounds)
+
+
+def _count(default: int | None, **bounds) -> Any:
+    return Field(default, strict=True, **bounds)  # `true` is not 1
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = _count(None, ge=1)
     temperature: float = _finite(1.0, ge=0, le=2)
     top_p: float = _finite(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = _count(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # vLLM's range (a larger one fails inside it)
+    seed: int | None = _count(None, ge=-(2**63), le=2**63 - 1)  # vLLM's range (a larger one fails inside it)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     user: str | None = None
@@ -63,7 +69,7 @@ class _Request(BaseModel):
     frequency_penalty: float = _finite(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
     # vLLM's extensions, which its OpenAI server also takes
-    top_k: int = Field(0, ge=-1)  # 0 or -1: off
+    top_k: int = _count(0, ge=-1)  # 0 or -1: off
     min_p: float = _finite(0.0, ge=0, le=1)
     repetition_penalty: float = _finite(1.0, gt=0)
     response_format: dict[str, Any] | None = None
@@ -113,8 +119,9 @@ class _Request(BaseModel):
 
     @model_validator(mode="after")
     def _greedy_has_one_choice(self):
-        if self.temperature < GREEDY_BELOW and self.n > 1:
-            raise ValueError(f"n must be 1 with temperature {self.temperature:g} (greedy decoding has one answer)")
+        if self.temperature < GREEDY_BELOW and self.n > 1:  # a BadRequest, so it names its param
+            raise BadRequest(f"n must be 1 with temperature {self.temperature:g} (greedy decoding has one answer)",
+                             param="n")
         return self
 
     @model_validator(mode="after")
@@ -156,11 +163,28 @@ class _Request(BaseModel):
         )
 
 
+TOOL_MESSAGE_FIELDS = ("tool_calls", "function_call", "tool_call_id")
+TOOL_ROLES = ("tool", "function")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")  # `name` (and any other field) is dropped
 
     role: str = Field(min_length=1)
     content: str | list[dict[str, Any]] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tool_turns(cls, data: Any) -> Any:
+        """A conversation with tool calls or tool results is refused, not sent with those parts dropped (the
+        model would see an empty assistant turn and an orphaned result)."""
+        if isinstance(data, dict):
+            used = [k for k in TOOL_MESSAGE_FIELDS if data.get(k) not in (None, [])]
+            if used or data.get("role") in TOOL_ROLES:
+                what = f"{used[0]!r}" if used else f"role {data.get('role')!r}"
+                raise UnsupportedParameter(f"messages with {what} are not supported by this server (tool calling is "
+                                           "not implemented)", param="messages")
+        return data
 
     def text(self) -> str:
         """The content as text: a string, or the text parts of a content list joined with newlines (as vLLM
@@ -179,14 +203,18 @@ class ChatMessage(BaseModel):
 
 
 def _uses(tools: list[Any] | None, choice: Any) -> bool:
-    return bool(tools) and choice != "none"
+    """Whether the request asks for tool calls: tools it may call, or a choice that demands one ("required",
+    a named function), which without tools OpenAI refuses too."""
+    if choice in (None, "none", "auto"):
+        return bool(tools) and choice != "none"
+    return True
 
 
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = _count(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None  # the deprecated form of tools
@@ -216,7 +244,7 @@ class ChatRequest(_Request):
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = _count(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
@@ -252,14 +280,14 @@ class CompletionRequest(_Request):
 
     def sampling(self, default_max_tokens: int | None = None) -> Sampling:
         """`default_max_tokens` applies when the request sets no length; None: the room the context leaves."""
-        return self._sampling(self.max_tokens or default_max_tokens, self.logprobs or 0)
+        return self._sampling(self.max_tokens or default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, self.logprobs or 0)
 
 
 class FeedbackRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     id: str = Field(min_length=1, max_length=256)
-    score: float = Field(ge=-1, le=1, allow_inf_nan=False)
+    score: float = Field(ge=-1, le=1, allow_inf_nan=False, strict=True)  # `false` is not a score of 0
     source: str | None = Field(None, max_length=128)
 
 

@@ -213,7 +213,34 @@ def test_no_max_tokens_means_the_room_the_context_leaves():
     assert [c.params.max_tokens for c in capped.llm.calls] == [5, 9, MAX_MODEL_LEN - 5]
 
 
+def test_completions_without_max_tokens_get_16_as_openai_and_vllm_give():
+    w = World()
+    w.post("/v1/completions", {"model": "acme", "prompt": "hello"})
+    w.post("/v1/completions", {"model": "acme", "prompt": "hello", "max_tokens": 40})
+    assert [c.params.max_tokens for c in w.llm.calls] == [16, 40]
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "x"},
+     {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                             "function": {"name": "f", "arguments": "{}"}}]},
+     {"role": "tool", "tool_call_id": "c1", "content": "42"}],
+    [{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}],
+    [{"role": "user", "content": "x"}, {"role": "function", "name": "f", "content": "42"}],
+    [{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}],
+])
+def test_tool_turns_in_the_messages_are_refused_not_dropped(messages):
+    """Dropped, the model saw an empty assistant turn followed by an orphaned tool result."""
+    w = World()
+    r = w.post("/v1/chat/completions", {"model": "acme", "messages": messages})
+    assert r.status_code == 400 and error(r)["param"] == "messages" and error(r)["code"] == "unsupported_parameter"
+    assert w.llm.calls == []
+
+
 @pytest.mark.parametrize("extra, param", [
+    ({"tool_choice": "required"}, "tools"),
+    ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools"),
+    ({"function_call": {"name": "f"}}, "functions"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function"}}, "tools"),
@@ -625,6 +652,64 @@ def test_a_client_that_leaves_before_the_answer_gives_its_slots_back_at_once(str
 
     assert asyncio.run(scenario()) == 0
     assert w.events.logged == [], "nothing was answered, so no interaction is logged"
+    assert w.api.metrics.requests.labels("acme", "chat", "499")._value.get() == 1, "the aborted request is counted"
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_a_quiet_499(caplog):
+    """It was a 500 with an ERROR traceback in the log for every aborted upload."""
+    w = World()
+    body = json.dumps(chat()).encode()
+
+    async def scenario():
+        parts = [{"type": "http.request", "body": body[:10], "more_body": True}, {"type": "http.disconnect"}]
+        sent = []
+
+        async def receive():
+            return parts.pop(0)
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+                 "query_string": b"", "root_path": "", "server": ("clora", 80), "client": ("127.0.0.1", 5000),
+                 "headers": [(b"authorization", f"Bearer {KEYS['acme']}".encode()),
+                             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+        await w.app(scope, receive, send)
+        return sent
+
+    sent = asyncio.run(scenario())
+    assert sent[0]["status"] == 499
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert w.llm.calls == [] and w.api.inflight.held("acme") == 0
+    assert w.api.metrics.requests.labels("acme", "chat", "499")._value.get() == 1
+
+
+def test_the_event_records_stop_and_seed():
+    w = World()
+    w.post("/v1/chat/completions", chat(stop=["\n", "END"], seed=7))
+    w.post("/v1/chat/completions", chat())
+    first, second = (e.metadata["sampling"] for e in w.events.logged)
+    assert first["stop"] == ["\n", "END"] and first["seed"] == 7
+    assert "stop" not in second and "seed" not in second
+
+
+@pytest.mark.parametrize("score", [False, True, "0.5", "1"])
+def test_feedback_whose_score_is_not_a_number_is_refused_not_coerced(score):
+    """`false` was taken as 0.0: a thumbs-down recorded as neutral."""
+    w = World()
+    r = w.post("/v1/feedback", {"id": "chatcmpl-1", "score": score})
+    assert r.status_code == 400 and error(r)["param"] == "score" and w.events.logged == []
+    assert World().post("/v1/feedback", {"id": "chatcmpl-1", "score": -1}).status_code == 202  # an int is a number
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"temperature": True}, "temperature"), ({"top_p": "0.5"}, "top_p"), ({"n": True}, "n"),
+    ({"max_tokens": True}, "max_tokens"), ({"temperature": 0, "n": 2}, "n"),
+])
+def test_sampling_values_of_the_wrong_type_are_refused_and_name_their_field(extra, param):
+    r = World().post("/v1/chat/completions", chat(**extra))
+    assert r.status_code == 400 and error(r)["param"] == param, r.text
 
 
 def test_feedback_is_limited_per_tenant_by_rate():
