@@ -79,7 +79,7 @@ from storage.cursors import CursorError, Cursors
 from storage.files import FileLock, HeldLock, atomic_write_bytes, mark_ready
 from storage.layout import DataDir
 from storage.parquet import write_dataset
-from storage.registry import Registry
+from storage.registry import Registry, VersionNotFound
 from storage.schema import TRAIN_STEPS, TRAJECTORIES
 
 logger = logging.getLogger(__name__)
@@ -197,6 +197,7 @@ class Learner:
         self.progress = progress
         self.tenants: dict[str, TenantRuntime] = {}
         self._bars: dict[str, object] = {}
+        self._status_failing = False  # the status file could not be written (logged once until it can)
         self._prompts_cache: dict[str, tuple[tuple | None, list[str]]] = {}  # tenant -> (file identity, rendered)
         self._base_shapes: dict | None = None  # the base model's linear layers, for _check_servable
         self.ledger = Ledger()
@@ -477,11 +478,19 @@ class Learner:
                 self.cursors.commit(name, step=step, ids=list(work.ids), checkpoint=lambda d: self._write_checkpoint(name, d, meta))
         except Exception as e:
             # A CursorError is raised before the commit point: this process was behind its cursor (an earlier
-            # failure left it so), and the step on disk with this number is another one.
+            # failure left it so), and the step on disk with this number is another one, whose candidate (an
+            # older version) that step publishes: only this attempt's candidate is rejected.
             behind = isinstance(e, CursorError)
-            if behind or self.cursors.latest_step(name) != step:
+            try:
+                committed = not behind and self.cursors.latest_step(name) == step
+            except Exception:  # cannot tell whether the commit point was passed: the disk decides, next step
+                logger.exception("tenant %s: step %d's commit failed, and whether it was committed cannot be read",
+                                 name, step)
+                rt.loaded = False  # the next step reloads the last committed step and finishes it
+                raise e from None
+            if not committed:
                 if meta["created"] is not None:  # nothing references the candidate: it must never be published
-                    self._reject_abandoned(name)
+                    self._reject_own(name, meta["created"], f"its step's commit failed: {type(e).__name__}: {e}")
                 if behind:
                     rt.loaded = False  # the next step starts from the cursor's last checkpoint
                 raise
@@ -730,6 +739,12 @@ class Learner:
             logger.exception("tenant %s: recovery failed", name)
             rt.status, rt.error = "error", f"{type(e).__name__}: {e}"
 
+    def _reject_own(self, name: str, number: int, reason: str) -> None:
+        """Rejects this attempt's candidate (if it still is one) after its commit failed before the commit point."""
+        if self.registry.get(name, number).status == "candidate":
+            logger.warning("tenant %s: rejecting %s@%d (%s)", name, name, number, reason)
+            self.registry.reject(name, number, reason=reason[:500])
+
     def _reject_abandoned(self, name: str) -> None:
         for v in self.registry.candidates(name):
             logger.warning("tenant %s: rejecting %s (%s)", name, v.name, ABANDONED)
@@ -835,9 +850,19 @@ class Learner:
         (an operator's rollback since: the version's parent is no longer served)."""
         name, created = rt.spec.name, meta.get("created")
         decision = meta["decision"]
-        if created is not None:
-            v = self.registry.get(name, created)
-            if v.status == "candidate":
+        try:
+            v = self.registry.get(name, created) if created is not None else None
+        except VersionNotFound:  # settled long ago and pruned by retention (prune_registry keeps no settled record)
+            logger.info("tenant %s: %s@%d of step %s is no longer in the registry; nothing to publish", name, name,
+                        created, meta.get("step"))
+            v = None
+        if v is not None:
+            if v.status != "candidate":
+                # Settled already, by this process's earlier try: a publish that raised after the version's
+                # record (HEAD.json not rewritten: serving reads HEAD) is completed here.
+                if self.registry.repair(name):
+                    logger.warning("tenant %s: completed the registry change of %s", name, v.name)
+            else:
                 if meta["decision"] == "published":
                     v = self.registry.publish(name, created, gate=meta.get("gate"), if_parent_served=True)
                     if v.status == "rejected":  # the operator changed what is served: follow it next step
@@ -877,6 +902,16 @@ class Learner:
                 )
             bar.update(rt.step - bar.n)
             bar.set_postfix_str(summary)
+        try:
+            self._write_status()
+        except OSError as e:  # a full disk must not end the learner (the steps themselves fail per tenant)
+            if not self._status_failing:
+                logger.warning("cannot write the learner's status file: %s", e)
+            self._status_failing = True
+        else:
+            self._status_failing = False
+
+    def _write_status(self) -> None:
         status = {
             name: {
                 "status": t.status,

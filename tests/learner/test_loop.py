@@ -283,12 +283,121 @@ def test_a_learner_behind_its_cursor_publishes_nothing_and_catches_up_from_disk(
     assert learner.step_safely("acme") is None
     reg = Registry(data_dir)
     assert [(v.number, v.status) for v in reg.versions("acme")] == [(1, "published"), (2, "rejected")]
-    assert reg.get("acme", 2).reason == ABANDONED and learner.tenants["acme"].status == "error"
+    assert "commit failed" in reg.get("acme", 2).reason and learner.tenants["acme"].status == "error"
     record = learner.step_safely("acme")  # from the cursor's last checkpoint
     assert (record.step, record.decision, record.version) == (2, "published", "acme@3")
     assert read_dataset(data_dir, "train_steps").column("step").to_pylist() == [1, 2]
     assert reg.get("acme", 3).parent == "acme@1"
     assert_each_id_once(data_dir, "acme", {f"a{i}" for i in range(16)})
+    learner.close()
+
+
+def test_a_commit_that_raised_after_its_commit_point_and_could_not_be_checked_is_finished_not_abandoned(
+        tiny_model, data_dir, monkeypatch):
+    """The commit passed its commit point and raised (an fsync after the rename); reading the cursor to tell
+    failed too. The step on disk is committed: its version must be published from disk, not rejected as
+    abandoned by the next step's behind-the-cursor path (its batch would never reach a served version)."""
+    write(data_dir, "acme", rows("a", 24), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    learner.pending(hold_partial=False)
+    assert learner.step_safely("acme").version == "acme@1"
+    real_commit, real_latest = Cursors.commit, Cursors.latest_step
+    fail_check = []
+
+    def commit_then_raise(self, tenant, **kw):
+        real_commit(self, tenant, **kw)
+        fail_check.append(1)
+        raise OSError(5, "Input/output error (after the rename)")
+
+    def latest_step(self, tenant):
+        if fail_check:
+            fail_check.pop()
+            raise OSError(24, "Too many open files")
+        return real_latest(self, tenant)
+
+    monkeypatch.setattr(Cursors, "commit", commit_then_raise)
+    monkeypatch.setattr(Cursors, "latest_step", latest_step)
+    assert learner.step_safely("acme") is None  # step 2: committed on disk, the process cannot tell
+    monkeypatch.undo()
+    learner.tenants["acme"].retry_at = 0
+    record = learner.step_safely("acme")
+    assert (record.step, record.version) == (3, "acme@3")
+    reg = Registry(data_dir)
+    assert [(v.number, v.status) for v in reg.versions("acme")] == [(1, "published"), (2, "published"), (3, "published")]
+    assert reg.get("acme", 3).parent == "acme@2", "step 2's update reached a served version"
+    assert_each_id_once(data_dir, "acme", {f"a{i}" for i in range(24)})
+    learner.close()
+
+
+def test_a_publish_that_failed_before_head_json_is_completed_when_the_step_is_retried(tiny_model, data_dir,
+                                                                                      monkeypatch):
+    """The version's record said published, HEAD.json (what serving reads) was not rewritten (a full disk):
+    the retry completes it, instead of leaving an idle tenant served the old version."""
+    write(data_dir, "acme", rows("a", 16), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    learner.pending(hold_partial=False)
+    assert learner.step_safely("acme").version == "acme@1"
+    real_publish, real_head = Registry.publish, Registry._write_head
+
+    def publish_without_head(self, *a, **kw):
+        def full(_self):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(Registry, "_write_head", full)
+        try:
+            return real_publish(self, *a, **kw)
+        finally:
+            monkeypatch.setattr(Registry, "_write_head", real_head)
+
+    monkeypatch.setattr(Registry, "publish", publish_without_head)
+    assert learner.step_safely("acme") is None
+    monkeypatch.setattr(Registry, "publish", real_publish)
+    reg = Registry(data_dir)
+    assert reg.latest_published("acme").name == "acme@2" and reg.published()["acme"].name == "acme@1"
+    learner.tenants["acme"].retry_at = 0
+    learner.pending(hold_partial=False)
+    learner.step_safely("acme")  # no new rows: only the unfinished step's completion
+    assert reg.published()["acme"].name == "acme@2"
+    learner.close()
+
+
+def test_a_checkpoints_version_record_pruned_by_retention_does_not_stop_the_tenant(tiny_model, data_dir):
+    """A rollback retires the checkpoint's version (keep_versions 1), the tenant stays idle past the
+    retention, and prune_registry deletes that settled record: every restart re-finishing the checkpoint
+    raised VersionNotFound, and the tenant never trained again."""
+    from storage.retention import prune_registry
+
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], keep_versions=1)
+    learn(cfg, tiny_model).close()  # acme@1
+    reg = Registry(data_dir, keep_last=1)
+    reg.rollback("acme", 1)  # acme@2, with acme@1's weights; acme@1 retired
+    reg.repair("acme")
+    assert prune_registry(data_dir, older_than_s=86_400, now_s=time.time() + 2 * 86_400)
+    write(data_dir, "acme", rows("b", 8, seed=1), "b1", start=100)
+    learner = learn(cfg, tiny_model)
+    assert learner.tenants["acme"].error is None and learner.tenants["acme"].step == 2
+    assert Registry(data_dir).latest_published("acme").name == "acme@3"
+    learner.close()
+
+
+def test_a_status_file_that_cannot_be_written_does_not_end_the_learner(tiny_model, data_dir, monkeypatch, caplog):
+    import learner.loop as loop
+
+    write(data_dir, "acme", rows("a", 16), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    learner.pending(hold_partial=False)
+
+    def full(path, data):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(loop, "atomic_write_bytes", full)
+    assert learner.step_safely("acme").version == "acme@1"
+    assert learner.step_safely("acme").version == "acme@2"
+    warned = [r for r in caplog.records if "status file" in r.getMessage()]
+    assert len(warned) == 1, "logged once while it lasts"
     learner.close()
 
 
