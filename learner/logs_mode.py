@@ -25,7 +25,9 @@ so far from the current one that importance ratios are mostly clipped or wild, a
 pull towards an old policy. "Behind" counts the versions the tenant has served since (published, or
 published and since retired; loop.py keeps each tenant's list), not version numbers: rejected candidates
 take numbers too, and after a run of rejections a sample of the current adapter's parent would otherwise
-look several versions old. Completions made by another tenant's adapter are dropped as foreign. Dropped
+look several versions old. Completions made by another tenant's adapter are dropped as foreign. A tenant
+clora does not serve (ingest created it from an app producing to Kafka itself) keeps its rows without a
+version: its app's model made them, and they never age (select_fresh). Dropped
 rows are still committed with the step (so they are never looked at again) and counted in the version's
 metrics as `n_dropped`.
 
@@ -93,9 +95,13 @@ def _contains(ascending: Sequence[int], x: int) -> bool:
 
 
 def stale_reason(adapter_version: str | None, tenant: str, current: int, max_staleness: int,
-                 served: Sequence[int] | None = None) -> str | None:
+                 served: Sequence[int] | None = None, *, unversioned_fresh: bool = False) -> str | None:
     """Why a trajectory made by `adapter_version` must not be trained at learner version `current`, or None.
-    `served`: the numbers of the tenant's published (or retired) versions, ascending."""
+    `served`: the numbers of the tenant's published (or retired) versions, ascending. `unversioned_fresh`:
+    a row naming no version was not made by the base model as one of this tenant's versions (see
+    select_fresh), so it is never stale."""
+    if unversioned_fresh and not adapter_version:
+        return None
     number = version_number(adapter_version, tenant)
     if number is None:
         return f"foreign adapter {adapter_version!r}"
@@ -112,12 +118,18 @@ class Selection:
 
 
 def select_fresh(rows: pa.Table, tenant: str, current: int, max_staleness: int,
-                 served: Sequence[int] | None = None) -> Selection:
+                 served: Sequence[int] | None = None, *, unversioned_fresh: bool = False) -> Selection:
+    """The rows fresh enough to train, and why each other one was dropped. `unversioned_fresh` (a tenant
+    clora's serving tier does not serve: ingest created it from an app producing to Kafka itself): its rows
+    without an adapter version were made by the app's own model, which no published version replaces, so
+    counting them as the base model's (version 0) would drop every one after `max_staleness` published
+    versions and the tenant would stop learning; they are kept, a fixed behaviour policy (the importance
+    ratios against their recorded log-probs are clipped as for any other row)."""
     ids = rows.column("id").to_pylist()
     versions = rows.column("adapter_version").to_pylist()
     keep, dropped = [], {}
     for i, (tid, version) in enumerate(zip(ids, versions)):
-        reason = stale_reason(version, tenant, current, max_staleness, served)
+        reason = stale_reason(version, tenant, current, max_staleness, served, unversioned_fresh=unversioned_fresh)
         if reason is None:
             keep.append(i)
         else:

@@ -72,6 +72,19 @@ def test_select_fresh_keeps_order_and_names_every_drop():
     assert none.kept.num_rows == 0 and none.kept.schema == rows.schema and len(none.dropped) == 4
 
 
+def test_rows_without_a_version_of_a_tenant_clora_does_not_serve_never_age():
+    """An app producing to Kafka itself: its model made the rows, not version 0 of this tenant."""
+    rows = trajectories("newco", [
+        {"id": "a", "prompt": "p", "completion": "c", "reward": 1.0, "adapter_version": None},
+        {"id": "b", "prompt": "p", "completion": "c", "reward": 1.0, "adapter_version": "newco@2"},
+        {"id": "c", "prompt": "p", "completion": "c", "reward": 1.0, "adapter_version": "zed@9"},
+    ])
+    sel = select_fresh(rows, "newco", current=30, max_staleness=4, unversioned_fresh=True)
+    assert sel.kept.column("id").to_pylist() == ["a"] and set(sel.dropped) == {"b", "c"}
+    assert "stale" in sel.dropped["b"] and "foreign" in sel.dropped["c"]
+    assert set(select_fresh(rows, "newco", current=30, max_staleness=4).dropped) == {"a", "b", "c"}
+
+
 def test_rows_become_examples_with_token_ids_and_behaviour_logprobs_when_usable(tiny_model):
     from transformers import AutoTokenizer
 

@@ -505,6 +505,20 @@ def test_new_tenants_from_storage_and_from_the_config_are_picked_up_without_rest
     assert all(Registry(data_dir).latest_published(t) for t in ("acme", "newco", "zeta"))
 
 
+def test_a_tenant_ingest_created_keeps_learning_from_its_apps_rows_past_max_staleness(tiny_model, data_dir):
+    """Nothing in clora serves a tenant that is not in the config, so its rows carry no adapter version; taken
+    as the base model's, every row was stale after max_staleness published versions and it stopped learning."""
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 4}], max_staleness=1, gate_max_kl=1000.0)
+    learner = None
+    for k in range(4):
+        write(data_dir, "newco", rows(f"n{k}-", 4, seed=k), f"b{k}", start=100 * k)
+        learner = learn(cfg, tiny_model, learner=learner)
+    published = [v for v in Registry(data_dir).versions("newco") if v.status == "published"]
+    assert len(published) == 4, [(v.number, v.status, v.reason) for v in Registry(data_dir).versions("newco")]
+    assert learner.tenants["newco"].spec.configured is False
+    learner.close()
+
+
 def test_one_tenants_failure_does_not_stop_the_others(tiny_model, data_dir):
     write(data_dir, "ok", rows("a", 8), "b0")
     write(data_dir, "broken", rows("b", 8), "b0")
