@@ -613,6 +613,7 @@ class Learner:
                 max_tokens=self.settings.max_new_tokens,
                 temperature=self.settings.temperature,
                 version=f"{rt.spec.name}@{rt.version}" if rt.version else None,
+                prompt_ids=tuple(self.policy.tokenizer(p, add_special_tokens=False).input_ids),
             )
             for p in plan.prompts
         ]

@@ -145,6 +145,10 @@ class SampleRequest:
     # The tenant's adapter version the learner holds ("acme@3"; None: none yet). A local sampler samples
     # with exactly that adapter and labels its samples with it; the serving tier labels its own.
     version: str | None = None
+    # The prompt as the learner tokenizes it for training (no special tokens added: a rendered template has
+    # them). Sent to serving as token ids, so the engine samples from exactly the prompt that is trained on,
+    # whatever the serving tier would add to a text prompt (a BOS, as vLLM's completions endpoint does).
+    prompt_ids: tuple[int, ...] | None = None
 
 
 class Sampler(Protocol):
@@ -216,7 +220,7 @@ class ServingSampler:
 
         body = {
             "model": r.tenant,
-            "prompt": r.prompt,
+            "prompt": list(r.prompt_ids) if r.prompt_ids else r.prompt,
             "n": r.n,
             "max_tokens": r.max_tokens,
             "temperature": r.temperature,

@@ -99,13 +99,14 @@ def endpoint_label(path: str) -> str:
 @dataclass
 class _Prompt:
     """One prompt of a request: its text (rendered, for chat), token ids, and sampling fitted to its room.
-    `sent_as_ids`: the request gave it as token ids, which its text (decoded) may not re-tokenize to, so
-    its event carries the ids (`prompt_token_ids`) for the learner to train on what the model saw."""
+    `log_ids`: its text may not re-tokenize to its ids (the request gave ids, or the tokenizer added a BOS to a
+    text prompt), so its event carries the ids (`prompt_token_ids`) for the learner to train on what the
+    model saw."""
 
     text: str
     ids: list[int]
     sampling: Sampling
-    sent_as_ids: bool = False
+    log_ids: bool = False
 
 
 @dataclass
@@ -293,7 +294,9 @@ class Api:
                 for p in given:
                     as_ids = not isinstance(p, str)
                     rendered = await (self.engine.ids_prompt(p, tenant) if as_ids else self.engine.text_prompt(p, tenant))
-                    prompts.append(self._prompt(rendered, sampling, "prompt", sent_as_ids=as_ids))
+                    # ids whose text does not re-tokenize to them: sent as ids, or with a BOS the tokenizer added
+                    prompts.append(self._prompt(rendered, sampling, "prompt",
+                                                log_ids=as_ids or self.engine.adds_special_tokens))
             if choice.adapter:
                 lease = await self.adapters.acquire(tenant, choice.version)
             else:
@@ -348,12 +351,12 @@ class Api:
                             headers=headers)
 
     def _prompt(self, rendered: tuple[str, list[int]], sampling: Sampling, param: str, *,
-                sent_as_ids: bool = False) -> _Prompt:
+                log_ids: bool = False) -> _Prompt:
         """A rendered prompt checked against the context and the engine, before anything is answered."""
         text, ids = rendered
         fitted = self.engine.check_prompt(ids, sampling, param=param)
         self.engine.check_sampling(fitted)
-        return _Prompt(text, ids, fitted, sent_as_ids)
+        return _Prompt(text, ids, fitted, log_ids)
 
     async def _body(self, request: Request) -> bytes:
         """The request body, refused with 413 past `max_request_bytes` (by Content-Length, and while read)."""
@@ -485,7 +488,7 @@ class Api:
                     messages=call.messages,
                     ts=call.arrived_at,
                     adapter_version=call.lease.adapter.name if call.lease.adapter else None,
-                    prompt_token_ids=list(prompt.ids) if prompt.sent_as_ids else None,
+                    prompt_token_ids=list(prompt.ids) if prompt.log_ids else None,
                     completion_token_ids=list(c.token_ids),
                     completion_logprobs=[lp.logprob for lp in c.logprobs],
                     metadata={

@@ -268,6 +268,9 @@ class Engine:
         self._prompt_thread = ThreadPoolExecutor(1, thread_name_prefix="clora-prompts")
         self._prompt_turns: dict[str, asyncio.Semaphore] = {}  # tenant -> its turn in the prompt thread
         self._developer_role = "developer" in str(getattr(self.tokenizer, "chat_template", None) or "")
+        # Whether the tokenizer adds tokens of its own to a text (a BOS: Llama, Mistral, Gemma; not Qwen).
+        self.adds_special_tokens = (list(self.tokenizer.encode("a", add_special_tokens=True))
+                                    != list(self.tokenizer.encode("a", add_special_tokens=False)))
         self._ids = itertools.count(1)
         self._temporary_dir = temporary_dir
         self.zero_adapter = self.new_handle(ZERO_ADAPTER_NAME, zero_adapter_dir) if zero_adapter_dir else None
@@ -288,8 +291,12 @@ class Engine:
         return await self._in_prompt_thread(tenant, self._render_and_encode, list(messages))
 
     async def text_prompt(self, text: str, tenant: str = "") -> tuple[str, list[int]]:
+        """A /v1/completions text prompt -> (the text, its ids with the tokenizer's special tokens added), as
+        vLLM's completions endpoint tokenizes it (a chat prompt gets them from its template instead). Where the
+        tokenizer adds some (`adds_special_tokens`), the api logs the ids with the event, since the text alone
+        re-tokenizes without them."""
         self._check_chars(len(text), "prompt")
-        return text, await self._in_prompt_thread(tenant, self.encode, text)
+        return text, await self._in_prompt_thread(tenant, self.encode_text_prompt, text)
 
     async def ids_prompt(self, token_ids: Sequence[int], tenant: str = "") -> tuple[str, list[int]]:
         """A prompt given as token ids -> (its text, the ids); BadRequest for ids outside the vocabulary.
@@ -322,6 +329,11 @@ class Engine:
     def _render_and_encode(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
         text = self.render_chat(messages)
         return text, self.encode(text)
+
+    def encode_text_prompt(self, text: str) -> list[int]:
+        if not self.adds_special_tokens:
+            return self.encode(text)
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
 
     def encode(self, text: str) -> list[int]:
         """Text -> token ids, without adding special tokens (a chat template has already placed them)."""

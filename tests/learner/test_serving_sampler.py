@@ -15,11 +15,15 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture
 def server():
-    answers = []  # status codes to give, in order; then 200
+    class Answers(list):  # status codes to give, in order; then 200
+        bodies: list  # the request bodies received
+
+    answers = Answers()
+    answers.bodies = bodies = []
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
-            self.rfile.read(int(self.headers["content-length"]))
+            bodies.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
             status = answers.pop(0) if answers else 200
             body = ({"id": "cmpl-1", "choices": [{"index": 0, "text": " 42", "finish_reason": "stop"}]} if status == 200
                     else {"error": {"message": "too many", "type": "requests", "param": None, "code": "rate_limit_exceeded"}})
@@ -53,6 +57,16 @@ def test_a_rate_limited_rollout_waits_for_room(server):
     answers.extend([429, 429])
     (samples,) = ServingSampler(url).sample([request()])
     assert [s.text for s in samples] == [" 42"] and not answers
+
+
+def test_the_prompt_goes_as_the_token_ids_the_learner_trains_on(server):
+    """As ids, the engine samples from exactly the trained prompt, whatever serving would add to a text
+    prompt (a BOS, as vLLM's completions endpoint adds one for Llama-family tokenizers)."""
+    from dataclasses import replace
+
+    url, answers = server
+    ServingSampler(url).sample([replace(request(), prompt_ids=(17, 4, 99)), request()])
+    assert sorted(str(b["prompt"]) for b in answers.bodies) == ["2+2=", "[17, 4, 99]"]
 
 
 def test_other_errors_fail_the_request_at_once(server):

@@ -144,6 +144,7 @@ class World:
     def __init__(self, **api_settings):
         self.llm = FakeLLM()
         self.engine = Engine(self.llm, max_model_len=MAX_MODEL_LEN)
+        self.llm.tokenizer.threads.clear()  # the engine's start-up look at the tokenizer: not a request's work
         self.events = FakeEvents()
         metrics = ServingMetrics()
         adapters = AdapterSet(FakeAdapterEngine(), FakeRegistry(), list(KEYS), lambda path: None, metrics,
@@ -307,6 +308,30 @@ def test_a_prompt_sent_as_token_ids_is_logged_with_those_ids_and_a_text_prompt_w
     assert mixed.post("/v1/completions", {"model": "acme", "prompt": "hi"}).status_code == 200
     assert mixed.post("/v1/chat/completions", {"model": "acme", "messages": MESSAGES}).status_code == 200
     assert [e.prompt_token_ids for e in mixed.events.logged] == [None, None]
+
+
+class FakeBosTokenizer(FakeTokenizer):
+    """FakeTokenizer that adds a BOS (id 2) when asked for special tokens, as Llama-family tokenizers do."""
+
+    def encode(self, text, add_special_tokens=False):
+        return ([2] if add_special_tokens else []) + super().encode(text)
+
+
+def test_a_text_prompt_gets_the_tokenizers_bos_as_vllm_gives_it_and_the_event_carries_those_ids():
+    """vLLM's completions endpoint adds special tokens to a text prompt; without them a Llama-family base
+    model ran without its BOS. The text alone re-tokenizes without it, so the event carries the ids; chat
+    prompts get theirs from the template and are tokenized as they are."""
+    llm = FakeLLM()
+    llm.tokenizer = FakeBosTokenizer()
+    w = World()
+    w.llm, w.engine = llm, Engine(llm, max_model_len=MAX_MODEL_LEN)
+    w.api.engine = w.engine
+    assert w.post("/v1/completions", {"model": "acme", "prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert w.post("/v1/chat/completions", {"model": "acme", "messages": MESSAGES}).status_code == 200
+    assert llm.calls[0].prompt["prompt_token_ids"] == [2, 104, 105]
+    assert llm.calls[1].prompt["prompt_token_ids"] == [ord(c) for c in "<user>hi<assistant>"]
+    assert [e.prompt_token_ids for e in w.events.logged] == [[2, 104, 105], None]
+    assert w.events.logged[0].prompt == "hi"
 
 
 def test_several_prompts_fan_out_with_openai_choice_numbering():
