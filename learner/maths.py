@@ -109,26 +109,38 @@ def running_mean(previous: float | None, rewards: Tensor, momentum: float = 0.9)
 # Ratios and the clipped policy-gradient loss
 
 
+MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: past it float32 products overflow (TRL and verl cap it likewise)
+DUAL_CLIP = 3.0  # the dual clip's bound c on -r * A for A < 0 (Ye et al. 2020)
+
+
 def importance_ratio(logprobs: Tensor, old_logprobs: Tensor) -> Tensor:
-    """pi(token) / pi_old(token) = exp(logp - logp_old), per token."""
-    return torch.exp(logprobs - old_logprobs)
+    """pi(token) / pi_old(token) = exp(logp - logp_old), per token, the log-ratio capped at MAX_LOG_RATIO."""
+    return torch.exp((logprobs - old_logprobs).clamp(max=MAX_LOG_RATIO))
 
 
 def clipped_pg_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_eps: float
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_eps: float, dual_clip: float = DUAL_CLIP
 ) -> tuple[Tensor, Tensor]:
-    """PPO's clipped surrogate, per token: -min(r * A, clip(r, 1 - eps, 1 + eps) * A).
+    """PPO's clipped surrogate with the dual clip, per token: -min(r * A, clip(r, 1 - eps, 1 + eps) * A), and
+    for A < 0 at most -dual_clip * A.
+
+    Plain PPO leaves r unbounded where A < 0 and r > 1 + eps (the unclipped term is the smaller one there):
+    with behaviour log-probs from an older policy, or from another model (logs mode), one token whose
+    behaviour probability was tiny then carries the whole update (its gradient is r * |A|). The dual clip
+    makes such a token's loss constant, so its gradient is 0 past r = dual_clip.
 
     `advantages` is per sequence [B] (broadcast over tokens) or per token [B, T]. Returns (loss [B, T],
-    clipped [B, T] bool), where `clipped` marks tokens whose clipped term is the active one, i.e. whose
-    gradient the clip has switched off (r > 1 + eps with A > 0, or r < 1 - eps with A < 0).
+    clipped [B, T] bool), where `clipped` marks tokens whose gradient a clip has switched off (r > 1 + eps
+    with A > 0, r < 1 - eps with A < 0, or r > dual_clip with A < 0).
     """
     adv = advantages.unsqueeze(-1) if advantages.dim() == logprobs.dim() - 1 else advantages
     ratio = importance_ratio(logprobs, old_logprobs)
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv
     loss = -torch.minimum(unclipped, clipped)
-    active = ((ratio > 1.0 + clip_eps) & (adv > 0)) | ((ratio < 1.0 - clip_eps) & (adv < 0))
+    negative = adv < 0
+    loss = torch.where(negative, torch.minimum(loss, -dual_clip * adv), loss)
+    active = ((ratio > 1.0 + clip_eps) & (adv > 0)) | ((ratio < 1.0 - clip_eps) & negative) | ((ratio > dual_clip) & negative)
     return loss, active
 
 
@@ -147,7 +159,9 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """k3 = (r - 1) - log r with r = ref(x) / pi(x): unbiased for KL(pi || ref), low variance, never negative."""
+    """k3 = (r - 1) - log r with r = ref(x) / pi(x): unbiased for KL(pi || ref), low variance, never negative.
+    As a loss term (the penalty, as DeepSeekMath and TRL use it) its expected gradient is that of
+    KL(ref || pi), not of KL(pi || ref): its value estimates the one, its gradient follows the other."""
     log_r = ref_logprobs - logprobs
     return torch.expm1(log_r) - log_r
 
@@ -164,12 +178,13 @@ def kl_exact(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 
 def masked_sum(values: Tensor, mask: Tensor) -> Tensor:
-    return (values * mask).sum()
+    """Sum of `values` where mask is 1 (a non-finite value where it is 0 counts nothing: not inf * 0 = NaN)."""
+    return torch.where(mask.bool(), values, torch.zeros_like(values)).sum()
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Mean of `values` where mask is 1; 0 when the mask is empty."""
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+    return masked_sum(values, mask) / mask.sum().clamp(min=1)
 
 
 def aggregate(per_token: Tensor, mask: Tensor, how: Aggregation = "token-mean") -> Tensor:
@@ -182,7 +197,7 @@ def aggregate(per_token: Tensor, mask: Tensor, how: Aggregation = "token-mean") 
     if how == "token-mean":
         return masked_mean(per_token, mask)
     if how == "seq-mean":
-        per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        per_seq = torch.where(mask.bool(), per_token, torch.zeros_like(per_token)).sum(-1) / mask.sum(-1).clamp(min=1)
         return per_seq.mean()
     raise ValueError(f"unknown aggregation {how!r}; expected 'token-mean' or 'seq-mean'")
 

@@ -117,6 +117,28 @@ def test_clipped_pg_loss_gradient_is_advantage_weighted_ratio():
     close(logp.grad, [[-2.0, 0.0]])
 
 
+def test_the_dual_clip_bounds_a_negative_advantage_tokens_loss_and_gradient():
+    # eps 0.2, dual clip c = 3, A = -2. Tokens by ratio:
+    #  r=2: PPO's min(-4.0, -2.4) = -4.0 -> loss 4.0; under the bound -c*A = 6: kept, gradient r*|A| flows
+    #  r=5: PPO's loss 10.0 -> capped at 6.0, no gradient (and counted as clipped)
+    #  r=e^30: the log-ratio is capped at 20 before exp: finite, capped at 6.0
+    logp = torch.tensor([[math.log(2.0), math.log(5.0), 30.0]], requires_grad=True)
+    loss, clipped = maths.clipped_pg_loss(logp, torch.zeros(1, 3), torch.tensor([-2.0]), 0.2)
+    close(loss, [[4.0, 6.0, 6.0]])
+    assert clipped.tolist() == [[False, True, True]]
+    loss.sum().backward()
+    close(logp.grad, [[4.0, 0.0, 0.0]])  # d/dlogp of -(r * A) = -A * r = 2 * 2
+    # a positive advantage is untouched by the dual clip: r=5, A=+1 -> PPO's clip, -1.2
+    loss, _ = maths.clipped_pg_loss(torch.tensor([[math.log(5.0)]]), torch.zeros(1, 1), torch.tensor([1.0]), 0.2)
+    close(loss, [[-1.2]])
+
+
+def test_a_non_finite_value_at_a_masked_position_counts_nothing():
+    values, mask = torch.tensor([[1.0, math.inf]]), torch.tensor([[1.0, 0.0]])
+    assert float(maths.masked_mean(values, mask)) == 1.0 and float(maths.masked_sum(values, mask)) == 1.0
+    assert float(maths.aggregate(values, mask, "seq-mean")) == 1.0
+
+
 def test_kl_estimators_by_hand():
     # pi(x) = 0.5, ref(x) = 0.25: log r = log(0.25/0.5) = -log 2 = -0.693147
     #  k1 = -log r = 0.693147 ; k2 = 0.5 * 0.693147^2 = 0.240227 ; k3 = (0.5 - 1) + 0.693147 = 0.193147
