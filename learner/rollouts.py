@@ -15,11 +15,17 @@ A step for a tenant:
          exactly on-policy, but sampling then takes the learner's time;
   3. rewards from the tenant's programmatic scorer (ingest.scorers.build_scorer; a sample whose scorer
      call fails is left out), GRPO advantages (reward - group mean) / group std (maths.grpo_advantages);
-  4. one clipped policy-gradient update (update.py) whose old log-probs are the current policy's detached
-     log-probs on the re-tokenised completions (ratio 1: on-policy; no token ids are needed from the
-     server). A completion that ended on its own gets the end-of-sequence token appended, so stopping is
-     learned too. Samples made by an adapter version more than `learner.max_staleness` served versions
-     behind (the `x-clora-adapter-version` header; logs_mode.py says how versions are counted) are left out.
+  4. one clipped policy-gradient update (update.py) on the tokens the engine sampled (the serving tier
+     returns them: `return_token_ids`), with their sampled log-probabilities (`logprobs: 0`, vLLM's raw
+     ones, at temperature 1) as the old log-probs: a batch sampled ahead by the previous version, or by an
+     older one, is importance-weighted and clipped like any PPO batch instead of being taken as on-policy
+     (for samples made by the version being trained the ratio is 1). Re-tokenising the text instead would
+     train on sequences the policy never produced (a special token sampled mid-text is dropped, invalid
+     UTF-8 becomes U+FFFD, a non-canonical split is merged). From a server that does not return them:
+     the re-tokenised text, the end-of-sequence token appended to a completion that ended on its own, and
+     ratio 1. The local sampler's samples carry their token ids and are on-policy. Samples made by an
+     adapter version more than `learner.max_staleness` served versions behind (the
+     `x-clora-adapter-version` header; logs_mode.py says how versions are counted) are left out.
 
 The serving tier logs rollouts like any other interaction, so they come back as the tenant's trajectories.
 They must never become prompts (the same prompts would be sampled again and again, and the tenant's
@@ -48,7 +54,7 @@ import pyarrow as pa
 import torch
 
 from learner import maths
-from learner.batch import pack
+from learner.batch import pack, pad_values
 from learner.logs_mode import prompt_text, stale_reason
 from learner.policy import Policy
 from learner.types import Sample
@@ -225,6 +231,8 @@ class ServingSampler:
             "max_tokens": r.max_tokens,
             "temperature": r.temperature,
             "metadata": {"source": ROLLOUT_SOURCE},
+            "return_token_ids": True,  # the tokens sampled, to train on exactly those
+            "logprobs": 0,  # and their log-probabilities (no alternatives), the importance ratios' old ones
         }
         deadline = time.monotonic() + RATE_LIMIT_WAIT_S
         while True:
@@ -248,16 +256,34 @@ class ServingSampler:
         return [
             Sample(
                 text=c.get("text") or "",
-                token_ids=None,
+                token_ids=_token_ids(c),
                 finished=c.get("finish_reason") == "stop",
                 version=version,
                 interaction_id=interaction_id(body.get("id"), c.get("index", 0), len(choices)),
+                logprobs=_sampled_logprobs(c),
             )
             for c in choices
         ]
 
     def close(self) -> None:
         self._client.close()
+
+
+def _token_ids(choice: dict) -> tuple[int, ...] | None:
+    ids = choice.get("token_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+        return None  # a server without `return_token_ids`: the text is re-tokenised
+    return tuple(ids)
+
+
+def _sampled_logprobs(choice: dict) -> tuple[float, ...] | None:
+    """The sampled tokens' log-probs when there is one per returned token id, NaN for a missing or
+    non-finite one (pg_update then uses the current policy's there); None otherwise."""
+    ids = choice.get("token_ids")
+    values = (choice.get("logprobs") or {}).get("token_logprobs")
+    if not isinstance(ids, list) or not isinstance(values, list) or len(values) != len(ids):
+        return None
+    return tuple(float(v) if isinstance(v, (int, float)) and math.isfinite(v) else math.nan for v in values)
 
 
 def interaction_id(response_id: str | None, index: int, n: int) -> str | None:
@@ -344,11 +370,13 @@ def score_samples(scorer: Callable[[str, str], float], prompt: str, samples: Seq
     return rewards
 
 
-def completion_tokens(policy: Policy, sample: Sample) -> list[int]:
-    if sample.token_ids is not None:
-        return list(sample.token_ids)
+def completion_tokens(policy: Policy, sample: Sample) -> tuple[list[int], tuple[float, ...] | None]:
+    """(the completion's token ids to train on, their sampled log-probs or None): the sampled tokens when
+    the sampler gave them (and they are in the vocabulary), else the re-tokenised text (see the module note)."""
+    if sample.token_ids is not None and all(t < policy.vocab_size for t in sample.token_ids):
+        return list(sample.token_ids), sample.logprobs
     ids = policy.tokenizer(sample.text, add_special_tokens=False).input_ids
-    return ids + [policy.eos_token_id] if sample.finished else ids
+    return (ids + [policy.eos_token_id] if sample.finished else ids), None
 
 
 def train_step(
@@ -367,7 +395,7 @@ def train_step(
     max_len: int,
 ) -> RolloutStep:
     """Scores the groups, computes GRPO advantages and makes one update (see the module note)."""
-    prompt_ids, completion_ids, rewards, groups = [], [], [], []
+    prompt_ids, completion_ids, behaviour, rewards, groups = [], [], [], [], []
     dropped = 0
     score_seconds = 0.0
     for g, (prompt, group) in enumerate(zip(prompts, samples)):
@@ -379,12 +407,13 @@ def train_step(
             if math.isnan(reward) or stale_reason(sample.version, tenant, current_version, max_staleness, served):
                 dropped += 1
                 continue
-            c_ids = completion_tokens(policy, sample)
+            c_ids, c_logprobs = completion_tokens(policy, sample)
             if not c_ids:
                 dropped += 1
                 continue
             prompt_ids.append(p_ids)
             completion_ids.append(c_ids)
+            behaviour.append(c_logprobs)
             rewards.append(reward)
             groups.append(g)
     if not rewards:
@@ -402,7 +431,7 @@ def train_step(
         tenant,
         batch,
         advantages.float(),
-        old_logprobs=None,
+        old_logprobs=pad_values(behaviour, batch.completion_width) if any(b is not None for b in behaviour) else None,
         clip_eps=clip_eps,
         kl_coef=kl_coef,
         max_grad_norm=max_grad_norm,

@@ -158,11 +158,14 @@ class Example:
 @dataclass(frozen=True)
 class Sample:
     """One sampled completion: its text, its tokens when the sampler knows them, whether it ended on its
-    own (end-of-sequence) rather than at the length limit, the adapter version that produced it, and the
-    id of the interaction the serving tier logged for it (None when nothing was logged)."""
+    own (end-of-sequence) rather than at the length limit, the adapter version that produced it, the id
+    of the interaction the serving tier logged for it (None when nothing was logged), and the sampled
+    tokens' log-probabilities under the policy that sampled them, at temperature 1 (one per token id; None
+    when the sampler does not give them)."""
 
     text: str
     token_ids: tuple[int, ...] | None
     finished: bool
     version: str | None = None
     interaction_id: str | None = None
+    logprobs: tuple[float, ...] | None = None

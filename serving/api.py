@@ -347,7 +347,8 @@ class Api:
         self._finished(call, done)
         build = protocol.chat_response if endpoint == "chat" else protocol.completion_response
         with_logprobs = bool(body.logprobs) if endpoint == "chat" else body.logprobs is not None
-        return JSONResponse(build(call.response_id, lease.label, done, call.prompt_tokens, with_logprobs),
+        return JSONResponse(build(call.response_id, lease.label, done, call.prompt_tokens, with_logprobs,
+                                  token_ids=body.return_token_ids),
                             headers=headers)
 
     def _prompt(self, rendered: tuple[str, list[int]], sampling: Sampling, param: str, *,
@@ -431,12 +432,13 @@ class Api:
                 choices[delta.index].add(delta)
                 if chat:
                     chunk = protocol.chat_chunk(
-                        call.response_id, label, created, delta, with_logprobs=bool(body.logprobs)
+                        call.response_id, label, created, delta, with_logprobs=bool(body.logprobs),
+                        token_ids=body.return_token_ids,
                     )
                 else:
                     chunk = protocol.completion_chunk(
                         call.response_id, label, created, delta, with_logprobs=body.logprobs is not None,
-                        text_start=text_start,
+                        text_start=text_start, token_ids=body.return_token_ids,
                     )
                 sent = True
                 yield protocol.sse(chunk)

@@ -73,6 +73,9 @@ class _Request(BaseModel):
     min_p: float = _finite(0.0, ge=0, le=1)
     repetition_penalty: float = _finite(1.0, gt=0)
     response_format: dict[str, Any] | None = None
+    # vLLM's extension: each choice (and each stream chunk's choice) carries the sampled token ids, so a
+    # trainer gets exactly the tokens the model produced, not a re-tokenization of the text
+    return_token_ids: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -409,8 +412,15 @@ def completion_logprobs(logprobs: list[TokenLogprob], text_start: int = 0) -> di
     }
 
 
+def _with_token_ids(choice: dict[str, Any], token_ids: list[int], wanted: bool) -> dict[str, Any]:
+    if wanted:
+        choice["token_ids"] = list(token_ids)
+    return choice
+
+
 def chat_response(
-    response_id: str, model: str, choices: list[Choice], prompt_tokens: int, with_logprobs: bool
+    response_id: str, model: str, choices: list[Choice], prompt_tokens: int, with_logprobs: bool,
+    token_ids: bool = False,
 ) -> dict[str, Any]:
     return {
         "id": response_id,
@@ -418,12 +428,12 @@ def chat_response(
         "created": int(time.time()),
         "model": model,
         "choices": [
-            {
+            _with_token_ids({
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
                 "logprobs": chat_logprobs(c.logprobs) if with_logprobs else None,
                 "finish_reason": c.finish_reason,
-            }
+            }, c.token_ids, token_ids)
             for c in choices
         ],
         "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
@@ -431,7 +441,8 @@ def chat_response(
 
 
 def completion_response(
-    response_id: str, model: str, choices: list[Choice], prompt_tokens: int, with_logprobs: bool
+    response_id: str, model: str, choices: list[Choice], prompt_tokens: int, with_logprobs: bool,
+    token_ids: bool = False,
 ) -> dict[str, Any]:
     return {
         "id": response_id,
@@ -439,12 +450,12 @@ def completion_response(
         "created": int(time.time()),
         "model": model,
         "choices": [
-            {
+            _with_token_ids({
                 "index": c.index,
                 "text": c.text,
                 "logprobs": completion_logprobs(c.logprobs) if with_logprobs else None,
                 "finish_reason": c.finish_reason,
-            }
+            }, c.token_ids, token_ids)
             for c in choices
         ],
         "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
@@ -453,7 +464,7 @@ def completion_response(
 
 def chat_chunk(
     response_id: str, model: str, created: int, delta: Delta | None, *, index: int = 0, role: bool = False,
-    with_logprobs: bool = False,
+    with_logprobs: bool = False, token_ids: bool = False,
 ) -> dict[str, Any]:
     """One `chat.completion.chunk`: the opening one (`role`), a content delta, or (delta None) usage only."""
     if delta is None and not role:
@@ -461,29 +472,29 @@ def chat_chunk(
     else:
         content: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": delta.text}
         choices = [
-            {
+            _with_token_ids({
                 "index": index if delta is None else delta.index,
                 "delta": content,
                 "logprobs": chat_logprobs(delta.logprobs) if with_logprobs and delta is not None else None,
                 "finish_reason": None if delta is None else delta.finish_reason,
-            }
+            }, [] if delta is None else delta.token_ids, token_ids and not role)
         ]
     return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
 
 
 def completion_chunk(
     response_id: str, model: str, created: int, delta: Delta | None, *, with_logprobs: bool = False,
-    text_start: int = 0,
+    text_start: int = 0, token_ids: bool = False,
 ) -> dict[str, Any]:
     choices = []
     if delta is not None:
         choices = [
-            {
+            _with_token_ids({
                 "index": delta.index,
                 "text": delta.text,
                 "logprobs": completion_logprobs(delta.logprobs, text_start) if with_logprobs else None,
                 "finish_reason": delta.finish_reason,
-            }
+            }, delta.token_ids, token_ids)
         ]
     return {"id": response_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
 

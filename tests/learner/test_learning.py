@@ -77,3 +77,31 @@ def test_two_tenants_learn_opposite_objectives_from_one_base(tiny_model):
     pg_update(policy, "digits", batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), clip_eps=0.2)
     assert torch.equal(policy.token_logprobs(batch, "letters"), letters_before)
     assert torch.equal(policy.token_logprobs(batch, None), base_before)
+
+
+def test_rollouts_train_on_the_sampled_tokens_weighed_by_their_sampled_log_probs(tiny_model):
+    """A batch sampled ahead by an older version comes with that version's log-probs: the update's ratios
+    use them (the clip acts), where taking the batch as on-policy (ratio 1) never clips. Without log-probs
+    from the sampler, ratio 1 as before."""
+    from learner.types import Sample
+
+    torch.manual_seed(0)
+    policy = Policy(tiny_model, device="cpu")
+    policy.add_tenant(replace(TenantSpec.default("acme"), target_modules=tuple(LEARNABLE_TARGETS)))
+    prompt = render_user_prompt(policy.tokenizer, "hello")
+    (group,) = LocalSampler(policy).sample([SampleRequest("acme", "", prompt, 4, 8, 1.0)])
+
+    def step(samples):
+        snapshot = policy.snapshot("acme")
+        result = train_step(policy, "acme", [prompt], [samples], lambda c, p: float(len(c) % 3),
+                            current_version=0, max_staleness=0, clip_eps=0.2, kl_coef=0.0, max_grad_norm=1.0,
+                            max_len=256)
+        policy.restore("acme", snapshot)
+        return result
+
+    on_policy = step(group)
+    assert on_policy.update is not None and on_policy.update.clip_frac == 0.0
+    # the "older policy" made every sampled token far less likely than the current one: r = e^2 > 1 + eps
+    old = [Sample(s.text, s.token_ids, s.finished, logprobs=tuple(-30.0 for _ in s.token_ids)) for s in group]
+    stale = step(old)
+    assert stale.update.clip_frac > 0.3, stale.update

@@ -84,6 +84,13 @@ def test_rollouts_sample_through_serving_and_use_the_published_adapters(server, 
     events = read_events(server.bootstrap, cfg.kafka.interactions_topic, ids)
     assert set(events) == ids
     assert all(e["tenant"] == TENANT and e["prompt"] in rendered for e in events.values())
+    # the learner trains on the tokens the engine sampled, with their sampled log-probs (not the text re-tokenised)
+    by_id = {s.interaction_id: s for s in samples[:8]}
+    for i, e in events.items():
+        sample = by_id[i]
+        assert sample.token_ids is not None and list(sample.token_ids) == e["completion_token_ids"]
+        assert sample.logprobs is not None and len(sample.logprobs) == len(sample.token_ids)
+        assert list(sample.logprobs) == pytest.approx(e["completion_logprobs"], abs=1e-6)
     # every trained rollout is remembered (no ingest runs here, so none has come back as a trajectory yet)
     remembered = set(learner.tenants[TENANT].rollout_ids)
     assert len(remembered) == STEPS * 8 and remembered <= {s.interaction_id for s in samples}

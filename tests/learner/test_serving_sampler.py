@@ -20,12 +20,16 @@ def server():
 
     answers = Answers()
     answers.bodies = bodies = []
+    answers.token_ids = False  # whether the stand-in returns token ids and log-probs, as clora's serving does
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
             bodies.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
             status = answers.pop(0) if answers else 200
-            body = ({"id": "cmpl-1", "choices": [{"index": 0, "text": " 42", "finish_reason": "stop"}]} if status == 200
+            choice = {"index": 0, "text": " 42", "finish_reason": "stop"}
+            if bodies[-1].get("return_token_ids") and answers.token_ids:
+                choice.update(token_ids=[7, 8, 2], logprobs={"token_logprobs": [-0.5, None, -1.25]})
+            body = ({"id": "cmpl-1", "choices": [choice]} if status == 200
                     else {"error": {"message": "too many", "type": "requests", "param": None, "code": "rate_limit_exceeded"}})
             data = json.dumps(body).encode()
             self.send_response(status)
@@ -67,6 +71,18 @@ def test_the_prompt_goes_as_the_token_ids_the_learner_trains_on(server):
     url, answers = server
     ServingSampler(url).sample([replace(request(), prompt_ids=(17, 4, 99)), request()])
     assert sorted(str(b["prompt"]) for b in answers.bodies) == ["2+2=", "[17, 4, 99]"]
+
+
+def test_samples_carry_the_sampled_token_ids_and_log_probs_when_the_server_returns_them(server):
+    url, answers = server
+    (old,) = ServingSampler(url).sample([request()])
+    assert old[0].token_ids is None and old[0].logprobs is None  # a server without them: the text only
+    answers.token_ids = True
+    (samples,) = ServingSampler(url).sample([request()])
+    assert answers.bodies[-1]["return_token_ids"] is True and answers.bodies[-1]["logprobs"] == 0
+    assert samples[0].token_ids == (7, 8, 2)
+    assert samples[0].logprobs[0] == -0.5 and samples[0].logprobs[2] == -1.25
+    assert samples[0].logprobs[1] != samples[0].logprobs[1]  # a missing one is NaN (the current policy's is used)
 
 
 def test_other_errors_fail_the_request_at_once(server):

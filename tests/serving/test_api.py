@@ -310,6 +310,25 @@ def test_a_prompt_sent_as_token_ids_is_logged_with_those_ids_and_a_text_prompt_w
     assert [e.prompt_token_ids for e in mixed.events.logged] == [None, None]
 
 
+def test_return_token_ids_gives_each_choice_its_sampled_tokens_streamed_or_not():
+    """vLLM's extension: a trainer gets the tokens the model produced, not a re-tokenisation of the text."""
+    w = World()
+    r = w.post("/v1/completions", {"model": "acme", "prompt": "hey", "n": 2, "return_token_ids": True, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    for c in r.json()["choices"]:
+        assert c["token_ids"] == [104, 101, 121] and c["logprobs"]["token_logprobs"] == [-0.5, -0.5, -0.5]
+    assert "token_ids" not in w.post("/v1/completions", {"model": "acme", "prompt": "hey"}).json()["choices"][0]
+    chat_r = w.post("/v1/chat/completions", chat(return_token_ids=True))
+    assert chat_r.json()["choices"][0]["token_ids"] == [ord(c) for c in "<us"]
+    events = sse_events(w.post("/v1/completions", {"model": "acme", "prompt": "hey", "stream": True,
+                                                   "return_token_ids": True}))
+    streamed = [t for e in events[:-1] for c in e["choices"] for t in c["token_ids"]]
+    assert streamed == [104, 101, 121]
+    chat_events = sse_events(w.post("/v1/chat/completions", chat(stream=True, return_token_ids=True)))
+    assert "token_ids" not in chat_events[0]["choices"][0]  # the opening role chunk has none
+    assert [t for e in chat_events[1:-1] for c in e["choices"] for t in c["token_ids"]] == [ord(c) for c in "<us"]
+
+
 class FakeBosTokenizer(FakeTokenizer):
     """FakeTokenizer that adds a BOS (id 2) when asked for special tokens, as Llama-family tokenizers do."""
 
