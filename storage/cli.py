@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import sys
 
 FORMATS = ("table", "csv", "json", "parquet")
@@ -99,6 +100,7 @@ def cmd_query(args: argparse.Namespace) -> int:
     import duckdb
 
     from clora.cli import config_from_args
+    from storage.layout import StorageError
     from storage.query import query
 
     cfg = config_from_args(args)
@@ -107,10 +109,21 @@ def cmd_query(args: argparse.Namespace) -> int:
         return 2
     try:
         table = query(cfg.data_dir, args.sql)
-    except duckdb.Error as e:  # parser, binder, IO errors: the message, not a traceback
+    except (duckdb.Error, StorageError, OSError) as e:  # parser, binder, IO errors: the message, not a traceback
         print(f"clora query: {e}", file=sys.stderr)
         return 1
-    write_table(table, args.format, args.out)
+    except (ValueError, OverflowError) as e:  # a result Arrow cannot hold
+        print(f"clora query: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    try:
+        write_table(table, args.format, args.out)
+    except OSError as e:  # --out in a missing directory, a full disk
+        print(f"clora query: cannot write the result: {e}", file=sys.stderr)
+        return 1
+    except (OverflowError, ValueError) as e:  # a value Python cannot hold ('infinity'::date), an unwritable type
+        print(f"clora query: cannot convert the result to {args.format}: {type(e).__name__}: {e} "
+              "(cast the column to VARCHAR in the SQL)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -128,10 +141,16 @@ def write_table(table, fmt: str, out: str | None) -> None:
         sys.stdout.write(text)
 
 
+def _rows(table) -> list[tuple]:
+    """The rows as tuples, by position: to_pylist()'s dicts keep one value per name, and a join's `select *`
+    repeats names."""
+    return list(zip(*(column.to_pylist() for column in table.columns)))
+
+
 def format_table(table) -> str:
     """Aligned columns, long cells cut to MAX_CELL characters, and a row count."""
     names = table.column_names
-    rows = [[_cell(v) for v in row.values()] for row in table.to_pylist()]
+    rows = [[_cell(v) for v in row] for row in _rows(table)]
     widths = [max([len(n)] + [len(r[i]) for r in rows]) for i, n in enumerate(names)]
     lines = [
         "  ".join(n.ljust(w) for n, w in zip(names, widths)),
@@ -164,13 +183,14 @@ def format_csv(table) -> str:
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(table.column_names)
-    for row in table.to_pylist():
-        w.writerow(["" if v is None else v for v in row.values()])
+    for row in _rows(table):
+        w.writerow(["" if v is None else v for v in row])
     return buf.getvalue()
 
 
 def format_json(table) -> str:
-    """A JSON array of row objects (timestamps as ISO 8601, bytes as latin-1 text)."""
+    """A JSON array of row objects (timestamps as ISO 8601, bytes as latin-1 text, NaN and infinities as
+    null, which is all JSON has for them). A repeated column name gets a suffix: id, id_1, id_2, ..."""
     import json
 
     def default(v):
@@ -180,7 +200,35 @@ def format_json(table) -> str:
             return v.decode("latin-1")
         return str(v)
 
-    return json.dumps(table.to_pylist(), default=default, ensure_ascii=False, indent=1) + "\n"
+    keys = _unique_names(table.column_names)
+    rows = [dict(zip(keys, (_finite(v) for v in row))) for row in _rows(table)]
+    return json.dumps(rows, default=default, ensure_ascii=False, indent=1, allow_nan=False) + "\n"
+
+
+def _unique_names(names: list[str]) -> list[str]:
+    """`names` with each repeat suffixed _1, _2, ... (skipping any name another column has)."""
+    original, used, out = set(names), set(), []
+    for name in names:
+        key, k = name, 0
+        while key in used:
+            k += 1
+            key = f"{name}_{k}"
+            if key in original:
+                key = name  # another column's own name: try the next suffix
+        used.add(key)
+        out.append(key)
+    return out
+
+
+def _finite(v):
+    """`v` with every non-finite float in it (nested in lists, structs and maps too) made None."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -195,17 +243,37 @@ def _registry(args: argparse.Namespace):
     return Registry(cfg.data_dir, keep_last=cfg.learner.keep_versions)
 
 
-def _fail(command: str, e: Exception) -> int:
-    print(f"clora adapters {command}: {e}", file=sys.stderr)
+# Besides StorageError, what a registry record damaged by hand raises when read (bad JSON, a missing or
+# mistyped field) and what a disk error does: one line on stderr, not a traceback.
+UNREADABLE = (OSError, ValueError, KeyError, TypeError)
+
+
+def _fail(command: str, e: Exception, context: str = "a registry record cannot be read") -> int:
+    """Prints why `command` failed; `context` says what went wrong for an exception not the registry's own."""
+    from storage.layout import StorageError
+
+    if isinstance(e, StorageError):
+        print(f"clora adapters {command}: {e}", file=sys.stderr)
+    else:
+        print(f"clora adapters {command}: {context} ({type(e).__name__}: {e})", file=sys.stderr)
     return 1
 
 
 def cmd_adapters_list(args: argparse.Namespace) -> int:
-    from storage.layout import StorageError
+    from clora.cli import config_from_args
+    from storage.layout import StorageError, check_tenant
     from storage.query import adapters_table
 
     registry = _registry(args)
     try:
+        if args.tenant is not None and check_tenant(args.tenant) not in registry.tenants():
+            # No versions: a tenant of the config that has not published yet, or a typo (which must not look
+            # like a tenant without versions).
+            if config_from_args(args).tenant(args.tenant) is None:
+                known = ", ".join(registry.tenants()) or "none"
+                print(f"clora adapters list: tenant {args.tenant!r} has no adapter versions and is not in the "
+                      f"config (tenants with versions: {known})", file=sys.stderr)
+                return 1
         if args.all:
             versions, hidden = registry.versions(args.tenant), 0
         else:
@@ -213,7 +281,7 @@ def cmd_adapters_list(args: argparse.Namespace) -> int:
             # Settled ones the registry's hint has not caught up with yet (files gone) are history too.
             versions = [v for t in tenants for v in registry.unsettled(t) if v.retired_at is None or v.path.exists()]
             hidden = sum(registry.newest_number(t) for t in tenants) - len(versions)
-    except StorageError as e:
+    except (StorageError, *UNREADABLE) as e:
         return _fail("list", e)
     columns = ["name", "status", "latest", "parent", "created_at", "published_at", "reason", "metrics"]
     sys.stdout.write(format_table(adapters_table(versions).select(columns)))
@@ -230,8 +298,8 @@ def cmd_adapters_show(args: argparse.Namespace) -> int:
     registry = _registry(args)
     try:
         v = registry.get_name(args.version)
-    except StorageError as e:
-        return _fail("show", e)
+    except (StorageError, *UNREADABLE) as e:
+        return _fail("show", e, f"the registry record of {args.version} cannot be read")
     print(json.dumps({**v.to_json(), "path": str(v.path), "files_present": v.path.is_dir()}, indent=2))
     return 0
 
@@ -243,8 +311,8 @@ def cmd_adapters_rollback(args: argparse.Namespace) -> int:
     registry = _registry(args)
     try:
         v = registry.rollback(*parse_version(args.version))
-    except StorageError as e:
-        return _fail("rollback", e)
+    except (StorageError, *UNREADABLE) as e:
+        return _fail("rollback", e, f"rolling back to {args.version} failed")
     print(f"{v.name} published (a copy of {v.parent}); serving picks it up at its next registry poll")
     return 0
 
@@ -256,8 +324,8 @@ def cmd_adapters_retire(args: argparse.Namespace) -> int:
     registry = _registry(args)
     try:
         v = registry.retire(*parse_version(args.version))
-    except StorageError as e:
-        return _fail("retire", e)
+    except (StorageError, *UNREADABLE) as e:
+        return _fail("retire", e, f"retiring {args.version} failed")
     print(f"{v.name} retired; its files are deleted")
     return 0
 
@@ -351,14 +419,16 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def _prune(cfg, days: float, dataset: str | None, tenant: str | None, *, dry_run: bool, command: str) -> int:
-    from storage.layout import StorageError
+    from storage.layout import UNKNOWN_TENANT, StorageError
     from storage.retention import DAY_S, forget_trained, prune, prune_registry
 
     older_than_s = days * DAY_S
+    # Dead letters without a readable tenant (_unknown) have data files only: no adapters, no learner cursor.
+    data_only = bool(dataset) or tenant == UNKNOWN_TENANT
     try:
         results = prune(cfg.data_dir, older_than_s=older_than_s, dataset=dataset, tenant=tenant, dry_run=dry_run)
-        records = {} if dataset else prune_registry(cfg.data_dir, older_than_s=older_than_s, tenant=tenant, dry_run=dry_run)
-        forgotten = {} if dataset else forget_trained(cfg.data_dir, older_than_s=older_than_s, tenant=tenant, dry_run=dry_run)
+        records = {} if data_only else prune_registry(cfg.data_dir, older_than_s=older_than_s, tenant=tenant, dry_run=dry_run)
+        forgotten = {} if data_only else forget_trained(cfg.data_dir, older_than_s=older_than_s, tenant=tenant, dry_run=dry_run)
     except (StorageError, ValueError) as e:
         print(f"clora {command}: {e}", file=sys.stderr)
         return 1

@@ -78,7 +78,7 @@ import pyarrow.parquet as pq
 
 from storage.cursors import Cursors
 from storage.files import FileLock, LockBusy, fsync_dir, remove_stale_hidden, write_new_file
-from storage.layout import DATASETS, as_datadir, check_dataset
+from storage.layout import DATASETS, UNKNOWN_TENANT, as_datadir, check_dataset
 from storage.parquet import (
     COMPACTED_PREFIX,
     ROW_GROUP_ROWS,
@@ -140,7 +140,7 @@ def compact(
             results.append(
                 compact_partition(dd, ds, t, target_bytes=target_bytes, min_files=min_files, grace_s=grace_s)
             )
-    if dataset is None:
+    if dataset is None and tenant != UNKNOWN_TENANT:  # dead letters without a tenant have no learner cursor
         cursors = Cursors(dd)
         for t in [tenant] if tenant else cursors.tenants():
             folded = cursors.compact(t)

@@ -144,7 +144,10 @@ def remove_tree(path: Path) -> None:
     if not path.exists():
         return
     trash = tmp_name(path, "trash")
-    os.rename(path, trash)
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:  # another remover renamed it between our exists() and rename(): its job now
+        return
     fsync_dir(path.parent)
     shutil.rmtree(trash, ignore_errors=True)
 

@@ -74,7 +74,7 @@ class DataDir:
     """The data directory: `DataDir(root)`; every attribute is a path under `root` (created on demand)."""
 
     def __init__(self, root: str | Path):
-        self.root = Path(root).absolute()
+        self.root = Path(root).expanduser().absolute()  # "~/data" from a config file or a quoted env value
         self.filesystem: pafs.FileSystem = pafs.LocalFileSystem()
 
     def __repr__(self) -> str:

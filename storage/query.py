@@ -1,7 +1,9 @@
 """SQL over everything clora stores: an in-memory DuckDB with one view per dataset and one for adapters.
 
 Views: interactions, feedback, trajectories, dead_letters, train_steps (one per Parquet dataset, columns as
-in schema.py) and adapters (one row per registry version).
+in schema.py) and adapters (one row per registry version). `query` builds the adapters view only when the
+SQL names it (it reads every registry record, the whole history of every tenant; otherwise the view is
+empty), and leaves out, with a warning, records it cannot read.
 
 Each dataset view reads an explicit list of files, `parquet.live_files`, rather than a glob: a glob would
 count rows twice while compacted inputs still lie on disk (until compaction's grace period is over). The
@@ -9,13 +11,15 @@ files are read with union_by_name (files written by older schema versions lack n
 hive partitioning: every file carries its own `tenant` column, and DuckDB would read `key=value` from
 every directory of the path, so a data dir under, say, /data/run=3/ gained a `run` column. They are
 unioned BY NAME with an empty table of the current schema, so every view has every column, with the right
-type, even when a dataset has no files yet (a query then returns 0 rows).
+type, even when a dataset has no files yet (a query then returns 0 rows). DuckDB reads every listed path as
+a glob pattern, so *, ? and [ in them are escaped.
 
 The views are a snapshot of the file list at `connect()` time: files written later appear on the next
 connect. Compaction deletes merged inputs only after a grace period (compact.GRACE_S, 60 s), so a
 connection younger than that can always read its files; `query` (one connection per call) lists again and
-retries if a file vanished anyway. Nothing here takes a lock or opens a file for writing, so queries never
-block ingest, the learner or compaction, and any number of processes may query at once.
+retries if a file it listed vanished anyway (only then: any other error is the statement's own, and running
+it again would repeat its side effects). Nothing here takes a lock or opens a file for writing, so queries
+never block ingest, the learner or compaction, and any number of processes may query at once.
 
 Moving the data dir to object storage: DuckDB reads s3:// paths with its httpfs extension; live_files
 would list through the pyarrow S3 filesystem (see layout.py).
@@ -25,14 +29,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 
 import duckdb
 import pyarrow as pa
 
-from storage.layout import DATASETS, as_datadir
+from storage.layout import DATASETS, StorageError, as_datadir
 from storage.parquet import live_files
-from storage.registry import AdapterVersion, Registry
+from storage.registry import AdapterVersion, Registry, VersionNotFound
 from storage.schema import SCHEMAS, TS
 
 logger = logging.getLogger(__name__)
@@ -60,19 +65,28 @@ ADAPTERS_SCHEMA = pa.schema(
 )
 
 
-def connect(root) -> duckdb.DuckDBPyConnection:
-    """A fresh in-memory DuckDB connection with the views over `root`."""
-    dd = as_datadir(root)
+def connect(root, *, adapters: bool = True) -> duckdb.DuckDBPyConnection:
+    """A fresh in-memory DuckDB connection with the views over `root`. With `adapters=False` the adapters view
+    is empty (its columns only): building it reads every registry record, the whole history of every tenant."""
+    return _connect(as_datadir(root), adapters)[0]
+
+
+def _connect(dd, adapters: bool) -> tuple[duckdb.DuckDBPyConnection, list[str]]:
+    """(the connection, every dataset file its views read)."""
+    typed_adapters = adapters_table(readable_versions(Registry(dd)) if adapters else [])
     for attempt in range(QUERY_ATTEMPTS):
         con = duckdb.connect(":memory:")
         try:
             con.execute("SET TimeZone = 'UTC'")
             # DuckDB opens the files when it creates a view (to learn their columns), so a compaction that
             # deletes a listed file in between fails here: list again.
+            listed = []
             for dataset in DATASETS:
-                _create_view(con, dataset, SCHEMAS[dataset].empty_table(), live_files(dd, dataset))
-            _create_view(con, "adapters", adapters_table(Registry(dd).versions()), [])
-            return con
+                files = live_files(dd, dataset)
+                listed += files
+                _create_view(con, dataset, SCHEMAS[dataset].empty_table(), files)
+            _create_view(con, "adapters", typed_adapters, [])
+            return con, listed
         except (duckdb.IOException, FileNotFoundError) as e:  # the listing itself reads compacted files' footers
             con.close()
             if attempt == QUERY_ATTEMPTS - 1:
@@ -81,22 +95,53 @@ def connect(root) -> duckdb.DuckDBPyConnection:
     raise AssertionError("unreachable")
 
 
+def readable_versions(registry: Registry) -> list[AdapterVersion]:
+    """Every version of every tenant (as Registry.versions()), less those whose record cannot be read (damaged
+    by hand, or written by a newer clora in a rolling upgrade): each is logged, and the other views still work."""
+    out, unreadable = [], []
+    for tenant in registry.tenants():
+        for number in registry._numbers(tenant):  # noqa: SLF001 (versions() stops at the first unreadable one)
+            try:
+                out.append(registry.get(tenant, number))
+            except VersionNotFound:  # deleted since the listing (retention: `prune`)
+                continue
+            except (StorageError, OSError, ValueError, KeyError, TypeError) as e:
+                unreadable.append(f"{tenant}@{number} ({type(e).__name__}: {e})")
+    if unreadable:
+        logger.warning("the adapters view leaves out %d registry record(s) that cannot be read: %s",
+                       len(unreadable), "; ".join(unreadable))
+    return out
+
+
+def mentions_adapters(sql: str) -> bool:
+    """Whether `sql` may read the adapters view (the word, in any case, anywhere: a superset is harmless)."""
+    return re.search(r"\badapters\b", sql, re.IGNORECASE) is not None
+
+
 def query(root, sql: str) -> pa.Table:
-    """Runs `sql` against the views; returns the result (an empty table for statements without one)."""
+    """Runs `sql` against the views; returns the result (an empty table for statements without one).
+
+    The adapters view is built only when `sql` names it. The statement runs again only when it failed on a
+    dataset file that vanished (a compaction deleted it between our listing and DuckDB reading it); any other
+    error, a user's own IO error included, is raised at once (the statement may have had side effects)."""
+    dd = as_datadir(root)
+    adapters = mentions_adapters(sql)
     for attempt in range(QUERY_ATTEMPTS):
-        con = connect(root)
+        con, listed = _connect(dd, adapters)
         try:
             rel = con.sql(sql)
             return pa.table({}) if rel is None else _to_arrow(rel)
         except duckdb.IOException as e:
-            # A compaction deleted a file between our listing and DuckDB reading it; the next listing has
-            # the merged file instead.
-            if attempt == QUERY_ATTEMPTS - 1:
+            if attempt == QUERY_ATTEMPTS - 1 or not _names_a_listed_file(str(e), listed):
                 raise
             logger.debug("query hit a vanished file, retrying: %s", e)
         finally:
             con.close()
     raise AssertionError("unreachable")
+
+
+def _names_a_listed_file(message: str, listed: list[str]) -> bool:
+    return any(f in message or _glob_escape(f) in message for f in listed)
 
 
 def _to_arrow(rel: duckdb.DuckDBPyRelation) -> pa.Table:
@@ -109,6 +154,12 @@ def _sql_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
+def _glob_escape(path: str) -> str:
+    """`path` as a DuckDB glob pattern matching only itself: read_parquet expands *, ? and [...] in every path
+    it is given, so a data dir under, say, /data/run[1]/ would read another directory's files."""
+    return re.sub(r"([*?\[])", r"[\1]", path)
+
+
 def _create_view(con: duckdb.DuckDBPyConnection, name: str, typed: pa.Table, files: list[str]) -> None:
     """View `name` = the rows of `typed` plus those of `files`, with at least `typed`'s columns and types."""
     con.register("_clora_arrow", typed)
@@ -116,7 +167,7 @@ def _create_view(con: duckdb.DuckDBPyConnection, name: str, typed: pa.Table, fil
     con.unregister("_clora_arrow")
     select = f'SELECT * FROM "_clora_{name}"'
     if files:
-        file_list = ", ".join(_sql_str(f) for f in files)
+        file_list = ", ".join(_sql_str(_glob_escape(f)) for f in files)
         select += (
             f" UNION ALL BY NAME SELECT * FROM read_parquet([{file_list}], hive_partitioning = false, "
             "union_by_name = true)"
@@ -157,7 +208,8 @@ def adapters_table(versions: list[AdapterVersion]) -> pa.Table:
 
 
 def _metric_columns(versions: list[AdapterVersion]) -> dict[str, pa.Array]:
-    """metric_<key> for every metric whose values are all numbers (or all strings / all booleans)."""
+    """metric_<key> for every metric whose values are all numbers (or all strings / all booleans). The learner
+    stores a non-finite number as a string ("nan", "inf"): that is a number here (NaN, inf)."""
     keys = sorted({k for v in versions for k in v.metrics})
     out = {}
     for key in keys:
@@ -165,8 +217,9 @@ def _metric_columns(versions: list[AdapterVersion]) -> dict[str, pa.Array]:
         present = [x for x in values if x is not None]
         if all(isinstance(x, bool) for x in present):
             type_ = pa.bool_()
-        elif all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in present):
+        elif all(_is_number(x) for x in present):
             type_ = pa.float64()
+            values = [None if x is None else float(x) for x in values]
         elif all(isinstance(x, str) for x in present):
             type_ = pa.string()
         else:
@@ -175,3 +228,16 @@ def _metric_columns(versions: list[AdapterVersion]) -> dict[str, pa.Array]:
         if column not in out:
             out[column] = pa.array(values, type_)
     return out
+
+
+def _is_number(x) -> bool:
+    if isinstance(x, bool):
+        return False
+    if isinstance(x, (int, float)):
+        return True
+    if isinstance(x, str):  # only the non-finite ones: "0.5" stays a string
+        try:
+            return not math.isfinite(float(x))
+        except ValueError:
+            return False
+    return False

@@ -341,13 +341,18 @@ class Registry:
         return v
 
     def rollback(self, tenant: str, to_number: int) -> AdapterVersion:
-        """Serves `tenant@to_number` again by republishing its files as a new, newest version."""
+        """Serves `tenant@to_number` again by republishing its files as a new, newest version; refused for the
+        version served now."""
         old = self.get(tenant, to_number)
         if old.status == "retired" or old.published_at is None:
             raise RegistryError(
                 f"cannot roll back to {old.name}: it is {old.status}"
                 + (" and its files are gone" if old.status == "retired" else " and was never published")
             )
+        served = self.latest_published(tenant)
+        if served is not None and served.number == to_number:
+            # A copy would change nothing served, yet supersede the learner's step in flight from it.
+            raise RegistryError(f"cannot roll back to {old.name}: it is already the version served for {tenant}")
 
         def copy(staging: Path) -> None:
             try:  # entry by entry: copytree would give `staging` the old directory's times (see _create)

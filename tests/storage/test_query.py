@@ -165,3 +165,115 @@ def test_a_data_dir_under_a_key_value_directory_adds_no_columns(tmp_path, make_t
     assert columns == SCHEMAS["trajectories"].names
     rows = query(data_dir, "select tenant, count(*) as n from trajectories group by 1 order by 1").to_pylist()
     assert rows == [{"tenant": "123", "n": 2}, {"tenant": "acme", "n": 1}]
+
+
+def test_a_non_finite_metric_keeps_its_metric_column(data_dir, peft_writer):
+    """The learner stores a non-finite metric as a string ("nan", "inf"): one diverged step must not drop
+    metric_<key> from the adapters view for every version."""
+    import math
+
+    reg = Registry(data_dir)
+    for loss in (0.5, 0.4):
+        reg.create("acme", parent=None, write=peft_writer, metrics={"loss": loss, "mode": "logs"})
+    reg.create("acme", parent=None, write=peft_writer, metrics={"loss": "nan", "mode": "logs"})
+    reg.create("acme", parent=None, write=peft_writer, metrics={"loss": "-inf", "mode": "inf"})
+    rows = query(data_dir, "select metric_loss, metric_mode from adapters order by number").to_pylist()
+    assert [r["metric_loss"] for r in rows[:2]] == [0.5, 0.4]
+    assert math.isnan(rows[2]["metric_loss"]) and rows[3]["metric_loss"] == -math.inf
+    assert [r["metric_mode"] for r in rows] == ["logs", "logs", "logs", "inf"], "strings stay strings"
+
+
+def test_only_a_query_naming_adapters_reads_the_registry(data_dir, peft_writer, make_trajectories, monkeypatch):
+    """Building the adapters view reads every registry record (a version per learner step, forever)."""
+    from storage.registry import Registry as RealRegistry
+
+    _fill(data_dir, make_trajectories)
+    reg = Registry(data_dir)
+    reg.create("acme", parent=None, write=peft_writer)
+    reads = []
+    real_get = RealRegistry.get
+
+    def counting_get(self, tenant, number):
+        reads.append((tenant, number))
+        return real_get(self, tenant, number)
+
+    monkeypatch.setattr(RealRegistry, "get", counting_get)
+    assert query(data_dir, "select count(*) as n from trajectories").to_pylist() == [{"n": 14}]
+    assert query(data_dir, "select 1 as one").to_pylist() == [{"one": 1}]
+    assert reads == []
+    views = query(data_dir, "select count(*) as n from duckdb_views() where not internal").to_pylist()
+    assert views == [{"n": len(VIEWS)}] and reads == [], "every view exists; adapters, not named, is empty"
+    assert query(data_dir, 'select name from main."ADAPTERS"').to_pylist() == [{"name": "acme@1"}]
+    assert reads == [("acme", 1)]
+
+
+def test_only_a_listed_file_that_vanished_is_retried(data_dir, make_trajectories, monkeypatch, tmp_path):
+    """A compaction deleting a listed file is retried with a fresh listing; any other IO error is the
+    statement's own and raised at once: running it again would repeat what it did before failing."""
+    import storage.query as query_module
+
+    write_dataset(data_dir, "trajectories", make_trajectories(["a0", "a1"], "acme"), file_id="a")
+    write_dataset(data_dir, "trajectories", make_trajectories(["b0"], "acme", start=5), file_id="b")
+    real, connects = query_module._connect, []
+
+    def connect_then_compaction_deletes_b(*args, **kwargs):
+        con, listed = real(*args, **kwargs)
+        connects.append(listed)
+        b = data_dir / "trajectories" / "tenant=acme" / "b.parquet"
+        if b.exists():  # only once, after the first listing
+            b.unlink()
+        return con, listed
+
+    monkeypatch.setattr(query_module, "_connect", connect_then_compaction_deletes_b)
+    assert query(data_dir, "select count(*) as n from trajectories").to_pylist() == [{"n": 2}]
+    assert len(connects) == 2
+
+    connects.clear()
+    side = tmp_path / "side.duckdb"
+    sql = (f"ATTACH '{side}' AS side; CREATE TABLE side.log (n INT); INSERT INTO side.log VALUES (1); "
+           f"SELECT * FROM read_csv('{tmp_path / 'typo.csv'}')")
+    with pytest.raises(duckdb.IOException, match="typo.csv"):
+        query(data_dir, sql)
+    assert len(connects) == 1
+    with duckdb.connect(str(side)) as con:
+        assert con.sql("select count(*) from log").fetchall() == [(1,)], "the statement ran once"
+
+
+def test_an_unreadable_registry_record_is_left_out_of_the_adapters_view(data_dir, peft_writer, make_trajectories, caplog):
+    """A record damaged by hand, or written by a newer clora during a rolling upgrade, must not stop every
+    query: the adapters view leaves it out, with a warning naming it."""
+    import json
+    import logging
+
+    _fill(data_dir, make_trajectories)
+    reg = Registry(data_dir)
+    for _ in range(3):
+        reg.create("acme", parent=None, write=peft_writer)
+    record = json.loads((data_dir / "registry" / "acme" / "2.json").read_text())
+    (data_dir / "registry" / "acme" / "2.json").write_text(json.dumps({**record, "format": 2}))
+    (data_dir / "registry" / "acme" / "3.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="storage.query"):
+        assert query(data_dir, "select name from adapters").to_pylist() == [{"name": "acme@1"}]
+        assert query(data_dir, "select count(*) as n from trajectories").to_pylist() == [{"n": 14}]
+        assert connect(data_dir).sql("select count(*) from adapters").fetchall() == [(1,)]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings and all("acme@2" in w and "acme@3" in w for w in warnings)
+
+
+@pytest.mark.parametrize(("name", "sibling"), [("data?", "data1"), ("data*", "data-old"), ("data[12]", "data1")])
+def test_a_data_dir_with_glob_characters_reads_only_its_own_files(tmp_path, make_trajectories, name, sibling):
+    """DuckDB expands *, ? and [..] in every path read_parquet is given: a sibling matching the data dir's
+    name as a pattern was read too (or, for [12], instead)."""
+    write_dataset(tmp_path / name, "trajectories", make_trajectories(["a", "b"]), file_id="f1")
+    write_dataset(tmp_path / sibling, "trajectories", make_trajectories(["x", "y", "z"]), file_id="f1")
+    rows = query(tmp_path / name, "select id from trajectories order by id").column("id").to_pylist()
+    assert rows == ["a", "b"]
+
+
+def test_a_data_dir_under_home_is_expanded(tmp_path, data_dir, monkeypatch):
+    """"~/..." (a TOML data_dir, a quoted env value) is the home directory's, not "<cwd>/~/..."."""
+    from storage.layout import DataDir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(data_dir)
+    assert DataDir("~/clora-data").root == tmp_path / "clora-data"

@@ -93,9 +93,13 @@ def test_generation_increases_on_every_change(data_dir, peft_writer):
     seen.append(reg.generation())
     _new(reg, peft_writer, parent="acme@1")
     seen.append(reg.generation())
-    reg.reject("acme", 2, reason="x")
+    reg.publish("acme", 2)
     seen.append(reg.generation())
-    reg.rollback("acme", 1)
+    _new(reg, peft_writer, parent="acme@2")
+    seen.append(reg.generation())
+    reg.reject("acme", 3, reason="x")
+    seen.append(reg.generation())
+    reg.rollback("acme", 1)  # acme@2 is served: a rollback to acme@1 changes something
     seen.append(reg.generation())
     reg.retire("acme", 1)
     seen.append(reg.generation())
@@ -533,3 +537,39 @@ def test_the_parsed_records_kept_are_bounded(data_dir, peft_writer, monkeypatch)
     assert len(reg._metas) <= 8
     # 28 lost its files in the last reject; the hint lets it go once a later change sees them gone.
     assert [v.name for v in reg.unsettled("acme")] == ["acme@28", "acme@29", "acme@30"]
+
+
+def test_rollback_to_the_version_served_is_refused(data_dir, peft_writer):
+    """A copy of what is served changes nothing served, yet it superseded the learner's step in flight."""
+    reg = Registry(data_dir)
+    _new(reg, peft_writer)
+    reg.publish("acme", 1)
+    in_flight = _new(reg, peft_writer, parent="acme@1")
+    generation = reg.generation()
+    with pytest.raises(RegistryError, match="acme@1: it is already the version served"):
+        reg.rollback("acme", 1)
+    assert reg.generation() == generation and reg.newest_number("acme") == 2, "no copy, no change"
+    assert reg.publish("acme", in_flight.number, if_parent_served=True).status == "published"
+    assert reg.rollback("acme", 1).name == "acme@3", "once another is served, it may be rolled back to"
+
+
+def test_two_removers_of_one_version_both_succeed(data_dir, peft_writer):
+    """remove_tree checks the directory exists, then renames it: another remover (a retire by hand and the
+    learner's keep-last clean-up) may rename it in between, after its registry change was committed."""
+    from pathlib import Path
+
+    from storage.files import remove_tree
+
+    reg = Registry(data_dir)
+    v = _new(reg, peft_writer)
+    other_trash = data_dir / "adapters" / "acme" / ".other-remover.trash"
+
+    class RacedPath(type(Path())):
+        def exists(self, *args, **kwargs):  # true when asked; the other remover renames it right after
+            found = super().exists(*args, **kwargs)
+            if found and not other_trash.exists():
+                os.rename(self, other_trash)
+            return found
+
+    remove_tree(RacedPath(v.path))
+    assert not v.path.exists()

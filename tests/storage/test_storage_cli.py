@@ -5,7 +5,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+from datetime import datetime, timezone
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -14,6 +16,8 @@ from storage.parquet import live_files, read_dataset, write_dataset
 from storage.registry import Registry
 
 pytestmark = pytest.mark.unit
+
+T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
 
 
 @pytest.fixture
@@ -160,3 +164,87 @@ def test_compact_every_runs_until_sigterm_and_marks_itself_ready(tmp_path, data_
     assert ready_pid(data_dir / "state", "compactor") == pid
     assert sorted(read_dataset(data_dir, "trajectories").column("id").to_pylist()) == ["late", "x0", "x1", "x2", "x3"]
     assert len(list((data_dir / "trajectories" / "tenant=acme").glob("*.parquet"))) == 1
+
+
+def _fill_feedback(data_dir):
+    fb = pa.table({"id": ["a"], "tenant": ["acme"], "ts": [T0], "score": [0.9], "source": ["thumbs"],
+                   "kafka_topic": ["t"], "kafka_partition": [0], "kafka_offset": [1], "ingested_at": [T0]})
+    write_dataset(data_dir, "feedback", fb, file_id="f1")
+
+
+def test_query_repeated_column_names_keep_every_column(clora, data_dir, make_trajectories):
+    """A join's `select *` or `select t.id, f.id` repeats names: every format keeps each column in place."""
+    _fill(data_dir, make_trajectories)
+    _fill_feedback(data_dir)
+    sql = "select t.id, t.prompt, f.id, f.score from trajectories t join feedback f on t.id = f.id"
+    code, out, err = clora("query", sql)
+    assert code == 0, err
+    assert out.splitlines()[0].split() == ["id", "prompt", "id", "score"]
+    assert out.splitlines()[2].split() == ["a", "prompt", "a", "a", "0.9"]
+    code, out, _ = clora("query", sql, "--format", "csv")
+    assert code == 0 and list(csv.reader(io.StringIO(out))) == [["id", "prompt", "id", "score"], ["a", "prompt a", "a", "0.9"]]
+    code, out, _ = clora("query", sql + " union all select 'x', 'p', 'y', 1", "--format", "json")
+    assert code == 0 and json.loads(out) == [
+        {"id": "a", "prompt": "prompt a", "id_1": "a", "score": 0.9},
+        {"id": "x", "prompt": "p", "id_1": "y", "score": 1.0},
+    ]
+    code, out, _ = clora("query", "select 1 as id, 2 as id, 3 as id_1", "--format", "json")
+    assert json.loads(out) == [{"id": 1, "id_2": 2, "id_1": 3}], "a suffix never takes another column's name"
+
+
+def test_query_json_writes_null_for_nan_and_infinities(clora, data_dir):
+    code, out, _ = clora(
+        "query", "select 'nan'::double as n, 'inf'::double as i, ['-inf'::double, 1.5] as l, {'x': 'nan'::float} as s",
+        "--format", "json",
+    )
+    assert code == 0 and "NaN" not in out and "Infinity" not in out
+    assert json.loads(out) == [{"n": None, "i": None, "l": [None, 1.5], "s": {"x": None}}]
+
+
+def test_query_errors_that_are_not_duckdbs_are_one_line(clora, data_dir, tmp_path, peft_writer):
+    code, _, err = clora("query", "select 1", "--format", "csv", "--out", str(tmp_path / "no" / "dir" / "x.csv"))
+    assert code == 1 and err.startswith("clora query: cannot write the result") and "Traceback" not in err
+    for fmt in ("table", "json"):
+        code, _, err = clora("query", "select 'infinity'::date as d", "--format", fmt)
+        assert code == 1 and "OverflowError" in err and len(err.strip().splitlines()) == 1
+
+    Registry(data_dir).create("acme", parent=None, write=peft_writer)
+    Registry(data_dir).create("acme", parent=None, write=peft_writer)
+    (data_dir / "registry" / "acme" / "2.json").write_text("{not json")
+    code, out, err = clora("query", "select count(*) as n from trajectories")
+    assert code == 0 and out.splitlines()[2] == "0", "a damaged record does not stop queries"
+    code, out, _ = clora("query", "select name from adapters")
+    assert code == 0 and "acme@1" in out and "acme@2" not in out
+    code, _, err = clora("adapters", "show", "acme@2")
+    assert code == 1 and err.startswith("clora adapters show: the registry record of acme@2 cannot be read")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_adapters_list_of_an_unknown_tenant_is_an_error(clora, data_dir, tmp_path, peft_writer, monkeypatch):
+    """A typo must not look like a tenant without versions."""
+    Registry(data_dir).create("acme", parent=None, write=peft_writer)
+    code, _, err = clora("adapters", "list", "--tenant", "acmee")
+    assert code == 1 and "'acmee' has no adapter versions" in err and "acme" in err
+    code, out, _ = clora("adapters", "list", "--tenant", "acme")
+    assert code == 0 and "acme@1" in out
+
+    config = tmp_path / "tenants.toml"  # a configured tenant that has published nothing yet: 0 rows
+    config.write_text(f'data_dir = "{data_dir}"\n[[tenants]]\nname = "globex"\napi_key = "k-globex"\n')
+    monkeypatch.setenv("CLORA_CONFIG", str(config))
+    code, out, _ = clora("adapters", "list", "--tenant", "globex")
+    assert code == 0 and "(0 rows)" in out
+
+
+def test_prune_and_compact_of_the_unknown_tenant_succeed(clora, data_dir):
+    """Dead letters without a readable tenant (_unknown) have no adapters and no cursor: the registry and
+    cursor steps are skipped (they rejected the name after the files were done, and the command failed)."""
+    for k in range(2):
+        dl = pa.table({"tenant": ["_unknown"], "reason": ["invalid_json"], "detail": ["x"], "raw": [b"{"],
+                       "kafka_topic": ["t"], "kafka_partition": [0], "kafka_offset": [k], "ingested_at": [T0]})
+        write_dataset(data_dir, "dead_letters", dl, file_id=f"f{k}")
+    code, out, err = clora("compact", "--tenant", "_unknown", "--grace", "0")
+    assert code == 0, err
+    assert "compacted 2 files in 1 partition(s)" in out and len(live_files(data_dir, "dead_letters")) == 1
+    code, out, err = clora("prune", "--older-than-days", "30", "--tenant", "_unknown")
+    assert code == 0, err
+    assert "deleted 1 files, 2 rows" in out and live_files(data_dir, "dead_letters") == []
