@@ -100,7 +100,7 @@ def readable_versions(registry: Registry) -> list[AdapterVersion]:
     by hand, or written by a newer clora in a rolling upgrade): each is logged, and the other views still work."""
     out, unreadable = [], []
     for tenant in registry.tenants():
-        for number in registry._numbers(tenant):  # noqa: SLF001 (versions() stops at the first unreadable one)
+        for number in registry.numbers(tenant):  # versions() stops at the first unreadable one
             try:
                 out.append(registry.get(tenant, number))
             except VersionNotFound:  # deleted since the listing (retention: `prune`)

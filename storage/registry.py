@@ -242,7 +242,7 @@ class Registry:
         """Every version (of one tenant or all), ordered by tenant then number."""
         out = []
         for t in [check_tenant(tenant)] if tenant is not None else self.tenants():
-            for n in self._numbers(t):
+            for n in self.numbers(t):
                 try:
                     out.append(self.get(t, n))
                 except VersionNotFound:  # deleted since the listing (retention: `prune`)
@@ -400,7 +400,7 @@ class Registry:
             last, open_ = index
             keep = set(open_)
             directory = self.dd.registry / tenant
-            for n in self._numbers(tenant):
+            for n in self.numbers(tenant):
                 if n >= last or n in keep:
                     continue
                 path = self._meta_path(tenant, n)
@@ -498,7 +498,8 @@ class Registry:
     def _meta_path(self, tenant: str, number: int) -> Path:
         return self.dd.registry / check_tenant(tenant) / f"{int(number)}.json"
 
-    def _numbers(self, tenant: str) -> list[int]:
+    def numbers(self, tenant: str) -> list[int]:
+        """The numbers of the tenant's version records on disk, ascending (none read)."""
         d = self.dd.registry / tenant
         if not d.is_dir():
             return []
@@ -523,7 +524,7 @@ class Registry:
         any newer than it). The newest number is 0 for a tenant with no versions."""
         index = self._read_index(tenant)
         if index is None:
-            numbers = self._numbers(tenant)
+            numbers = self.numbers(tenant)
             return max(numbers, default=0), numbers
         last, open_ = index
         newest = self._probe(tenant, last)
