@@ -6,6 +6,30 @@ clora/simulate.py; this module only parses arguments.
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import sys
+
+
+def positive(text: str) -> float:
+    """An argparse type: a number above 0 (a rate of 0 divided by zero; a negative duration sent nothing)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a number above 0")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return value
 
 
 def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -24,8 +48,8 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         parents=[common],
         help="run the loop with simulated apps on the tiny model and report per tenant (make demo)",
     )
-    p.add_argument("--minutes", type=float, default=4.0, help="how long the simulated apps send traffic (default 4)")
-    p.add_argument("--rate", type=float, default=6.0, help="requests per second, all tenants together (default 6)")
+    p.add_argument("--minutes", type=positive, default=4.0, help="how long the simulated apps send traffic (default 4)")
+    p.add_argument("--rate", type=positive, default=6.0, help="requests per second, all tenants together (default 6)")
     p.add_argument("--tenants", default="digits,upper,short",
                    help="comma-separated preferences, one tenant each: digits, upper, short, json")
     p.add_argument("--seed", type=int, default=0)
@@ -37,15 +61,16 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         parents=[common],
         help="simulated apps: chat requests and user feedback for the configured tenants",
         description="Sends chat requests with each configured tenant's key through the openai client and "
-        "feedback scores through /v1/feedback according to a hidden per-tenant preference.",
+        "feedback scores through /v1/feedback according to a hidden per-tenant preference. Exits with 1 when "
+        "some tenant had no request succeed.",
     )
     p.add_argument("--url", default=None, help="serving base URL (default: from the config)")
-    p.add_argument("--rate", type=float, default=4.0, help="requests per second, all tenants together")
-    p.add_argument("--seconds", type=float, default=60.0, help="how long to run")
+    p.add_argument("--rate", type=positive, default=4.0, help="requests per second, all tenants together")
+    p.add_argument("--seconds", type=positive, default=60.0, help="how long to run")
     p.add_argument("--preferences", default=None,
                    help="comma-separated preferences assigned to the tenants in order (default: from tenant names)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--max-tokens", type=positive_int, default=24)
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("config", parents=[common], help="show or check the effective configuration")
@@ -67,11 +92,33 @@ def config_show(args: argparse.Namespace) -> int:
 
 
 def config_env(args: argparse.Namespace) -> int:
-    from clora.config import env_variables
+    from clora.config import CONFIG_ENV, DEFAULT_CONFIG_FILE, env_variables
 
+    print(f"{CONFIG_ENV:24} the config file (when --config is not given; else ./{DEFAULT_CONFIG_FILE} if present)")
     for var, field in env_variables().items():
         print(f"{var:24} {field}")
     return 0
+
+
+def prepare_data_dir(path: Path) -> None:
+    """Creates the data directory if needed and checks that it is a directory clora can write to; raises
+    OSError otherwise (before any child starts: each would fail on it, and be restarted, over and over)."""
+    from pathlib import Path
+
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
+    path.mkdir(parents=True, exist_ok=True)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+
+def data_dir_error(data_dir: Path, e: OSError) -> str:
+    """`clora: data_dir X: <reason>` (and the path it concerns when that is another one, under it)."""
+    from pathlib import Path
+
+    where = f" ({e.filename})" if e.filename and Path(e.filename) != Path(data_dir) else ""
+    return f"clora: data_dir {data_dir}: {e.strerror or e}{where}"
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -80,8 +127,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     from learner.tiny_model import ensure_tiny
 
     cfg = config_from_args(args)
-    if cfg.model.path is None:
-        ensure_tiny(cfg.data_dir / "models", cfg.model.seed)
+    try:
+        prepare_data_dir(cfg.data_dir)
+        if cfg.model.path is None:
+            ensure_tiny(cfg.data_dir / "models", cfg.model.seed)
+    except OSError as e:
+        print(data_dir_error(cfg.data_dir, e), file=sys.stderr)
+        return 2
     return up(cfg, getattr(args, "config_path", None))
 
 
@@ -118,7 +170,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     url = args.url or cfg.serving.local_url
     sim = Simulator(url, tenants, rate=args.rate, duration=args.seconds, seed=args.seed, max_tokens=args.max_tokens)
     sim.run()
-    for name, s in summarise(sim.records, tenants).items():
+    summary = summarise(sim.records, tenants)
+    for name, s in summary.items():
         print(f"{name}: {s['requests']} requests, {s['failed']} failed, reward {s['reward_base']:.3f} -> "
               f"{s['reward_last']:.3f}, versions {', '.join(s['versions_seen'])}")
+    none_ok = [name for name, s in summary.items() if s["requests"] == s["failed"]]
+    if none_ok:
+        errors = list(dict.fromkeys(r.error for r in sim.records if not r.ok and r.tenant in none_ok))
+        print(f"clora simulate: no request succeeded for {', '.join(none_ok)}"
+              + (f" (e.g. {errors[0]})" if errors else ""), file=sys.stderr)
+        return 1
     return 0

@@ -3,7 +3,9 @@
 Every process (`clora serve`, `clora ingest`, `clora learn`, ...) calls `load_config` at start and passes
 plain values from the result to library code; nothing else in clora reads the environment. An override is
 declared beside its field (`env="CLORA_..."` in `json_schema_extra`), so the list of variables is the model
-itself. A bad file fails at start with every problem listed at once, each naming its field.
+itself. A bad file fails at start with every problem listed at once, each naming its field: a problem
+between fields (two tenants with one name, a LoRA rank above serving's) is found along with the fields'
+own, and one whose field came from the environment says which variable set it.
 
 Deliberately not here: what a scorer *does* (ingest/scorers.py), how LoRA is applied (learner/), or any
 I/O beyond reading the one file.
@@ -16,9 +18,12 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from functools import lru_cache
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, ValidationError, field_validator,
+                      model_validator)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 CONFIG_ENV = "CLORA_CONFIG"
 DEFAULT_CONFIG_FILE = "clora.toml"
@@ -64,16 +69,9 @@ class KafkaConfig(_Strict):
     session_timeout_ms: int = Field(
         6000, ge=1000, description="Consumer-group session timeout; a group join takes about half of it."
     )
-    heartbeat_interval_ms: int = Field(2000, ge=100, description="Consumer-group heartbeat interval.")
-
-    @model_validator(mode="after")
-    def _heartbeat_below_session(self) -> KafkaConfig:
-        if self.heartbeat_interval_ms >= self.session_timeout_ms:
-            raise ValueError(
-                f"heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be below "
-                f"session_timeout_ms ({self.session_timeout_ms})"
-            )
-        return self
+    heartbeat_interval_ms: int = Field(
+        2000, ge=100, description="Consumer-group heartbeat interval; below session_timeout_ms."
+    )
 
 
 class BrokerConfig(_Strict):
@@ -115,6 +113,13 @@ class ServingConfig(_Strict):
         "when tenants can reach the port.", json_schema_extra=env("CLORA_ADMIN_KEY")
     )
     port: int = Field(8000, ge=1, le=65535, description="Port of the HTTP API.", json_schema_extra=env("CLORA_PORT"))
+
+    @field_validator("admin_key")
+    @classmethod
+    def _admin_key_length(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value()) < 8:
+            raise ValueError("admin_key must be at least 8 characters")
+        return v
 
     @property
     def local_url(self) -> str:
@@ -363,62 +368,29 @@ class Config(_Strict):
     retention: RetentionConfig = Field(default_factory=RetentionConfig, description="Deleting old data.")
     tenants: list[TenantConfig] = Field(default_factory=list, description="Tenants, each owning one adapter.")
 
-    @model_validator(mode="after")
-    def _unique_tenants(self) -> Config:
-        problems = []
-        names = [t.name for t in self.tenants]
-        for dup in sorted({n for n in names if names.count(n) > 1}):
-            problems.append(f"tenant name {dup!r} appears more than once")
-        folded = [n.casefold() for n in names]  # one directory on a case-insensitive disk (macOS, Windows)
-        for n in sorted({n for n in names if names.count(n) == 1 and folded.count(n.casefold()) > 1}):
-            problems.append(f"tenant name {n!r} differs from another only in case")
-        keys = [t.api_key.get_secret_value() for t in self.tenants]
-        if len(set(keys)) != len(keys):
-            problems.append("two tenants share an api_key")
-        admin = self.serving.admin_key.get_secret_value() if self.serving.admin_key is not None else None
-        if admin is not None and len(admin) < 8:
-            problems.append("serving.admin_key must be at least 8 characters")
-        if admin is not None and admin in keys:
-            problems.append("serving.admin_key is also a tenant's api_key")
-        if self.model.name in names:
-            problems.append(f"tenant name {self.model.name!r} collides with model.name")
-        for t in self.tenants:
-            if t.lora.rank > self.serving.max_lora_rank:
-                problems.append(
-                    f"tenant {t.name!r}: lora.rank {t.lora.rank} exceeds serving.max_lora_rank {self.serving.max_lora_rank}"
-                )
-        if self.learner.rollout_sampler == "serving":  # rollouts are /v1/completions requests with n = group_size
-            from serving.protocol import GREEDY_BELOW, MAX_N
-
-            for t in self.tenants:
-                if t.mode != "rollouts":
-                    continue
-                if t.group_size > MAX_N:
-                    problems.append(f"tenant {t.name!r}: group_size {t.group_size} is more than the {MAX_N} "
-                                    "completions a serving request may ask for (n)")
-                if t.group_size > self.serving.max_inflight_per_tenant:
-                    problems.append(f"tenant {t.name!r}: group_size {t.group_size} is more than "
-                                    f"serving.max_inflight_per_tenant {self.serving.max_inflight_per_tenant}")
-                if t.group_size > 1 and not GREEDY_BELOW <= self.learner.temperature <= 2:
-                    problems.append(f"learner.temperature {self.learner.temperature:g} is outside what serving "
-                                    f"samples {t.group_size} completions at ({GREEDY_BELOW:g} to 2)")
-        if self.retention.days > 0 and self.compaction.every_seconds == 0:
-            problems.append(
-                "retention.days is set but compaction.every_seconds is 0: the compactor that `clora up` runs is what "
-                "deletes old data (or leave retention.days at 0 and run `clora prune --older-than-days` yourself)"
-            )
-        if self.retention.days > 0 and (short := self.retention_too_short(self.retention.days)):
-            problems.append(f"retention.days {short}")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
+    @model_validator(mode="wrap")
+    @classmethod
+    def _whole_config(cls, data: Any, handler) -> Config:
+        """The problems between fields, one per problem at its field (e.g. tenants.1.name), found along with
+        the fields' own: when some field is bad, from the fields that are good on their own."""
+        try:
+            cfg = handler(data)
+        except ValidationError as e:
+            between = _between_fields(_Partial(cls, data))
+            if not between:
+                raise
+            errors = [InitErrorDetails(type=err["type"], loc=err["loc"], input=err["input"],
+                                       **({"ctx": err["ctx"]} if "ctx" in err else {}))
+                      for err in e.errors(include_url=False)]
+            raise ValidationError.from_exception_data(cls.__name__, errors + _as_errors(between)) from None
+        between = _between_fields(cfg)
+        if between:
+            raise ValidationError.from_exception_data(cls.__name__, _as_errors(between))
+        return cfg
 
     def retention_too_short(self, days: float) -> str | None:
         """Why a retention of `days` would delete interactions feedback may still come for, or None."""
-        if days * 24 < self.ingest.pending_expiry_hours:
-            return (f"{days:g} is shorter than ingest.pending_expiry_hours {self.ingest.pending_expiry_hours:g}: "
-                    "feedback could come for interactions already deleted")
-        return None
+        return _retention_too_short(days, self.ingest.pending_expiry_hours)
 
     def tenant(self, name: str) -> TenantConfig | None:
         return next((t for t in self.tenants if t.name == name), None)
@@ -430,6 +402,153 @@ class Config(_Strict):
     def model_path(self) -> Path:
         """The base model directory: the configured one, or the cached tiny model."""
         return self.model.path or self.data_dir / "models" / f"tiny-{self.model.seed}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Problems between fields
+
+
+UNKNOWN: Any = type("Unknown", (), {"__repr__": lambda self: "UNKNOWN"})()  # a field that is itself bad
+
+
+class _Partial:
+    """A config that failed validation, as far as its fields are good on their own: attribute `x` is field
+    x's value validated alone (constraints, no field validator), its default when absent, a _Partial for a
+    section, a list of them for the tenants, or UNKNOWN when the field is bad itself (reported as such)."""
+
+    def __init__(self, model: type[BaseModel], raw: Any) -> None:
+        self._model = model
+        self._raw = raw
+
+    def __getattr__(self, name: str) -> Any:
+        field = self._model.model_fields[name]  # KeyError for what is no field: a mistake here
+        raw, annotation = self._raw, field.annotation
+        if isinstance(raw, BaseModel):
+            return getattr(raw, name)
+        if not isinstance(raw, dict):  # the section itself is bad (`serving = 5`): so is every field in it
+            return _Partial(annotation, None) if _is_model(annotation) else [] if name == "tenants" else UNKNOWN
+        if name not in raw:
+            value = field.get_default(call_default_factory=True)
+            return _Partial(annotation, value) if _is_model(annotation) and value is not None else value
+        value = raw[name]
+        if _is_model(annotation):
+            return _Partial(annotation, value)
+        if name == "tenants" and self._model is Config:
+            return [_Partial(TenantConfig, t) for t in value] if isinstance(value, list) else []
+        try:
+            return _field_adapter(self._model, name).validate_python(value)
+        except ValidationError:
+            return UNKNOWN
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+@lru_cache(maxsize=None)
+def _field_adapter(model: type[BaseModel], name: str) -> TypeAdapter:
+    """Validates one field alone: its type and constraints (ge, le, ...), not its field validators."""
+    field = model.model_fields[name]
+    return TypeAdapter(Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation)
+
+
+def _secret(v: Any) -> Any:
+    return v.get_secret_value() if isinstance(v, SecretStr) else v
+
+
+def _known(*values: Any) -> bool:
+    return all(v is not UNKNOWN for v in values)
+
+
+def _between_fields(c: Any) -> list[tuple[tuple[str | int, ...], str]]:
+    """(location, message) for each problem between fields of `c`, a Config or a _Partial one; a check
+    whose fields are UNKNOWN (bad themselves) is skipped."""
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    kafka = c.kafka
+    if _known(kafka.heartbeat_interval_ms, kafka.session_timeout_ms) and \
+            kafka.heartbeat_interval_ms >= kafka.session_timeout_ms:
+        problems.append((("kafka", "heartbeat_interval_ms"), f"heartbeat_interval_ms ({kafka.heartbeat_interval_ms}) "
+                         f"must be below session_timeout_ms ({kafka.session_timeout_ms})"))
+    tenants = c.tenants if isinstance(c.tenants, list) else []
+    first_name: dict[str, int] = {}
+    first_folded: dict[str, tuple[int, str]] = {}
+    first_key: dict[str, int] = {}
+    for i, t in enumerate(tenants):
+        name = t.name
+        if isinstance(name, str):
+            if name in first_name:
+                problems.append((("tenants", i, "name"),
+                                 f"tenant name {name!r} appears more than once (also tenants.{first_name[name]})"))
+            elif name.casefold() in first_folded:  # one directory on a case-insensitive disk (macOS, Windows)
+                j, other = first_folded[name.casefold()]
+                problems.append((("tenants", i, "name"), f"tenant name {name!r} differs from another only in case "
+                                 f"({other!r}, tenants.{j}): one directory on a case-insensitive disk"))
+            first_name.setdefault(name, i)
+            first_folded.setdefault(name.casefold(), (i, name))
+            model_name = c.model.name
+            if isinstance(model_name, str) and name == model_name:
+                problems.append((("tenants", i, "name"), f"tenant name {name!r} collides with model.name"))
+        key = _secret(t.api_key)
+        if isinstance(key, str):
+            if key in first_key:
+                problems.append((("tenants", i, "api_key"),
+                                 f"two tenants share an api_key (this one and tenants.{first_key[key]}'s)"))
+            first_key.setdefault(key, i)
+    admin = _secret(c.serving.admin_key)
+    if isinstance(admin, str) and admin in first_key:
+        problems.append((("serving", "admin_key"),
+                         f"serving.admin_key is also a tenant's api_key (tenants.{first_key[admin]})"))
+    max_rank = c.serving.max_lora_rank
+    for i, t in enumerate(tenants):
+        rank = t.lora.rank
+        if _known(rank, max_rank) and rank > max_rank:
+            problems.append((("tenants", i, "lora", "rank"),
+                             f"tenant {_shown(t.name, i)}: lora.rank {rank} exceeds serving.max_lora_rank {max_rank}"))
+    if c.learner.rollout_sampler == "serving":  # rollouts are /v1/completions requests with n = group_size
+        from serving.protocol import GREEDY_BELOW, MAX_N
+
+        inflight, temperature = c.serving.max_inflight_per_tenant, c.learner.temperature
+        sampled = []  # group sizes that sample, for the temperature check
+        for i, t in enumerate(tenants):
+            if t.mode != "rollouts" or not _known(t.group_size):
+                continue
+            if t.group_size > MAX_N:
+                problems.append((("tenants", i, "group_size"), f"tenant {_shown(t.name, i)}: group_size "
+                                 f"{t.group_size} is more than the {MAX_N} completions a serving request may ask for (n)"))
+            if _known(inflight) and t.group_size > inflight:
+                problems.append((("tenants", i, "group_size"), f"tenant {_shown(t.name, i)}: group_size "
+                                 f"{t.group_size} is more than serving.max_inflight_per_tenant {inflight}"))
+            if t.group_size > 1:
+                sampled.append(t.group_size)
+        if sampled and _known(temperature) and not GREEDY_BELOW <= temperature <= 2:
+            problems.append((("learner", "temperature"), f"learner.temperature {temperature:g} is outside what "
+                             f"serving samples {max(sampled)} completions at ({GREEDY_BELOW:g} to 2)"))
+    days, every = c.retention.days, c.compaction.every_seconds
+    if _known(days, every) and days > 0 and every == 0:
+        problems.append((("retention", "days"),
+                         "retention.days is set but compaction.every_seconds is 0: the compactor that `clora up` runs "
+                         "is what deletes old data (or leave retention.days at 0 and run `clora prune "
+                         "--older-than-days` yourself)"))
+    expiry = c.ingest.pending_expiry_hours
+    if _known(days, expiry) and days > 0 and (short := _retention_too_short(days, expiry)):
+        problems.append((("retention", "days"), f"retention.days {short}"))
+    return problems
+
+
+def _shown(name: Any, i: int) -> str:
+    return repr(name) if isinstance(name, str) else f"tenants.{i}"
+
+
+def _retention_too_short(days: float, pending_expiry_hours: float) -> str | None:
+    if days * 24 < pending_expiry_hours:
+        return (f"{days:g} is shorter than ingest.pending_expiry_hours {pending_expiry_hours:g}: "
+                "feedback could come for interactions already deleted")
+    return None
+
+
+def _as_errors(problems: list[tuple[tuple[str | int, ...], str]]) -> list[InitErrorDetails]:
+    return [InitErrorDetails(type=PydanticCustomError("config", "{problem}", {"problem": message}), loc=loc, input=None)
+            for loc, message in problems]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -453,12 +572,16 @@ def env_variables() -> dict[str, str]:
     return {var: ".".join(path) for path, var in _env_fields(Config)}
 
 
-def _format_errors(e: ValidationError, source: str) -> str:
+def _format_errors(e: ValidationError, source: str, from_env: dict[tuple[str, ...], str] | None = None) -> str:
+    """One line per problem at its field; `from_env`: field path -> the variable that set it, named on its
+    lines (the file is not where to look for those)."""
     lines = [f"invalid configuration ({source}): {e.error_count()} problem(s)"]
     for err in e.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        loc = tuple(err["loc"])
+        where = ".".join(str(p) for p in loc) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"  - {where}: {msg}")
+        var = next((v for keys, v in (from_env or {}).items() if loc[:len(keys)] == keys), None)
+        lines.append(f"  - {where}: {msg}" + (f" (from ${var})" if var else ""))
     return "\n".join(lines)
 
 
@@ -491,9 +614,11 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
             raise ConfigError(f"config file {file} is not UTF-8 text: {e}") from e
         except OSError as e:  # a directory, no permission, an I/O error
             raise ConfigError(f"config file {file} cannot be read: {e}") from e
+    from_env: dict[tuple[str, ...], str] = {}
     for keys, var in _env_fields(Config):
         if not environ.get(var):  # unset, or set to nothing (compose's `${X:-}`): the file's value stands
             continue
+        from_env[keys] = var
         node = raw
         for k in keys[:-1]:
             node = node.setdefault(k, {})
@@ -503,7 +628,7 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, source)) from None
+        raise ConfigError(_format_errors(e, source, from_env)) from None
 
 
 def show_config(cfg: Config) -> str:

@@ -11,14 +11,22 @@ SIGTERM), it says so above the partial figures, gives no verdict and exits with 
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
 
 DEMO_PREFERENCES = ["digits", "upper", "short"]
 IMPROVEMENT = 0.05  # the last window must beat the base model's answers by at least this much reward
+
+
+def toml_string(text: str) -> str:
+    """`text` as a TOML basic string: JSON's escapes are TOML's (backslash, quote, control characters as
+    \\uXXXX), and DEL, which TOML wants escaped too, is."""
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def demo_config_text(data_dir: Path, model_path: Path, broker_port: int, serving_port: int,
@@ -37,7 +45,7 @@ lora = {{ rank = 8, alpha = 16 }}
         for p in preferences
     )
     return f"""# written by `clora demo`; safe to delete
-data_dir = "{data_dir}"
+data_dir = {toml_string(str(data_dir))}
 
 [kafka]
 bootstrap = "127.0.0.1:{broker_port}"
@@ -47,7 +55,7 @@ partitions = 2
 port = {broker_port}
 
 [model]
-path = "{model_path}"
+path = {toml_string(str(model_path))}
 
 [serving]
 port = {serving_port}
@@ -76,16 +84,24 @@ def run_demo(cfg, *, minutes: float, rate: float, preferences: list[str], seed: 
     from ingest.broker import free_port
     from learner.tiny_model import ensure_tiny
 
+    from clora.commands import data_dir_error, prepare_data_dir
+
     root = Path(cfg.data_dir).resolve()
     demo_dir = root / "demo"
-    model = cfg.model.path or ensure_tiny(root / "models", cfg.model.seed)
-    if demo_dir.exists() and not keep_data:
-        shutil.rmtree(demo_dir)
-    demo_dir.mkdir(parents=True, exist_ok=True)
     config_path = demo_dir / "clora.toml"
-    config_path.write_text(
-        demo_config_text(demo_dir / "data", Path(model).resolve(), free_port(), free_port(), preferences)
-    )
+    try:
+        prepare_data_dir(root)
+        model = cfg.model.path or ensure_tiny(root / "models", cfg.model.seed)
+        if demo_dir.exists() and not keep_data:
+            shutil.rmtree(demo_dir)
+        demo_dir.mkdir(parents=True, exist_ok=True)
+        config_path.write_text(
+            demo_config_text(demo_dir / "data", Path(model).resolve(), free_port(), free_port(), preferences),
+            encoding="utf-8",
+        )
+    except OSError as e:
+        print(data_dir_error(root, e), file=sys.stderr)
+        return 2
     demo_cfg = load_config(config_path, environ={})
     sim_tenants = tenants_from_config(demo_cfg, preferences)
     base_url = demo_cfg.serving.local_url

@@ -2,7 +2,9 @@
 making a child die with its parent.
 
 Used by `clora up`'s supervisor, the embedded broker, the benchmarks and the tests' server handles. Only
-the given process is signalled (never a name or a port), so nothing clora did not start is touched.
+the given process is signalled (never a name or a port), and with `group=True` the process group it leads
+(a child started with `start_new_session=True`: it and what it forked), so nothing clora did not start is
+touched.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Callable
 
 PR_SET_PDEATHSIG = 1
@@ -44,17 +47,40 @@ def die_with_parent() -> Callable[[], None]:
     return in_child
 
 
-def terminate(process: subprocess.Popen, timeout: float, *, on_kill: Callable[[], None] | None = None) -> int:
+def kill_group(pid: int) -> None:
+    """SIGKILL to the process group that `pid` leads: what a child started with `start_new_session=True`
+    forked and left behind (vLLM's engine core under serving has no parent-death watch of its own). Nothing
+    happens when the group is gone, or when `pid` leads none."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def terminate(process: subprocess.Popen, timeout: float, *, on_kill: Callable[[], None] | None = None,
+              group: bool = False, tick: Callable[[], None] | None = None) -> int:
     """Stops `process` and returns its exit code: SIGTERM, then SIGKILL if it is still running after
     `timeout` seconds (`on_kill` is called just before, e.g. to say so). A process that already exited
-    is only reaped."""
-    if process.poll() is not None:
-        return process.returncode
-    process.send_signal(signal.SIGTERM)
-    try:
-        return process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        if on_kill is not None:
-            on_kill()
-        process.kill()
-        return process.wait()
+    is only reaped. `group`: `process` leads its own process group (`start_new_session=True`); the
+    SIGKILL goes to the whole group, and once `process` has exited whatever is left in its group is killed
+    too (the SIGTERM goes to `process` alone: it stops its own helpers in its own order). `tick` is called
+    about every 0.1 s while waiting (from the calling thread)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while process.poll() is None and (left := deadline - time.monotonic()) > 0:
+            try:
+                process.wait(left if tick is None else min(left, 0.1))
+            except subprocess.TimeoutExpired:
+                if tick is not None:
+                    tick()
+        if process.returncode is None:
+            if on_kill is not None:
+                on_kill()
+            if group:
+                kill_group(process.pid)
+            process.kill()
+            process.wait()
+    if group:  # what it left behind (a pid, and so a group id, is reused only once the numbers wrap around)
+        kill_group(process.pid)
+    return process.returncode

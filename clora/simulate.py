@@ -129,13 +129,27 @@ class Simulator:
         self.records: list[Record] = []
         self.stop = threading.Event()
         self._lock = threading.Lock()
+        self._unexpected_logged = False
 
     def _one(self, t0: float, tenant: SimTenant, prompt: str, seed: int) -> None:
+        if self.stop.is_set():  # queued behind slow answers when the run was stopped: not sent
+            return
+        try:
+            rec = self._exchange(t0, tenant, prompt, seed)
+        except Exception as e:  # noqa: BLE001 - in a pool future it would vanish: counted as a failure instead
+            with self._lock:
+                first, self._unexpected_logged = not self._unexpected_logged, True
+            if first:  # e.g. the openai package missing: every request fails the same way
+                logger.error("request for %s failed: %s: %s", tenant.name, type(e).__name__, e, exc_info=True)
+            rec = Record(time.monotonic() - t0, tenant.name, "", "", 0.0, "", False, f"{type(e).__name__}: {e}"[:200])
+        with self._lock:
+            self.records.append(rec)
+
+    def _exchange(self, t0: float, tenant: SimTenant, prompt: str, seed: int) -> Record:
+        """One request and its feedback, as the app sees it; a failure the API answers is a failed Record."""
         import httpx
         import openai
 
-        if self.stop.is_set():  # queued behind slow answers when the run was stopped: not sent
-            return
         client = openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=tenant.api_key, max_retries=0, timeout=120)
         try:
             raw = client.chat.completions.with_raw_response.create(
@@ -156,12 +170,10 @@ class Simulator:
                 timeout=30,
             )
             fb.raise_for_status()
-            rec = Record(time.monotonic() - t0, tenant.name, resp.id, version, score, text, True)
+            return Record(time.monotonic() - t0, tenant.name, resp.id, version, score, text, True)
         except (openai.OpenAIError, httpx.HTTPError) as e:
             logger.warning("request for %s failed: %s", tenant.name, e)
-            rec = Record(time.monotonic() - t0, tenant.name, "", "", 0.0, "", False, str(e)[:200])
-        with self._lock:
-            self.records.append(rec)
+            return Record(time.monotonic() - t0, tenant.name, "", "", 0.0, "", False, str(e)[:200])
 
     def run(self, progress: Callable[[Simulator], None] | None = None) -> list[Record]:
         rng = random.Random(self.seed)
@@ -190,15 +202,16 @@ def summarise(records: list[Record], tenants: list[SimTenant], window: float = 0
     exchanges, and the adapter versions that answered, in order of first appearance.
 
     The reward before learning is the mean over the base model's answers (those that came before an
-    adapter went live), or over the first `window` of exchanges when the base model answered none: a tenant
-    that learns within the first window would otherwise show part of its gain as its starting point."""
+    adapter went live: a version label without "@", whatever model.name calls the base model), or over the
+    first `window` of exchanges when the base model answered none: a tenant that learns within the first
+    window would otherwise show part of its gain as its starting point."""
     out = {}
     for tenant in tenants:
         recs = sorted((r for r in records if r.tenant == tenant.name), key=lambda r: r.t)
         ok = [r for r in recs if r.ok]
         k = max(1, int(len(ok) * window))
         versions = list(dict.fromkeys(r.adapter_version for r in ok))
-        before = [r for r in ok if r.adapter_version == "base"] or ok[:k]
+        before = [r for r in ok if is_base_model(r.adapter_version)] or ok[:k]
         out[tenant.name] = {
             "preference": tenant.preference,
             "requests": len(recs),
@@ -208,6 +221,12 @@ def summarise(records: list[Record], tenants: list[SimTenant], window: float = 0
             "versions_seen": versions,
         }
     return out
+
+
+def is_base_model(version: str) -> bool:
+    """Whether a response's version label (x-clora-adapter-version) is the base model's: tenant versions are
+    "<tenant>@<n>", the base model goes by model.name (no "@" allowed); "?" is a response without the label."""
+    return "@" not in version and version not in ("", "?")
 
 
 def records_to_json(records: list[Record]) -> str:

@@ -4,7 +4,8 @@ Children, in start order: the embedded broker (unless an external Kafka is confi
 learner, and the compactor (`clora compact --every`, unless [compaction] every_seconds is 0). Each is the same process a deployment runs alone (`python -m serving`, ...), so `up` adds no
 behaviour of its own: it starts them, waits until each is healthy (a child that exits while starting is
 started again, with backoff, up to 3 attempts in all), prefixes their output, restarts a child that
-crashes (with exponential backoff, and says so), and stops them in a safe order on Ctrl-C/SIGTERM:
+crashes (with exponential backoff, and says so), and stops them in a safe order on Ctrl-C/SIGTERM/SIGHUP
+(SIGHUP only when it is not ignored: `nohup clora up &` keeps running when the terminal closes):
 
   serving first (no new traffic; its last interaction events reach Kafka or its disk spool),
   learner (finishes or abandons its step; the checkpoint protocol makes either safe),
@@ -14,7 +15,12 @@ crashes (with exponential backoff, and says so), and stops them in a safe order 
 Before starting anything, `up` checks that the ports its own children will bind (the embedded broker's,
 serving's) are free, and refuses to start otherwise: a stale process from an earlier run on one of them
 would answer the health check while our child failed to bind. Children get SIGTERM if `clora up` itself
-dies (Linux parent-death signal), so nothing is orphaned.
+dies (Linux parent-death signal), so nothing is orphaned. Each child leads its own process group: what it
+forked (vLLM's engine core) is killed with it when it crashes or has to be killed, and whatever it left
+behind once it stopped.
+A signal during the stop says how long the child being stopped may still take; another one kills every
+child at once. Output that can no longer be written (a closed terminal, `clora up | tee` whose tee went
+with the Ctrl-C) is dropped: the stop goes on in order.
 What this module does not do: any work of the children, or choosing ports (the config does).
 """
 
@@ -31,8 +37,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
-from clora.processes import die_with_parent, terminate
+from clora.processes import die_with_parent, kill_group, terminate
 
 logger = logging.getLogger("clora.up")
 
@@ -48,6 +55,9 @@ class ChildSpec:
     stop_timeout: float = 60.0
     env: dict[str, str | None] = field(default_factory=dict)  # on top of up's own environment; None: unset
     restart_note: str = ""  # said each time the child is restarted after a crash: what the restart cost
+    # Where the child marks itself ready (storage.files.mark_ready), removed before each start: an earlier
+    # process's mark must not pass for this one's (its pid may have been reused).
+    ready_file: Path | None = None
 
 
 class ChildExited(RuntimeError):
@@ -64,13 +74,17 @@ class Child:
         self.restart_at: float | None = None
 
     def start(self) -> None:
+        if self.spec.ready_file is not None:
+            self.spec.ready_file.unlink(missing_ok=True)
         self.proc = subprocess.Popen(
             self.spec.argv,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={k: v for k, v in {**os.environ, **self.spec.env}.items() if v is not None},
-            start_new_session=True,  # Ctrl-C reaches only `up`, which stops children in order
+            # Ctrl-C reaches only `up`, which stops children in order; and the child leads a process group that
+            # holds what it forks, killed with it (kill_group)
+            start_new_session=True,
             preexec_fn=die_with_parent(),
             text=True,
             errors="replace",
@@ -82,12 +96,15 @@ class Child:
 
     def _pump(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
-            self.emit(self.spec.name, line.rstrip("\n"))
+            try:
+                self.emit(self.spec.name, line.rstrip("\n"))
+            except Exception:  # noqa: BLE001 - reading goes on: a child blocked on a full pipe would never stop
+                pass
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def wait_healthy(self, stop: threading.Event, tick: Callable[[], None] = lambda: None) -> None:
+    def wait_healthy(self, stop: StopFlag, tick: Callable[[], None] = lambda: None) -> None:
         """Returns once healthy; `tick` runs between checks (the supervisor watches the other children)."""
         deadline = time.monotonic() + self.spec.start_timeout
         while not stop.is_set():
@@ -103,14 +120,40 @@ class Child:
                 raise RuntimeError(f"{self.spec.name} was not healthy within {self.spec.start_timeout:.0f}s")
             stop.wait(0.3)
 
-    def stop(self) -> int | None:
+    def stop(self, tick: Callable[[], None] | None = None) -> int | None:
+        """SIGTERM, then after stop_timeout SIGKILL to its process group; what it left behind once it stopped
+        is killed too. `tick`: called about every 0.1 s while waiting."""
         if self.proc is None:
             return None
         return terminate(
             self.proc,
             self.spec.stop_timeout,
             on_kill=lambda: self.emit("up", f"{self.spec.name} did not stop within {self.spec.stop_timeout:.0f}s; killing it"),
+            group=True,
+            tick=tick,
         )
+
+
+class StopFlag:
+    """Whether the stack is stopping: a plain attribute, set from signal handlers too. Never a lock: a handler
+    runs in the main thread between two of its bytecodes, possibly while that thread holds the very lock
+    (threading.Event.set in a handler deadlocked against the main thread's Event.wait)."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        """Sleeps up to `timeout` seconds, less once the flag is set (within 50 ms); returns the flag."""
+        deadline = time.monotonic() + timeout
+        while not self._set and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, 0.05))
+        return self._set
 
 
 class Supervisor:
@@ -132,7 +175,16 @@ class Supervisor:
         self.stop_order = [n for n in stop_order if n in self.children] + [n for n in self.children if n not in stop_order]
         self.max_backoff = max_backoff
         self.start_attempts = start_attempts
-        self.stopping = threading.Event()
+        self.stopping = StopFlag()
+        self.signals = 0  # Ctrl-C/SIGTERM/SIGHUP received (`signalled`)
+        self._stop_signals: int | None = None  # `signals` when stop_all began; those after it, see _while_stopping
+        self._stopping_child: tuple[str, float] | None = None  # (name, deadline) of the child being stopped
+        self._warned = self._forced = False
+
+    def signalled(self) -> None:
+        """What a signal handler calls: plain attributes only (see StopFlag); the main thread acts on it."""
+        self.signals += 1
+        self.stopping.set()
 
     def start_all(self) -> None:
         for child in self.children.values():
@@ -140,6 +192,8 @@ class Supervisor:
                 return
             self.emit("up", f"starting {child.spec.name}")
             self._start_healthy(child)
+            if self.stopping.is_set():  # the wait was cut short: not healthy, and not started further
+                return
             self.emit("up", f"{child.spec.name} is healthy ({time.monotonic() - child.started_at:.1f}s)")
 
     def _start_healthy(self, child: Child) -> None:
@@ -154,6 +208,7 @@ class Supervisor:
                 child.wait_healthy(self.stopping, tick=lambda: self.watch_once(skip=child))
                 return
             except ChildExited as e:
+                kill_group(child.proc.pid)  # what it forked before it died
                 if attempt == self.start_attempts:
                     raise ChildExited(f"{e} ({attempt} attempts; giving up)") from e
                 delay = min(self.max_backoff, 2.0 ** (attempt - 1))
@@ -174,6 +229,7 @@ class Supervisor:
             if child.restart_at is None:
                 if now - child.started_at > 60:  # it ran well for a while: start the backoff afresh
                     child.restarts = 0
+                kill_group(child.proc.pid)  # what it forked (vLLM's engine core) goes with it
                 delay = min(self.max_backoff, 2.0**child.restarts)
                 child.restart_at = now + delay
                 self.emit(
@@ -195,21 +251,66 @@ class Supervisor:
 
     def stop_all(self) -> None:
         self.stopping.set()
+        self._stop_signals = self.signals
         for name in self.stop_order:
             child = self.children[name]
             if child.proc is None:
                 continue
-            self.emit("up", f"stopping {name}")
-            code = child.stop()
+            timeout = child.spec.stop_timeout
+            self.emit("up", f"stopping {name} (up to {timeout:.0f}s)")
+            self._stopping_child = (name, time.monotonic() + timeout)
+            code = child.stop(tick=self._while_stopping)
             self.emit("up", f"{name} stopped (exit code {code})")
+        self._stopping_child = None
+
+    def _while_stopping(self) -> None:
+        """A signal during the stop (ingest may drain for many minutes) says how long the child being stopped
+        may still take and how to cut it short; the next one kills every child at once."""
+        since = self.signals - (self._stop_signals or 0)
+        if since >= 1 and not self._warned and self._stopping_child is not None:
+            self._warned = True
+            name, deadline = self._stopping_child
+            self.emit("up", f"already stopping: {name} may take up to {max(0.0, deadline - time.monotonic()):.0f}s "
+                            "more; Ctrl-C (or SIGTERM) again kills every child at once (what they have not "
+                            "finished is lost, e.g. events ingest has not stored yet)")
+        elif since >= 2 and not self._forced:
+            self._forced = True
+            self.emit("up", "killing every child now")
+            for child in self.children.values():
+                if child.alive():
+                    kill_group(child.proc.pid)
 
 
 _emit_lock = threading.Lock()
+_stdout_gone = False  # writing to stdout failed once: nothing more is written to it
 
 
 def _print_prefixed(name: str, line: str) -> None:
+    """Prints one prefixed line; never raises for stdout that cannot be written any more: a closed terminal
+    (EIO after the hangup), or the reader of a pipe gone (`clora up | tee`: Ctrl-C ends tee too; EPIPE). The
+    ordered stop that follows must not end there (its children would all get the parent-death SIGTERM at
+    once: the broker gone while ingest drains)."""
+    global _stdout_gone
     with _emit_lock:
-        print(f"{name:>8} | {line}", flush=True)
+        if _stdout_gone:
+            return
+        try:
+            print(f"{name:>8} | {line}", flush=True)
+        except OSError:
+            _stdout_gone = True
+            _stdout_to_devnull()
+
+
+def _stdout_to_devnull() -> None:
+    """What is still buffered for stdout (and any later write) goes to /dev/null, not to an error at exit."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(fd, sys.stdout.fileno())
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's stand-in): nothing to redirect
+        pass
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -258,15 +359,16 @@ def stack_specs(cfg, config_path: str | None, *, file_only: bool = False) -> tup
 
     state = DataDir(cfg.data_dir).state
 
-    def marked_ready(name: str) -> Callable[[int], bool]:
-        """Healthy once this very process marked itself ready (learner: model loaded; ingest: in its group)."""
-        return lambda pid: ready_pid(state, name) == pid
+    def marked_ready(name: str) -> dict:
+        """Healthy once this very process marked itself ready (learner: model loaded; ingest: in its group);
+        the mark of an earlier one is removed before each start (storage.files.mark_ready writes it)."""
+        return {"healthy": lambda pid: ready_pid(state, name) == pid, "ready_file": state / "ready" / f"{name}.json"}
 
     specs.append(ChildSpec("serving", [*py, "serving", *conf], healthy=serving_healthy, start_timeout=300))
     # Ingest drains the topics when stopped. The embedded broker keeps them in memory only and stops right
     # after ingest, so what ingest has not stored by then is lost: it gets long to finish. An external
     # Kafka keeps what is left for the next start.
-    specs.append(ChildSpec("ingest", [*py, "ingest", "--drain-on-stop", *conf], healthy=marked_ready("ingest"),
+    specs.append(ChildSpec("ingest", [*py, "ingest", "--drain-on-stop", *conf], **marked_ready("ingest"),
                            stop_timeout=INGEST_DRAIN_EMBEDDED_S if cfg.broker.embedded else 60.0))
     # On one machine the CPU engine binds its threads to its own cores; the learners' torch gets half of them
     # (shared out between learner processes) so they do not fight over the same cores (an explicit
@@ -278,12 +380,12 @@ def stack_specs(cfg, config_path: str | None, *, file_only: bool = False) -> tup
     for k in range(shards):
         shard = None if shards == 1 else Shard(k, shards)
         name, flag = ("learner", []) if shard is None else (f"learner-{k}", ["--shard", f"{k}/{shards}"])
-        specs.append(ChildSpec(name, [*py, "learner", *conf, *flag], healthy=marked_ready(learner_process_name(shard)),
+        specs.append(ChildSpec(name, [*py, "learner", *conf, *flag], **marked_ready(learner_process_name(shard)),
                                start_timeout=600, stop_timeout=120, env=learner_env))
         learners.append(name)
     if cfg.compaction.every_seconds > 0:  # any moment is a safe one to stop it (compact.py)
         specs.append(ChildSpec("compactor", [*py, "clora", "compact", "--every", f"{cfg.compaction.every_seconds:g}",
-                                             *conf], healthy=marked_ready("compactor"), stop_timeout=30))
+                                             *conf], **marked_ready("compactor"), stop_timeout=30))
     if file_only:
         from clora.config import CONFIG_ENV, env_variables
 
@@ -361,8 +463,12 @@ def up(cfg, config_path: str | None, *, until: Callable[[], bool] = lambda: Fals
         for problem in problems:
             sup.emit("up", f"error: {problem}")
         return 1
-    # SIGHUP too: a closed terminal must stop the stack in order (ingest drains before the broker goes).
-    previous = {s: signal.signal(s, lambda *_: sup.stopping.set()) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    # SIGHUP too: a closed terminal must stop the stack in order (ingest drains before the broker goes);
+    # unless it is ignored (`nohup clora up &`: meant to outlive the terminal).
+    caught = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        caught.append(signal.SIGHUP)
+    previous = {s: signal.signal(s, lambda *_: sup.signalled()) for s in caught}
     try:
         sup.start_all()
         if not sup.stopping.is_set():

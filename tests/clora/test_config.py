@@ -94,6 +94,107 @@ api_key = "same-key-123"
     assert "lora.rank 64 exceeds serving.max_lora_rank 16" in msg
 
 
+def problems(e: pytest.ExceptionInfo) -> list[str]:
+    """The problem lines of a ConfigError, without their "  - "."""
+    return [line.removeprefix("  - ") for line in str(e.value).splitlines()[1:]]
+
+
+def test_problems_between_fields_are_listed_with_the_fields_own(tmp_path):
+    """A bad field used to hide every problem between fields (pydantic skips "after" model validators then):
+    fixing the file took a round per kind of problem."""
+    p = write(tmp_path, """
+bogus = 1
+[serving]
+port = 70000
+[kafka]
+partitions = 0
+session_timeout_ms = 1000
+heartbeat_interval_ms = 2000
+[[tenants]]
+name = "a"
+api_key = "sk-aaaaaaaa"
+scorer = "telepathy"
+lora = { rank = 64 }
+[[tenants]]
+name = "a"
+api_key = "sk-aaaaaaaa"
+""")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, environ={})
+    found = problems(e)
+    assert str(e.value).splitlines()[0].endswith(f"{len(found)} problem(s)")
+    where = [line.split(": ", 1)[0] for line in found]
+    assert sorted(where) == sorted(["serving.port", "kafka.partitions", "tenants.0.scorer", "bogus",
+                                    "kafka.heartbeat_interval_ms", "tenants.1.name", "tenants.1.api_key",
+                                    "tenants.0.lora.rank"])
+    assert "tenants.1.name: tenant name 'a' appears more than once (also tenants.0)" in found
+    assert "tenants.1.api_key: two tenants share an api_key (this one and tenants.0's)" in found
+    assert "tenants.0.lora.rank: tenant 'a': lora.rank 64 exceeds serving.max_lora_rank 16" in found
+    assert "kafka.heartbeat_interval_ms: heartbeat_interval_ms (2000) must be below session_timeout_ms (1000)" in found
+
+
+def test_each_problem_between_fields_is_a_line_at_its_field(tmp_path):
+    from serving.protocol import GREEDY_BELOW
+
+    p = write(tmp_path, """
+[serving]
+admin_key = "sk-bbbbbbbb"
+[learner]
+temperature = 1e-6
+[[tenants]]
+name = "a"
+api_key = "sk-aaaaaaaa"
+lora = { rank = 64 }
+[[tenants]]
+name = "base"
+api_key = "sk-bbbbbbbb"
+mode = "rollouts"
+scorer = "length:5"
+group_size = 32
+""")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, environ={})
+    assert problems(e) == [
+        "tenants.1.name: tenant name 'base' collides with model.name",
+        "serving.admin_key: serving.admin_key is also a tenant's api_key (tenants.1)",
+        "tenants.0.lora.rank: tenant 'a': lora.rank 64 exceeds serving.max_lora_rank 16",
+        "tenants.1.group_size: tenant 'base': group_size 32 is more than the 16 completions a serving request may ask for (n)",
+        f"learner.temperature: learner.temperature 1e-06 is outside what serving samples 32 completions at "
+        f"({GREEDY_BELOW:g} to 2)",
+    ]
+    assert str(e.value).splitlines()[0].endswith("5 problem(s)")
+
+
+def test_a_check_between_fields_skips_a_field_that_is_bad_itself(tmp_path):
+    """max_lora_rank = 0 is reported as such; the tenant's rank is not then said to exceed it (or a default)."""
+    p = write(tmp_path, '[serving]\nmax_lora_rank = 0\n[[tenants]]\nname = "a"\napi_key = "sk-aaaaaaaa"\n'
+                        'lora = { rank = 64 }\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(p, environ={})
+    assert [line.split(":")[0] for line in problems(e)] == ["serving.max_lora_rank"]
+    for text in ("serving = 5\n[[tenants]]\nname = 'a'\napi_key = 'sk-aaaaaaaa'\n", "tenants = [1, 'x']\n",
+                 "[[tenants]]\nlora = 3\nname = 7\n"):  # bad sections and tenants: their own problems only
+        with pytest.raises(ConfigError) as e:
+            load_config(write(tmp_path, text), environ={})
+        assert not [line for line in problems(e) if "more than once" in line or "exceeds" in line]
+
+
+def test_a_problem_with_an_environment_override_names_the_variable(tmp_path):
+    p = write(tmp_path, '[[tenants]]\nname = "a"\napi_key = "sk-aaaaaaaa"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(p, environ={"CLORA_PORT": "eighty", "CLORA_ADMIN_KEY": "sk-aaaaaaaa", "CLORA_LOG_LEVEL": "INFO"})
+    found = problems(e)
+    assert len(found) == 2
+    assert found[0].startswith("serving.port: ") and found[0].endswith(" (from $CLORA_PORT)")
+    assert found[1] == "serving.admin_key: serving.admin_key is also a tenant's api_key (tenants.0) (from $CLORA_ADMIN_KEY)"
+    p = write(tmp_path, "[serving]\nport = 0\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, environ={"CLORA_ADMIN_KEY": "short"})
+    found = dict(line.split(": ", 1) for line in problems(e))
+    assert "$" not in found["serving.port"]  # the file's own
+    assert found["serving.admin_key"] == "admin_key must be at least 8 characters (from $CLORA_ADMIN_KEY)"
+
+
 def test_bad_toml_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(write(tmp_path, "data_dir = [unclosed"), environ={})
@@ -191,7 +292,7 @@ def test_tenant_names_that_would_share_a_directory_are_refused(tmp_path):
     )
     with pytest.raises(ConfigError) as e:
         load_config(p, environ={})
-    assert "'Acme' differs from another only in case" in str(e.value)
+    assert "tenants.1.name: tenant name 'acme' differs from another only in case ('Acme', tenants.0)" in str(e.value)
     p.write_text('[[tenants]]\nname = "globex."\napi_key = "key-three-123"\n')
     with pytest.raises(ConfigError) as e:
         load_config(p, environ={})
@@ -263,3 +364,11 @@ def Config_of(**sections):
         return Config.model_validate(sections)
     except ValidationError as e:
         raise ConfigError(str(e)) from None
+
+
+def test_config_env_lists_every_variable_clora_reads(capsys):
+    from clora.cli import main
+
+    assert main(["config", "env"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == ["CLORA_CONFIG", *env_variables()]  # CLORA_CONFIG names the file; the others override fields

@@ -102,3 +102,25 @@ def test_a_demo_interrupted_during_the_traffic_reports_partial_figures_and_exits
     out = capsys.readouterr().out
     assert re.search(r"\ndemo: interrupted after \ds of simulated traffic; partial figures:\n", out)
     assert "digits-app" in out and "every tenant improved" not in out
+
+
+@pytest.mark.parametrize("path", ['/tmp/a "quoted" dir', "C:\\Users\\me\\clora", "/tmp/caf\u00e9\x7f\ttab"])
+def test_the_demo_config_holds_any_path(path):
+    """Paths went into the TOML unescaped: a quote or a backslash made the demo's own config unreadable."""
+    import tomllib
+    from pathlib import Path
+
+    text = demo.demo_config_text(Path(path) / "data", Path(path) / "model", 9092, 8000, ["digits"])
+    parsed = tomllib.loads(text)
+    assert parsed["data_dir"] == str(Path(path) / "data") and parsed["model"]["path"] == str(Path(path) / "model")
+
+
+def test_a_data_dir_that_cannot_be_used_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    from clora.config import Config
+
+    monkeypatch.setattr("clora.up.up", lambda *a, **kw: pytest.fail("the stack must not start"))
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    cfg = Config.model_validate({"data_dir": str(taken), "model": {"path": str(tmp_path / "model")}})
+    assert demo.run_demo(cfg, minutes=1, rate=1, preferences=["digits"], seed=0, out_png=tmp_path / "demo.png") == 2
+    assert capsys.readouterr().err.strip() == f"clora: data_dir {taken}: Not a directory"

@@ -40,3 +40,50 @@ def test_an_exited_child_is_only_reaped():
     process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     process.wait()
     assert terminate(process, 1, on_kill=lambda: pytest.fail("nothing to kill")) == 3
+
+
+def gone(pid: int, within: float = 10.0) -> bool:
+    """Whether process `pid` is dead within `within` seconds (a zombie counts: an orphan's reaper may be slow)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("honours_sigterm", [False, True])
+def test_a_group_stop_takes_what_the_child_forked(tmp_path, honours_sigterm):
+    """serving's vLLM engine core is a forked helper with no parent-death watch: killed with its parent (the
+    SIGKILL after the grace period), or left behind by one that stopped, it must not outlive it."""
+    import os
+
+    helper = tmp_path / "helper.pid"
+    code = (f"import subprocess, signal, sys\nh = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            f"open({str(helper)!r}, 'w').write(str(h.pid))\n"
+            + ("" if honours_sigterm else "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"))
+    process = subprocess.Popen([sys.executable, "-c", code + "print('up', flush=True)\nimport time\ntime.sleep(60)"],
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert process.stdout.readline().strip() == "up"
+    pid = int(helper.read_text())
+    try:
+        expected = -signal.SIGTERM if honours_sigterm else -signal.SIGKILL
+        assert terminate(process, 0.5, group=True) == expected
+        assert gone(pid), "the forked helper outlived its parent"
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_tick_runs_while_waiting():
+    process = start("import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)")
+    ticks = []
+    terminate(process, 0.6, tick=lambda: ticks.append(time.monotonic()))
+    assert len(ticks) >= 3

@@ -45,3 +45,57 @@ def test_summary_windows_and_versions():
     assert summarise(adapted, [t], window=0.25)["a"]["reward_base"] == pytest.approx((0.0 + 0.1) / 2)
     empty = summarise([], [t])["a"]
     assert empty["requests"] == 0 and math.isnan(empty["reward_base"])
+
+
+def test_the_base_models_answers_are_those_without_a_version_whatever_its_name():
+    """model.name need not be "base": any label without "@" is the base model's."""
+    t = SimTenant("a", "k" * 8, "digits")
+    recs = [Record(i, "a", f"r{i}", "qwen3-4b" if i < 2 else "a@1", 0.1 if i < 2 else 0.9, "", True) for i in range(8)]
+    assert summarise(recs, [t], window=0.5)["a"]["reward_base"] == pytest.approx(0.1)
+
+
+def test_a_failure_other_than_the_apis_is_counted_and_logged_once(monkeypatch, caplog):
+    """Without the openai package (or on any bug) every request raised in its pool future, unseen: the run
+    sent nothing and said nothing."""
+    import sys
+
+    from clora.simulate import Simulator
+
+    monkeypatch.setitem(sys.modules, "openai", None)  # import openai fails
+    sim = Simulator("http://127.0.0.1:9", [SimTenant("a", "k" * 8, "digits"), SimTenant("b", "k" * 9, "upper")],
+                    rate=40, duration=0.3)
+    with caplog.at_level("ERROR", logger="clora.simulate"):
+        records = sim.run()
+    assert len(records) >= 4 and not any(r.ok for r in records)
+    assert all(r.error.startswith("ModuleNotFoundError") and "openai" in r.error for r in records)
+    assert len([r for r in caplog.records if r.levelname == "ERROR"]) == 1
+    s = summarise(records, sim.tenants)
+    assert s["a"]["failed"] == s["a"]["requests"] > 0
+
+
+def simulate_config(tmp_path):
+    p = tmp_path / "clora.toml"
+    p.write_text(f'data_dir = "{tmp_path / "data"}"\n[[tenants]]\nname = "digits-app"\napi_key = "sk-digits-0000"\n')
+    return str(p)
+
+
+def test_simulate_exits_1_when_a_tenant_had_no_request_succeed(tmp_path, capsys):
+    from clora.cli import main
+    from ingest.broker import free_port
+
+    code = main(["simulate", "--config", simulate_config(tmp_path), "--url", f"http://127.0.0.1:{free_port()}",
+                 "--seconds", "0.3", "--rate", "10"])  # nothing listens there
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "no request succeeded for digits-app" in err
+
+
+@pytest.mark.parametrize("args", [["--rate", "0"], ["--rate", "-1"], ["--seconds", "0"], ["--seconds", "nan"],
+                                  ["--rate", "inf"], ["--max-tokens", "0"]])
+def test_simulate_refuses_a_rate_or_duration_that_is_not_above_0(tmp_path, capsys, args):
+    from clora.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--config", simulate_config(tmp_path), *args])
+    assert e.value.code == 2
+    assert "must be" in capsys.readouterr().err

@@ -1,7 +1,9 @@
 """The supervisor behind `clora up`, on real child processes: start order and health, restart with backoff,
 stop order, no orphans."""
 
+import errno
 import os
+import signal
 import sys
 import threading
 import time
@@ -54,7 +56,7 @@ def test_a_stop_order_naming_a_child_that_is_not_there_stops_the_others():
     sup = Supervisor([spec("a", lines=lines)], stop_order=["a", "broker"], emit=emit)
     sup.start_all()
     sup.stop_all()  # no KeyError
-    assert [line for n, line in lines if n == "up" and line.startswith("stopping")] == ["stopping a"]
+    assert [line for n, line in lines if n == "up" and line.startswith("stopping")] == ["stopping a (up to 5s)"]
 
 
 def test_crashed_child_is_restarted_with_backoff(tmp_path):
@@ -337,3 +339,241 @@ def test_serving_is_healthy_only_when_its_health_answer_names_the_childs_pid(tmp
     finally:
         server.shutdown()
         server.server_close()
+
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Stopping in order whatever happens meanwhile
+
+
+def gone(pid: int, within: float = 10.0) -> bool:
+    """Whether process `pid` is dead within `within` seconds (a zombie counts: an orphan's reaper may be slow)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+class Unwritable:
+    """stdout after the terminal hung up (EIO), or with `clora up | tee` once tee is gone (EPIPE)."""
+
+    def __init__(self, error):
+        self.error = error
+        self.writes = 0
+
+    def write(self, _text):
+        self.writes += 1
+        raise self.error
+
+    def flush(self):
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [OSError(errno.EIO, "Input/output error"), BrokenPipeError(errno.EPIPE, "Broken pipe")])
+def test_output_that_cannot_be_written_does_not_end_the_ordered_stop(tmp_path, monkeypatch, error):
+    """Ctrl-C with `clora up | tee` ends tee too; a closed terminal makes every write fail. The stop must still
+    go child by child (the broker stays until ingest has drained), and children that print a lot while they
+    stop must not block on a pipe no one reads."""
+    from clora import up as up_module
+
+    stopped = tmp_path / "stopped"
+    code = ("import signal, sys, time\n"
+            "def stop(*_):\n"
+            "    for i in range(3000): print('draining', i, 'x' * 80, flush=True)\n"  # ~270 KB: more than a pipe holds
+            f"    open({str(stopped)!r}, 'a').write(sys.argv[1] + '\\n'); sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, stop)\n"
+            f"open({str(tmp_path)!r} + '/' + sys.argv[1], 'w')\n"
+            "time.sleep(600)")
+    specs = [ChildSpec(name, [sys.executable, "-c", code, name], healthy=lambda _pid, n=name: (tmp_path / n).exists(),
+                       stop_timeout=30) for name in ("broker", "ingest")]
+    monkeypatch.setattr(up_module, "_stdout_gone", False)
+    sup = Supervisor(specs, stop_order=["ingest", "broker"])  # the default output: stdout
+    sup.start_all()
+    out = Unwritable(error)
+    monkeypatch.setattr(sys, "stdout", out)
+    sup.stop_all()
+    assert stopped.read_text() == "ingest\nbroker\n"
+    assert [c.proc.returncode for c in sup.children.values()] == [0, 0], "stopped by themselves, not killed"
+    assert out.writes == 1, "nothing more is written once stdout failed"
+
+
+def test_up_under_nohup_keeps_ignoring_sighup(tmp_path, monkeypatch):
+    """`nohup clora up &` is meant to outlive the terminal: its SIGHUP must not stop the stack."""
+    from clora import up as up_module
+    from clora.config import Config
+
+    monkeypatch.setattr(up_module, "stack_specs", lambda *_, **__: ([spec("a")], ["a"]))
+    monkeypatch.setattr(up_module, "setup_problems", lambda _cfg: [])
+    cfg = Config.model_validate({"data_dir": str(tmp_path)})
+    seen = []
+
+    def until():
+        seen.append(signal.getsignal(signal.SIGHUP))
+        return True
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        assert up_module.up(cfg, None, until=until, emit=collect()[1]) == 0
+        assert seen == [signal.SIG_IGN]
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a terminal's `clora up`: the hangup stops it in order
+        assert up_module.up(cfg, None, until=until, emit=collect()[1]) == 0
+        assert callable(seen[-1]) and seen[-1] not in (signal.SIG_IGN, signal.SIG_DFL)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def test_the_signal_handler_takes_no_lock(tmp_path, monkeypatch):
+    """A handler runs in the main thread between two of its bytecodes, perhaps while that thread holds a lock
+    (threading.Event.wait's): a handler taking the same lock deadlocks `up`. It only records the signal, and
+    the main loop stops the stack."""
+    from clora import up as up_module
+    from clora.config import Config
+
+    monkeypatch.setattr(up_module, "stack_specs", lambda *_, **__: ([spec("a")], ["a"]))
+    monkeypatch.setattr(up_module, "setup_problems", lambda _cfg: [])
+    lock_calls = []
+
+    def profile(_frame, event, arg):
+        if event == "c_call" and getattr(arg, "__name__", "") in ("acquire", "__enter__", "acquire_lock"):
+            lock_calls.append(repr(arg))
+
+    calls = []
+
+    def until():
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            handler = signal.getsignal(signal.SIGTERM)
+            previous = sys.getprofile()
+            sys.setprofile(profile)
+            try:
+                handler(signal.SIGTERM, None)
+            finally:
+                sys.setprofile(previous)
+        return len(calls) > 50  # not the way out: the signal is
+
+    lines, emit = collect()
+    assert up_module.up(Config.model_validate({"data_dir": str(tmp_path)}), None, until=until, emit=emit) == 0
+    assert lock_calls == []
+    assert len(calls) == 1, "the main loop stopped on the signal"
+    assert ("up", "stopping a (up to 5s)") in lines
+
+
+def test_a_stop_while_a_child_starts_does_not_call_it_healthy():
+    lines, emit = collect()
+    sup = Supervisor([ChildSpec("slow", SLEEPER, healthy=lambda _pid: False, start_timeout=60, stop_timeout=5)],
+                     stop_order=[], emit=emit)
+    threading.Timer(0.5, sup.signalled).start()  # Ctrl-C while it starts
+    try:
+        sup.start_all()
+    finally:
+        sup.stop_all()
+    assert not [line for n, line in lines if "healthy" in line]
+
+
+def test_a_stale_ready_mark_is_removed_before_the_child_starts(tmp_path):
+    """An earlier process's ready mark (its pid perhaps reused since) must not pass for the new child's."""
+    import dataclasses
+
+    from clora.config import Config
+    from clora.up import Child
+    from storage.files import mark_ready, ready_pid
+    from storage.layout import DataDir
+
+    specs, _ = stack_specs(Config.model_validate({"data_dir": str(tmp_path)}), None)
+    state = DataDir(tmp_path).state
+    assert {s.name: s.ready_file for s in specs if s.ready_file} == {
+        name: state / "ready" / f"{name}.json" for name in ("ingest", "learner", "compactor")}
+    ingest = next(s for s in specs if s.name == "ingest")
+    mark_ready(state, "ingest")  # left by an earlier ingest, whose pid is ours here
+    assert ingest.healthy(os.getpid())
+    child = Child(dataclasses.replace(ingest, argv=SLEEPER, env={}, stop_timeout=5), collect()[1])
+    child.start()
+    try:
+        assert ready_pid(state, "ingest") is None
+        assert not ingest.healthy(os.getpid())
+    finally:
+        child.stop()
+
+
+def test_the_helpers_a_crashed_child_forked_are_killed(tmp_path):
+    """serving's vLLM engine core is a forked helper with no parent-death watch: serving crashing must not
+    leave it running (holding the GPU) while serving is started again."""
+    helper = tmp_path / "helper.pid"
+    crasher = [sys.executable, "-c", "import subprocess, sys\n"
+               "h = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+               f"open({str(helper)!r}, 'w').write(str(h.pid))\nsys.exit(3)"]
+    lines, emit = collect()
+    sup = Supervisor([ChildSpec("serving", crasher, healthy=lambda _pid: True, stop_timeout=5)], stop_order=[],
+                     emit=emit, max_backoff=30)
+    sup.children["serving"].start()
+    sup.children["serving"].proc.wait()
+    pid = int(helper.read_text())
+    try:
+        sup.watch_once()
+        assert any("serving exited with code 3" in line for _, line in lines)
+        assert gone(pid), "the crashed child's helper is still running"
+    finally:
+        sup.stop_all()
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_signals_during_the_stop_say_how_long_and_then_kill_every_child():
+    """Ingest may drain for up to 15 minutes: a second Ctrl-C says so and how to cut it short; a third kills
+    every child at once."""
+    lines, emit = collect()
+    slow = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('ready', flush=True); time.sleep(600)"]
+    sup = Supervisor([spec("broker", lines=lines), ChildSpec("ingest", slow, healthy=lambda _pid: ("ingest", "ready") in lines,
+                                                             stop_timeout=120)],
+                     stop_order=["ingest", "broker"], emit=emit)
+    sup.start_all()
+    pids = [c.proc.pid for c in sup.children.values()]
+
+    def presses():
+        def wait_for(text):
+            deadline = time.monotonic() + 20
+            while not any(text in line for _, line in list(lines)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+        wait_for("stopping ingest (up to 120s)")
+        sup.signalled()  # the second Ctrl-C
+        wait_for("already stopping")
+        sup.signalled()  # the third
+
+    sup.signalled()  # the Ctrl-C that stops the stack
+    threading.Thread(target=presses, daemon=True).start()
+    started = time.monotonic()
+    sup.stop_all()
+    assert time.monotonic() - started < 30, "the third Ctrl-C stops at once"
+    said = [line for n, line in lines if n == "up"]
+    (warning,) = [line for line in said if line.startswith("already stopping")]
+    assert "ingest may take up to 1" in warning and "again kills every child at once" in warning
+    assert "killing every child now" in said
+    assert ("up", "ingest stopped (exit code -9)") in lines
+    assert all(gone(pid) for pid in pids)
+
+
+@pytest.mark.parametrize("kind", ["a file", "under a file"])
+def test_up_with_a_data_dir_it_cannot_use_says_so_in_one_line(tmp_path, monkeypatch, capsys, kind):
+    from clora import up as up_module
+    from clora.cli import main
+
+    monkeypatch.setattr(up_module, "up", lambda *a, **kw: pytest.fail("the stack must not start"))
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    data_dir = taken if kind == "a file" else taken / "data"
+    config = tmp_path / "clora.toml"
+    config.write_text(f'data_dir = "{data_dir}"\n[model]\npath = "{tmp_path / "model"}"\n')
+    assert main(["up", "--config", str(config)]) == 2
+    assert capsys.readouterr().err.strip() == f"clora: data_dir {data_dir}: Not a directory"
