@@ -135,7 +135,8 @@ class ServingConfig(_Strict):
     max_num_seqs: int = Field(64, ge=1, description="Sequences decoded together in one engine step.")
     default_max_tokens: int | None = Field(
         None, ge=1, description="Completion length of a request that sets none (max_tokens/max_completion_tokens). "
-        "Unset: the room its context leaves (max_model_len - prompt), as OpenAI and vLLM do."
+        "Unset: a chat request gets the room its context leaves (max_model_len - prompt), a /v1/completions "
+        "request 16 tokens, as OpenAI and vLLM do."
     )
     max_request_bytes: int | None = Field(
         None, ge=1024, description="Largest request body; larger ones get 413. Unset: 1 MiB, or 96 bytes per "
@@ -357,7 +358,7 @@ class Config(_Strict):
     def _data_dir_not_empty(cls, v):
         if isinstance(v, str) and not v.strip():
             raise ValueError("data_dir must not be empty (it would be the current directory)")
-        return v
+        return Path(v).expanduser() if isinstance(v, (str, Path)) else v  # "~/clora": the home, for every process
     kafka: KafkaConfig = Field(default_factory=KafkaConfig, description="Kafka connection and topics.")
     broker: BrokerConfig = Field(default_factory=BrokerConfig, description="The embedded broker.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The shared base model.")

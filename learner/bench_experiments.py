@@ -544,11 +544,17 @@ def worker(argv: list[str] | None = None) -> int:
         if all(done.get(name, 0) >= args.steps for name in names):
             stop.set()
 
-    # An experiment that has made its steps stops (as it does alone): training it on would take learner
-    # turns and engine time from those still running, which an experiment alone never pays.
-    pending = learner.pending
+    # An experiment that has made its steps stops (as it does alone): training it on, or sampling its next
+    # batches, would take learner turns and engine time from those still running, which one alone never pays.
+    pending, start_prefetch = learner.pending, learner._start_prefetch
     learner.pending = lambda **kw: {name: 0 if done.get(name, 0) >= args.steps else n
                                     for name, n in pending(**kw).items()}
+
+    def prefetch_unfinished(rt, *, ahead: bool = False) -> None:
+        if rt.step + (2 if ahead else 1) <= args.steps:  # the step the batch would be for
+            start_prefetch(rt, ahead=ahead)
+
+    learner._start_prefetch = prefetch_unfinished
     run_loop(cfg, model_path=path, learner=learner, stop=stop, on_step=on_step,
              max_steps=3 * args.steps * len(names), progress=False)
     errors = {name: t.error for name, t in learner.tenants.items() if t.error}

@@ -781,6 +781,10 @@ class Learner:
         rt.loaded = True
         if rt.unfinished is not None:
             self._finish(rt, rt.unfinished)
+            # As at a take-over (_recover): a reload after a commit whose outcome could not be read leaves
+            # that attempt's candidate if the commit had in fact failed, and the versions served since moved.
+            self._reject_abandoned(name)
+            self._load_served(rt)
 
     def _add_adapter(self, rt: TenantRuntime, saved: Path | None) -> None:
         """Creates the tenant's adapter, in the shape it was saved in when there is a saved one."""

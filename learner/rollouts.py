@@ -120,11 +120,20 @@ def plan_from_rows(
     rendered prompts of the untrained production rows (rows that are the learner's own rollouts, by id
     in `own_rollouts` or by metadata, are not production): as the model sees them (logs_mode.prompt_text,
     which renders a messages-only row with `tokenizer`'s chat template; without a tokenizer, the stored
-    text). Every row looked at is consumed."""
+    text). A row with `prompt_token_ids` (a prompt whose text does not re-tokenize to what was served: sent
+    as ids, or given a BOS by serving) gets those ids decoded, special tokens kept as text, which the
+    learner's tokenizer reads back as the same special tokens. Every row looked at is consumed."""
     consumed, prompts = [], []
-    for row in rows.select(["id", "prompt", "messages_json", "metadata_json"]).to_pylist():
+    columns = ["id", "prompt", "messages_json", "metadata_json"]
+    columns += ["prompt_token_ids"] if "prompt_token_ids" in rows.column_names else []
+    for row in rows.select(columns).to_pylist():
         rollout = row["id"] in own_rollouts or is_rollout_row(row["metadata_json"])
-        prompt = None if file_prompts or rollout else (prompt_text(row, tokenizer) if tokenizer else row["prompt"])
+        if file_prompts or rollout:
+            prompt = None
+        elif tokenizer is not None and row.get("prompt_token_ids"):
+            prompt = tokenizer.decode(row["prompt_token_ids"])
+        else:
+            prompt = prompt_text(row, tokenizer) if tokenizer else row["prompt"]
         if not prompt:
             consumed.append(row["id"])
         elif len(prompts) < n_prompts:

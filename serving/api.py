@@ -249,8 +249,8 @@ class Api:
         max_feedback_per_second: float = 100.0,
         admin_key: str | None = None,
     ) -> None:
-        """`default_max_tokens`: the completion length of a request that sets none (None: the room its
-        context leaves, as OpenAI and vLLM do)."""
+        """`default_max_tokens`: the completion length of a request that sets none (None: for chat the room
+        its context leaves, for /v1/completions 16, as OpenAI and vLLM do)."""
         self.engine = engine
         self.adapters = adapters
         self.auth = authenticator

@@ -16,7 +16,7 @@ time, so a tenant's flood of long prompts queues behind itself; text obviously l
 refused before it is tokenized.
 
 Before a request's first byte is answered, `check_prompt` (the context left for the completion, which is
-also the default `max_tokens`) and `check_sampling` (a dead engine, and everything vLLM's SamplingParams
+also a chat request's default `max_tokens`) and `check_sampling` (a dead engine, and everything vLLM's SamplingParams
 refuses) turn the engine's refusals into proper statuses. Each request carries `cache_salt` (the tenant):
 vLLM then never shares cached prefix blocks between tenants, so no tenant can time another's prompts
 through the prefix cache. A choice the engine ends with finish reason "error" raises `GenerationFailed`.

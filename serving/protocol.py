@@ -23,10 +23,10 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
 from serving.engine import Choice, Delta, Sampling, TokenLogprob
 from serving.errors import BadRequest, UnsupportedParameter
@@ -67,7 +67,7 @@ class _Request(BaseModel):
     metadata: dict[str, str] | None = None  # the caller's tags, kept on the interaction event (see README)
     presence_penalty: float = _finite(0.0, ge=-2, le=2)
     frequency_penalty: float = _finite(0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
+    logit_bias: dict[str, Annotated[float, Strict()]] | None = None  # token id (as a JSON key) -> [-100, 100]
     # vLLM's extensions, which its OpenAI server also takes
     top_k: int = _count(0, ge=-1)  # 0 or -1: off
     min_p: float = _finite(0.0, ge=0, le=1)
@@ -215,7 +215,7 @@ def _uses(tools: list[Any] | None, choice: Any) -> bool:
 
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = _count(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = _count(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
@@ -250,7 +250,7 @@ class CompletionRequest(_Request):
     logprobs: int | None = _count(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = _count(None, ge=1)
 
     @model_validator(mode="after")
     def _completions_only(self):
@@ -282,7 +282,7 @@ class CompletionRequest(_Request):
         return prompts
 
     def sampling(self, default_max_tokens: int | None = None) -> Sampling:
-        """`default_max_tokens` applies when the request sets no length; None: the room the context leaves."""
+        """`default_max_tokens` applies when the request sets no length; None: COMPLETIONS_DEFAULT_MAX_TOKENS."""
         return self._sampling(self.max_tokens or default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, self.logprobs or 0)
 
 

@@ -131,7 +131,7 @@ def write_table(table, fmt: str, out: str | None) -> None:
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        pq.write_table(table, out)
+        pq.write_table(table.rename_columns(_unique_names(table.column_names)), out)  # readable by name
         return
     text = {"table": format_table, "csv": format_csv, "json": format_json}[fmt](table)
     if out:

@@ -214,6 +214,14 @@ def test_empty_paths_mean_the_default_model_and_no_data_dir():
         load_config(None, environ={"CLORA_DATA_DIR": " "})
 
 
+def test_a_data_dir_under_home_is_the_same_directory_for_every_process(tmp_path, monkeypatch):
+    """`~` was expanded by storage's DataDir but not by the config: the tiny model went to a literal ./~/."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None, environ={"CLORA_DATA_DIR": "~/clora-data"})
+    assert cfg.data_dir == tmp_path / "clora-data"
+    assert cfg.model_path == tmp_path / "clora-data" / "models" / "tiny-0"
+
+
 def test_a_variable_set_to_nothing_overrides_nothing(tmp_path):
     # compose passes `CLORA_MODEL_PATH: ${CLORA_MODEL:-}` to every service: unset CLORA_MODEL must leave the
     # file's model, not swap in the tiny one

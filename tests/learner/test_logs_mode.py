@@ -168,6 +168,14 @@ def test_an_event_with_messages_only_is_trained_and_sampled_on_the_chat_template
     (m1, s1), unusable = to_examples(rows, tok)
     assert unusable == {} and m1.group == template and s1.group == chat_prompt("q")
     assert plan_from_rows(rows, 2, tokenizer=tok).prompts == (template, chat_prompt("q"))
+    # a row served with ids its text does not re-tokenize to (sent as ids, or a BOS serving added): the
+    # rollouts prompt is those ids, special tokens included, as the tokenizer reads them back
+    eos = tok.convert_ids_to_tokens(tok.eos_token_id)
+    served = [tok.eos_token_id] + tok("hello", add_special_tokens=False).input_ids  # a special token first, as a BOS
+    with_ids = trajectories("acme", [{"id": "b1", "prompt": "hello", "completion": "x", "reward": 1.0,
+                                      "prompt_token_ids": served}])
+    (prompt,) = plan_from_rows(with_ids, 1, tokenizer=tok).prompts
+    assert prompt.startswith(eos) and tok(prompt, add_special_tokens=False).input_ids == served
 
     class StrictTemplate:  # a template with rules of its own (say, roles that must alternate)
         def __getattr__(self, name):

@@ -330,6 +330,41 @@ def test_a_commit_that_raised_after_its_commit_point_and_could_not_be_checked_is
     learner.close()
 
 
+def test_a_commit_that_failed_before_its_commit_point_and_could_not_be_checked_leaves_no_candidate(
+        tiny_model, data_dir, monkeypatch):
+    """The other outcome of the same doubt: the commit had failed before its commit point. The reload that
+    follows rejects that attempt's candidate, which nothing references, and the versions served are re-read."""
+    write(data_dir, "acme", rows("a", 24), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    learner.pending(hold_partial=False)
+    assert learner.step_safely("acme").version == "acme@1"
+    real_latest = Cursors.latest_step
+    fail_check = []
+
+    def full(self, name, directory, meta):
+        fail_check.append(1)
+        raise OSError(28, "No space left on device")
+
+    def latest_step(self, tenant):
+        if fail_check:
+            fail_check.pop()
+            raise OSError(24, "Too many open files")
+        return real_latest(self, tenant)
+
+    monkeypatch.setattr(Learner, "_write_checkpoint", full)
+    monkeypatch.setattr(Cursors, "latest_step", latest_step)
+    assert learner.step_safely("acme") is None
+    monkeypatch.undo()
+    learner.tenants["acme"].retry_at = 0
+    record = learner.step_safely("acme")
+    assert (record.step, record.version) == (2, "acme@3")
+    assert [(v.number, v.status) for v in Registry(data_dir).versions("acme")] == [
+        (1, "published"), (2, "rejected"), (3, "published")]
+    assert learner.tenants["acme"].served[-2:] == [1, 3]
+    learner.close()
+
+
 def test_a_publish_that_failed_before_head_json_is_completed_when_the_step_is_retried(tiny_model, data_dir,
                                                                                       monkeypatch):
     """The version's record said published, HEAD.json (what serving reads) was not rewritten (a full disk):
@@ -363,22 +398,24 @@ def test_a_publish_that_failed_before_head_json_is_completed_when_the_step_is_re
 
 
 def test_a_checkpoints_version_record_pruned_by_retention_does_not_stop_the_tenant(tiny_model, data_dir):
-    """A rollback retires the checkpoint's version (keep_versions 1), the tenant stays idle past the
-    retention, and prune_registry deletes that settled record: every restart re-finishing the checkpoint
-    raised VersionNotFound, and the tenant never trained again."""
+    """A rollback retires the checkpoint's version (keep 1), the tenant stays idle past the retention, and
+    prune_registry deletes that settled record: every restart re-finishing the checkpoint raised
+    VersionNotFound, and the tenant never trained again."""
     from storage.retention import prune_registry
 
-    write(data_dir, "acme", rows("a", 8), "b0")
-    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], keep_versions=1)
-    learn(cfg, tiny_model).close()  # acme@1
+    write(data_dir, "acme", rows("a", 16), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], keep_versions=2)
+    learn(cfg, tiny_model).close()  # acme@1, acme@2 (the checkpoint's)
     reg = Registry(data_dir, keep_last=1)
-    reg.rollback("acme", 1)  # acme@2, with acme@1's weights; acme@1 retired
+    reg.rollback("acme", 1)  # acme@3, with acme@1's weights; acme@1 and acme@2 retired
     reg.repair("acme")
     assert prune_registry(data_dir, older_than_s=86_400, now_s=time.time() + 2 * 86_400)
+    assert reg.numbers("acme") == [3], "the checkpoint's acme@2 record is gone"
     write(data_dir, "acme", rows("b", 8, seed=1), "b1", start=100)
     learner = learn(cfg, tiny_model)
-    assert learner.tenants["acme"].error is None and learner.tenants["acme"].step == 2
-    assert Registry(data_dir).latest_published("acme").name == "acme@3"
+    assert learner.tenants["acme"].error is None and learner.tenants["acme"].step == 3
+    newest = Registry(data_dir).latest_published("acme")
+    assert newest.name == "acme@4" and newest.parent == "acme@3"
     learner.close()
 
 
@@ -402,25 +439,25 @@ def test_a_status_file_that_cannot_be_written_does_not_end_the_learner(tiny_mode
 
 
 def test_a_rollback_during_a_step_is_not_undone_by_that_steps_version(tiny_model, data_dir, monkeypatch):
-    write(data_dir, "acme", rows("a", 16), "b0")
+    write(data_dir, "acme", rows("a", 24), "b0")
     cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
-    learner = learn(cfg, tiny_model, max_steps=1)  # acme@1
+    learner = learn(cfg, tiny_model, max_steps=2)  # acme@1, acme@2
     real_commit = Cursors.commit
 
-    def rollback_meanwhile(self, tenant, **kw):  # the operator, while step 2 trains from acme@1
-        Registry(data_dir).rollback("acme", 1)  # acme@3 after the step's candidate acme@2
+    def rollback_meanwhile(self, tenant, **kw):  # the operator, while step 3 trains from acme@2
+        Registry(data_dir).rollback("acme", 1)  # acme@4 after the step's candidate acme@3
         return real_commit(self, tenant, **kw)
 
     monkeypatch.setattr(Cursors, "commit", rollback_meanwhile)
     learn(cfg, tiny_model, learner=learner, max_steps=1)
     monkeypatch.undo()
     reg = Registry(data_dir)
-    assert reg.get("acme", 2).status == "rejected" and "superseded" in reg.get("acme", 2).reason
-    assert reg.published()["acme"].name == "acme@3"  # the rollback stands
+    assert reg.get("acme", 3).status == "rejected" and "superseded" in reg.get("acme", 3).reason
+    assert reg.published()["acme"].name == "acme@4"  # the rollback stands
     assert learner.tenants["acme"].status == "rejected"  # what became of the step, not what the gate said
     write(data_dir, "acme", rows("c", 8, seed=3), "b1", start=200)
     learn(cfg, tiny_model, learner=learner)
-    assert Registry(data_dir).get("acme", 4).parent == "acme@3"  # and the learner went on from it
+    assert Registry(data_dir).get("acme", 5).parent == "acme@4"  # and the learner went on from it
 
 
 def test_when_every_version_is_retired_the_learner_starts_again_from_a_fresh_adapter(tiny_model, data_dir):

@@ -750,6 +750,7 @@ def test_feedback_whose_score_is_not_a_number_is_refused_not_coerced(score):
 @pytest.mark.parametrize("extra, param", [
     ({"temperature": True}, "temperature"), ({"top_p": "0.5"}, "top_p"), ({"n": True}, "n"),
     ({"max_tokens": True}, "max_tokens"), ({"temperature": 0, "n": 2}, "n"),
+    ({"max_completion_tokens": True}, "max_completion_tokens"), ({"logit_bias": {"5": True}}, "logit_bias"),
 ])
 def test_sampling_values_of_the_wrong_type_are_refused_and_name_their_field(extra, param):
     r = World().post("/v1/chat/completions", chat(**extra))

@@ -190,6 +190,12 @@ def test_query_repeated_column_names_keep_every_column(clora, data_dir, make_tra
     ]
     code, out, _ = clora("query", "select 1 as id, 2 as id, 3 as id_1", "--format", "json")
     assert json.loads(out) == [{"id": 1, "id_2": 2, "id_1": 3}], "a suffix never takes another column's name"
+    code, _, err = clora("query", sql, "--format", "parquet", "--out", str(data_dir / "dup.parquet"))
+    import pyarrow.parquet as pq
+
+    written = pq.read_table(data_dir / "dup.parquet")  # readable by name: the repeats renamed as in json
+    assert code == 0 and written.column_names == ["id", "prompt", "id_1", "score"], err
+    assert written.column("score").to_pylist() == [0.9]
 
 
 def test_query_json_writes_null_for_nan_and_infinities(clora, data_dir):
