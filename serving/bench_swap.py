@@ -5,8 +5,10 @@
 Starts a real serving process (`python -m serving`, on a temporary data dir, with its own embedded
 broker) with --tenants tenants, each with a first published adapter. --concurrency clients then send
 streaming chat requests round-robin over the tenants without pause, while the benchmark publishes
---publishes new versions through the registry (round-robin over tenants, one every --interval seconds),
-exactly as the learner does. For every publish it finds the first response served by the new version
+--publishes new versions through the registry (round-robin over tenants, one every --interval seconds on
+average, each wait drawn from [0.5, 1.5] x --interval with a fixed seed: with a fixed interval that is a
+multiple of the registry poll, every publish would land at the same point of the poll cycle and the
+latencies would all be short or all long, run to run), exactly as the learner does. For every publish it finds the first response served by the new version
 and reports, over all publishes, p50/p99 of
 
     publish -> headers    registry publish returned -> first response headers naming the new version
@@ -25,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -164,11 +167,12 @@ async def _scenario(base_url: str, data_dir: Path, tenants: list[str], shapes, a
     load = asyncio.create_task(_load(base_url, tenants, args.concurrency, args.tokens, stop, responses))
     await asyncio.sleep(2.0)  # steady state before the first publish
     started = time.monotonic()
+    jitter = random.Random(0)
     for i in range(args.publishes):
         tenant = tenants[i % len(tenants)]
         label = await asyncio.to_thread(_publish, data_dir, tenant, shapes, 8, 1000 + i)
         publishes.append(Publish(tenant, label, time.monotonic()))
-        await asyncio.sleep(args.interval)
+        await asyncio.sleep(args.interval * jitter.uniform(0.5, 1.5))
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not all(any(r.label == p.label for r in responses) for p in publishes):
         await asyncio.sleep(0.1)
