@@ -174,7 +174,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for name, s in summary.items():
         print(f"{name}: {s['requests']} requests, {s['failed']} failed, reward {s['reward_base']:.3f} -> "
               f"{s['reward_last']:.3f}, versions {', '.join(s['versions_seen'])}")
-    none_ok = [name for name, s in summary.items() if s["requests"] == s["failed"]]
+    none_ok = [name for name, s in summary.items() if s["requests"] > 0 and s["requests"] == s["failed"]]
     if none_ok:
         errors = list(dict.fromkeys(r.error for r in sim.records if not r.ok and r.tenant in none_ok))
         print(f"clora simulate: no request succeeded for {', '.join(none_ok)}"

@@ -358,7 +358,10 @@ class Config(_Strict):
     def _data_dir_not_empty(cls, v):
         if isinstance(v, str) and not v.strip():
             raise ValueError("data_dir must not be empty (it would be the current directory)")
-        return Path(v).expanduser() if isinstance(v, (str, Path)) else v  # "~/clora": the home, for every process
+        try:
+            return Path(v).expanduser() if isinstance(v, (str, Path)) else v  # "~/clora": the home, for every process
+        except RuntimeError as e:  # "~nosuchuser/x", or no home directory to be found
+            raise ValueError(f"data_dir {str(v)!r}: {e}") from None
     kafka: KafkaConfig = Field(default_factory=KafkaConfig, description="Kafka connection and topics.")
     broker: BrokerConfig = Field(default_factory=BrokerConfig, description="The embedded broker.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The shared base model.")
@@ -380,8 +383,10 @@ class Config(_Strict):
             between = _between_fields(_Partial(cls, data))
             if not between:
                 raise
-            errors = [InitErrorDetails(type=err["type"], loc=err["loc"], input=err["input"],
-                                       **({"ctx": err["ctx"]} if "ctx" in err else {}))
+            # Rebuilt as custom errors of the same type and message: pydantic cannot rebuild some of its own
+            # types from their names (a Path field's "path_type" raised KeyError here).
+            errors = [InitErrorDetails(type=PydanticCustomError(err["type"], "{msg}", {"msg": err["msg"]}),
+                                       loc=err["loc"], input=err["input"])
                       for err in e.errors(include_url=False)]
             raise ValidationError.from_exception_data(cls.__name__, errors + _as_errors(between)) from None
         between = _between_fields(cfg)

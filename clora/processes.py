@@ -65,6 +65,9 @@ def terminate(process: subprocess.Popen, timeout: float, *, on_kill: Callable[[]
     SIGKILL goes to the whole group, and once `process` has exited whatever is left in its group is killed
     too (the SIGTERM goes to `process` alone: it stops its own helpers in its own order). `tick` is called
     about every 0.1 s while waiting (from the calling thread)."""
+    # Reaped here, not before (a child reaped when its exit was noticed may have had its pid reused since:
+    # its group is not killed again now; who noticed the exit killed it then).
+    ours = process.returncode is None
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
@@ -81,6 +84,6 @@ def terminate(process: subprocess.Popen, timeout: float, *, on_kill: Callable[[]
                 kill_group(process.pid)
             process.kill()
             process.wait()
-    if group:  # what it left behind (a pid, and so a group id, is reused only once the numbers wrap around)
+    if group and ours:  # what it left behind (its pid, and so its group id, is not free until reaped here)
         kill_group(process.pid)
     return process.returncode

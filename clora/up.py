@@ -296,9 +296,11 @@ def _print_prefixed(name: str, line: str) -> None:
             return
         try:
             print(f"{name:>8} | {line}", flush=True)
-        except OSError:
-            _stdout_gone = True
-            _stdout_to_devnull()
+        except OSError as e:
+            if e.errno in (errno.EPIPE, errno.EIO, errno.ENXIO):  # nobody reads it any more: for good
+                _stdout_gone = True
+                _stdout_to_devnull()
+            # otherwise (a full disk under `> up.log`): this line is lost, later ones are tried
 
 
 def _stdout_to_devnull() -> None:
@@ -465,10 +467,11 @@ def up(cfg, config_path: str | None, *, until: Callable[[], bool] = lambda: Fals
         return 1
     # SIGHUP too: a closed terminal must stop the stack in order (ingest drains before the broker goes);
     # unless it is ignored (`nohup clora up &`: meant to outlive the terminal).
-    caught = [signal.SIGINT, signal.SIGTERM]
+    # A SIGHUP only starts the stop, never hurries it: a closed terminal sends its jobs more than one (the
+    # shell's, then the kernel's), which must not count as "Ctrl-C again".
+    previous = {s: signal.signal(s, lambda *_: sup.signalled()) for s in (signal.SIGINT, signal.SIGTERM)}
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
-        caught.append(signal.SIGHUP)
-    previous = {s: signal.signal(s, lambda *_: sup.signalled()) for s in caught}
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: sup.stopping.set())
     try:
         sup.start_all()
         if not sup.stopping.is_set():

@@ -222,6 +222,20 @@ def test_a_data_dir_under_home_is_the_same_directory_for_every_process(tmp_path,
     assert cfg.model_path == tmp_path / "clora-data" / "models" / "tiny-0"
 
 
+def test_a_bad_path_field_beside_a_problem_between_fields_is_listed_not_a_crash(tmp_path):
+    """pydantic could not rebuild a Path field's error type ("path_type"): a KeyError traceback, and a
+    learner's config reload died instead of keeping the previous config."""
+    p = write(tmp_path, '[model]\npath = 5\n[kafka]\nheartbeat_interval_ms = 9000\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(p, environ={})
+    assert "model.path" in str(e.value) and "heartbeat_interval_ms" in str(e.value)
+
+
+def test_a_data_dir_whose_home_cannot_be_found_is_a_config_error():
+    with pytest.raises(ConfigError, match="data_dir"):
+        load_config(None, environ={"CLORA_DATA_DIR": "~no-such-user-clora/x"})
+
+
 def test_a_variable_set_to_nothing_overrides_nothing(tmp_path):
     # compose passes `CLORA_MODEL_PATH: ${CLORA_MODEL:-}` to every service: unset CLORA_MODEL must leave the
     # file's model, not swap in the tiny one

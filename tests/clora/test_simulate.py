@@ -90,6 +90,23 @@ def test_simulate_exits_1_when_a_tenant_had_no_request_succeed(tmp_path, capsys)
     assert "no request succeeded for digits-app" in err
 
 
+def test_simulate_does_not_fail_for_a_tenant_that_got_no_request(tmp_path, monkeypatch, capsys):
+    """A short run at a low rate reaches only some tenants (round robin): no request is no failure."""
+    from clora import simulate as simulate_module
+    from clora.cli import main
+
+    config = tmp_path / "clora.toml"
+    config.write_text(f'data_dir = "{tmp_path / "data"}"\n[[tenants]]\nname = "a"\napi_key = "sk-a-00000000"\n'
+                      '[[tenants]]\nname = "b"\napi_key = "sk-b-00000000"\n')
+
+    def one_request(self):
+        self.records.append(simulate_module.Record(0.1, "a", "r1", "a@1", 1.0, "ok", True))
+
+    monkeypatch.setattr(simulate_module.Simulator, "run", one_request)
+    assert main(["simulate", "--config", str(config), "--seconds", "1", "--rate", "1"]) == 0
+    assert "no request succeeded" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args", [["--rate", "0"], ["--rate", "-1"], ["--seconds", "0"], ["--seconds", "nan"],
                                   ["--rate", "inf"], ["--max-tokens", "0"]])
 def test_simulate_refuses_a_rate_or_duration_that_is_not_above_0(tmp_path, capsys, args):

@@ -430,6 +430,31 @@ def test_up_under_nohup_keeps_ignoring_sighup(tmp_path, monkeypatch):
         signal.signal(signal.SIGHUP, previous)
 
 
+def test_hangups_start_the_stop_but_never_hurry_it(tmp_path, monkeypatch):
+    """A closed terminal sends a job more than one SIGHUP (the shell's, then the kernel's): they must not
+    count as a second and third Ctrl-C, which kill every child at once."""
+    from clora import up as up_module
+    from clora.config import Config
+
+    monkeypatch.setattr(up_module, "stack_specs", lambda *_, **__: ([spec("a")], ["a"]))
+    monkeypatch.setattr(up_module, "setup_problems", lambda _cfg: [])
+    sup = Supervisor([spec("a")], ["a"], emit=collect()[1])
+    monkeypatch.setattr(up_module, "Supervisor", lambda *a, **kw: sup)
+
+    def until():  # the handler `up` installed, called twice as two hangups would call it
+        hangup = signal.getsignal(signal.SIGHUP)
+        hangup(signal.SIGHUP, None)
+        hangup(signal.SIGHUP, None)
+        return True
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        up_module.up(Config.model_validate({"data_dir": str(tmp_path)}), None, until=until, emit=collect()[1])
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert sup.stopping.is_set() and sup.signals == 0, "hangups stop the stack, and count as no Ctrl-C"
+
+
 def test_the_signal_handler_takes_no_lock(tmp_path, monkeypatch):
     """A handler runs in the main thread between two of its bytecodes, perhaps while that thread holds a lock
     (threading.Event.wait's): a handler taking the same lock deadlocks `up`. It only records the signal, and
