@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from test_processes import gone  # tests/clora/test_processes.py
 
 from clora.up import ChildSpec, Supervisor, stack_specs
 
@@ -344,21 +345,6 @@ def test_serving_is_healthy_only_when_its_health_answer_names_the_childs_pid(tmp
 
 # ---------------------------------------------------------------------------------------------------------
 # Stopping in order whatever happens meanwhile
-
-
-def gone(pid: int, within: float = 10.0) -> bool:
-    """Whether process `pid` is dead within `within` seconds (a zombie counts: an orphan's reaper may be slow)."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return True
-        if state in ("Z", "X"):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 class Unwritable:

@@ -189,6 +189,15 @@ def sse_events(response) -> list:
             for line in response.text.split("\n\n") if line]
 
 
+def chat_scope(body: bytes, tenant: str = "acme") -> dict:
+    """The ASGI scope of a POST /v1/chat/completions carrying `body`, for tests that drive the app's receive."""
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+            "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+            "query_string": b"", "root_path": "", "server": ("clora", 80), "client": ("127.0.0.1", 5000),
+            "headers": [(b"authorization", f"Bearer {KEYS[tenant]}".encode()),
+                        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+
+
 def error(response) -> dict:
     body = response.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
@@ -681,11 +690,7 @@ def test_a_client_that_leaves_before_the_answer_gives_its_slots_back_at_once(str
         async def send(message):
             sent.append(message)
 
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                 "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-                 "query_string": b"", "root_path": "", "server": ("clora", 80), "client": ("127.0.0.1", 5000),
-                 "headers": [(b"authorization", f"Bearer {KEYS['acme']}".encode()),
-                             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+        scope = chat_scope(body)
         handler = asyncio.create_task(w.app(scope, receive, send))
         while not w.llm.calls:
             await asyncio.sleep(0.01)
@@ -714,11 +719,7 @@ def test_a_client_that_leaves_while_sending_its_body_is_a_quiet_499(caplog):
         async def send(message):
             sent.append(message)
 
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                 "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-                 "query_string": b"", "root_path": "", "server": ("clora", 80), "client": ("127.0.0.1", 5000),
-                 "headers": [(b"authorization", f"Bearer {KEYS['acme']}".encode()),
-                             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+        scope = chat_scope(body)
         await w.app(scope, receive, send)
         return sent
 
