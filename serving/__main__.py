@@ -94,7 +94,7 @@ async def serve(cfg, host: str, port: int) -> int:
         check = functools.partial(
             validate_adapter, max_rank=s.max_lora_rank, base_shapes=base_linear_shapes(model_path)
         )
-        stage = stage_directory(DataDir(cfg.data_dir).state / "serving-adapters")
+        stage = stage_directory(DataDir(cfg.data_dir).serving_adapters)
         adapters = AdapterSet(engine, registry, tenants, check, metrics, base_name=cfg.model.name, stage_dir=stage)
         await adapters.refresh()
         try:
@@ -106,7 +106,7 @@ async def serve(cfg, host: str, port: int) -> int:
             bootstrap=cfg.kafka.bootstrap,
             interactions_topic=cfg.kafka.interactions_topic,
             feedback_topic=cfg.kafka.feedback_topic,
-            spool_dir=DataDir(cfg.data_dir).state / "serving-spool",
+            spool_dir=DataDir(cfg.data_dir).serving_spool,
             metrics=metrics,
             # Every event ingest would store fits (its limit plus room for the key and the batch framing).
             producer_factory=functools.partial(

@@ -37,7 +37,8 @@ wedge the spool if it stayed in a segment, so the event log moves it, with its r
                                   "topic": ..., "key": ..., "value": <the whole message text>}
 
 The directory has no suffix that `segments()` picks up, so no sender (of this version or an older one)
-ever claims it. Dead letters stay until an operator removes them; nothing here reads them again. Writers
+ever claims it. Dead letters stay until retention deletes a day's file (`clora prune`, storage.retention,
+once the whole day is older than `[retention] days`); nothing here reads them again. Writers
 of several processes append under an exclusive flock, so their lines never interleave.
 
 What this module does not do: talk to Kafka (events_log.py does) or decide when to spool or what is dead.

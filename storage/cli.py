@@ -420,7 +420,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def _prune(cfg, days: float, dataset: str | None, tenant: str | None, *, dry_run: bool, command: str) -> int:
     from storage.layout import UNKNOWN_TENANT, StorageError
-    from storage.retention import DAY_S, forget_trained, prune, prune_registry
+    from storage.retention import DAY_S, forget_trained, prune, prune_registry, prune_spool_dead
 
     older_than_s = days * DAY_S
     # Dead letters without a readable tenant (_unknown) have data files only: no adapters, no learner cursor.
@@ -429,7 +429,8 @@ def _prune(cfg, days: float, dataset: str | None, tenant: str | None, *, dry_run
         results = prune(cfg.data_dir, older_than_s=older_than_s, dataset=dataset, tenant=tenant, dry_run=dry_run)
         records = {} if data_only else prune_registry(cfg.data_dir, older_than_s=older_than_s, tenant=tenant, dry_run=dry_run)
         forgotten = {} if data_only else forget_trained(cfg.data_dir, older_than_s=older_than_s, tenant=tenant, dry_run=dry_run)
-    except (StorageError, ValueError) as e:
+        spooled = 0 if data_only or tenant else prune_spool_dead(cfg.data_dir, older_than_s=older_than_s, dry_run=dry_run)
+    except (StorageError, ValueError, OSError) as e:
         print(f"clora {command}: {e}", file=sys.stderr)
         return 1
     for r in results:
@@ -438,5 +439,6 @@ def _prune(cfg, days: float, dataset: str | None, tenant: str | None, *, dry_run
     verb = "would delete" if dry_run else "deleted"
     print(f"pruned (older than {days:g} days): {verb} {sum(r.files for r in results)} files, "
           f"{sum(r.rows for r in results)} rows, {sum(r.bytes for r in results) / 1e6:.1f} MB, "
-          f"{sum(records.values())} adapter version records; {sum(forgotten.values())} trained ids forgotten", flush=True)
+          f"{sum(records.values())} adapter version records, {spooled} serving dead-letter day files; "
+          f"{sum(forgotten.values())} trained ids forgotten", flush=True)
     return 0

@@ -13,6 +13,8 @@ Nothing else in clora joins path segments under the data dir: ingest, learner an
       registry/HEAD.json, registry/<t>/<n>.json     registry metadata: the commit point of a version
       cursors/<t>/step-<step>/                      learner checkpoint + ids trained at that step (storage.cursors)
       state/                                        process-private durable state (ingest offsets, spools)
+      state/serving-spool/dead/<YYYY-MM-DD>.jsonl   events Kafka refused for good (serving.spool; pruned by retention)
+      state/serving-adapters/<host>-<pid>/          serving's copies of the adapters it loaded
       models/                                       base models (the tiny local model is built here)
       locks/                                        advisory lock files (compaction, registry, cursors, learner tenants)
 
@@ -118,6 +120,19 @@ class DataDir:
     @property
     def state(self) -> Path:
         return self.root / "state"
+
+    @property
+    def serving_spool(self) -> Path:
+        return self.state / "serving-spool"
+
+    @property
+    def serving_spool_dead(self) -> Path:
+        """One `<YYYY-MM-DD>.jsonl` per UTC day of refusals (serving/spool.py writes them; retention prunes)."""
+        return self.serving_spool / "dead"
+
+    @property
+    def serving_adapters(self) -> Path:
+        return self.state / "serving-adapters"
 
     @property
     def models(self) -> Path:

@@ -28,7 +28,9 @@ live again. `prune_registry` deletes the records of settled adapter versions (re
 their files gone; `learner.keep_versions` deletes the files) last written before the cutoff, never a
 tenant's newest. `forget_trained` makes each learner cursor forget the ids of steps committed before the
 cutoff (16 bytes each in every learner, and a cold start's read), and leave trajectories ingested before
-it out of the backlog (storage.cursors, `Cursors.forget`). Not here: train_steps/ (a row per step, small).
+it out of the backlog (storage.cursors, `Cursors.forget`). `prune_spool_dead` deletes the serving tier's
+dead-letter files (`state/serving-spool/dead/<YYYY-MM-DD>.jsonl`, events Kafka refused for good) whose whole
+UTC day is older than the cutoff. Not here: train_steps/ (a row per step, small).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 from storage import parquet
@@ -102,6 +105,31 @@ def prune(
         for t in [tenant] if tenant else partition_tenants(dd, ds):
             results.append(prune_partition(dd, ds, t, cutoff_ms, dry_run=dry_run))
     return results
+
+
+def prune_spool_dead(root, *, older_than_s: float, dry_run: bool = False, now_s: float | None = None) -> int:
+    """How many of serving's dead-letter day files were (or, with dry_run, would be) deleted: those whose
+    whole UTC day ended before the cutoff. A file whose name is not a date is left alone."""
+    cutoff_s = _cutoff_s(older_than_s, now_s)
+    directory = as_datadir(root).serving_spool_dead
+    try:
+        names = sorted(p.name for p in directory.iterdir() if p.suffix == ".jsonl")
+    except FileNotFoundError:
+        return 0
+    deleted = 0
+    for name in names:
+        try:
+            day = datetime.strptime(name.removesuffix(".jsonl"), "%Y-%m-%d").replace(tzinfo=timezone.utc)
+        except ValueError:
+            continue
+        if day.timestamp() + DAY_S > cutoff_s:
+            continue
+        if not dry_run:
+            (directory / name).unlink(missing_ok=True)
+        deleted += 1
+    if deleted and not dry_run:
+        fsync_dir(directory)
+    return deleted
 
 
 def prune_registry(root, *, older_than_s: float, tenant: str | None = None, dry_run: bool = False,

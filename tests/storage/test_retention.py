@@ -13,7 +13,7 @@ from storage.compact import compact
 from storage.cursors import Cursors
 from storage.files import FileLock
 from storage.parquet import live_files, read_dataset, write_dataset
-from storage.retention import DAY_S, newest_ms, prune
+from storage.retention import DAY_S, newest_ms, prune, prune_spool_dead
 
 pytestmark = pytest.mark.unit
 
@@ -166,7 +166,8 @@ def test_prune_command(tmp_path, data_dir, files, monkeypatch, capsys):
     # The rows are from T0 (2025): all older than 30 days.
     code, out, _ = run("prune", "--older-than-days", "30", "--dry-run")
     assert code == 0 and "would delete 5 files, 20 rows" in out and len(names(files)) == 5
-    assert "0 adapter version records; 3 trained ids forgotten" in out and cursors.trained_ids("acme") == {"f0-0", "f0-1", "f0-2"}
+    assert "0 adapter version records, 0 serving dead-letter day files; 3 trained ids forgotten" in out
+    assert cursors.trained_ids("acme") == {"f0-0", "f0-1", "f0-2"}
     code, out, _ = run("prune", "--older-than-days", "30")
     assert code == 0 and "deleted 5 files, 20 rows" in out and names(files) == []
     assert "3 trained ids forgotten" in out and cursors.trained_ids("acme") == set() and cursors.latest_step("acme") == 2
@@ -196,3 +197,20 @@ def test_the_compactor_loop_prunes_with_a_retention_set(tmp_path, data_dir, file
     code, out, _ = compactor_loop(config, lambda proc: not names(files))
     assert code == 0, out
     assert names(files) == [] and "pruned (older than 30 days): deleted" in out
+
+
+def test_servings_dead_letter_day_files_go_once_their_whole_day_is_older_than_the_retention(data_dir):
+    """Events Kafka refused for good (serving/spool.py) were kept for ever."""
+    from storage.layout import DataDir
+
+    dead = DataDir(data_dir).serving_spool_dead
+    dead.mkdir(parents=True)
+    for name in ("2025-01-01.jsonl", "2025-01-09.jsonl", "2025-01-10.jsonl", "notes.jsonl", "2025-01-01.txt"):
+        (dead / name).write_text("{}\n")
+    now = datetime(2025, 1, 20, 12, tzinfo=timezone.utc).timestamp()
+    # cutoff 2025-01-10 12:00: the 9th ended before it, the 10th did not
+    assert prune_spool_dead(data_dir, older_than_s=10 * DAY_S, now_s=now, dry_run=True) == 2
+    assert len(list(dead.iterdir())) == 5
+    assert prune_spool_dead(data_dir, older_than_s=10 * DAY_S, now_s=now) == 2
+    assert sorted(p.name for p in dead.iterdir()) == ["2025-01-01.txt", "2025-01-10.jsonl", "notes.jsonl"]
+    assert prune_spool_dead(data_dir / "nowhere", older_than_s=DAY_S) == 0
