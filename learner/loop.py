@@ -283,6 +283,8 @@ class Learner:
             return
         if spec == rt.spec:
             return
+        if self.prefetcher is not None:  # a job planned under the old spec (mode, prompts, group size)
+            self.prefetcher.discard(spec.name)
         if rt.loaded:
             self.policy.update_spec(spec)
             spec = self.policy.spec(spec.name)
@@ -323,6 +325,12 @@ class Learner:
                         n = 0
             out[name] = n if rt.retry_at <= now else 0
         return out
+
+    def still_sampling(self, backlog: dict[str, int]) -> set[str]:
+        """The ready tenants whose prefetched rollouts are still being sampled."""
+        if self.prefetcher is None:
+            return set()
+        return {name for name, n in backlog.items() if n > 0 and self.prefetcher.busy(name)}
 
     def choose(self, backlog: dict[str, int], exclude=()) -> str | None:
         name, self.ledger = choose(self.scheduler, backlog, self.ledger, exclude=exclude)
@@ -387,7 +395,7 @@ class Learner:
             row=meta["row"],
             timings=timings,
             rewards=trained.rewards,
-            staleness=_staleness(work.samples, name, meta["row"]["version"], rt.served),
+            staleness=_staleness(work.samples, name, meta["row"]["version"], rt.served, self.settings.max_staleness),
         )
 
     def _train_and_commit(self, rt: TenantRuntime, parent, started: float, clock: _Phases):
@@ -537,6 +545,9 @@ class Learner:
     def _collect_rollouts(self, rt: TenantRuntime) -> _Work | None:
         self._scorer(rt)  # fail early (and loudly) on a tenant that cannot do rollouts
         job: SampledBatch | None = self.prefetcher.take(rt.spec.name) if self.prefetcher is not None else None
+        if job is not None and job.step != rt.step + 1:  # planned for another step (the tenant reloaded since)
+            logger.info("tenant %s: sampled batch for step %d dropped at step %d", rt.spec.name, job.step, rt.step + 1)
+            job = None
         seconds = None
         if job is not None:
             plan, samples, seconds = job.plan, job.samples, job.seconds
@@ -1001,7 +1012,13 @@ def run(
                     logger.error("config reload failed; keeping the previous config: %s", e)
             backlog = learner.pending(hold_partial=not (once or until_idle))
             learner.prefetch(backlog)
-            name = learner.choose(backlog, exclude=served if once else ())
+            exclude = set(served) if once else set()
+            # A tenant whose rollouts are still being sampled would make the learner wait for them: while
+            # another tenant is ready with nothing to wait for, that one goes first.
+            sampling = learner.still_sampling(backlog)
+            if sampling and any(n > 0 and t not in sampling and t not in exclude for t, n in backlog.items()):
+                exclude |= sampling
+            name = learner.choose(backlog, exclude=exclude)
             if name is None:
                 if once or until_idle:
                     break
@@ -1049,16 +1066,19 @@ class _Phases:
         return out
 
 
-def _staleness(samples, tenant: str, parent: str | None, served: list[int]) -> int | None:
-    """How many served versions the oldest sample is behind `parent` (the adapter the step trained,
-    "<tenant>@<n>" or None before the first publish; logs_mode.versions_behind); None without samples. A
-    sample of the base model is version 0."""
-    versions = [s.version for group in samples or () for s in group]
-    if not versions:
-        return None
+def _staleness(samples, tenant: str, parent: str | None, served: list[int], max_staleness: int) -> int | None:
+    """How many served versions the oldest sample trained on is behind `parent` (the adapter the step
+    trained, "<tenant>@<n>" or None before the first publish; logs_mode.versions_behind); None without such
+    samples. A sample of the base model is version 0; samples dropped as stale or foreign do not count."""
     current = int(parent.rsplit("@", 1)[1]) if parent else 0
-    numbers = [int(v.rsplit("@", 1)[1]) if v and v.startswith(f"{tenant}@") else 0 for v in versions]
-    return max(logs_mode.versions_behind(n, current, served) for n in numbers)
+    behind = []
+    for group in samples or ():
+        for s in group:
+            number = logs_mode.version_number(s.version, tenant)
+            if number is not None:
+                behind.append(logs_mode.versions_behind(number, current, served))
+    kept = [b for b in behind if b <= max_staleness]
+    return max(kept) if kept else None
 
 
 def _num(x: float | None) -> float | None:

@@ -324,6 +324,11 @@ class Prefetcher:
     def pending(self, tenant: str) -> bool:
         return tenant in self._jobs
 
+    def busy(self, tenant: str) -> bool:
+        """Whether the tenant's job is still sampling (taking it now would wait for it)."""
+        job = self._jobs.get(tenant)
+        return job is not None and not job[2].done()
+
     def start(self, tenant: str, plan: RolloutPlan, requests: Sequence[SampleRequest], *, step: int = 0) -> None:
         if tenant not in self._jobs:
             self._jobs[tenant] = (plan, step, self._pool.submit(self._timed, list(requests)))

@@ -746,3 +746,52 @@ def test_an_adapter_shape_serving_would_refuse_is_an_error_before_anything_is_tr
     assert odd.status == "error" and "serving would refuse every version" in odd.error and "self_attn.q_proj" in odd.error
     assert Registry(data_dir).versions("odd") == [] and Registry(data_dir).latest_published("ok").number == 1
     assert not learner.policy.has("odd")  # tried again (with the config mended) from scratch
+
+
+class SlowForOneSampler(FakeServingSampler):
+    """FakeServingSampler whose requests for `slow` take `seconds` (a tenant serving answers slowly)."""
+
+    def __init__(self, slow: str, seconds: float):
+        super().__init__()
+        self.slow, self.seconds = slow, seconds
+
+    def sample(self, requests):
+        if requests and requests[0].tenant == self.slow:
+            time.sleep(self.seconds)
+        return super().sample(requests)
+
+
+def test_a_tenant_still_being_sampled_does_not_hold_up_one_whose_batch_is_ready(tiny_model, data_dir, tmp_path):
+    """The scheduler picked a tenant whose rollouts were still being sampled, and the learner waited for
+    them while another tenant's batch lay ready (20 s in the review's trial)."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\nthree\nfour\n")
+    lab = lambda name: {"name": name, "mode": "rollouts", "scorer": "length:12", "prompts_file": str(prompts),  # noqa: E731
+                        "batch_size": 4, "group_size": 2, "learning_rate": 1e-2}
+    cfg = make_config(data_dir, tiny_model, [lab("aaa"), lab("bbb")], max_new_tokens=8, gate_max_kl=50.0,
+                      scheduler="round_robin", sample_ahead=False)
+    learner = Learner(cfg, model_path=tiny_model, sampler=SlowForOneSampler("aaa", 4.0), progress=False)
+    order = []
+    started = time.monotonic()
+    run(cfg, model_path=tiny_model, learner=learner, max_steps=3, progress=False,
+        on_step=lambda r: order.append((r.tenant, round(time.monotonic() - started, 1))))
+    assert [t for t, _ in order[:2]] == ["bbb", "bbb"], order  # aaa (first in turn) was still being sampled
+    assert order[0][1] < 3.0, order
+    learner.close()
+
+
+def test_a_sampling_job_planned_under_an_old_spec_is_dropped_when_the_config_changes(tiny_model, data_dir, tmp_path):
+    """A job outlived a reload (logs mode meanwhile, then rollouts again) and was trained at a later step,
+    committing its production ids a second time."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\nthree\nfour\n")
+    tenant = {"name": "lab", "mode": "rollouts", "scorer": "length:12", "prompts_file": str(prompts), "batch_size": 4,
+              "group_size": 2, "learning_rate": 1e-2}
+    cfg = make_config(data_dir, tiny_model, [tenant], max_new_tokens=8, gate_max_kl=50.0, sample_ahead=False)
+    learner = Learner(cfg, model_path=tiny_model, sampler=FakeServingSampler(), progress=False)
+    run(cfg, model_path=tiny_model, learner=learner, max_steps=1, progress=False)
+    assert learner.prefetcher.pending("lab")  # step 2's batch, started after step 1's commit
+    learner.apply_config(make_config(data_dir, tiny_model, [{**tenant, "group_size": 4}], max_new_tokens=8,
+                                     gate_max_kl=50.0, sample_ahead=False))
+    assert not learner.prefetcher.pending("lab")
+    learner.close()
