@@ -82,6 +82,13 @@ POLL_MS = 500
 DEAD_LETTER_ATTEMPTS = 3  # sends of a dead letter the broker did not acknowledge, in all
 DEAD_LETTER_BACKOFF_SECONDS = 0.5  # times the attempt number, between attempts
 DEAD_LETTER_TIMEOUT_SECONDS = 30.0  # for the broker's answer to one dead letter, after flush()
+# A send's whole life, retries included (kafka-python's default is 120 s): the attempts below, each bounded
+# so, stay far inside max.poll.interval (a member silent that long leaves the group, and its batch replays).
+DEAD_LETTER_DELIVERY_MS = 20_000
+# How long the loop may go between polls (loading the store view after an assignment reads every stored key:
+# minutes for a large store) before the group gives its partitions to another member. kafka-python's
+# default is 5 minutes; past it, the load started again at the next assignment, and again.
+MAX_POLL_INTERVAL_MS = 30 * 60_000
 DEAD_LETTER_BLOCK_MS = 10_000  # the longest a send may wait for the topic's metadata (kafka-python's max_block_ms)
 WRITING_POLL_MS = 10  # while a write is in flight: poll briefly, so its commit follows it closely
 WRITER_THREADS = 3  # the two large datasets (interactions, trajectories) at once, and the small ones
@@ -297,6 +304,8 @@ class Ingest:
                 acks="all",
                 linger_ms=5,
                 max_block_ms=DEAD_LETTER_BLOCK_MS,
+                request_timeout_ms=DEAD_LETTER_DELIVERY_MS - 5_000,
+                delivery_timeout_ms=DEAD_LETTER_DELIVERY_MS,
                 max_request_size=self.processor.max_message_bytes + 65536,
             )
             resources.callback(self.producer.close)
@@ -308,6 +317,7 @@ class Ingest:
                 auto_offset_reset="earliest",
                 session_timeout_ms=self.session_timeout_ms,
                 heartbeat_interval_ms=self.heartbeat_interval_ms,
+                max_poll_interval_ms=MAX_POLL_INTERVAL_MS,
                 partition_assignment_strategy=(RangePartitionAssignor,),  # co-partitioning: see pending.py
                 max_poll_records=self.flush_rows,
                 fetch_max_bytes=64 * 1024 * 1024,
@@ -437,7 +447,7 @@ class Ingest:
                 # would wait as long each: give up on this batch's dead letters at once.
                 failed = [(rejected, e) for rejected in pending]
                 break
-            self.producer.flush()
+            self.producer.flush(timeout=DEAD_LETTER_DELIVERY_MS / 1000)  # each future below says what came of it
             failed = []
             for rejected, future in sent:
                 # Each send's own answer, not flush()'s word: a send can still be on its way to the

@@ -84,6 +84,7 @@ class IngestMetrics:
 
     def set_lag(self, lag: dict[tuple[str, int], int]) -> None:
         self.lag = lag
+        self.lag_gauge.clear()  # partitions revoked since (another process reports them now)
         for (topic, partition), n in lag.items():
             self.lag_gauge.labels(topic, str(partition)).set(n)
 

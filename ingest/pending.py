@@ -94,7 +94,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ingest.index import KeyIndex
-from ingest.rows import FEEDBACK_KEY_COLUMNS, FeedbackRow, InteractionRow, interaction_rows
+from ingest.rows import FEEDBACK_KEY, FEEDBACK_KEY_COLUMNS, FeedbackRow, InteractionRow, interaction_rows
 from storage.layout import UNKNOWN_TENANT, StorageError, as_datadir
 from storage.parquet import (
     READ_ATTEMPTS,
@@ -178,6 +178,8 @@ class PendingFeedback:
             waiting = self.by_tenant[row.tenant] = OrderedDict()
             self.held[row.tenant] = 0
         rows = waiting.get(row.id, ())
+        if any(FEEDBACK_KEY(r) == FEEDBACK_KEY(row) for r in rows):
+            return 0  # the same event again (a replay after a restart, a resend): one place in the join
         if len(rows) >= MAX_WAITING_PER_ID:
             return 1
         waiting[row.id] = (*rows, row)  # an id already waiting keeps its place

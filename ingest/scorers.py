@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import numbers
 import re
 import string
 import traceback
@@ -192,10 +193,12 @@ def apply(scorer: Scorer, completion: str, prompt: str) -> float:
     """Runs `scorer`; returns its reward as a float, or raises ScorerError with a traceback summary."""
     try:
         reward = scorer(completion, prompt)
-    except Exception as e:  # a user-supplied scorer may raise anything; it must not stop the consumer
+    except (KeyboardInterrupt, MemoryError):
+        raise
+    except BaseException as e:  # a user's scorer may raise anything, sys.exit() too: it must not stop the consumer
         summary = "".join(traceback.format_exception(e, limit=-3)).strip()
         raise ScorerError(f"scorer raised {type(e).__name__}: {exception_text(e)}\n{summary}"[:2000]) from e
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):  # numpy's scalars are Reals too
         raise ScorerError(f"scorer returned {shown(reward)}, not a finite number")
     try:
         value = float(reward)

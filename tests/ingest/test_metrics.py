@@ -21,7 +21,8 @@ def test_totals_and_prometheus_endpoint():
         out = Output(duplicates=2, reasons=Counter({"not_json": 3, "bad_field": 1}), pending_dropped=Counter({"over_cap": 5}))
         metrics.flushed(10, out, 0.05, pending=4)
         metrics.pending_dropped("expired", 2)
-        metrics.set_lag({("clora.interactions", 1): 7})
+        metrics.set_lag({("clora.interactions", 0): 120_000})
+        metrics.set_lag({("clora.interactions", 1): 7})  # partition 0 revoked since: no longer reported
         assert metrics.total["messages"] == 10 and metrics.total["duplicates"] == 2
         assert metrics.reasons == {"not_json": 3, "bad_field": 1}
         assert metrics.dropped == {"over_cap": 5, "expired": 2}
@@ -29,6 +30,7 @@ def test_totals_and_prometheus_endpoint():
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert 'clora_ingest_dead_letters_total{reason="not_json"} 3.0' in body
         assert 'clora_ingest_lag{partition="1",topic="clora.interactions"} 7.0' in body
+        assert 'partition="0"' not in body
         assert "clora_ingest_pending_feedback 4.0" in body
         assert 'clora_ingest_pending_feedback_dropped_total{reason="over_cap"} 5.0' in body
         assert 'clora_ingest_pending_feedback_dropped_total{reason="expired"} 2.0' in body

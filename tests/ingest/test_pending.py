@@ -111,8 +111,9 @@ def test_without_compaction_the_index_is_not_rebuilt(data_dir, monkeypatch):
 # PendingFeedback: several rows may wait for one id (the first may turn out outside its interaction's expiry).
 
 
-def row(id_, n, tenant="fa", ts=NOW_MS, ingested_at=NOW_MS):
-    return FeedbackRow(id_, tenant, ts, 0.5, None, "f", 0, n, ingested_at)
+def row(id_, n, tenant="fa", ts=None, ingested_at=NOW_MS):
+    """Feedback row `n` (its offset; each a different event: its ts is NOW_MS + n unless given)."""
+    return FeedbackRow(id_, tenant, NOW_MS + n if ts is None else ts, 0.5, None, "f", 0, n, ingested_at)
 
 
 def offsets(waiting: pending.PendingFeedback, key):
@@ -126,6 +127,15 @@ def test_rows_of_one_id_wait_in_the_order_they_came_up_to_the_limit_per_id():
     assert len(waiting) == pending.MAX_WAITING_PER_ID and list(waiting) == [("fa", "a")]
     assert waiting.get(("fa", "nope")) == () and waiting.pop(("fa", "nope")) == ()
     assert len(waiting.pop(("fa", "a"))) == pending.MAX_WAITING_PER_ID and not waiting and len(waiting) == 0
+
+
+def test_the_same_feedback_event_again_takes_one_place_in_the_join():
+    """A replay after a restart (the view loaded it from disk) or a resend adds the same event again: it
+    took a second place and, near the cap, pushed another interaction's feedback out of the join."""
+    waiting = pending.PendingFeedback(cap=2)
+    assert waiting.add(row("a", 0)) == 0 and waiting.add(row("b", 1)) == 0
+    assert waiting.add(row("b", 1)) == 0 and waiting.add(row("b", 7, ts=NOW_MS + 1)) == 0  # the same event, re-read
+    assert offsets(waiting, ("fa", "a")) == [0] and offsets(waiting, ("fa", "b")) == [1] and waiting.held == {"fa": 2}
 
 
 def test_the_caps_count_rows_and_drop_the_oldest_rows_first():

@@ -106,6 +106,18 @@ def test_apply_turns_failures_into_scorer_error():
     assert apply(lambda c, p: 1, "c", "p") == 1.0
 
 
+def test_a_scorer_that_exits_is_a_scorer_error_and_numpy_scalars_are_numbers():
+    """sys.exit() in a user's scorer raised SystemExit out of ingest (and again on every replay); numpy's
+    float32 and int64 were dead-lettered as "not a finite number"."""
+    import numpy as np
+
+    with pytest.raises(ScorerError, match="SystemExit"):
+        apply(lambda c, p: sys.exit(3), "c", "p")
+    assert apply(lambda c, p: np.float32(0.5), "c", "p") == 0.5 and apply(lambda c, p: np.int64(1), "c", "p") == 1.0
+    with pytest.raises(ScorerError, match="not a finite number"):
+        apply(lambda c, p: np.bool_(True), "c", "p")
+
+
 class _Unshowable:
     def __repr__(self):
         raise RuntimeError("no repr")
