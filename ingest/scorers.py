@@ -98,7 +98,8 @@ def json_valid(completion: str, prompt: str) -> float:
     if not text or (text[0] not in _JSON_FIRST and not text.startswith(_JSON_WORDS)):
         return 0.0
     try:
-        json.loads(completion, parse_constant=_reject_constant)
+        # parse_int: only the grammar matters, and int() refuses over 4300 digits (valid JSON all the same)
+        json.loads(completion, parse_constant=_reject_constant, parse_int=len)
     except (ValueError, RecursionError):
         return 0.0
     return 1.0

@@ -106,6 +106,10 @@ def test_apply_turns_failures_into_scorer_error():
     assert apply(lambda c, p: 1, "c", "p") == 1.0
 
 
+def test_json_with_a_very_long_integer_is_valid_json():
+    assert json_valid("[" + "9" * 5000 + "]", "") == 1.0 and json_valid("[1, 2", "") == 0.0
+
+
 def test_a_scorer_that_exits_is_a_scorer_error_and_numpy_scalars_are_numbers():
     """sys.exit() in a user's scorer raised SystemExit out of ingest (and again on every replay); numpy's
     float32 and int64 were dead-lettered as "not a finite number"."""
