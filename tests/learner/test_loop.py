@@ -292,6 +292,21 @@ def test_a_learner_behind_its_cursor_publishes_nothing_and_catches_up_from_disk(
     learner.close()
 
 
+def latest_step_fails_after(monkeypatch):
+    """Makes the next Cursors.latest_step call after the returned function is called raise once (the check of
+    a commit's outcome failing too); returns that function."""
+    real_latest, armed = Cursors.latest_step, []
+
+    def latest_step(self, tenant):
+        if armed:
+            armed.pop()
+            raise OSError(24, "Too many open files")
+        return real_latest(self, tenant)
+
+    monkeypatch.setattr(Cursors, "latest_step", latest_step)
+    return lambda: armed.append(1)
+
+
 def test_a_commit_that_raised_after_its_commit_point_and_could_not_be_checked_is_finished_not_abandoned(
         tiny_model, data_dir, monkeypatch):
     """The commit passed its commit point and raised (an fsync after the rename); reading the cursor to tell
@@ -302,22 +317,15 @@ def test_a_commit_that_raised_after_its_commit_point_and_could_not_be_checked_is
     learner = Learner(cfg, model_path=tiny_model, progress=False)
     learner.pending(hold_partial=False)
     assert learner.step_safely("acme").version == "acme@1"
-    real_commit, real_latest = Cursors.commit, Cursors.latest_step
-    fail_check = []
+    real_commit = Cursors.commit
+    fail_check = latest_step_fails_after(monkeypatch)
 
     def commit_then_raise(self, tenant, **kw):
         real_commit(self, tenant, **kw)
-        fail_check.append(1)
+        fail_check()
         raise OSError(5, "Input/output error (after the rename)")
 
-    def latest_step(self, tenant):
-        if fail_check:
-            fail_check.pop()
-            raise OSError(24, "Too many open files")
-        return real_latest(self, tenant)
-
     monkeypatch.setattr(Cursors, "commit", commit_then_raise)
-    monkeypatch.setattr(Cursors, "latest_step", latest_step)
     assert learner.step_safely("acme") is None  # step 2: committed on disk, the process cannot tell
     monkeypatch.undo()
     learner.tenants["acme"].retry_at = 0
@@ -339,21 +347,13 @@ def test_a_commit_that_failed_before_its_commit_point_and_could_not_be_checked_l
     learner = Learner(cfg, model_path=tiny_model, progress=False)
     learner.pending(hold_partial=False)
     assert learner.step_safely("acme").version == "acme@1"
-    real_latest = Cursors.latest_step
-    fail_check = []
+    fail_check = latest_step_fails_after(monkeypatch)
 
     def full(self, name, directory, meta):
-        fail_check.append(1)
+        fail_check()
         raise OSError(28, "No space left on device")
 
-    def latest_step(self, tenant):
-        if fail_check:
-            fail_check.pop()
-            raise OSError(24, "Too many open files")
-        return real_latest(self, tenant)
-
     monkeypatch.setattr(Learner, "_write_checkpoint", full)
-    monkeypatch.setattr(Cursors, "latest_step", latest_step)
     assert learner.step_safely("acme") is None
     monkeypatch.undo()
     learner.tenants["acme"].retry_at = 0
