@@ -284,6 +284,9 @@ class Ingest:
         self.last_flush_at: float | None = None
         self.last_flush_cpu: float | None = None
         self.expired_at = 0.0
+        # Whether the group's last rebalance has finished and given this process its assignment (which may be
+        # empty: more processes than partitions). False from a revocation or loss until the next assignment.
+        self.joined = False
 
     # --- the loop -------------------------------------------------------------------------------------
 
@@ -342,8 +345,11 @@ class Ingest:
             room = self.flush_rows - len(self.buffer)
             full_poll = self.writing is None
             polled = self.consumer.poll(timeout_ms=POLL_MS if full_poll else WRITING_POLL_MS, max_records=max(room, 1))
-            if self.store is None and self.consumer.assignment():
-                self.load_store()
+            if self.store is None and self.joined:
+                if self.consumer.assignment():
+                    self.load_store()
+                elif self.assigned_at is None:
+                    self._mark_ready()  # in the group with no partition (more processes than partitions)
             for tp, messages in polled.items():
                 if not self.buffer:
                     self.buffer_since = time.monotonic()
@@ -525,6 +531,7 @@ class Ingest:
         The next owner, this process included, replays the uncommitted offsets and its key indexes skip
         what is stored: one batch read twice per rebalance, nothing stored twice."""
         logger.info("ingest: revoked partitions %s", _names(partitions))
+        self.joined = False
         try:
             self.flush(commit=False)
         finally:
@@ -536,6 +543,7 @@ class Ingest:
         commit); the write in flight cannot be stopped, so it is waited for, uncommitted."""
         logger.warning("ingest: lost partitions %s (evicted from the group); %d buffered records dropped for replay",
                        _names(partitions), len(self.buffer))
+        self.joined = False
         self.buffer = []
         write, self.writing = self.writing, None
         try:
@@ -549,6 +557,7 @@ class Ingest:
         # The store view is rebuilt after poll() returns, not here: a listener runs inside the consumer's
         # network loop, and a long load would hold up heartbeats until the group evicts this process.
         logger.info("ingest: assigned partitions %s", _names(partitions))
+        self.joined = True
         try:
             self._finish_write(commit=False)  # normally done on revocation already; not committed: see revoked
         finally:
@@ -561,8 +570,12 @@ class Ingest:
         )
         self.metrics.set_pending(len(self.store.pending))
         if self.assigned_at is None:
-            self.assigned_at, self.assigned_cpu = time.monotonic(), time.process_time()
-            mark_ready(as_datadir(self.root).state, "ingest")  # in the group, store loaded: `clora up` goes on
+            self._mark_ready()
+
+    def _mark_ready(self) -> None:
+        self.assigned_at, self.assigned_cpu = time.monotonic(), time.process_time()
+        # In the group (its store view loaded, where it has partitions): `clora up` goes on.
+        mark_ready(as_datadir(self.root).state, "ingest")
 
     # --- progress -------------------------------------------------------------------------------------
 
@@ -580,8 +593,14 @@ class Ingest:
         return lag
 
     def drained(self) -> bool:
+        """Every assigned partition is read to its end; true for an empty assignment once the group has
+        given it (a process with no partition has nothing to read), false while a rebalance is under way."""
         assignment = self.consumer.assignment()
-        if not assignment or self.store is None:
+        if not self.joined:
+            return False
+        if not assignment:
+            return True
+        if self.store is None:
             return False
         ends = self.consumer.end_offsets(list(assignment))
         return all(self.consumer.position(tp) >= ends[tp] for tp in assignment)

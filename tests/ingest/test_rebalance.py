@@ -255,3 +255,49 @@ def test_the_loop_looks_at_the_file_list_after_its_commits(ingest, data_dir, shr
     ingest.revoked([TopicPartition("t.i", 0)])  # a look is due when this write lands: not taken there
     assert shrinks == [False, False] and stored_ids(data_dir) == sorted(f"p0-{i}" for i in range(11))
     assert len(ingest.consumer.commits) == 3  # written, not committed there (see Ingest.revoked)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A process the group gives no partition (more processes than partitions)
+
+
+class EmptyGroupConsumer(FakeConsumer):
+    """A fake group member: its polls come back empty, and the `join_at`th poll completes the group's
+    rebalance with no partition for this member (the listener's on_partitions_assigned with an empty list)."""
+
+    def __init__(self, ingest, join_at):
+        super().__init__(set())
+        self.ingest, self.join_at, self.polls = ingest, join_at, 0
+
+    def poll(self, timeout_ms, max_records):
+        self.polls += 1
+        if self.polls == self.join_at:
+            self.ingest.assigned([])
+        return {}
+
+    def assignment(self):
+        return set()
+
+
+def test_once_exits_when_the_group_gives_this_process_no_partition(ingest, data_dir, caplog):
+    """`--once` (and a drain on stop) waited for ever in a process with no partition: it only ever checked
+    that assigned partitions were read to their end. Before the group's answer it must not exit (its
+    partitions may be on their way); after an empty assignment it has nothing to read."""
+    ingest.store = None
+    ingest.consumer = EmptyGroupConsumer(ingest, join_at=3)
+    stop = threading.Event()
+    with caplog.at_level("INFO", logger="ingest.consumer"):
+        ingest._loop(stop, once=True, deadline=time.monotonic() + 30, drain=threading.Event())
+    assert "every assigned partition is read to its end (--once)" in caplog.text, "left by --max-seconds"
+    assert ingest.consumer.polls == 3
+    assert (data_dir / "state" / "ready" / "ingest.json").exists()  # in the group: `clora up` may go on
+    assert ingest.store is None  # no partition: no store view to load
+
+
+def test_a_revocation_makes_once_wait_for_the_next_assignment(ingest):
+    ingest.consumer = EmptyGroupConsumer(ingest, join_at=1)
+    ingest.assigned([])
+    ingest.revoked([])
+    assert not ingest.drained()
+    ingest.assigned([])
+    assert ingest.drained()
