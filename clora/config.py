@@ -293,6 +293,10 @@ class TenantConfig(_Strict):
         description="How interactions are scored: feedback, inline, contains:TEXT, regex:PATTERN, length:N, "
         "json_valid, digits, uppercase, python:module:function.",
     )
+    scorer_time_limit_s: float = Field(
+        1.0, gt=0, le=3600, description="A regex or python scorer still running after this long on one completion is "
+        "stopped: ingest dead-letters the event (scorer_error), the learner leaves the sample out."
+    )
     mode: Literal["logs", "rollouts"] = Field(
         "logs", description="logs: learn off-policy from production; rollouts: on-policy GRPO via the serving tier."
     )

@@ -66,7 +66,7 @@ from ingest.rows import (
     interaction_row,
     trajectory_row,
 )
-from ingest.scorers import Scorer, ScorerError, ScorerSpecError, apply, build_scorer, is_function
+from ingest.scorers import DEFAULT_TIME_LIMIT_S, Scorer, ScorerError, ScorerSpecError, apply, build_scorer, is_function
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,10 @@ class Processor:
         unknown_tenant: Literal["reject", "create"],
         max_message_bytes: int,
         max_auto_tenants: int = MAX_AUTO_TENANTS,
+        time_limits: dict[str, float] | None = None,
     ) -> None:
+        """`scorers`: tenant -> scorer spec; `time_limits`: tenant -> its scorer's time limit per call
+        (scorers.DEFAULT_TIME_LIMIT_S for a tenant not in it)."""
         self.specs = dict(scorers)
         self.configured = frozenset(scorers)
         self.unknown_tenant = unknown_tenant
@@ -132,13 +135,17 @@ class Processor:
         self._cap_logged = False
         # Built once, so a scorer that cannot be built (say, a python scorer that does not import) fails at
         # start, naming the tenant, rather than at the first event.
-        self.functions: dict[str, Scorer] = {}
+        self.functions: dict[str, Scorer] = {}  # tenant -> its scorer function (tenants scored by one)
+        built: dict[tuple[str, float], Scorer] = {}
         for tenant, spec in sorted(self.specs.items()):
-            if is_function(spec) and spec not in self.functions:
-                try:
-                    self.functions[spec] = build_scorer(spec)
-                except ScorerSpecError as e:
-                    raise ScorerSpecError(f"tenant {tenant!r}: {e}") from e
+            if is_function(spec):
+                limit = (time_limits or {}).get(tenant, DEFAULT_TIME_LIMIT_S)
+                if (spec, limit) not in built:
+                    try:
+                        built[spec, limit] = build_scorer(spec, time_limit_s=limit)
+                    except ScorerSpecError as e:
+                        raise ScorerSpecError(f"tenant {tenant!r}: {e}") from e
+                self.functions[tenant] = built[spec, limit]
 
     def admit(self, tenant: str) -> str | None:
         """None when events of `tenant` may be stored (a tenant not configured is created when the mode and
@@ -240,7 +247,7 @@ class Processor:
                     continue
                 spec = specs[ev.tenant]
             key = (ev.tenant, ev.id)
-            function = functions.get(spec)
+            function = functions.get(ev.tenant)
 
             if type(ev) is InteractionEvent:
                 stored = key in new_interactions or key in stored_interactions

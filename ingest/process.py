@@ -58,6 +58,7 @@ def build(cfg: Config, metrics: IngestMetrics | None = None) -> Ingest:
         unknown_tenant=cfg.ingest.unknown_tenant,
         max_message_bytes=cfg.ingest.max_message_bytes,
         max_auto_tenants=cfg.ingest.max_auto_tenants,
+        time_limits={t.name: t.scorer_time_limit_s for t in cfg.tenants},
     )
     return Ingest(
         root=str(cfg.data_dir),

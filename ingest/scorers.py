@@ -14,6 +14,13 @@ A spec is "kind" or "kind:argument" (validated in clora/config.py, `TenantConfig
     python:MOD:FUNC     FUNC(completion, prompt) from importable module MOD; must return a finite number
                         in [-1, 1]
 
+A regex (which can backtrack for ages on a short text) and a python function (which can do anything) get a
+time limit per call, the tenant's `scorer_time_limit_s`: past it the call is stopped and fails like a
+scorer that raised. The limit is a SIGALRM timer, so it holds on the main thread (ingest's loop, the
+learner's loop), where Python delivers signals, and stops Python code and regular expressions (which
+check for signals as they run); a call into C that never returns to Python is stopped only once it does.
+Elsewhere (another thread, or a process whose SIGALRM handler is someone else's) the call runs unlimited.
+
 Ingest scores interactions with these; the learner's rollouts mode imports `build_scorer` too. `apply`
 runs a scorer and turns any failure into one `ScorerError` whose message is a traceback summary (ingest
 dead-letters that event with reason `scorer_error`). Checking what a python scorer returned cannot raise
@@ -29,7 +36,9 @@ import json
 import math
 import numbers
 import re
+import signal
 import string
+import threading
 import traceback
 from collections.abc import Callable
 
@@ -39,6 +48,9 @@ Scorer = Callable[[str, str], float]  # (completion, prompt) -> reward in [-1, 1
 
 # Kinds whose reward comes from events rather than from a function.
 EVENT_REWARDS = ("feedback", "inline")
+# Kinds whose time the completion's length does not bound: they get a time limit per call.
+UNBOUNDED_KINDS = ("regex", "python")
+DEFAULT_TIME_LIMIT_S = 1.0
 
 
 class ScorerSpecError(ValueError):
@@ -165,6 +177,63 @@ def _positive_int(arg: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The time limit
+
+
+class ScorerTimeout(Exception):
+    """A scorer call ran past its time limit and was stopped."""
+
+
+class _TimeUp(BaseException):
+    """Raised inside the scorer by the alarm. A BaseException, so that a scorer's own `except Exception`
+    does not swallow it and go on."""
+
+
+_running = [False]  # a limited call is under way: the alarm may stop it (not after it returned)
+
+
+def _on_alarm(signum, frame) -> None:
+    if _running[0]:
+        _running[0] = False
+        raise _TimeUp
+
+
+def _alarm_usable() -> bool:
+    """Whether this thread can limit a call with SIGALRM, installing the handler on first use."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    handler = signal.getsignal(signal.SIGALRM)
+    if handler is _on_alarm:
+        return True
+    if handler not in (signal.SIG_DFL, None):
+        return False  # the program's own SIGALRM handler: not ours to replace
+    signal.signal(signal.SIGALRM, _on_alarm)
+    return True
+
+
+def time_limited(fn: Scorer, seconds: float) -> Scorer:
+    """`fn`, stopped with ScorerTimeout when one call takes longer than `seconds` (see the module note)."""
+
+    def score(completion: str, prompt: str) -> float:
+        if not _alarm_usable():
+            return fn(completion, prompt)
+        try:
+            _running[0] = True
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+            try:
+                return fn(completion, prompt)
+            finally:
+                _running[0] = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except _TimeUp as e:  # also when the alarm came between the return and the disarm: at the limit
+            _running[0] = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            raise ScorerTimeout(f"stopped after {seconds:g} s (the tenant's scorer_time_limit_s)") from e
+
+    return score
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Building and applying
 
 
@@ -173,8 +242,9 @@ def is_function(spec: str) -> bool:
     return spec.partition(":")[0] not in EVENT_REWARDS
 
 
-def build_scorer(spec: str) -> Scorer:
-    """The function a spec names. `feedback` and `inline` name none: they raise ScorerSpecError."""
+def build_scorer(spec: str, *, time_limit_s: float | None = DEFAULT_TIME_LIMIT_S) -> Scorer:
+    """The function a spec names, with a time limit per call for the UNBOUNDED_KINDS (None: none).
+    `feedback` and `inline` name none: they raise ScorerSpecError."""
     kind, sep, arg = spec.partition(":")
     if kind in EVENT_REWARDS:
         raise ScorerSpecError(f"scorer {spec!r} takes its reward from events; it has no function")
@@ -185,7 +255,8 @@ def build_scorer(spec: str) -> Scorer:
     if kind in _WITH_ARGUMENT:
         if not arg:
             raise ScorerSpecError(f"scorer {kind!r} needs an argument: {kind}:...")
-        return _WITH_ARGUMENT[kind](arg)
+        fn = _WITH_ARGUMENT[kind](arg)
+        return time_limited(fn, time_limit_s) if kind in UNBOUNDED_KINDS and time_limit_s is not None else fn
     known = ", ".join([*EVENT_REWARDS, *_PLAIN, *_WITH_ARGUMENT])
     raise ScorerSpecError(f"unknown scorer kind {kind!r} in {spec!r}; expected one of {known}")
 

@@ -707,7 +707,7 @@ class Learner:
                 )
             return None
         try:
-            return build_scorer(rt.spec.scorer)
+            return build_scorer(rt.spec.scorer, time_limit_s=rt.spec.scorer_time_limit_s)
         except ScorerSpecError as e:
             raise LearnerError(f"tenant {rt.spec.name!r}: {e}") from e
 

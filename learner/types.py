@@ -35,6 +35,7 @@ class TenantSpec:
     prompts_file: Path | None
     configured: bool
     gate_max_kl: float | None = None  # None: learner.gate_max_kl
+    scorer_time_limit_s: float = 1.0  # a regex or python scorer's time limit per call
 
     @classmethod
     def from_config(cls, t: TenantConfig, *, configured: bool = True) -> TenantSpec:
@@ -53,6 +54,7 @@ class TenantSpec:
             prompts_file=t.prompts_file,
             configured=configured,
             gate_max_kl=t.gate_max_kl,
+            scorer_time_limit_s=t.scorer_time_limit_s,
         )
 
     @classmethod

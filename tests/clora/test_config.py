@@ -329,6 +329,24 @@ def test_a_tenant_spec_never_shows_its_api_key():
     assert spec.api_key == "sk-secret-key-123" and "sk-secret-key-123" not in repr(spec)
 
 
+def test_the_learner_builds_a_tenants_scorer_with_its_time_limit(tmp_path):
+    from clora.config import TenantConfig
+    from ingest.scorers import ScorerError, apply
+    from learner.loop import Learner
+    from learner.types import TenantSpec
+
+    spec = TenantSpec.from_config(TenantConfig(name="acme", api_key="sk-secret-key-123", scorer=r"regex:(a+)+$",
+                                               scorer_time_limit_s=0.2))
+    assert spec.scorer_time_limit_s == 0.2 and TenantSpec.default("x").scorer_time_limit_s == 1.0
+    scorer = Learner._scorer(None, type("Runtime", (), {"spec": spec})())
+    with pytest.raises(ScorerError, match="stopped after 0.2 s"):
+        apply(scorer, "a" * 40 + "b", "p")
+    with pytest.raises(ConfigError, match="scorer_time_limit_s"):
+        p = tmp_path / "clora.toml"
+        p.write_text('[[tenants]]\nname = "acme"\napi_key = "sk-acme-key-1"\nscorer_time_limit_s = 0\n')
+        load_config(p, environ={})
+
+
 @pytest.mark.parametrize("name", ["", " ", "qwen@4b"])
 def test_the_base_model_name_cannot_look_like_a_version(tmp_path, name):
     p = tmp_path / "clora.toml"

@@ -566,3 +566,17 @@ def test_a_failed_batch_write_raises_when_waited_for(data_dir):
         write = BatchWrite(h.root, h.store, out, executor)
         with pytest.raises(OSError):
             write.wait()
+
+
+def test_a_scorer_past_its_time_limit_dead_letters_its_event_and_ingest_goes_on(data_dir):
+    """A catastrophic regex held the loop for as long as it backtracked (here ~2^40 steps): now the tenant's
+    scorer_time_limit_s stops it, that event is a scorer_error, and the next events are scored."""
+    h = Harness(data_dir, scorers={"re": r"regex:(a+)+$"})
+    h.processor = Processor({"re": r"regex:(a+)+$"}, unknown_tenant="reject", max_message_bytes=10_000,
+                            time_limits={"re": 0.2})
+    out = h.feed(inter("slow", tenant="re", completion="a" * 40 + "b"), inter("fast", tenant="re", completion="aaaa"))
+    assert out.reasons == {"scorer_error": 1}
+    detail = h.table("dead_letters").column("detail").to_pylist()
+    assert len(detail) == 1 and "stopped after 0.2 s" in detail[0]
+    assert h.rewards() == [("fast", 1.0, r"regex:(a+)+$")]
+    assert sorted(h.table("interactions").column("id").to_pylist()) == ["fast"]

@@ -2,13 +2,17 @@
 
 import json
 import math
+import signal
 import sys
+import threading
+import time
 import types
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ingest import scorers
 from ingest.scorers import ScorerError, ScorerSpecError, apply, build_scorer, digits, is_function, json_valid, uppercase
 
 pytestmark = pytest.mark.unit
@@ -192,3 +196,77 @@ def test_counting_scorers_agree_with_their_definitions(text):
     assert digits(text, "") == _reference_digits(text)
     assert uppercase(text, "") == _reference_uppercase(text)
     assert json_valid(text, "") == _reference_json_valid(text)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The time limit of regex and python scorers
+
+
+def spin_forever(completion, prompt):
+    while True:
+        pass
+
+
+def spin_swallowing_exceptions(completion, prompt):
+    while True:
+        try:
+            while True:
+                pass
+        except Exception:  # a scorer that swallows errors must not swallow the time limit
+            pass
+
+
+def _alarm_left() -> float:
+    return signal.getitimer(signal.ITIMER_REAL)[0]
+
+
+@pytest.mark.parametrize(
+    "spec, completion",
+    [
+        (r"regex:(a+)+$", "a" * 40 + "b"),  # catastrophic backtracking: ~2^40 steps
+        (f"python:{__name__}:spin_forever", "x"),
+        (f"python:{__name__}:spin_swallowing_exceptions", "x"),
+    ],
+)
+def test_a_scorer_past_its_time_limit_is_stopped_as_a_scorer_error(spec, completion):
+    scorer = build_scorer(spec, time_limit_s=0.2)
+    start = time.monotonic()
+    with pytest.raises(ScorerError, match=r"ScorerTimeout: stopped after 0.2 s"):
+        apply(scorer, completion, "p")
+    assert time.monotonic() - start < 5
+    assert _alarm_left() == 0  # no alarm left armed for what runs next
+    assert apply(build_scorer("regex:b$", time_limit_s=0.2), "a" * 40 + "b", "p") == 1.0  # the next call runs
+
+
+def test_a_regex_stopped_once_scores_the_next_completion():
+    scorer = build_scorer(r"regex:(a+)+$", time_limit_s=0.2)
+    with pytest.raises(ScorerError, match="ScorerTimeout"):
+        apply(scorer, "a" * 40 + "b", "p")
+    assert apply(scorer, "aaa", "p") == 1.0
+    assert apply(scorer, "a" * 12 + "b", "p") == 0.0
+
+
+def test_only_unbounded_kinds_are_limited_and_none_means_no_limit():
+    assert build_scorer("digits") is digits  # bounded by the completion's length: called as is
+    assert apply(build_scorer("regex:a", time_limit_s=None), "a", "p") == 1.0
+    assert build_scorer("regex:a", time_limit_s=None).__name__ == "score"  # the bare regex scorer, no wrapper
+    assert build_scorer("regex:a").__qualname__.startswith("time_limited")  # the default: limited
+
+
+def test_the_limit_leaves_a_programs_own_sigalrm_handler_alone(monkeypatch):
+    seen = []
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: seen.append(signum))
+    try:
+        assert apply(build_scorer("regex:(a+)+$", time_limit_s=0.05), "a" * 18 + "b", "p") == 0.0  # unlimited: finishes
+        assert signal.getsignal(signal.SIGALRM) is not scorers._on_alarm and not seen
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_off_the_main_thread_a_scorer_runs_unlimited():
+    scorer = build_scorer("regex:(a+)+$", time_limit_s=0.001)
+    results = []
+    worker = threading.Thread(target=lambda: results.append(apply(scorer, "a" * 18 + "b", "p")))
+    worker.start()
+    worker.join(60)
+    assert results == [0.0]
