@@ -4,9 +4,11 @@ stop order, no orphans."""
 import errno
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from test_processes import gone  # tests/clora/test_processes.py
@@ -15,6 +17,7 @@ from clora.up import ChildSpec, Supervisor, stack_specs
 
 pytestmark = pytest.mark.unit
 
+REPO = Path(__file__).resolve().parents[2]
 SLEEPER = [sys.executable, "-c", "import time, signal, sys; print('ready', flush=True); time.sleep(600)"]
 
 
@@ -61,20 +64,75 @@ def test_a_stop_order_naming_a_child_that_is_not_there_stops_the_others():
 
 
 def test_crashed_child_is_restarted_with_backoff(tmp_path):
-    counter = tmp_path / "starts"
-    crasher = [sys.executable, "-c",
-               f"import sys; open({str(counter)!r}, 'a').write('x'); sys.exit(3)"]
+    """The wait before each restart doubles from 1 s up to max_backoff, and starts afresh for a child that ran
+    well for over a minute. The waits themselves are skipped (restart_at moved to now): no back-off time."""
+    starts = tmp_path / "starts"
     lines, emit = collect()
-    sup = Supervisor([spec("crashy", crasher, )], stop_order=[], emit=emit, max_backoff=0.5)
-    sup.children["crashy"].start()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and len(counter.read_text() if counter.exists() else "") < 3:
+    sup = Supervisor([spec("crashy", counting(starts, "raise SystemExit(3)"))], stop_order=[], emit=emit, max_backoff=4)
+    child = sup.children["crashy"]
+
+    def crash_noticed() -> str:
+        """Waits for the child's exit, lets the supervisor notice it; returns the restart note it gave."""
+        child.proc.wait(timeout=30)
+        before = time.monotonic()
         sup.watch_once()
-        time.sleep(0.05)
-    sup.stop_all()
-    assert len(counter.read_text()) >= 3
-    notes = [line for n, line in lines if n == "up" and "restarting in" in line]
-    assert notes and "exited with code 3" in notes[0]
+        after = time.monotonic()
+        note = [line for n, line in lines if n == "up" and "restarting in" in line][-1]
+        delay = float(note.split("restarting in ")[1].split("s ")[0])
+        assert before + delay <= child.restart_at <= after + delay, "the restart is not scheduled as the note says"
+        return note
+
+    def restart_now() -> None:
+        child.restart_at = time.monotonic()  # its wait is over
+        sup.watch_once()
+        assert child.restart_at is None, "not started again"
+
+    child.start()
+    try:
+        notes = []
+        for _ in range(5):
+            notes.append(crash_noticed())
+            restart_now()
+        child.started_at = time.monotonic() - 61  # this run went well for over a minute before it crashed
+        notes.append(crash_noticed())
+    finally:
+        sup.stop_all()
+    assert [note.split("; ")[1] for note in notes] == [
+        "restarting in 1s (restart #1)", "restarting in 2s (restart #2)", "restarting in 4s (restart #3)",
+        "restarting in 4s (restart #4)", "restarting in 4s (restart #5)", "restarting in 1s (restart #1)"]
+    assert all(note.startswith("crashy exited with code 3;") for note in notes)
+    assert starts.read_text() == "x" * 6
+
+
+def test_children_get_sigterm_when_up_itself_dies(tmp_path):
+    """A `clora up` killed outright (SIGKILL, the OOM killer) runs no stop: its children must go all the same
+    (parent-death signal), or they would hold the ports the next `clora up` needs."""
+    script = ("import sys, time\n"
+              "from clora.up import ChildSpec, Supervisor\n"
+              "sleeper = [sys.executable, '-c', 'import time; time.sleep(600)']\n"
+              "sup = Supervisor([ChildSpec('sleeper', sleeper, healthy=lambda _pid: True)], stop_order=[],"
+              " emit=lambda *a: None)\n"
+              "sup.start_all()\n"
+              "print(sup.children['sleeper'].proc.pid, flush=True)\n"
+              "time.sleep(600)\n")
+    up = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    pid = None
+    try:
+        pid = int(up.stdout.readline())
+        os.kill(pid, 0)  # running (a pid that never was one would pass for gone)
+        up.kill()
+        up.wait()
+        assert gone(pid), "the child outlived the SIGKILLed supervisor"
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_a_restarted_embedded_broker_says_what_was_lost(tmp_path):
