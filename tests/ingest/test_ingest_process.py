@@ -318,3 +318,16 @@ def test_drain_on_stop_reads_everything_before_exiting(setup_factory):
     assert proc.wait(timeout=60) == 0, proc.log_path.read_text()[-3000:]
     assert "drained" in proc.log_path.read_text()
     assert s.count("interactions") == 4000
+
+
+def test_max_seconds_stops_the_process_on_its_own(setup_factory):
+    """`clora ingest --max-seconds N`: consumes, then exits 0 once N seconds have passed (no signal, no --once)."""
+    s = setup_factory(flush_rows=100, flush_seconds=0.2)
+    proc = s.start("--max-seconds", "3")
+    try:
+        code = proc.wait(timeout=60)  # a deadline that is ignored: still consuming a minute later
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running long after --max-seconds 3:\n{proc.log_path.read_text()[-3000:]}") from None
+    log = proc.log_path.read_text()
+    assert code == 0, log[-3000:]
+    assert "--max-seconds reached" in log and "ingest stopped" in log

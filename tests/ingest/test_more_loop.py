@@ -1,0 +1,124 @@
+"""`Ingest.run` with `max_seconds` (`clora ingest --max-seconds N`): it consumes, stores and commits until N
+seconds have passed, then returns on its own, with nothing set to stop it.
+
+Kafka's clients are fakes (what run() and its loop ask of them: a partition assigned on the first poll, one
+batch of records, then nothing); the processing, the Parquet writes and the commits' offsets are the real
+ones. The real process against the real broker is in test_ingest_process.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import NamedTuple
+
+import pytest
+from kafka import TopicPartition
+
+import ingest.consumer as consumer_module
+from ingest.batch import Processor
+from ingest.consumer import Ingest
+from ingest.events import InteractionEvent, encode
+from ingest.metrics import IngestMetrics
+from storage.parquet import read_dataset
+
+pytestmark = pytest.mark.unit
+
+PARTITION = TopicPartition("t.i", 0)
+SAFETY_POLLS = 2000  # a loop that ignores its deadline is stopped after this many polls (about 20 s)
+
+
+class _Message(NamedTuple):  # what the loop reads of a kafka-python ConsumerRecord
+    offset: int
+    value: bytes
+    key: bytes | None
+
+
+class FakeProducer:
+    def __init__(self, **_settings):
+        self.sent = []
+
+    def send(self, topic, **kw):
+        self.sent.append((topic, kw))
+        raise AssertionError("no dead letter expected")
+
+    def flush(self, timeout=None):
+        pass
+
+    def close(self, timeout=None):
+        pass
+
+
+class FakeConsumer:
+    """The group assigns PARTITION on the first poll; the next poll hands out `batch`; every later one comes back
+    empty after 10 ms. Past SAFETY_POLLS polls it sets `stop`, so a loop that never ends on its own fails the
+    test instead of hanging it."""
+
+    stop: threading.Event
+    batch: list[_Message]
+    made: list[FakeConsumer] = []
+
+    def __init__(self, **settings):
+        self.settings = settings
+        self.listener = None
+        self.assigned: set[TopicPartition] = set()
+        self.polls = 0
+        self.commits: list[dict] = []
+        self.closed = False
+        FakeConsumer.made.append(self)
+
+    def subscribe(self, topics, listener):
+        self.topics, self.listener = topics, listener
+
+    def poll(self, timeout_ms, max_records):
+        self.polls += 1
+        if self.polls >= SAFETY_POLLS:
+            self.stop.set()
+        if self.polls == 1:
+            self.assigned = {PARTITION}
+            self.listener.on_partitions_assigned([PARTITION])
+            return {}
+        if self.polls == 2:
+            return {PARTITION: list(self.batch)}
+        time.sleep(0.01)
+        return {}
+
+    def assignment(self):
+        return set(self.assigned)
+
+    def commit(self, offsets):
+        self.commits.append({tp: meta.offset for tp, meta in offsets.items()})
+
+    def highwater(self, tp):
+        return None
+
+    def close(self, autocommit=True):
+        self.closed = True
+
+
+def test_max_seconds_ends_the_run_once_that_long_has_passed(data_dir, monkeypatch, caplog):
+    stop = threading.Event()
+    FakeConsumer.stop, FakeConsumer.made = stop, []
+    FakeConsumer.batch = [_Message(k, encode(InteractionEvent(id=f"r{k}", tenant="acme", prompt="p", completion="c")),
+                                   b"acme") for k in range(3)]
+    monkeypatch.setattr(consumer_module, "KafkaConsumer", FakeConsumer)
+    monkeypatch.setattr(consumer_module, "KafkaProducer", FakeProducer)
+    ingest = Ingest(root=str(data_dir), bootstrap="fake:9092", interactions_topic="t.i", feedback_topic="t.f",
+                    dead_letter_topic="t.d", group_id="g",
+                    processor=Processor({"acme": "inline"}, unknown_tenant="reject", max_message_bytes=10_000),
+                    flush_rows=100, flush_seconds=0.2, expiry_ms=3_600_000, session_timeout_ms=10_000,
+                    heartbeat_interval_ms=3_000, metrics=IngestMetrics())
+    max_seconds = 1.5
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="ingest.consumer"):
+        ingest.run(stop, max_seconds=max_seconds)
+    ended = time.monotonic()
+    (consumer,) = FakeConsumer.made
+    assert not stop.is_set(), f"the run did not end on its own: stopped after {consumer.polls} polls"
+    assert "--max-seconds reached" in caplog.text
+    assert ended - started >= max_seconds, "it ended before its N seconds were up"
+    assert consumer.polls > 3  # it kept consuming (empty polls) until then
+    # what it read meanwhile is stored and committed, and the clients are closed
+    assert sorted(read_dataset(str(data_dir), "interactions").column("id").to_pylist()) == ["r0", "r1", "r2"]
+    assert consumer.commits == [{PARTITION: 3}] and consumer.closed
