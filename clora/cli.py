@@ -12,11 +12,14 @@ Every subcommand accepts `--config` (the parent parser `common`); `args.config_p
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 # Modules that contribute subcommands, in the order `clora --help` lists them.
 COMMAND_MODULES = (
@@ -60,8 +63,10 @@ def build_parser(modules: Sequence[str] = COMMAND_MODULES) -> argparse.ArgumentP
     return parser
 
 
-def config_from_args(args: argparse.Namespace):
-    """Loads the config named by --config (or the defaults); exits with the listed problems if it is bad."""
+def config_from_args(args: argparse.Namespace, *, writes_data_dir: bool = False):
+    """Loads the config named by --config (or the defaults); exits with the listed problems if it is bad.
+    `writes_data_dir`: the command writes under data_dir, which is then created and checked first, so that
+    a path that cannot be used is one line (`clora: data_dir X: <reason>`, exit 2), not a traceback later."""
     from clora.config import ConfigError, load_config
 
     try:
@@ -70,7 +75,53 @@ def config_from_args(args: argparse.Namespace):
         print(f"clora: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     setup_logging(cfg.log_level)
+    if writes_data_dir:
+        try:
+            prepare_data_dir(cfg.data_dir)
+        except OSError as e:
+            print(data_dir_error(cfg.data_dir, e), file=sys.stderr)
+            raise SystemExit(2) from None
     return cfg
+
+
+def base_model_dir(cfg) -> Path:
+    """The configured base model directory, or the tiny local model (built under <data_dir>/models on first
+    use). A configured path that is not a model directory exits with one line (exit 2)."""
+    if cfg.model.path is not None:
+        path = Path(cfg.model.path)
+        if not (path / "config.json").is_file():
+            why = "does not exist" if not path.exists() else "is not a model directory (it has no config.json)"
+            print(f"clora: model.path {path} {why}", file=sys.stderr)
+            raise SystemExit(2)
+        return path
+    from learner.tiny_model import ensure_tiny
+
+    return ensure_tiny(Path(cfg.data_dir) / "models", cfg.model.seed)
+
+
+def prepare_data_dir(path: Path) -> None:
+    """Creates the data directory if needed and checks that clora can write there (by writing a file: the
+    permission bits do not tell a read-only or full file system); raises OSError otherwise (before any child
+    of `clora up` starts: each would fail on it, and be restarted, over and over)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".clora-write-check-", dir=path)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
+    try:
+        os.write(fd, b"x")
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
+def data_dir_error(data_dir: Path, e: OSError) -> str:
+    """`clora: data_dir X: <reason>` (and the path it concerns when that is another one, under it)."""
+    where = f" ({e.filename})" if e.filename and Path(e.filename) != Path(data_dir) else ""
+    return f"clora: data_dir {data_dir}: {e.strerror or e}{where}"
 
 
 def setup_logging(level: str = "INFO") -> None:
@@ -99,6 +150,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader of our output went away (`clora config show | head -1`): it has what it wanted. Point
+        # stdout at /dev/null so that the interpreter's flush at exit does not fail on the pipe again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

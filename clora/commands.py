@@ -10,26 +10,7 @@ import errno
 import os
 import sys
 
-
-def positive(text: str) -> float:
-    """An argparse type: a number above 0 (a rate of 0 divided by zero; a negative duration sent nothing)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a number above 0")
-    return value
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
-    return value
+from clora.argtypes import positive, positive_int
 
 
 def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -73,7 +54,7 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p.add_argument("--max-tokens", type=positive_int, default=24)
     p.set_defaults(func=cmd_simulate)
 
-    p = sub.add_parser("config", parents=[common], help="show or check the effective configuration")
+    p = sub.add_parser("config", parents=[common], help="show the effective configuration, or the environment variables that override it")
     config_sub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     show = config_sub.add_parser(
         "show", parents=[common], help="print the effective config (file + environment overrides; keys masked)"
@@ -100,37 +81,14 @@ def config_env(args: argparse.Namespace) -> int:
     return 0
 
 
-def prepare_data_dir(path: Path) -> None:
-    """Creates the data directory if needed and checks that it is a directory clora can write to; raises
-    OSError otherwise (before any child starts: each would fail on it, and be restarted, over and over)."""
-    from pathlib import Path
-
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
-    path.mkdir(parents=True, exist_ok=True)
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
-
-
-def data_dir_error(data_dir: Path, e: OSError) -> str:
-    """`clora: data_dir X: <reason>` (and the path it concerns when that is another one, under it)."""
-    from pathlib import Path
-
-    where = f" ({e.filename})" if e.filename and Path(e.filename) != Path(data_dir) else ""
-    return f"clora: data_dir {data_dir}: {e.strerror or e}{where}"
-
-
 def cmd_up(args: argparse.Namespace) -> int:
-    from clora.cli import config_from_args
+    from clora.cli import base_model_dir, config_from_args, data_dir_error, prepare_data_dir
     from clora.up import up
-    from learner.tiny_model import ensure_tiny
 
     cfg = config_from_args(args)
     try:
         prepare_data_dir(cfg.data_dir)
-        if cfg.model.path is None:
-            ensure_tiny(cfg.data_dir / "models", cfg.model.seed)
+        base_model_dir(cfg)  # built once here rather than by serving and the learner at once; or checked
     except OSError as e:
         print(data_dir_error(cfg.data_dir, e), file=sys.stderr)
         return 2
@@ -148,7 +106,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     prefs = [p.strip() for p in args.tenants.split(",") if p.strip()]
     unknown = [p for p in prefs if p not in PREFERENCES]
     if unknown or not prefs:
-        print(f"clora demo: unknown preference(s) {unknown}; choose from {', '.join(PREFERENCES)}")
+        print(f"clora demo: unknown preference(s) {unknown}; choose from {', '.join(PREFERENCES)}", file=sys.stderr)
         return 2
     return run_demo(cfg, minutes=args.minutes, rate=args.rate, preferences=prefs, seed=args.seed,
                     out_png=Path(args.out))
@@ -161,11 +119,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     prefs = args.preferences.split(",") if args.preferences else None
     if prefs and any(p not in PREFERENCES for p in prefs):
-        print(f"clora simulate: preferences must be among {', '.join(PREFERENCES)}")
+        print(f"clora simulate: preferences must be among {', '.join(PREFERENCES)}", file=sys.stderr)
         return 2
     tenants = tenants_from_config(cfg, prefs)
     if not tenants:
-        print("clora simulate: the config has no tenants")
+        print("clora simulate: the config has no tenants", file=sys.stderr)
         return 2
     url = args.url or cfg.serving.local_url
     sim = Simulator(url, tenants, rate=args.rate, duration=args.seconds, seed=args.seed, max_tokens=args.max_tokens)

@@ -84,7 +84,7 @@ def run_demo(cfg, *, minutes: float, rate: float, preferences: list[str], seed: 
     from ingest.broker import free_port
     from learner.tiny_model import ensure_tiny
 
-    from clora.commands import data_dir_error, prepare_data_dir
+    from clora.cli import data_dir_error, prepare_data_dir
 
     root = Path(cfg.data_dir).resolve()
     demo_dir = root / "demo"

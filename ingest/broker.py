@@ -85,6 +85,34 @@ def _ephemeral_low() -> int:
     return max(low, FREE_PORT_FLOOR + 1000)
 
 
+def unreachable(bootstrap: str, timeout: float = 1.0) -> str | None:
+    """None when a TCP connection to one of the bootstrap servers opens; otherwise why none did. A cheap
+    first check: kafka-python's clients retry an unreachable bootstrap for ~30 s, logging every attempt."""
+    why = "no bootstrap server given"
+    for server in filter(None, (s.strip() for s in bootstrap.split(","))):
+        host, _, port = server.rpartition(":")
+        host = host.strip("[]") or "localhost"
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout):
+                return None
+        except (OSError, ValueError) as e:
+            why = f"{server}: {os.strerror(e.errno) if isinstance(e, OSError) and e.errno else e}"
+    return why
+
+
+def wait_until_reachable(bootstrap: str, stop, timeout: float) -> str | None:
+    """Waits up to `timeout` s for `unreachable(bootstrap)` to clear, or for `stop` (a threading.Event) to be
+    set; returns None when a server answers, else why none did (also when stopped)."""
+    deadline = time.monotonic() + timeout
+    why = unreachable(bootstrap)
+    if why is not None:
+        logger.info("waiting up to %.0f s for Kafka at %s (kafka.bootstrap): %s", timeout, bootstrap, why)
+    while why is not None and not stop.is_set() and time.monotonic() < deadline:
+        stop.wait(0.5)
+        why = unreachable(bootstrap)
+    return why
+
+
 def wait_for_kafka(bootstrap: str, timeout: float = 30.0) -> None:
     """Blocks until the broker answers a Kafka metadata request (not merely until its port opens)."""
     from kafka import KafkaAdminClient
@@ -149,6 +177,10 @@ class EmbeddedBroker:
 
     def start(self, topics: Iterable[str] = (), partitions: int = 1, timeout: float = 30.0) -> EmbeddedBroker:
         binary = find_tansu()
+        try:
+            socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as e:
+            raise BrokerError(f"cannot listen on {self.host}:{self.port}: {e}") from None
         if port_in_use(self.host, self.port):
             raise BrokerError(
                 f"port {self.port} on {self.host} is already in use; stop what holds it or pick another with --port"

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from clora.argtypes import port, positive
+
 
 def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
@@ -17,7 +19,7 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         "Ctrl-C/SIGTERM. Topics live in memory: use a real Kafka cluster in production.",
     )
     p.add_argument("--host", default=None, help="address to bind (default: broker.host from the config, 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="port to listen on (default: broker.port, 9092)")
+    p.add_argument("--port", type=port, default=None, help="port to listen on (default: broker.port, 9092)")
     p.set_defaults(func=run_broker)
 
     p = sub.add_parser(
@@ -37,7 +39,7 @@ def add_ingest_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--once", action="store_true", help="exit once every assigned partition is read to its end (tests, the demo)"
     )
-    parser.add_argument("--max-seconds", type=float, default=None, metavar="N", help="exit after N seconds")
+    parser.add_argument("--max-seconds", type=positive, default=None, metavar="N", help="exit after N seconds")
     parser.add_argument(
         "--drain-on-stop",
         action="store_true",

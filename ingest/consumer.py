@@ -53,7 +53,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
@@ -63,11 +63,12 @@ from typing import NamedTuple
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.coordinator.assignors.range import RangePartitionAssignor
-from kafka.errors import CommitFailedError, KafkaError
+from kafka.errors import CommitFailedError, KafkaError, KafkaTimeoutError
 from kafka.producer.future import FutureRecordMetadata
 from kafka.structs import OffsetAndMetadata
 
 from ingest.batch import Output, Processor, Record, Rejected
+from ingest.broker import BrokerError
 from ingest.events import utc_now
 from ingest.metrics import IngestMetrics
 from ingest.pending import MAX_PENDING, MAX_PENDING_PER_TENANT, PendingStore
@@ -302,30 +303,32 @@ class Ingest:
         pass). Setting `drain` turns on `once` from then on: read what is there, commit it, exit."""
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         with contextlib.ExitStack() as resources:
-            self.producer = KafkaProducer(
-                bootstrap_servers=self.bootstrap,
-                acks="all",
-                linger_ms=5,
-                max_block_ms=DEAD_LETTER_BLOCK_MS,
-                request_timeout_ms=DEAD_LETTER_DELIVERY_MS - 5_000,
-                delivery_timeout_ms=DEAD_LETTER_DELIVERY_MS,
-                max_request_size=self.processor.max_message_bytes + 65536,
-            )
+            with _bootstrap_errors(self.bootstrap):
+                self.producer = KafkaProducer(
+                    bootstrap_servers=self.bootstrap,
+                    acks="all",
+                    linger_ms=5,
+                    max_block_ms=DEAD_LETTER_BLOCK_MS,
+                    request_timeout_ms=DEAD_LETTER_DELIVERY_MS - 5_000,
+                    delivery_timeout_ms=DEAD_LETTER_DELIVERY_MS,
+                    max_request_size=self.processor.max_message_bytes + 65536,
+                )
             resources.callback(self.producer.close)
-            self.consumer = KafkaConsumer(
-                bootstrap_servers=self.bootstrap,
-                group_id=self.group_id,
-                client_id=f"clora-ingest-{self.group_id}",
-                enable_auto_commit=False,
-                auto_offset_reset="earliest",
-                session_timeout_ms=self.session_timeout_ms,
-                heartbeat_interval_ms=self.heartbeat_interval_ms,
-                max_poll_interval_ms=MAX_POLL_INTERVAL_MS,
-                partition_assignment_strategy=(RangePartitionAssignor,),  # co-partitioning: see pending.py
-                max_poll_records=self.flush_rows,
-                fetch_max_bytes=64 * 1024 * 1024,
-                max_partition_fetch_bytes=8 * 1024 * 1024,
-            )
+            with _bootstrap_errors(self.bootstrap):
+                self.consumer = KafkaConsumer(
+                    bootstrap_servers=self.bootstrap,
+                    group_id=self.group_id,
+                    client_id=f"clora-ingest-{self.group_id}",
+                    enable_auto_commit=False,
+                    auto_offset_reset="earliest",
+                    session_timeout_ms=self.session_timeout_ms,
+                    heartbeat_interval_ms=self.heartbeat_interval_ms,
+                    max_poll_interval_ms=MAX_POLL_INTERVAL_MS,
+                    partition_assignment_strategy=(RangePartitionAssignor,),  # co-partitioning: see pending.py
+                    max_poll_records=self.flush_rows,
+                    fetch_max_bytes=64 * 1024 * 1024,
+                    max_partition_fetch_bytes=8 * 1024 * 1024,
+                )
             resources.callback(self.consumer.close, autocommit=False)
             # Closed first (callbacks run last-in first-out): a write still running when an error propagates
             # ends before the clients close; it is not committed, so it is replayed and deduplicated.
@@ -604,6 +607,15 @@ class Ingest:
             return False
         ends = self.consumer.end_offsets(list(assignment))
         return all(self.consumer.position(tp) >= ends[tp] for tp in assignment)
+
+
+@contextlib.contextmanager
+def _bootstrap_errors(bootstrap: str) -> Iterator[None]:
+    """A client that cannot bootstrap is a BrokerError naming the setting, not a kafka-python traceback."""
+    try:
+        yield
+    except KafkaTimeoutError as e:  # kafka-python 3: "Unable to bootstrap from ..."
+        raise BrokerError(f"cannot reach Kafka at {bootstrap} (kafka.bootstrap): {e}") from e
 
 
 def _names(partitions: list[TopicPartition]) -> str:

@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from clora.config import Config
 from ingest.batch import Processor
+from ingest.broker import BrokerError, wait_until_reachable
 from ingest.consumer import Ingest
 from ingest.metrics import IngestMetrics
 from ingest.scorers import ScorerSpecError
@@ -26,6 +27,7 @@ from ingest.scorers import ScorerSpecError
 logger = logging.getLogger(__name__)
 
 
+KAFKA_WAIT_S = 30.0  # how long start-up waits for an unreachable broker (say, one starting beside it)
 SWITCH_INTERVAL_S = 0.0005
 
 
@@ -96,9 +98,24 @@ def run(cfg: Config, *, once: bool = False, max_seconds: float | None = None, dr
     except ScorerSpecError as e:
         logger.error("clora ingest: %s", e)
         return 2
+    # Before the clients: kafka-python's constructors block ~30 s on an unreachable bootstrap, deaf to
+    # Ctrl-C, logging every attempt, and then raise.
+    why = wait_until_reachable(cfg.kafka.bootstrap, stop, KAFKA_WAIT_S)
+    if stop.is_set():
+        ingest.metrics.close()
+        logger.info("ingest stopped before Kafka answered")
+        return 0
+    if why is not None:
+        ingest.metrics.close()
+        logger.error("clora ingest: cannot reach Kafka at %s (kafka.bootstrap) within %.0f s: %s; is the broker "
+                     "running?", cfg.kafka.bootstrap, KAFKA_WAIT_S, why)
+        return 2
     tune_runtime()
     try:
         ingest.run(stop, once=once, max_seconds=max_seconds, drain=drain)
+    except BrokerError as e:
+        logger.error("clora ingest: %s", e)
+        return 2
     finally:
         ingest.metrics.close()
     logger.info("ingest stopped")
@@ -108,7 +125,7 @@ def run(cfg: Config, *, once: bool = False, max_seconds: float | None = None, dr
 def run_from_args(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
 
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, writes_data_dir=True)
     return run(cfg, once=args.once, max_seconds=args.max_seconds, drain_on_stop=args.drain_on_stop)
 
 

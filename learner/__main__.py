@@ -19,28 +19,18 @@ from pathlib import Path
 logger = logging.getLogger("learner")
 
 
-def model_path(cfg) -> Path:
-    """The configured base model, or the tiny local model (built under <data_dir>/models on first use)."""
-    if cfg.model.path is not None:
-        return Path(cfg.model.path)
-    from learner.tiny_model import ensure_tiny
-    from storage.layout import DataDir
-
-    return ensure_tiny(DataDir(cfg.data_dir).models, cfg.model.seed)
-
-
 def main_from_args(args: argparse.Namespace) -> int:
-    from clora.cli import config_from_args
+    from clora.cli import base_model_dir, config_from_args
     from clora.config import load_config
     from learner.loop import run
     from learner.types import Shard
 
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, writes_data_dir=True)
     try:
         shard = Shard.parse(args.shard) if args.shard else None
     except ValueError as e:
         raise SystemExit(f"--shard: {e}") from None
-    path = model_path(cfg)
+    path = base_model_dir(cfg)
     stop = threading.Event()
 
     def on_signal(signum, _frame):

@@ -79,13 +79,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from clora.cli import config_from_args
-    from learner.__main__ import model_path
+    from clora.cli import base_model_dir
     from learner.logs_mode import train_step
     from learner.policy import Policy
     from learner.types import TenantSpec
 
     cfg = config_from_args(args)
-    path = args.model or model_path(cfg)
+    path = args.model or base_model_dir(cfg)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)

@@ -192,7 +192,7 @@ def measure(args: argparse.Namespace, out: Path) -> dict:
     modes); returns the settings and each run's record (`analyse` turns them into the table)."""
     from clora.cli import config_from_args
     from ingest.broker import EmbeddedBroker, free_port
-    from learner.__main__ import model_path
+    from clora.cli import base_model_dir
 
     cfg = config_from_args(args)
     try:
@@ -205,7 +205,7 @@ def measure(args: argparse.Namespace, out: Path) -> dict:
         raise SystemExit(f"--learners must be >= 1 (got {args.learners})")
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
-    model = (args.model or model_path(cfg)).resolve()
+    model = (args.model or base_model_dir(cfg)).resolve()
     prompts_file = work / "prompts.txt"
     prompts_file.write_text("\n".join(PROMPTS) + "\n", encoding="utf-8")
     settings = _settings(args, model, prompts_file)
@@ -509,13 +509,13 @@ def worker(argv: list[str] | None = None) -> int:
 
     from clora.cli import setup_logging
     from clora.config import load_config
-    from learner.__main__ import model_path
+    from clora.cli import base_model_dir
     from learner.loop import Learner, run as run_loop
     from learner.types import Shard
 
     cfg = load_config(args.config)
     setup_logging(cfg.log_level)
-    path = model_path(cfg)
+    path = base_model_dir(cfg)
     shard = Shard.parse(args.shard) if args.shard else None
     learner = Learner(cfg, model_path=path, progress=False, shard=shard)
     configured = [t.name for t in cfg.tenants]

@@ -13,6 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from clora.argtypes import positive_int
+
 # The keys of tiny_model.RANDOM_SHAPES, repeated so that `clora --help` imports nothing (a test keeps them equal).
 MODEL_SHAPES = ("qwen3-4b", "qwen3-0.6b", "tiny-test")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -44,7 +46,7 @@ def add_learn_arguments(parser: argparse.ArgumentParser) -> None:
     """The learner's options (shared by `clora learn` and `python -m learner`)."""
     parser.add_argument("--once", action="store_true", help="one pass: at most one step per tenant with work, then exit")
     parser.add_argument("--until-idle", action="store_true", help="exit when no tenant has new work (a rollouts tenant with a prompts_file always has: bound it with --max-steps)")
-    parser.add_argument("--max-steps", type=int, default=None, metavar="N", help="exit after N steps in all")
+    parser.add_argument("--max-steps", type=positive_int, default=None, metavar="N", help="exit after N steps in all")
     parser.add_argument("--no-progress", action="store_true", help="no per-tenant progress bars")
     parser.add_argument("--shard", default=None, metavar="K/N",
                         help="train only shard K of N learner processes sharing this data dir (tenants dealt by "
@@ -101,18 +103,11 @@ def _model_tiny(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
     from learner.tiny_model import build_tiny, ensure_tiny
 
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, writes_data_dir=args.out is None)
     seed = cfg.model.seed if args.seed is None else args.seed
-    try:
-        if args.out is None:
-            path = ensure_tiny(cfg.data_dir / "models", seed)
-        else:
-            path = build_tiny(args.out, seed=seed, overwrite=args.force)
-    except FileExistsError as e:
-        print(f"clora model tiny: {e} (--force replaces it)", file=sys.stderr)
-        return 1
-    _print_built(path)
-    return 0
+    if args.out is None:
+        return _built("tiny", lambda: ensure_tiny(cfg.data_dir / "models", seed), args.out)
+    return _built("tiny", lambda: build_tiny(args.out, seed=seed, overwrite=args.force), args.out)
 
 
 def _model_random(args: argparse.Namespace) -> int:
@@ -120,10 +115,24 @@ def _model_random(args: argparse.Namespace) -> int:
     from learner.tiny_model import build_random
 
     config_from_args(args)
+    return _built(
+        "random", lambda: build_random(args.shape, args.out, dtype=args.dtype, seed=args.seed, overwrite=args.force),
+        args.out,
+    )
+
+
+def _built(kind: str, build, out) -> int:
+    """Runs `build`; prints what it built, or one line on why it could not (exit 1)."""
+    from learner.tiny_model import ModelBuildError
+
     try:
-        path = build_random(args.shape, args.out, dtype=args.dtype, seed=args.seed, overwrite=args.force)
+        path = build()
     except FileExistsError as e:
-        print(f"clora model random: {e} (--force replaces it)", file=sys.stderr)
+        hint = " (--force replaces it)" if out is not None and Path(e.filename or str(out)) == Path(out) else ""
+        print(f"clora model {kind}: {e}{hint}", file=sys.stderr)
+        return 1
+    except (ModelBuildError, OSError) as e:
+        print(f"clora model {kind}: {e}", file=sys.stderr)
         return 1
     _print_built(path)
     return 0

@@ -475,6 +475,9 @@ def _build(
     tokenizer = pad_vocabulary(tokenizer, shape.vocab_size)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists")
+    if out.exists() and not _replaceable(out):
+        raise ModelBuildError(f"{out} is not a model clora built (no {MARKER_FILE} in it); not replacing it: "
+                              f"remove it yourself or choose another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
@@ -504,6 +507,14 @@ def _build(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _replaceable(path: Path) -> bool:
+    """Whether a build may replace `path`: an earlier build (it has the marker) or an empty directory; never
+    a file or a directory of someone else's (`--out . --force` would have removed the working directory)."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    return read_marker(path) is not None or not any(path.iterdir())
 
 
 def _replace_dir(src: Path, dst: Path, *, overwrite: bool) -> None:

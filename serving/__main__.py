@@ -31,15 +31,6 @@ from pathlib import Path
 logger = logging.getLogger("serving")
 
 
-def base_model_path(cfg) -> Path:
-    """The configured base model, or the tiny local model (built on first use)."""
-    if cfg.model.path is not None:
-        return Path(cfg.model.path)
-    from learner.tiny_model import ensure_tiny
-
-    return ensure_tiny(cfg.data_dir / "models", cfg.model.seed)
-
-
 def listen(host: str, port: int) -> socket.socket:
     """The HTTP port, bound (not yet listening: clients are refused, not queued, until /health can answer).
     Exits with a clear message when the port is taken."""
@@ -58,9 +49,10 @@ async def serve(cfg, host: str, port: int) -> int:
     """Runs until stopped; 0 after a requested stop, 1 when the engine died (a supervisor restarts us)."""
     import uvicorn
 
-    from ingest.broker import ensure_topics
+    from ingest.broker import ensure_topics, unreachable
     from serving.adapter_check import base_linear_shapes, validate_adapter
     from serving.adapters import AdapterSet, stage_directory
+    from clora.cli import base_model_dir
     from serving.api import Api, create_app, default_request_bytes
     from serving.auth import Authenticator
     from serving.engine import build_engine
@@ -71,7 +63,7 @@ async def serve(cfg, host: str, port: int) -> int:
 
     s = cfg.serving
     listener = listen(host, port)  # before the engine's long start: the port is ours, or we say so at once
-    model_path = base_model_path(cfg)
+    model_path = base_model_dir(cfg)
     metrics = ServingMetrics()
     engine = build_engine(
         model_path,
@@ -97,11 +89,18 @@ async def serve(cfg, host: str, port: int) -> int:
         stage = stage_directory(DataDir(cfg.data_dir).serving_adapters)
         adapters = AdapterSet(engine, registry, tenants, check, metrics, base_name=cfg.model.name, stage_dir=stage)
         await adapters.refresh()
-        try:
-            ensure_topics(cfg.kafka.bootstrap, [cfg.kafka.interactions_topic, cfg.kafka.feedback_topic],
-                          cfg.kafka.partitions)
-        except Exception as e:  # an unreachable broker must not keep serving down; events spool meanwhile
-            logger.warning("could not check Kafka topics at %s (%s); continuing", cfg.kafka.bootstrap, e)
+        # An unreachable broker must not keep serving down (events spool meanwhile): a TCP check first, as
+        # kafka-python's admin client would retry for ~30 s, logging each attempt, before giving up.
+        why = unreachable(cfg.kafka.bootstrap)
+        if why is not None:
+            logger.warning("Kafka is not reachable at %s (kafka.bootstrap): %s; events spool to disk until it is",
+                           cfg.kafka.bootstrap, why)
+        else:
+            try:
+                await asyncio.to_thread(ensure_topics, cfg.kafka.bootstrap,
+                                        [cfg.kafka.interactions_topic, cfg.kafka.feedback_topic], cfg.kafka.partitions)
+            except Exception as e:
+                logger.warning("could not check Kafka topics at %s (%s); continuing", cfg.kafka.bootstrap, e)
         events = EventLog(
             bootstrap=cfg.kafka.bootstrap,
             interactions_topic=cfg.kafka.interactions_topic,
@@ -176,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Run the clora serving process.")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, writes_data_dir=True)
     return run(cfg, args.host, args.port)
 
 

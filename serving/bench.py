@@ -145,7 +145,7 @@ async def measure(model_path: Path, counts: list[int], args, dtype: str) -> dict
 
 def run(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
-    from serving.__main__ import base_model_path
+    from clora.cli import base_model_dir
     from serving.cpu_lora import COMPILE_ENV, ENV
 
     os.environ[ENV] = args.cpu_lora_ops  # read by the plugin in the engine's processes
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     counts = sorted({int(x) for x in str(args.tenants).split(",") if x.strip()})
     dtype = args.dtype or cfg.serving.dtype
-    model_path = base_model_path(cfg)
+    model_path = base_model_dir(cfg)
     print(f"clora bench serving: {model_path}, tenants {counts}, {args.prompts} prompts x {args.tokens} tokens "
           f"per tenant, rank {args.rank}, dtype {dtype}, CPU LoRA ops {args.cpu_lora_ops}"
           f"{', eager LoRA engine' if args.eager_lora else ''}", flush=True)

@@ -211,11 +211,11 @@ def _percentile(values: list[float], q: float) -> float:
 def run(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
     from ingest.broker import EmbeddedBroker, free_port
-    from serving.__main__ import base_model_path
+    from clora.cli import base_model_dir
     from serving.adapter_check import base_linear_shapes
 
     cfg = config_from_args(args)
-    model_path = base_model_path(cfg)
+    model_path = base_model_dir(cfg)
     shapes = base_linear_shapes(model_path)
     tenants = [f"t{i}" for i in range(args.tenants)]
     print(f"clora bench swap: {model_path}, {args.tenants} tenants, {args.concurrency} streams, "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from clora.argtypes import port
+
 
 def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
@@ -19,11 +21,11 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None, help="address to bind (default: serving.host, 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="port (default: serving.port, 8000)")
+    parser.add_argument("--port", type=port, default=None, help="port (default: serving.port, 8000)")
 
 
 def serve(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
     from serving.__main__ import run
 
-    return run(config_from_args(args), args.host, args.port)
+    return run(config_from_args(args, writes_data_dir=True), args.host, args.port)

@@ -1,0 +1,38 @@
+"""argparse `type=` callables shared by the command lines: a bad value is a usage error (exit 2) naming
+the option, not a traceback from deep inside the command. Only argparse is imported, like the cli modules."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def port(text: str) -> int:
+    """A TCP port, 1-65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (1-65535)")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return value
+
+
+def positive(text: str) -> float:
+    """A number above 0 (a rate of 0 divided by zero; a negative duration sent nothing)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a number above 0")
+    return value

@@ -1,0 +1,156 @@
+"""What the command line says when the set-up is wrong: a data directory it cannot use, a base model path
+that is not a model, a broker that is not running, bad option values, a reader that stops reading. One
+line naming the cause and a usage exit code (2), no traceback; Ctrl-C works while waiting."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clora.cli import main
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_config(tmp_path: Path, body: str) -> Path:
+    config = tmp_path / "clora.toml"
+    config.write_text(body)
+    return config
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens on it once the socket closes
+
+
+@pytest.mark.parametrize("command", [["learn", "--once"], ["serve"], ["ingest", "--once"], ["model", "tiny"]])
+def test_a_data_dir_under_a_file_is_one_line_for_every_command_that_writes_there(tmp_path, capsys, command):
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    config = write_config(tmp_path, f'data_dir = "{taken / "data"}"\n')
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--config", str(config)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == f"clora: data_dir {taken / 'data'}: Not a directory"
+
+
+def test_the_data_dir_check_writes_a_file_and_leaves_none(tmp_path):
+    from clora.cli import prepare_data_dir
+
+    prepare_data_dir(tmp_path / "new" / "data")
+    assert list((tmp_path / "new" / "data").iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["learn", "--once"], ["serve"], ["up"]])
+@pytest.mark.parametrize("kind", ["missing", "not a model"])
+def test_a_model_path_that_is_not_a_model_directory_is_one_line(tmp_path, capsys, command, kind):
+    model = tmp_path / "model"
+    if kind == "not a model":
+        model.mkdir()
+    config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[model]\npath = "{model}"\n')
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--config", str(config)])
+    assert e.value.code == 2
+    why = "does not exist" if kind == "missing" else "is not a model directory (it has no config.json)"
+    assert capsys.readouterr().err.strip() == f"clora: model.path {model} {why}"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "--port", "99999"], "argument --port: 99999 is not a port number (1-65535)"),
+        (["broker", "--port", "x"], "argument --port: 'x' is not a port number"),
+        (["learn", "--max-steps", "0"], "argument --max-steps: 0 must be at least 1"),
+        (["ingest", "--max-seconds", "-5"], "argument --max-seconds: -5 must be a number above 0"),
+    ],
+)
+def test_bad_option_values_are_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_broker_with_a_host_that_does_not_resolve_is_one_line(tmp_path, capsys):
+    config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n')
+    assert main(["broker", "--config", str(config), "--host", "999.0.0.1", "--port", str(closed_port())]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("clora broker: cannot listen on 999.0.0.1:") and "\n" not in err
+
+
+def test_ingest_without_a_broker_says_so_in_one_line(tmp_path, monkeypatch, caplog):
+    from clora.config import load_config
+    from ingest import process
+
+    monkeypatch.setattr(process, "KAFKA_WAIT_S", 1.0)
+    monkeypatch.setattr(process, "tune_runtime", lambda: None)  # it freezes the test process's GC
+    bootstrap = f"127.0.0.1:{closed_port()}"
+    cfg = load_config(write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[kafka]\nbootstrap = "{bootstrap}"\n'),
+                      environ={})
+    try:
+        assert process.run(cfg) == 2
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [f"clora ingest: cannot reach Kafka at {bootstrap} (kafka.bootstrap) within 1 s: {bootstrap}: "
+                      f"Connection refused; is the broker running?"]
+
+
+def test_ingest_waiting_for_a_broker_stops_at_ctrl_c(tmp_path):
+    """kafka-python's constructors block ~30 s on an unreachable bootstrap, deaf to signals."""
+    config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[kafka]\nbootstrap = "127.0.0.1:{closed_port()}"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "clora", "ingest", "--config", str(config)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        while not any("waiting up to 30 s for Kafka" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line, f"ingest exited before waiting: {''.join(lines)}"
+            lines.append(line)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+        assert time.monotonic() - sent < 15, "stopped by its own 30 s wait, not by the signal"
+        assert "ingest stopped before Kafka answered" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_output_cut_short_by_its_reader_is_not_an_error(tmp_path):
+    """`clora config show | head -1`: the reader leaves; clora ends quietly (it raised BrokenPipeError)."""
+    config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n')
+    r, w = os.pipe()
+    os.close(r)  # a reader that has gone already
+    try:
+        done = subprocess.run([sys.executable, "-m", "clora", "config", "show", "--config", str(config)], cwd=REPO,
+                              stdout=w, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert done.returncode == 0 and done.stderr == ""
+
+
+def test_model_tiny_force_replaces_only_a_model_clora_built(tmp_path, capsys):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("important")
+    assert main(["model", "tiny", "--out", str(precious), "--force"]) == 1
+    assert (precious / "notes.txt").read_text() == "important"
+    assert "is not a model clora built" in capsys.readouterr().err
+    built = tmp_path / "built"
+    assert main(["model", "tiny", "--out", str(built)]) == 0
+    assert main(["model", "tiny", "--out", str(built)]) == 1
+    assert capsys.readouterr().err.strip().endswith("already exists (--force replaces it)")
+    assert main(["model", "tiny", "--out", str(built), "--force"]) == 0
