@@ -23,13 +23,9 @@ def main_from_args(args: argparse.Namespace) -> int:
     from clora.cli import base_model_dir, config_from_args
     from clora.config import load_config
     from learner.loop import run
-    from learner.types import Shard
 
     cfg = config_from_args(args, writes_data_dir=True)
-    try:
-        shard = Shard.parse(args.shard) if args.shard else None
-    except ValueError as e:
-        raise SystemExit(f"--shard: {e}") from None
+    shard = args.shard  # a Shard (parsed by argparse) or None
     path = base_model_dir(cfg)
     stop = threading.Event()
 

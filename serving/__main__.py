@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import functools
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -49,10 +50,10 @@ async def serve(cfg, host: str, port: int) -> int:
     """Runs until stopped; 0 after a requested stop, 1 when the engine died (a supervisor restarts us)."""
     import uvicorn
 
+    from clora.cli import base_model_dir
     from ingest.broker import ensure_topics, unreachable
     from serving.adapter_check import base_linear_shapes, validate_adapter
-    from serving.adapters import AdapterSet, stage_directory
-    from clora.cli import base_model_dir
+    from serving.adapters import AdapterSet, ipc_directory, stage_directory
     from serving.api import Api, create_app, default_request_bytes
     from serving.auth import Authenticator
     from serving.engine import build_engine
@@ -65,6 +66,10 @@ async def serve(cfg, host: str, port: int) -> int:
     listener = listen(host, port)  # before the engine's long start: the port is ours, or we say so at once
     model_path = base_model_dir(cfg)
     metrics = ServingMetrics()
+    ipc = None
+    if "VLLM_RPC_BASE_PATH" not in os.environ:  # a path the user chose stays theirs
+        ipc = ipc_directory()
+        os.environ["VLLM_RPC_BASE_PATH"] = str(ipc)
     engine = build_engine(
         model_path,
         max_loras=s.max_loras,
@@ -157,8 +162,9 @@ async def serve(cfg, host: str, port: int) -> int:
         if events is not None:
             events.close()
         engine.shutdown()
-        if stage is not None:
-            shutil.rmtree(stage, ignore_errors=True)
+        for mine in (stage, ipc):
+            if mine is not None:
+                shutil.rmtree(mine, ignore_errors=True)
         logger.info("serving stopped")
     return 1 if engine_died else 0
 

@@ -40,6 +40,7 @@ import logging
 import os
 import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ logger = logging.getLogger(__name__)
 REFUSED_KEPT = 16  # refused versions remembered per tenant (and shown by /health)
 RETRY_FIRST_S = 0.5  # a transient load failure is tried again after this, then after twice as long each time
 RETRY_MAX_S = 30.0
+IPC_PREFIX = "clora-vllm-ipc-"  # + pid: ipc_directory
 
 
 class AdapterEngine(Protocol):
@@ -399,6 +401,22 @@ def stage_directory(root: Path) -> Path:
     mine = root / f"{host}-{os.getpid()}"
     shutil.rmtree(mine, ignore_errors=True)  # a process before this one had the same id
     mine.mkdir()
+    return mine
+
+
+def ipc_directory() -> Path:
+    """An empty directory of this process's in the system temp dir for vLLM's IPC sockets (what
+    VLLM_RPC_BASE_PATH names), after removing those of this host's processes that are gone. vLLM puts a
+    few sockets with random names in /tmp at each start and never removes them: hundreds piled up. The
+    path stays short: a Unix socket's path has ~107 bytes."""
+    root = Path(tempfile.gettempdir())
+    for d in root.glob(f"{IPC_PREFIX}*"):
+        pid = d.name[len(IPC_PREFIX):]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+    mine = root / f"{IPC_PREFIX}{os.getpid()}"
+    shutil.rmtree(mine, ignore_errors=True)  # a process before this one had the same id
+    mine.mkdir(mode=0o700)
     return mine
 
 

@@ -72,6 +72,7 @@ def test_a_model_path_that_is_not_a_model_directory_is_one_line(tmp_path, capsys
         (["broker", "--port", "x"], "argument --port: 'x' is not a port number"),
         (["learn", "--max-steps", "0"], "argument --max-steps: 0 must be at least 1"),
         (["ingest", "--max-seconds", "-5"], "argument --max-seconds: -5 must be a number above 0"),
+        (["learn", "--shard", "2/2"], "argument --shard: a shard is K/N with 0 <= K < N (e.g. 0/2), got '2/2'"),
     ],
 )
 def test_bad_option_values_are_usage_errors(capsys, argv, message):

@@ -333,3 +333,21 @@ def test_a_stage_directory_of_a_dead_process_on_this_host_is_removed(tmp_path):
     mine = stage_directory(tmp_path)
     assert mine.name == f"{host}-{os.getpid()}" and list(mine.iterdir()) == []
     assert not gone.exists() and other_host.exists()  # another host's processes are not ours to judge
+
+
+def test_the_ipc_directory_of_a_dead_process_is_removed_and_ours_is_empty(tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from serving.adapters import IPC_PREFIX, ipc_directory
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone, alive = tmp_path / f"{IPC_PREFIX}{int(dead.stdout)}", tmp_path / f"{IPC_PREFIX}1"  # pid 1 is always there
+    for d in (gone, alive):
+        (d / "socket").mkdir(parents=True)
+    mine = ipc_directory()
+    assert mine == tmp_path / f"{IPC_PREFIX}{os.getpid()}" and list(mine.iterdir()) == []
+    assert not gone.exists() and alive.exists()

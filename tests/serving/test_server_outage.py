@@ -7,7 +7,9 @@ for everyone else) and therefore its own serving process.
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -54,6 +56,13 @@ def test_requests_succeed_while_kafka_is_down_and_events_arrive_after(tmp_path, 
         assert all(e["tenant"] == "acme" and e["completion"] == r.choices[0].message.content
                    for r in during for e in [events[r.id]])
         assert list((server.data_dir / "state" / "serving-spool").glob("*.jsonl")) == []
+
+        # vLLM's IPC sockets are in the process's own directory (vLLM left them in /tmp for good), removed at stop.
+        ipc = Path(tempfile.gettempdir()) / f"clora-vllm-ipc-{server.process.pid}"
+        assert any(p.is_socket() for p in ipc.iterdir())
+        stop_server(server)
+        assert server.process.returncode == 0 and not ipc.exists()
+        server = None
     finally:
         if server is not None:
             stop_server(server)
