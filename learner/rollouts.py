@@ -46,6 +46,7 @@ import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -320,18 +321,24 @@ class Prefetcher:
         self.sampler = sampler
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout-prefetch")
         self._jobs: dict[str, tuple[RolloutPlan, int, Future]] = {}
+        # Discarded jobs that were already running (a future cannot be cancelled then): their requests
+        # still hold the tenant's place in the serving tier, so the tenant's next job waits for them.
+        self._discarded: dict[str, Future] = {}
 
     def pending(self, tenant: str) -> bool:
         return tenant in self._jobs
 
     def busy(self, tenant: str) -> bool:
-        """Whether the tenant's job is still sampling (taking it now would wait for it)."""
+        """Whether the tenant's job (or a discarded one) is still sampling (taking it now would wait)."""
         job = self._jobs.get(tenant)
-        return job is not None and not job[2].done()
+        discarded = self._discarded.get(tenant)
+        return (job is not None and not job[2].done()) or (discarded is not None and not discarded.done())
 
     def start(self, tenant: str, plan: RolloutPlan, requests: Sequence[SampleRequest], *, step: int = 0) -> None:
-        if tenant not in self._jobs:
-            self._jobs[tenant] = (plan, step, self._pool.submit(self._timed, list(requests)))
+        if tenant in self._jobs:
+            return
+        self._settle(tenant)
+        self._jobs[tenant] = (plan, step, self._pool.submit(self._timed, list(requests)))
 
     def _timed(self, requests: list[SampleRequest]) -> tuple[list[list[Sample]], float]:
         started = time.perf_counter()
@@ -342,15 +349,24 @@ class Prefetcher:
         """The tenant's finished job (waiting for it), or None if none was started; re-raises its error."""
         job = self._jobs.pop(tenant, None)
         if job is None:
+            self._settle(tenant)  # the caller samples itself next
             return None
         plan, step, future = job
         samples, seconds = future.result()
         return SampledBatch(plan=plan, samples=samples, step=step, seconds=seconds)
 
+    def _settle(self, tenant: str) -> None:
+        """Waits for the tenant's discarded job if it is still running: two in flight would double the
+        tenant's requests at once (past serving.max_inflight_per_tenant, refused). Rare: a config change, a
+        step out of step; the scheduler meanwhile takes other tenants (`busy`)."""
+        discarded = self._discarded.pop(tenant, None)
+        if discarded is not None:
+            futures_wait([discarded])
+
     def discard(self, tenant: str) -> None:
         job = self._jobs.pop(tenant, None)
-        if job is not None:
-            job[2].cancel()
+        if job is not None and not job[2].cancel():
+            self._discarded[tenant] = job[2]  # running: its outcome is dropped, but the next job waits for it
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,99 @@
+"""The Prefetcher keeps at most one sampling job per tenant in the serving tier, a discarded one included:
+a job already running when the learner discards it (a config change, a step out of step) cannot be
+cancelled, and a second job beside it would double the tenant's requests at once. The sampler here is a
+fake that holds its requests until released; the Prefetcher is the real one."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from learner.rollouts import Prefetcher, RolloutPlan, SampleRequest
+
+pytestmark = pytest.mark.unit
+
+
+class HeldSampler:
+    """A fake sampler: each call blocks until `release` is set; counts the calls in flight at once."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.in_flight = self.most_in_flight = self.calls = 0
+
+    def sample(self, requests):
+        with self.lock:
+            self.calls += 1
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        self.release.wait(30)
+        with self.lock:
+            self.in_flight -= 1
+        return [[] for _ in requests]
+
+
+PLAN = RolloutPlan(prompts=("p",), consumed_ids=())
+REQUESTS = [SampleRequest(tenant="acme", api_key="k", prompt="p", n=2, max_tokens=4, temperature=1.0)]
+
+
+def wait_until(condition):
+    for _ in range(600):
+        if condition():
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError("timed out")
+
+
+def test_a_discarded_running_job_keeps_the_tenant_busy_and_the_next_job_waits_for_it():
+    sampler = HeldSampler()
+    prefetcher = Prefetcher(sampler, workers=4)
+    try:
+        prefetcher.start("acme", PLAN, REQUESTS, step=1)
+        wait_until(lambda: sampler.calls == 1)
+        prefetcher.discard("acme")
+        assert not prefetcher.pending("acme") and prefetcher.busy("acme")  # the scheduler takes others meanwhile
+
+        started = threading.Thread(target=prefetcher.start, args=("acme", PLAN, REQUESTS), kwargs={"step": 2})
+        started.start()
+        started.join(0.3)
+        assert started.is_alive() and sampler.calls == 1  # waits for the discarded job; does not send beside it
+        sampler.release.set()
+        started.join(30)
+        assert prefetcher.take("acme").step == 2
+        assert sampler.calls == 2 and sampler.most_in_flight == 1
+    finally:
+        sampler.release.set()
+        prefetcher.close()
+
+
+def test_taking_nothing_after_a_discard_waits_for_the_discarded_job_too():
+    """With no job to take, the learner samples itself next: not while the discarded job still runs."""
+    sampler = HeldSampler()
+    prefetcher = Prefetcher(sampler, workers=4)
+    try:
+        prefetcher.start("acme", PLAN, REQUESTS, step=1)
+        wait_until(lambda: sampler.calls == 1)
+        prefetcher.discard("acme")
+        threading.Timer(0.3, sampler.release.set).start()
+        assert prefetcher.take("acme") is None
+        assert sampler.in_flight == 0 and not prefetcher.busy("acme")
+    finally:
+        sampler.release.set()
+        prefetcher.close()
+
+
+def test_a_discarded_job_not_yet_running_is_cancelled_and_holds_nothing():
+    sampler = HeldSampler()
+    prefetcher = Prefetcher(sampler, workers=1)
+    try:
+        prefetcher.start("other", PLAN, REQUESTS)  # takes the only worker
+        wait_until(lambda: sampler.calls == 1)
+        prefetcher.start("acme", PLAN, REQUESTS)  # queued behind it
+        prefetcher.discard("acme")
+        assert not prefetcher.busy("acme")
+        sampler.release.set()
+        assert prefetcher.take("other") is not None and sampler.calls == 1  # acme's never ran
+    finally:
+        sampler.release.set()
+        prefetcher.close()
