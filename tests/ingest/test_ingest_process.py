@@ -17,13 +17,14 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from ingest.broker import ensure_topics
 from ingest.events import FeedbackEvent, InteractionEvent, encode
-from storage.parquet import read_dataset
+from storage.parquet import live_rows, read_dataset
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +35,8 @@ PARTITIONS = 4
 class Setup:
     """Topics, a group and a config file for one test; starts ingest processes and stops them by pid."""
 
-    def __init__(self, broker, tmp_path: Path, data_dir: Path, *, flush_rows=500, flush_seconds=0.3, tenants=()):
+    def __init__(self, broker, tmp_path: Path, data_dir: Path, *, flush_rows=500, flush_seconds=0.3, tenants=(),
+                 max_message_bytes=None):
         tag = uuid.uuid4().hex[:8]
         self.bootstrap = broker.bootstrap
         self.interactions, self.feedback, self.dead = f"t-{tag}.i", f"t-{tag}.f", f"t-{tag}.d"
@@ -43,6 +45,7 @@ class Setup:
         self.data_dir = data_dir
         self.tmp = tmp_path
         self.tenants = tenants
+        self.max_message_bytes = max_message_bytes
         self.config = tmp_path / "clora.toml"
         self.write_config(flush_rows, flush_seconds)
         self.producer = KafkaProducer(bootstrap_servers=self.bootstrap, linger_ms=10)
@@ -61,6 +64,8 @@ class Setup:
             f"flush_rows = {flush_rows}",
             f"flush_seconds = {flush_seconds}",
         ]
+        if self.max_message_bytes is not None:
+            lines.append(f"max_message_bytes = {self.max_message_bytes}")
         for name, scorer in self.tenants:
             lines += ["[[tenants]]", f'name = "{name}"', f'api_key = "key-{name}-0123"', f'scorer = "{scorer}"']
         self.config.write_text("\n".join(lines) + "\n")
@@ -150,47 +155,91 @@ def read_topic(bootstrap: str, topic: str) -> list:
 # ---------------------------------------------------------------------------------------------------------
 
 
+MAX_MESSAGE_BYTES = 8192  # the valid events are ~0.8 KB; a too_large one is ~9 KB
+
+# (message for number i, its reason, the key its dead letter gets: the tenant, when a configured one is named)
 MALFORMED = [
-    (lambda i: f"not json {i}".encode(), "not_json"),
-    (lambda i: b"\xff\xfe" + str(i).encode(), "not_utf8"),
-    (lambda i: json.dumps({"type": "interaction", "id": f"m{i}", "ts": 0, "prompt": "p", "completion": "c"}).encode(), "missing_tenant"),
-    (lambda i: json.dumps({"type": "click", "id": f"m{i}", "tenant": "acme", "ts": 0}).encode(), "unknown_type"),
-    (lambda i: json.dumps({"type": "interaction", "id": f"m{i}", "tenant": "acme", "ts": 0, "prompt": "p"}).encode(), "missing_completion"),
+    (lambda i: f"not json {i}".encode(), "not_json", "_unknown"),
+    (lambda i: b"\xff\xfe" + str(i).encode(), "not_utf8", "_unknown"),
+    (lambda i: json.dumps({"type": "interaction", "id": f"m{i}", "ts": 0, "prompt": "p", "completion": "c"}).encode(), "missing_tenant", "_unknown"),
+    (lambda i: json.dumps({"type": "click", "id": f"m{i}", "tenant": "acme", "ts": 0}).encode(), "unknown_type", "acme"),
+    (lambda i: json.dumps({"type": "interaction", "id": f"m{i}", "tenant": "acme", "ts": 0, "prompt": "p"}).encode(), "missing_completion", "acme"),
+    (lambda i: json.dumps({"type": "interaction", "id": f"m{i}", "tenant": "acme", "prompt": "p", "completion": "z" * 9000}).encode(),
+     "too_large", "_unknown"),
 ]
+RAW_PREFIX = 4096  # what is kept of a too_large message (README, "Dead letters")
+
+
+class Malformed(NamedTuple):
+    value: bytes
+    reason: str
+    key: str
 
 
 def test_exactly_once_with_sigkill_at_three_random_moments(setup_factory):
-    s = setup_factory(flush_rows=300, flush_seconds=0.2, tenants=[("acme", "digits"), ("beta", "feedback")])
+    s = setup_factory(flush_rows=300, flush_seconds=0.2, tenants=[("acme", "digits"), ("beta", "feedback")],
+                      max_message_bytes=MAX_MESSAGE_BYTES)
     rng = random.Random(os.environ.get("CLORA_TEST_SEED", "ingest-sigkill"))
     tenants = ["acme", "beta", "gamma", "delta", "eps", "zeta"]
-    valid: set[tuple[str, str]] = set()
-    malformed: dict[bytes, str] = {}
+    messages: list[tuple[bytes, str, Malformed | None]] = []  # (value, key, what its dead letter must be)
     for i in range(20_000):
+        tenant = tenants[i % 6]
         if i % 20 == 7:
-            make, why = MALFORMED[(i // 20) % len(MALFORMED)]
-            value = make(i)
-            malformed[value] = why
-            s.send(value, tenant=tenants[i % 6])
+            make, why, dl_key = MALFORMED[(i // 20) % len(MALFORMED)]
+            messages.append((make(i), tenant, Malformed(make(i), why, dl_key)))
         else:
-            tenant = tenants[i % 6]
-            s.send(InteractionEvent(id=f"req-{i}", tenant=tenant, prompt=f"question {i}", completion=f"answer {i % 97} {'x' * 700}"))
-            valid.add((tenant, f"req-{i}"))
-    s.producer.flush()
-    assert len(malformed) == 1000 and len(valid) == 19_000
-    assert len(set(malformed.values())) == len(MALFORMED)
+            event = InteractionEvent(id=f"req-{i}", tenant=tenant, prompt=f"question {i}", completion=f"answer {i % 97} {'x' * 700}")
+            messages.append((encode(event), tenant, None))
+    valid = {(key, json.loads(value)["id"]) for value, key, bad in messages if bad is None}
+    assert len(valid) == 19_000 and sum(1 for *_, bad in messages if bad) == 1000
+    assert {bad.reason for *_, bad in messages if bad} == {why for _, why, _ in MALFORMED}
 
-    for round_ in range(3):
+    # Four slices: one produced during each of three ingest processes, each SIGKILLed while its slice is still
+    # coming in; the last one read by `--once`.
+    slices = [messages[k * 5000:(k + 1) * 5000] for k in range(4)]
+    sources: dict[str, Malformed] = {}  # "topic:partition:offset" of each malformed message
+
+    def produce(part, paced: bool):
+        futures = []
+        for n, (value, key, bad) in enumerate(part):
+            future = s.send(value, tenant=key)
+            if bad is not None:
+                futures.append((future, bad))
+            if paced and n % 100 == 99:  # ~2,000 messages a second: a slice takes 2.5 s or more
+                s.producer.flush()
+                time.sleep(0.05)
+        s.producer.flush()
+        for future, bad in futures:
+            meta = future.get(timeout=30)
+            sources[f"{meta.topic}:{meta.partition}:{meta.offset}"] = bad
+
+    def stored() -> int:
+        return live_rows(s.data_dir, "interactions")
+
+    produced_valid = 0
+    for round_, part in enumerate(slices[:3]):
         # Another batch size each time: replays then cut the offsets differently, so the file names differ
         # and only the (tenant, id) / offset indexes stand between a replay and a duplicate.
         s.write_config(flush_rows=rng.choice([97, 163, 251, 307]), flush_seconds=0.2)
         proc = s.start()
         wait_for(lambda: assignments(proc), 60, "a partition assignment", [proc])
-        before = s.count("interactions")
-        time.sleep(rng.uniform(0.3, 2.0))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        print(f"kill {round_}: interactions {before} -> {s.count('interactions')}")
+        before = stored()
+        producer = threading.Thread(target=produce, args=(part, True))
+        producer.start()
+        try:
+            wait_for(lambda: stored() > before, 60, "ingest to store part of the slice", [proc])
+            time.sleep(rng.uniform(0.0, 0.5))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        finally:
+            producer.join()
+        produced_valid += sum(1 for *_, bad in part if bad is None)
+        after = stored()
+        print(f"kill {round_}: interactions {before} -> {after} of {produced_valid} produced")
+        assert before < after < produced_valid, (
+            f"round {round_}: the kill did not land while the slice was being stored ({before} -> {after} of {produced_valid})")
 
+    produce(slices[3], paced=False)
     s.write_config(flush_rows=500, flush_seconds=0.2)
     proc = s.start("--once")
     assert proc.wait(timeout=120) == 0, proc.log_path.read_text()[-3000:]
@@ -202,22 +251,32 @@ def test_exactly_once_with_sigkill_at_three_random_moments(setup_factory):
     traj = read_dataset(s.data_dir, "trajectories")
     tkeys = list(zip(traj.column("tenant").to_pylist(), traj.column("id").to_pylist()))
     assert len(tkeys) == len(set(tkeys)) == sum(1 for t, _ in valid if t == "acme")  # digits scores every acme event
-    dead = read_dataset(s.data_dir, "dead_letters")
-    got = dict(zip(dead.column("raw").to_pylist(), dead.column("reason").to_pylist()))
-    assert dead.num_rows == len(got) == 1000
-    assert_same_reasons(got, malformed, "dead_letters/")
-    # The dead-letter topic is at least once: every malformed message is there, with its reason.
-    dlq = {r.value: dict(r.headers)["clora.reason"].decode() for r in read_topic(s.bootstrap, s.dead)}
-    assert_same_reasons(dlq, malformed, "the dead-letter topic")
 
+    # dead_letters/: exactly once, filed by where the message came from
+    assert len(sources) == 1000
+    dead = read_dataset(s.data_dir, "dead_letters").to_pylist()
+    by_source = {f"{d['kafka_topic']}:{d['kafka_partition']}:{d['kafka_offset']}": d for d in dead}
+    assert len(dead) == len(by_source) == 1000 and set(by_source) == set(sources)
+    for source, bad in sources.items():
+        row = by_source[source]
+        kept = bad.value[:RAW_PREFIX] if bad.reason == "too_large" else bad.value
+        assert (row["reason"], row["tenant"], row["raw"]) == (bad.reason, bad.key, kept), source
+        if bad.reason == "too_large":
+            assert row["detail"] == f"{len(bad.value)} bytes is more than the limit of {MAX_MESSAGE_BYTES}", source
 
-def assert_same_reasons(got: dict, expected: dict, where: str):
-    wrong = {raw: (reason, got.get(raw)) for raw, reason in expected.items() if got.get(raw) != reason}
-    extra = set(got) - set(expected)
-    assert not wrong and not extra, (
-        f"{where}: {len(wrong)} malformed messages missing or with another reason, e.g. "
-        f"{list(wrong.items())[:3]}; {len(extra)} unexpected, e.g. {list(extra)[:3]}"
-    )
+    # The dead-letter topic is at least once (a crash can send one twice): every malformed message is there,
+    # keyed by its tenant (or _unknown), with its reason, detail and source; a too_large one as its first 4 KB.
+    letters: dict[str, list] = {}
+    for record in read_topic(s.bootstrap, s.dead):
+        headers = {k: v.decode() for k, v in record.headers}
+        letters.setdefault(headers["clora.source"], []).append((record.key.decode(), record.value, headers))
+    assert set(letters) == set(sources), f"{len(set(sources) - set(letters))} missing, {len(set(letters) - set(sources))} unknown"
+    for source, copies in letters.items():
+        bad, row = sources[source], by_source[source]
+        kept = bad.value[:RAW_PREFIX] if bad.reason == "too_large" else bad.value
+        for key, value, headers in copies:
+            assert (key, value) == (bad.key, kept), source
+            assert headers == {"clora.reason": bad.reason, "clora.detail": (row["detail"] or "")[:1000], "clora.source": source}
 
 
 def test_feedback_before_after_and_across_a_restart(setup_factory):
