@@ -62,6 +62,12 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     show.set_defaults(func=config_show)
     env = config_sub.add_parser("env", parents=[common], help="list the environment variables that override fields")
     env.set_defaults(func=config_env)
+    check = config_sub.add_parser(
+        "check", parents=[common],
+        help="check the set-up the config names: data_dir writable, model.path a model, every scorer builds (python "
+        "ones import), every prompts_file readable, Kafka reachable; exit 1 on any problem",
+    )
+    check.set_defaults(func=config_check)
 
 
 def config_show(args: argparse.Namespace) -> int:
@@ -70,6 +76,56 @@ def config_show(args: argparse.Namespace) -> int:
 
     print(show_config(config_from_args(args)))
     return 0
+
+
+def config_check(args: argparse.Namespace) -> int:
+    """What the config alone cannot tell: whether what it names is there. One line per check."""
+    from clora.cli import config_from_args, data_dir_error, prepare_data_dir
+    from ingest.broker import unreachable
+    from ingest.scorers import ScorerSpecError, build_scorer, is_function
+    from learner.rollouts import SamplingError, read_prompts_file
+
+    cfg = config_from_args(args)
+    results: list[tuple[str, str | None]] = []  # (what, problem or None)
+    try:
+        prepare_data_dir(cfg.data_dir)
+        results.append((f"data_dir {cfg.data_dir} is writable", None))
+    except OSError as e:
+        results.append(("data_dir", data_dir_error(cfg.data_dir, e).removeprefix("clora: ")))
+    if cfg.model.path is None:
+        results.append(("model: the tiny local model (built on first use)", None))
+    elif (cfg.model.path / "config.json").is_file():
+        results.append((f"model.path {cfg.model.path} is a model directory", None))
+    else:
+        why = "does not exist" if not cfg.model.path.exists() else "is not a model directory (it has no config.json)"
+        results.append(("model.path", f"model.path {cfg.model.path} {why}"))
+    for t in cfg.tenants:
+        if is_function(t.scorer):
+            try:
+                build_scorer(t.scorer, time_limit_s=None)
+                results.append((f"tenant {t.name}: scorer {t.scorer} builds", None))
+            except ScorerSpecError as e:
+                results.append((f"tenant {t.name}", f"tenant {t.name}: {e}"))
+        if t.prompts_file is not None:
+            try:
+                n = len(read_prompts_file(t.prompts_file))
+                results.append((f"tenant {t.name}: prompts_file {t.prompts_file} has {n} prompts", None))
+            except SamplingError as e:
+                results.append((f"tenant {t.name}", f"tenant {t.name}: {e}"))
+    why = unreachable(cfg.kafka.bootstrap)
+    if why is None:
+        results.append((f"Kafka answers at {cfg.kafka.bootstrap}", None))
+    elif cfg.broker.embedded:
+        results.append((f"Kafka: not running at {cfg.kafka.bootstrap}; `clora up` starts the embedded broker there",
+                        None))
+    else:
+        results.append(("kafka.bootstrap", f"Kafka is not reachable at {cfg.kafka.bootstrap} (kafka.bootstrap, "
+                        f"broker.embedded = false): {why}"))
+    for what, problem in results:
+        print(f"  ok       {what}" if problem is None else f"  PROBLEM  {problem}")
+    problems = sum(problem is not None for _, problem in results)
+    print(f"{problems} problem(s)" if problems else "all checks passed")
+    return 1 if problems else 0
 
 
 def config_env(args: argparse.Namespace) -> int:

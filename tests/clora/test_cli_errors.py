@@ -155,3 +155,41 @@ def test_model_tiny_force_replaces_only_a_model_clora_built(tmp_path, capsys):
     assert main(["model", "tiny", "--out", str(built)]) == 1
     assert capsys.readouterr().err.strip().endswith("already exists (--force replaces it)")
     assert main(["model", "tiny", "--out", str(built), "--force"]) == 0
+
+
+def test_config_check_lists_what_the_config_names_that_is_not_there(tmp_path, capsys):
+    config = write_config(tmp_path, f"""data_dir = "{tmp_path / 'data'}"
+[model]
+path = "{tmp_path / 'no-model'}"
+[broker]
+embedded = false
+[kafka]
+bootstrap = "127.0.0.1:{closed_port()}"
+[[tenants]]
+name = "acme"
+api_key = "sk-acme-key-1"
+scorer = "python:no_such_module_here:f"
+[[tenants]]
+name = "lab"
+api_key = "sk-lab-key-12"
+scorer = "regex:a+"
+mode = "rollouts"
+prompts_file = "{tmp_path / 'prompts.txt'}"
+""")
+    assert main(["config", "check", "--config", str(config)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    problems = [line.split("PROBLEM", 1)[1].strip() for line in out if "PROBLEM" in line]
+    assert len(problems) == 4 and out[-1] == "4 problem(s)"
+    assert problems[0] == f"model.path {tmp_path / 'no-model'} does not exist"
+    assert problems[1].startswith("tenant acme: scorer python: cannot import module 'no_such_module_here'")
+    assert problems[2].startswith(f"tenant lab: cannot read prompts_file {tmp_path / 'prompts.txt'}")
+    assert problems[3].startswith("Kafka is not reachable at 127.0.0.1:") and "Connection refused" in problems[3]
+    assert f"  ok       data_dir {tmp_path / 'data'} is writable" in out
+
+    (tmp_path / "prompts.txt").write_text("one\ntwo\n")
+    fixed = config.read_text().replace("python:no_such_module_here:f", "digits").replace(
+        f'path = "{tmp_path / "no-model"}"', "seed = 0").replace("embedded = false", "embedded = true")
+    config.write_text(fixed)
+    assert main(["config", "check", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "prompts_file" in out and "has 2 prompts" in out and out.rstrip().endswith("all checks passed")
