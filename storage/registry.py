@@ -376,12 +376,16 @@ class Registry:
         )
 
     def retire(self, tenant: str, number: int) -> AdapterVersion:
-        """Deletes the version's files; its metadata stays, with status "retired"."""
+        """Deletes the version's files; its metadata stays, with status "retired".
+
+        HEAD.json is rewritten even when the version was already retired: a retire killed between its record
+        and HEAD left HEAD naming this version, and its retry deletes the files, which serving would then
+        load from a HEAD that still names them."""
         with self._locked():
             v = self.get(tenant, number)
             if v.status != "retired":
                 v = self._mark_retired(v)
-                self._write_head()
+            self._write_head()
         self._remove_files([v])
         return v
 

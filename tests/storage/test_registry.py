@@ -516,6 +516,28 @@ def test_repair_finishes_a_change_a_crash_cut_short(data_dir, peft_writer, monke
     assert reg.repair("acme") is False and reg.generation() == generation + 1, "nothing left: no change"
 
 
+def test_a_retried_retire_rewrites_head_before_deleting_the_files(data_dir, peft_writer, monkeypatch):
+    """A retire killed between its record and HEAD.json left serving on the version it retired; the retry
+    must point HEAD at the version before it, not delete the files HEAD still names."""
+    reg = Registry(data_dir, keep_last=3)
+    for n in (1, 2):
+        _new(reg, peft_writer, parent=None if n == 1 else f"acme@{n - 1}")
+        reg.publish("acme", n)
+
+    def killed() -> None:
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(reg, "_write_head", killed)  # dies after the record, before HEAD.json
+    with pytest.raises(SystemExit):
+        reg.retire("acme", 2)
+    monkeypatch.undo()
+    assert reg.get("acme", 2).status == "retired" and reg.published()["acme"].name == "acme@2"
+    generation = reg.generation()
+    reg.retire("acme", 2)
+    assert reg.published()["acme"].name == "acme@1" and reg.generation() == generation + 1
+    assert reg.published()["acme"].path.exists() and not reg.get("acme", 2).path.exists()
+
+
 def test_candidates_are_the_versions_without_a_verdict(data_dir, peft_writer):
     reg = Registry(data_dir, keep_last=1)
     for n in range(1, 6):
