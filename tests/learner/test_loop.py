@@ -748,36 +748,47 @@ def test_an_adapter_shape_serving_would_refuse_is_an_error_before_anything_is_tr
     assert not learner.policy.has("odd")  # tried again (with the config mended) from scratch
 
 
-class SlowForOneSampler(FakeServingSampler):
-    """FakeServingSampler whose requests for `slow` take `seconds` (a tenant serving answers slowly)."""
+class HeldForOneSampler(FakeServingSampler):
+    """FakeServingSampler whose requests for `held` wait until `release` is set (a tenant serving answers slowly);
+    after a minute they go on all the same, so a learner that waits for them fails the test instead of hanging it.
+    `released_in_time`: whether every wait ended by the release."""
 
-    def __init__(self, slow: str, seconds: float):
+    def __init__(self, held: str):
         super().__init__()
-        self.slow, self.seconds = slow, seconds
+        self.held, self.release, self.released_in_time = held, threading.Event(), True
 
     def sample(self, requests):
-        if requests and requests[0].tenant == self.slow:
-            time.sleep(self.seconds)
+        if requests and requests[0].tenant == self.held:
+            self.released_in_time &= self.release.wait(60)
         return super().sample(requests)
 
 
 def test_a_tenant_still_being_sampled_does_not_hold_up_one_whose_batch_is_ready(tiny_model, data_dir, tmp_path):
     """The scheduler picked a tenant whose rollouts were still being sampled, and the learner waited for
-    them while another tenant's batch lay ready (20 s in the review's trial)."""
+    them while another tenant's batch lay ready (20 s in the review's trial). aaa's rollouts come back only
+    once bbb has trained twice: two steps of bbb first, with no wait for aaa's."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("one\ntwo\nthree\nfour\n")
     lab = lambda name: {"name": name, "mode": "rollouts", "scorer": "length:12", "prompts_file": str(prompts),  # noqa: E731
                         "batch_size": 4, "group_size": 2, "learning_rate": 1e-2}
     cfg = make_config(data_dir, tiny_model, [lab("aaa"), lab("bbb")], max_new_tokens=8, gate_max_kl=50.0,
                       scheduler="round_robin", sample_ahead=False)
-    learner = Learner(cfg, model_path=tiny_model, sampler=SlowForOneSampler("aaa", 4.0), progress=False)
+    sampler = HeldForOneSampler("aaa")
+    learner = Learner(cfg, model_path=tiny_model, sampler=sampler, progress=False)
     order = []
-    started = time.monotonic()
-    run(cfg, model_path=tiny_model, learner=learner, max_steps=3, progress=False,
-        on_step=lambda r: order.append((r.tenant, round(time.monotonic() - started, 1))))
-    assert [t for t, _ in order[:2]] == ["bbb", "bbb"], order  # aaa (first in turn) was still being sampled
-    assert order[0][1] < 3.0, order
-    learner.close()
+
+    def on_step(record):
+        order.append(record.tenant)
+        if order.count("bbb") == 2:
+            sampler.release.set()
+
+    try:
+        run(cfg, model_path=tiny_model, learner=learner, max_steps=3, progress=False, on_step=on_step)
+    finally:
+        sampler.release.set()
+        learner.close()
+    assert order[:2] == ["bbb", "bbb"], order  # aaa (first in turn) was still being sampled
+    assert sampler.released_in_time, "the learner waited for aaa's rollouts instead of training bbb"
 
 
 def test_a_sampling_job_planned_under_an_old_spec_is_dropped_when_the_config_changes(tiny_model, data_dir, tmp_path):
