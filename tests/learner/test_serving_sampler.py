@@ -14,7 +14,8 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.fixture
-def server():
+def stand_in_server():
+    """A stand-in for serving's /v1/completions (named apart from conftest's `server`, the real one)."""
     class Answers(list):  # status codes to give, in order; then 200
         bodies: list  # the request bodies received
 
@@ -56,25 +57,25 @@ def request():
     return SampleRequest(tenant="acme", api_key="sk-acme-123", prompt="2+2=", n=1, max_tokens=4, temperature=1.0)
 
 
-def test_a_rate_limited_rollout_waits_for_room(server):
-    url, answers = server
+def test_a_rate_limited_rollout_waits_for_room(stand_in_server):
+    url, answers = stand_in_server
     answers.extend([429, 429])
     (samples,) = ServingSampler(url).sample([request()])
     assert [s.text for s in samples] == [" 42"] and not answers
 
 
-def test_the_prompt_goes_as_the_token_ids_the_learner_trains_on(server):
+def test_the_prompt_goes_as_the_token_ids_the_learner_trains_on(stand_in_server):
     """As ids, the engine samples from exactly the trained prompt, whatever serving would add to a text
     prompt (a BOS, as vLLM's completions endpoint adds one for Llama-family tokenizers)."""
     from dataclasses import replace
 
-    url, answers = server
+    url, answers = stand_in_server
     ServingSampler(url).sample([replace(request(), prompt_ids=(17, 4, 99)), request()])
     assert sorted(str(b["prompt"]) for b in answers.bodies) == ["2+2=", "[17, 4, 99]"]
 
 
-def test_samples_carry_the_sampled_token_ids_and_log_probs_when_the_server_returns_them(server):
-    url, answers = server
+def test_samples_carry_the_sampled_token_ids_and_log_probs_when_the_server_returns_them(stand_in_server):
+    url, answers = stand_in_server
     (old,) = ServingSampler(url).sample([request()])
     assert old[0].token_ids is None and old[0].logprobs is None  # a server without them: the text only
     answers.token_ids = True
@@ -85,15 +86,15 @@ def test_samples_carry_the_sampled_token_ids_and_log_probs_when_the_server_retur
     assert samples[0].logprobs[1] != samples[0].logprobs[1]  # a missing one is NaN (the current policy's is used)
 
 
-def test_other_errors_fail_the_request_at_once(server):
-    url, answers = server
+def test_other_errors_fail_the_request_at_once(stand_in_server):
+    url, answers = stand_in_server
     answers.append(503)
     with pytest.raises(SamplingError, match="answered 503"):
         ServingSampler(url).sample([request()])
 
 
-def test_a_tenant_waiting_out_429s_does_not_hold_back_another_tenants_rollouts(server):
-    url, answers = server
+def test_a_tenant_waiting_out_429s_does_not_hold_back_another_tenants_rollouts(stand_in_server):
+    url, answers = stand_in_server
     answers.extend([429] * 30)  # acme's requests keep being refused for ~3 s (Retry-After 0.1 s each)
     sampler = ServingSampler(url, concurrency=2)
     try:
