@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -22,11 +25,20 @@ def stand_in_server():
     answers = Answers()
     answers.bodies = bodies = []
     answers.token_ids = False  # whether the stand-in returns token ids and log-probs, as clora's serving does
+    # API key -> an Event: that key's requests are refused (429) until it is set, whatever `answers` holds
+    answers.refused_until = refused_until = {}
+    answers.refusals = refusals = collections.Counter()  # 429s given, by API key
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
             bodies.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
-            status = answers.pop(0) if answers else 200
+            key = self.headers["authorization"].removeprefix("Bearer ")
+            if key in refused_until:
+                status = 200 if refused_until[key].is_set() else 429
+            else:
+                status = answers.pop(0) if answers else 200
+            if status == 429:
+                refusals[key] += 1
             choice = {"index": 0, "text": " 42", "finish_reason": "stop"}
             if bodies[-1].get("return_token_ids") and answers.token_ids:
                 choice.update(token_ids=[7, 8, 2], logprobs={"token_logprobs": [-0.5, None, -1.25]})
@@ -94,24 +106,26 @@ def test_other_errors_fail_the_request_at_once(stand_in_server):
 
 
 def test_a_tenant_waiting_out_429s_does_not_hold_back_another_tenants_rollouts(stand_in_server):
+    """acme's requests are refused until released, and its four take both of the sampler's threads (concurrency
+    2); globex's request is answered while acme's are still being refused."""
     url, answers = stand_in_server
-    answers.extend([429] * 30)  # acme's requests keep being refused for ~3 s (Retry-After 0.1 s each)
+    acme_released = answers.refused_until["sk-acme-123"] = threading.Event()
     sampler = ServingSampler(url, concurrency=2)
+    other = SampleRequest(tenant="globex", api_key="sk-globex-123", prompt="1+1=", n=1, max_tokens=4, temperature=1.0)
     try:
-        import concurrent.futures
-        import time
-
         with concurrent.futures.ThreadPoolExecutor(2) as jobs:
             acme = jobs.submit(sampler.sample, [request()] * 4)
-            time.sleep(0.2)  # acme's requests occupy its threads, asleep between 429s
-            started = time.monotonic()
-            other = SampleRequest(tenant="globex", api_key="sk-globex-123", prompt="1+1=", n=1, max_tokens=4,
-                                  temperature=1.0)
-            answers.insert(0, 200)  # globex's request is answered at once
-            (samples,) = sampler.sample([other])
-            waited = time.monotonic() - started
+            while answers.refusals["sk-acme-123"] < 4:  # both threads busy with acme's requests, asleep between 429s
+                assert not acme.done(), acme.exception()
+                time.sleep(0.01)
+            globex = jobs.submit(sampler.sample, [other])
+            try:
+                (samples,) = globex.result(timeout=60)  # behind acme's requests, it would wait for their release
+            finally:
+                refused_before_release = not acme.done()
+                acme_released.set()
             assert [s.text for s in samples] == [" 42"]
-            assert waited < 1.0, f"globex waited {waited:.1f}s behind acme"
-            assert len(acme.result(timeout=30)) == 4
+            assert refused_before_release and answers.refusals["sk-acme-123"] >= 4
+            assert [[s.text for s in one] for one in acme.result(timeout=30)] == [[" 42"]] * 4
     finally:
         sampler.close()
