@@ -99,11 +99,22 @@ def test_events_reach_their_topics_keyed_by_tenant(tmp_path):
 def test_outage_spools_then_resends_everything_in_order(tmp_path):
     broker = FakeBroker()
     broker.up = False
-    log = make_log(tmp_path, broker)
-    started = time.monotonic()
-    for i in range(50):
+    connecting, release, connected = threading.Event(), threading.Event(), threading.Event()
+
+    def unanswered(bootstrap):
+        """Connecting hangs (a broker that does not answer) until `release`; then it fails: the broker is down."""
+        connecting.set()
+        release.wait(30)
+        connected.set()
+        return broker.producer(bootstrap)
+
+    log = make_log(tmp_path, broker, unanswered)
+    log.log(interaction(0))
+    assert connecting.wait(10), "the thread never tried to connect"
+    for i in range(1, 50):  # logging never waits for the broker: all of these return while it connects
         log.log(interaction(i))
-    assert time.monotonic() - started < 0.5  # logging never waits for the broker
+    assert not connected.is_set(), "log() waited for the connection attempt"
+    release.set()
     wait_for(lambda: log.spooled == 50)
     assert broker.received == []
     broker.up = True
@@ -150,12 +161,12 @@ def test_a_stop_with_a_hanging_broker_spools_the_queue_within_its_timeout(tmp_pa
     broker = FakeBroker()
     log = make_log(tmp_path, broker, lambda b: HangingProducer(broker), ack_timeout=30.0)
     log.log(interaction(0))
-    time.sleep(0.3)  # the first batch is being sent: its flush would wait 30 s
+    wait_for(lambda: log._in_flight)  # the first batch is being sent: its flush would wait 30 s
     for i in range(1, 1200):  # more than one batch behind it
         log.log(interaction(i))
-    started = time.monotonic()
     log.close(timeout=3.0)
-    assert time.monotonic() - started < 3.5 and not log._thread.is_alive()
+    assert not log._thread.is_alive(), "the thread still waits for the broker after close()"
+    assert events_log.Spool(tmp_path / "spool").pending() == 1200  # every event logged is on disk
     broker.up = True
     again = make_log(tmp_path, broker)  # everything logged is in the spool: the next start sends it
     wait_for(lambda: len(broker.received) == 1200)
