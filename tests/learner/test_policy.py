@@ -21,11 +21,28 @@ def spec(name, **kw):
     return replace(TenantSpec.default(name), **kw)
 
 
+TENANTS = ("acme", "beta.prod")
+
+
 @pytest.fixture(scope="module")
-def policy(tiny_model):
+def fresh_policy(tiny_model):
+    """One Policy for the module (a load takes seconds), with the snapshot of its fresh adapters."""
     p = Policy(tiny_model, device="cpu")
     p.add_tenant(spec("acme", rank=8, learning_rate=1e-2))
     p.add_tenant(spec("beta.prod", rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"), learning_rate=1e-2))
+    return p, {t: p.snapshot(t) for t in TENANTS}
+
+
+@pytest.fixture
+def policy(fresh_policy):
+    """The module's Policy as it was built: fresh adapters, empty optimizers, no gradients, whatever the
+    tests before this one trained."""
+    p, fresh = fresh_policy
+    for t in TENANTS:
+        p.restore(t, fresh[t])
+        p.zero_grad(t)
+        assert all(torch.equal(param, fresh[t].weights[n]) for n, param in p._params[t]), f"{t} not restored"
+        assert p._optimizers[t].state_dict()["state"] == {}, f"{t}'s optimizer not restored"
     return p
 
 
