@@ -233,7 +233,8 @@ class LearnerConfig(_Strict):
     sample_ahead: bool = Field(
         True, description="Rollouts mode with a prompts file: issue a tenant's next rollouts as soon as its current "
         "step has its samples, so the serving tier samples step k+1 while the learner trains step k (those samples "
-        "come from the version before the newest, within max_staleness); false: only after each step's commit."
+        "come from the version before the newest, within max_staleness; off with max_staleness = 0); false: only "
+        "after each step's commit."
     )
     keep_versions: int = Field(5, ge=1, description="Published versions kept on disk per tenant.")
     gate_max_kl: float = Field(

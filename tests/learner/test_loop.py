@@ -673,8 +673,20 @@ class FakeServingSampler:
                         interaction_id=f"call{self.calls}-{i}-{j}") for j in range(r.n)] for i, r in enumerate(requests)]
 
 
-@pytest.mark.parametrize("ahead", [True, False])
-def test_sample_ahead_issues_the_next_batch_before_the_current_step_commits(tiny_model, data_dir, tmp_path, ahead):
+class CurrentVersionSampler(FakeServingSampler):
+    """... labelling its samples with the version the learner holds, as the serving tier would once that
+    version is current."""
+
+    def sample(self, requests):
+        from dataclasses import replace
+
+        return [[replace(s, version=r.version) for s in group] for r, group in zip(requests, super().sample(requests))]
+
+
+@pytest.mark.parametrize("ahead, max_staleness", [(True, 4), (False, 4), (True, 0)])
+def test_sample_ahead_issues_the_next_batch_before_the_current_step_commits(tiny_model, data_dir, tmp_path, ahead,
+                                                                            max_staleness):
+    """... and not with max_staleness 0, where every sample of the version before the newest is dropped."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("one\ntwo\nthree\nfour\n")
     write(data_dir, "lab", rows("r", 5, metadata={"source": "rollout"}), "b0")  # rollouts that came back via ingest
@@ -682,9 +694,10 @@ def test_sample_ahead_issues_the_next_batch_before_the_current_step_commits(tiny
         data_dir, tiny_model,
         [{"name": "lab", "mode": "rollouts", "scorer": "length:12", "prompts_file": str(prompts), "batch_size": 4,
           "group_size": 2, "learning_rate": 1e-2}],
-        max_new_tokens=8, gate_max_kl=50.0, sample_ahead=ahead,
+        max_new_tokens=8, gate_max_kl=50.0, sample_ahead=ahead, max_staleness=max_staleness,
     )
-    learner = Learner(cfg, model_path=tiny_model, sampler=FakeServingSampler(), progress=False)
+    sampler = FakeServingSampler() if max_staleness else CurrentVersionSampler()
+    learner = Learner(cfg, model_path=tiny_model, sampler=sampler, progress=False)
     issued = []  # (step the batch is for, last committed step when it was issued)
     start = learner.prefetcher.start
 
@@ -696,7 +709,7 @@ def test_sample_ahead_issues_the_next_batch_before_the_current_step_commits(tiny
     records = []
     run(cfg, model_path=tiny_model, learner=learner, max_steps=3, progress=False, on_step=records.append)
 
-    if ahead:  # step k+1's batch is issued while step k trains (before its commit)
+    if ahead and max_staleness:  # step k+1's batch is issued while step k trains (before its commit)
         assert issued == [(1, 0), (2, 0), (3, 1), (4, 2)]
     else:
         assert issued == [(1, 0), (2, 1), (3, 2), (4, 3)]
@@ -708,7 +721,7 @@ def test_sample_ahead_issues_the_next_batch_before_the_current_step_commits(tiny
             r.timings["total"], abs=1e-6)
         assert len(r.rewards) == r.row["n_trajectories"] == 4
         parent = int(r.row["version"].rsplit("@", 1)[1]) if r.row["version"] else 0
-        assert r.staleness == parent  # every sample came from the base model (version 0)
+        assert r.staleness == (parent if max_staleness else 0)  # from the base model (version 0), or current
 
 
 def test_a_tenant_remembers_only_the_served_versions_staleness_can_count(tiny_model, data_dir, monkeypatch):
