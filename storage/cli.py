@@ -109,6 +109,9 @@ def cmd_query(args: argparse.Namespace) -> int:
         return 2
     try:
         table = query(cfg.data_dir, args.sql)
+    except KeyboardInterrupt:  # query() interrupted DuckDB; nothing was written
+        print("clora query: interrupted", file=sys.stderr)
+        return 130
     except (duckdb.Error, StorageError, OSError) as e:  # parser, binder, IO errors: the message, not a traceback
         print(f"clora query: {e}", file=sys.stderr)
         return 1
@@ -117,6 +120,9 @@ def cmd_query(args: argparse.Namespace) -> int:
         return 1
     try:
         write_table(table, args.format, args.out)
+    except KeyboardInterrupt:  # write_table leaves no partial --out file
+        print("clora query: interrupted", file=sys.stderr)
+        return 130
     except OSError as e:  # --out in a missing directory, a full disk
         print(f"clora query: cannot write the result: {e}", file=sys.stderr)
         return 1
@@ -131,14 +137,39 @@ def write_table(table, fmt: str, out: str | None) -> None:
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        pq.write_table(table.rename_columns(_unique_names(table.column_names)), out)  # readable by name
+        table = table.rename_columns(_unique_names(table.column_names))  # readable by name
+        _write_whole(out, lambda path: pq.write_table(table, path))
         return
     text = {"table": format_table, "csv": format_csv, "json": format_json}[fmt](table)
     if out:
-        with open(out, "w", encoding="utf-8") as f:
-            f.write(text)
+        def write(path: str) -> None:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+
+        _write_whole(out, write)
     else:
         sys.stdout.write(text)
+
+
+def _write_whole(out: str, write) -> None:
+    """`write(path)` into a hidden sibling of `out` that is renamed over it once complete, so a write that
+    fails or is interrupted (Ctrl-C, a full disk) leaves no partial file and the previous one intact. A
+    device or pipe (--out /dev/stdout) is written as it is: it cannot be renamed over."""
+    import os
+    from pathlib import Path
+
+    from storage.files import tmp_name
+
+    final = Path(out)
+    if final.exists() and not final.is_file():
+        write(out)
+        return
+    tmp = tmp_name(final)
+    try:
+        write(str(tmp))
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _rows(table) -> list[tuple]:

@@ -21,6 +21,9 @@ retries if a file it listed vanished anyway (only then: any other error is the s
 it again would repeat its side effects). Nothing here takes a lock or opens a file for writing, so queries
 never block ingest, the learner or compaction, and any number of processes may query at once.
 
+A statement runs on a worker thread while the caller's thread waits for it, so that Ctrl-C (a
+KeyboardInterrupt) interrupts the connection rather than waiting for DuckDB to finish.
+
 Moving the data dir to object storage: DuckDB reads s3:// paths with its httpfs extension; live_files
 would list through the pyarrow S3 filesystem (see layout.py).
 """
@@ -31,6 +34,7 @@ import json
 import logging
 import math
 import re
+import threading
 
 import duckdb
 import pyarrow as pa
@@ -129,8 +133,7 @@ def query(root, sql: str) -> pa.Table:
     for attempt in range(QUERY_ATTEMPTS):
         con, listed = _connect(dd, adapters)
         try:
-            rel = con.sql(sql)
-            return pa.table({}) if rel is None else _to_arrow(rel)
+            return _interruptible(con, sql)
         except duckdb.IOException as e:
             if attempt == QUERY_ATTEMPTS - 1 or not _names_a_listed_file(str(e), listed):
                 raise
@@ -138,6 +141,35 @@ def query(root, sql: str) -> pa.Table:
         finally:
             con.close()
     raise AssertionError("unreachable")
+
+
+def _interruptible(con: duckdb.DuckDBPyConnection, sql: str) -> pa.Table:
+    """Runs `sql` to its result on a worker thread, so that Ctrl-C stops it: Python runs signal handlers on
+    the main thread only, between bytecodes, and a main thread inside DuckDB would not see the
+    KeyboardInterrupt until the statement ended. On one, the connection is interrupted, the worker is let
+    finish (DuckDB stops within milliseconds) and the KeyboardInterrupt goes on to the caller."""
+    outcome: dict[str, object] = {}
+    done = threading.Event()  # not Thread.join: a join a KeyboardInterrupt cut short marks the thread ended
+
+    def run() -> None:
+        try:
+            rel = con.sql(sql)  # lazy for a query: it runs when the result is fetched, below
+            outcome["table"] = pa.table({}) if rel is None else _to_arrow(rel)
+        except BaseException as e:  # noqa: BLE001 (handed to the main thread, which raises it)
+            outcome["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="clora-query", daemon=True).start()
+    try:
+        done.wait()
+    except KeyboardInterrupt:
+        con.interrupt()
+        done.wait()  # the connection is closed next, which DuckDB refuses while the statement runs
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["table"]
 
 
 def _names_a_listed_file(message: str, listed: list[str]) -> bool:

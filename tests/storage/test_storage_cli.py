@@ -254,3 +254,64 @@ def test_prune_and_compact_of_the_unknown_tenant_succeed(clora, data_dir):
     code, out, err = clora("prune", "--older-than-days", "30", "--tenant", "_unknown")
     assert code == 0, err
     assert "deleted 1 files, 2 rows" in out and live_files(data_dir, "dead_letters") == []
+
+
+def test_ctrl_c_interrupts_a_long_query_and_writes_no_out_file(tmp_path, data_dir):
+    """DuckDB held the main thread, where Python runs its SIGINT handler, until the statement ended."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "result.csv"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clora", "query", "--format", "csv", "--out", str(out),
+         "select sum(a.range * b.range) from range(100000000) a, range(100000) b"],  # minutes of work
+        env={**{k: v for k, v in os.environ.items() if k != "CLORA_CONFIG"}, "PYTHONPATH": str(repo),
+             "CLORA_DATA_DIR": str(data_dir)},
+        cwd=repo,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's foreground job
+    )
+    try:
+        # Running the statement: startup and the views take ~0.6 s of CPU; wait for 3 s of it.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            if (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") >= 3:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert err.strip() == "clora query: interrupted" and time.monotonic() - started < 10
+    assert sorted(os.listdir(tmp_path)) == [data_dir.name], "no result file, no temporary one"
+
+
+def test_an_interrupted_or_failed_out_file_write_leaves_the_previous_file(tmp_path, monkeypatch):
+    import pyarrow.parquet as pq_module
+
+    from storage.cli import write_table
+
+    out = tmp_path / "result.parquet"
+    write_table(pa.table({"x": [1]}), "parquet", str(out))
+
+    def cut_short(table, path):
+        with open(path, "wb") as f:
+            f.write(b"PAR1 half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pq_module, "write_table", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        write_table(pa.table({"x": [2]}), "parquet", str(out))
+    assert pq.read_table(out).column("x").to_pylist() == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.parquet"]
