@@ -12,12 +12,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import psutil
+import pyarrow.parquet as pq
 import pytest
 
 from storage import files as storage_files
+from storage.cursors import Cursors
 from storage.query import query
 from storage.registry import Registry
 
@@ -116,15 +119,49 @@ learning_rate = 1e-3
     key = {"Authorization": "Bearer sk-acme-0000"}
     body = {"model": "acme", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
-    newest = []
+    rounds = []
     for round_ in range(2):
         up = clora("up", "--config", str(config), cwd=tmp_path)
         try:
-            newest.append(run_round(up, round_, url, key, body, data))
+            rounds.append(run_round(up, round_, url, key, body, data, after=rounds[-1].version if rounds else 0))
         finally:
             stop(up)
-    # the second run resumed from the first: its adapters and cursors were kept
-    assert newest[1] >= newest[0]
+    assert_resumed(data, *rounds)
+
+
+class Round(NamedTuple):
+    """What one `clora up` life left: the newest published version, the learner's last committed step, and
+    the trajectory ids trained up to it."""
+
+    version: int
+    step: int
+    trained: set[str]
+
+
+def assert_resumed(data: Path, first: Round, second: Round) -> None:
+    """The second run resumed from the first: a newer version, trained on from the first run's (its lineage
+    reaches it, and its step numbers go on), and none of the first run's trained trajectories trained again."""
+    registry = Registry(data)
+    newest, before = registry.get("acme", second.version), registry.get("acme", first.version)
+    lineage, v = [newest.name], newest
+    while v.parent is not None and v.number > before.number:
+        v = registry.get_name(v.parent)
+        lineage.append(v.name)
+    assert lineage[-1] == before.name, f"{newest.name} does not descend from {before.name}: {lineage}"
+    assert newest.metrics["step"] > first.step >= before.metrics["step"], (newest.metrics, first.step)
+    assert second.step > first.step
+    resumed = {step: ids for step, ids in step_ids(data, "acme").items() if step > first.step}
+    assert newest.metrics["step"] in resumed, sorted(resumed)  # its step dir keeps its checkpoint: not compacted
+    for step, ids in resumed.items():
+        assert ids and not ids & first.trained, f"step {step} trained again: {sorted(ids & first.trained)}"
+    assert Cursors(data).trained_ids("acme") > first.trained
+
+
+def step_ids(data: Path, tenant: str) -> dict[int, set[str]]:
+    """The trajectory ids committed at each step whose directory is still there (compaction folds older ones
+    into a snapshot; the newest keep their checkpoint, and with it their directory)."""
+    return {int(d.name.split("-")[1]): set(pq.read_table(d / "ids.parquet").column("id").to_pylist())
+            for d in (data / "cursors" / tenant).glob("step-*")}
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -140,9 +177,9 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def run_round(up, round_, url, key, body, data) -> int:
-    """One `clora up` life: healthy, traffic with feedback, a published version, Ctrl-C, checks; returns the
-    newest published version number."""
+def run_round(up, round_, url, key, body, data, after: int) -> Round:
+    """One `clora up` life: healthy, traffic with feedback, a version newer than `after` published, Ctrl-C,
+    checks; returns what it left (read once it stopped)."""
     wait_healthy(url, up)
     children = psutil.Process(up.pid).children(recursive=True)
     assert len(children) >= 4  # broker, serving (+ its engine), ingest, learner
@@ -151,12 +188,17 @@ def run_round(up, round_, url, key, body, data) -> int:
         assert r.status_code == 200, r.text
         fb = httpx.post(url + "/v1/feedback", json={"id": r.json()["id"], "score": (i % 3) / 2}, headers=key)
         assert fb.status_code == 202, fb.text
-    # let ingest and the learner see the traffic: a version gets published
-    deadline = time.monotonic() + 120
-    while Registry(data).latest_published("acme") is None and time.monotonic() < deadline:
+    # let ingest and the learner see the traffic: a new version gets published (after the first round, one
+    # newer than that round's: its version is still published, and would pass for this round's)
+    def published() -> int:
+        latest = Registry(data).latest_published("acme")
+        return 0 if latest is None else latest.number
+
+    deadline = time.monotonic() + 180
+    while published() <= after and time.monotonic() < deadline:
+        assert up.poll() is None, up.stdout.read()[-4000:]
         time.sleep(1)
-    assert Registry(data).latest_published("acme") is not None
-    newest = Registry(data).latest_published("acme").number
+    assert published() > after, f"no version newer than acme@{after} was published"
     up.send_signal(signal.SIGINT)
     out, _ = up.communicate(timeout=240)
     assert up.returncode == 0, out[-4000:]
@@ -169,4 +211,5 @@ def run_round(up, round_, url, key, body, data) -> int:
     assert not leftovers, leftovers
     (row,) = query(data, "select count(*) as n from interactions where tenant = 'acme'").to_pylist()
     assert row["n"] == 6 * (round_ + 1)  # nothing acknowledged was lost across the stop
-    return newest
+    cursors = Cursors(data)
+    return Round(version=published(), step=cursors.latest_step("acme"), trained=cursors.trained_ids("acme"))
