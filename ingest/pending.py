@@ -77,6 +77,11 @@ event times are at most that far apart; pending feedback leaves memory once it w
 (ids are held in the order their first rows were ingested, so expiry looks only at the oldest; an id with
 rows of different ages is handled as `PendingFeedback.expire` says).
 
+A stored file that cannot be read (damaged on disk, or a compacted file whose footer the listing cannot
+read, storage.parquet) is logged with what it costs and left out of the load, rather than keeping ingest
+from starting for every tenant: its keys are not indexed, so an event of it delivered again is stored a
+second time, and feedback in it or for its interactions is not joined.
+
 The join relies on co-partitioning: both topics keyed by tenant with the same partition count, and the
 range assignor, so one process sees all of a tenant's interactions and feedback (consumer.py).
 What this module leaves to others: deciding what a message means (batch.py) and writing (consumer.py).
@@ -105,6 +110,7 @@ from storage.parquet import (
     read_rows,
     retry_vanished,
     superseded_by,
+    unreadable_files,
 )
 from storage.schema import FEEDBACK, INTERACTIONS, conform
 
@@ -124,6 +130,9 @@ MAX_PENDING_PER_TENANT = 100_000  # the default of ingest.max_pending_feedback_p
 MAX_PENDING = 1_000_000  # the default of ingest.max_pending_feedback (every tenant together)
 MAX_WAITING_PER_ID = 8  # feedback rows kept for one id whose interaction has not arrived (see the docstring)
 LOAD_CHUNK = 65_536  # ids checked against the trajectories index at once when pending feedback is loaded
+# What ingest gives up for a stored file it cannot read at load (logged with the file).
+UNREAD_COST = ("ingest goes on without its rows' keys: an event of it delivered again (a replay, a resend) is "
+               "stored a second time, and feedback in it or for its interactions is not joined")
 # Where a tenant's partition means it exists (dead_letters/ does not: it held names nobody admitted).
 TENANT_DATASETS = ("interactions", "feedback", "trajectories")
 
@@ -286,6 +295,7 @@ class PendingStore:
         self.unwritten: dict[Key, InteractionRow] = {}  # interactions of the batch being written
         self._reserved: dict[str, int] = {}  # tenant -> its file number in the batch being written
         self._look_at = 0  # len(files) at which to compare the file list with the live files again
+        self.unreadable: set[str] = set()  # stored files the load could not read (logged), left out
 
     # --- building -------------------------------------------------------------------------------------
 
@@ -299,13 +309,15 @@ class PendingStore:
         for dataset, columns in KEY_COLUMNS.items():
             setattr(store, dataset, retry_vanished(lambda: store._load_index(dataset, columns), f"loading {dataset} keys"))
         retry_vanished(lambda: store._load_pending(now_ms), "loading pending feedback")
+        retry_vanished(store._report_unreadable_compacted, "listing unreadable files")
         store.tenants_on_disk = frozenset(
             t for dataset in TENANT_DATASETS for t in partition_tenants(store.root, dataset) if t != UNKNOWN_TENANT
         )
         logger.info(
-            "store loaded: %d interactions (%d files), %d trajectories, %d feedback, %d dead letters, %d pending feedback",
-            len(store.interactions), len(store.files), len(store.trajectories), len(store.feedback),
+            "store loaded: %d interactions (%d files), %d trajectories, %d feedback, %d dead letters, %d pending "
+            "feedback%s", len(store.interactions), len(store.files), len(store.trajectories), len(store.feedback),
             len(store.dead_letters), len(store.pending),
+            f"; {len(store.unreadable)} files could not be read (logged above)" if store.unreadable else "",
         )
         return store
 
@@ -313,7 +325,9 @@ class PendingStore:
         files = live_files(self.root, "interactions")
         hashes, numbers = [], []
         for number, path in enumerate(files):
-            t = read_file(self.root, path, columns=["tenant", "id"])
+            t = self._read_or_skip(path, ["tenant", "id"])
+            if t is None:
+                continue
             hashes.append(KeyIndex.hash_keys([t.column("tenant").to_pylist(), t.column("id").to_pylist()]))
             numbers.append(np.full(t.num_rows, number, dtype=np.int32))
         self.interactions = KeyIndex.from_hashes(_concat(hashes, np.int64), _concat(numbers, np.int32))
@@ -324,7 +338,9 @@ class PendingStore:
         """One file at a time, so loading holds one file's Python objects, not the dataset's."""
         hashes = []
         for path in live_files(self.root, dataset):
-            t = read_file(self.root, path, columns=columns)
+            t = self._read_or_skip(path, columns)
+            if t is None:
+                continue
             # Timestamps as epoch ms, as the rows have them (to_pylist would give datetimes).
             values = [(t.column(c).cast(pa.int64()) if pa.types.is_timestamp(t.schema.field(c).type) else t.column(c)).to_pylist()
                       for c in columns]
@@ -342,7 +358,10 @@ class PendingStore:
         for tenant in partition_tenants(self.root, "feedback"):
             recent = []
             for path in live_files(self.root, "feedback", tenant):
-                t = conform(read_file(self.root, path), FEEDBACK, strict=False)
+                t = self._read_or_skip(path, None)
+                if t is None:
+                    continue
+                t = conform(t, FEEDBACK, strict=False)
                 recent.append(t.filter(pc.greater_equal(t.column("ingested_at").cast(pa.int64()), cutoff)))
             table = pa.concat_tables(recent) if recent else None
             if table is None or not table.num_rows:
@@ -355,6 +374,28 @@ class PendingStore:
                     "holding the most are left out of the join (ingest.max_pending_feedback; they stay in feedback/)",
                     self.pending.total,
                 )
+
+    def _read_or_skip(self, path: str, columns: list[str] | None) -> pa.Table | None:
+        """The file (those columns), or None when it cannot be read: it is logged (once a load) and left out,
+        so that one damaged file does not keep ingest from starting for every tenant. A file that vanished
+        raises FileNotFoundError (retry_vanished lists again)."""
+        try:
+            return read_file(self.root, path, columns=columns)
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # noqa: BLE001 (damage, not a bug: the store must load for the other files)
+            if path not in self.unreadable:
+                self.unreadable.add(path)
+                logger.warning("%s cannot be read (%s: %s); %s", path, type(e).__name__, e, UNREAD_COST)
+            return None
+
+    def _report_unreadable_compacted(self) -> None:
+        """Compacted files that the listing leaves out (their footer cannot be read; storage.parquet) cost
+        ingest the same as a file it cannot read: their keys are not loaded."""
+        for dataset in ("interactions", *KEY_COLUMNS):
+            for path in unreadable_files(self.root, dataset):
+                self.unreadable.add(path)
+                logger.warning("%s cannot be read and is left out; %s", path, UNREAD_COST)
 
     def _unjoined(self, tenant: str, table: pa.Table) -> list[FeedbackRow]:
         """Of one tenant's recent feedback, in the order it came: the first MAX_WAITING_PER_ID rows of each

@@ -391,7 +391,7 @@ def _compact_once(cfg, args: argparse.Namespace, grace: float) -> int:
         print(f"clora compact: {e}", file=sys.stderr)
         return 1
     for r in results:
-        if r.inputs or r.removed or r.waiting or r.skipped:
+        if r.inputs or r.removed or r.waiting or r.skipped or r.left_out:
             print(r, flush=True)
     merged = sum(r.inputs for r in results)
     print(f"compacted {merged} files in {sum(1 for r in results if r.outputs)} partition(s)", flush=True)

@@ -44,6 +44,12 @@ one-off `clora compact` reads each candidate's once. A file whose footer cannot 
 and counted too (merging it would fail the run, and every later one); it stays live, and retention reports
 it as well.
 
+A compacted file whose footer cannot be read supersedes nothing and is read by no one
+(parquet._SupersededIndex): the files it merged are live again while they are on disk. They, and every file no
+newer than it (it may hold their rows), are left out of merges until it is restored or deleted, counted and
+logged at each run: merged again, their rows would be in two live files once it can be read again, the new
+merge not naming it.
+
 Plain glob readers (DuckDB/Spark/pandas pointed at the tree, not `clora query`) do count the superseded
 inputs twice until they are deleted; run `clora compact --grace 0` before handing the tree to such a tool.
 
@@ -83,6 +89,7 @@ from storage.parquet import (
     COMPACTED_PREFIX,
     ROW_GROUP_ROWS,
     SUPERSEDES_KEY,
+    Listing,
     newest_in,
     partition_listing,
     parquet_options,
@@ -168,9 +175,9 @@ def compact_partition(
     directory = dd.partition(dataset, tenant)
     try:
         with partition_lock(dd, dataset, tenant):
-            on_disk, superseded = partition_listing(dd, dataset, tenant)
-            live = sorted((i for i in on_disk if i.base_name not in superseded), key=lambda i: i.base_name)
-            for day in _groups(dd, dataset, tenant, [i for i in live if i.size < target_bytes], result):
+            listing = partition_listing(dd, dataset, tenant)
+            candidates = _not_in_unreadable(listing, [i for i in listing.live() if i.size < target_bytes], result)
+            for day in _groups(dd, dataset, tenant, candidates, result):
                 for batch in _batches(day, target_bytes):
                     if len(batch) >= min_files:
                         name, rows = _merge(dd, dataset, directory, batch)
@@ -239,6 +246,27 @@ def _groups(dd, dataset: str, tenant: str, infos: list, result: CompactionResult
     return groups
 
 
+def _not_in_unreadable(listing: Listing, infos: list, result: CompactionResult) -> list:
+    """`infos` less the files that a compacted file of the partition whose footer cannot be read may have
+    merged: every one no newer than it (its inputs were on disk before it was written). Readers read those
+    in its place; merged again, their rows would be read twice once it is restored, since the new merge
+    would not name it. Such a compacted file is counted as left out, with them, and logged at every run."""
+    if not listing.unreadable:
+        return infos
+    newest = max(i.mtime_ns for i in listing.on_disk if i.base_name in listing.unreadable)
+    kept = [i for i in infos if i.mtime_ns > newest]
+    older = " is"
+    if len(kept) < len(infos):
+        older = f" and the {len(infos) - len(kept)} live files no newer than it (it may hold their rows) are"
+    logger.warning(
+        "compaction of %s/tenant=%s: %s cannot be read: it%s left out of the merge. Restore it, or delete it if "
+        "the rows only it holds are not needed",
+        result.dataset, result.tenant, ", ".join(sorted(listing.unreadable)), older,
+    )
+    result.left_out += len(listing.unreadable) + len(infos) - len(kept)
+    return kept
+
+
 def _footer_of(dd, dataset: str, info) -> _Footer:
     schema = SCHEMAS[dataset]
     with dd.filesystem.open_input_file(info.path) as f:
@@ -297,9 +325,10 @@ def _remove_superseded(dd, dataset: str, tenant: str, grace_s: float) -> tuple[i
 
     "Superseded since" is the time the *first* compacted file naming it appeared (later merges name it
     again, and must not push its deletion back for ever)."""
-    on_disk, superseded = partition_listing(dd, dataset, tenant)
+    listing = partition_listing(dd, dataset, tenant)
+    superseded = listing.superseded
     now_ns = time.time_ns()
-    doomed = [i for i in on_disk if i.base_name in superseded]
+    doomed = [i for i in listing.on_disk if i.base_name in superseded]
     due = [i for i in doomed if (now_ns - superseded[i.base_name].since_ns) / 1e9 >= grace_s]
     for info in due:
         Path(info.path).unlink(missing_ok=True)

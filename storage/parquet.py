@@ -13,7 +13,10 @@ names it supersedes. Which files a reader must read is therefore decided here, i
     ignored by readers even if written again, and write_dataset does not write it.
 A reader whose file vanishes between listing and opening (compaction deleted it) lists again. Each process
 keeps what a partition's compacted files supersede as hashes, reading each footer once (_SupersededIndex),
-so a write's check and a listing cost the files on disk, not every name the partition ever had.
+so a write's check and a listing cost the files on disk, not every name the partition ever had. A compacted
+file whose footer cannot be read supersedes nothing and is itself left out (logged; `unreadable_files`):
+the files it merged are read in its place while they are on disk, and one damaged file stops no reader or
+writer of the dataset.
 
 Plain Parquet readers that glob the tree (DuckDB, Spark, pandas) count superseded inputs twice until
 compaction deletes them; `clora query` and every clora reader use `live_files` and never do.
@@ -27,6 +30,7 @@ import bisect
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -75,6 +79,7 @@ ROW_GROUP_ROWS = 16384  # compacted files: small enough that a batch read touche
 # (pyarrow's default: every column) costs write time and saves nothing.
 DICTIONARY_COLUMNS = frozenset({"tenant", "adapter_version", "reward_source", "source", "reason", "kafka_topic", "mode", "version"})
 READ_ATTEMPTS = 8
+UNREADABLE_RETRY_S = 60.0  # a compacted file whose footer could not be read is read again after this long
 
 T = TypeVar("T")
 
@@ -171,7 +176,10 @@ def supersedes(dd: DataDir, info: pafs.FileInfo) -> tuple[str, ...]:
 def read_supersedes(fs: pafs.FileSystem, path: str) -> tuple[str, ...]:
     with fs.open_input_file(path) as f:
         meta = pq.read_metadata(f).metadata or {}
-    return tuple(json.loads(meta.get(SUPERSEDES_KEY, b"[]")))
+    names = json.loads(meta.get(SUPERSEDES_KEY, b"[]"))
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{path}: {SUPERSEDES_KEY.decode()} in the footer is not a list of file names")
+    return tuple(names)
 
 
 class _SupersededIndex:
@@ -188,10 +196,20 @@ class _SupersededIndex:
 
     `on_disk` keeps, for the files of the last listing, whether and since when they are superseded; a
     listing updates it from the footers it adds and looks up only files it has not seen before.
+
+    A compacted file whose footer cannot be read (truncated, damaged by a bad copy or restore, unreadable
+    on a failing disk) supersedes nothing here: the files it merged are live while they are on disk (they
+    hold its rows), and it is in `unreadable`, which readers leave out (reading it would fail every read of
+    the dataset). It is logged once and remembered by (name, size, mtime) so that each listing does not read
+    it again; it is tried again every UNREADABLE_RETRY_S (an error of the file system may pass) and at once
+    if it changes (restored). Only its rows that are nowhere else are missing meanwhile.
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        # compacted file -> (size, mtime_ns, monotonic time to try it again): kept across a reset
+        self._unreadable: dict[str, tuple[int, int, float]] = {}
+        self.unreadable: frozenset[str] = frozenset()  # compacted files on disk that the last update could not read
         self._reset()
 
     def _reset(self) -> None:
@@ -210,13 +228,30 @@ class _SupersededIndex:
     def update(self, dd: DataDir, infos: list[pafs.FileInfo]) -> None:
         """Brings the index to the listing `infos` (every data file of the partition)."""
         compacted = {i.base_name: i for i in infos if i.base_name.startswith(COMPACTED_PREFIX)}
-        new = sorted(n for n in compacted if n not in self._number or self._number[n][0] != compacted[n].size)
-        if new and new[0] <= self._newest:
-            self._reset()  # out of order (a clock set back, a file replaced): start again from the footers
-            new = sorted(compacted)
+        for name in [n for n in self._unreadable if n not in compacted]:
+            del self._unreadable[name]
+        now = time.monotonic()
+        new = sorted(n for n in compacted if (n not in self._number or self._number[n][0] != compacted[n].size)
+                     and not self._still_unreadable(compacted[n], now))
+        footers, lost = {}, False
+        for n in new:
+            names = self._footer(dd, compacted[n])
+            if names is not None:
+                footers[n] = names
+            else:
+                lost = lost or n in self._number  # replaced by a file that cannot be read: it names nothing now
+        if lost or (footers and min(footers) <= self._newest):
+            # Out of order (a clock set back, a file replaced) or one gone bad: start again from the footers.
+            self._reset()
+            for n in compacted:
+                if n not in footers and not self._still_unreadable(compacted[n], now):
+                    names = self._footer(dd, compacted[n])
+                    if names is not None:
+                        footers[n] = names
         listed = {i.base_name for i in infos}
-        for name in new:
-            self._add(dd, compacted[name], listed)
+        for name in sorted(footers):
+            self._add(compacted[name], footers[name], listed)
+        self.unreadable = frozenset(n for n in compacted if n in self._unreadable)
         gone = [n for n in self._number if n not in compacted]
         if gone:
             numbers = {self._number[n][1] for n in gone}
@@ -243,8 +278,34 @@ class _SupersededIndex:
         owners = self._names.find(*hash_strings(names))
         return [None if k == ABSENT else Superseded(*self._files[k]) for k in owners.tolist()]
 
-    def _add(self, dd: DataDir, info: pafs.FileInfo, listed: set[str]) -> None:
-        names = read_supersedes(dd.filesystem, info.path)  # first: a failed read leaves the index as it was
+    def _still_unreadable(self, info: pafs.FileInfo, now: float) -> bool:
+        """Whether `info` is a compacted file that could not be read, unchanged since, not yet due again."""
+        known = self._unreadable.get(info.base_name)
+        return known is not None and known[:2] == (info.size, info.mtime_ns) and now < known[2]
+
+    def _footer(self, dd: DataDir, info: pafs.FileInfo) -> tuple[str, ...] | None:
+        """The names a compacted file supersedes; None, remembered and logged once, when its footer cannot
+        be read. A file that vanished raises FileNotFoundError (retry_vanished lists again)."""
+        try:
+            names = read_supersedes(dd.filesystem, info.path)
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # noqa: BLE001 (one damaged file must not stop every reader and writer)
+            known = self._unreadable.get(info.base_name)
+            if known is None or known[:2] != (info.size, info.mtime_ns):
+                logger.warning(
+                    "%s cannot be read (%s: %s): it is left out of every read, and the files it merged are "
+                    "read in its place while they are on disk; rows held only by it are missing until it is "
+                    "restored (compaction merges no file older than it meanwhile)",
+                    info.path, type(e).__name__, e,
+                )
+            self._unreadable[info.base_name] = (info.size, info.mtime_ns, time.monotonic() + UNREADABLE_RETRY_S)
+            return None
+        if self._unreadable.pop(info.base_name, None) is not None:
+            logger.info("%s can be read again", info.path)
+        return names
+
+    def _add(self, info: pafs.FileInfo, names: tuple[str, ...], listed: set[str]) -> None:
         number = self._free.pop() if self._free else len(self._files)
         if number == len(self._files):
             self._files.append(("", 0))
@@ -309,20 +370,33 @@ def superseded_by(root, path: str | Path) -> str | None:
     return None if found is None else str(path.parent / found.by)
 
 
-def partition_listing(dd: DataDir, dataset: str, tenant: str) -> tuple[list[pafs.FileInfo], dict[str, Superseded]]:
-    """(every data file on disk, those of them that a compacted file supersedes) of one partition."""
+@dataclass(frozen=True)
+class Listing:
+    """One partition as a listing found it."""
+
+    on_disk: list[pafs.FileInfo]  # every data file
+    superseded: dict[str, Superseded]  # those of them that a compacted file supersedes
+    unreadable: frozenset[str]  # compacted files, not superseded, whose footer cannot be read (_SupersededIndex)
+
+    def live(self) -> list[pafs.FileInfo]:
+        """The files a reader reads, sorted by name."""
+        hidden = self.superseded.keys() | self.unreadable
+        return sorted((i for i in self.on_disk if i.base_name not in hidden), key=lambda i: i.base_name)
+
+
+def partition_listing(dd: DataDir, dataset: str, tenant: str) -> Listing:
     directory = dd.partition(dataset, tenant)
     index = _index_of(directory)
     with index.lock:
         infos = _list_partition(dd, directory)
         index.update(dd, infos)
-        return infos, {n: s for n, s in index.on_disk.items() if s is not None}
+        superseded = {n: s for n, s in index.on_disk.items() if s is not None}
+        return Listing(infos, superseded, frozenset(n for n in index.unreadable if n not in superseded))
 
 
 def partition_files(dd: DataDir, dataset: str, tenant: str) -> list[pafs.FileInfo]:
     """The live files of one partition (what a reader reads), sorted by name."""
-    infos, superseded = partition_listing(dd, dataset, tenant)
-    return sorted((i for i in infos if i.base_name not in superseded), key=lambda i: i.base_name)
+    return partition_listing(dd, dataset, tenant).live()
 
 
 def partition_tenants(root, dataset: str) -> list[str]:
@@ -351,6 +425,15 @@ def live_files(root, dataset: str, tenant: str | None = None) -> list[str]:
     dd = as_datadir(root)
     tenants = partition_tenants(dd, dataset) if tenant is None else [tenant]
     return [i.path for t in tenants for i in partition_files(dd, dataset, t)]
+
+
+def unreadable_files(root, dataset: str, tenant: str | None = None) -> list[str]:
+    """Paths of the compacted files of `dataset` (one tenant or all) that live_files leaves out because their
+    footer cannot be read (see _SupersededIndex)."""
+    dd = as_datadir(root)
+    tenants = partition_tenants(dd, dataset) if tenant is None else [tenant]
+    return [str(dd.partition(dataset, t) / name)
+            for t in tenants for name in sorted(partition_listing(dd, dataset, t).unreadable)]
 
 
 def live_rows(root, dataset: str, tenant: str | None = None) -> int:

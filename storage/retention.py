@@ -24,7 +24,8 @@ What pruning gives up, and why it is safe within limits the config enforces:
 Deleting is safe while others run. The partition's compaction lock is held, so no merge runs beside it. A
 reader that listed the files before finds one gone and lists again (parquet.retry_vanished). Superseded
 inputs still waiting for their grace period are deleted before the files superseding them, so none becomes
-live again. `prune_registry` deletes the records of settled adapter versions (retired, or rejected with
+live again, and with them whatever their own footer says (an unreadable one too). `prune_registry` deletes
+the records of settled adapter versions (retired, or rejected with
 their files gone; `learner.keep_versions` deletes the files) last written before the cutoff, never a
 tenant's newest. `forget_trained` makes each learner cursor forget the ids of steps committed before the
 cutoff (16 bytes each in every learner, and a cold start's read), and leave trajectories ingested before
@@ -166,22 +167,34 @@ def prune_partition(root, dataset: str, tenant: str, cutoff_ms: int, *, dry_run:
     result = PruneResult(dataset, tenant)
     try:
         with partition_lock(dd, dataset, tenant):
-            on_disk, superseded = partition_listing(dd, dataset, tenant)
-            doomed = []
-            for info in on_disk:
+            listing = partition_listing(dd, dataset, tenant)
+            superseded = listing.superseded
+            doomed, unreadable = [], []
+            for info in listing.on_disk:
                 try:
                     newest, rows = newest_ms(dd, info.path)
                 except FileNotFoundError:
                     continue
                 except Exception as e:  # noqa: BLE001 (one unreadable file must not stop the partition's retention)
-                    logger.warning("retention: %s is unreadable, left alone: %s: %s", info.path, type(e).__name__, e)
-                    result.unreadable += 1
+                    unreadable.append((info, e))
                     continue
                 if newest is None or newest < cutoff_ms:
                     doomed.append(info)
                     if info.base_name not in superseded:  # a superseded file's rows are counted in its successor
                         result.files, result.rows = result.files + 1, result.rows + rows
                     result.bytes += info.size
+            # A superseded file goes with the file holding its rows now, whatever its own footer says: left on
+            # disk, it would be live again once that file is gone (and an unreadable one would fail every read).
+            going = {i.base_name for i in doomed}
+            with_successor = [i for i in listing.on_disk if i.base_name not in going
+                              and i.base_name in superseded and superseded[i.base_name].by in going]
+            doomed += with_successor
+            result.bytes += sum(i.size for i in with_successor)
+            going.update(i.base_name for i in with_successor)
+            for info, e in unreadable:
+                if info.base_name not in going:
+                    logger.warning("retention: %s is unreadable, left alone: %s: %s", info.path, type(e).__name__, e)
+                    result.unreadable += 1
             if not dry_run and doomed:
                 # Superseded inputs first, made durable before their compacted successor goes: were the
                 # successor's deletion on disk and not theirs after a crash, they would be live again.

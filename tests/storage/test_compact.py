@@ -413,3 +413,58 @@ def test_a_stray_directory_among_the_cursors_does_not_stop_the_others_folding(da
         cursors.commit("zeta", step=s, ids=[f"z{s}"], checkpoint=lambda d: (d / "w").write_text("x"))
     compact(data_dir)
     assert [p.name for p in (data_dir / "cursors" / "zeta").iterdir() if p.name.startswith("trained-")]
+
+
+def _damage(path) -> bytes:
+    """Cuts the footer off `path` (a bad copy, a failing disk); returns the bytes it had."""
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+    return data
+
+
+def test_a_compacted_file_that_cannot_be_read_stops_no_one_and_double_counts_nothing_once_restored(
+    data_dir, make_trajectories, caplog
+):
+    """Its footer used to be read by every listing and write of its partition, and its error stopped them
+    all: ingest's start (every tenant), every query and the whole compaction run."""
+    acme = _write_files(data_dir, make_trajectories, 3, prefix="a")
+    globex = _write_files(data_dir, make_trajectories, 2, tenant="globex")
+    compact(data_dir, "trajectories", grace_s=3600)  # inputs stay on disk for the grace period
+    (merged,) = (data_dir / "trajectories" / "tenant=acme").glob("compacted-*.parquet")
+    original = _damage(merged)
+    parquet._indexes.clear()  # as a process started now
+
+    with caplog.at_level("WARNING", logger="storage.parquet"):
+        assert sorted(read_ids(data_dir, "trajectories")) == sorted(
+            [("acme", i) for i in acme] + [("globex", i) for i in globex]
+        ), "its inputs, still on disk, are read in its place"
+        live_files(data_dir, "trajectories")
+    logged = [r.getMessage() for r in caplog.records if merged.name in r.getMessage()]
+    assert len(logged) == 1 and "cannot be read" in logged[0], "logged once, not at every listing"
+    assert str(merged) not in live_files(data_dir, "trajectories")
+    assert parquet.unreadable_files(data_dir, "trajectories") == [str(merged)]
+    assert query(data_dir, "select count(*) as n from trajectories").to_pylist() == [{"n": 20}]
+
+    time.sleep(0.05)  # written after it: files it cannot hold
+    late = _write_files(data_dir, make_trajectories, 2, prefix="late")
+    results = {r.tenant: r for r in compact(data_dir, "trajectories", grace_s=0)}
+    assert results["acme"].inputs == 2 and results["acme"].left_out == 4, "it and its 3 inputs"
+    assert results["globex"].inputs == 0 and not results["globex"].skipped
+    assert len(read_ids(data_dir, "trajectories", "acme")) == 3 * 4 + 2 * 4
+
+    merged.write_bytes(original)  # restored from a backup
+    ids = read_dataset(data_dir, "trajectories", "acme").column("id").to_pylist()
+    assert sorted(ids) == sorted(acme + late), "each row once: nothing it holds was merged again"
+    results = {r.tenant: r for r in compact(data_dir, "trajectories", grace_s=0)}
+    assert results["acme"].left_out == 0 and results["acme"].removed == 3 + 2, "its inputs, and those of the last run"
+    assert sorted(read_dataset(data_dir, "trajectories", "acme").column("id").to_pylist()) == sorted(acme + late)
+
+
+def test_a_compacted_file_that_goes_bad_in_place_is_dropped_from_what_a_process_knows(data_dir, make_trajectories):
+    ids = _write_files(data_dir, make_trajectories, 3)
+    compact(data_dir, "trajectories", grace_s=3600)
+    assert len(live_files(data_dir, "trajectories")) == 1  # this process has read its footer
+    (merged,) = (data_dir / "trajectories" / "tenant=acme").glob("compacted-*.parquet")
+    _damage(merged)
+    assert sorted(read_ids(data_dir, "trajectories")) == sorted(("acme", i) for i in ids)
+    assert len(live_files(data_dir, "trajectories")) == 3

@@ -214,3 +214,15 @@ def test_servings_dead_letter_day_files_go_once_their_whole_day_is_older_than_th
     assert prune_spool_dead(data_dir, older_than_s=10 * DAY_S, now_s=now) == 2
     assert sorted(p.name for p in dead.iterdir()) == ["2025-01-01.txt", "2025-01-10.jsonl", "notes.jsonl"]
     assert prune_spool_dead(data_dir / "nowhere", older_than_s=DAY_S) == 0
+
+
+def test_a_superseded_input_that_cannot_be_read_goes_with_its_compacted_file(data_dir, files):
+    """Left alone as unreadable, it would be live again once the file superseding it was deleted: an old file
+    back among the live ones, failing every read of the dataset."""
+    compact(data_dir, "trajectories", grace_s=3600)  # its inputs wait on disk for the grace period
+    damaged = files / "f0.parquet"
+    damaged.write_bytes(damaged.read_bytes()[:-100])
+
+    (r,) = prune(data_dir, older_than_s=10, now_s=T0.timestamp() + 100)
+    assert (r.files, r.rows, r.unreadable) == (1, 20, 0)
+    assert names(files) == [] and live_files(data_dir, "trajectories") == []
