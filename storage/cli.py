@@ -391,10 +391,14 @@ def _compact_once(cfg, args: argparse.Namespace, grace: float) -> int:
         print(f"clora compact: {e}", file=sys.stderr)
         return 1
     for r in results:
-        if r.inputs or r.removed or r.waiting or r.skipped or r.left_out:
+        if r.inputs or r.removed or r.waiting or r.skipped or r.left_out or r.error:
             print(r, flush=True)
     merged = sum(r.inputs for r in results)
     print(f"compacted {merged} files in {sum(1 for r in results if r.outputs)} partition(s)", flush=True)
+    failed = [f"{r.dataset}/tenant={r.tenant}" for r in results if r.error]
+    if failed:  # the others were compacted; the run as a whole did not do what was asked
+        print(f"clora compact: {len(failed)} failed: {', '.join(failed)} (see above)", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

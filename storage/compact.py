@@ -68,6 +68,13 @@ or a listing costs the files on disk and the footers new since the last one, not
 One compactor per partition at a time (a non-blocking flock; a busy partition is skipped). `compact` also
 folds each tenant's learner cursor into a snapshot (cursors.Cursors.compact). Not done here: deleting old
 data (retention) or re-sorting rows.
+
+Each partition and each cursor is a unit of its own: one that fails (a full disk, a file deleted by hand)
+is logged, its result carries the `error` (`clora compact` exits 1), and the others are compacted all the
+same. A partition's run deletes what earlier runs merged before it merges anything, so on a full disk it
+still frees their inputs. An input whose footer reads but whose rows do not (damaged pages) fails only its
+own part: the batch is merged without it, and later runs of the process leave it out (remembered by name,
+size and mtime, logged and counted each run) instead of failing on it again.
 """
 
 from __future__ import annotations
@@ -118,15 +125,19 @@ class CompactionResult:
     waiting: int = 0  # superseded files kept until their grace period is over
     left_out: int = 0  # live files this run would not merge (logged with their reason)
     skipped: str | None = None
+    error: str | None = None  # why the run failed here (logged with its traceback); the others went on
 
     def __str__(self) -> str:
         where = f"{self.dataset}/tenant={self.tenant}"
         if self.skipped:
             return f"{where}: skipped ({self.skipped})"
+        if self.error and not (self.inputs or self.removed or self.waiting or self.left_out):
+            return f"{where}: failed: {self.error}"
         left_out = f"; {self.left_out} files left out (see the log)" if self.left_out else ""
+        failed = f"; then failed: {self.error}" if self.error else ""
         return (
             f"{where}: {self.inputs} files -> {len(self.outputs)} ({self.rows} rows); "
-            f"{self.removed} superseded files deleted, {self.waiting} waiting for the grace period{left_out}"
+            f"{self.removed} superseded files deleted, {self.waiting} waiting for the grace period{left_out}{failed}"
         )
 
 
@@ -139,7 +150,9 @@ def compact(
     min_files: int = 2,
     grace_s: float = GRACE_S,
 ) -> list[CompactionResult]:
-    """Compacts every partition (of one dataset / one tenant if given) and the learner cursors."""
+    """Compacts every partition (of one dataset / one tenant if given) and the learner cursors. A partition or
+    cursor that fails (a full disk, a file that will not read) is logged and has its `error` set in the
+    results (a cursor as dataset "cursors"); the others are compacted all the same."""
     dd = as_datadir(root)
     results = []
     for ds in [check_dataset(dataset)] if dataset else DATASETS:
@@ -150,7 +163,12 @@ def compact(
     if dataset is None and tenant != UNKNOWN_TENANT:  # dead letters without a tenant have no learner cursor
         cursors = Cursors(dd)
         for t in [tenant] if tenant else cursors.tenants():
-            folded = cursors.compact(t)
+            try:
+                folded = cursors.compact(t)
+            except Exception as e:  # noqa: BLE001 (one tenant's cursor must not stop the others' folding)
+                logger.exception("folding the cursor of %s failed", t)
+                results.append(CompactionResult("cursors", t, error=f"{type(e).__name__}: {e}"))
+                continue
             if folded:
                 logger.info("cursor of %s: folded %d step files into a snapshot", t, folded)
     return results
@@ -170,27 +188,52 @@ def compact_partition(
     min_files: int = 2,
     grace_s: float = GRACE_S,
 ) -> CompactionResult:
+    """Merges one partition's small files and deletes what earlier runs merged once its grace is over. A
+    failure is logged and set as the result's `error`, not raised: what was done before it stands."""
     dd = as_datadir(root)
     result = CompactionResult(dataset, tenant)
     directory = dd.partition(dataset, tenant)
     try:
         with partition_lock(dd, dataset, tenant):
+            # Deleting first: a run that cannot write (a full disk) still frees what earlier runs merged.
+            result.removed, result.waiting = _remove_superseded(dd, dataset, tenant, grace_s)
+            result.removed += remove_stale_hidden(directory, older_than_s=STALE_TMP_S)
             listing = partition_listing(dd, dataset, tenant)
             candidates = _not_in_unreadable(listing, [i for i in listing.live() if i.size < target_bytes], result)
             for day in _groups(dd, dataset, tenant, candidates, result):
                 for batch in _batches(day, target_bytes):
-                    if len(batch) >= min_files:
-                        name, rows = _merge(dd, dataset, directory, batch)
-                        result.inputs += len(batch)
-                        result.rows += rows
-                        result.outputs.append(name)
-            result.removed, result.waiting = _remove_superseded(dd, dataset, tenant, grace_s)
-            result.removed += remove_stale_hidden(directory, older_than_s=STALE_TMP_S)
+                    _merge_batch(dd, dataset, directory, batch, min_files, result)
+            if result.outputs:  # this run's inputs, due now with no grace
+                removed, result.waiting = _remove_superseded(dd, dataset, tenant, grace_s)
+                result.removed += removed
     except LockBusy:
         result.skipped = "another compaction holds this partition"
-    loud = result.inputs or result.removed or result.skipped or result.left_out
+    except Exception as e:  # noqa: BLE001 (one partition's failure must not stop the others' compaction)
+        logger.exception("compaction of %s/tenant=%s failed", dataset, tenant)
+        result.error = f"{type(e).__name__}: {e}"
+    loud = result.inputs or result.removed or result.skipped or result.left_out or result.error
     logger.log(logging.INFO if loud else logging.DEBUG, "%s", result)
     return result
+
+
+def _merge_batch(dd, dataset: str, directory: Path, batch: list, min_files: int, result: CompactionResult) -> None:
+    """Merges `batch` if it holds at least `min_files`. An input whose rows cannot be read (damaged past its
+    footer) is remembered and left out, and the rest merged without it: were it kept, the same batch would
+    fail at every later run and the partition never be compacted again."""
+    while len(batch) >= min_files:
+        try:
+            name, rows = _merge(dd, dataset, directory, batch)
+        except _InputUnreadable as e:
+            logger.warning("compaction of %s/tenant=%s: %s is unreadable, left out: %s",
+                           result.dataset, result.tenant, e.info.base_name, e.reason)
+            _unreadable.setdefault(str(directory), {})[_key(e.info)] = e.reason
+            result.left_out += 1
+            batch = [i for i in batch if i is not e.info]
+            continue
+        result.inputs += len(batch)
+        result.rows += rows
+        result.outputs.append(name)
+        return
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -209,6 +252,21 @@ class _Footer:
 # note). Runs on one partition never overlap (its lock is taken per call, even within a process), and a run
 # replaces its partition's entry whole.
 _footers: dict[str, dict[tuple[str, int, int], _Footer]] = {}
+# partition directory -> {(name, size, mtime_ns): why} for the candidates whose rows a merge could not read
+# (_merge_batch); kept, like _footers, for the candidates of the last run.
+_unreadable: dict[str, dict[tuple[str, int, int], str]] = {}
+
+
+def _key(info) -> tuple[str, int, int]:
+    return info.base_name, info.size, info.mtime_ns
+
+
+class _InputUnreadable(Exception):
+    """A merge's input whose rows could not be read."""
+
+    def __init__(self, info, cause: Exception):
+        super().__init__(info.path)
+        self.info, self.reason = info, f"{type(cause).__name__}: {cause}"
 
 
 def _groups(dd, dataset: str, tenant: str, infos: list, result: CompactionResult) -> list[list]:
@@ -217,10 +275,18 @@ def _groups(dd, dataset: str, tenant: str, infos: list, result: CompactionResult
     must not be merged, or whose footer cannot be read, is in none: logged and counted instead."""
     directory = str(dd.partition(dataset, tenant))
     known = _footers.get(directory, {})
+    known_bad = _unreadable.get(directory, {})
     footers: dict[tuple[str, int, int], _Footer] = {}
+    bad: dict[tuple[str, int, int], str] = {}
     days: dict[int | None, list] = {}
     for info in infos:
-        key = (info.base_name, info.size, info.mtime_ns)
+        key = _key(info)
+        if key in known_bad:
+            bad[key] = known_bad[key]
+            logger.warning("compaction of %s/tenant=%s: %s is unreadable, left out: %s",
+                           dataset, tenant, info.base_name, bad[key])
+            result.left_out += 1
+            continue
         try:
             footer = footers[key] = known[key] if key in known else _footer_of(dd, dataset, info)
         except FileNotFoundError:  # deleted by hand meanwhile (clora deletes only under this lock)
@@ -237,6 +303,7 @@ def _groups(dd, dataset: str, tenant: str, infos: list, result: CompactionResult
             continue
         days.setdefault(footer.day, []).append(info)
     _footers[directory] = footers
+    _unreadable[directory] = bad
     undated = days.pop(None, [])
     groups = [days[d] for d in sorted(days)]
     if undated and groups:
@@ -305,8 +372,14 @@ def _merge(dd, dataset: str, directory: Path, batch: list) -> tuple[str, int]:
         names.add(info.base_name)
         if info.base_name.startswith(COMPACTED_PREFIX):
             names.update(supersedes(dd, info))  # transitive: a replay of those stays a no-op
+        try:
+            table = read_file(dd, info.path)
+        except FileNotFoundError:
+            raise  # deleted by hand meanwhile (clora deletes only under the partition's lock): the run fails
+        except Exception as e:  # noqa: BLE001 (the input's own damage: _merge_batch leaves it out)
+            raise _InputUnreadable(info, e) from e
         # Not strict: an old file lacks the columns added since (nulls); _groups kept out any it would drop.
-        tables.append(conform(read_file(dd, info.path), schema, strict=False))
+        tables.append(conform(table, schema, strict=False))
     merged = pa.concat_tables(tables)
     merged = merged.replace_schema_metadata({**schema.metadata, SUPERSEDES_KEY: json.dumps(sorted(names)).encode()})
     now_ns = time.time_ns()  # names sort by creation time (parquet._SupersededIndex relies on it)

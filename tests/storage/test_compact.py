@@ -468,3 +468,75 @@ def test_a_compacted_file_that_goes_bad_in_place_is_dropped_from_what_a_process_
     _damage(merged)
     assert sorted(read_ids(data_dir, "trajectories")) == sorted(("acme", i) for i in ids)
     assert len(live_files(data_dir, "trajectories")) == 3
+
+
+def test_a_full_disk_still_frees_what_earlier_runs_merged_and_fails_each_partition_on_its_own(
+    data_dir, make_trajectories, monkeypatch
+):
+    """The merge came before the deletes, and the first partition's error ended the run: a full disk kept
+    every superseded input of every partition on disk."""
+    import errno
+
+    for tenant in ("acme", "globex"):
+        _write_files(data_dir, make_trajectories, 3, tenant=tenant, prefix="a")
+        compact_partition(data_dir, "trajectories", tenant, grace_s=3600)  # merged; inputs wait for their grace
+        _write_files(data_dir, make_trajectories, 2, tenant=tenant, prefix="b")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("storage.compact.pq.write_table", full)
+    results = {r.tenant: r for r in compact(data_dir, "trajectories", grace_s=0)}
+    for tenant in ("acme", "globex"):
+        assert results[tenant].removed == 3 and results[tenant].inputs == 0
+        assert "No space left on device" in results[tenant].error and "failed" in str(results[tenant])
+        assert len(_files_on_disk(data_dir, tenant)) == 1 + 2, "the merged file and the new ones"
+        assert len(read_ids(data_dir, "trajectories", tenant)) == 5 * 4
+    monkeypatch.undo()
+    assert all(r.error is None and r.inputs == 3 for r in compact(data_dir, "trajectories", grace_s=0))
+
+
+def test_an_input_whose_rows_cannot_be_read_is_left_out_and_the_rest_merged_now_and_later(
+    data_dir, make_trajectories, caplog
+):
+    """Its footer reads, so it passed the footer checks, and the merge of its batch failed at every run."""
+    import struct
+
+    ids = _write_files(data_dir, make_trajectories, 4)
+    damaged = data_dir / "trajectories" / "tenant=acme" / "f0001.parquet"
+    data = bytearray(damaged.read_bytes())
+    data_end = len(data) - 8 - struct.unpack("<I", data[-8:-4])[0]
+    data[4:data_end] = b"\xab" * (data_end - 4)  # its pages, not its footer
+    damaged.write_bytes(bytes(data))
+
+    first = compact_partition(data_dir, "trajectories", "acme", grace_s=0)
+    assert (first.inputs, first.left_out, first.error) == (3, 1, None)
+    more = _write_files(data_dir, make_trajectories, 2, prefix="g")
+    with caplog.at_level("WARNING", logger="storage.compact"):
+        second = compact_partition(data_dir, "trajectories", "acme", grace_s=0)
+    assert (second.inputs, second.left_out, second.error) == (3, 1, None), "the merged file and g*; not it"
+    assert "f0001.parquet is unreadable, left out" in caplog.text
+    merged, left = _files_on_disk(data_dir)
+    assert left == "f0001.parquet" and merged == second.outputs[0]
+    rows = parquet.read_file(parquet.as_datadir(data_dir), str(data_dir / "trajectories" / "tenant=acme" / merged))
+    assert sorted(rows.column("id").to_pylist()) == sorted(ids[:4] + ids[8:] + more)
+
+
+def test_a_cursor_that_cannot_be_folded_does_not_stop_the_others(data_dir, monkeypatch):
+    from storage.cursors import Cursors
+
+    cursors = Cursors(data_dir, keep_checkpoints=1)
+    for tenant in ("acme", "globex"):
+        for s in (1, 2):
+            cursors.commit(tenant, step=s, ids=[f"{tenant}{s}"], checkpoint=lambda d: (d / "w").write_text("x"))
+    fold = Cursors.compact
+
+    def fails_for_acme(self, tenant):
+        if tenant == "acme":
+            raise OSError(28, "No space left on device")
+        return fold(self, tenant)
+
+    monkeypatch.setattr(Cursors, "compact", fails_for_acme)
+    (failed,) = [r for r in compact(data_dir) if r.error]
+    assert (failed.dataset, failed.tenant) == ("cursors", "acme") and "No space left" in str(failed)
+    assert [p.name for p in (data_dir / "cursors" / "globex").iterdir() if p.name.startswith("trained-")]

@@ -315,3 +315,25 @@ def test_an_interrupted_or_failed_out_file_write_leaves_the_previous_file(tmp_pa
         write_table(pa.table({"x": [2]}), "parquet", str(out))
     assert pq.read_table(out).column("x").to_pylist() == [1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["result.parquet"]
+
+
+def test_compact_goes_on_past_a_partition_that_fails_and_exits_1(clora, data_dir, make_trajectories, monkeypatch):
+    from storage import compact
+
+    for tenant in ("acme", "globex"):
+        for k in range(2):
+            rows = make_trajectories([f"{tenant}{k}"], tenant, start=k)
+            write_dataset(data_dir, "trajectories", rows, file_id=f"f{k}")
+    merge = compact._merge
+
+    def fails_for_acme(dd, dataset, directory, batch):
+        if directory.name == "tenant=acme":
+            raise OSError(28, "No space left on device")
+        return merge(dd, dataset, directory, batch)
+
+    monkeypatch.setattr(compact, "_merge", fails_for_acme)
+    code, out, err = clora("compact", "--grace", "0")
+    assert code == 1
+    assert "trajectories/tenant=acme: failed: OSError: [Errno 28] No space left on device" in out
+    assert "compacted 2 files in 1 partition(s)" in out and len(live_files(data_dir, "trajectories", "globex")) == 1
+    assert err.strip() == "clora compact: 1 failed: trajectories/tenant=acme (see above)"
