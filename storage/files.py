@@ -104,6 +104,7 @@ def write_new_file(path: Path, write: Callable[[Path], None]) -> bool:
 
     Returns False (and writes nothing) when `path` already exists. The final step is a hard link, which
     fails instead of replacing, so a concurrent creator can never clobber a file a reader already opened.
+    The file's mtime is set just before it appears.
     """
     if path.exists():
         fsync_dir(path.parent)  # a replay after a crash between the link and the fsync: make it durable now
@@ -113,6 +114,9 @@ def write_new_file(path: Path, write: Callable[[Path], None]) -> bool:
     try:
         write(tmp)
         fsync_file(tmp)
+        # Its mtime says when it appeared, not when its bytes began: compaction's grace period counts from a
+        # merged file's mtime, and a large merge takes a while to write and fsync.
+        os.utime(tmp)
         try:
             os.link(tmp, path)
         except FileExistsError:

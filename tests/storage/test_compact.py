@@ -540,3 +540,24 @@ def test_a_cursor_that_cannot_be_folded_does_not_stop_the_others(data_dir, monke
     (failed,) = [r for r in compact(data_dir) if r.error]
     assert (failed.dataset, failed.tenant) == ("cursors", "acme") and "No space left" in str(failed)
     assert [p.name for p in (data_dir / "cursors" / "globex").iterdir() if p.name.startswith("trained-")]
+
+
+def test_the_grace_period_counts_from_when_the_merged_file_appeared_not_from_its_first_byte(
+    data_dir, make_trajectories, monkeypatch
+):
+    import os
+
+    import pyarrow.parquet as pq
+
+    _write_files(data_dir, make_trajectories, 3)
+    write = pq.write_table
+
+    def slow(table, where, **kwargs):  # as if writing it had taken an hour
+        write(table, where, **kwargs)
+        os.utime(where, (time.time() - 3600, time.time() - 3600))
+
+    monkeypatch.setattr("storage.compact.pq.write_table", slow)
+    assert compact_partition(data_dir, "trajectories", "acme", grace_s=60).inputs == 3
+    monkeypatch.undo()
+    later = compact_partition(data_dir, "trajectories", "acme", grace_s=60)
+    assert (later.removed, later.waiting) == (0, 3), "readers that listed before it appeared keep their files"
