@@ -639,8 +639,9 @@ class Learner:
         and bounded by `learner.max_staleness`)."""
         if self.prefetcher is None or rt.spec.mode != "rollouts" or self.prefetcher.pending(rt.spec.name):
             return
-        if ahead and not (self.settings.sample_ahead and rt.spec.prompts_file is not None):
-            return
+        if ahead and not (self.settings.sample_ahead and self.settings.max_staleness >= 1
+                          and rt.spec.prompts_file is not None):
+            return  # with max_staleness 0, samples of the version before the newest would all be dropped
         try:
             self._scorer(rt)  # no sampling for a tenant whose step would fail anyway
             step = rt.step + (2 if ahead else 1)
