@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import re
 import sys
 
 FORMATS = ("table", "csv", "json", "parquet")
@@ -112,7 +113,10 @@ def cmd_query(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # query() interrupted DuckDB; nothing was written
         print("clora query: interrupted", file=sys.stderr)
         return 130
-    except (duckdb.Error, StorageError, OSError) as e:  # parser, binder, IO errors: the message, not a traceback
+    except duckdb.Error as e:  # parser, binder, IO errors: the message, not a traceback
+        print(f"clora query: {duckdb_error_line(e)}", file=sys.stderr)
+        return 1
+    except (StorageError, OSError) as e:
         print(f"clora query: {e}", file=sys.stderr)
         return 1
     except (ValueError, OverflowError) as e:  # a result Arrow cannot hold
@@ -131,6 +135,54 @@ def cmd_query(args: argparse.Namespace) -> int:
               "(cast the column to VARCHAR in the SQL)", file=sys.stderr)
         return 1
     return 0
+
+
+# DuckDB's pointer into the statement, under its message: "LINE <n>: <that line, cut around the spot>" and
+# a row of ^ under the offending token.
+_ERROR_CONTEXT = re.compile(r"\s*\nLINE (\d+): (.*)\n( *)(\^+)\s*$")
+_MISSING_TABLE = re.compile(r"Table with name .* does not exist")
+_SUGGESTION = re.compile(r'\s*Did you mean "([^"]*)"\?')
+
+
+def duckdb_error_line(e: Exception) -> str:
+    """DuckDB's message for `e` on one line: its pointer block becomes "(line N, at "token")", continuation
+    lines (candidate columns, functions) are joined on, and for a table that does not exist a suggestion
+    that is not one of the views (DuckDB's catalog tables, "pg_enum", and clora's own "_clora_*") gives way
+    to the list of views."""
+    from storage.query import VIEWS
+
+    text, where = str(e).strip(), ""
+    if m := _ERROR_CONTEXT.search(text):
+        text = text[: m.start()]
+        line, shown, pad, marks = m.groups()
+        token = _under_marks(shown, len(pad) - len(f"LINE {line}: "), len(marks))
+        # A parser error names the token already ("syntax error at or near "selec"").
+        where = f" (line {line})" if not token or f'"{token}"' in text else f' (line {line}, at "{token}")'
+    text = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    if _MISSING_TABLE.search(text):
+        suggestion = _SUGGESTION.search(text)
+        if suggestion is None or suggestion.group(1).rsplit(".", 1)[-1].lower() not in VIEWS:
+            text = _SUGGESTION.sub("", text) + f" (the views are {', '.join(VIEWS)})"
+    return text + where
+
+
+def _under_marks(shown: str, start: int, width: int) -> str:
+    """The text of `shown` under the marks at columns [start, start + width): DuckDB counts columns as a
+    terminal shows them, so a wide character (CJK) takes two and a combining mark, tab or control none (it
+    goes with the character before it)."""
+    import unicodedata
+
+    column, under, inside = 0, [], False
+    for ch in shown:
+        if unicodedata.combining(ch) or unicodedata.category(ch) in ("Cc", "Cf", "Me", "Mn"):
+            if inside:
+                under.append(ch)
+            continue
+        inside = start <= column < start + width
+        if inside:
+            under.append(ch)
+        column += 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
+    return "".join(under).strip()
 
 
 def write_table(table, fmt: str, out: str | None) -> None:

@@ -226,6 +226,35 @@ def test_query_errors_that_are_not_duckdbs_are_one_line(clora, data_dir, tmp_pat
     assert len(err.strip().splitlines()) == 1
 
 
+def test_query_errors_from_duckdb_are_one_line_with_where(clora, data_dir):
+    """DuckDB puts a LINE block with ^ marks under its parser and conversion errors: the line and the token
+    it marks are kept on the message's line (counted as DuckDB counts columns: a tab takes none, CJK two)."""
+    for sql, line, token in [
+        ("selec 1", "line 1", None),  # a parser error names its token already
+        ("select 1/'a'", "line 1", "'a'"),
+        ("select '日本語' as x,\n\t 1/'a'", "line 2", "'a'"),
+        ("select " + ", ".join(map(str, range(60))) + ", 1/'a', " + ", ".join(map(str, range(60))), "line 1", "'a'"),
+    ]:
+        code, _, err = clora("query", sql)
+        assert code == 1 and len(err.strip().splitlines()) == 1, err
+        assert "LINE" not in err and "^" not in err
+        assert err.strip().endswith(f"({line})" if token is None else f'({line}, at "{token}")'), err
+    code, _, err = clora("query", "select nocol from trajectories")  # candidates on a second line
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "Candidate bindings" in err
+
+
+def test_query_of_a_missing_table_names_the_views(clora, data_dir):
+    """DuckDB suggests the nearest name in its catalog, often one of its own tables (pg_enum) or clora's
+    internal ones: those give way to the views; a suggestion that is a view stays."""
+    views = "interactions, feedback, trajectories, dead_letters, train_steps, adapters"
+    for sql in ("select * from nope", "select * from _clora_feedbac"):
+        code, _, err = clora("query", sql)
+        assert code == 1 and len(err.strip().splitlines()) == 1, err
+        assert "Did you mean" not in err and views in err, err
+    code, _, err = clora("query", "select * from trajectorie")
+    assert code == 1 and err.strip().endswith('Did you mean "trajectories"?') and views not in err
+
+
 def test_adapters_list_of_an_unknown_tenant_is_an_error(clora, data_dir, tmp_path, peft_writer, monkeypatch):
     """A typo must not look like a tenant without versions."""
     Registry(data_dir).create("acme", parent=None, write=peft_writer)
