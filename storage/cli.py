@@ -1,7 +1,7 @@
 """`clora query`, `clora adapters list|show|rollback|retire`, `clora compact` and `clora prune`.
 
-Argument parsing only; the work is in query.py, registry.py, compact.py and retention.py. Only argparse is
-imported at module level so `clora --help` stays fast. The data dir comes from `cfg.data_dir`, keep_last
+Argument parsing only; the work is in query.py, registry.py, compact.py and retention.py. Only argparse (and
+clora.argtypes, which imports nothing else) is imported at module level so `clora --help` stays fast. The data dir comes from `cfg.data_dir`, keep_last
 from `cfg.learner.keep_versions`.
 """
 
@@ -12,6 +12,8 @@ import datetime
 import math
 import re
 import sys
+
+from clora.argtypes import positive
 
 FORMATS = ("table", "csv", "json", "parquet")
 MAX_CELL = 60  # characters of one cell in the readable table
@@ -82,7 +84,7 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     )
     p.add_argument(
         "--older-than-days",
-        type=float,
+        type=positive,
         default=None,
         metavar="DAYS",
         help="delete files whose rows were all ingested more than DAYS ago (default: [retention] days)",

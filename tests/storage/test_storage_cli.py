@@ -285,6 +285,16 @@ def test_prune_and_compact_of_the_unknown_tenant_succeed(clora, data_dir):
     assert "deleted 1 files, 2 rows" in out and live_files(data_dir, "dead_letters") == []
 
 
+@pytest.mark.parametrize("days", ["-1", "0", "nan", "inf"])
+def test_prune_older_than_days_must_be_above_0(clora, data_dir, capsys, days):
+    """A usage error naming the option, not "no retention" (the answer when neither it nor the config gives
+    one) nor a traceback."""
+    with pytest.raises(SystemExit) as exit_:
+        clora("prune", f"--older-than-days={days}")
+    assert exit_.value.code == 2
+    assert f"argument --older-than-days: {days} must be a number above 0" in capsys.readouterr().err
+
+
 def test_ctrl_c_interrupts_a_long_query_and_writes_no_out_file(tmp_path, data_dir):
     """DuckDB held the main thread, where Python runs its SIGINT handler, until the statement ended."""
     import os
