@@ -427,12 +427,39 @@ def cmd_compact(args: argparse.Namespace) -> int:
     if grace < 0:
         print("clora compact: --grace must be >= 0", file=sys.stderr)
         return 2
-    if args.every is None:
-        return _compact_once(cfg, args, grace)
-    if args.every <= 0:
+    if args.every is not None and args.every <= 0:
         print("clora compact: --every must be > 0 seconds", file=sys.stderr)
         return 2
+    if not_a_tenant := _not_a_tenant(cfg, args.tenant):
+        print(f"clora compact: {not_a_tenant}", file=sys.stderr)
+        return 1
+    if args.every is None:
+        return _compact_once(cfg, args, grace)
     return _compact_every(cfg, args, grace)
+
+
+def _not_a_tenant(cfg, tenant: str | None) -> str | None:
+    """Why `--tenant` names no tenant, or None: one neither in the config nor with anything in the data dir
+    (a typo, which must not look like a tenant with nothing to do, as in `adapters list`). `_unknown`, the
+    dead letters of no readable tenant, is one."""
+    from storage.cursors import Cursors
+    from storage.layout import DATASETS, UNKNOWN_TENANT, StorageError, check_tenant
+    from storage.parquet import partition_tenants
+    from storage.registry import Registry
+
+    if tenant is None or tenant == UNKNOWN_TENANT:
+        return None
+    try:
+        if cfg.tenant(check_tenant(tenant)) is not None:
+            return None
+        on_disk = {t for dataset in DATASETS for t in partition_tenants(cfg.data_dir, dataset)}
+        on_disk |= {*Registry(cfg.data_dir).tenants(), *Cursors(cfg.data_dir).tenants()}
+    except (StorageError, OSError) as e:  # an invalid name; a data dir that cannot be listed
+        return str(e)
+    if tenant in on_disk:  # no longer configured, or created on the fly (ingest.unknown_tenant = "create")
+        return None
+    known = ", ".join(sorted(on_disk - {UNKNOWN_TENANT})) or "none"
+    return f"tenant {tenant!r} has no data and is not in the config (tenants with data: {known})"
 
 
 def _compact_once(cfg, args: argparse.Namespace, grace: float) -> int:
@@ -504,6 +531,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if short := cfg.retention_too_short(days):
         print(f"clora prune: --older-than-days {short}", file=sys.stderr)
         return 2
+    if not_a_tenant := _not_a_tenant(cfg, args.tenant):
+        print(f"clora prune: {not_a_tenant}", file=sys.stderr)
+        return 1
     return _prune(cfg, days, args.dataset, args.tenant, dry_run=args.dry_run, command="prune")
 
 

@@ -295,6 +295,25 @@ def test_prune_older_than_days_must_be_above_0(clora, data_dir, capsys, days):
     assert f"argument --older-than-days: {days} must be a number above 0" in capsys.readouterr().err
 
 
+def test_compact_and_prune_of_an_unknown_tenant_are_errors(clora, data_dir, make_trajectories, tmp_path, monkeypatch):
+    """A typo must not look like a tenant with nothing to do (as in `adapters list`); a tenant with data but
+    not in the config (removed from it, or created on the fly) and a configured one without data are fine."""
+    _fill(data_dir, make_trajectories)  # acme and globex have data; neither is configured
+    for command in (["compact"], ["prune", "--older-than-days", "30"]):
+        code, _, err = clora(*command, "--tenant", "acmee")
+        assert code == 1 and len(err.strip().splitlines()) == 1, err
+        assert "'acmee' has no data and is not in the config" in err and "acme, globex" in err
+        code, _, err = clora(*command, "--tenant", "acme")
+        assert code == 0, err
+
+    config = tmp_path / "tenants.toml"
+    config.write_text(f'data_dir = "{data_dir}"\n[[tenants]]\nname = "initech"\napi_key = "k-initech"\n')
+    monkeypatch.setenv("CLORA_CONFIG", str(config))
+    for command in (["compact"], ["prune", "--older-than-days", "30"]):
+        code, _, err = clora(*command, "--tenant", "initech")
+        assert code == 0, err
+
+
 def test_ctrl_c_interrupts_a_long_query_and_writes_no_out_file(tmp_path, data_dir):
     """DuckDB held the main thread, where Python runs its SIGINT handler, until the statement ended."""
     import os
