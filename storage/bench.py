@@ -27,6 +27,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from clora.argtypes import positive_int
 from clora.bench import machine
 from storage.registry import Registry
 
@@ -36,10 +37,24 @@ PUBLISH_EVERY = 10
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--history", default="100,1000,10000",
+    parser.add_argument("--history", type=sizes, default="100,1000,10000",
                         help="history sizes (versions of one tenant) to measure at, ascending (default 100,1000,10000)")
-    parser.add_argument("--samples", type=int, default=40, help="timed steps per size and mode (default 40)")
-    parser.add_argument("--keep-last", type=int, default=5, help="the registry's keep_last (default 5)")
+    parser.add_argument("--samples", type=positive_int, default=40, help="timed steps per size and mode (default 40)")
+    parser.add_argument("--keep-last", type=positive_int, default=5, help="the registry's keep_last (default 5)")
+
+
+def sizes(text: str) -> list[int]:
+    """--history: comma-separated whole numbers of at least 1, ascending without repeats; anything else is a
+    usage error naming the option (argparse catches ArgumentTypeError)."""
+    try:
+        values = {int(x) for x in text.split(",") if x.strip()}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} names no size")
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the sizes must be at least 1")
+    return sorted(values)
 
 
 def _write_adapter(directory: Path) -> None:
@@ -73,10 +88,6 @@ def _summary(ms: list[float]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    sizes = sorted({int(x) for x in str(args.history).split(",") if x.strip()})
-    if not sizes or sizes[0] < 1 or args.samples < 1:
-        print("clora bench registry: --history needs positive sizes and --samples at least 1")
-        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -88,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             for _ in range(20):
                 _step(reg, t)
         grown = 0
-        for size in sizes:
+        for size in args.history:
             _grow(reg, size - grown, f"history {grown} -> {size}")
             grown = max(grown, size)  # the previous size's timed steps may have passed this one
             row = {"history": grown}
