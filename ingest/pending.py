@@ -36,7 +36,8 @@ later feedback event for the same id waits again). Only feedback without its int
 feedback for an interaction that has arrived joins at once, so the cap never touches it. At start the same
 cap holds: of each tenant's unjoined feedback within the expiry, the first rows of the ids whose first
 feedback came last are kept (`_load_pending` picks them in Arrow, one tenant at a time, so a flood on disk
-is never turned into Python objects).
+is never turned into Python objects). A tenant scored by a function has none pending, live or loaded: its
+feedback scores nothing (batch.py), so the load leaves it out (`load(function_scored=...)`).
 
 Several feedback events for one id: the reward is the first of them (in stream order) whose event time is
 within the expiry of its interaction's, however the batches were cut. While feedback waits, its
@@ -302,13 +303,16 @@ class PendingStore:
     @classmethod
     def load(
         cls, root: str | Path, *, expiry_ms: int, now_ms: int, max_pending_per_tenant: int = MAX_PENDING_PER_TENANT,
-        max_pending: int | None = MAX_PENDING,
+        max_pending: int | None = MAX_PENDING, function_scored: Iterable[str] = (),
     ) -> PendingStore:
+        """`function_scored`: the tenants the config scores with a function (batch.Processor.functions), whose
+        feedback scores nothing, so none of it is loaded to wait (batch.py never adds it live either)."""
         store = cls(root, expiry_ms=expiry_ms, max_pending_per_tenant=max_pending_per_tenant, max_pending=max_pending)
         retry_vanished(store._load_interactions, "loading interaction ids")
         for dataset, columns in KEY_COLUMNS.items():
             setattr(store, dataset, retry_vanished(lambda: store._load_index(dataset, columns), f"loading {dataset} keys"))
-        retry_vanished(lambda: store._load_pending(now_ms), "loading pending feedback")
+        left_out = frozenset(function_scored)
+        retry_vanished(lambda: store._load_pending(now_ms, left_out), "loading pending feedback")
         retry_vanished(store._report_unreadable_compacted, "listing unreadable files")
         store.tenants_on_disk = frozenset(
             t for dataset in TENANT_DATASETS for t in partition_tenants(store.root, dataset) if t != UNKNOWN_TENANT
@@ -348,14 +352,18 @@ class PendingStore:
         all_hashes = _concat(hashes, np.int64)
         return KeyIndex.from_hashes(all_hashes, np.zeros(len(all_hashes), dtype=np.int32))
 
-    def _load_pending(self, now_ms: int) -> None:
+    def _load_pending(self, now_ms: int, function_scored: frozenset[str]) -> None:
         """Per tenant, the first MAX_WAITING_PER_ID unjoined rows of each id among what was ingested within
         the expiry, for the ids whose first feedback came last, up to the cap of rows (as if the cap had
         dropped the oldest while they came in). Chosen in Arrow, one tenant at a time, so only the rows
-        kept become Python objects."""
+        kept become Python objects. Tenants in `function_scored` are skipped: their feedback would only take
+        memory and room under the caps. The config decides at each load, so a tenant moved from a function
+        to feedback scoring finds its unjoined feedback of the expiry waiting after the restart."""
         self.pending = PendingFeedback(self.pending.cap, self.pending.total)
         cutoff = now_ms - self.expiry_ms
         for tenant in partition_tenants(self.root, "feedback"):
+            if tenant in function_scored:
+                continue
             recent = []
             for path in live_files(self.root, "feedback", tenant):
                 t = self._read_or_skip(path, None)

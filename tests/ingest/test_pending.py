@@ -169,3 +169,43 @@ def test_a_restart_loads_the_first_rows_of_each_id_in_the_order_they_came(data_d
     assert {key: again.pending.get(key) for key in again.pending} == live
     assert [r.ts for r in live[("fa", "a")]] == [NOW_MS + 1000 * s for s in range(pending.MAX_WAITING_PER_ID)]
     assert [r.score for r in live[("fa", "b")]] == [1.0, -1.0]
+
+
+EXPIRY_MS = 72 * 3_600_000
+
+
+def _feed(root, processor, store, *events, now_ms=NOW_MS, first_offset=0):
+    records = [Record("f" if isinstance(e, FeedbackEvent) else "i", 0, first_offset + k, encode(e))
+               for k, e in enumerate(events)]
+    write_output(str(root), store, processor.process(records, store, now_ms))
+
+
+def test_a_restart_leaves_out_the_feedback_of_tenants_scored_by_a_function(data_dir):
+    """Their feedback scores nothing, and batch.py never lets it wait: loaded, it only took memory and room
+    under the caps, here the total's, which cut the feedback of a tenant it does score."""
+    processor = Processor({"fa": "feedback", "fx": "digits"}, unknown_tenant="reject", max_message_bytes=10_000)
+    store = PendingStore.load(data_dir, expiry_ms=EXPIRY_MS, now_ms=NOW_MS, max_pending=2,
+                              function_scored=processor.functions)
+    _feed(data_dir, processor, store, fb("a0", "fa"), fb("a1", "fa"), *(fb(f"x{i}", "fx") for i in range(3)))
+    assert sorted(store.pending) == [("fa", "a0"), ("fa", "a1")]
+    again = PendingStore.load(data_dir, expiry_ms=EXPIRY_MS, now_ms=NOW_MS, max_pending=2,
+                              function_scored=processor.functions)
+    assert sorted(again.pending) == [("fa", "a0"), ("fa", "a1")]
+
+
+def test_a_tenant_moved_from_a_function_to_feedback_joins_its_stored_feedback_after_the_restart(data_dir):
+    """The config of each start decides: feedback stored while a function scored the tenant waits once
+    feedback scores it, within the expiry, for the interactions not scored yet."""
+    before = Processor({"fx": "digits"}, unknown_tenant="reject", max_message_bytes=10_000)
+    store = PendingStore.load(data_dir, expiry_ms=EXPIRY_MS, now_ms=NOW_MS, function_scored=before.functions)
+    _feed(data_dir, before, store, fb("old", "fx"), now_ms=NOW_MS - EXPIRY_MS - 1)
+    _feed(data_dir, before, store, inter("a", "fx"), fb("a", "fx"), fb("b", "fx"), first_offset=1)
+    assert not store.pending
+
+    after = Processor({"fx": "feedback"}, unknown_tenant="reject", max_message_bytes=10_000)
+    store = PendingStore.load(data_dir, expiry_ms=EXPIRY_MS, now_ms=NOW_MS, function_scored=after.functions)
+    assert list(store.pending) == [("fx", "b")]  # a was scored by the function; old was ingested too long ago
+    _feed(data_dir, after, store, inter("b", "fx"), inter("old", "fx"), first_offset=4)
+    t = read_dataset(data_dir, "trajectories")
+    assert sorted(zip(t.column("id").to_pylist(), t.column("reward_source").to_pylist())) == [
+        ("a", "digits"), ("b", "feedback")]
