@@ -18,6 +18,7 @@ import httpx
 import psutil
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from storage import files as storage_files
 from storage.cursors import Cursors
@@ -130,12 +131,24 @@ learning_rate = 1e-3
 
 
 class Round(NamedTuple):
-    """What one `clora up` life left: the newest published version, the learner's last committed step, and
-    the trajectory ids trained up to it."""
+    """What one `clora up` life left: the newest published version, the learner's last committed step, the
+    trajectory ids trained up to it, and the optimizer steps its checkpoint's AdamW state counts."""
 
     version: int
     step: int
     trained: set[str]
+    optimizer_steps: int
+
+
+def left_by(data: Path, tenant: str = "acme") -> Round:
+    """What the data dir holds of `tenant` once a `clora up` stopped."""
+    latest = Registry(data).latest_published(tenant)
+    cursors = Cursors(data)
+    _, checkpoint = cursors.latest_checkpoint(tenant)
+    state = torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"]
+    return Round(version=0 if latest is None else latest.number, step=cursors.latest_step(tenant),
+                 trained=cursors.trained_ids(tenant),
+                 optimizer_steps=int(next(iter(state.values()))["step"]) if state else 0)
 
 
 def assert_resumed(data: Path, first: Round, second: Round) -> None:
@@ -155,6 +168,9 @@ def assert_resumed(data: Path, first: Round, second: Round) -> None:
     for step, ids in resumed.items():
         assert ids and not ids & first.trained, f"step {step} trained again: {sorted(ids & first.trained)}"
     assert Cursors(data).trained_ids("acme") > first.trained
+    # the weights trained on too, not only the records: the optimizer's state came back from the checkpoint
+    # (a new version's step moves it at least once; a fresh optimizer would count only the second run's)
+    assert second.optimizer_steps > first.optimizer_steps, (first.optimizer_steps, second.optimizer_steps)
 
 
 def step_ids(data: Path, tenant: str) -> dict[int, set[str]]:
@@ -211,5 +227,4 @@ def run_round(up, round_, url, key, body, data, after: int) -> Round:
     assert not leftovers, leftovers
     (row,) = query(data, "select count(*) as n from interactions where tenant = 'acme'").to_pylist()
     assert row["n"] == 6 * (round_ + 1)  # nothing acknowledged was lost across the stop
-    cursors = Cursors(data)
-    return Round(version=published(), step=cursors.latest_step("acme"), trained=cursors.trained_ids("acme"))
+    return left_by(data)
