@@ -321,23 +321,26 @@ def test_log_never_writes_the_spool_and_close_keeps_what_was_queued(tmp_path, mo
     log = gated_log(tmp_path, broker, 2000)
     writers = []
     append = log.spool.append
+    appending, release, appended = threading.Event(), threading.Event(), threading.Event()
 
-    def slow_append(messages):  # a 32 MiB append took 0.24 s
+    def held_append(messages):  # an append takes a while (32 MiB took 0.24 s); the first one, until released
         writers.append(threading.current_thread().name)
-        time.sleep(0.3)
+        appending.set()
+        release.wait(30)
         append(messages)
+        appended.set()
 
-    log.spool.append = slow_append
+    log.spool.append = held_append
     log.log(interaction(0))
     wait_for(lambda: log._in_flight)
-    slowest = 0.0
-    for i in range(1, 30):  # past the bound, below twice the bound
-        started = time.monotonic()
+    for i in range(1, 20):  # past the bound: the thread spools the queue
         log.log(interaction(i))
-        slowest = max(slowest, time.monotonic() - started)
-    wait_for(lambda: writers)  # the thread is spooling the queue
+    assert appending.wait(10), "the queue past its bound was not spooled"
+    for i in range(20, 30):  # while that append is under way (below twice the bound: nothing dropped)
+        assert log.log(interaction(i)) is True
+    assert not appended.is_set(), "log() waited for the spool's append"
+    release.set()
     log.close(timeout=4.0)  # the broker never answers: everything ends in the spool
-    assert slowest < 0.1, f"log() took {slowest:.3f}s"
     assert set(writers) == {"clora-event-log"}
     assert log.metrics.events.labels("interaction", "dropped")._value.get() == 0
     again = make_log(tmp_path, broker)
@@ -444,26 +447,39 @@ def test_a_batch_in_flight_is_bounded_by_bytes_too(tmp_path, monkeypatch):
     assert all(size < 2 * 1000 for size in sizes), sizes  # at most one event past the byte bound
 
 
+class HeldProducer(FakeProducer):
+    """A broker that answers only once `go` is set (the first send waits for it)."""
+
+    def __init__(self, broker, go):
+        super().__init__(broker)
+        self.go = go
+
+    def send(self, topic, key, value):
+        self.go.wait(30)
+        return super().send(topic, key, value)
+
+
 def test_a_full_disk_does_not_throttle_the_resend_of_a_backlog(tmp_path, monkeypatch):
     """Kafka back while the spool's disk is full (the spool filled it): the segments are sent at Kafka's pace,
     and what comes in meanwhile stays queued instead of costing a SPILL_RETRY wait per segment."""
-    monkeypatch.setattr(events_log, "SPILL_RETRY", 2.0)
+    monkeypatch.setattr(events_log, "SPILL_RETRY", 600.0)  # a wait of it would outlast the test by far
     broker = FakeBroker()
     broker.up = False
-    log = make_log(tmp_path, broker, start=False)
+    go = threading.Event()
+    log = make_log(tmp_path, broker, lambda b: broker.producer(b) and HeldProducer(broker, go), start=False)
     log.spool = events_log.Spool(tmp_path / "spool", segment_bytes=300)  # a segment every few events
     log.start()
-    for i in range(20):
+    for i in range(20):  # one append each: several segments
         log.log(interaction(i))
-    wait_for(lambda: log.spooled == 20)
+        wait_for(lambda: log.spooled == i + 1)
+    log.spool.seal()
+    assert len(list(log.spool.segments())) >= 5
     log.spool.append = lambda messages: (_ for _ in ()).throw(SpoolError("[Errno 28] No space left on device"))
     broker.up = True
-    started = time.monotonic()
-    for i in range(20, 30):  # traffic during the resend: stays queued
+    wait_for(lambda: log.connected)  # the resend began: its first segment's send waits for `go`
+    for i in range(20, 30):  # traffic during the resend: queued, and the spool refuses it before the next segment
         log.log(interaction(i))
-        time.sleep(0.01)
-    wait_for(lambda: len(broker.received) == 30, timeout=10)
-    took = time.monotonic() - started
+    go.set()
+    wait_for(lambda: len(broker.received) == 30, timeout=30)
     log.close()
-    assert took < 2.0, f"the resend waited {took:.1f}s"
     assert [r[2] for r in broker.received] == [f"i{i}" for i in range(30)]
