@@ -61,7 +61,7 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p.add_argument("--tenant", default=None, help="only this tenant")
     p.add_argument(
         "--grace",
-        type=float,
+        type=_seconds,
         default=None,
         metavar="SECONDS",
         help="delete merged inputs only once the merged file is this old, so running queries finish "
@@ -69,7 +69,7 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     )
     p.add_argument(
         "--every",
-        type=float,
+        type=positive,
         default=None,
         metavar="SECONDS",
         help="run again every SECONDS until stopped (SIGTERM, Ctrl-C), pruning after each run when "
@@ -93,6 +93,18 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p.add_argument("--tenant", default=None, help="only this tenant")
     p.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
     p.set_defaults(func=cmd_prune)
+
+
+def _seconds(text: str) -> float:
+    """--grace: a finite number of seconds, 0 or more (NaN passed every check and no merged input was ever
+    old enough to delete)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds, 0 or more")
+    return value
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -424,12 +436,6 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     grace = cfg.compaction.grace_seconds if args.grace is None else args.grace
-    if grace < 0:
-        print("clora compact: --grace must be >= 0", file=sys.stderr)
-        return 2
-    if args.every is not None and args.every <= 0:
-        print("clora compact: --every must be > 0 seconds", file=sys.stderr)
-        return 2
     if not_a_tenant := _not_a_tenant(cfg, args.tenant):
         print(f"clora compact: {not_a_tenant}", file=sys.stderr)
         return 1

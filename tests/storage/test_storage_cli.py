@@ -295,6 +295,20 @@ def test_prune_older_than_days_must_be_above_0(clora, data_dir, capsys, days):
     assert f"argument --older-than-days: {days} must be a number above 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--every", "nan"], "argument --every: nan must be a number above 0"),  # compacted in a busy loop
+    (["--every", "inf"], "argument --every: inf must be a number above 0"),  # an OverflowError after a run
+    (["--every", "0"], "argument --every: 0 must be a number above 0"),
+    (["--grace", "nan"], "argument --grace: nan must be a number of seconds, 0 or more"),  # deleted nothing
+    (["--grace", "inf"], "argument --grace: inf must be a number of seconds, 0 or more"),
+    (["--grace", "-1"], "argument --grace: -1 must be a number of seconds, 0 or more"),
+])
+def test_compact_every_and_grace_must_be_finite(clora, data_dir, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        clora("compact", *argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_compact_and_prune_of_an_unknown_tenant_are_errors(clora, data_dir, make_trajectories, tmp_path, monkeypatch):
     """A typo must not look like a tenant with nothing to do (as in `adapters list`); a tenant with data but
     not in the config (removed from it, or created on the fly) and a configured one without data are fine."""
