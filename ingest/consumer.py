@@ -569,7 +569,7 @@ class Ingest:
     def load_store(self) -> None:
         self.store = PendingStore.load(
             self.root, expiry_ms=self.expiry_ms, now_ms=now_ms(), max_pending_per_tenant=self.max_pending_per_tenant,
-            max_pending=self.max_pending,
+            max_pending=self.max_pending, function_scored=self.processor.functions,
         )
         self.metrics.set_pending(len(self.store.pending))
         if self.assigned_at is None:

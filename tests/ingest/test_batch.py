@@ -61,7 +61,7 @@ class Harness:
     def restart(self, now_ms=NOW_MS):
         self.store = PendingStore.load(
             self.root, expiry_ms=self.expiry_ms, now_ms=now_ms, max_pending_per_tenant=self.max_pending,
-            max_pending=self.max_pending_total,
+            max_pending=self.max_pending_total, function_scored=self.processor.functions,
         )
 
     def record(self, event_or_bytes) -> Record:
@@ -335,15 +335,18 @@ def test_levelling_to_the_total_keeps_exactly_the_total_the_remainder_going_to_t
 
 
 def test_the_total_cap_holds_after_a_restart_levelling_the_largest_tenants(data_dir):
-    # Pending per tenant: dig 1, inl 2, fb 5 (8 in all). A total of 6: dig's 1 is under an even share (6 // 3),
-    # so is inl's 2 (5 left, 5 // 2), and fb, the only one above, keeps its newest 3 (what is left).
-    h = Harness(data_dir, max_pending_per_tenant=100)
+    # Pending per tenant: fb2 1, inl 2, fb 5 (8 in all). A total of 6: fb2's 1 is under an even share (6 // 3),
+    # so is inl's 2 (5 left, 5 // 2), and fb, the only one above, keeps its newest 3 (what is left). dig's
+    # feedback (a function scores dig) never waits, at a restart either.
+    h = Harness(data_dir, scorers={"fb": "feedback", "fb2": "feedback", "inl": "inline", "dig": "digits"},
+                max_pending_per_tenant=100)
     for i in range(5):
         h.feed(fb(f"x{i}", 0.5), now_ms=NOW_MS + i * 60_000)
-    h.feed(fb("a1", 0.5, tenant="inl"), fb("a2", 0.5, tenant="inl"), fb("d1", 0.5, tenant="dig"))
+    h.feed(fb("a1", 0.5, tenant="inl"), fb("a2", 0.5, tenant="inl"), fb("d1", 0.5, tenant="fb2"),
+           fb("g1", 0.5, tenant="dig"))
     h.max_pending_total = 6
     h.restart(now_ms=NOW_MS + 6 * 60_000)
-    assert sorted(h.store.pending) == [("dig", "d1"), ("fb", "x2"), ("fb", "x3"), ("fb", "x4"), ("inl", "a1"), ("inl", "a2")]
+    assert sorted(h.store.pending) == [("fb", "x2"), ("fb", "x3"), ("fb", "x4"), ("fb2", "d1"), ("inl", "a1"), ("inl", "a2")]
 
 
 def test_the_cap_never_drops_feedback_whose_interaction_has_arrived(data_dir):

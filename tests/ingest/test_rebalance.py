@@ -21,7 +21,7 @@ from kafka.errors import CommitFailedError
 import ingest.pending as pending
 from ingest.batch import Processor, Record
 from ingest.consumer import Ingest
-from ingest.events import InteractionEvent, encode
+from ingest.events import FeedbackEvent, InteractionEvent, encode
 from ingest.metrics import IngestMetrics
 from ingest.pending import PendingStore
 from storage.parquet import read_dataset
@@ -301,3 +301,14 @@ def test_a_revocation_makes_once_wait_for_the_next_assignment(ingest):
     assert not ingest.drained()
     ingest.assigned([])
     assert ingest.drained()
+
+
+def test_a_store_loaded_after_a_restart_holds_no_feedback_of_tenants_a_function_scores(ingest, data_dir):
+    """Their feedback scores nothing (kept in feedback/ only); loaded into the join it only took room."""
+    ingest.processor = Processor({"acme": "inline", "dig": "digits"}, unknown_tenant="reject", max_message_bytes=10_000)
+    ingest.buffer = [Record("t.f", 0, k, encode(FeedbackEvent(id=f"i{k}", tenant=tenant, score=0.5)))
+                     for k, tenant in enumerate(["acme", "dig"])]
+    ingest.flush()
+    assert sorted(read_dataset(str(data_dir), "feedback").column("tenant").to_pylist()) == ["acme", "dig"]
+    ingest.load_store()
+    assert sorted(ingest.store.pending) == [("acme", "i0")]
