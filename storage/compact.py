@@ -314,24 +314,20 @@ def _groups(dd, dataset: str, tenant: str, infos: list, result: CompactionResult
 
 
 def _not_in_unreadable(listing: Listing, infos: list, result: CompactionResult) -> list:
-    """`infos` less the files that a compacted file of the partition whose footer cannot be read may have
-    merged: every one no newer than it (its inputs were on disk before it was written). Readers read those
-    in its place; merged again, their rows would be read twice once it is restored, since the new merge
-    would not name it. Such a compacted file is counted as left out, with them, and logged at every run."""
+    """`infos`, or none of them while a compacted file of the partition cannot be read: it may have merged
+    any of them (its inputs' times say nothing once it is restored with other times, or the clock moved).
+    Readers read those in its place; merged again, their rows would be read twice once it is restored, since
+    the new merge would not name it. The partition's files are counted as left out and logged at every run;
+    deleting what is superseded goes on."""
     if not listing.unreadable:
         return infos
-    newest = max(i.mtime_ns for i in listing.on_disk if i.base_name in listing.unreadable)
-    kept = [i for i in infos if i.mtime_ns > newest]
-    older = " is"
-    if len(kept) < len(infos):
-        older = f" and the {len(infos) - len(kept)} live files no newer than it (it may hold their rows) are"
     logger.warning(
-        "compaction of %s/tenant=%s: %s cannot be read: it%s left out of the merge. Restore it, or delete it if "
-        "the rows only it holds are not needed",
-        result.dataset, result.tenant, ", ".join(sorted(listing.unreadable)), older,
+        "compaction of %s/tenant=%s: %s cannot be read, so nothing of the partition is merged (it may hold any "
+        "file's rows). Restore it, or delete it if the rows only it holds are not needed",
+        result.dataset, result.tenant, ", ".join(sorted(listing.unreadable)),
     )
-    result.left_out += len(listing.unreadable) + len(infos) - len(kept)
-    return kept
+    result.left_out += len(listing.unreadable) + len(infos)
+    return []
 
 
 def _footer_of(dd, dataset: str, info) -> _Footer:

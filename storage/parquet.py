@@ -296,7 +296,7 @@ class _SupersededIndex:
                 logger.warning(
                     "%s cannot be read (%s: %s): it is left out of every read, and the files it merged are "
                     "read in its place while they are on disk; rows held only by it are missing until it is "
-                    "restored (compaction merges no file older than it meanwhile)",
+                    "restored (compaction merges nothing of its partition meanwhile)",
                     info.path, type(e).__name__, e,
                 )
             self._unreadable[info.base_name] = (info.size, info.mtime_ns, time.monotonic() + UNREADABLE_RETRY_S)
