@@ -87,16 +87,17 @@ def _ephemeral_low() -> int:
 
 def unreachable(bootstrap: str, timeout: float = 1.0) -> str | None:
     """None when a TCP connection to one of the bootstrap servers opens; otherwise why none did. A cheap
-    first check: kafka-python's clients retry an unreachable bootstrap for ~30 s, logging every attempt."""
+    first check: kafka-python's clients retry an unreachable bootstrap for ~30 s, logging every attempt.
+    The servers are read as kafka-python reads them (a missing port is 9092; a `PLAINTEXT://` prefix)."""
+    from kafka.cluster import collect_hosts
+
     why = "no bootstrap server given"
-    for server in filter(None, (s.strip() for s in bootstrap.split(","))):
-        host, _, port = server.rpartition(":")
-        host = host.strip("[]") or "localhost"
+    for host, port, _ in collect_hosts(bootstrap, randomize=False):
         try:
-            with socket.create_connection((host, int(port)), timeout=timeout):
+            with socket.create_connection((host, port), timeout=timeout):
                 return None
-        except (OSError, ValueError) as e:
-            why = f"{server}: {os.strerror(e.errno) if isinstance(e, OSError) and e.errno else e}"
+        except OSError as e:
+            why = f"{host}:{port}: {e.strerror or e}"
     return why
 
 

@@ -193,3 +193,19 @@ prompts_file = "{tmp_path / 'prompts.txt'}"
     assert main(["config", "check", "--config", str(config)]) == 0
     out = capsys.readouterr().out
     assert "prompts_file" in out and "has 2 prompts" in out and out.rstrip().endswith("all checks passed")
+
+
+def test_the_bootstrap_is_read_as_kafka_python_reads_it():
+    """A `PLAINTEXT://` prefix and a missing port (9092) are Kafka's own forms: read as unreachable for ever,
+    they kept ingest from starting."""
+    from ingest.broker import unreachable
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert unreachable(f"PLAINTEXT://127.0.0.1:{port}") is None
+        assert unreachable(f"127.0.0.1:{closed_port()},localhost:{port}") is None  # one answering is enough
+    why = unreachable("127.0.0.1")
+    assert why is None or why.startswith("127.0.0.1:9092: ")  # the default port (something may listen there)
+    assert unreachable("no-such-host.invalid:9092").startswith("no-such-host.invalid:9092: ")  # the resolver's words
