@@ -322,7 +322,7 @@ class Prefetcher:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout-prefetch")
         self._jobs: dict[str, tuple[RolloutPlan, int, Future]] = {}
         # Discarded jobs that were already running (a future cannot be cancelled then): their requests
-        # still hold the tenant's place in the serving tier, so the tenant's next job waits for them.
+        # still hold the tenant's place in the serving tier, so the tenant's next job starts after them.
         self._discarded: dict[str, Future] = {}
 
     def pending(self, tenant: str) -> bool:
@@ -335,9 +335,10 @@ class Prefetcher:
         return (job is not None and not job[2].done()) or (discarded is not None and not discarded.done())
 
     def start(self, tenant: str, plan: RolloutPlan, requests: Sequence[SampleRequest], *, step: int = 0) -> None:
-        if tenant in self._jobs:
+        """Starts the tenant's job, unless one is in flight: its own, or a discarded one still running (the
+        loop asks again on its next pass; waiting here would hold up every tenant)."""
+        if tenant in self._jobs or self._discarded_running(tenant):
             return
-        self._settle(tenant)
         self._jobs[tenant] = (plan, step, self._pool.submit(self._timed, list(requests)))
 
     def _timed(self, requests: list[SampleRequest]) -> tuple[list[list[Sample]], float]:
@@ -355,10 +356,17 @@ class Prefetcher:
         samples, seconds = future.result()
         return SampledBatch(plan=plan, samples=samples, step=step, seconds=seconds)
 
+    def _discarded_running(self, tenant: str) -> bool:
+        discarded = self._discarded.get(tenant)
+        if discarded is not None and discarded.done():
+            del self._discarded[tenant]
+            return False
+        return discarded is not None
+
     def _settle(self, tenant: str) -> None:
         """Waits for the tenant's discarded job if it is still running: two in flight would double the
         tenant's requests at once (past serving.max_inflight_per_tenant, refused). Rare: a config change, a
-        step out of step; the scheduler meanwhile takes other tenants (`busy`)."""
+        step out of step; the scheduler takes other ready tenants first (`busy`)."""
         discarded = self._discarded.pop(tenant, None)
         if discarded is not None:
             futures_wait([discarded])
