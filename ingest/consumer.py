@@ -526,17 +526,22 @@ class Ingest:
     # --- rebalancing ----------------------------------------------------------------------------------
 
     def revoked(self, partitions: list[TopicPartition]) -> None:
-        """Before the group hands the partitions on: writes the buffer and the write in flight durably, so
-        their next owner (which loads its view after every member's revocation) finds their keys.
+        """Before the group hands the partitions on: finishes the write in flight durably, so their next
+        owner (which loads its view after every member's revocation) finds its keys, and drops the buffer,
+        which the next owner reads again from the last commit. Processing the buffer here would run the
+        scorers on kafka-python's network thread, where their time limit does not hold (scorers.py), while
+        the group waits.
 
         Not committed: kafka-python (3.x) runs rebalance callbacks on its network thread, where a blocking
         commit raises (it cannot wait for the loop it is running on), and that error would end the process.
         The next owner, this process included, replays the uncommitted offsets and its key indexes skip
         what is stored: one batch read twice per rebalance, nothing stored twice."""
-        logger.info("ingest: revoked partitions %s", _names(partitions))
+        logger.info("ingest: revoked partitions %s; %d buffered records left for replay", _names(partitions),
+                    len(self.buffer))
         self.joined = False
+        self.buffer = []
         try:
-            self.flush(commit=False)
+            self._finish_write(commit=False)
         finally:
             self.store = None
 
