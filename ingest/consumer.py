@@ -503,7 +503,8 @@ class Ingest:
             return False
         return True
 
-    def _drop_uncommitted(self, ranges: dict[tuple[str, int], tuple[int, int]], why: str) -> None:
+    def _drop_uncommitted(self, ranges: dict[tuple[str, int], tuple[int, int]], why: str,
+                          level: int = logging.WARNING) -> None:
         """Stops writing on a view the group has moved past: drops the batch of `ranges` (processed, not
         written) and the buffer, seeks their partitions back to the first dropped offset (a partition still
         assigned then reads them again; one that moved is replayed by its new owner from the last commit),
@@ -513,8 +514,8 @@ class Ingest:
             tp = (rec.topic, rec.partition)
             if tp not in first or rec.offset < first[tp][0]:
                 first[tp] = (rec.offset, rec.offset)
-        logger.warning("ingest: %s; dropping %d uncommitted records of %s for replay", why,
-                       sum(b - a + 1 for a, b in ranges.values()) + len(self.buffer), _names([TopicPartition(*tp) for tp in first]))
+        logger.log(level, "ingest: %s; dropping %d uncommitted records of %s for replay", why,
+                   sum(b - a + 1 for a, b in ranges.values()) + len(self.buffer), _names([TopicPartition(*tp) for tp in first]))
         self.buffer = []
         for (topic, partition), (offset, _) in first.items():
             try:
@@ -528,7 +529,9 @@ class Ingest:
     def revoked(self, partitions: list[TopicPartition]) -> None:
         """Before the group hands the partitions on: finishes the write in flight durably, so their next
         owner (which loads its view after every member's revocation) finds its keys, and drops the buffer,
-        which the next owner reads again from the last commit. Processing the buffer here would run the
+        seeking its partitions back to its first offsets: a partition that moves is read again by its next
+        owner from the last commit, and one this process keeps (kafka-python keeps the position of a
+        partition in both assignments) from where the buffer began. Processing the buffer here would run the
         scorers on kafka-python's network thread, where their time limit does not hold (scorers.py), while
         the group waits.
 
@@ -536,11 +539,11 @@ class Ingest:
         commit raises (it cannot wait for the loop it is running on), and that error would end the process.
         The next owner, this process included, replays the uncommitted offsets and its key indexes skip
         what is stored: one batch read twice per rebalance, nothing stored twice."""
-        logger.info("ingest: revoked partitions %s; %d buffered records left for replay", _names(partitions),
-                    len(self.buffer))
+        logger.info("ingest: revoked partitions %s", _names(partitions))
         self.joined = False
-        self.buffer = []
         try:
+            if self.buffer:
+                self._drop_uncommitted({}, "partitions revoked", level=logging.INFO)
             self._finish_write(commit=False)
         finally:
             self.store = None
