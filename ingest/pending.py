@@ -104,6 +104,7 @@ from ingest.rows import FEEDBACK_KEY, FEEDBACK_KEY_COLUMNS, FeedbackRow, Interac
 from storage.layout import UNKNOWN_TENANT, StorageError, as_datadir
 from storage.parquet import (
     READ_ATTEMPTS,
+    damaged,
     live_files,
     live_rows,
     partition_tenants,
@@ -389,9 +390,9 @@ class PendingStore:
         raises FileNotFoundError (retry_vanished lists again)."""
         try:
             return read_file(self.root, path, columns=columns)
-        except FileNotFoundError:
-            raise
-        except Exception as e:  # noqa: BLE001 (damage, not a bug: the store must load for the other files)
+        except Exception as e:
+            if isinstance(e, FileNotFoundError) or not damaged(e):
+                raise  # vanished (listed again), or this process's trouble (memory, open files): ingest restarts
             if path not in self.unreadable:
                 self.unreadable.add(path)
                 logger.warning("%s cannot be read (%s: %s); %s", path, type(e).__name__, e, UNREAD_COST)

@@ -97,6 +97,7 @@ from storage.parquet import (
     ROW_GROUP_ROWS,
     SUPERSEDES_KEY,
     Listing,
+    damaged,
     newest_in,
     partition_listing,
     parquet_options,
@@ -370,9 +371,11 @@ def _merge(dd, dataset: str, directory: Path, batch: list) -> tuple[str, int]:
             names.update(supersedes(dd, info))  # transitive: a replay of those stays a no-op
         try:
             table = read_file(dd, info.path)
-        except FileNotFoundError:
-            raise  # deleted by hand meanwhile (clora deletes only under the partition's lock): the run fails
-        except Exception as e:  # noqa: BLE001 (the input's own damage: _merge_batch leaves it out)
+        except Exception as e:
+            # Deleted by hand meanwhile (clora deletes only under the partition's lock), or this process's
+            # trouble (memory, open files): the run fails. The input's own damage: _merge_batch leaves it out.
+            if isinstance(e, FileNotFoundError) or not damaged(e):
+                raise
             raise _InputUnreadable(info, e) from e
         # Not strict: an old file lacks the columns added since (nulls); _groups kept out any it would drop.
         tables.append(conform(table, schema, strict=False))

@@ -27,6 +27,7 @@ This module knows nothing of what the rows mean; schemas live in schema.py.
 from __future__ import annotations
 
 import bisect
+import errno
 import json
 import logging
 import threading
@@ -182,6 +183,17 @@ def read_supersedes(fs: pafs.FileSystem, path: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+def damaged(e: BaseException) -> bool:
+    """Whether reading a file failed on what is in it (truncated or corrupt: Arrow's own errors, which carry
+    no errno, or a footer that is not what clora writes) or on a failing disk (EIO); not on this process's
+    state (memory, open files, permissions), which passes and must not mark a good file as bad."""
+    if isinstance(e, MemoryError):
+        return False
+    if isinstance(e, OSError):
+        return e.errno in (None, errno.EIO)
+    return isinstance(e, (pa.ArrowException, ValueError))
+
+
 class _SupersededIndex:
     """What the compacted files of one partition supersede, kept up to date as they come and go.
 
@@ -288,9 +300,9 @@ class _SupersededIndex:
         be read. A file that vanished raises FileNotFoundError (retry_vanished lists again)."""
         try:
             names = read_supersedes(dd.filesystem, info.path)
-        except FileNotFoundError:
-            raise
-        except Exception as e:  # noqa: BLE001 (one damaged file must not stop every reader and writer)
+        except Exception as e:
+            if isinstance(e, FileNotFoundError) or not damaged(e):
+                raise  # vanished (listed again), or this process's trouble rather than the file's
             known = self._unreadable.get(info.base_name)
             if known is None or known[:2] != (info.size, info.mtime_ns):
                 logger.warning(

@@ -66,3 +66,33 @@ def test_a_compacted_file_whose_footer_cannot_be_read_is_reported_and_the_rest_l
     assert store.unreadable == {str(merged)}
     assert "stored a second time" in caplog.text
     assert ("fb", "b0") in store.interactions and ("fa", "a0") not in store.interactions
+
+
+@pytest.mark.parametrize("error", [MemoryError(), OSError(24, "Too many open files")])
+def test_trouble_of_this_process_is_not_taken_for_a_damaged_file(data_dir, monkeypatch, error):
+    """Memory or file handles running out pass; taken for damage, a good file's keys would be left out (and
+    its events stored twice) until the next load. The load fails instead, and ingest is restarted."""
+    import ingest.pending as pending
+
+    _ingest(data_dir, [inter("a0", "fa")])
+
+    def failing(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(pending, "read_file", failing)
+    with pytest.raises(type(error)):
+        PendingStore.load(data_dir, expiry_ms=EXPIRY_MS, now_ms=NOW_MS)
+
+
+def test_what_counts_as_damage():
+    import errno
+
+    import pyarrow as pa
+
+    assert parquet.damaged(pa.ArrowInvalid("Parquet magic bytes not found in footer"))
+    assert parquet.damaged(OSError("Corrupt snappy compressed data"))  # Arrow's own: no errno
+    assert parquet.damaged(OSError(errno.EIO, "Input/output error"))  # a failing disk
+    assert parquet.damaged(ValueError("clora.supersedes in the footer is not a list of file names"))
+    assert not parquet.damaged(MemoryError())
+    assert not parquet.damaged(OSError(errno.EMFILE, "Too many open files"))
+    assert not parquet.damaged(PermissionError(errno.EACCES, "Permission denied"))
