@@ -16,6 +16,7 @@ import errno
 import importlib
 import logging
 import os
+import select
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -151,10 +152,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise  # another pipe (a query's --out to a FIFO, a child's stdin): a failure, not a reader done
         # The reader of our output went away (`clora config show | head -1`): it has what it wanted. Point
         # stdout at /dev/null so that the interpreter's flush at exit does not fail on the pipe again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reader has gone (poll reports an error or hang-up on it)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no poll here, or stdout closed or replaced
+        return False
 
 
 if __name__ == "__main__":

@@ -208,6 +208,9 @@ def _alarm_usable() -> bool:
     if handler not in (signal.SIG_DFL, None):
         return False  # the program's own SIGALRM handler: not ours to replace
     signal.signal(signal.SIGALRM, _on_alarm)
+    # Restart system calls the alarm interrupts (SA_RESTART): it may land on any thread (a writer, the Kafka
+    # client's), and C code there need not retry on EINTR. The handler itself runs on the main thread.
+    signal.siginterrupt(signal.SIGALRM, False)
     return True
 
 

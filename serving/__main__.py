@@ -69,7 +69,7 @@ async def serve(cfg, host: str, port: int) -> int:
     ipc = None
     if "VLLM_RPC_BASE_PATH" not in os.environ:  # a path the user chose stays theirs
         ipc = ipc_directory()
-        os.environ["VLLM_RPC_BASE_PATH"] = str(ipc)
+        os.environ["VLLM_RPC_BASE_PATH"] = str(ipc)  # unset again at stop
     engine = build_engine(
         model_path,
         max_loras=s.max_loras,
@@ -165,6 +165,8 @@ async def serve(cfg, host: str, port: int) -> int:
         for mine in (stage, ipc):
             if mine is not None:
                 shutil.rmtree(mine, ignore_errors=True)
+        if ipc is not None:
+            os.environ.pop("VLLM_RPC_BASE_PATH", None)
         logger.info("serving stopped")
     return 1 if engine_died else 0
 

@@ -36,6 +36,7 @@ What this module does not do: decide who may ask for what (auth.py), or how the 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import shutil
@@ -58,7 +59,7 @@ logger = logging.getLogger(__name__)
 REFUSED_KEPT = 16  # refused versions remembered per tenant (and shown by /health)
 RETRY_FIRST_S = 0.5  # a transient load failure is tried again after this, then after twice as long each time
 RETRY_MAX_S = 30.0
-IPC_PREFIX = "clora-vllm-ipc-"  # + pid: ipc_directory
+IPC_PREFIX = "clora-vllm-ipc-"  # + host hash, pid and a random part: ipc_directory
 
 
 class AdapterEngine(Protocol):
@@ -405,19 +406,22 @@ def stage_directory(root: Path) -> Path:
 
 
 def ipc_directory() -> Path:
-    """An empty directory of this process's in the system temp dir for vLLM's IPC sockets (what
+    """A new directory of this process's in the system temp dir for vLLM's IPC sockets (what
     VLLM_RPC_BASE_PATH names), after removing those of this host's processes that are gone. vLLM puts a
-    few sockets with random names in /tmp at each start and never removes them: hundreds piled up. The
-    path stays short: a Unix socket's path has ~107 bytes."""
+    few sockets with random names in /tmp at each start and never removes them: hundreds piled up. Named by
+    a hash of the host name (containers sharing /tmp see each other's, with other pids) and the pid, plus a
+    random part; short, as a Unix socket's path has ~107 bytes."""
     root = Path(tempfile.gettempdir())
-    for d in root.glob(f"{IPC_PREFIX}*"):
-        pid = d.name[len(IPC_PREFIX):]
+    mine = f"{IPC_PREFIX}{_host_tag()}-"
+    for d in root.glob(f"{mine}*"):
+        pid = d.name[len(mine):].partition("-")[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
-    mine = root / f"{IPC_PREFIX}{os.getpid()}"
-    shutil.rmtree(mine, ignore_errors=True)  # a process before this one had the same id
-    mine.mkdir(mode=0o700)
-    return mine
+    return Path(tempfile.mkdtemp(prefix=f"{mine}{os.getpid()}-", dir=root))
+
+
+def _host_tag() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
 def _alive(pid: int) -> bool:

@@ -4,6 +4,7 @@ line naming the cause and a usage exit code (2), no traceback; Ctrl-C works whil
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -209,3 +211,16 @@ def test_the_bootstrap_is_read_as_kafka_python_reads_it():
     why = unreachable("127.0.0.1")
     assert why is None or why.startswith("127.0.0.1:9092: ")  # the default port (something may listen there)
     assert unreachable("no-such-host.invalid:9092").startswith("no-such-host.invalid:9092: ")  # the resolver's words
+
+
+def test_a_broken_pipe_other_than_stdout_is_not_taken_for_a_reader_done(monkeypatch):
+    """Only the reader of stdout leaving is a normal end; another broken pipe is a failure."""
+    import clora.cli as cli
+
+    def breaks(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    parser = SimpleNamespace(parse_args=lambda argv: argparse.Namespace(func=breaks, command="query"))
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    with pytest.raises(BrokenPipeError):  # stdout (pytest's capture) is fine: the pipe was another
+        cli.main([])

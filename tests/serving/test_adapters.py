@@ -335,19 +335,23 @@ def test_a_stage_directory_of_a_dead_process_on_this_host_is_removed(tmp_path):
     assert not gone.exists() and other_host.exists()  # another host's processes are not ours to judge
 
 
-def test_the_ipc_directory_of_a_dead_process_is_removed_and_ours_is_empty(tmp_path, monkeypatch):
+def test_the_ipc_directory_of_a_dead_process_of_this_host_is_removed_and_ours_is_new(tmp_path, monkeypatch):
     import os
     import subprocess
     import sys
     import tempfile
 
-    from serving.adapters import IPC_PREFIX, ipc_directory
+    from serving import adapters
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    gone, alive = tmp_path / f"{IPC_PREFIX}{int(dead.stdout)}", tmp_path / f"{IPC_PREFIX}1"  # pid 1 is always there
-    for d in (gone, alive):
+    here = f"{adapters.IPC_PREFIX}{adapters._host_tag()}-"
+    gone = tmp_path / f"{here}{int(dead.stdout)}-x1"
+    alive = tmp_path / f"{here}1-x2"  # pid 1 is always there
+    elsewhere = tmp_path / f"{adapters.IPC_PREFIX}0badc0de-{int(dead.stdout)}-x3"  # another host's: not ours to judge
+    for d in (gone, alive, elsewhere):
         (d / "socket").mkdir(parents=True)
-    mine = ipc_directory()
-    assert mine == tmp_path / f"{IPC_PREFIX}{os.getpid()}" and list(mine.iterdir()) == []
-    assert not gone.exists() and alive.exists()
+    mine = adapters.ipc_directory()
+    assert mine.parent == tmp_path and mine.name.startswith(f"{here}{os.getpid()}-") and list(mine.iterdir()) == []
+    assert not gone.exists() and alive.exists() and elsewhere.exists()
+    assert adapters.ipc_directory() != mine  # a second one is its own, never a clash with a leftover

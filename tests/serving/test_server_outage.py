@@ -58,7 +58,7 @@ def test_requests_succeed_while_kafka_is_down_and_events_arrive_after(tmp_path, 
         assert list((server.data_dir / "state" / "serving-spool").glob("*.jsonl")) == []
 
         # vLLM's IPC sockets are in the process's own directory (vLLM left them in /tmp for good), removed at stop.
-        ipc = Path(tempfile.gettempdir()) / f"clora-vllm-ipc-{server.process.pid}"
+        (ipc,) = Path(tempfile.gettempdir()).glob(f"clora-vllm-ipc-*-{server.process.pid}-*")
         assert any(p.is_socket() for p in ipc.iterdir())
         stop_server(server)
         assert server.process.returncode == 0 and not ipc.exists()
