@@ -408,7 +408,7 @@ class Learner:
         if work is None:
             return None, None, None
         rt.probes = gate.update_probes(rt.probes, work.prompts, self.settings.gate_prompts)
-        scorer = self._scorer(rt)
+        scorer = tenant_scorer(rt.spec)
         with clock("probe"):
             parent_probe = self._probe_rewards(rt, scorer)
         with clock("train"):
@@ -543,7 +543,7 @@ class Learner:
         )
 
     def _collect_rollouts(self, rt: TenantRuntime) -> _Work | None:
-        self._scorer(rt)  # fail early (and loudly) on a tenant that cannot do rollouts
+        tenant_scorer(rt.spec)  # fail early (and loudly) on a tenant that cannot do rollouts
         job: SampledBatch | None = self.prefetcher.take(rt.spec.name) if self.prefetcher is not None else None
         if job is not None and job.step != rt.step + 1:  # planned for another step (the tenant reloaded since)
             logger.info("tenant %s: sampled batch for step %d dropped at step %d", rt.spec.name, job.step, rt.step + 1)
@@ -643,7 +643,7 @@ class Learner:
                           and rt.spec.prompts_file is not None):
             return  # with max_staleness 0, samples of the version before the newest would all be dropped
         try:
-            self._scorer(rt)  # no sampling for a tenant whose step would fail anyway
+            tenant_scorer(rt.spec)  # no sampling for a tenant whose step would fail anyway
             step = rt.step + (2 if ahead else 1)
             plan = self._file_plan(rt, step) if rt.spec.prompts_file is not None else self._plan(rt)
             if plan is not None and plan.prompts:
@@ -697,20 +697,6 @@ class Learner:
         )
         return _Trained(step.update, step.rewards, step.reward_mean, step.n_samples, step.n_dropped, rt.baseline,
                         step.score_seconds)
-
-    def _scorer(self, rt: TenantRuntime):
-        from ingest.scorers import ScorerSpecError, build_scorer, is_function
-
-        if not is_function(rt.spec.scorer):
-            if rt.spec.mode == "rollouts":
-                raise LearnerError(
-                    f"tenant {rt.spec.name!r}: rollouts mode needs a programmatic scorer, but scorer is {rt.spec.scorer!r}"
-                )
-            return None
-        try:
-            return build_scorer(rt.spec.scorer, time_limit_s=rt.spec.scorer_time_limit_s)
-        except ScorerSpecError as e:
-            raise LearnerError(f"tenant {rt.spec.name!r}: {e}") from e
 
     def _probe_rewards(self, rt: TenantRuntime, scorer, *, fresh: bool = False) -> tuple[float, ...] | None:
         """The current adapter's reward per probe prompt (cached per adapter state unless `fresh`); None
@@ -1065,6 +1051,23 @@ class _Phases:
         out["other"] = max(0.0, total - sum(out.values()))
         out["total"] = total
         return out
+
+
+def tenant_scorer(spec: TenantSpec):
+    """The tenant's scorer function with its time limit; None for one scored by events (logs mode only: a
+    rollouts tenant needs a function, LearnerError otherwise, as for a spec that cannot be built)."""
+    from ingest.scorers import ScorerSpecError, build_scorer, is_function
+
+    if not is_function(spec.scorer):
+        if spec.mode == "rollouts":
+            raise LearnerError(
+                f"tenant {spec.name!r}: rollouts mode needs a programmatic scorer, but scorer is {spec.scorer!r}"
+            )
+        return None
+    try:
+        return build_scorer(spec.scorer, time_limit_s=spec.scorer_time_limit_s)
+    except ScorerSpecError as e:
+        raise LearnerError(f"tenant {spec.name!r}: {e}") from e
 
 
 def _staleness(samples, tenant: str, parent: str | None, served: list[int], max_staleness: int) -> int | None:

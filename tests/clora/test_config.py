@@ -332,13 +332,13 @@ def test_a_tenant_spec_never_shows_its_api_key():
 def test_the_learner_builds_a_tenants_scorer_with_its_time_limit(tmp_path):
     from clora.config import TenantConfig
     from ingest.scorers import ScorerError, apply
-    from learner.loop import Learner
+    from learner.loop import tenant_scorer
     from learner.types import TenantSpec
 
     spec = TenantSpec.from_config(TenantConfig(name="acme", api_key="sk-secret-key-123", scorer=r"regex:(a+)+$",
                                                scorer_time_limit_s=0.2))
     assert spec.scorer_time_limit_s == 0.2 and TenantSpec.default("x").scorer_time_limit_s == 1.0
-    scorer = Learner._scorer(None, type("Runtime", (), {"spec": spec})())
+    scorer = tenant_scorer(spec)
     with pytest.raises(ScorerError, match="stopped after 0.2 s"):
         apply(scorer, "a" * 40 + "b", "p")
     with pytest.raises(ConfigError, match="scorer_time_limit_s"):
