@@ -89,15 +89,22 @@ def base_model_dir(cfg) -> Path:
     """The configured base model directory, or the tiny local model (built under <data_dir>/models on first
     use). A configured path that is not a model directory exits with one line (exit 2)."""
     if cfg.model.path is not None:
-        path = Path(cfg.model.path)
-        if not (path / "config.json").is_file():
-            why = "does not exist" if not path.exists() else "is not a model directory (it has no config.json)"
-            print(f"clora: model.path {path} {why}", file=sys.stderr)
+        problem = model_path_problem(Path(cfg.model.path))
+        if problem is not None:
+            print(f"clora: {problem}", file=sys.stderr)
             raise SystemExit(2)
-        return path
+        return Path(cfg.model.path)
     from learner.tiny_model import ensure_tiny
 
     return ensure_tiny(Path(cfg.data_dir) / "models", cfg.model.seed)
+
+
+def model_path_problem(path: Path) -> str | None:
+    """Why a configured model.path is not a model directory, or None when it is one."""
+    if (path / "config.json").is_file():
+        return None
+    why = "does not exist" if not path.exists() else "is not a model directory (it has no config.json)"
+    return f"model.path {path} {why}"
 
 
 def prepare_data_dir(path: Path) -> None:

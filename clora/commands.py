@@ -80,7 +80,7 @@ def config_show(args: argparse.Namespace) -> int:
 
 def config_check(args: argparse.Namespace) -> int:
     """What the config alone cannot tell: whether what it names is there. One line per check."""
-    from clora.cli import config_from_args, data_dir_error, prepare_data_dir
+    from clora.cli import config_from_args, data_dir_error, model_path_problem, prepare_data_dir
     from ingest.broker import unreachable
     from ingest.scorers import ScorerSpecError, build_scorer, is_function
     from learner.rollouts import SamplingError, read_prompts_file
@@ -94,11 +94,8 @@ def config_check(args: argparse.Namespace) -> int:
         results.append(("data_dir", data_dir_error(cfg.data_dir, e).removeprefix("clora: ")))
     if cfg.model.path is None:
         results.append(("model: the tiny local model (built on first use)", None))
-    elif (cfg.model.path / "config.json").is_file():
-        results.append((f"model.path {cfg.model.path} is a model directory", None))
     else:
-        why = "does not exist" if not cfg.model.path.exists() else "is not a model directory (it has no config.json)"
-        results.append(("model.path", f"model.path {cfg.model.path} {why}"))
+        results.append((f"model.path {cfg.model.path} is a model directory", model_path_problem(cfg.model.path)))
     for t in cfg.tenants:
         if is_function(t.scorer):
             try:
