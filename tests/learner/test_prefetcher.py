@@ -45,41 +45,44 @@ def wait_until(condition):
     raise AssertionError("timed out")
 
 
-def test_a_discarded_running_job_keeps_the_tenant_busy_and_its_next_job_starts_after_it():
+@pytest.fixture
+def held():
+    """A Prefetcher over a HeldSampler (both released and closed after the test)."""
     sampler = HeldSampler()
     prefetcher = Prefetcher(sampler, workers=4)
-    try:
-        prefetcher.start("acme", PLAN, REQUESTS, step=1)
-        wait_until(lambda: sampler.calls == 1)
-        prefetcher.discard("acme")
-        assert not prefetcher.pending("acme") and prefetcher.busy("acme")  # the scheduler takes others meanwhile
-
-        prefetcher.start("acme", PLAN, REQUESTS, step=2)  # returns at once: the loop must not wait here
-        assert not prefetcher.pending("acme") and sampler.calls == 1  # nothing sent beside the discarded job
-        sampler.release.set()
-        wait_until(lambda: not prefetcher.busy("acme"))
-        prefetcher.start("acme", PLAN, REQUESTS, step=2)  # the loop's next pass
-        assert prefetcher.take("acme").step == 2
-        assert sampler.calls == 2 and sampler.most_in_flight == 1
-    finally:
-        sampler.release.set()
-        prefetcher.close()
+    yield sampler, prefetcher
+    sampler.release.set()
+    prefetcher.close()
 
 
-def test_taking_nothing_after_a_discard_waits_for_the_discarded_job_too():
+def discard_while_running(sampler, prefetcher):
+    """acme's job, discarded once its sampler holds it."""
+    prefetcher.start("acme", PLAN, REQUESTS, step=1)
+    wait_until(lambda: sampler.calls == 1)
+    prefetcher.discard("acme")
+
+
+def test_a_discarded_running_job_keeps_the_tenant_busy_and_its_next_job_starts_after_it(held):
+    sampler, prefetcher = held
+    discard_while_running(sampler, prefetcher)
+    assert not prefetcher.pending("acme") and prefetcher.busy("acme")  # the scheduler takes others meanwhile
+
+    prefetcher.start("acme", PLAN, REQUESTS, step=2)  # returns at once: the loop must not wait here
+    assert not prefetcher.pending("acme") and sampler.calls == 1  # nothing sent beside the discarded job
+    sampler.release.set()
+    wait_until(lambda: not prefetcher.busy("acme"))
+    prefetcher.start("acme", PLAN, REQUESTS, step=2)  # the loop's next pass
+    assert prefetcher.take("acme").step == 2
+    assert sampler.calls == 2 and sampler.most_in_flight == 1
+
+
+def test_taking_nothing_after_a_discard_waits_for_the_discarded_job_too(held):
     """With no job to take, the learner samples itself next: not while the discarded job still runs."""
-    sampler = HeldSampler()
-    prefetcher = Prefetcher(sampler, workers=4)
-    try:
-        prefetcher.start("acme", PLAN, REQUESTS, step=1)
-        wait_until(lambda: sampler.calls == 1)
-        prefetcher.discard("acme")
-        threading.Timer(0.3, sampler.release.set).start()
-        assert prefetcher.take("acme") is None
-        assert sampler.in_flight == 0 and not prefetcher.busy("acme")
-    finally:
-        sampler.release.set()
-        prefetcher.close()
+    sampler, prefetcher = held
+    discard_while_running(sampler, prefetcher)
+    threading.Timer(0.3, sampler.release.set).start()
+    assert prefetcher.take("acme") is None
+    assert sampler.in_flight == 0 and not prefetcher.busy("acme")
 
 
 def test_a_discarded_job_not_yet_running_is_cancelled_and_holds_nothing():
