@@ -1,6 +1,10 @@
 """compose.yaml describes a real deployment: Kafka in KRaft mode, serving, ingest, the learner and the compactor,
-one data volume. The commands are executed here with stand-in executables (no docker needed)."""
+one data volume. The commands are executed here with stand-in executables (no docker needed). The file is
+checked against the Compose specification's JSON schema (tests/clora/data/README) and, where a docker compose
+CLI is installed, by `docker compose config` too."""
 
+import copy
+import json
 import os
 import re
 import shutil
@@ -8,12 +12,14 @@ import stat
 import subprocess
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 
 pytestmark = pytest.mark.unit
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
+SCHEMA = Path(__file__).resolve().parent / "data" / "compose-spec.json"
 
 CLORA_SERVICES = ("serving", "serving-cpu", "ingest", "learner", "learner-cpu", "compactor")
 
@@ -164,6 +170,27 @@ def test_cpu_trial_needs_no_gpu_and_learners_reach_serving():
     named = header.split("up -d", 1)[1].split("#", 1)[0].split()
     assert set(named) == {"kafka", "serving-cpu", "ingest", "learner-cpu", "compactor"}, header
     assert not any(_gpu_reserved(services[n]) for n in named)
+
+
+def _schema_errors(spec) -> list[str]:
+    schema = json.loads(SCHEMA.read_text())
+    validator = jsonschema.Draft7Validator(schema)  # the draft its "$schema" names
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(spec)]
+
+
+def test_compose_file_follows_the_compose_specification():
+    spec = _spec()
+    assert _schema_errors(spec) == []
+    # The check can fail: serving with a key compose does not know, or with its ports as one string, is rejected
+    # there and only there.
+    for key, value, where in [
+        ("port", ["127.0.0.1:8000:8000"], "services/serving"),
+        ("ports", "127.0.0.1:8000:8000", "services/serving/ports"),
+    ]:
+        broken = copy.deepcopy(spec)
+        broken["services"]["serving"][key] = value
+        errors = _schema_errors(broken)
+        assert len(errors) == 1 and errors[0].startswith(f"{where}: ") and key in errors[0], (key, errors)
 
 
 def _compose_cli():
