@@ -273,8 +273,11 @@ class Policy:
             with torch.no_grad():
                 for layer in layers:
                     base = layer.base_layer
-                    merged = torch.addmm(base.weight, layer.lora_B[name].weight, layer.lora_A[name].weight,
-                                         alpha=layer.scaling[name])
+                    # Stored as the transpose of a contiguous [in, out] matrix: `linear` multiplies by
+                    # weight.t(), and a contiguous right operand is faster at decoding's few rows on CPU (the
+                    # tiny model's probe: ~7%).
+                    merged = torch.addmm(base.weight.t(), layer.lora_A[name].weight.t(), layer.lora_B[name].weight.t(),
+                                         alpha=layer.scaling[name]).t()
                     originals.append((base, base.weight))
                     base.weight = torch.nn.Parameter(merged, requires_grad=False)
             with self.adapter(None):
@@ -500,20 +503,51 @@ class Policy:
         if not prompts:
             return []
         enc = self.tokenizer(list(prompts), add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
-        enc = {k: v.to(self.device) for k, v in enc.items()}
-        kwargs = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        input_ids = enc["input_ids"].to(self.device).repeat_interleave(n, dim=0)
+        attention_mask = enc["attention_mask"].to(self.device).repeat_interleave(n, dim=0)
         with self._merged(tenant):
-            out = self.model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                num_return_sequences=n,
-                pad_token_id=self.pad_token_id,
-                eos_token_id=list(self.stop_token_ids),
-                **kwargs,
-            )
-        width = enc["input_ids"].shape[1]
-        samples = [self._sample(row[width:].tolist(), tenant) for row in out]
+            tokens = self._decode(input_ids, attention_mask, max_new_tokens, None if greedy else temperature)
+        samples = [self._sample(row.tolist(), tenant) for row in tokens]
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _decode(self, input_ids: Tensor, attention_mask: Tensor, max_new_tokens: int, temperature: float | None) -> Tensor:
+        """New tokens [rows, <= max_new_tokens] for left-padded prompts: greedy (`temperature` None) or drawn
+        from softmax(logits / temperature), one token per row per forward pass over a KV cache, until every
+        row has produced an end token (later positions of a finished row hold padding).
+
+        The same passes and the same random draws as transformers' `generate` with `do_sample`, `top_k=0`,
+        `top_p=1` (tested token for token), without its per-step machinery (logits processors, stopping
+        criteria, input preparation): that was a quarter of a gate probe's time on the tiny model."""
+        from transformers import DynamicCache
+
+        rows = input_ids.shape[0]
+        cache = DynamicCache()
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        stop = torch.tensor(self.stop_token_ids, device=self.device)
+        finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        step_ids, new = input_ids, []
+        for _ in range(max_new_tokens):
+            logits = self.model(
+                input_ids=step_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1].float()
+            if temperature is None:
+                token = logits.argmax(-1)
+            else:
+                token = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1).squeeze(1)
+            token = token.masked_fill(finished, self.pad_token_id)
+            new.append(token)
+            finished |= torch.isin(token, stop)
+            if bool(finished.all()):
+                break
+            step_ids = token[:, None]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((rows, 1))], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+        return torch.stack(new, dim=1) if new else input_ids.new_zeros((rows, 0))
 
     def _sample(self, ids: list[int], tenant: str | None) -> Sample:
         end = next((i for i, t in enumerate(ids) if t in self.stop_token_ids), None)

@@ -335,3 +335,25 @@ def test_a_removed_tenant_frees_its_adapter_and_leaves_the_others_as_they_were(t
     p.remove_tenant("keep")  # the last one: the model has no adapter left, and a new tenant starts afresh
     p.add_tenant(spec("again"))
     assert torch.allclose(p.token_logprobs(batch, "again"), p.token_logprobs(batch, None), atol=1e-5)
+
+
+def test_sampling_draws_what_transformers_generate_draws(policy):
+    """generate()'s decoding loop makes the forward passes and random draws of transformers' `generate`
+    (sampling at a temperature, top-k and top-p off): the same seed gives the same tokens, prompts of
+    different lengths (left padding) and several completions per prompt included."""
+    prompts = [policy.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                    add_generation_prompt=True) for q in ("hi", "count to five, slowly")]
+    enc = policy.tokenizer(prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
+    assert (enc["attention_mask"] == 0).any(), "the prompts must differ in length for the padding to be tested"
+    width = enc["input_ids"].shape[1]
+    for temperature in (0.7, 1.3):
+        torch.manual_seed(11)
+        ours = policy.generate("acme", prompts, n=3, max_new_tokens=16, temperature=temperature)
+        torch.manual_seed(11)
+        with policy._merged("acme"):
+            out = policy.model.generate(**enc, max_new_tokens=16, do_sample=True, temperature=temperature, top_k=0,
+                                        top_p=1.0, num_return_sequences=3, pad_token_id=policy.pad_token_id,
+                                        eos_token_id=list(policy.stop_token_ids))
+        theirs = [policy._sample(row[width:].tolist(), "acme").token_ids for row in out]
+        assert [s.token_ids for group in ours for s in group] == theirs
+        assert len(set(theirs)) > 1  # draws, not one sequence six times
