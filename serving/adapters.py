@@ -36,6 +36,7 @@ What this module does not do: decide who may ask for what (auth.py), or how the 
 from __future__ import annotations
 
 import asyncio
+import glob
 import hashlib
 import logging
 import os
@@ -395,10 +396,7 @@ def stage_directory(root: Path) -> Path:
     of this host's serving processes that are gone (a crash leaves its copies behind)."""
     host = socket.gethostname()
     root.mkdir(parents=True, exist_ok=True)
-    for d in root.iterdir():
-        owner, _, pid = d.name.rpartition("-")
-        if owner == host and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(d, ignore_errors=True)
+    _remove_dead(root, f"{host}-")
     mine = root / f"{host}-{os.getpid()}"
     shutil.rmtree(mine, ignore_errors=True)  # a process before this one had the same id
     mine.mkdir()
@@ -413,11 +411,19 @@ def ipc_directory() -> Path:
     random part; short, as a Unix socket's path has ~107 bytes."""
     root = Path(tempfile.gettempdir())
     mine = f"{IPC_PREFIX}{_host_tag()}-"
-    for d in root.glob(f"{mine}*"):
-        pid = d.name[len(mine):].partition("-")[0]
+    _remove_dead(root, mine, tail=True)
+    return Path(tempfile.mkdtemp(prefix=f"{mine}{os.getpid()}-", dir=root))
+
+
+def _remove_dead(root: Path, prefix: str, *, tail: bool = False) -> None:
+    """Removes what is in `root` named `prefix` + the pid of a process that is gone: the pid is the rest of the
+    name or, with `tail`, the rest up to its first "-" (a random part follows)."""
+    for d in root.glob(f"{glob.escape(prefix)}*"):
+        pid = d.name[len(prefix):]
+        if tail:
+            pid = pid.partition("-")[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{mine}{os.getpid()}-", dir=root))
 
 
 def _host_tag() -> str:

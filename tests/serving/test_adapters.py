@@ -328,11 +328,14 @@ def test_a_stage_directory_of_a_dead_process_on_this_host_is_removed(tmp_path):
     host = socket.gethostname()
     gone = tmp_path / f"{host}-{int(dead.stdout)}"
     other_host = tmp_path / "elsewhere-1"
-    for d in (gone, other_host):
+    # a host named ours + "-<n>", where n is a dead pid here
+    longer_name = tmp_path / f"{host}-{int(dead.stdout)}-{int(dead.stdout)}"
+    for d in (gone, other_host, longer_name):
         (d / "7").mkdir(parents=True)
     mine = stage_directory(tmp_path)
     assert mine.name == f"{host}-{os.getpid()}" and list(mine.iterdir()) == []
-    assert not gone.exists() and other_host.exists()  # another host's processes are not ours to judge
+    # other hosts' processes are not ours to judge
+    assert not gone.exists() and other_host.exists() and longer_name.exists()
 
 
 def test_the_ipc_directory_of_a_dead_process_of_this_host_is_removed_and_ours_is_new(tmp_path, monkeypatch):
