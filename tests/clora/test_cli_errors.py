@@ -15,18 +15,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from test_config import write_config  # tests/clora/test_config.py
 
 from clora.cli import main
 
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def write_config(tmp_path: Path, body: str) -> Path:
-    config = tmp_path / "clora.toml"
-    config.write_text(body)
-    return config
 
 
 def closed_port() -> int:

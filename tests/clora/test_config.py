@@ -15,7 +15,8 @@ pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
 
 
-def write(tmp_path: Path, text: str) -> Path:
+def write_config(tmp_path: Path, text: str) -> Path:
+    """`text` as tmp_path/clora.toml (test_cli_errors.py uses it too)."""
     p = tmp_path / "clora.toml"
     p.write_text(text)
     return p
@@ -36,19 +37,19 @@ def test_defaults_without_a_file(tmp_path, monkeypatch):
 
 
 def test_env_overrides_file(tmp_path):
-    p = write(tmp_path, 'data_dir = "/from/file"\n[kafka]\nbootstrap = "file:9092"\n')
+    p = write_config(tmp_path, 'data_dir = "/from/file"\n[kafka]\nbootstrap = "file:9092"\n')
     cfg = load_config(p, environ={"CLORA_DATA_DIR": "/from/env", "CLORA_KAFKA_BOOTSTRAP": "env:1234"})
     assert cfg.data_dir == Path("/from/env")
     assert cfg.kafka.bootstrap == "env:1234"
 
 
 def test_config_env_var_names_the_file(tmp_path):
-    p = write(tmp_path, 'log_level = "DEBUG"\n')
+    p = write_config(tmp_path, 'log_level = "DEBUG"\n')
     assert load_config(None, environ={"CLORA_CONFIG": str(p)}).log_level == "DEBUG"
 
 
 def test_every_problem_is_listed_at_once(tmp_path):
-    p = write(
+    p = write_config(
         tmp_path,
         """
 bogus = 1
@@ -74,7 +75,7 @@ scorer = "telepathy"
 
 
 def test_cross_field_problems(tmp_path):
-    p = write(
+    p = write_config(
         tmp_path,
         """
 [[tenants]]
@@ -102,7 +103,7 @@ def problems(e: pytest.ExceptionInfo) -> list[str]:
 def test_problems_between_fields_are_listed_with_the_fields_own(tmp_path):
     """A bad field used to hide every problem between fields (pydantic skips "after" model validators then):
     fixing the file took a round per kind of problem."""
-    p = write(tmp_path, """
+    p = write_config(tmp_path, """
 bogus = 1
 [serving]
 port = 70000
@@ -136,7 +137,7 @@ api_key = "sk-aaaaaaaa"
 def test_each_problem_between_fields_is_a_line_at_its_field(tmp_path):
     from serving.protocol import GREEDY_BELOW
 
-    p = write(tmp_path, """
+    p = write_config(tmp_path, """
 [serving]
 admin_key = "sk-bbbbbbbb"
 [learner]
@@ -167,7 +168,7 @@ group_size = 32
 
 def test_a_check_between_fields_skips_a_field_that_is_bad_itself(tmp_path):
     """max_lora_rank = 0 is reported as such; the tenant's rank is not then said to exceed it (or a default)."""
-    p = write(tmp_path, '[serving]\nmax_lora_rank = 0\n[[tenants]]\nname = "a"\napi_key = "sk-aaaaaaaa"\n'
+    p = write_config(tmp_path, '[serving]\nmax_lora_rank = 0\n[[tenants]]\nname = "a"\napi_key = "sk-aaaaaaaa"\n'
                         'lora = { rank = 64 }\n')
     with pytest.raises(ConfigError) as e:
         load_config(p, environ={})
@@ -175,19 +176,19 @@ def test_a_check_between_fields_skips_a_field_that_is_bad_itself(tmp_path):
     for text in ("serving = 5\n[[tenants]]\nname = 'a'\napi_key = 'sk-aaaaaaaa'\n", "tenants = [1, 'x']\n",
                  "[[tenants]]\nlora = 3\nname = 7\n"):  # bad sections and tenants: their own problems only
         with pytest.raises(ConfigError) as e:
-            load_config(write(tmp_path, text), environ={})
+            load_config(write_config(tmp_path, text), environ={})
         assert not [line for line in problems(e) if "more than once" in line or "exceeds" in line]
 
 
 def test_a_problem_with_an_environment_override_names_the_variable(tmp_path):
-    p = write(tmp_path, '[[tenants]]\nname = "a"\napi_key = "sk-aaaaaaaa"\n')
+    p = write_config(tmp_path, '[[tenants]]\nname = "a"\napi_key = "sk-aaaaaaaa"\n')
     with pytest.raises(ConfigError) as e:
         load_config(p, environ={"CLORA_PORT": "eighty", "CLORA_ADMIN_KEY": "sk-aaaaaaaa", "CLORA_LOG_LEVEL": "INFO"})
     found = problems(e)
     assert len(found) == 2
     assert found[0].startswith("serving.port: ") and found[0].endswith(" (from $CLORA_PORT)")
     assert found[1] == "serving.admin_key: serving.admin_key is also a tenant's api_key (tenants.0) (from $CLORA_ADMIN_KEY)"
-    p = write(tmp_path, "[serving]\nport = 0\n")
+    p = write_config(tmp_path, "[serving]\nport = 0\n")
     with pytest.raises(ConfigError) as e:
         load_config(p, environ={"CLORA_ADMIN_KEY": "short"})
     found = dict(line.split(": ", 1) for line in problems(e))
@@ -197,7 +198,7 @@ def test_a_problem_with_an_environment_override_names_the_variable(tmp_path):
 
 def test_bad_toml_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="not valid TOML"):
-        load_config(write(tmp_path, "data_dir = [unclosed"), environ={})
+        load_config(write_config(tmp_path, "data_dir = [unclosed"), environ={})
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml", environ={})
     latin = tmp_path / "latin.toml"
@@ -225,7 +226,7 @@ def test_a_data_dir_under_home_is_the_same_directory_for_every_process(tmp_path,
 def test_a_bad_path_field_beside_a_problem_between_fields_is_listed_not_a_crash(tmp_path):
     """pydantic could not rebuild a Path field's error type ("path_type"): a KeyError traceback, and a
     learner's config reload died instead of keeping the previous config."""
-    p = write(tmp_path, '[model]\npath = 5\n[kafka]\nheartbeat_interval_ms = 9000\n')
+    p = write_config(tmp_path, '[model]\npath = 5\n[kafka]\nheartbeat_interval_ms = 9000\n')
     with pytest.raises(ConfigError) as e:
         load_config(p, environ={})
     assert "model.path" in str(e.value) and "heartbeat_interval_ms" in str(e.value)
@@ -239,7 +240,7 @@ def test_a_data_dir_whose_home_cannot_be_found_is_a_config_error():
 def test_a_variable_set_to_nothing_overrides_nothing(tmp_path):
     # compose passes `CLORA_MODEL_PATH: ${CLORA_MODEL:-}` to every service: unset CLORA_MODEL must leave the
     # file's model, not swap in the tiny one
-    p = write(tmp_path, '[model]\npath = "/models/Qwen3-4B"\n[kafka]\nbootstrap = "k:9092"\n')
+    p = write_config(tmp_path, '[model]\npath = "/models/Qwen3-4B"\n[kafka]\nbootstrap = "k:9092"\n')
     cfg = load_config(p, environ={"CLORA_MODEL_PATH": "", "CLORA_KAFKA_BOOTSTRAP": ""})
     assert str(cfg.model.path) == "/models/Qwen3-4B" and cfg.kafka.bootstrap == "k:9092"
     assert str(load_config(p, environ={"CLORA_MODEL_PATH": "/other"}).model.path) == "/other"
@@ -254,7 +255,7 @@ def test_the_learners_serving_url_and_the_log_level(tmp_path):
 
 
 def test_a_length_scorer_needs_a_target_above_zero(tmp_path):
-    p = write(tmp_path, '[[tenants]]\nname = "a"\napi_key = "long-enough-key"\nscorer = "length:0"\n')
+    p = write_config(tmp_path, '[[tenants]]\nname = "a"\napi_key = "long-enough-key"\nscorer = "length:0"\n')
     with pytest.raises(ConfigError, match="positive integer target"):  # ingest's scorer refused it at start
         load_config(p, environ={})
 
@@ -299,7 +300,7 @@ def test_every_subcommand_has_help():
 def test_cli_help_and_bad_config_exit_code(tmp_path):
     out = subprocess.run([sys.executable, "-m", "clora", "--help"], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0 and "commands" in out.stdout
-    bad = write(tmp_path, "[kafka]\npartitions = 0\n")
+    bad = write_config(tmp_path, "[kafka]\npartitions = 0\n")
     out = subprocess.run([sys.executable, "-m", "clora", "config", "show", "--config", str(bad)],
                          capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 2
