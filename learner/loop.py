@@ -34,7 +34,10 @@ crash, retrained from its parent, serving one batch's effect twice in two lineag
 
 Errors are per tenant: a step that raises is logged with its traceback, the tenant's status records it
 (also in <data_dir>/state/learner/status.json), its in-memory adapter and optimizer go back to the state
-before the step, and it is retried after a growing back-off; other tenants go on.
+before the step, and it is retried after a growing back-off; other tenants go on. So is a tenant whose lock
+file cannot be made (a full disk, a locks folder this user cannot write). A backlog that cannot be read
+(one tenant's unreadable file, or the trajectories folder that cannot be listed) leaves those tenants'
+logs out, with the reason as their error, until it can be read.
 
 Tenants: the config's tenants plus any tenant that has trajectories in storage (ingest may create tenants
 on the fly; those get the config's defaults). Both are looked at on every pass, and the config file is
@@ -77,7 +80,7 @@ from learner.types import Shard, TenantSpec, learner_process_name
 from learner.update import UpdateResult
 from storage.cursors import CursorError, Cursors
 from storage.files import FileLock, HeldLock, atomic_write_bytes, mark_ready
-from storage.layout import DataDir
+from storage.layout import DataDir, StorageError
 from storage.parquet import write_dataset
 from storage.registry import Registry, VersionNotFound
 from storage.schema import TRAIN_STEPS, TRAJECTORIES
@@ -93,6 +96,7 @@ MAX_REMEMBERED_ROLLOUTS = 100_000  # rollout interaction ids awaiting ingest; ol
 SERVED_KEPT = 1024  # served version numbers a tenant remembers for staleness (at least max_staleness + 2)
 ABANDONED = "abandoned: the learner stopped before committing the step that made it"
 BACKLOG_UNREADABLE = "backlog unreadable: "  # the error of a tenant whose backlog cannot be read (cleared once it can)
+LOCK_FAILED = "cannot take the tenant's lock: "  # the error of a tenant whose lock file cannot be made (cleared once it can)
 
 
 class LearnerError(RuntimeError):
@@ -198,6 +202,7 @@ class Learner:
         self.tenants: dict[str, TenantRuntime] = {}
         self._bars: dict[str, object] = {}
         self._status_failing = False  # the status file could not be written (logged once until it can)
+        self._listing_error: str | None = None  # why the trajectories could not be listed (logged once until they can)
         self._prompts_cache: dict[str, tuple[tuple | None, list[str]]] = {}  # tenant -> (file identity, rendered)
         self._base_shapes: dict | None = None  # the base model's linear layers, for _check_servable
         self.ledger = Ledger()
@@ -236,7 +241,16 @@ class Learner:
         name = rt.spec.name
         if name in self._locks:
             return True
-        lock = HeldLock.try_acquire(self.dd.locks / "learner" / f"{name}.lock")
+        if rt.retry_at > time.monotonic():  # its lock could not be taken: backing off
+            return False
+        path = self.dd.locks / "learner" / f"{name}.lock"
+        try:
+            lock = HeldLock.try_acquire(path)
+        except OSError as e:  # a full disk, a locks folder this user cannot write: this tenant waits, the others go on
+            logger.error("tenant %s: cannot take its lock %s: %s", name, path, e)
+            self._back_off(rt, f"{LOCK_FAILED}{type(e).__name__}: {e}")
+            self._save_status()
+            return False
         if lock is None:
             if rt.status != "elsewhere":
                 logger.info("tenant %s: trained by another learner process; waiting for it to let go", name)
@@ -245,6 +259,8 @@ class Learner:
         self._locks[name] = lock
         if rt.status == "elsewhere":
             rt.status = "idle"
+        if rt.error is not None and rt.error.startswith(LOCK_FAILED):
+            rt.status, rt.error, rt.failures = "idle", None, 0
         rt.loaded = False
         self._recover(rt)
         return True
@@ -297,8 +313,18 @@ class Learner:
         With `hold_partial`, a logs-mode backlog below the tenant's batch_size counts as 0 until it has
         been seen for `learner.batch_wait_seconds`: a step on one or two trajectories with sparse rewards
         is mostly noise, which Adam turns into a full-size step all the same."""
-        backlog = self.cursors.backlog(include=self._owns)
-        for name in [*backlog, *self.cursors.backlog_errors]:
+        try:
+            backlog, unreadable_by_tenant = self.cursors.backlog(include=self._owns), self.cursors.backlog_errors
+            if self._listing_error is not None:
+                logger.info("the trajectories can be listed again")
+            self._listing_error = None
+        except (OSError, StorageError) as e:  # the folder listing itself: every tenant's backlog is unknown
+            error = f"{type(e).__name__}: {e}"
+            if error != self._listing_error:
+                logger.error("cannot list the trajectories; no tenant's backlog is known until it can: %s", error)
+            self._listing_error = error
+            backlog, unreadable_by_tenant = {}, dict.fromkeys(self.tenants, error)
+        for name in [*backlog, *unreadable_by_tenant]:
             if name not in self.tenants and self._owns(name):
                 self._set_spec(TenantSpec.default(name))
         now = time.monotonic()
@@ -308,7 +334,7 @@ class Learner:
             if not self._claim(rt):
                 out[name] = 0
                 continue
-            unreadable = self.cursors.backlog_errors.get(name)
+            unreadable = unreadable_by_tenant.get(name)
             if unreadable is not None:  # left out until it can be read; the other tenants go on
                 rt.status, rt.error = "error", BACKLOG_UNREADABLE + unreadable
             elif rt.error is not None and rt.error.startswith(BACKLOG_UNREADABLE):
@@ -345,10 +371,7 @@ class Learner:
             record = self.step(name)
         except Exception as e:  # one tenant's failure must not stop the others; the traceback is logged
             logger.exception("tenant %s: step %d failed", name, rt.step + 1)
-            rt.failures += 1
-            rt.status = "error"
-            rt.error = f"{type(e).__name__}: {e}"
-            rt.retry_at = time.monotonic() + BACKOFF_SECONDS[min(rt.failures, len(BACKOFF_SECONDS)) - 1]
+            self._back_off(rt, f"{type(e).__name__}: {e}")
             if self.prefetcher is not None:
                 self.prefetcher.discard(name)
             record = None
@@ -357,6 +380,13 @@ class Learner:
         self.ledger = charge(self.ledger, name, time.monotonic() - started)
         self._report(rt)
         return record
+
+    @staticmethod
+    def _back_off(rt: TenantRuntime, error: str) -> None:
+        """Records a failure of the tenant; it is left out of the backlog for a growing while."""
+        rt.failures += 1
+        rt.status, rt.error = "error", error
+        rt.retry_at = time.monotonic() + BACKOFF_SECONDS[min(rt.failures, len(BACKOFF_SECONDS)) - 1]
 
     def step(self, name: str) -> StepRecord | None:
         """One training step of tenant `name` (see the module note); None when it had nothing to do."""
@@ -906,6 +936,9 @@ class Learner:
                 )
             bar.update(rt.step - bar.n)
             bar.set_postfix_str(summary)
+        self._save_status()
+
+    def _save_status(self) -> None:
         try:
             self._write_status()
         except OSError as e:  # a full disk must not end the learner (the steps themselves fail per tenant)

@@ -590,6 +590,60 @@ def test_one_tenants_unreadable_files_and_stray_folders_do_not_stop_the_others(t
     learner.close()
 
 
+def test_a_tenant_whose_lock_cannot_be_made_waits_and_the_others_go_on(tiny_model, data_dir, monkeypatch):
+    """Ingest creates a tenant while the disk is full: making its lock file raised out of `pending`, and the
+    whole learner ended (and `clora up` restarted it into the same failure)."""
+    import errno
+
+    import storage.files as files
+
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    write(data_dir, "newco", rows("n", 8), "b0")
+    real = files._locked_fd
+
+    def full(path, *, blocking):
+        if "newco" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, blocking=blocking)
+
+    monkeypatch.setattr(files, "_locked_fd", full)
+    learn(cfg, tiny_model, learner=learner)
+    assert Registry(data_dir).latest_published("acme").number == 1
+    newco = learner.tenants["newco"]
+    assert newco.status == "error" and "No space left on device" in newco.error and newco.retry_at > time.monotonic()
+    status = json.loads((Path(data_dir) / "state" / "learner" / "status.json").read_text())
+    assert status["newco"]["status"] == "error" and status["acme"]["status"] == "published"
+    assert learner.pending(hold_partial=False)["newco"] == 0  # backing off: not even its lock is tried
+    # The disk has room again: after the back-off the lock is taken, the error clears, and it trains.
+    monkeypatch.setattr(files, "_locked_fd", real)
+    newco.retry_at = 0
+    assert learner.pending(hold_partial=False)["newco"] == 8 and newco.error is None
+    learn(cfg, tiny_model, learner=learner)
+    assert Registry(data_dir).latest_published("newco").number == 1
+
+
+def test_trajectories_that_cannot_be_listed_stop_no_one(tiny_model, data_dir, monkeypatch):
+    import storage.cursors as cursors_module
+
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    real = cursors_module.partition_tenants
+
+    def unlistable(*args):
+        raise PermissionError(13, "Permission denied", str(Path(data_dir) / "trajectories"))
+
+    monkeypatch.setattr(cursors_module, "partition_tenants", unlistable)
+    assert learner.pending(hold_partial=False) == {"acme": 0}
+    acme = learner.tenants["acme"]
+    assert acme.status == "error" and acme.error.startswith("backlog unreadable: PermissionError")
+    monkeypatch.setattr(cursors_module, "partition_tenants", real)
+    assert learner.pending(hold_partial=False) == {"acme": 8} and acme.error is None
+    learner.close()
+
+
 def test_rollouts_mode_with_a_prompts_file_and_the_local_sampler(tiny_model, data_dir, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Write a number.\nTell me about cats.\n\nhello\n")
