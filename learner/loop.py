@@ -20,7 +20,8 @@ Crash safety (SIGKILL at any instant; nothing is trained twice or skipped):
 - Before the commit nothing durable says the batch was trained: a restart loads the previous checkpoint
   and trains the same untrained trajectories again. A candidate version created before the crash is
   referenced by no checkpoint; at start (`Learner.recover`) the learner rejects it as "abandoned"
-  (candidates are never served).
+  (candidates are never served). One left by a `Registry.create` that raised after writing its record (an
+  error, not a kill) is rejected at once.
 - The commit writes the trajectory ids, the adapter, the optimizer state and `learner.json` in one atomic
   rename (storage.cursors). `learner.json` records what must follow: which version to publish or reject
   and the train_steps row.
@@ -494,13 +495,23 @@ class Learner:
             )
             metrics = _metrics(trained, step, rt.spec.mode, probe, parent_probe)
             with clock("publish"):
-                created = self.registry.create(
-                    name,
-                    parent=parent_name,
-                    write=lambda d: self.policy.save_adapter(name, d),
-                    metrics=metrics,
-                    trajectory_range=work.trajectory_range,
-                )
+                try:
+                    created = self.registry.create(
+                        name,
+                        parent=parent_name,
+                        write=lambda d: self.policy.save_adapter(name, d),
+                        metrics=metrics,
+                        trajectory_range=work.trajectory_range,
+                    )
+                except Exception as e:
+                    # create may raise after the version's record is written (HEAD.json's rewrite failed): a
+                    # candidate no commit will reference. This process holds the tenant's lock, so every
+                    # candidate of the tenant is its own and none belongs to a step in progress.
+                    try:
+                        self._reject_abandoned(name, reason=f"its creation failed: {type(e).__name__}: {e}")
+                    except Exception:  # never served all the same; rejected when a learner next takes the tenant
+                        logger.exception("tenant %s: cannot reject what the failed create of step %d left", name, step)
+                    raise
             meta.update(created=created.number, gate=result.checks, reason=result.reason or None)
             if result.passed:
                 meta.update(decision="published", version=created.number)
@@ -775,10 +786,10 @@ class Learner:
             logger.warning("tenant %s: rejecting %s@%d (%s)", name, name, number, reason)
             self.registry.reject(name, number, reason=reason[:500])
 
-    def _reject_abandoned(self, name: str) -> None:
+    def _reject_abandoned(self, name: str, reason: str = ABANDONED) -> None:
         for v in self.registry.candidates(name):
-            logger.warning("tenant %s: rejecting %s (%s)", name, v.name, ABANDONED)
-            self.registry.reject(name, v.number, reason=ABANDONED)
+            logger.warning("tenant %s: rejecting %s (%s)", name, v.name, reason)
+            self.registry.reject(name, v.number, reason=reason[:500])
         if self.registry.repair(name):  # a crash inside a registry change: HEAD behind, or files left
             logger.warning("tenant %s: repaired what a crash left of its last registry change", name)
 

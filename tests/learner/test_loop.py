@@ -270,6 +270,35 @@ def test_a_commit_that_fails_after_its_commit_point_counts_as_committed(tiny_mod
     assert_each_id_once(data_dir, "acme", {f"a{i}" for i in range(16)})
 
 
+def test_a_version_whose_create_raised_after_its_record_is_rejected_not_left_a_candidate(tiny_model, data_dir,
+                                                                                          monkeypatch):
+    """Registry.create wrote the version's record, then its HEAD.json rewrite failed (a full disk): the
+    candidate stayed one, referenced by no commit, until the learner was restarted."""
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    learner.pending(hold_partial=False)
+    real_create = Registry.create
+
+    def create_then_fail(self, *a, **kw):
+        real_create(self, *a, **kw)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Registry, "create", create_then_fail)
+    assert learner.step_safely("acme") is None
+    monkeypatch.undo()
+    acme = learner.tenants["acme"]
+    assert acme.status == "error" and "No space left on device" in acme.error
+    reg = Registry(data_dir)
+    first = reg.get("acme", 1)
+    assert first.status == "rejected" and first.reason == "its creation failed: OSError: [Errno 28] No space left on device"
+    assert step_ids(data_dir, "acme") == []  # nothing committed: the batch is trained again
+    acme.retry_at = 0
+    record = learner.step_safely("acme")
+    assert (record.step, record.version) == (1, "acme@2") and reg.get("acme", 2).parent is None
+    learner.close()
+
+
 def test_a_learner_behind_its_cursor_publishes_nothing_and_catches_up_from_disk(tiny_model, data_dir):
     """An earlier failure can leave the in-memory step behind the cursor (a commit that failed after its
     commit point, then the check of it failed too). The next commit is refused before its commit point: its
