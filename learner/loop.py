@@ -411,7 +411,7 @@ class Learner:
         with clock("publish"):
             decision = self._finish(rt, meta)
             if meta["step"] % COMPACT_EVERY_STEPS == 0:
-                self.cursors.compact(name)
+                self._compact(name, meta["step"])
         self._start_prefetch(rt)
         rt.status = decision
         timings = clock.timings(total=time.monotonic() - started)
@@ -428,6 +428,15 @@ class Learner:
             rewards=trained.rewards,
             staleness=_staleness(work.samples, name, meta["row"]["version"], rt.served, self.settings.max_staleness),
         )
+
+    def _compact(self, name: str, step: int) -> None:
+        """Folds the tenant's step directories into a snapshot (storage.cursors). Housekeeping: the step is
+        committed and published whether or not it works, and a failure is tried again COMPACT_EVERY_STEPS on."""
+        try:
+            self.cursors.compact(name)
+        except Exception:
+            logger.warning("tenant %s: compacting its cursor after step %d failed (the step stands; tried again at "
+                           "step %d)", name, step, step + COMPACT_EVERY_STEPS, exc_info=True)
 
     def _train_and_commit(self, rt: TenantRuntime, parent, started: float, clock: _Phases):
         """Collect, train, gate, create the version, commit. Returns the step's learner.json, its work and

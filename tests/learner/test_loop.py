@@ -299,6 +299,29 @@ def test_a_version_whose_create_raised_after_its_record_is_rejected_not_left_a_c
     learner.close()
 
 
+def test_a_compaction_that_fails_does_not_fail_the_step_it_follows(tiny_model, data_dir, monkeypatch, caplog):
+    """The step was committed and published, then the cursor's compaction raised: the tenant was marked
+    failed and backed off, its log said "step N failed" and on_step never saw the step."""
+    import learner.loop as loop
+
+    write(data_dir, "acme", rows("a", 16), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    monkeypatch.setattr(loop, "COMPACT_EVERY_STEPS", 1)
+
+    def full(self, tenant):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Cursors, "compact", full)
+    records = []
+    learner = learn(cfg, tiny_model, on_step=records.append)
+    assert [(r.step, r.decision, r.version) for r in records] == [(1, "published", "acme@1"), (2, "published", "acme@2")]
+    acme = learner.tenants["acme"]
+    assert (acme.status, acme.error, acme.failures) == ("published", None, 0)
+    warned = [r for r in caplog.records if "compacting its cursor" in r.getMessage()]
+    assert len(warned) == 2 and all(r.levelname == "WARNING" for r in warned)
+    assert not [r for r in caplog.records if "failed" in r.getMessage() and r.levelname == "ERROR"]
+
+
 def test_a_learner_behind_its_cursor_publishes_nothing_and_catches_up_from_disk(tiny_model, data_dir):
     """An earlier failure can leave the in-memory step behind the cursor (a commit that failed after its
     commit point, then the check of it failed too). The next commit is refused before its commit point: its
