@@ -42,8 +42,9 @@ logs out, with the reason as their error, until it can be read.
 
 Tenants: the config's tenants plus any tenant that has trajectories in storage (ingest may create tenants
 on the fly; those get the config's defaults). Both are looked at on every pass, and the config file is
-re-read every few seconds when the caller passes `reload`, so new tenants need no restart. A tenant's
-adapter is only created when it first has work. Several learner processes may share one data directory:
+re-read every few seconds when the caller passes `reload`, so new tenants need no restart; a tenant removed
+from it is what a restart would make it: one storage holds data of gets the defaults, another is let go. A
+tenant's adapter is only created when it first has work. Several learner processes may share one data directory:
 each trains its shard's tenants (`Shard`, `clora learn --shard K/N`), and a process trains a tenant only
 while it holds that tenant's lock (`Learner._claim`), so no two processes ever step one tenant.
 
@@ -82,7 +83,7 @@ from learner.update import UpdateResult
 from storage.cursors import CursorError, Cursors
 from storage.files import FileLock, HeldLock, atomic_write_bytes, mark_ready
 from storage.layout import DataDir, StorageError
-from storage.parquet import write_dataset
+from storage.parquet import partition_tenants, write_dataset
 from storage.registry import Registry, VersionNotFound
 from storage.schema import TRAIN_STEPS, TRAJECTORIES
 
@@ -212,7 +213,8 @@ class Learner:
 
     # --- configuration and discovery ------------------------------------------------------------------
     def apply_config(self, cfg: Config) -> None:
-        """Takes the learner settings and tenants of `cfg`; existing tenants keep their adapters."""
+        """Takes the learner settings and tenants of `cfg`; existing tenants keep their adapters. A tenant
+        that left the config gets what a restart would give it (`_left_config`)."""
         self.settings = cfg.learner
         self.max_len = cfg.serving.max_model_len
         self.max_lora_rank = cfg.serving.max_lora_rank
@@ -228,7 +230,11 @@ class Learner:
             if self._owns(t.name):
                 self._set_spec(TenantSpec.from_config(t))
         for name in [n for n in self.tenants if not self._owns(n)]:  # a reload dealt it to another shard
-            self._disown(name)
+            logger.info("tenant %s: now another learner shard's", name)
+            self._let_go(name)
+        configured = {t.name for t in cfg.tenants}
+        for name in [n for n, rt in self.tenants.items() if rt.spec.configured and n not in configured]:
+            self._left_config(name)
 
     def _owns(self, name: str) -> bool:
         return self.shard is None or self.shard.owns(name, self._dealt)
@@ -276,10 +282,29 @@ class Learner:
         keep = max(SERVED_KEPT, self.settings.max_staleness + 2)
         del rt.served[:-keep]
 
-    def _disown(self, name: str) -> None:
-        """Lets go of a tenant a config reload dealt to another shard, and frees its adapter and optimizer
-        (everything about it is in its last checkpoint, which the new owner loads)."""
-        logger.info("tenant %s: now another learner shard's", name)
+    def _left_config(self, name: str) -> None:
+        """A tenant a config reload removed gets what a restart would give it: while storage holds anything
+        of it (trajectories, a cursor, versions: what `recover` and `pending` find), the config's defaults,
+        as a tenant ingest created has (logs mode, no prompts file, no api key); otherwise it is let go. A
+        prompts-file tenant kept its spec and went on sampling with an api key serving no longer knew."""
+        try:
+            in_storage = (name in self.registry.tenants() or name in self.cursors.tenants()
+                          or name in partition_tenants(self.dd, "trajectories"))
+        except OSError as e:  # cannot tell: kept, as a tenant with data (with no backlog it costs nothing)
+            logger.warning("tenant %s: cannot tell whether storage holds anything of it: %s", name, e)
+            in_storage = True
+        if in_storage:
+            logger.info("tenant %s: no longer in the config; it goes on with the config's defaults (storage "
+                        "holds its data)", name)
+            self._prompts_cache.pop(name, None)
+            self._set_spec(TenantSpec.default(name))
+        else:
+            logger.info("tenant %s: no longer in the config, and storage holds nothing of it: let go", name)
+            self._let_go(name)
+
+    def _let_go(self, name: str) -> None:
+        """Lets go of a tenant (another shard's now, or gone from the config) and frees its adapter and
+        optimizer (everything about it is in its last checkpoint, which its next owner loads)."""
         if self.prefetcher is not None:
             self.prefetcher.discard(name)
         if self.policy.has(name):
@@ -288,6 +313,7 @@ class Learner:
         if lock is not None:
             lock.release()
         self.tenants.pop(name, None)
+        self._prompts_cache.pop(name, None)
         bar = self._bars.pop(name, None)
         if bar is not None:
             bar.close()

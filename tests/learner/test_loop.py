@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from learner.loop import ABANDONED, Learner, run
+from learner.types import TenantSpec
 from learner_support import LEARNABLE_TARGETS, assert_each_id_once, chat_prompt, make_config, rows, step_ids, write
 from storage.cursors import Cursors
 from storage.parquet import read_dataset
@@ -592,6 +593,39 @@ def test_new_tenants_from_storage_and_from_the_config_are_picked_up_without_rest
     assert learner.tenants["newco"].spec.configured is False  # defaults
     assert learner.policy.spec("zeta").rank == 2  # the config's shape
     assert all(Registry(data_dir).latest_published(t) for t in ("acme", "newco", "zeta"))
+
+
+def test_a_tenant_removed_from_the_config_is_what_a_restart_would_make_it(tiny_model, data_dir, tmp_path):
+    """A prompts-file rollouts tenant removed from the config kept its spec: ready on every pass, sampling
+    with an api key serving no longer accepted; after a restart it came back as a default logs-mode tenant.
+    A removed tenant with nothing in storage was kept too (a restart does not know it)."""
+    from storage.files import HeldLock
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("say a number\nsay hi\n")
+    lab = {"name": "lab", "mode": "rollouts", "scorer": "length:12", "prompts_file": str(prompts), "batch_size": 4,
+           "group_size": 2}
+    write(data_dir, "acme", rows("a", 8), "b0")
+    settings = dict(rollout_sampler="local", max_new_tokens=4, gate_max_kl=1000.0)
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}, lab, {"name": "idle"}], **settings)
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    assert learner.pending(hold_partial=False) == {"acme": 8, "lab": 4, "idle": 0}
+    assert learner.step_safely("lab").step == 1  # lab has a cursor and versions now; idle has nothing
+
+    cfg2 = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], **settings)
+    learner.apply_config(cfg2)
+    assert learner.pending(hold_partial=False) == {"acme": 8, "lab": 0}
+    assert learner.tenants["lab"].spec.mode == "logs" and learner.tenants["lab"].spec.configured is False
+    assert learner.tenants["lab"].spec.prompts_file is None and learner.tenants["lab"].spec.api_key == ""
+    idle_lock = HeldLock.try_acquire(Path(data_dir) / "locks" / "learner" / "idle.lock")
+    assert idle_lock is not None, "idle's lock was let go"
+    idle_lock.release()
+    learner.close()
+
+    restarted = Learner(cfg2, model_path=tiny_model, progress=False)
+    assert set(restarted.tenants) == set(learner.tenants) == {"acme", "lab"}
+    assert restarted.tenants["lab"].spec == TenantSpec.default("lab")
+    restarted.close()
 
 
 def test_a_tenant_ingest_created_keeps_learning_from_its_apps_rows_past_max_staleness(tiny_model, data_dir):
