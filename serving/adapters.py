@@ -9,7 +9,9 @@ version it had (a refused version is not retried; publishing a new one is the fi
 nothing about the adapter (an I/O error while checking it, the engine failing the load) leaves the
 registry's change unseen, so a later poll tries again, backing off (RETRY_FIRST_S doubling up to
 RETRY_MAX_S: each try validates the adapter again); it is logged once, not on every try, and the tenant
-keeps its version meanwhile. `watch()` calls `refresh()` every `poll_seconds` until stopped.
+keeps its version meanwhile. A HEAD.json that cannot be read (edited by hand) leaves every tenant on what it
+serves until the registry's next change rebuilds it, logged once. `watch()` calls `refresh()` every
+`poll_seconds` until stopped.
 
 Requests take a `Lease` (`acquire`) for the whole generation and give it back when the response is done
 (`release`): a generation never changes adapter mid-way, because the engine request carries its own
@@ -72,9 +74,9 @@ class AdapterEngine(Protocol):
 class VersionSource(Protocol):
     """The part of `storage.registry.Registry` serving reads."""
 
-    def generation(self) -> int: ...
-    def published(self) -> dict: ...  # tenant -> AdapterVersion (newest published)
-    def get(self, tenant: str, number: int): ...  # AdapterVersion; raises VersionNotFound (a KeyError)
+    def generation(self) -> int: ...  # raises UnreadableRecord while HEAD.json cannot be read
+    def published(self) -> dict: ...  # tenant -> AdapterVersion (newest published); UnreadableRecord as above
+    def get(self, tenant: str, number: int): ...  # AdapterVersion; VersionNotFound (a KeyError), UnreadableRecord
 
 
 class UnknownVersion(ModelNotFound):
@@ -148,6 +150,7 @@ class AdapterSet:
         self._failing: dict[str, _Failing] = {}  # tenant -> the swap to try again, and when
         self._loading: dict[tuple[str, int], asyncio.Future] = {}
         self._generation: int | None = None
+        self._unreadable: str | None = None  # why the registry's HEAD.json could not be read, logged once
         self._refresh_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
         for tenant in self.tenants:
@@ -207,11 +210,21 @@ class AdapterSet:
 
     async def refresh(self) -> None:
         """Makes every tenant's newest published version current (validated and loaded first)."""
+        from storage.registry import UnreadableRecord
+
         async with self._refresh_lock:
-            generation = await asyncio.to_thread(self.registry.generation)
-            if generation == self._generation:
+            try:
+                generation = await asyncio.to_thread(self.registry.generation)
+                if generation == self._generation:
+                    return
+                published = await asyncio.to_thread(self.registry.published)
+            except UnreadableRecord as e:  # edited by hand: a poll every 0.5 s must not log it every time
+                if self._unreadable != str(e):
+                    logger.error("%s; every tenant stays on what it serves until the registry's next change "
+                                 "rebuilds it", e)
+                    self._unreadable = str(e)
                 return
-            published = await asyncio.to_thread(self.registry.published)
+            self._unreadable = None
             startup = self._generation is None  # versions published before this process: no swap latency
             settled = True
             for tenant in self.tenants:
@@ -328,7 +341,7 @@ class AdapterSet:
 
     async def _load_explicit(self, tenant: str, number: int) -> _Loaded:
         """Loads `<tenant>@<number>` on request; UnknownVersion unless it is published and intact."""
-        from storage.registry import VersionNotFound
+        from storage.registry import UnreadableRecord, VersionNotFound
 
         name = f"{tenant}@{number}"
         generation = self._generation  # what the status read below is at least as new as
@@ -338,6 +351,9 @@ class AdapterSet:
             version = await asyncio.to_thread(self.registry.get, tenant, number)
         except VersionNotFound:
             raise UnknownVersion(f"model {name!r} does not exist") from None
+        except UnreadableRecord as e:  # the path is the operator's to read, not the tenant's
+            logger.error("model %r asked for: %s", name, e)
+            raise UnknownVersion(f"model {name!r} cannot be served: its registry record cannot be read") from None
         if version.status != "published":
             raise UnknownVersion(f"model {name!r} is {version.status}, not published")
         try:

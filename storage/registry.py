@@ -31,6 +31,16 @@ happen (a poll always sees the latest state), and 0.5 s of extra staleness is sm
 step. HEAD.json is derived: every writer rebuilds it from the version files under the lock, so a writer
 that crashed between the two is repaired by the next change.
 
+A file that cannot be read (edited by hand into bad JSON or missing fields, or written by a clora of another
+`format`) is one tenant's problem, never every tenant's. Reading it raises `UnreadableRecord`, naming the
+file, to whoever asks about that tenant; readers that list many tenants skip it, and so does `_write_head`,
+which keeps that tenant's entry as the old HEAD.json had it (or leaves it out where the old HEAD.json cannot
+be read either): changes go on for everyone else, and what the tenant serves does not change until its file
+is fixed. Each such file is logged once per process (and again if its reason changes), not on every change.
+A HEAD.json that cannot be read is rebuilt by the next change; its old generation is lost, so the new one is
+taken from the clock (microseconds since the epoch: past any count of changes), and a reader polling for a
+change still sees one.
+
 Every operation costs the same however long a tenant's history grows (the learner publishes a version per
 step, forever; metadata is deleted only by retention, `prune`, never the newest). A version is "settled"
 once nothing can change it any more: retired, or rejected with its files removed, and its files gone.
@@ -53,6 +63,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -83,6 +94,10 @@ CACHE_VERSIONS = 4096  # parsed version records a Registry keeps (~6 KB each wit
 
 logger = logging.getLogger(__name__)
 
+# What parsing a record's fields raises when they are missing or of the wrong type (StorageError: another
+# format, a tenant name that is not one).
+_BAD_FIELDS = (ValueError, KeyError, TypeError, AttributeError, StorageError)
+
 _VERSION_NAME = re.compile(r"^(?P<tenant>[^@]+)@(?P<number>[0-9]+)$")
 
 
@@ -99,6 +114,16 @@ class VersionNotFound(RegistryError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return self.args[0]
+
+
+class UnreadableRecord(RegistryError):
+    """A registry file that cannot be read: not JSON, a field missing or of the wrong type (edited by hand),
+    another `format` (written by another clora), or an I/O error other than its absence. Not a KeyError: a
+    version whose record cannot be read may well exist."""
+
+    def __init__(self, path: Path, why: str):
+        super().__init__(f"registry file {path} cannot be read: {why}")
+        self.path, self.why = path, why
 
 
 def parse_version(name: str) -> tuple[str, int]:
@@ -203,19 +228,21 @@ class Registry:
         # rename, so a changed file has a new stamp, and a read costs a stat, not a parse. At most
         # CACHE_VERSIONS of them (one per step would grow for ever), oldest out first.
         self._metas: dict[Path, tuple[tuple[int, int, int], AdapterVersion]] = {}
+        self._unreadable: dict[Path, str] = {}  # file -> the reason logged for it (logged once, not per change)
+        self._generation_seen = 0  # the largest generation read or written: one rebuilt from the clock is larger
 
     def __repr__(self) -> str:
         return f"Registry({str(self.dd.root)!r}, keep_last={self.keep_last})"
 
     # --- reads (lock-free) ----------------------------------------------------------------------------
     def generation(self) -> int:
-        """A counter that grows on every change; 0 for an empty registry. One small-file read."""
-        try:
-            return int(json.loads(self._head.read_bytes())["generation"])
-        except FileNotFoundError:
-            return 0
+        """A counter that grows on every change; 0 for an empty registry. One small-file read. Raises
+        `UnreadableRecord` while HEAD.json cannot be read (the next change rebuilds it)."""
+        head = self._read_head()
+        return 0 if head is None else head["generation"]
 
     def get(self, tenant: str, number: int) -> AdapterVersion:
+        """The version's record; `VersionNotFound` if there is none, `UnreadableRecord` if it cannot be read."""
         path = self._meta_path(tenant, number)
         try:
             st = os.stat(path)
@@ -223,10 +250,15 @@ class Registry:
             cached = self._metas.get(path)
             if cached is not None and cached[0] == stamp:
                 return cached[1]
-            data = json.loads(path.read_bytes())  # replaced since the stat: the next get reads it again
+            raw = path.read_bytes()  # replaced since the stat: the next get reads it again
         except FileNotFoundError:
             raise VersionNotFound(tenant, number) from None
-        v = AdapterVersion.from_json(data, self.dd)
+        except OSError as e:
+            raise UnreadableRecord(path, str(e)) from e
+        v = _parse_record(path, raw, self.dd)
+        if (v.tenant, v.number) != (tenant, number):
+            raise UnreadableRecord(path, f"it holds {v.name}, not {tenant}@{number}")
+        self._unreadable.pop(path, None)  # readable (again): a later fault is logged anew
         if len(self._metas) >= CACHE_VERSIONS and path not in self._metas:
             try:  # the oldest entry; a listing of a long history cycles through, the live ones come back
                 del self._metas[next(iter(self._metas))]
@@ -239,7 +271,8 @@ class Registry:
         return self.get(*parse_version(name))
 
     def versions(self, tenant: str | None = None) -> list[AdapterVersion]:
-        """Every version (of one tenant or all), ordered by tenant then number."""
+        """Every version (of one tenant or all), ordered by tenant then number. Of one tenant, a record that
+        cannot be read raises `UnreadableRecord`; of all, it is left out (and logged)."""
         out = []
         for t in [check_tenant(tenant)] if tenant is not None else self.tenants():
             for n in self.numbers(t):
@@ -247,6 +280,10 @@ class Registry:
                     out.append(self.get(t, n))
                 except VersionNotFound:  # deleted since the listing (retention: `prune`)
                     continue
+                except UnreadableRecord as e:
+                    if tenant is not None:
+                        raise
+                    self._log_unreadable(e, "left out of listings of every tenant; fix or remove it")
         return out
 
     def tenants(self) -> list[str]:
@@ -257,6 +294,8 @@ class Registry:
         return sorted(p.name for p in self.dd.registry.iterdir() if p.is_dir() and is_tenant(p.name))
 
     def latest_published(self, tenant: str) -> AdapterVersion | None:
+        """`UnreadableRecord` when a record newer than the newest published one cannot be read: it may be
+        the one published."""
         for n in reversed(self._live(check_tenant(tenant))[1]):  # newest first: usually the first one or two
             try:
                 v = self.get(tenant, n)
@@ -287,12 +326,15 @@ class Registry:
         return [v for v in self.unsettled(tenant) if v.status == "candidate"]
 
     def published(self) -> dict[str, AdapterVersion]:
-        """tenant -> its newest published version, from HEAD.json (one read)."""
-        try:
-            head = json.loads(self._head.read_bytes())
-        except FileNotFoundError:
+        """tenant -> its newest published version, from HEAD.json (one read). Raises `UnreadableRecord` while
+        HEAD.json cannot be read, rather than answer without the tenants whose entries are bad."""
+        head = self._read_head()
+        if head is None:
             return {}
-        return {t: AdapterVersion.from_json(d, self.dd) for t, d in head["published"].items()}
+        try:
+            return {t: AdapterVersion.from_json(d, self.dd) for t, d in head["published"].items()}
+        except _BAD_FIELDS as e:
+            raise UnreadableRecord(self._head, f"an entry of published: {_why(e)}") from e
 
     # --- writes ---------------------------------------------------------------------------------------
     def create(
@@ -428,8 +470,9 @@ class Registry:
         Returns whether anything was repaired. The learner calls it when it takes a tenant over."""
         with self._locked():
             newest = self.latest_published(tenant)
-            head = self.published().get(tenant)
-            stale = (newest.to_json() if newest else None) != (head.to_json() if head else None)
+            _, entries = self._old_head()
+            entry = None if entries is None else entries.get(tenant)
+            stale = entries is None or (newest.to_json() if newest else None) != (entry.to_json() if entry else None)
             removed = self._enforce_keep_last(tenant)
             if stale or removed:
                 self._write_head()
@@ -580,6 +623,8 @@ class Registry:
                 versions.append(self.get(tenant, n))
             except VersionNotFound:  # a hint naming a number whose metadata was deleted by hand
                 continue
+            except UnreadableRecord as e:  # not counted, never retired, and it stays open in the hint
+                self._log_unreadable(e, f"retention leaves it alone; fix or remove it ({tenant} only is affected)")
         published = [v for v in versions if v.status == "published"]
         excess = published[: max(0, len(published) - self.keep_last)]
         rejected = [v for v in versions if v.status == "rejected" and v.retired_at is None]
@@ -606,14 +651,97 @@ class Registry:
             remove_tree(v.path)
 
     def _write_head(self) -> None:
-        """Rebuilds HEAD.json from the version files (so it repairs itself) with generation + 1."""
+        """Rebuilds HEAD.json from the version files (so it repairs itself) with a larger generation: + 1, or
+        from the clock when the old one cannot be read. A tenant whose records cannot be read keeps its old
+        entry, if the old HEAD.json has a readable one (see the module notes)."""
+        old_generation, old_published = self._old_head()
         published = {}
         for t in self.tenants():
-            latest = self.latest_published(t)
+            try:
+                latest = self.latest_published(t)
+            except UnreadableRecord as e:
+                kept = (old_published or {}).get(t)
+                self._log_unreadable(e, (f"HEAD.json keeps {kept.name} for {t}" if kept is not None
+                                         else f"HEAD.json names no version of {t} (the old one had none readable)")
+                                     + " until it is fixed or removed; the other tenants are unaffected")
+                if kept is not None:
+                    published[t] = kept.to_json()
+                continue
             if latest is not None:
                 published[t] = latest.to_json()
-        head = {"format": FORMAT, "generation": self.generation() + 1, "published": published}
+        # Never one this process read or wrote before: the old one may be a copy put back by hand.
+        clock = time.time_ns() // 1000
+        generation = max(old_generation + 1 if old_generation is not None else clock, self._generation_seen + 1)
+        head = {"format": FORMAT, "generation": generation, "published": published}
         atomic_write_bytes(self._head, _dumps(head))
+        self._generation_seen = generation
+
+    def _read_head(self) -> dict | None:
+        """HEAD.json checked (format, generation, published), or None when there is none yet."""
+        try:
+            raw = self._head.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise UnreadableRecord(self._head, str(e)) from e
+        try:
+            head = json.loads(raw)
+            if not isinstance(head, dict):
+                raise ValueError("not a JSON object")
+            if head.get("format") != FORMAT:
+                raise ValueError(f"format {head.get('format')!r}; this clora reads {FORMAT}")
+            if not _is_count(head.get("generation")) or not isinstance(head.get("published"), dict):
+                raise ValueError("generation or published is missing or of the wrong type")
+        except ValueError as e:
+            raise UnreadableRecord(self._head, _why(e)) from e
+        self._generation_seen = max(self._generation_seen, head["generation"])
+        return head
+
+    def _old_head(self) -> tuple[int | None, dict[str, AdapterVersion] | None]:
+        """For a writer rebuilding HEAD.json: its generation and tenant -> its entry (those that read as a
+        version); (0, {}) when there is none yet. One that cannot be read (logged) has no entries, and no
+        generation unless that field alone still reads (another format's)."""
+        try:
+            head = self._read_head()
+        except UnreadableRecord as e:
+            self._log_unreadable(e, "it is rebuilt from the version records")
+            try:
+                generation = json.loads(self._head.read_bytes())["generation"]
+            except (OSError, ValueError, TypeError, KeyError, IndexError):
+                generation = None
+            return (generation if _is_count(generation) else None), None
+        if head is None:
+            return 0, {}
+        self._unreadable.pop(self._head, None)
+        entries = {}
+        for t, d in head["published"].items():
+            try:
+                entries[t] = AdapterVersion.from_json(d, self.dd)
+            except _BAD_FIELDS:
+                continue  # rebuilt from its records, or left out when those cannot be read either
+        return head["generation"], entries
+
+    def _log_unreadable(self, e: UnreadableRecord, consequence: str) -> None:
+        """Logs a file that cannot be read once per process, not on every change (again when its reason changes)."""
+        if self._unreadable.get(e.path) != e.why:
+            self._unreadable[e.path] = e.why
+            logger.error("registry: %s; %s", e, consequence)
+
+
+def _parse_record(path: Path, raw: bytes, dd: DataDir) -> AdapterVersion:
+    try:
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        return AdapterVersion.from_json(data, dd)
+    except _BAD_FIELDS as e:
+        raise UnreadableRecord(path, _why(e)) from e
+
+
+def _why(e: Exception) -> str:
+    if isinstance(e, KeyError):
+        return f"field {e} is missing"
+    return str(e) or type(e).__name__
 
 
 def _is_count(value: Any) -> bool:

@@ -282,6 +282,44 @@ def test_the_back_off_is_per_version_and_capped(world):
     run(scenario())
 
 
+def test_an_unreadable_head_keeps_every_tenant_on_its_version_until_the_next_change(world, caplog):
+    """HEAD.json edited by hand: serving keeps what it serves (logged once, not at every poll) and follows the
+    registry again once its next change rebuilds HEAD.json."""
+    registry, engine, adapters, publish = world
+
+    async def scenario():
+        publish("acme", seed=1)
+        publish("globex", seed=2)
+        await adapters.refresh()
+        (registry.dd.registry / "HEAD.json").write_bytes(b"{ oops")
+        for _ in range(3):
+            await adapters.refresh()
+        assert (adapters.current("acme"), adapters.current("globex")) == ("acme@1", "globex@1")
+        loud = [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+        assert len(loud) == 1 and "HEAD.json cannot be read" in loud[0].getMessage(), loud
+        publish("acme", seed=3)  # any change rebuilds HEAD.json
+        await adapters.refresh()
+        assert (adapters.current("acme"), adapters.current("globex")) == ("acme@2", "globex@1")
+        await adapters.drain()
+
+    run(scenario())
+
+
+def test_an_explicit_version_whose_record_cannot_be_read_is_refused_without_its_path(world):
+    registry, engine, adapters, publish = world
+
+    async def scenario():
+        publish("acme", seed=1)
+        publish("acme", seed=2)
+        await adapters.refresh()
+        (registry.dd.registry / "acme" / "1.json").write_bytes(b"{")
+        with pytest.raises(UnknownVersion, match="its registry record cannot be read") as e:
+            await adapters.acquire("acme", 1)
+        assert "1.json" not in str(e.value)
+
+    run(scenario())
+
+
 def test_versions_load_from_servings_own_copy_which_outlives_the_registrys_files(tmp_path, tiny_model):
     """The registry deletes a retired version's files at once; vLLM reads an evicted adapter again from its
     path. Serving's copy (hard links) keeps the path good until the version leaves the engine."""

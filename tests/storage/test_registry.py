@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from storage.registry import Registry, RegistryError, VersionNotFound, parse_version
+from storage.registry import Registry, RegistryError, UnreadableRecord, VersionNotFound, parse_version
 
 pytestmark = pytest.mark.unit
 
@@ -595,3 +595,120 @@ def test_two_removers_of_one_version_both_succeed(data_dir, peft_writer):
 
     remove_tree(RacedPath(v.path))
     assert not v.path.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A registry file that cannot be read (edited by hand, or written by a clora of another format) is its own
+# tenant's problem: the other tenants' changes go on, and HEAD.json keeps moving.
+
+DAMAGE = {
+    "not JSON": b'{"status": "retired",}',
+    "a field missing": b'{"format": 1, "tenant": "beta", "number": 1}',
+    "another format": b'{"format": 2, "tenant": "beta", "number": 1, "name": "beta@1"}',
+}
+
+
+def _two_tenants(reg: Registry, peft_writer) -> None:
+    for t in ("acme", "beta"):
+        reg.publish(t, _new(reg, peft_writer, t).number)
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_an_unreadable_record_of_one_tenant_stops_no_other(data_dir, peft_writer, caplog, damage):
+    reg = Registry(data_dir)
+    _two_tenants(reg, peft_writer)
+    bad = data_dir / "registry" / "beta" / "1.json"
+    bad.write_bytes(DAMAGE[damage])
+    for n in (2, 3):
+        generation = reg.generation()
+        reg.publish("acme", _new(reg, peft_writer, parent=f"acme@{n - 1}").number, if_parent_served=True)
+        assert reg.generation() > generation
+        assert reg.published()["acme"].name == f"acme@{n}"
+        assert reg.published()["beta"].name == "beta@1", "beta keeps what it served"
+    assert [r.getMessage().count(str(bad)) for r in caplog.records] == [1], "logged once, not on every change"
+    assert "beta@1" in caplog.records[0].getMessage()
+    assert [v.name for v in reg.versions()] == ["acme@1", "acme@2", "acme@3"], "a listing of all leaves it out"
+
+    # beta itself gets an error naming the file, before anything is written.
+    for read in (lambda: reg.get("beta", 1), lambda: reg.versions("beta"), lambda: reg.latest_published("beta"),
+                 lambda: _new(reg, peft_writer, "beta", parent="beta@1")):
+        with pytest.raises(UnreadableRecord, match=str(bad)) as e:
+            read()
+        assert e.value.path == bad and not isinstance(e.value, KeyError)
+    assert reg.numbers("beta") == [1]
+    assert reg.repair("acme") is False
+
+
+def test_a_record_naming_another_version_cannot_be_read(data_dir, peft_writer):
+    reg = Registry(data_dir)
+    _new(reg, peft_writer)
+    _new(reg, peft_writer)
+    shutil.copy(data_dir / "registry" / "acme" / "1.json", data_dir / "registry" / "acme" / "2.json")
+    with pytest.raises(UnreadableRecord, match="it holds acme@1, not acme@2"):
+        Registry(data_dir).get("acme", 2)
+
+
+def test_retention_leaves_an_unreadable_record_alone_and_newer_versions_publish(data_dir, peft_writer):
+    reg = Registry(data_dir, keep_last=1)
+    reg.publish("acme", _new(reg, peft_writer).number)
+    reg.publish("acme", _new(reg, peft_writer, parent="acme@1").number)
+    reg.publish("acme", _new(reg, peft_writer, parent="acme@2").number)  # retires acme@2
+    (data_dir / "registry" / "acme" / "3.json").write_bytes(b"{")
+    (data_dir / "registry" / "acme" / "index.json").unlink()  # a full listing: acme@3 is open again
+    v = reg.create("acme", parent=None, write=peft_writer)
+    assert reg.publish("acme", v.number).status == "published"
+    assert reg.published()["acme"].name == "acme@4"
+    assert reg.get("acme", 2).status == "retired" and (data_dir / "adapters" / "acme" / "3").exists(), (
+        "retention leaves alone what it cannot read"
+    )
+
+
+def test_an_unreadable_head_is_rebuilt_with_a_larger_generation(data_dir, peft_writer, caplog):
+    reg = Registry(data_dir)
+    _two_tenants(reg, peft_writer)
+    before = reg.generation()
+    head = data_dir / "registry" / "HEAD.json"
+    head.write_bytes(b"{ oops")
+    with pytest.raises(UnreadableRecord, match="HEAD.json"):
+        reg.generation()
+    with pytest.raises(UnreadableRecord, match="HEAD.json"):
+        reg.published()
+    v = _new(reg, peft_writer, parent="acme@1")
+    rebuilt = Registry(data_dir).generation()
+    assert rebuilt > before, "a poller still sees a change"
+    assert {t: x.name for t, x in reg.published().items()} == {"acme": "acme@1", "beta": "beta@1"}
+    reg.publish("acme", v.number)
+    assert reg.generation() == rebuilt + 1 and reg.published()["acme"].name == "acme@2"
+    assert sum("HEAD.json cannot be read" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_head_of_another_format_is_rebuilt_past_its_generation(data_dir, peft_writer):
+    reg = Registry(data_dir)
+    _two_tenants(reg, peft_writer)
+    head = data_dir / "registry" / "HEAD.json"
+    head.write_text(json.dumps({"format": 2, "generation": 10**17, "published": {}}))
+    reg2 = Registry(data_dir)
+    reg2.publish("acme", _new(reg2, peft_writer, parent="acme@1").number)
+    assert reg2.generation() > 10**17, "written by this process after it read a larger one"
+    assert {t: x.name for t, x in reg2.published().items()} == {"acme": "acme@2", "beta": "beta@1"}
+
+
+def test_repair_rebuilds_an_unreadable_head(data_dir, peft_writer):
+    reg = Registry(data_dir)
+    _two_tenants(reg, peft_writer)
+    before = reg.generation()
+    (data_dir / "registry" / "HEAD.json").write_bytes(b"")
+    assert Registry(data_dir).repair("acme") is True
+    assert reg.generation() > before
+    assert {t: x.name for t, x in reg.published().items()} == {"acme": "acme@1", "beta": "beta@1"}
+    assert reg.repair("acme") is False
+
+
+def test_a_tenant_unreadable_while_head_is_too_is_left_out_of_head(data_dir, peft_writer):
+    """Nothing says what the tenant served: it is left out (serving falls back to the base model for it)."""
+    reg = Registry(data_dir)
+    _two_tenants(reg, peft_writer)
+    (data_dir / "registry" / "HEAD.json").write_bytes(b"[]")
+    (data_dir / "registry" / "beta" / "1.json").write_bytes(b"[]")
+    reg.publish("acme", _new(reg, peft_writer, parent="acme@1").number)
+    assert {t: x.name for t, x in reg.published().items()} == {"acme": "acme@2"}
