@@ -428,7 +428,6 @@ class Api:
                     sent = True
                     yield protocol.sse(protocol.chat_chunk(call.response_id, label, created, None, index=i, role=True))
             async for delta in _chain_first(first, deltas):
-                text_start = len(choices[delta.index].text)
                 choices[delta.index].add(delta)
                 if chat:
                     chunk = protocol.chat_chunk(
@@ -438,7 +437,7 @@ class Api:
                 else:
                     chunk = protocol.completion_chunk(
                         call.response_id, label, created, delta, with_logprobs=body.logprobs is not None,
-                        text_start=text_start, token_ids=body.return_token_ids,
+                        token_ids=body.return_token_ids,
                     )
                 sent = True
                 yield protocol.sse(chunk)

@@ -23,7 +23,9 @@ through the prefix cache. A choice the engine ends with finish reason "error" ra
 
 Log-probabilities are vLLM's default `raw_logprobs`: log-softmax of the model's logits before
 temperature, top-p or penalties, i.e. the log-probability under the policy at temperature 1, which is
-what a learner recomputes with the same weights.
+what a learner recomputes with the same weights. Each sampled token comes with its raw bytes, read from
+the vocabulary (`TokenBytes`) rather than decoded (a token holding part of a UTF-8 character decodes to ""
+or U+FFFD, which says nothing of its bytes), and with where it starts in its choice's text (`text_offset`).
 
 On CPU, vLLM 0.32's torch punica ops (`vllm/lora/ops/torch_ops`) index the adapter slot table with the
 row's adapter index, and rows without an adapter carry index -1: Python indexing turns that into the
@@ -44,9 +46,11 @@ light.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import itertools
 import json
 import logging
+import re
 import shutil
 import sys
 import tempfile
@@ -111,10 +115,14 @@ class Sampling:
 
 @dataclass(frozen=True)
 class TokenLogprob:
+    """One sampled token. `raw` is its bytes in the vocabulary: the `raw` of a choice's tokens, joined, is its
+    text's UTF-8 (less special tokens, which the text leaves out), though a token may hold part of a character."""
+
     token_id: int
-    token: str
+    raw: bytes
     logprob: float
-    top: tuple[tuple[int, str, float], ...] = ()  # (token id, text, logprob) of the best alternatives
+    top: tuple[tuple[int, bytes, float], ...] = ()  # (token id, raw bytes, logprob) of the best alternatives
+    text_offset: int = 0  # characters of the choice's text before this token
 
 
 @dataclass(frozen=True)
@@ -268,6 +276,7 @@ class Engine:
         self._prompt_thread = ThreadPoolExecutor(1, thread_name_prefix="clora-prompts")
         self._prompt_turns: dict[str, asyncio.Semaphore] = {}  # tenant -> its turn in the prompt thread
         self._developer_role = "developer" in str(getattr(self.tokenizer, "chat_template", None) or "")
+        self.token_bytes = TokenBytes(self.tokenizer)
         # Whether the tokenizer adds tokens of its own to a text (a BOS: Llama, Mistral, Gemma; not Qwen).
         self.adds_special_tokens = (list(self.tokenizer.encode("a", add_special_tokens=True))
                                     != list(self.tokenizer.encode("a", add_special_tokens=False)))
@@ -358,9 +367,6 @@ class Engine:
             raise BadRequest(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{size - 1})", param="prompt")
         return self.tokenizer.decode(list(token_ids))
 
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
     # --- adapters -----------------------------------------------------------------------------------------
     def new_handle(self, name: str, path: Path) -> AdapterHandle:
         """A handle with an engine-wide unique id (vLLM caches adapters by id, so ids are never reused)."""
@@ -417,6 +423,8 @@ class Engine:
         sampling = self.check_prompt(prompt_ids, sampling)
         adapter = adapter or self.zero_adapter
         lora = _lora_request(adapter) if adapter is not None else None
+        chars: dict[int, int] = {}  # choice -> characters of its text so far
+        decoders: dict[int, Any] = {}  # choice -> the UTF-8 decoder its tokens' bytes go through
         try:
             params = _sampling_params(sampling)  # vLLM refuses some combinations: a 400, like its own server
             prompt = tokens_input(list(prompt_ids), cache_salt=cache_salt)
@@ -425,11 +433,17 @@ class Engine:
                     if out.finish_reason == "error":  # vLLM: a request-level internal error, always a 500
                         raise GenerationFailed(f"the engine failed request {request_id} (choice {out.index}); "
                                                "it may succeed if retried")
+                    start = chars.get(out.index, 0)
+                    chars[out.index] = start + len(out.text)
+                    decoder = decoders.setdefault(out.index, codecs.getincrementaldecoder("utf-8")("replace"))
+                    offsets = _text_offsets([self.token_bytes(t) for t in out.token_ids], start, len(out.text),
+                                            decoder)
                     yield Delta(
                         index=out.index,
                         text=out.text,
                         token_ids=list(out.token_ids),
-                        logprobs=_token_logprobs(out.token_ids, out.logprobs, sampling.top_logprobs, self.token_text),
+                        logprobs=_token_logprobs(out.token_ids, out.logprobs, sampling.top_logprobs, self.token_bytes,
+                                                 offsets),
                         finish_reason=out.finish_reason,
                     )
         except VLLMClientError as e:
@@ -508,8 +522,11 @@ def _too_long(max_model_len: int, tokens: int, param: str) -> ContextLengthExcee
     )
 
 
-def _token_logprobs(token_ids: Sequence[int], logprobs: Any, top_k: int, token_text) -> list[TokenLogprob]:
-    """vLLM's per-position {token id: Logprob} -> one `TokenLogprob` per sampled token.
+def _token_logprobs(
+    token_ids: Sequence[int], logprobs: Any, top_k: int, token_bytes, offsets: Sequence[int]
+) -> list[TokenLogprob]:
+    """vLLM's per-position {token id: Logprob} -> one `TokenLogprob` per sampled token, its bytes and its
+    alternatives' from `token_bytes` (vLLM's `decoded_token` is text, which a partial character has none of).
 
     vLLM returns the top-k entries plus the sampled token (k + 1 entries when it is not among them).
     """
@@ -518,12 +535,102 @@ def _token_logprobs(token_ids: Sequence[int], logprobs: Any, top_k: int, token_t
     out = []
     for position, token_id in enumerate(token_ids):
         entries = logprobs[position]
-        chosen = entries[token_id]
         best = sorted(entries.items(), key=lambda item: -item[1].logprob)[:top_k]
-        top = tuple(
-            (tid, lp.decoded_token if lp.decoded_token is not None else token_text(tid), float(lp.logprob))
-            for tid, lp in best
-        )
-        text = chosen.decoded_token if chosen.decoded_token is not None else token_text(token_id)
-        out.append(TokenLogprob(token_id=token_id, token=text, logprob=float(chosen.logprob), top=top))
+        top = tuple((tid, token_bytes(tid), float(lp.logprob)) for tid, lp in best)
+        out.append(TokenLogprob(token_id=token_id, raw=token_bytes(token_id), logprob=float(entries[token_id].logprob),
+                                top=top, text_offset=offsets[position]))
     return out
+
+
+def _text_offsets(raws: Sequence[bytes], start: int, chars: int, decoder: Any) -> list[int]:
+    """Where each token of one delta starts in its choice's text: `start` (the characters before the delta)
+    plus the characters the delta's earlier tokens complete, at most the delta's `chars`. `decoder` is the
+    choice's incremental UTF-8 decoder, so a character split over tokens (over deltas too) counts once, at its
+    last byte: every token of it starts where the character does. The cap keeps offsets inside the text
+    returned, which leaves out special tokens and what a stop string cut."""
+    offsets, done = [], 0
+    for raw in raws:
+        offsets.append(start + min(done, chars))
+        done += len(decoder.decode(raw))
+    return offsets
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Token bytes
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted (character -> byte): printable bytes spell themselves, the
+    other 68 bytes are spelt by the characters from U+0100 on, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # "!".."~", "¡".."¬", "®".."ÿ"
+    spelt = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in spelt):
+        spelt[b] = chr(256 + n)
+    return {c: b for b, c in spelt.items()}
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+BYTE_LEVEL_PROBE = "é ü\n"  # bytes a byte-level vocabulary spells with characters of its own
+
+
+def _spelt_bytes(piece: str) -> bytes | None:
+    """A byte-level piece ("Ġh" -> b" h"); None when a character of it is not in the alphabet."""
+    try:
+        return bytes(BYTE_LEVEL[c] for c in piece)
+    except KeyError:
+        return None
+
+
+class TokenBytes:
+    """Each token id's raw bytes, read from the tokenizer's vocabulary on first use and kept (at most one
+    entry per token the server has answered with).
+
+    A byte-level BPE vocabulary (Qwen's, Llama 3's, the tiny model's) spells every byte with one character;
+    whether the tokenizer is one is tried once, on a probe text whose pieces must spell its bytes.
+    SentencePiece spells a byte it has no piece for "<0xE4>". Added tokens ("<|im_end|>") are their text.
+    Any other token falls back to its text as vLLM decodes one token (a SentencePiece "▁" kept as a space).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self._added = {token_id: token.content for token_id, token in added.items()}
+        self._byte_level = self._spells_bytes()
+        self._known: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        raw = self._known.get(token_id)
+        if raw is None:
+            raw = self._known[token_id] = self._read(token_id)
+        return raw
+
+    def _spells_bytes(self) -> bool:
+        pieces = self._pieces(list(self.tokenizer.encode(BYTE_LEVEL_PROBE, add_special_tokens=False)))
+        return pieces is not None and _spelt_bytes("".join(p or "" for p in pieces)) == BYTE_LEVEL_PROBE.encode()
+
+    def _pieces(self, token_ids: list[int]) -> list[str | None] | None:
+        """The vocabulary's pieces of `token_ids` (None for an id it lacks); None when the tokenizer has no
+        vocabulary to look at."""
+        convert = getattr(self.tokenizer, "convert_ids_to_tokens", None)
+        if convert is None:
+            return None
+        try:
+            return list(convert(token_ids))
+        except IndexError:  # a slow tokenizer's answer to an id past its vocabulary
+            return [None] * len(token_ids)
+
+    def _read(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode("utf-8")
+        piece = (self._pieces([token_id]) or [None])[0]
+        if piece is not None:
+            spelt = _spelt_bytes(piece) if self._byte_level else None
+            if spelt is not None:
+                return spelt
+            byte = BYTE_PIECE.fullmatch(piece)
+            if byte is not None:
+                return bytes([int(byte.group(1), 16)])
+        from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+
+        return convert_ids_list_to_tokens(self.tokenizer, [token_id])[0].encode("utf-8")

@@ -13,7 +13,11 @@ README.md ("Serving: the HTTP contract") has the table of what is accepted and r
 Responses are plain dicts built from the engine's `Choice`/`Delta` (serving/engine.py) by pure
 functions, so the shapes can be checked without an engine: `chat.completion`, `chat.completion.chunk`,
 `text_completion`, and the two logprobs layouts (chat: `content[{token, logprob, bytes, top_logprobs}]`;
-completions: `tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
+completions: `tokens`, `token_logprobs`, `top_logprobs`, `text_offset`). A token's `bytes` are its raw bytes
+in the vocabulary, so joining a choice's reproduces its content's UTF-8 even where tokens split a character;
+its `token` is its text, or, when its bytes are not whole UTF-8 characters, OpenAI's "bytes:\\xe4\\xbd"
+(vLLM would show "" or U+FFFD). Completions' `top_logprobs` is keyed by that `token`, so it keeps every
+alternative; `text_offset` is where the token starts in the choice's text (the engine's count).
 
 Not here: authentication, adapters, the engine call, or events (api.py wires those).
 """
@@ -381,34 +385,45 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def _bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
+def token_text(raw: bytes) -> str:
+    """A token as OpenAI writes it: its text, or "bytes:\\xe4\\xbd" when its bytes are not whole UTF-8
+    characters (part of one split over tokens)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
     return {
         "content": [
             {
-                "token": lp.token,
+                "token": token_text(lp.raw),
                 "logprob": lp.logprob,
-                "bytes": _bytes(lp.token),
-                "top_logprobs": [{"token": t, "logprob": v, "bytes": _bytes(t)} for _, t, v in lp.top],
+                "bytes": list(lp.raw),
+                "top_logprobs": [{"token": token_text(raw), "logprob": v, "bytes": list(raw)} for _, raw, v in lp.top],
             }
             for lp in logprobs
         ]
     }
 
 
-def completion_logprobs(logprobs: list[TokenLogprob], text_start: int = 0) -> dict[str, Any]:
-    offsets, at = [], text_start
-    for lp in logprobs:
-        offsets.append(at)
-        at += len(lp.token)
+def _top_by_token(top: tuple[tuple[int, bytes, float], ...]) -> dict[str, float]:
+    """Completions' {token: logprob} of the alternatives. Two with the same bytes (a vocabulary may spell a
+    byte twice) stay apart: the later one is keyed "token_id:<id>", as vLLM names a token by its id."""
+    out: dict[str, float] = {}
+    for token_id, raw, logprob in top:
+        key = token_text(raw)
+        out[f"token_id:{token_id}" if key in out else key] = logprob
+    return out
+
+
+def completion_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
     return {
-        "tokens": [lp.token for lp in logprobs],
+        "tokens": [token_text(lp.raw) for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{t: v for _, t, v in lp.top} for lp in logprobs],
-        "text_offset": offsets,
+        "top_logprobs": [_top_by_token(lp.top) for lp in logprobs],
+        "text_offset": [lp.text_offset for lp in logprobs],
     }
 
 
@@ -484,7 +499,7 @@ def chat_chunk(
 
 def completion_chunk(
     response_id: str, model: str, created: int, delta: Delta | None, *, with_logprobs: bool = False,
-    text_start: int = 0, token_ids: bool = False,
+    token_ids: bool = False,
 ) -> dict[str, Any]:
     choices = []
     if delta is not None:
@@ -492,7 +507,7 @@ def completion_chunk(
             _with_token_ids({
                 "index": delta.index,
                 "text": delta.text,
-                "logprobs": completion_logprobs(delta.logprobs, text_start) if with_logprobs else None,
+                "logprobs": completion_logprobs(delta.logprobs) if with_logprobs else None,
                 "finish_reason": delta.finish_reason,
             }, delta.token_ids, token_ids)
         ]

@@ -20,7 +20,7 @@ import pytest
 from serving.adapters import AdapterSet
 from serving.api import Api, create_app
 from serving.auth import Authenticator
-from serving.engine import Engine
+from serving.engine import BYTE_LEVEL, Engine
 from serving.metrics import ServingMetrics
 
 pytestmark = pytest.mark.unit
@@ -69,6 +69,7 @@ class FakeLLM:
         self.finish_reason: str | None = None  # forces every choice's finish reason
         self.fail: Exception | None = None  # raised when a request is added
         self.gate: asyncio.Event | None = None  # holds every request before its first token
+        self.reply: list[int] | None = None  # the tokens every choice answers (None: the prompt's first three)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -82,11 +83,15 @@ class FakeLLM:
             raise self.fail
         if self.gate is not None:
             await self.gate.wait()
-        tokens = prompt["prompt_token_ids"][: min(3, params.max_tokens)]
+        tokens = self.reply[: params.max_tokens] if self.reply else prompt["prompt_token_ids"][: min(3, params.max_tokens)]
+        shown = ""
         for step, token in enumerate(tokens):
             last = step == len(tokens) - 1
             finish = (self.finish_reason or ("length" if len(tokens) == params.max_tokens else "stop")) if last else None
-            text = chr(token)
+            # the text the tokens so far complete, as vLLM's detokenizer gives it: a character not yet whole waits
+            whole = self.tokenizer.decode(tokens[: step + 1])
+            whole = whole if last else whole.rstrip("\ufffd")
+            text, shown = whole[len(shown):], whole
             yield SimpleNamespace(outputs=[
                 SimpleNamespace(index=i, text=text, token_ids=[token], finish_reason=finish,
                                 logprobs=[{token: SimpleNamespace(logprob=-0.5, rank=1, decoded_token=text)}])
@@ -336,6 +341,53 @@ def test_return_token_ids_gives_each_choice_its_sampled_tokens_streamed_or_not()
     chat_events = sse_events(w.post("/v1/chat/completions", chat(stream=True, return_token_ids=True)))
     assert "token_ids" not in chat_events[0]["choices"][0]  # the opening role chunk has none
     assert [t for e in chat_events[1:-1] for c in e["choices"] for t in c["token_ids"]] == [ord(c) for c in "<us"]
+
+
+class FakeByteTokenizer(FakeTokenizer):
+    """A byte-level vocabulary, as Qwen's: one token per UTF-8 byte, each spelt as GPT-2's alphabet spells it."""
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def convert_ids_to_tokens(self, ids):
+        return [SPELT[i] for i in ids]
+
+
+SPELT = {b: c for c, b in BYTE_LEVEL.items()}
+
+
+def test_logprobs_carry_the_bytes_of_tokens_that_split_a_character_streamed_or_not():
+    """"a你é" is six byte tokens. Each logprob entry has its own bytes (joined, the content's UTF-8), a token
+    that is no whole character reads OpenAI's "bytes:\\xe4", and text_offset is where the token's character
+    starts in the text returned: not "" or U+FFFD with the bytes of that text, nor offsets summed over it."""
+    llm = FakeLLM()
+    llm.tokenizer = FakeByteTokenizer()
+    llm.reply = list("a你é".encode())
+    w = World()
+    w.llm, w.engine = llm, Engine(llm, max_model_len=MAX_MODEL_LEN)
+    w.api.engine = w.engine
+    tokens = ["a", "bytes:\\xe4", "bytes:\\xbd", "bytes:\\xa0", "bytes:\\xc3", "bytes:\\xa9"]
+
+    r = w.post("/v1/chat/completions", chat(logprobs=True, top_logprobs=1))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert choice["message"]["content"] == "a你é"
+    assert bytes(b for entry in content for b in entry["bytes"]) == "a你é".encode()
+    assert [entry["token"] for entry in content] == tokens
+    assert [entry["top_logprobs"][0]["bytes"] for entry in content] == [[b] for b in "a你é".encode()]
+
+    body = {"model": "acme", "prompt": "x", "logprobs": 1}
+    logprobs = w.post("/v1/completions", body).json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == tokens and logprobs["text_offset"] == [0, 1, 1, 1, 2, 2]
+    assert [list(top) for top in logprobs["top_logprobs"]] == [[t] for t in tokens]
+    chunks = [c["logprobs"] for e in sse_events(w.post("/v1/completions", {**body, "stream": True}))[:-1]
+              for c in e["choices"]]
+    assert [t for lp in chunks for t in lp["tokens"]] == tokens
+    assert [o for lp in chunks for o in lp["text_offset"]] == [0, 1, 1, 1, 2, 2]
 
 
 class FakeBosTokenizer(FakeTokenizer):

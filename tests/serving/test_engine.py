@@ -1,12 +1,14 @@
-"""Pieces of the engine wrapper that need no running engine: the zero adapter and the logprob conversion."""
+"""Pieces of the engine wrapper that need no running engine: the zero adapter, the logprob conversion and
+each token's bytes."""
 
+import codecs
 from dataclasses import dataclass
 
 import pytest
 from safetensors.torch import load_file
 
 from serving.adapter_check import base_linear_shapes, validate_adapter
-from serving.engine import _token_logprobs, write_zero_adapter
+from serving.engine import TokenBytes, _text_offsets, _token_logprobs, write_zero_adapter
 
 pytestmark = pytest.mark.unit
 
@@ -32,9 +34,54 @@ def test_sampled_token_logprob_and_top_alternatives():
         {7: Logprob(-0.1, 1, "a"), 8: Logprob(-2.0, 2, "b"), 9: Logprob(-3.0, 3, "c")},
         {5: Logprob(-4.0, 9, "x"), 1: Logprob(-0.5, 1, "y"), 2: Logprob(-1.0, 2, "z")},  # sampled token outside top-2
     ]
-    out = _token_logprobs([7, 5], positions, 2, token_text=lambda t: f"<{t}>")
-    assert [(t.token_id, t.token, t.logprob) for t in out] == [(7, "a", -0.1), (5, "x", -4.0)]
-    assert out[0].top == ((7, "a", -0.1), (8, "b", -2.0))
-    assert out[1].top == ((1, "y", -0.5), (2, "z", -1.0))
-    only_sampled = _token_logprobs([3], [{3: Logprob(-1.5)}], 0, token_text=lambda t: f"<{t}>")
-    assert only_sampled[0].token == "<3>" and only_sampled[0].top == ()
+    out = _token_logprobs([7, 5], positions, 2, token_bytes=lambda t: b"<%d>" % t, offsets=[0, 3])
+    assert [(t.token_id, t.raw, t.logprob, t.text_offset) for t in out] == [(7, b"<7>", -0.1, 0), (5, b"<5>", -4.0, 3)]
+    assert out[0].top == ((7, b"<7>", -0.1), (8, b"<8>", -2.0))
+    assert out[1].top == ((1, b"<1>", -0.5), (2, b"<2>", -1.0))
+    only_sampled = _token_logprobs([3], [{3: Logprob(-1.5)}], 0, token_bytes=lambda t: b"<%d>" % t, offsets=[0])
+    assert only_sampled[0].raw == b"<3>" and only_sampled[0].top == ()
+
+
+def test_a_byte_level_vocabularys_tokens_are_their_bytes_not_their_text(tiny_model):
+    """The tiny model's tokenizer (byte-level BPE, as Qwen's) splits "你" and "😊" into tokens of one byte
+    each, which decode to U+FFFD: their bytes come from the vocabulary, and joined they are the text."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    token_bytes = TokenBytes(tokenizer)
+    text = "héllo 你好 😊<|im_end|>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(token_bytes(t) for t in ids) == text.encode()
+    assert tokenizer.decode([ids[1]]) == "\ufffd" and token_bytes(ids[1]) == b"\xc3"  # the first byte of "é"
+    assert token_bytes(tokenizer.convert_tokens_to_ids("<|im_end|>")) == b"<|im_end|>"  # a special token: its text
+
+
+class SentencePieceTokenizer:
+    """SentencePiece's pieces: "<0xE4>" for a byte it has no piece for, others their text."""
+
+    pieces = {3: "hi", 4: "<0xE4>", 5: "<0xBD>", 6: "<0xA0>", 7: "é"}
+
+    def encode(self, text, add_special_tokens=False):
+        return [7]  # "é" is a piece of its own
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.pieces.get(i) for i in ids]
+
+    def decode(self, ids):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def test_sentencepiece_byte_pieces_are_their_byte_and_other_pieces_their_text():
+    token_bytes = TokenBytes(SentencePieceTokenizer())
+    assert b"".join(token_bytes(t) for t in (4, 5, 6)) == "你".encode() and token_bytes(4) == b"\xe4"
+    assert token_bytes(7) == "é".encode()  # not read as the byte-level alphabet's 0xE9
+    assert token_bytes(3) == b"hi"  # its text, as vLLM decodes one token
+
+
+def test_text_offsets_count_a_split_character_once_and_stay_inside_the_text():
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    # "a" and the first byte of "你" in one delta (its text "a"), the rest and "b" in the next ("你b")
+    assert _text_offsets([b"a", b"\xe4"], 0, 1, decoder) == [0, 1]
+    assert _text_offsets([b"\xbd\xa0", b"b"], 1, 2, decoder) == [1, 2]
+    # a stop string cut the text: the offsets do not run past what was returned
+    assert _text_offsets([b"x", b"yz"], 5, 0, codecs.getincrementaldecoder("utf-8")("replace")) == [5, 5]

@@ -90,7 +90,8 @@ def test_null_is_the_default_but_required_fields_stay_required():
 
 
 def _choice():
-    lps = [TokenLogprob(5, "He", -0.5, ((5, "He", -0.5), (9, "Hi", -1.0))), TokenLogprob(6, "llo", -0.25, ((6, "llo", -0.25),))]
+    lps = [TokenLogprob(5, b"He", -0.5, ((5, b"He", -0.5), (9, b"Hi", -1.0)), text_offset=0),
+           TokenLogprob(6, b"llo", -0.25, ((6, b"llo", -0.25),), text_offset=2)]
     c = Choice(0)
     c.add(Delta(0, "Hello", [5, 6], lps, "stop"))
     return c
@@ -109,9 +110,35 @@ def test_chat_response_shape():
 
 
 def test_completion_logprobs_layout():
-    lp = protocol.completion_logprobs(_choice().logprobs, text_start=3)
+    lp = protocol.completion_logprobs(_choice().logprobs)
     assert lp == {"tokens": ["He", "llo"], "token_logprobs": [-0.5, -0.25],
-                  "top_logprobs": [{"He": -0.5, "Hi": -1.0}, {"llo": -0.25}], "text_offset": [3, 5]}
+                  "top_logprobs": [{"He": -0.5, "Hi": -1.0}, {"llo": -0.25}], "text_offset": [0, 2]}
+
+
+def _split_character():
+    """"你" as three byte tokens, each with two alternatives that are also part of a character."""
+    raws = [b"\xe4", b"\xbd", b"\xa0"]
+    return [TokenLogprob(10 + i, raw, -0.1, ((10 + i, raw, -0.1), (20 + i, b"\xe5", -2.0)), text_offset=0)
+            for i, raw in enumerate(raws)]
+
+
+def test_tokens_that_split_a_character_keep_their_bytes():
+    """OpenAI's `bytes` are the token's own (joined, the content's UTF-8), and a token that is not whole
+    characters reads "bytes:\\xe4", not "" or U+FFFD (whose bytes would be [239, 191, 189])."""
+    content = protocol.chat_logprobs(_split_character())["content"]
+    assert [e["bytes"] for e in content] == [[0xE4], [0xBD], [0xA0]]
+    assert bytes(b for e in content for b in e["bytes"]).decode() == "你"
+    assert [e["token"] for e in content] == ["bytes:\\xe4", "bytes:\\xbd", "bytes:\\xa0"]
+    assert content[0]["top_logprobs"][1] == {"token": "bytes:\\xe5", "logprob": -2.0, "bytes": [0xE5]}
+    assert protocol.token_text("你".encode()) == "你" and protocol.token_text(b"") == ""
+
+
+def test_completions_top_logprobs_keep_every_alternative():
+    """Keyed by decoded text, two partial tokens were both U+FFFD and one of the k alternatives was lost."""
+    top = protocol.completion_logprobs(_split_character())["top_logprobs"]
+    assert top[0] == {"bytes:\\xe4": -0.1, "bytes:\\xe5": -2.0}
+    same_bytes = TokenLogprob(1, b"a", -0.1, ((1, b"a", -0.1), (2, b"a", -0.2)))  # a byte spelt twice
+    assert protocol.completion_logprobs([same_bytes])["top_logprobs"] == [{"a": -0.1, "token_id:2": -0.2}]
 
 
 def test_stream_chunks_and_sse():
