@@ -25,11 +25,13 @@ so far from the current one that importance ratios are mostly clipped or wild, a
 pull towards an old policy. "Behind" counts the versions the tenant has served since (published, or
 published and since retired; loop.py keeps each tenant's list), not version numbers: rejected candidates
 take numbers too, and after a run of rejections a sample of the current adapter's parent would otherwise
-look several versions old. Completions made by another tenant's adapter are dropped as foreign. A tenant
-clora does not serve (ingest created it from an app producing to Kafka itself) keeps its rows without a
-version: its app's model made them, and they never age (select_fresh). Dropped
-rows are still committed with the step (so they are never looked at again) and counted in the version's
-metrics as `n_dropped`.
+look several versions old. Completions made by another tenant's adapter are dropped as foreign. Null means
+the base model only in a row clora's serving tier logged (it marks every interaction it logs with
+`metadata.served_by`): a row without a version that an app produced to Kafka itself was made by the app's
+own model, which no published version replaces, and it never ages (select_fresh). What decides is the row,
+not the config: an app's tenant that ingest created and the operator later added to the config still
+learns from its app's rows. Dropped rows are still committed with the step (so they are never looked at
+again) and counted in the version's metrics as `n_dropped`.
 
 Flat batches: a batch of two or more trajectories whose rewards are all equal (twenty answers without a
 single digit, when the user wants digits) tells better from worse nowhere: centred on the batch, its
@@ -62,6 +64,7 @@ from learner.types import Example
 from learner.update import UpdateResult, pg_update
 
 _VERSION = re.compile(r"^(?P<tenant>.+)@(?P<number>[0-9]+)$")
+SERVED_BY = "served_by"  # the metadata key clora's serving tier sets on every interaction it logs (serving/api.py)
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +97,23 @@ def _contains(ascending: Sequence[int], x: int) -> bool:
     return i < len(ascending) and ascending[i] == x
 
 
+def served_by_clora(metadata_json: str | None) -> bool:
+    """Whether a trajectory row was logged by clora's serving tier (its metadata names what served it)."""
+    if not metadata_json:
+        return False
+    try:
+        meta = json.loads(metadata_json)
+    except ValueError:
+        return False
+    return isinstance(meta, dict) and SERVED_BY in meta
+
+
 def stale_reason(adapter_version: str | None, tenant: str, current: int, max_staleness: int,
                  served: Sequence[int] | None = None, *, unversioned_fresh: bool = False) -> str | None:
     """Why a trajectory made by `adapter_version` must not be trained at learner version `current`, or None.
     `served`: the numbers of the tenant's published (or retired) versions, ascending. `unversioned_fresh`:
-    a row naming no version was not made by the base model as one of this tenant's versions (see
-    select_fresh), so it is never stale."""
+    a row naming no version was not made by the base model as one of this tenant's versions (an app's own
+    model made it: see select_fresh), so it is never stale."""
     if unversioned_fresh and not adapter_version:
         return None
     number = version_number(adapter_version, tenant)
@@ -118,18 +132,20 @@ class Selection:
 
 
 def select_fresh(rows: pa.Table, tenant: str, current: int, max_staleness: int,
-                 served: Sequence[int] | None = None, *, unversioned_fresh: bool = False) -> Selection:
-    """The rows fresh enough to train, and why each other one was dropped. `unversioned_fresh` (a tenant
-    clora's serving tier does not serve: ingest created it from an app producing to Kafka itself): its rows
-    without an adapter version were made by the app's own model, which no published version replaces, so
-    counting them as the base model's (version 0) would drop every one after `max_staleness` published
-    versions and the tenant would stop learning; they are kept, a fixed behaviour policy (the importance
-    ratios against their recorded log-probs are clipped as for any other row)."""
+                 served: Sequence[int] | None = None) -> Selection:
+    """The rows fresh enough to train, and why each other one was dropped. A row without an adapter version
+    that clora's serving tier did not log (an app producing to Kafka itself) was made by the app's own
+    model, which no published version replaces: counting it as the base model's (version 0) would drop
+    every such row after `max_staleness` published versions, and the tenant would stop learning. It is
+    kept, a fixed behaviour policy (the importance ratios against its recorded log-probs are clipped as for
+    any other row)."""
     ids = rows.column("id").to_pylist()
     versions = rows.column("adapter_version").to_pylist()
+    metadata = rows.column("metadata_json").to_pylist()
     keep, dropped = [], {}
-    for i, (tid, version) in enumerate(zip(ids, versions)):
-        reason = stale_reason(version, tenant, current, max_staleness, served, unversioned_fresh=unversioned_fresh)
+    for i, (tid, version, meta) in enumerate(zip(ids, versions, metadata)):
+        apps_own = not version and not served_by_clora(meta)
+        reason = stale_reason(version, tenant, current, max_staleness, served, unversioned_fresh=apps_own)
         if reason is None:
             keep.append(i)
         else:

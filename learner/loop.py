@@ -604,8 +604,7 @@ class Learner:
         rows = self.cursors.untrained(rt.spec.name, limit=rt.spec.batch_size)
         if rows.num_rows == 0:
             return None
-        selection = logs_mode.select_fresh(rows, rt.spec.name, rt.version, self.settings.max_staleness, rt.served,
-                                           unversioned_fresh=not rt.spec.configured)  # serving serves configured ones
+        selection = logs_mode.select_fresh(rows, rt.spec.name, rt.version, self.settings.max_staleness, rt.served)
         examples, unusable = logs_mode.to_examples(selection.kept, self.policy.tokenizer, self.policy.vocab_size)
         dropped = {**selection.dropped, **unusable}
         if dropped:

@@ -72,17 +72,23 @@ def test_select_fresh_keeps_order_and_names_every_drop():
     assert none.kept.num_rows == 0 and none.kept.schema == rows.schema and len(none.dropped) == 4
 
 
-def test_rows_without_a_version_of_a_tenant_clora_does_not_serve_never_age():
-    """An app producing to Kafka itself: its model made the rows, not version 0 of this tenant."""
+def test_rows_without_a_version_age_only_when_clora_served_them():
+    """A row without a version is the base model's (version 0) when clora's serving tier logged it (it sets
+    metadata.served_by); one an app produced to Kafka itself was made by the app's model and never ages."""
     rows = trajectories("newco", [
         {"id": "a", "prompt": "p", "completion": "c", "reward": 1.0, "adapter_version": None},
         {"id": "b", "prompt": "p", "completion": "c", "reward": 1.0, "adapter_version": "newco@2"},
         {"id": "c", "prompt": "p", "completion": "c", "reward": 1.0, "adapter_version": "zed@9"},
+        {"id": "d", "prompt": "p", "completion": "c", "reward": 1.0, "adapter_version": None,
+         "metadata": {"served_by": "tiny", "endpoint": "chat"}},
+        {"id": "e", "prompt": "p", "completion": "c", "reward": 1.0, "adapter_version": None,
+         "metadata": {"app": "shop"}},
     ])
-    sel = select_fresh(rows, "newco", current=30, max_staleness=4, unversioned_fresh=True)
-    assert sel.kept.column("id").to_pylist() == ["a"] and set(sel.dropped) == {"b", "c"}
+    sel = select_fresh(rows, "newco", current=30, max_staleness=4)
+    assert sel.kept.column("id").to_pylist() == ["a", "e"] and set(sel.dropped) == {"b", "c", "d"}
     assert "stale" in sel.dropped["b"] and "foreign" in sel.dropped["c"]
-    assert set(select_fresh(rows, "newco", current=30, max_staleness=4).dropped) == {"a", "b", "c"}
+    assert "made by version 0" in sel.dropped["d"]
+    assert select_fresh(rows, "newco", current=4, max_staleness=4).kept.column("id").to_pylist() == ["a", "b", "d", "e"]
 
 
 def test_rows_become_examples_with_token_ids_and_behaviour_logprobs_when_usable(tiny_model):

@@ -22,6 +22,10 @@ from storage.registry import Registry
 
 pytestmark = pytest.mark.unit
 
+# The metadata clora's serving tier logs with an interaction the base model answered (adapter_version null).
+BASE_SERVED = {"served_by": "tiny", "endpoint": "chat"}
+
+
 def learn(cfg, model, **kw):
     kw.setdefault("until_idle", True)
     return run(cfg, model_path=model, progress=False, **kw)
@@ -128,7 +132,8 @@ def test_stale_and_foreign_trajectories_are_dropped_but_committed(tiny_model, da
     write(data_dir, "acme", rows("a", 8), "b0")
     cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], max_staleness=0)
     learner = learn(cfg, tiny_model)  # -> acme@1
-    batch = rows("fresh", 3, adapter_version="acme@1") + rows("old", 3, adapter_version=None) + rows("other", 2, adapter_version="beta@1")
+    batch = (rows("fresh", 3, adapter_version="acme@1") + rows("old", 3, adapter_version=None, metadata=BASE_SERVED)
+             + rows("other", 2, adapter_version="beta@1"))
     write(data_dir, "acme", batch, "b1", start=100)
     learn(cfg, tiny_model, learner=learner)
     v2 = Registry(data_dir).get("acme", 2)
@@ -161,7 +166,7 @@ def test_every_trajectory_stale_is_a_skipped_step_not_an_error(tiny_model, data_
     write(data_dir, "acme", rows("a", 8), "b0")
     cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], max_staleness=0)
     learner = learn(cfg, tiny_model)  # -> acme@1
-    write(data_dir, "acme", rows("old", 6, adapter_version=None), "b1", start=100)
+    write(data_dir, "acme", rows("old", 6, adapter_version=None, metadata=BASE_SERVED), "b1", start=100)
     learn(cfg, tiny_model, learner=learner)
     assert [v.number for v in Registry(data_dir).versions("acme")] == [1]
     assert learner.tenants["acme"].error is None
@@ -640,6 +645,30 @@ def test_a_tenant_ingest_created_keeps_learning_from_its_apps_rows_past_max_stal
     assert len(published) == 4, [(v.number, v.status, v.reason) for v in Registry(data_dir).versions("newco")]
     assert learner.tenants["newco"].spec.configured is False
     learner.close()
+
+
+def test_a_tenant_ingest_created_keeps_learning_from_its_apps_rows_once_added_to_the_config(tiny_model, data_dir):
+    """Freshness followed the config: once the operator added the app's tenant, every row without a version
+    counted as the base model's and was dropped as stale (it had published more than max_staleness
+    versions). What decides is whether clora's serving tier logged the row."""
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 4}], max_staleness=1, gate_max_kl=1000.0)
+    learner = None
+    for k in range(2):
+        write(data_dir, "newco", rows(f"n{k}-", 4, seed=k), f"b{k}", start=100 * k)
+        learner = learn(cfg, tiny_model, learner=learner)
+    assert Registry(data_dir).latest_published("newco").number == 2
+    learner.apply_config(make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 4},
+                                                            {"name": "newco", "batch_size": 4}],
+                                     max_staleness=1, gate_max_kl=1000.0))
+    assert learner.tenants["newco"].spec.configured
+    write(data_dir, "newco", rows("app", 4, seed=7), "b2", start=200)  # the app's own model, as before
+    write(data_dir, "newco", rows("base", 4, seed=8, metadata=BASE_SERVED), "b3", start=300)  # clora served the base
+    learn(cfg, tiny_model, learner=learner)
+    reg = Registry(data_dir)
+    assert [v.number for v in reg.versions("newco")] == [1, 2, 3]  # the base model's rows: stale, no version
+    assert reg.get("newco", 3).metrics["n_trajectories"] == 4 and reg.get("newco", 3).metrics["n_dropped"] == 0
+    assert_each_id_once(data_dir, "newco", {f"n{k}-{i}" for k in range(2) for i in range(4)}
+                        | {f"app{i}" for i in range(4)} | {f"base{i}" for i in range(4)})
 
 
 def test_one_tenants_failure_does_not_stop_the_others(tiny_model, data_dir):
