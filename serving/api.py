@@ -595,13 +595,16 @@ def _sampling_metadata(sampling: Sampling) -> dict[str, Any]:
         "n": sampling.n,
     }
     defaults = Sampling()
-    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p"):
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p", "min_tokens",
+                 "ignore_eos", "include_stop_str_in_output"):
         if getattr(sampling, name) != getattr(defaults, name):
             out[name] = getattr(sampling, name)
     if sampling.logit_bias:
         out["logit_bias"] = {str(t): b for t, b in sampling.logit_bias}
     if sampling.stop:  # a completion that ended on one is cut there: the event says why
         out["stop"] = list(sampling.stop)
+    if sampling.stop_token_ids:
+        out["stop_token_ids"] = list(sampling.stop_token_ids)
     if sampling.seed is not None:
         out["seed"] = sampling.seed
     return out

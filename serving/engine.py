@@ -110,7 +110,10 @@ class Sampling:
     top_k: int = 0  # 0: off
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
-    ignore_eos: bool = False  # benchmarks: always generate max_tokens
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the completion before this many tokens
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the completion, as EOS does
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False  # always generate max_tokens (the benchmarks, a request's `ignore_eos`)
 
 
 @dataclass(frozen=True)
@@ -398,13 +401,16 @@ class Engine:
 
     def check_sampling(self, sampling: Sampling) -> None:
         """What the engine would refuse once the request is in, refused now: a dead engine (503), sampling
-        vLLM's SamplingParams rejects and logit_bias ids outside the vocabulary (400)."""
+        vLLM's SamplingParams rejects, logit_bias ids outside the vocabulary and min_tokens past max_tokens (400)."""
         if self.errored:
             raise Unavailable("the engine has stopped; the server must be restarted")
         bad = [t for t, _ in sampling.logit_bias if t >= self.vocab_size]
         if bad:
             raise BadRequest(f"logit_bias token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})",
                              param="logit_bias")
+        if sampling.max_tokens is not None and sampling.min_tokens > sampling.max_tokens:
+            raise BadRequest(f"min_tokens ({sampling.min_tokens}) is more than the {sampling.max_tokens} tokens this "
+                             "completion may have (max_tokens, or the room the context leaves)", param="min_tokens")
         _sampling_params(sampling)
 
     async def stream(
@@ -506,6 +512,9 @@ def _sampling_params(sampling: Sampling):
             top_k=sampling.top_k,
             min_p=sampling.min_p,
             logit_bias=dict(sampling.logit_bias) or None,
+            min_tokens=sampling.min_tokens,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+            include_stop_str_in_output=sampling.include_stop_str_in_output,
             ignore_eos=sampling.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
         )

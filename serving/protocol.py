@@ -4,10 +4,15 @@ Requests are validated into pydantic models (unknown fields are ignored, as Open
 fields newer clients send; an explicit `null` means the field's default, as OpenAI and vLLM read it); a
 malformed body becomes one 400 listing every bad field, `param` naming the first. A body must be text: a
 string or key holding an unpaired UTF-16 surrogate (JSON can escape one, "\\udc00") is refused wherever it
-is, since vLLM, the tokenizer and the event log would each fail on it later. Fields OpenAI defines that
-clora does not implement are refused rather than silently dropped, so a client never gets an answer that
-ignored its request: tool calling (`tools`/`functions` unless `tool_choice`/`function_call` is "none"),
-structured outputs (`response_format` other than text), `echo`, `suffix`, and `best_of` other than `n`.
+is, since vLLM, the tokenizer and the event log would each fail on it later. Fields OpenAI or vLLM's OpenAI
+server define that clora does not implement are refused (400 `unsupported_parameter`, `param` the field)
+rather than silently dropped, so a client never gets an answer that ignored its request: tool calling
+(`tools`/`functions` unless `tool_choice`/`function_call` is "none"), structured outputs (`response_format`
+other than text), `echo`, `suffix`, `best_of` other than `n`, and the fields of `NOT_IMPLEMENTED` (guided
+decoding, chat template options, prompt logprobs, audio, ...) unless they hold the value that asks for what
+clora does anyway (`"add_generation_prompt": true`). OpenAI's metadata fields that change no answer (`user`,
+`metadata`, `store`, `service_tier`, `parallel_tool_calls` without tools, ...) are taken, as are vLLM's
+`min_tokens`, `stop_token_ids`, `include_stop_str_in_output` and `ignore_eos`, which the engine applies.
 README.md ("Serving: the HTTP contract") has the table of what is accepted and refused.
 
 Responses are plain dicts built from the engine's `Choice`/`Delta` (serving/engine.py) by pure
@@ -27,7 +32,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
@@ -46,6 +51,57 @@ MAX_METADATA_VALUE_CHARS = 512
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range of a logit_bias value
 
 
+NOTHING = object()  # no value of the field asks for what clora does
+
+
+def _refused(why: str, *names: str, **harmless: Any) -> dict[str, tuple[str, Any]]:
+    """Fields refused for `why`: `names` whatever they hold, `harmless` unless they hold the value given."""
+    return {**{name: (why, NOTHING) for name in names}, **{name: (why, v) for name, v in harmless.items()}}
+
+
+# Fields of OpenAI's API or vLLM's OpenAI server that clora does not implement -> (why, the value that asks
+# only for what clora does anyway: the default there). Checked on the raw body, where they are still visible.
+NOT_IMPLEMENTED: dict[str, tuple[str, Any]] = {
+    **_refused("structured outputs and constrained decoding are not implemented",
+               "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+               "guided_decoding_backend", "guided_whitespace_pattern", "allowed_token_ids", "logits_processors",
+               bad_words=[]),
+    **_refused("the prompt is given whole; it is never truncated", "truncate_prompt_tokens", "truncation_side",
+               "prompt_embeds"),
+    **_refused("only text is served", "audio", "mm_processor_kwargs", "media_io_kwargs", "return_mm_kwargs",
+               modalities=["text"], mm_payload="tensors"),
+    **_refused("OpenAI's hosted tools and reasoning options are not implemented", "web_search_options",
+               "prediction", "reasoning_effort", "verbosity", "thinking_token_budget", include_reasoning=True),
+    **_refused("not implemented", "prompt_logprobs", "logprob_token_ids", "repetition_detection", "vllm_xargs",
+               use_beam_search=False, length_penalty=1.0, skip_special_tokens=True,
+               spaces_between_special_tokens=True, return_tokens_as_token_ids=False, return_token_offsets=False,
+               return_prompt_text=False, watermarking=False, stream_interval=1, priority=0),
+    **_refused("the server sets it (request ids, prefix-cache salts, transfers)", "request_id", "cache_salt",
+               "kv_transfer_params", "ec_transfer_params", "session_id", routed_experts_prompt_start=0),
+}
+# Chat only: the prompt is the model's own chat template over the messages, the assistant turn opened.
+CHAT_NOT_IMPLEMENTED = {
+    **NOT_IMPLEMENTED,
+    **_refused("the prompt is the model's chat template over the messages, with the assistant turn opened",
+               "chat_template", "documents", chat_template_kwargs={}, add_generation_prompt=True,
+               continue_final_message=False, add_special_tokens=False),
+    **_refused("not implemented", echo=False),
+}
+COMPLETIONS_NOT_IMPLEMENTED = {
+    **NOT_IMPLEMENTED,
+    **_refused("a text prompt gets the tokenizer's special tokens, as vLLM gives them", add_special_tokens=True),
+}
+
+
+def _asks_for_more(value: Any, harmless: Any) -> bool:
+    """Whether a refused field's value asks for something clora does not do (`true` is not 1, nor 1 true)."""
+    if harmless is NOTHING:
+        return True
+    if isinstance(value, bool) or isinstance(harmless, bool):
+        return value is not harmless
+    return value != harmless
+
+
 def _finite(default: float, **bounds) -> Any:
     # strict: `true` or "0.5" is a 400, as OpenAI answers, not 1.0 or 0.5 (ints are still numbers)
     return Field(default, allow_inf_nan=False, strict=True, **bounds)
@@ -57,6 +113,7 @@ def _count(default: int | None, **bounds) -> Any:
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    not_implemented: ClassVar[dict[str, tuple[str, Any]]] = NOT_IMPLEMENTED
 
     model: str = Field(min_length=1)
     max_tokens: int | None = _count(None, ge=1)
@@ -80,6 +137,21 @@ class _Request(BaseModel):
     # vLLM's extension: each choice (and each stream chunk's choice) carries the sampled token ids, so a
     # trainer gets exactly the tokens the model produced, not a re-tokenization of the text
     return_token_ids: bool = False
+    min_tokens: int = _count(0, ge=0)  # EOS and stop_token_ids are masked before this many tokens
+    stop_token_ids: list[Annotated[int, Strict(), Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nothing_dropped(cls, data: Any) -> Any:
+        """A field clora does not implement is refused, not dropped (a null one is its default, so taken)."""
+        if isinstance(data, dict):
+            for name, (why, harmless) in cls.not_implemented.items():
+                value = data.get(name)
+                if value is not None and _asks_for_more(value, harmless):
+                    raise UnsupportedParameter(f"{name} is not supported by this server: {why}", param=name)
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -167,6 +239,10 @@ class _Request(BaseModel):
             top_k=self.top_k,
             min_p=self.min_p,
             logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
+            min_tokens=self.min_tokens,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
         )
 
 
@@ -218,6 +294,7 @@ def _uses(tools: list[Any] | None, choice: Any) -> bool:
 
 
 class ChatRequest(_Request):
+    not_implemented: ClassVar[dict[str, tuple[str, Any]]] = CHAT_NOT_IMPLEMENTED
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = _count(None, ge=1)
     logprobs: bool = False
@@ -250,6 +327,7 @@ class ChatRequest(_Request):
 
 
 class CompletionRequest(_Request):
+    not_implemented: ClassVar[dict[str, tuple[str, Any]]] = COMPLETIONS_NOT_IMPLEMENTED
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = _count(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False

@@ -465,6 +465,31 @@ def test_penalties_and_vllm_sampling_extensions_reach_the_engine():
     assert sampling["presence_penalty"] == 0.5 and sampling["logit_bias"] == {"104": 5.0, "7": -100.0}
 
 
+def test_vllms_stopping_fields_reach_the_engine_and_the_event():
+    w = World()
+    r = w.post("/v1/chat/completions", chat(min_tokens=2, stop_token_ids=[7], include_stop_str_in_output=True,
+                                            ignore_eos=True, max_tokens=5))
+    assert r.status_code == 200, r.text
+    p = w.llm.calls[0].params
+    assert (p.min_tokens, p.stop_token_ids, p.include_stop_str_in_output, p.ignore_eos) == (2, [7], True, True)
+    sampling = w.events.logged[0].metadata["sampling"]
+    assert (sampling["min_tokens"], sampling["stop_token_ids"], sampling["ignore_eos"]) == (2, [7], True)
+    r = w.post("/v1/chat/completions", chat(min_tokens=6, max_tokens=5))
+    assert r.status_code == 400 and error(r)["param"] == "min_tokens", r.text
+
+
+def test_a_field_clora_does_not_implement_is_refused_before_any_work():
+    """Qwen3's chat_template_kwargs {"enable_thinking": false}, dropped, answered with the thinking it asked off."""
+    w = World()
+    for stream in (False, True):
+        r = w.post("/v1/chat/completions", chat(stream=stream, chat_template_kwargs={"enable_thinking": False}))
+        e = error(r)
+        assert r.status_code == 400 and e["code"] == "unsupported_parameter" and e["param"] == "chat_template_kwargs"
+        r = w.post("/v1/completions", {"model": "acme", "prompt": "a", "stream": stream, "guided_json": {}})
+        assert r.status_code == 400 and error(r)["param"] == "guided_json"
+    assert w.llm.calls == [] and w.llm.tokenizer.threads == []
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),

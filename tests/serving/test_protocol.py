@@ -6,7 +6,7 @@ import pytest
 
 from serving import protocol
 from serving.engine import Choice, Delta, TokenLogprob
-from serving.errors import BadRequest
+from serving.errors import BadRequest, UnsupportedParameter
 
 pytestmark = pytest.mark.unit
 
@@ -77,6 +77,60 @@ def test_completion_fields_clora_does_not_implement(extra, param):
     with pytest.raises(BadRequest) as e:
         protocol.parse(protocol.CompletionRequest, json.dumps({"model": "m", "prompt": "a", **extra}).encode())
     assert e.value.param == param
+
+
+@pytest.mark.parametrize("field, value", [
+    ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]), ("guided_regex", "a+"),
+    ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"json": {}}), ("allowed_token_ids", [1, 2]),
+    ("bad_words", ["x"]), ("prompt_logprobs", 1), ("truncate_prompt_tokens", 8), ("modalities", ["text", "audio"]),
+    ("audio", {"voice": "alloy"}), ("web_search_options", {}), ("prediction", {"type": "content", "content": "x"}),
+    ("reasoning_effort", "low"), ("use_beam_search", True), ("skip_special_tokens", False), ("cache_salt", "s"),
+    ("request_id", "mine"), ("priority", 1), ("return_tokens_as_token_ids", True),
+])
+def test_fields_clora_does_not_implement_are_refused_not_dropped(field, value):
+    for model, body in ((protocol.ChatRequest, {"messages": [{"role": "user", "content": "x"}]}),
+                        (protocol.CompletionRequest, {"prompt": "x"})):
+        with pytest.raises(UnsupportedParameter) as e:
+            protocol.parse(model, json.dumps({"model": "m", **body, field: value}).encode())
+        assert e.value.param == field and e.value.code == "unsupported_parameter" and "not supported" in e.value.message
+
+
+@pytest.mark.parametrize("field, value", [
+    ("chat_template_kwargs", {"enable_thinking": False}), ("chat_template", "{{ messages }}"),
+    ("continue_final_message", True), ("add_generation_prompt", False), ("add_special_tokens", True),
+    ("documents", [{"text": "x"}]), ("echo", True),
+])
+def test_chat_template_options_are_refused(field, value):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], field: value}
+    with pytest.raises(UnsupportedParameter) as e:
+        protocol.parse(protocol.ChatRequest, json.dumps(body).encode())
+    assert e.value.param == field
+
+
+def test_what_clora_does_anyway_metadata_and_unknown_fields_are_taken():
+    """A refused field holding the value that asks for what clora does is no request for more; OpenAI's
+    metadata fields change no answer; a field nobody defines is a newer client's, ignored as OpenAI does."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True,
+            "continue_final_message": False, "chat_template_kwargs": {}, "add_special_tokens": False, "echo": False,
+            "modalities": ["text"], "skip_special_tokens": True, "use_beam_search": False, "length_penalty": 1,
+            "bad_words": [], "guided_json": None, "user": "u", "store": False, "service_tier": "auto",
+            "parallel_tool_calls": True, "safety_identifier": "s", "prompt_cache_key": "k", "some_future_field": 1}
+    assert protocol.parse(protocol.ChatRequest, json.dumps(chat).encode()).model == "m"
+    completion = {"model": "m", "prompt": "x", "add_special_tokens": True, "priority": 0}
+    assert protocol.parse(protocol.CompletionRequest, json.dumps(completion).encode()).model == "m"
+    with pytest.raises(UnsupportedParameter):  # `true` asks for more than 1, and 1 more than `true`
+        protocol.parse(protocol.ChatRequest, json.dumps({**chat, "add_generation_prompt": 1}).encode())
+
+
+def test_vllms_stopping_fields_reach_the_sampling():
+    body = {"model": "m", "prompt": "x", "min_tokens": 3, "stop_token_ids": [7, 9], "include_stop_str_in_output": True,
+            "ignore_eos": True}
+    s = protocol.parse(protocol.CompletionRequest, json.dumps(body).encode()).sampling()
+    assert (s.min_tokens, s.stop_token_ids, s.include_stop_str_in_output, s.ignore_eos) == (3, (7, 9), True, True)
+    for bad in ({"min_tokens": -1}, {"stop_token_ids": [-1]}, {"stop_token_ids": ["7"]}):
+        with pytest.raises(BadRequest) as e:
+            protocol.parse(protocol.CompletionRequest, json.dumps({**body, **bad}).encode())
+        assert e.value.param == next(iter(bad))
 
 
 def test_null_is_the_default_but_required_fields_stay_required():
