@@ -50,7 +50,9 @@ while it holds that tenant's lock (`Learner._claim`), so no two processes ever s
 
 Overlap (rollouts tenants, serving sampler): every ready tenant's next batch is being sampled in the
 serving engine while the learner trains another tenant (`prefetch`), and with `learner.sample_ahead` a
-prompts-file tenant's step k+1 is sampled while its own step k trains (see `_start_prefetch`). Each
+prompts-file tenant's step k+1 is sampled while its own step k trains (see `_start_prefetch`). A batch
+whose every sample is too stale by the time its step takes it is sampled again at once; a step with no
+usable sample at all fails (rollouts.NoUsableSamples) and commits nothing. Each
 step's `StepRecord` says where its time went (`timings`, phases in `PHASES`) and how many versions its
 oldest sample was behind (`staleness`); `run(on_step=...)` hands every record to the caller.
 """
@@ -174,6 +176,7 @@ class _Trained:
     n_dropped: int
     baseline: float | None  # the running mean reward after this batch
     score_seconds: float = 0.0
+    n_score_failed: int = 0  # rollouts: samples the scorer failed on (not in n_dropped)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -623,6 +626,15 @@ class Learner:
         if job is not None and job.step != rt.step + 1:  # planned for another step (the tenant reloaded since)
             logger.info("tenant %s: sampled batch for step %d dropped at step %d", rt.spec.name, job.step, rt.step + 1)
             job = None
+        if job is not None:
+            # Sampled ahead by the version before the newest, and versions moved on meanwhile (serving still
+            # had an older one, an operator's publish): a batch too stale to train is sampled again now rather
+            # than failing the step (train_step raises when nothing is left).
+            stale = rollouts.all_stale(job.samples, rt.spec.name, rt.version, self.settings.max_staleness, rt.served)
+            if stale is not None:
+                logger.info("tenant %s: sampled batch for step %d too stale (%s); sampling it again", rt.spec.name,
+                            job.step, stale)
+                job = None
         seconds = None
         if job is not None:
             plan, samples, seconds = job.plan, job.samples, job.seconds
@@ -771,7 +783,7 @@ class Learner:
             **common,
         )
         return _Trained(step.update, step.rewards, step.reward_mean, step.n_samples, step.n_dropped, rt.baseline,
-                        step.score_seconds)
+                        step.score_seconds, step.n_score_failed)
 
     def _probe_rewards(self, rt: TenantRuntime, scorer, *, fresh: bool = False) -> tuple[float, ...] | None:
         """The current adapter's reward per probe prompt (cached per adapter state unless `fresh`); None
@@ -1187,6 +1199,7 @@ def _metrics(trained: _Trained, step: int, mode: str, probe: tuple | None, paren
         "tokens": update.tokens,
         "n_trajectories": trained.n_trained,
         "n_dropped": trained.n_dropped,
+        "n_score_failed": trained.n_score_failed,
         "probe_reward": None if probe is None else gate.mean(probe),
         "parent_probe_reward": None if parent_probe is None else gate.mean(parent_probe),
     }

@@ -14,7 +14,8 @@ A step for a tenant:
        - `LocalSampler` (`"local"`): the learner's own model (`Policy.generate`); no serving tier needed,
          exactly on-policy, but sampling then takes the learner's time;
   3. rewards from the tenant's programmatic scorer (ingest.scorers.build_scorer; a sample whose scorer
-     call fails is left out), GRPO advantages (reward - group mean) / group std (maths.grpo_advantages);
+     call fails is left out, counted as `n_score_failed`), GRPO advantages (reward - group mean) / group
+     std (maths.grpo_advantages);
   4. one clipped policy-gradient update (update.py) on the tokens the engine sampled (the serving tier
      returns them: `return_token_ids`), with their sampled log-probabilities (`logprobs: 0`, vLLM's raw
      ones, at temperature 1) as the old log-probs: a batch sampled ahead by the previous version, or by an
@@ -25,7 +26,12 @@ A step for a tenant:
      the re-tokenised text, the end-of-sequence token appended to a completion that ended on its own, and
      ratio 1. The local sampler's samples carry their token ids and are on-policy. Samples made by an
      adapter version more than `learner.max_staleness` served versions behind (the
-     `x-clora-adapter-version` header; logs_mode.py says how versions are counted) are left out.
+     `x-clora-adapter-version` header; logs_mode.py says how versions are counted) are left out, unscored.
+
+A step whose samples were all left out (every scorer call failed, every sample stale) raises
+`NoUsableSamples`, naming the count and the first reason: nothing is committed, so the step's prompts and
+trajectories are not consumed untrained; the tenant backs off and samples again (loop.py). A batch sampled
+ahead that went stale while it waited is sampled again by the loop before it gets here (`all_stale`).
 
 The serving tier logs rollouts like any other interaction, so they come back as the tenant's trajectories.
 They must never become prompts (the same prompts would be sampled again and again, and the tenant's
@@ -69,6 +75,11 @@ VERSION_HEADER = "x-clora-adapter-version"
 
 class SamplingError(RuntimeError):
     """The sampler could not produce completions (the serving tier refused, timed out, or is down)."""
+
+
+class NoUsableSamples(RuntimeError):
+    """Every sample of a step was left out (failed scoring, stale): there is nothing to train, and the
+    step must not commit its trajectories as if there were."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -389,23 +400,50 @@ class RolloutStep:
     update: UpdateResult | None  # None: every group's rewards were equal, so there was nothing to learn
     reward_mean: float
     rewards: tuple[float, ...]
-    n_samples: int  # samples trained on (after dropping failed scores and stale versions)
-    n_dropped: int
+    n_samples: int  # samples trained on
+    n_dropped: int  # samples left out for their version (stale, foreign) or for having no tokens
     score_seconds: float = 0.0  # time spent in the scorer
+    n_score_failed: int = 0  # samples left out because the scorer failed on them
 
 
-def score_samples(scorer: Callable[[str, str], float], prompt: str, samples: Sequence[Sample]) -> list[float]:
-    """Rewards per sample; NaN for a sample the scorer failed on (it is left out of training)."""
+def score_samples(scorer: Callable[[str, str], float], prompt: str,
+                  samples: Sequence[Sample]) -> tuple[list[float], list[str]]:
+    """Rewards per sample, NaN for a sample the scorer failed on (it is left out of training), and the
+    first line of each failure's message."""
     from ingest.scorers import ScorerError, apply
 
-    rewards = []
+    rewards, errors = [], []
     for s in samples:
         try:
             rewards.append(apply(scorer, s.text, prompt))
         except ScorerError as e:
-            logger.warning("scorer failed on a rollout sample; leaving it out: %s", str(e).splitlines()[0])
+            error = str(e).splitlines()[0]
+            logger.warning("scorer failed on a rollout sample; leaving it out: %s", error)
             rewards.append(math.nan)
-    return rewards
+            errors.append(error)
+    return rewards, errors
+
+
+def all_stale(samples: Sequence[Sequence[Sample]], tenant: str, current_version: int, max_staleness: int,
+              served: Sequence[int] | None = None) -> str | None:
+    """When every sample is too many versions behind `current_version` (or foreign) to train on, why the
+    first one is; None when some sample is fresh, or there are none."""
+    reasons = [stale_reason(s.version, tenant, current_version, max_staleness, served) for g in samples for s in g]
+    return reasons[0] if reasons and all(reasons) else None
+
+
+def _none_usable(n_prompts: int, n: int, failed: list[str], stale: list[str], empty: int) -> str:
+    """Why a step has no sample left to train on."""
+    if n == 0:
+        return f"the sampler returned no completions for {n_prompts} prompts"
+    if len(failed) == n:
+        return f"all {n} samples failed scoring: {failed[0]}"
+    if len(stale) == n:
+        return f"all {n} samples stale ({stale[0].removeprefix('stale: ')})"
+    parts = [f"{len(failed)} failed scoring ({failed[0]})"] if failed else []
+    parts += [f"{len(stale)} stale ({stale[0].removeprefix('stale: ')})"] if stale else []
+    parts += [f"{empty} without completion tokens"] if empty else []
+    return f"none of {n} samples usable: " + ", ".join(parts)
 
 
 def completion_tokens(policy: Policy, sample: Sample) -> tuple[list[int], tuple[float, ...] | None]:
@@ -432,22 +470,34 @@ def train_step(
     max_grad_norm: float,
     max_len: int,
 ) -> RolloutStep:
-    """Scores the groups, computes GRPO advantages and makes one update (see the module note)."""
+    """Scores the groups, computes GRPO advantages and makes one update (see the module note). Raises
+    NoUsableSamples when every sample is left out."""
     prompt_ids, completion_ids, behaviour, rewards, groups = [], [], [], [], []
-    dropped = 0
+    stale, failed, empty = [], [], 0  # why samples were left out
+    n = 0
     score_seconds = 0.0
     for g, (prompt, group) in enumerate(zip(prompts, samples)):
+        n += len(group)
+        fresh = []
+        for sample in group:
+            reason = stale_reason(sample.version, tenant, current_version, max_staleness, served)
+            if reason:
+                stale.append(reason)
+            else:
+                fresh.append(sample)
+        if not fresh:
+            continue
         started = time.perf_counter()
-        scores = score_samples(scorer, prompt, group)
+        scores, errors = score_samples(scorer, prompt, fresh)
         score_seconds += time.perf_counter() - started
+        failed += errors
         p_ids = policy.tokenizer(prompt, add_special_tokens=False).input_ids
-        for sample, reward in zip(group, scores):
-            if math.isnan(reward) or stale_reason(sample.version, tenant, current_version, max_staleness, served):
-                dropped += 1
+        for sample, reward in zip(fresh, scores):
+            if math.isnan(reward):
                 continue
             c_ids, c_logprobs = completion_tokens(policy, sample)
             if not c_ids:
-                dropped += 1
+                empty += 1
                 continue
             prompt_ids.append(p_ids)
             completion_ids.append(c_ids)
@@ -455,14 +505,14 @@ def train_step(
             rewards.append(reward)
             groups.append(g)
     if not rewards:
-        return RolloutStep(update=None, reward_mean=math.nan, rewards=(), n_samples=0, n_dropped=dropped,
-                           score_seconds=score_seconds)
+        raise NoUsableSamples(_none_usable(len(prompts), n, failed, stale, empty))
+    counts = dict(n_samples=len(rewards), n_dropped=len(stale) + empty, n_score_failed=len(failed),
+                  score_seconds=score_seconds)
     reward_t = torch.tensor(rewards, dtype=torch.float64)
     advantages = maths.grpo_advantages(reward_t, torch.tensor(groups, dtype=torch.long))
     reward_mean = float(reward_t.mean())
     if not bool(advantages.abs().gt(0).any()):
-        return RolloutStep(update=None, reward_mean=reward_mean, rewards=tuple(rewards), n_samples=len(rewards),
-                           n_dropped=dropped, score_seconds=score_seconds)
+        return RolloutStep(update=None, reward_mean=reward_mean, rewards=tuple(rewards), **counts)
     batch = pack(prompt_ids, completion_ids, pad_id=policy.pad_token_id, max_len=max_len)
     result = pg_update(
         policy,
@@ -474,5 +524,4 @@ def train_step(
         kl_coef=kl_coef,
         max_grad_norm=max_grad_norm,
     )
-    return RolloutStep(update=result, reward_mean=reward_mean, rewards=tuple(rewards), n_samples=len(rewards),
-                       n_dropped=dropped, score_seconds=score_seconds)
+    return RolloutStep(update=result, reward_mean=reward_mean, rewards=tuple(rewards), **counts)

@@ -90,6 +90,18 @@ def assert_each_id_once(data_dir, tenant, expected: set[str]):
     assert set(flat) == expected
 
 
+def unavailable_scorer(completion: str, prompt: str) -> float:
+    """A python scorer (`python:learner_support:unavailable_scorer`) whose scoring service is down."""
+    raise RuntimeError("scoring service unavailable")
+
+
+def picky_scorer(completion: str, prompt: str) -> float:
+    """A python scorer (`python:learner_support:picky_scorer`) that fails on the completion "a"."""
+    if completion == "a":
+        raise ValueError("too short to judge")
+    return min(1.0, len(completion) / 20)
+
+
 # Learner settings of every test config. Tests write their batches whole, so a partial one is trained at
 # once (test_loop tests the wait).
 TEST_LEARNER = {"poll_seconds": 0.1, "gate_prompts": 0, "batch_wait_seconds": 0}

@@ -852,6 +852,95 @@ class CurrentVersionSampler(FakeServingSampler):
         return [[replace(s, version=r.version) for s in group] for r, group in zip(requests, super().sample(requests))]
 
 
+class LaggingSampler(FakeServingSampler):
+    """... labelling its samples with the version the learner held when it asked (as the serving tier would,
+    once that version is current), or with `label` (None: the base model) on the calls in `lagging` (serving
+    still had an older version), or on every call with `lagging` None."""
+
+    def __init__(self, lagging=None, label=None):
+        super().__init__()
+        self.lagging, self.label = lagging, label
+
+    def sample(self, requests):
+        from dataclasses import replace
+
+        out = super().sample(requests)
+        lag = self.lagging is None or self.calls in self.lagging
+        return [[replace(s, version=self.label if lag else r.version) for s in group] for r, group in zip(requests, out)]
+
+
+def rollouts_lab(prompts_file, scorer="length:12"):
+    return {"name": "lab", "mode": "rollouts", "scorer": scorer, "prompts_file": str(prompts_file), "batch_size": 4,
+            "group_size": 2, "learning_rate": 1e-2}
+
+
+def test_a_rollouts_step_whose_every_sample_failed_scoring_commits_nothing_and_says_why(tiny_model, data_dir, tmp_path):
+    """The step committed as "skipped" with no error: its trajectories were consumed untrained."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\n")
+    write(data_dir, "lab", rows("p", 3), "b0")  # production rows: a prompts-file tenant commits them with a step
+    cfg = make_config(data_dir, tiny_model, [rollouts_lab(prompts, "python:learner_support:unavailable_scorer")],
+                      rollout_sampler="local", max_new_tokens=4)
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    learner.pending(hold_partial=False)
+    assert learner.step_safely("lab") is None
+    lab = learner.tenants["lab"]
+    assert lab.status == "error" and lab.retry_at > time.monotonic()
+    assert lab.error == ("NoUsableSamples: all 4 samples failed scoring: scorer raised RuntimeError: scoring service "
+                         "unavailable")
+    assert step_ids(data_dir, "lab") == [] and Registry(data_dir).versions("lab") == []
+    assert Cursors(data_dir).backlog()["lab"] == 3
+    learner.close()
+
+
+def test_samples_the_scorer_failed_on_are_counted_apart_from_stale_ones(tiny_model, data_dir, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\n")
+    cfg = make_config(data_dir, tiny_model, [rollouts_lab(prompts, "python:learner_support:picky_scorer")],
+                      max_new_tokens=8, gate_max_kl=50.0)
+    learner = Learner(cfg, model_path=tiny_model, sampler=FakeServingSampler(), progress=False)
+    run(cfg, model_path=tiny_model, learner=learner, max_steps=1, progress=False)
+    metrics = Registry(data_dir).get("lab", 1).metrics  # samples "a", "four" | "four", "some longer text here"
+    assert (metrics["n_trajectories"], metrics["n_score_failed"], metrics["n_dropped"]) == (3, 1, 0)
+
+
+def test_a_rollouts_batch_that_went_stale_is_sampled_again_and_one_still_stale_commits_nothing(tiny_model, data_dir,
+                                                                                                tmp_path):
+    """Serving keeps sampling with the base model after the learner published lab@1 (max_staleness 0): the
+    prefetched batch is stale, so is the one sampled again at once, and the step fails saying so instead of
+    committing as "skipped"."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\nthree\nfour\n")
+    cfg = make_config(data_dir, tiny_model, [rollouts_lab(prompts)], max_new_tokens=8, gate_max_kl=50.0,
+                      max_staleness=0)
+    sampler = LaggingSampler(label=None)
+    learner = Learner(cfg, model_path=tiny_model, sampler=sampler, progress=False)
+    records = []
+    run(cfg, model_path=tiny_model, learner=learner, max_steps=2, progress=False, on_step=records.append)
+    assert [(r.step, r.decision) for r in records] == [(1, "published")]
+    lab = learner.tenants["lab"]
+    assert lab.status == "error" and lab.error == (
+        "NoUsableSamples: all 4 samples stale (made by version 0, 1 behind 1 (max_staleness 0))")
+    assert sampler.calls == 3  # step 1's batch; step 2's, and step 2's sampled again
+    assert len(step_ids(data_dir, "lab")) == 1 and [v.number for v in Registry(data_dir).versions("lab")] == [1]
+
+
+def test_a_batch_sampled_ahead_that_went_stale_is_sampled_again_without_an_error(tiny_model, data_dir, tmp_path):
+    """Sample-ahead (max_staleness 1): step 3's batch, issued while step 2 trained from lab@1, came back from
+    the base model (serving had not loaded lab@1 yet): two versions behind lab@2. It is sampled again."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\nthree\nfour\n")
+    cfg = make_config(data_dir, tiny_model, [rollouts_lab(prompts)], max_new_tokens=8, gate_max_kl=50.0,
+                      max_staleness=1, sample_ahead=True)
+    sampler = LaggingSampler(lagging={3}, label=None)  # calls: step 1, ahead 2, ahead 3, 3 again
+    learner = Learner(cfg, model_path=tiny_model, sampler=sampler, progress=False)
+    records = []
+    run(cfg, model_path=tiny_model, learner=learner, max_steps=3, progress=False, on_step=records.append)
+    assert [r.step for r in records] == [1, 2, 3] and all(r.decision != "skipped" for r in records)
+    assert records[2].staleness == 0 and len(records[2].rewards) == 4  # the batch sampled again, by lab@2
+    assert learner.tenants["lab"].failures == 0 and sampler.calls >= 4
+
+
 @pytest.mark.parametrize("ahead, max_staleness", [(True, 4), (False, 4), (True, 0)])
 def test_sample_ahead_issues_the_next_batch_before_the_current_step_commits(tiny_model, data_dir, tmp_path, ahead,
                                                                             max_staleness):
