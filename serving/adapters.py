@@ -13,6 +13,14 @@ keeps its version meanwhile. A HEAD.json that cannot be read (edited by hand) le
 serves until the registry's next change rebuilds it, logged once. `watch()` calls `refresh()` every
 `poll_seconds` until stopped.
 
+A version is told apart by its number and its record's `created_at`: the registry never uses a number twice,
+but one edited by hand, or a data dir replaced under a running server, can show a number again with other
+files, and numbers alone would keep the old files serving under the new version's name. A version published
+under the number of the one a tenant serves, with another `created_at`, replaces it. As
+vLLM tells adapters apart by name (two with one name in a batch are one), the new one is loaded only once the
+old one has left the engine: the tenant is served the base model from the moment the change is seen until
+the requests still running on the old one end.
+
 Requests take a `Lease` (`acquire`) for the whole generation and give it back when the response is done
 (`release`): a generation never changes adapter mid-way, because the engine request carries its own
 `AdapterHandle`. Every loaded version counts its leases; a version that is no longer current leaves the
@@ -54,7 +62,7 @@ from typing import Protocol
 
 from serving.adapter_check import AdapterRejected
 from serving.engine import AdapterHandle
-from serving.errors import ModelNotFound
+from serving.errors import ModelNotFound, Unavailable
 from serving.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
@@ -88,6 +96,7 @@ class _Loaded:
     tenant: str
     number: int
     handle: AdapterHandle
+    created: datetime | None = None  # the record's created_at: what tells it from another version of its number
     leases: int = 0
     current: bool = False
     checked: int | None = None  # registry generation at which an explicit request last found it published
@@ -96,6 +105,7 @@ class _Loaded:
 @dataclass
 class _Failing:
     number: int  # the version whose swap failed
+    created: datetime | None
     error: str
     tries: int
     retry_at: float  # monotonic seconds
@@ -146,7 +156,7 @@ class AdapterSet:
         self.monotonic = monotonic
         self._loaded: dict[tuple[str, int], _Loaded] = {}
         self._current: dict[str, _Loaded] = {}
-        self._refused: dict[tuple[str, int], str] = {}
+        self._refused: dict[tuple[str, int], tuple[str, datetime | None]] = {}  # -> (why, the version's created_at)
         self._failing: dict[str, _Failing] = {}  # tenant -> the swap to try again, and when
         self._loading: dict[tuple[str, int], asyncio.Future] = {}
         self._generation: int | None = None
@@ -164,11 +174,12 @@ class AdapterSet:
 
     def refused(self) -> dict[str, str]:
         """version name -> why it was refused."""
-        return {f"{t}@{n}": reason for (t, n), reason in self._refused.items()}
+        return {f"{t}@{n}": reason for (t, n), (reason, _) in self._refused.items()}
 
     def refusal(self, tenant: str, number: int) -> str | None:
         """Why version `number` of `tenant` was refused; None when it was not (or is forgotten, REFUSED_KEPT)."""
-        return self._refused.get((tenant, number))
+        refused = self._refused.get((tenant, number))
+        return None if refused is None else refused[0]
 
     def base_lease(self) -> Lease:
         return Lease(None, self.base_name)
@@ -235,12 +246,23 @@ class AdapterSet:
                         logger.info("tenant %s has no published adapter any more; serving the base model", tenant)
                         self._set_current(tenant, None)
                     continue
+                key, created = (tenant, version.number), _created(version)
                 if current is not None and current.number == version.number:
+                    if current.created == created:
+                        continue
+                    logger.warning("adapter %s was replaced in the registry (created %s, not %s: its number was "
+                                   "used again after a hand edit); tenant %s is served the base model until the old "
+                                   "one has left the engine", current.handle.name, created, current.created, tenant)
+                    self._set_current(tenant, None)
+                if key in self._refused and self._refused[key][1] == created:
                     continue
-                if (tenant, version.number) in self._refused:
+                old = self._loaded.get(key)
+                if old is not None and old.created != created:
+                    settled = False  # requests still run on the old one (a later poll tries): see the module notes
                     continue
                 failing = self._failing.get(tenant)
-                if failing is not None and failing.number == version.number and self.monotonic() < failing.retry_at:
+                if (failing is not None and (failing.number, failing.created) == (version.number, created)
+                        and self.monotonic() < failing.retry_at):
                     settled = False  # backing off: a later poll tries it
                     continue
                 settled &= await self._swap_in(tenant, version, startup=startup)
@@ -250,24 +272,25 @@ class AdapterSet:
     async def _swap_in(self, tenant: str, version, *, startup: bool = False) -> bool:
         """Validates, loads and makes current; False when it failed for a reason worth retrying."""
         started = time.monotonic()
-        name = f"{tenant}@{version.number}"
+        name, created = f"{tenant}@{version.number}", _created(version)
         try:
-            loaded = await self._load(tenant, version.number, Path(version.path))
+            loaded = await self._load(tenant, version.number, Path(version.path), created)
         except AdapterRejected as e:  # the adapter itself is bad: trying again cannot help
             self._failing.pop(tenant, None)
-            self._refuse(tenant, version.number, str(e))
+            self._refuse(tenant, version.number, created, str(e))
             return True
         except Exception as e:  # an I/O error while checking, the engine's load errors (no common type): may pass
             error = f"{type(e).__name__}: {e}"
             failing = self._failing.get(tenant)
-            tries = failing.tries + 1 if failing is not None and failing.number == version.number else 1
+            same = failing is not None and (failing.number, failing.created) == (version.number, created)
+            tries = failing.tries + 1 if same else 1
             delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (tries - 1))
-            if failing is None or (failing.number, failing.error) != (version.number, error):  # once, not each try
+            if not same or failing.error != error:  # once, not each try
                 logger.warning("adapter %s could not be loaded (tried again, backing off up to %.0fs); tenant %s "
                                "stays on %s", name, RETRY_MAX_S, tenant, self.current(tenant), exc_info=True)
             else:
                 logger.debug("adapter %s still could not be loaded (try %d, next in %.1fs): %s", name, tries, delay, error)
-            self._failing[tenant] = _Failing(version.number, error, tries, self.monotonic() + delay)
+            self._failing[tenant] = _Failing(version.number, created, error, tries, self.monotonic() + delay)
             return False
         self._failing.pop(tenant, None)
         self._set_current(tenant, loaded)
@@ -292,8 +315,8 @@ class AdapterSet:
             old.current = False
             self._maybe_unload(old)
 
-    def _refuse(self, tenant: str, number: int, reason: str) -> None:
-        self._refused[(tenant, number)] = reason
+    def _refuse(self, tenant: str, number: int, created: datetime | None, reason: str) -> None:
+        self._refused[(tenant, number)] = (reason, created)
         # The newest few per tenant: under a systematic refusal (a rank above max_lora_rank) every step adds
         # one. An older one forgotten is only tried again if a request names it, and refused again.
         mine = sorted(n for t, n in self._refused if t == tenant)
@@ -304,17 +327,18 @@ class AdapterSet:
                      self.current(tenant), reason)
 
     # --- loading and unloading ----------------------------------------------------------------------------
-    async def _load(self, tenant: str, number: int, path: Path) -> _Loaded:
-        """Validates and loads one version (once, however many callers ask at the same time)."""
+    async def _load(self, tenant: str, number: int, path: Path, created: datetime | None) -> _Loaded:
+        """Validates and loads one version (once, however many callers ask at the same time). `Unavailable`
+        while another version of its number (another `created`) is loaded: see the module notes."""
         key = (tenant, number)
         if key in self._loaded:
-            return self._loaded[key]
+            return _same(self._loaded[key], created)
         pending = self._loading.get(key)
         if pending is not None:
             loaded = await asyncio.shield(pending)
             if self._loaded.get(key) is loaded:
-                return loaded
-            return await self._load(tenant, number, path)  # it was used and unloaded while we waited
+                return _same(loaded, created)
+            return await self._load(tenant, number, path, created)  # it was used and unloaded while we waited
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._loading[key] = future
         source = path
@@ -327,7 +351,7 @@ class AdapterSet:
             await asyncio.to_thread(self.check, path)
             handle = self.engine.new_handle(f"{tenant}@{number}", path)
             await self.engine.load_adapter(handle)
-            loaded = _Loaded(tenant, number, handle)
+            loaded = _Loaded(tenant, number, handle, created)
             self._loaded[key] = loaded
             future.set_result(loaded)
             return loaded
@@ -345,8 +369,6 @@ class AdapterSet:
 
         name = f"{tenant}@{number}"
         generation = self._generation  # what the status read below is at least as new as
-        if (tenant, number) in self._refused:
-            raise UnknownVersion(f"model {name!r} cannot be served: {self._refused[(tenant, number)]}")
         try:
             version = await asyncio.to_thread(self.registry.get, tenant, number)
         except VersionNotFound:
@@ -356,12 +378,16 @@ class AdapterSet:
             raise UnknownVersion(f"model {name!r} cannot be served: its registry record cannot be read") from None
         if version.status != "published":
             raise UnknownVersion(f"model {name!r} is {version.status}, not published")
+        created = _created(version)
+        refused = self._refused.get((tenant, number))
+        if refused is not None and refused[1] == created:
+            raise UnknownVersion(f"model {name!r} cannot be served: {refused[0]}")
         try:
-            loaded = await self._load(tenant, number, Path(version.path))
+            loaded = await self._load(tenant, number, Path(version.path), created)
             loaded.checked = generation
             return loaded
         except AdapterRejected as e:
-            self._refuse(tenant, number, str(e))
+            self._refuse(tenant, number, created, str(e))
             raise UnknownVersion(f"model {name!r} cannot be served: {e}") from e
 
     def _maybe_unload(self, loaded: _Loaded) -> None:
@@ -401,6 +427,17 @@ class AdapterSet:
             v.handle.name: {"lora_id": v.handle.lora_id, "leases": v.leases, "current": v.current}
             for v in self._loaded.values()
         }
+
+
+def _created(version) -> datetime | None:
+    return getattr(version, "created_at", None)
+
+
+def _same(loaded: _Loaded, created: datetime | None) -> _Loaded:
+    if loaded.created != created:
+        raise Unavailable(f"model {loaded.handle.name!r} was replaced in the registry; the new one is served once "
+                          "the requests still running on the old one end")
+    return loaded
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -10,9 +10,17 @@ On disk:
 A version exists when its metadata file exists. `create` writes the adapter files into a hidden staging
 directory, fsyncs them, renames the directory to adapters/<tenant>/<n>/ and only then writes
 registry/<tenant>/<n>.json (atomically, temp + rename). A crash at any point leaves either nothing visible
-or a complete version; an adapter directory without metadata is an orphan that the next `create` of that
-number deletes. Retiring goes the other way round: metadata says "retired" first, files are deleted after,
-so a version whose files are gone has always already been marked retired.
+or a complete version (the next `create` records the number of one cut short as skipped: below). Retiring
+goes the other way round: metadata says "retired" first, files are deleted after, so a version whose files
+are gone has always already been marked retired.
+
+A number is never used twice, even after a hand edit: serving, and the learner's checkpoints, tell versions by
+number, and a reused one would leave them with the old files under the new version's name. `create` takes
+the number after the largest that any trace on disk still names: the records, the index hint, the adapter
+directories and HEAD.json. Numbers between the newest record and that one (an adapter directory without
+metadata, the orphan of a create that crashed before its commit point; or a record deleted by hand) get a
+record of their own, status "retired" with the reason, and their files are deleted: records stay
+consecutive, which the index hint's probing relies on.
 
 Status moves: candidate -> published | rejected; anything -> retired. `rollback` never rewrites history:
 it copies an older version's files into a new, newest, published version whose parent is the old one.
@@ -318,7 +326,7 @@ class Registry:
         return out
 
     def newest_number(self, tenant: str) -> int:
-        """The tenant's newest version number, 0 for none (numbers are 1, 2, ... with no gaps)."""
+        """The tenant's newest version number, 0 for none (numbers are 1, 2, ...: a number skipped has a record)."""
         return self._live(check_tenant(tenant))[0]
 
     def candidates(self, tenant: str) -> list[AdapterVersion]:
@@ -512,9 +520,8 @@ class Registry:
             _check_peft_files(staging, tenant)
             fsync_tree(staging)
             with self._locked():
-                number = self._live(tenant)[0] + 1
+                number, skipped = self._allocate(tenant)
                 final = self.dd.adapter_dir(tenant, number)
-                remove_tree(final)  # an orphan of a create that crashed before its metadata landed
                 publish_dir(staging, final)
                 now = _now()
                 v = AdapterVersion(
@@ -531,13 +538,45 @@ class Registry:
                     reason=reason,
                 )
                 self._write_meta(v)  # the commit point
-                retired = self._enforce_keep_last(tenant) if status == "published" else []
+                retired = skipped + (self._enforce_keep_last(tenant) if status == "published" else [])
                 self._write_head()
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
         self._remove_files(retired)
         return v
+
+    def _allocate(self, tenant: str) -> tuple[int, list[AdapterVersion]]:
+        """Under the lock: the next version number, past every one a trace on disk names (see the module
+        notes), and the records written for the numbers skipped (their files still to be removed)."""
+        adapters = self.dd.adapters / tenant
+        used = [int(p.name) for p in adapters.iterdir() if p.name.isdigit()] if adapters.is_dir() else []
+        _, head = self._old_head()
+        served = (head or {}).get(tenant)
+        top = max(self._live(tenant)[0], max(used, default=0), served.number if served is not None else 0)
+        newest = top  # the newest record: the hint's `last` may name more than there are (edited by hand)
+        while newest > 0 and not self._meta_path(tenant, newest).exists():
+            newest -= 1
+        skipped = []
+        for n in range(newest + 1, top + 1):
+            now = _now()
+            v = AdapterVersion(
+                tenant=tenant,
+                number=n,
+                parent=None,
+                status="retired",
+                path=self.dd.adapter_dir(tenant, n),
+                created_at=now,
+                retired_at=now,
+                reason=(f"number skipped: {tenant}@{n} had no record when {tenant}@{top + 1} was created (a create "
+                        "cut short before its record, or a record deleted by hand); never reused, its files removed"),
+            )
+            self._write_meta(v)
+            skipped.append(v)
+        if skipped:
+            logger.warning("registry: %s had no record; numbers are never reused, so %s@%d is next and they are "
+                           "recorded as retired", ", ".join(v.name for v in skipped), tenant, top + 1)
+        return top + 1, skipped
 
     def _locked(self):
         return FileLock(self._lock_path)

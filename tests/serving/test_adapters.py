@@ -4,6 +4,7 @@ corrupt versions are refused, explicit versions load on demand."""
 
 import asyncio
 import functools
+import shutil
 
 import pytest
 
@@ -11,6 +12,7 @@ from make_adapter import write_peft_adapter
 from serving.adapter_check import base_linear_shapes, validate_adapter
 from serving.adapters import AdapterSet, UnknownVersion, stage_directory
 from serving.engine import AdapterHandle
+from serving.errors import Unavailable
 from serving.metrics import ServingMetrics
 from storage.registry import Registry
 
@@ -316,6 +318,64 @@ def test_an_explicit_version_whose_record_cannot_be_read_is_refused_without_its_
         with pytest.raises(UnknownVersion, match="its registry record cannot be read") as e:
             await adapters.acquire("acme", 1)
         assert "1.json" not in str(e.value)
+
+    run(scenario())
+
+
+def _forget(registry: Registry, tenant: str) -> None:
+    """Every trace of the tenant's versions gone, HEAD.json too: a data dir replaced under a running server."""
+    shutil.rmtree(registry.dd.registry / tenant)
+    shutil.rmtree(registry.dd.adapters / tenant)
+    (registry.dd.registry / "HEAD.json").unlink()
+
+
+def test_a_version_number_shown_again_with_other_files_replaces_the_one_served(world, caplog):
+    """The registry never reuses a number, but a data dir replaced (or edited by hand) under a running server
+    can show acme@1 again with other files: serving tells them apart by the record's created_at. vLLM tells
+    adapters apart by name, so the new acme@1 is loaded once the old one has left the engine."""
+    registry, engine, adapters, publish = world
+
+    async def scenario():
+        publish("acme", seed=1)
+        await adapters.refresh()
+        held = await adapters.acquire("acme")  # a request still running on the old acme@1
+        old_id = held.adapter.lora_id
+        _forget(registry, "acme")
+        assert publish("acme", seed=2) == 1
+        await adapters.refresh()
+        assert adapters.current("acme") == "base", "the old files no longer serve what the registry calls acme@1"
+        assert engine.loaded == {old_id: "acme@1"}, "one adapter per name in the engine"
+        assert any("acme@1 was replaced in the registry" in r.getMessage() for r in caplog.records)
+        with pytest.raises(Unavailable, match="replaced"):
+            await adapters.acquire("acme", 1)
+        await adapters.refresh()
+        assert adapters.current("acme") == "base"
+        held.release()
+        await adapters.drain()
+        await adapters.refresh()
+        fresh = await adapters.acquire("acme")
+        assert fresh.label == "acme@1" and fresh.adapter.lora_id != old_id
+        assert list(engine.loaded) == [fresh.adapter.lora_id]
+        assert adapters._current["acme"].created == registry.get("acme", 1).created_at
+        fresh.release()
+        await adapters.drain()
+
+    run(scenario())
+
+
+def test_a_replaced_version_no_request_runs_on_is_swapped_at_once(world):
+    registry, engine, adapters, publish = world
+
+    async def scenario():
+        publish("acme", seed=1)
+        await adapters.refresh()
+        old_id = adapters._current["acme"].handle.lora_id
+        _forget(registry, "acme")
+        assert publish("acme", seed=2) == 1
+        await adapters.refresh()
+        await adapters.drain()
+        new_id = adapters._current["acme"].handle.lora_id
+        assert adapters.current("acme") == "acme@1" and list(engine.loaded) == [new_id] and new_id != old_id
 
     run(scenario())
 

@@ -378,6 +378,8 @@ reg.create("acme", parent=None, write=write)
 
 
 def test_crash_between_files_and_metadata_is_invisible_and_repaired(data_dir, python_subprocess, peft_writer):
+    """The orphan's number is not reused (its files may be a version whose record was deleted by hand): the
+    next create skips it, records it retired and deletes its files."""
     run, _ = python_subprocess
     result = run(CRASH_AFTER_RENAME, str(data_dir))
     assert result.returncode == 9, result.stderr
@@ -387,8 +389,11 @@ def test_crash_between_files_and_metadata_is_invisible_and_repaired(data_dir, py
     with pytest.raises(VersionNotFound):
         reg.get("acme", 1)
     v = _new(reg, peft_writer)
-    assert v.number == 1
-    assert (v.path / "adapter_model.safetensors").read_bytes() != b"orphan", "the orphan was replaced"
+    assert v.number == 2
+    skipped = reg.get("acme", 1)
+    assert (skipped.status, skipped.published_at) == ("retired", None) and "number skipped" in skipped.reason
+    assert not skipped.path.exists(), "the orphan's files are removed"
+    assert sorted(p.name for p in (data_dir / "adapters" / "acme").iterdir()) == ["2"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -712,3 +717,38 @@ def test_a_tenant_unreadable_while_head_is_too_is_left_out_of_head(data_dir, pef
     (data_dir / "registry" / "beta" / "1.json").write_bytes(b"[]")
     reg.publish("acme", _new(reg, peft_writer, parent="acme@1").number)
     assert {t: x.name for t, x in reg.published().items()} == {"acme": "acme@2"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A number is never reused, even after its record was deleted by hand: serving tells versions by number.
+
+
+@pytest.mark.parametrize("trace", ["adapter directory", "HEAD.json", "index hint"])
+def test_a_number_whose_record_was_deleted_by_hand_is_not_reused(data_dir, peft_writer, trace):
+    reg = Registry(data_dir)
+    for n in (1, 2):
+        reg.publish("acme", _new(reg, peft_writer, parent=f"acme@{n - 1}" if n > 1 else None).number)
+    third = _new(reg, peft_writer, parent="acme@2")
+    if trace == "HEAD.json":
+        reg.publish("acme", 3)
+    elif trace == "index hint":
+        reg.reject("acme", 3, reason="x")
+    stale_hint = (data_dir / "registry" / "acme" / "index.json").read_bytes()
+    # What only the chosen trace survives of acme@3.
+    (data_dir / "registry" / "acme" / "3.json").unlink()
+    if trace != "index hint":
+        (data_dir / "registry" / "acme" / "index.json").unlink()
+    if trace != "adapter directory":
+        shutil.rmtree(third.path)
+    assert (reg.published()["acme"].name == "acme@3") == (trace == "HEAD.json")
+
+    v = _new(reg, peft_writer, parent="acme@2")
+    assert v.number == 4
+    skipped = reg.get("acme", 3)
+    assert skipped.status == "retired" and "acme@3 had no record when acme@4 was created" in skipped.reason
+    assert not third.path.exists(), "the files of a version without a record go with its number"
+    assert reg.published()["acme"].name == "acme@2", "HEAD.json follows the records"
+    # Records stay consecutive, so a hint older than the skipped number still finds the newest version.
+    (data_dir / "registry" / "acme" / "index.json").write_bytes(stale_hint)
+    assert Registry(data_dir).newest_number("acme") == 4
+    assert _create_number(Registry(data_dir), peft_writer) == 5
