@@ -248,6 +248,7 @@ class _Request(BaseModel):
 
 TOOL_MESSAGE_FIELDS = ("tool_calls", "function_call", "tool_call_id")
 TOOL_ROLES = ("tool", "function")
+ROLES = ("system", "developer", "user", "assistant")  # OpenAI's, less TOOL_ROLES (refused as tool calling)
 
 
 class ChatMessage(BaseModel):
@@ -313,6 +314,19 @@ class ChatRequest(_Request):
             raise UnsupportedParameter(
                 "function calling is not supported by this server; send no functions, or function_call \"none\"",
                 param="functions")
+        return self
+
+    @model_validator(mode="after")
+    def _known_roles(self):
+        """OpenAI's roles only, as OpenAI checks them: a chat template skips a role it does not know (Qwen's
+        does), so "bot" or "User" would be answered as if the message had not been sent. `param` is OpenAI's
+        path to it ("messages.[1].role")."""
+        for i, message in enumerate(self.messages):
+            if message.role not in ROLES:
+                shown = message.role if len(message.role) <= 64 else message.role[:64] + "..."  # not echoed whole
+                supported = ", ".join(f"'{r}'" for r in ROLES[:-1]) + f", and '{ROLES[-1]}'"
+                raise BadRequest(f"Invalid value: {shown!r}. Supported values are: {supported}.",
+                                 param=f"messages.[{i}].role")
         return self
 
     def plain_messages(self) -> list[dict[str, str]]:

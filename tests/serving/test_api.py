@@ -252,6 +252,15 @@ def test_tool_turns_in_the_messages_are_refused_not_dropped(messages):
     assert w.llm.calls == []
 
 
+def test_an_unknown_role_is_a_400_before_any_work_and_tool_roles_stay_unsupported():
+    w = World()
+    r = w.post("/v1/chat/completions", chat(messages=[{"role": "bot", "content": "x"}]))
+    assert r.status_code == 400 and error(r)["param"] == "messages.[0].role" and "'bot'" in error(r)["message"]
+    r = w.post("/v1/chat/completions", chat(messages=[{"role": "tool", "content": "x"}]))
+    assert error(r)["code"] == "unsupported_parameter" and "tool calling" in error(r)["message"]
+    assert w.llm.calls == [] and w.llm.tokenizer.threads == []
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"tool_choice": "required"}, "tools"),
     ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools"),
@@ -554,14 +563,14 @@ def test_text_far_beyond_the_context_is_refused_before_tokenizing():
     assert w.llm.tokenizer.threads == []  # never tokenized
 
 
-@pytest.mark.parametrize("messages", [
-    [{"role": "user", "content": ""}] * MAX_MODEL_LEN,  # many empty messages: each renders to framing
-    [{"role": "r" * (MAX_MODEL_LEN * 16), "content": "hi"}],  # a huge role
+@pytest.mark.parametrize("messages, code", [
+    ([{"role": "user", "content": ""}] * MAX_MODEL_LEN, "context_length_exceeded"),  # each renders to framing
+    ([{"role": "r" * (MAX_MODEL_LEN * 16), "content": "hi"}], "invalid_request"),  # a huge role: no role at all
 ], ids=["many-empty-messages", "long-role"])
-def test_chat_text_counts_roles_and_framing_before_tokenizing(messages):
+def test_chat_text_counts_roles_and_framing_before_tokenizing(messages, code):
     w = World()
     r = w.post("/v1/chat/completions", chat(messages=messages))
-    assert r.status_code == 400 and error(r)["code"] == "context_length_exceeded"
+    assert r.status_code == 400 and error(r)["code"] == code and len(error(r)["message"]) < 200
     assert w.llm.tokenizer.threads == []  # refused before the prompt thread
 
 

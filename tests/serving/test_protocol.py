@@ -53,6 +53,20 @@ def test_sampling_the_engine_would_refuse_is_a_bad_request(extra, expected):
     assert protocol.parse(protocol.ChatRequest, json.dumps(ok).encode()).seed == 2**63 - 1
 
 
+@pytest.mark.parametrize("role", ["bot", "User", "ASSISTANT", "model", "human"])
+def test_a_role_openai_does_not_define_is_refused_naming_the_message(role):
+    """Qwen3's chat template drops a message whose role it does not know: answered 200 as if it was not sent."""
+    body = {"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": role, "content": "x"}]}
+    with pytest.raises(BadRequest) as e:
+        protocol.parse(protocol.ChatRequest, json.dumps(body).encode())
+    assert e.value.param == "messages.[1].role" and e.value.code == "invalid_request"
+    assert e.value.message == (f"Invalid value: '{role}'. Supported values are: 'system', 'developer', 'user', and "
+                               "'assistant'.")
+    for known in ("system", "developer", "user", "assistant"):
+        body["messages"][1]["role"] = known
+        assert protocol.parse(protocol.ChatRequest, json.dumps(body).encode()).messages[1].role == known
+
+
 @pytest.mark.parametrize("prompt, expected", [
     ("text", ["text"]),
     (["only"], ["only"]),
