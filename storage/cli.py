@@ -360,6 +360,7 @@ def cmd_adapters_list(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
     from storage.layout import StorageError, check_tenant
     from storage.query import adapters_table
+    from storage.registry import UnreadableRecord
 
     registry = _registry(args)
     try:
@@ -375,9 +376,18 @@ def cmd_adapters_list(args: argparse.Namespace) -> int:
             versions, hidden = registry.versions(args.tenant), 0
         else:
             tenants = [args.tenant] if args.tenant is not None else registry.tenants()
-            # Settled ones the registry's hint has not caught up with yet (files gone) are history too.
-            versions = [v for t in tenants for v in registry.unsettled(t) if v.retired_at is None or v.path.exists()]
-            hidden = sum(registry.newest_number(t) for t in tenants) - len(versions)
+            versions, hidden = [], 0
+            for t in tenants:
+                try:
+                    # Settled ones the registry's hint has not caught up with yet (files gone) are history too.
+                    mine = [v for v in registry.unsettled(t) if v.retired_at is None or v.path.exists()]
+                except UnreadableRecord as e:
+                    if args.tenant is not None:
+                        raise
+                    print(f"clora adapters list: tenant {t!r} left out: {e}", file=sys.stderr)  # the others still list
+                    continue
+                versions += mine
+                hidden += registry.newest_number(t) - len(mine)
     except (StorageError, *UNREADABLE) as e:
         return _fail("list", e)
     columns = ["name", "status", "latest", "parent", "created_at", "published_at", "reason", "metrics"]

@@ -409,3 +409,16 @@ def test_compact_goes_on_past_a_partition_that_fails_and_exits_1(clora, data_dir
     assert "trajectories/tenant=acme: failed: OSError: [Errno 28] No space left on device" in out
     assert "compacted 2 files in 1 partition(s)" in out and len(live_files(data_dir, "trajectories", "globex")) == 1
     assert err.strip() == "clora compact: 1 failed: trajectories/tenant=acme (see above)"
+
+
+def test_adapters_list_leaves_out_a_tenant_whose_record_cannot_be_read(clora, data_dir, peft_writer):
+    reg = Registry(data_dir, keep_last=5)
+    for tenant in ("acme", "globex"):
+        reg.create(tenant, parent=None, write=peft_writer)
+        reg.publish(tenant, 1)
+    (data_dir / "registry" / "globex" / "1.json").write_text("{ edited by hand")
+    code, out, err = clora("adapters", "list")
+    assert code == 0 and "acme@1" in out and "globex@1" not in out
+    assert "'globex' left out" in err and "1.json" in err
+    code, _, err = clora("adapters", "list", "--tenant", "globex")
+    assert code == 1 and "1.json" in err
