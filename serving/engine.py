@@ -20,6 +20,8 @@ also a chat request's default `max_tokens`) and `check_sampling` (a dead engine,
 refuses) turn the engine's refusals into proper statuses. Each request carries `cache_salt` (the tenant):
 vLLM then never shares cached prefix blocks between tenants, so no tenant can time another's prompts
 through the prefix cache. A choice the engine ends with finish reason "error" raises `GenerationFailed`.
+A greedy request (temperature 0) with n > 1, which vLLM refuses, runs once with n = 1 and every choice
+gets its deltas: greedy decoding has one answer.
 
 Log-probabilities are vLLM's default `raw_logprobs`: log-softmax of the model's logits before
 temperature, top-p or penalties, i.e. the log-probability under the policy at temperature 1, which is
@@ -78,6 +80,7 @@ ZERO_ADAPTER_NAME = "_zero"  # never a tenant version name ("<tenant>@<n>")
 # renderer makes the same bound from its tokenizer; no real tokenizer averages more than a few characters).
 MAX_CHARS_PER_TOKEN = 16
 MESSAGE_FRAMING_CHARS = 16  # what a chat template adds around each message, at least (counted with its role)
+GREEDY_BELOW = 1e-5  # vLLM decodes greedily below this temperature, and then runs n = 1 only
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -427,6 +430,7 @@ class Engine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         sampling = self.check_prompt(prompt_ids, sampling)
+        copies = sampling.n if _greedy(sampling) else 1  # greedy runs once (n = 1); each choice gets its answer
         adapter = adapter or self.zero_adapter
         lora = _lora_request(adapter) if adapter is not None else None
         chars: dict[int, int] = {}  # choice -> characters of its text so far
@@ -444,7 +448,7 @@ class Engine:
                     decoder = decoders.setdefault(out.index, codecs.getincrementaldecoder("utf-8")("replace"))
                     offsets = _text_offsets([self.token_bytes(t) for t in out.token_ids], start, len(out.text),
                                             decoder)
-                    yield Delta(
+                    delta = Delta(
                         index=out.index,
                         text=out.text,
                         token_ids=list(out.token_ids),
@@ -452,6 +456,8 @@ class Engine:
                                                  offsets),
                         finish_reason=out.finish_reason,
                     )
+                    for index in range(copies):
+                        yield delta if copies == 1 else replace(delta, index=index)
         except VLLMClientError as e:
             raise BadRequest(str(e), param=getattr(e, "parameter", None)) from e
         except EngineDeadError as e:
@@ -499,7 +505,7 @@ def _sampling_params(sampling: Sampling):
 
     try:
         return SamplingParams(
-            n=sampling.n,
+            n=1 if _greedy(sampling) else sampling.n,  # vLLM refuses greedy with n > 1: stream() copies its answer
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -520,6 +526,10 @@ def _sampling_params(sampling: Sampling):
         )
     except VLLMValidationError as e:  # its own server answers these with 400 too
         raise BadRequest(str(e), param=e.parameter) from e
+
+
+def _greedy(sampling: Sampling) -> bool:
+    return sampling.temperature < GREEDY_BELOW
 
 
 def _too_long(max_model_len: int, tokens: int, param: str) -> ContextLengthExceeded:

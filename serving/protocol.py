@@ -13,6 +13,9 @@ decoding, chat template options, prompt logprobs, audio, ...) unless they hold t
 clora does anyway (`"add_generation_prompt": true`). OpenAI's metadata fields that change no answer (`user`,
 `metadata`, `store`, `service_tier`, `parallel_tool_calls` without tools, ...) are taken, as are vLLM's
 `min_tokens`, `stop_token_ids`, `include_stop_str_in_output` and `ignore_eos`, which the engine applies.
+Two samplings vLLM refuses are taken, as OpenAI takes them: `temperature: 0` with `n` > 1 gets n copies of
+the one greedy answer (the engine runs it once), and `top_p: 0` keeps the most likely token only, sampled
+as `top_k: 1`.
 README.md ("Serving: the HTTP contract") has the table of what is accepted and refused.
 
 Responses are plain dicts built from the engine's `Choice`/`Delta` (serving/engine.py) by pure
@@ -43,7 +46,6 @@ from serving.errors import BadRequest, UnsupportedParameter
 MAX_N = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM default it
 MAX_CHOICES = 128  # prompts x n of one /v1/completions request
-GREEDY_BELOW = 1e-5  # vLLM decodes greedily below this temperature, and then allows n = 1 only
 MAX_TOP_LOGPROBS = 20
 MAX_METADATA_KEYS = 16  # OpenAI's limits on a request's `metadata`
 MAX_METADATA_KEY_CHARS = 64
@@ -118,7 +120,7 @@ class _Request(BaseModel):
     model: str = Field(min_length=1)
     max_tokens: int | None = _count(None, ge=1)
     temperature: float = _finite(1.0, ge=0, le=2)
-    top_p: float = _finite(1.0, gt=0, le=1)
+    top_p: float = _finite(1.0, ge=0, le=1)  # 0: the most likely token only (top_k 1; vLLM refuses top_p 0)
     n: int = _count(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = _count(None, ge=-(2**63), le=2**63 - 1)  # vLLM's range (a larger one fails inside it)
@@ -197,13 +199,6 @@ class _Request(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _greedy_has_one_choice(self):
-        if self.temperature < GREEDY_BELOW and self.n > 1:  # a BadRequest, so it names its param
-            raise BadRequest(f"n must be 1 with temperature {self.temperature:g} (greedy decoding has one answer)",
-                             param="n")
-        return self
-
-    @model_validator(mode="after")
     def _what_clora_does_not_do(self):
         # Raised as a BadRequest (not a ValueError), so it carries its `param`; it runs once the fields are valid.
         if self.stream_options is not None and not self.stream:
@@ -228,7 +223,7 @@ class _Request(BaseModel):
         return Sampling(
             max_tokens=max_tokens,
             temperature=self.temperature,
-            top_p=self.top_p,
+            top_p=self.top_p or 1.0,
             n=self.n,
             stop=self.stop_tuple(),
             seed=self.seed,
@@ -236,7 +231,7 @@ class _Request(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
-            top_k=self.top_k,
+            top_k=self.top_k if self.top_p else 1,
             min_p=self.min_p,
             logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
             min_tokens=self.min_tokens,

@@ -474,6 +474,31 @@ def test_penalties_and_vllm_sampling_extensions_reach_the_engine():
     assert sampling["presence_penalty"] == 0.5 and sampling["logit_bias"] == {"104": 5.0, "7": -100.0}
 
 
+def test_greedy_with_n_choices_runs_once_and_answers_n_times_streamed_or_not():
+    """OpenAI answers temperature 0 with n > 1 (n equal choices); vLLM refuses it, so the engine runs it once."""
+    w = World()
+    r = w.post("/v1/chat/completions", chat(temperature=0, n=3, logprobs=True))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [(c["index"], c["message"]["content"]) for c in body["choices"]] == [(i, "<us") for i in range(3)]
+    assert body["usage"]["completion_tokens"] == 9  # each choice's tokens, as OpenAI bills them
+    assert [c.params.n for c in w.llm.calls] == [1] and len(w.events.logged) == 3
+    events = sse_events(w.post("/v1/completions", {"model": "acme", "prompt": "hey", "temperature": 0, "n": 2,
+                                                   "stream": True, "stream_options": {"include_usage": True}}))
+    texts: dict[int, str] = {}
+    for chunk in events[:-2]:
+        for c in chunk["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert texts == {0: "hey", 1: "hey"} and events[-2]["usage"]["completion_tokens"] == 6
+    assert [c.params.n for c in w.llm.calls] == [1, 1]
+
+
+def test_top_p_0_reaches_the_engine_as_top_k_1():
+    w = World()
+    assert w.post("/v1/chat/completions", chat(top_p=0)).status_code == 200
+    assert (w.llm.calls[0].params.top_p, w.llm.calls[0].params.top_k) == (1.0, 1)
+
+
 def test_vllms_stopping_fields_reach_the_engine_and_the_event():
     w = World()
     r = w.post("/v1/chat/completions", chat(min_tokens=2, stop_token_ids=[7], include_stop_str_in_output=True,
@@ -836,7 +861,7 @@ def test_feedback_whose_score_is_not_a_number_is_refused_not_coerced(score):
 
 @pytest.mark.parametrize("extra, param", [
     ({"temperature": True}, "temperature"), ({"top_p": "0.5"}, "top_p"), ({"n": True}, "n"),
-    ({"max_tokens": True}, "max_tokens"), ({"temperature": 0, "n": 2}, "n"),
+    ({"max_tokens": True}, "max_tokens"),
     ({"max_completion_tokens": True}, "max_completion_tokens"), ({"logit_bias": {"5": True}}, "logit_bias"),
 ])
 def test_sampling_values_of_the_wrong_type_are_refused_and_name_their_field(extra, param):

@@ -40,7 +40,6 @@ def test_bad_bodies_list_every_problem():
 @pytest.mark.parametrize("extra, expected", [
     ({"stop": ""}, "stop sequences must not be empty"),
     ({"stop": ["\n", ""]}, "stop sequences must not be empty"),
-    ({"temperature": 0, "n": 2}, "n must be 1 with temperature 0"),
     ({"seed": 2**64}, "seed"),
     ({"seed": -(2**63) - 1}, "seed"),
 ])
@@ -65,6 +64,20 @@ def test_a_role_openai_does_not_define_is_refused_naming_the_message(role):
     for known in ("system", "developer", "user", "assistant"):
         body["messages"][1]["role"] = known
         assert protocol.parse(protocol.ChatRequest, json.dumps(body).encode()).messages[1].role == known
+
+
+def test_top_p_0_is_the_most_likely_token_as_top_k_1():
+    """OpenAI takes top_p 0; vLLM refuses it, and top_k 1 keeps the same one token."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 0, "top_k": 5}
+    s = protocol.parse(protocol.ChatRequest, json.dumps(body).encode()).sampling()
+    assert (s.top_p, s.top_k) == (1.0, 1)
+    s = protocol.parse(protocol.ChatRequest, json.dumps({**body, "top_p": 0.5}).encode()).sampling()
+    assert (s.top_p, s.top_k) == (0.5, 5)
+
+
+def test_greedy_with_several_choices_is_taken():
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0, "n": 3}
+    assert protocol.parse(protocol.ChatRequest, json.dumps(body).encode()).sampling().n == 3
 
 
 @pytest.mark.parametrize("prompt, expected", [
