@@ -5,7 +5,8 @@ Routes: `POST /v1/chat/completions`, `POST /v1/completions` (both stream as serv
 `GET /metrics`.
 
 One generation request, top to bottom (`_generate`): authenticate the bearer key (auth.py) -> read the
-body (at most `max_request_bytes`, else 413) and parse it (protocol.py) -> resolve `model` to the tenant's
+body (at most `max_request_bytes`, else 413; 400 `context_length_exceeded` when that limit is room for
+any prompt the context fits, see `_too_large`) and parse it (protocol.py) -> resolve `model` to the tenant's
 adapter or the base model -> take the tenant's in-flight slots (`InflightLimit`: 429 beyond
 `max_inflight_per_tenant` completions) -> render and tokenize the prompt (the engine's prompt thread, off
 the event loop), check it fits and check the sampling with the engine -> lease the adapter version
@@ -58,6 +59,7 @@ from serving.engine import MAX_CHARS_PER_TOKEN, Choice, Delta, Engine, Sampling
 from serving.errors import (
     BadRequest,
     ClientClosedRequest,
+    ContextLengthExceeded,
     EventLogFull,
     Forbidden,
     MethodNotAllowed,
@@ -279,7 +281,7 @@ class Api:
         arrived, arrived_at = time.monotonic(), utc_now()
         tenant = self.auth.tenant(request.headers.get("authorization"))
         request.state.tenant = tenant
-        body = protocol.parse(model, await self._body(request))
+        body = protocol.parse(model, await self._body(request, "messages" if endpoint == "chat" else "prompt"))
         choice = resolve_model(body.model, tenant=tenant, tenants=self.tenants, base_name=self.base_name)
         sampling = body.sampling(self.default_max_tokens)
         given = [None] if endpoint == "chat" else body.prompts()
@@ -359,22 +361,36 @@ class Api:
         self.engine.check_sampling(fitted)
         return _Prompt(text, ids, fitted, log_ids)
 
-    async def _body(self, request: Request) -> bytes:
-        """The request body, refused with 413 past `max_request_bytes` (by Content-Length, and while read)."""
+    async def _body(self, request: Request, prompt: str | None = None) -> bytes:
+        """The request body, refused past `max_request_bytes` (by Content-Length, and while read). `prompt` names
+        a generation's prompt field ("messages" or "prompt"), for `_too_large`."""
         limit = self.max_request_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            raise RequestTooLarge(f"the request body is {int(declared)} bytes; this server takes at most {limit}")
+            raise self._too_large(f"{int(declared)} bytes", prompt)
         chunks, size = [], 0
         try:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise RequestTooLarge(f"the request body is over {limit} bytes, the most this server takes")
+                    raise self._too_large(f"over {limit} bytes", prompt)
                 chunks.append(chunk)
         except ClientDisconnect:
             raise ClientClosedRequest("the client left before its request body was read") from None
         return b"".join(chunks)
+
+    def _too_large(self, size: str, prompt: str | None) -> ServingError:
+        """413, unless a generation's limit is at least what a prompt filling the context takes (the default
+        limit is): then a body past it holds a prompt past the context, or bulk no prompt needs, and the answer
+        is OpenAI's 400 context_length_exceeded, by which clients (the openai SDK's BadRequestError, LangChain,
+        LiteLLM) tell a prompt too long. A smaller limit is the server's own: 413."""
+        context = self.engine.max_model_len
+        if prompt is not None and self.max_request_bytes >= REQUEST_BYTES_PER_TOKEN * context:
+            return ContextLengthExceeded(
+                f"This model's maximum context length is {context} tokens. However, your request body is {size}, more "
+                f"than a prompt of {context} tokens can take (this server takes {self.max_request_bytes} bytes). Please "
+                f"reduce the length of the {prompt}.", param=prompt)
+        return RequestTooLarge(f"the request body is {size}; this server takes at most {self.max_request_bytes}")
 
     async def _deltas(self, call: _Call) -> AsyncIterator[Delta]:
         """Every choice's deltas, numbered across prompts (choice j of prompt i is i * n + j)."""

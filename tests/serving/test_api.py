@@ -743,6 +743,30 @@ def test_bodies_over_the_limit_are_413():
     assert w.post("/v1/chat/completions", chat()).status_code == 200
 
 
+def test_a_generation_body_past_a_limit_that_fits_the_context_is_context_length_exceeded():
+    """The default limit is room for any prompt the context fits (16 characters a token, 6 bytes each escaped):
+    a generation body past it is answered as OpenAI answers a prompt too long, 400 context_length_exceeded,
+    which clients (the openai SDK's BadRequestError, LangChain, LiteLLM) read as context overflow; not 413."""
+    w = World(max_request_bytes=96 * MAX_MODEL_LEN)
+    r = w.post("/v1/chat/completions", chat(messages=[{"role": "user", "content": "x" * 96 * MAX_MODEL_LEN}]))
+    e = error(r)
+    assert r.status_code == 400 and e["code"] == "context_length_exceeded" and e["param"] == "messages"
+    assert e["message"].startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your "
+                                   "request body is ")
+
+    async def chunked(c):  # no Content-Length: counted while read
+        async def parts():
+            for _ in range(16):
+                yield b" " * 512
+        return await c.post("/v1/completions", content=parts(), headers={"content-type": "application/json"})
+
+    r = w.run(chunked)
+    assert r.status_code == 400 and error(r)["param"] == "prompt" and "over 6144 bytes" in error(r)["message"]
+    r = w.post("/v1/feedback", {"id": "x" * 96 * MAX_MODEL_LEN, "score": 1})  # no prompt: the server's limit
+    assert r.status_code == 413 and error(r)["code"] == "request_too_large"
+    assert w.llm.calls == []
+
+
 def test_a_tenant_over_its_in_flight_limit_gets_429_with_retry_after():
     w = World(max_inflight_per_tenant=3)
     w.llm.gate = asyncio.Event()
