@@ -40,6 +40,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
+from serving.engine import GREEDY_BELOW as GREEDY_BELOW  # the engine's; clora's config check reads it here
 from serving.engine import Choice, Delta, Sampling, TokenLogprob
 from serving.errors import BadRequest, UnsupportedParameter
 
