@@ -532,8 +532,10 @@ def _between_fields(c: Any) -> list[tuple[tuple[str | int, ...], str]]:
             if t.group_size > 1:
                 sampled.append(t.group_size)
         if sampled and _known(temperature) and not GREEDY_BELOW <= temperature <= 2:
-            problems.append((("learner", "temperature"), f"learner.temperature {temperature:g} is outside what "
-                             f"serving samples {max(sampled)} completions at ({GREEDY_BELOW:g} to 2)"))
+            why = (f"a greedy group of {max(sampled)} samples is one answer repeated, every advantage 0"
+                   if temperature < GREEDY_BELOW else "serving samples at temperatures up to 2")
+            problems.append((("learner", "temperature"),
+                             f"learner.temperature {temperature:g} is outside {GREEDY_BELOW:g} to 2 ({why})"))
     days, every = c.retention.days, c.compaction.every_seconds
     if _known(days, every) and days > 0 and every == 0:
         problems.append((("retention", "days"),

@@ -541,8 +541,14 @@ class Api:
     async def models(self, request: Request) -> Response:
         """The base model, the caller's tenant, and its published versions that serving has not refused (a
         generation naming one of those is 404)."""
+        from storage.registry import UnreadableRecord
+
         tenant = self.auth.tenant(request.headers.get("authorization"))
-        versions = await asyncio.to_thread(self.registry.unsettled, tenant)  # every published one, not the history
+        try:
+            versions = await asyncio.to_thread(self.registry.unsettled, tenant)  # every published one, not the history
+        except UnreadableRecord as e:  # a record edited by hand: the tenant's versions stay out until it is mended
+            logger.warning("tenant %s: its versions are left out of /v1/models: %s", tenant, e)
+            versions = []
         data = [_model_card(self.base_name, self.started), _model_card(tenant, self.started)]
         data += [
             _model_card(v.name, int((v.published_at or v.created_at).timestamp()), parent=tenant)
@@ -554,7 +560,7 @@ class Api:
     async def model(self, request: Request) -> Response:
         """One model card: the base model, the caller's tenant, or one of its published versions; anything
         else (another tenant's, or a version serving refused, included) is 404, as a generation naming it is."""
-        from storage.registry import VersionNotFound
+        from storage.registry import UnreadableRecord, VersionNotFound
 
         tenant = self.auth.tenant(request.headers.get("authorization"))
         request.state.tenant = tenant
@@ -571,6 +577,9 @@ class Api:
             version = await asyncio.to_thread(self.registry.get, tenant, choice.version)
         except VersionNotFound:
             version = None
+        except UnreadableRecord as e:
+            logger.warning("tenant %s: %s", tenant, e)  # the path goes to the log, not to the caller
+            raise ModelNotFound(f"model {model_id!r}: its registry record cannot be read", param="model") from None
         if version is None or version.status != "published":
             raise ModelNotFound(f"model {model_id!r} does not exist or is not published", param="model")
         refused = self.adapters.refusal(tenant, choice.version)

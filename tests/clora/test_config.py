@@ -160,8 +160,8 @@ group_size = 32
         "serving.admin_key: serving.admin_key is also a tenant's api_key (tenants.1)",
         "tenants.0.lora.rank: tenant 'a': lora.rank 64 exceeds serving.max_lora_rank 16",
         "tenants.1.group_size: tenant 'base': group_size 32 is more than the 16 completions a serving request may ask for (n)",
-        f"learner.temperature: learner.temperature 1e-06 is outside what serving samples 32 completions at "
-        f"({GREEDY_BELOW:g} to 2)",
+        f"learner.temperature: learner.temperature 1e-06 is outside {GREEDY_BELOW:g} to 2 (a greedy group of 32 "
+        f"samples is one answer repeated, every advantage 0)",
     ]
     assert str(e.value).splitlines()[0].endswith("5 problem(s)")
 

@@ -691,6 +691,28 @@ def test_a_version_serving_refused_is_neither_listed_nor_carded():
     assert w.get("/v1/models/acme").status_code == 200  # the tenant's name still serves (the base model here)
 
 
+def test_a_tenant_whose_registry_record_cannot_be_read_still_lists_and_cards_what_it_can():
+    """A record edited by hand: /v1/models lists the base model and the tenant (no versions), its card is 404
+    without the file's path (that goes to the log)."""
+    from pathlib import Path
+
+    from storage.registry import UnreadableRecord
+
+    w = World()
+
+    def damaged(*_):
+        raise UnreadableRecord(Path("/data/registry/acme/1.json"), "not JSON")
+
+    w.api.registry.unsettled = damaged
+    w.api.registry.get = damaged
+    r = w.get("/v1/models")
+    assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [BASE, "acme"]
+    r = w.get("/v1/models/acme@1")
+    assert r.status_code == 404 and error(r)["code"] == "model_not_found" and "cannot be read" in error(r)["message"]
+    assert "/data/registry" not in error(r)["message"]
+    assert w.get("/v1/models/acme").status_code == 200
+
+
 def test_base_model_answers_carry_the_configured_base_name():
     w = World()
     for model in ("acme", BASE):  # acme has nothing published: the base model serves it

@@ -134,7 +134,7 @@ def test_refusals_use_the_openai_error_shape(server):
     with pytest.raises(openai.BadRequestError, match="maximum context length is 256 tokens") as e:
         client(server, "initech").completions.create(model="base", prompt="word " * 400)
     assert (e.value.body["code"], e.value.body["param"]) == ("context_length_exceeded", "prompt")
-    for extra in ({"stop": [""]}, {"temperature": 0, "n": 2}, {"seed": 2**64}):  # vLLM itself refuses these
+    for extra in ({"stop": [""]}, {"seed": 2**64}):  # vLLM itself refuses these
         for stream in (False, True):
             r = httpx.post(server.base_url + "/v1/chat/completions", headers={"Authorization": "Bearer " + server.keys["initech"]},
                            json={"model": "base", "messages": MESSAGES, "max_tokens": 2, "stream": stream, **extra})
