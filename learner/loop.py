@@ -52,9 +52,11 @@ Overlap (rollouts tenants, serving sampler): every ready tenant's next batch is 
 serving engine while the learner trains another tenant (`prefetch`), and with `learner.sample_ahead` a
 prompts-file tenant's step k+1 is sampled while its own step k trains (see `_start_prefetch`). A batch
 whose every sample is too stale by the time its step takes it is sampled again at once; a step with no
-usable sample at all fails (rollouts.NoUsableSamples) and commits nothing. Each
-step's `StepRecord` says where its time went (`timings`, phases in `PHASES`) and how many versions its
-oldest sample was behind (`staleness`); `run(on_step=...)` hands every record to the caller.
+usable sample at all fails (rollouts.NoUsableSamples) and commits nothing. A stop (`run`'s `stop` event)
+ends a step still waiting for its rollouts at once, committing nothing (rollouts.Stopped); a step past
+that wait is finished first. Each step's `StepRecord` says where its time went (`timings`, phases in
+`PHASES`) and how many versions its oldest sample was behind (`staleness`); `run(on_step=...)` hands every
+record to the caller.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ MAX_REMEMBERED_ROLLOUTS = 100_000  # rollout interaction ids awaiting ingest; ol
 SERVED_KEPT = 1024  # served version numbers a tenant remembers for staleness (at least max_staleness + 2)
 ABANDONED = "abandoned: the learner stopped before committing the step that made it"
 BACKLOG_UNREADABLE = "backlog unreadable: "  # the error of a tenant whose backlog cannot be read (cleared once it can)
-LOCK_FAILED = "cannot take the tenant's lock: "  # the error of a tenant whose lock file cannot be made (cleared once it can)
+LOCK_FAILED = "cannot take the tenant's lock: "  # the error of a tenant whose lock cannot be made (cleared once it can)
 
 
 class LearnerError(RuntimeError):
@@ -203,6 +205,7 @@ class Learner:
                 sampler = ServingSampler(cfg.learner.serving_url or cfg.serving.local_url)
         self.sampler = sampler
         self.prefetcher = Prefetcher(sampler) if sampler.background else None
+        self.stop = threading.Event()  # set: a wait for samples gives up, its step committing nothing (`run` sets it)
         self.progress = progress
         self.tenants: dict[str, TenantRuntime] = {}
         self._bars: dict[str, object] = {}
@@ -399,6 +402,11 @@ class Learner:
         started = time.monotonic()
         try:
             record = self.step(name)
+        except rollouts.Stopped:  # the learner is stopping: the step gave up waiting for its samples
+            logger.info("tenant %s: step %d stopped while its rollouts were sampled; nothing committed", name,
+                        rt.step + 1)
+            rt.status = "idle"
+            record = None
         except Exception as e:  # one tenant's failure must not stop the others; the traceback is logged
             logger.exception("tenant %s: step %d failed", name, rt.step + 1)
             self._back_off(rt, f"{type(e).__name__}: {e}")
@@ -622,7 +630,9 @@ class Learner:
 
     def _collect_rollouts(self, rt: TenantRuntime) -> _Work | None:
         tenant_scorer(rt.spec)  # fail early (and loudly) on a tenant that cannot do rollouts
-        job: SampledBatch | None = self.prefetcher.take(rt.spec.name) if self.prefetcher is not None else None
+        job: SampledBatch | None = None
+        if self.prefetcher is not None:
+            job = self.prefetcher.take(rt.spec.name, stop=self.stop)
         if job is not None and job.step != rt.step + 1:  # planned for another step (the tenant reloaded since)
             logger.info("tenant %s: sampled batch for step %d dropped at step %d", rt.spec.name, job.step, rt.step + 1)
             job = None
@@ -648,9 +658,15 @@ class Learner:
             plan = self._plan(rt)
             if plan is None:
                 return None
-            started = time.perf_counter()
-            samples = self.sampler.sample(self._requests(rt, plan)) if plan.prompts else []
-            seconds = time.perf_counter() - started
+            requests = self._requests(rt, plan) if plan.prompts else []
+            if not requests:
+                samples, seconds = [], 0.0
+            elif self.prefetcher is not None:  # a background sampler: waited for as a prefetched batch is
+                samples, seconds = self.prefetcher.sample(requests, stop=self.stop)
+            else:
+                started = time.perf_counter()
+                samples = self.sampler.sample(requests)
+                seconds = time.perf_counter() - started
         prompts = plan.prompts
         if rt.spec.prompts_file is not None:
             prompts = tuple(self._file_prompts(rt))
@@ -1075,6 +1091,7 @@ def run(
     `shard`: this process trains only that shard's tenants (several learner processes on one data dir)."""
     stop = stop or threading.Event()
     learner = learner or Learner(cfg, model_path=model_path, progress=progress, shard=shard)
+    learner.stop = stop  # a step waiting for rollouts gives up when it is set
     mark_ready(learner.dd.state, learner.process_name)  # the model is loaded: `clora up` may send traffic now
     served: set[str] = set()
     steps = 0

@@ -41,17 +41,24 @@ choice i when n > 1, as the serving tier names its events) or by `metadata.sourc
 are committed with the step that sees them. A tenant with a prompts file commits its production
 trajectories the same way (it learns from the file).
 
+Stopping: sampling runs in daemon threads (`_in_thread`), and the learner waits for it in short waits
+that give up once its stop event is set (`Stopped`): a stop does not wait out a request blocked for up to
+the HTTP timeout, neither in the loop nor at the process's exit. The step that was waiting commits nothing,
+and what its abandoned requests sample is never trained.
+
 Deliberately not here: the HTTP API itself (serving/), scorers (ingest/scorers.py), publishing (loop.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -75,6 +82,10 @@ VERSION_HEADER = "x-clora-adapter-version"
 
 class SamplingError(RuntimeError):
     """The sampler could not produce completions (the serving tier refused, timed out, or is down)."""
+
+
+class Stopped(Exception):
+    """The learner is stopping: a wait for samples gave up (the step that waited commits nothing)."""
 
 
 class NoUsableSamples(RuntimeError):
@@ -158,6 +169,43 @@ def plan_from_rows(
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Threads that do not hold up a stop
+
+STOP_POLL_SECONDS = 0.2  # how often a wait for samples looks at the stop event
+
+
+def _in_thread(fn: Callable, *args, name: str, slots: threading.Semaphore | None = None) -> Future:
+    """fn(*args) in a daemon thread of its own, after taking one of `slots` when given (until then its Future
+    can be cancelled, as a queued job of a thread pool). Not a ThreadPoolExecutor: the interpreter joins
+    those threads at exit, so a request blocked in an HTTP read held up the process's end for up to the
+    client's timeout."""
+    future: Future = Future()
+
+    def work() -> None:
+        with slots if slots is not None else contextlib.nullcontext():
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args)
+            except BaseException as e:  # the waiter gets it from the future
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return future
+
+
+def _await(future: Future, stop: threading.Event | None) -> None:
+    """Waits until `future` is done, or raises Stopped once `stop` is set (the future's thread is left to
+    finish or to die with the process)."""
+    while not future.done():
+        if stop is not None and stop.is_set():
+            raise Stopped("stopped while waiting for rollouts to be sampled")
+        futures_wait([future], timeout=STOP_POLL_SECONDS)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Samplers
 
 
@@ -219,7 +267,7 @@ def _retry_after(resp) -> float:
 class ServingSampler:
     """Samples through the serving tier's `/v1/completions`, all of a call's requests concurrently, in threads
     of that call's own: a tenant whose requests wait out 429s (its in-flight limit) holds no thread another
-    tenant's rollouts need."""
+    tenant's rollouts need. The threads are daemons (`_in_thread`)."""
 
     background = True
 
@@ -236,11 +284,13 @@ class ServingSampler:
     def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]:
         if not requests:
             return []
-        pool = ThreadPoolExecutor(min(self._concurrency, len(requests)), thread_name_prefix="rollout-http")
+        slots = threading.BoundedSemaphore(min(self._concurrency, len(requests)))
+        futures = [_in_thread(self._one, r, name="rollout-http", slots=slots) for r in requests]
         try:
-            return list(pool.map(self._one, requests))
+            return [f.result() for f in futures]
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)  # after a failure, the requests not started yet
+            for f in futures:  # after a failure, the requests not started yet
+                f.cancel()
 
     def _one(self, r: SampleRequest) -> list[Sample]:
         import httpx
@@ -326,11 +376,12 @@ class SampledBatch:
 
 
 class Prefetcher:
-    """At most one sampling job in flight per tenant, run in background threads (serving sampler only)."""
+    """At most one sampling job in flight per tenant, run in background threads (serving sampler only), at
+    most `workers` at once. Its waits give up when the `stop` they are given is set (`Stopped`)."""
 
     def __init__(self, sampler: Sampler, workers: int = 8):
         self.sampler = sampler
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout-prefetch")
+        self._slots = threading.BoundedSemaphore(workers)
         self._jobs: dict[str, tuple[RolloutPlan, int, Future]] = {}
         # Discarded jobs that were already running (a future cannot be cancelled then): their requests
         # still hold the tenant's place in the serving tier, so the tenant's next job starts after them.
@@ -350,22 +401,37 @@ class Prefetcher:
         loop asks again on its next pass; waiting here would hold up every tenant)."""
         if tenant in self._jobs or self._discarded_running(tenant):
             return
-        self._jobs[tenant] = (plan, step, self._pool.submit(self._timed, list(requests)))
+        future = _in_thread(self._timed, list(requests), name="rollout-prefetch", slots=self._slots)
+        self._jobs[tenant] = (plan, step, future)
 
     def _timed(self, requests: list[SampleRequest]) -> tuple[list[list[Sample]], float]:
         started = time.perf_counter()
         samples = self.sampler.sample(requests)
         return samples, time.perf_counter() - started
 
-    def take(self, tenant: str) -> SampledBatch | None:
-        """The tenant's finished job (waiting for it), or None if none was started; re-raises its error."""
+    def take(self, tenant: str, stop: threading.Event | None = None) -> SampledBatch | None:
+        """The tenant's finished job (waiting for it), or None if none was started; re-raises its error.
+        Raises Stopped when `stop` is set while it waits (the job is dropped)."""
         job = self._jobs.pop(tenant, None)
         if job is None:
-            self._settle(tenant)  # the caller samples itself next
+            self._settle(tenant, stop)  # the caller samples next (`sample`)
             return None
         plan, step, future = job
+        try:
+            _await(future, stop)
+        except Stopped:
+            self._discarded[tenant] = future  # still sampling: a next job of the tenant starts after it
+            raise
         samples, seconds = future.result()
         return SampledBatch(plan=plan, samples=samples, step=step, seconds=seconds)
+
+    def sample(self, requests: Sequence[SampleRequest],
+               stop: threading.Event | None = None) -> tuple[list[list[Sample]], float]:
+        """(samples, seconds) of `requests`, sampled now and waited for as `take` waits (a thread of its own,
+        not one of the `workers`: the caller has nothing else to do meanwhile)."""
+        future = _in_thread(self._timed, list(requests), name="rollout-sample")
+        _await(future, stop)
+        return future.result()
 
     def _discarded_running(self, tenant: str) -> bool:
         discarded = self._discarded.get(tenant)
@@ -374,13 +440,14 @@ class Prefetcher:
             return False
         return discarded is not None
 
-    def _settle(self, tenant: str) -> None:
+    def _settle(self, tenant: str, stop: threading.Event | None) -> None:
         """Waits for the tenant's discarded job if it is still running: two in flight would double the
         tenant's requests at once (past serving.max_inflight_per_tenant, refused). Rare: a config change, a
         step out of step; the scheduler takes other ready tenants first (`busy`)."""
-        discarded = self._discarded.pop(tenant, None)
+        discarded = self._discarded.get(tenant)
         if discarded is not None:
-            futures_wait([discarded])
+            _await(discarded, stop)
+            del self._discarded[tenant]
 
     def discard(self, tenant: str) -> None:
         job = self._jobs.pop(tenant, None)
@@ -388,7 +455,11 @@ class Prefetcher:
             self._discarded[tenant] = job[2]  # running: its outcome is dropped, but the next job waits for it
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Cancels the jobs not started yet; running ones are abandoned (daemon threads: nothing waits for them)."""
+        for _, _, future in self._jobs.values():
+            future.cancel()
+        for future in self._discarded.values():
+            future.cancel()
 
 
 # ---------------------------------------------------------------------------------------------------------

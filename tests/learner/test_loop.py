@@ -866,7 +866,8 @@ class LaggingSampler(FakeServingSampler):
 
         out = super().sample(requests)
         lag = self.lagging is None or self.calls in self.lagging
-        return [[replace(s, version=self.label if lag else r.version) for s in group] for r, group in zip(requests, out)]
+        return [[replace(s, version=self.label if lag else r.version) for s in group]
+                for r, group in zip(requests, out)]
 
 
 def rollouts_lab(prompts_file, scorer="length:12"):
@@ -1060,6 +1061,50 @@ def test_a_tenant_still_being_sampled_does_not_hold_up_one_whose_batch_is_ready(
         learner.close()
     assert order[:2] == ["bbb", "bbb"], order  # aaa (first in turn) was still being sampled
     assert sampler.released_in_time, "the learner waited for aaa's rollouts instead of training bbb"
+
+
+class BlockedSampler(FakeServingSampler):
+    """FakeServingSampler whose calls wait for `release` (serving slow to answer; a minute at most), saying
+    when one has begun (`entered`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def sample(self, requests):
+        self.entered.set()
+        self.release.wait(60)
+        return super().sample(requests)
+
+
+def test_a_stop_while_a_step_waits_for_its_rollouts_ends_the_run_at_once_and_commits_nothing(tiny_model, data_dir,
+                                                                                             tmp_path, caplog):
+    """SIGTERM while the serving tier was slow to answer: the step waited for its samples up to the HTTP
+    timeout (300 s) before the learner stopped."""
+    caplog.set_level("INFO", logger="learner.loop")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\n")
+    write(data_dir, "lab", rows("p", 3), "b0")
+    cfg = make_config(data_dir, tiny_model, [rollouts_lab(prompts)], max_new_tokens=8, gate_max_kl=50.0)
+    sampler = BlockedSampler()
+    learner = Learner(cfg, model_path=tiny_model, sampler=sampler, progress=False)
+    stop = threading.Event()
+    thread = threading.Thread(target=run, args=(cfg,), kwargs=dict(model_path=tiny_model, learner=learner, stop=stop,
+                                                                   progress=False))
+    thread.start()
+    try:
+        assert sampler.entered.wait(60)  # the loop goes on from prefetching to the step, which waits for it
+        time.sleep(0.5)
+        stop.set()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "the learner waited for the samples"
+    finally:
+        sampler.release.set()
+        thread.join(timeout=60)
+    lab = learner.tenants["lab"]
+    assert (lab.status, lab.error, lab.failures, lab.step) == ("idle", None, 0, 0)
+    assert [r for r in caplog.records if "stopped while its rollouts were sampled" in r.getMessage()]
+    assert step_ids(data_dir, "lab") == [] and Registry(data_dir).versions("lab") == []
 
 
 def test_a_sampling_job_planned_under_an_old_spec_is_dropped_when_the_config_changes(tiny_model, data_dir, tmp_path):

@@ -6,10 +6,11 @@ fake that holds its requests until released; the Prefetcher is the real one."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
-from learner.rollouts import Prefetcher, RolloutPlan, SampleRequest
+from learner.rollouts import Prefetcher, RolloutPlan, SampleRequest, Stopped
 
 pytestmark = pytest.mark.unit
 
@@ -99,3 +100,30 @@ def test_a_discarded_job_not_yet_running_is_cancelled_and_holds_nothing():
     finally:
         sampler.release.set()
         prefetcher.close()
+
+
+def stopped_within_seconds(wait) -> float:
+    """How long `wait(stop)` took to raise Stopped once `stop` was set 0.2 s in."""
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(Stopped):
+        wait(stop)
+    return time.monotonic() - started
+
+
+def test_every_wait_for_samples_gives_up_when_the_learner_stops_and_no_thread_holds_up_the_exit(held):
+    """SIGTERM while serving was slow to answer: the step waited for its samples up to the HTTP timeout, and
+    the process's exit then waited for the thread pool's threads."""
+    sampler, prefetcher = held  # its sampler holds every call for 30 s
+    prefetcher.start("acme", PLAN, REQUESTS, step=1)
+    wait_until(lambda: sampler.calls == 1)
+    assert stopped_within_seconds(lambda stop: prefetcher.take("acme", stop=stop)) < 5  # a prefetched job
+    assert stopped_within_seconds(lambda stop: prefetcher.sample(REQUESTS, stop=stop)) < 5  # sampling now
+    prefetcher.start("bee", PLAN, REQUESTS, step=1)
+    wait_until(lambda: sampler.calls == 3)
+    prefetcher.discard("bee")
+    assert stopped_within_seconds(lambda stop: prefetcher.take("bee", stop=stop)) < 5  # a discarded job still running
+    assert sampler.in_flight == 3
+    sampling = [t for t in threading.enumerate() if t.name.startswith("rollout-")]
+    assert len(sampling) == 3 and all(t.daemon for t in sampling)

@@ -5,9 +5,13 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -129,3 +133,43 @@ def test_a_tenant_waiting_out_429s_does_not_hold_back_another_tenants_rollouts(s
             assert [[s.text for s in one] for one in acme.result(timeout=30)] == [[" 42"]] * 4
     finally:
         sampler.close()
+
+
+# A process that samples through a server that accepts the connection and never answers, then closes its
+# Prefetcher and sampler (what Learner.close does after SIGTERM) and says how long its exit took after that.
+NEVER_ANSWERED = textwrap.dedent(r"""
+    import atexit, socket, threading, time
+    from learner.rollouts import Prefetcher, RolloutPlan, SampleRequest, ServingSampler
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    received, held = threading.Event(), []
+
+    def receive():
+        connection, _ = server.accept()
+        held.append(connection)
+        while b"\r\n\r\n" not in b"".join(held[1:]):  # the request's headers: the client reads its answer next
+            held.append(connection.recv(65536))
+        received.set()
+
+    threading.Thread(target=receive, daemon=True).start()
+    sampler = ServingSampler(f"http://127.0.0.1:{server.getsockname()[1]}", timeout=15.0)
+    prefetcher = Prefetcher(sampler)
+    prefetcher.start("acme", RolloutPlan(("hi",), ()), [SampleRequest("acme", "k", "hi", 2, 4, 1.0)], step=1)
+    assert received.wait(30)
+    time.sleep(0.5)  # the body too, and the client blocked in its read
+    prefetcher.close()
+    sampler.close()
+    closed = time.monotonic()
+    atexit.register(lambda: print(f"exited in {time.monotonic() - closed:.2f}", flush=True))
+""")
+
+
+def test_a_process_stopping_does_not_wait_for_a_rollout_request_blocked_in_its_read():
+    """The interpreter joins a thread pool's threads at exit: a rollout request blocked in its read held the
+    stopping learner up to the HTTP timeout (300 s by default; 15 s here)."""
+    out = subprocess.run([sys.executable, "-c", NEVER_ANSWERED], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.split()[-1]) < 3, out.stdout
