@@ -160,6 +160,24 @@ def test_openai_fields_reach_the_real_engine(server):
     events = read_events(server.bootstrap, "clora.interactions", ids)
     assert [events[f"{batch.id}-{k}"]["prompt"] for k in range(4)] == ["1 2", "1 2", "3 4 5", "3 4 5"]
 
+    # Greedy with n > 1: one engine request, every choice its answer, streamed or not; the new sampling fields
+    # reach vLLM; logprob bytes joined are the text's bytes (the tiny tokenizer splits every non-ASCII character).
+    greedy = c.chat.completions.create(model="base", messages=MESSAGES, max_tokens=6, temperature=0, n=3,
+                                       logprobs=True, extra_body={"min_tokens": 2, "stop_token_ids": [5]})
+    assert [ch.index for ch in greedy.choices] == [0, 1, 2]
+    assert len({ch.message.content for ch in greedy.choices}) == 1 and greedy.usage.completion_tokens % 3 == 0
+    for ch in greedy.choices:
+        assert b"".join(bytes(t.bytes) for t in ch.logprobs.content) == ch.message.content.encode()
+    streamed = {}
+    for chunk in c.chat.completions.create(model="base", messages=MESSAGES, max_tokens=6, temperature=0, n=2, stream=True):
+        for ch in chunk.choices:
+            streamed[ch.index] = streamed.get(ch.index, "") + (ch.delta.content or "")
+    assert streamed == {0: greedy.choices[0].message.content, 1: greedy.choices[0].message.content}
+    text = c.completions.create(model="base", prompt="caf\u00e9 \u65e5\u672c", max_tokens=4, temperature=0, logprobs=3)
+    lp = text.choices[0].logprobs
+    assert all(len(top) == 3 for top in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset) and all(0 <= o <= len(text.choices[0].text) for o in lp.text_offset)
+
     assert c.models.retrieve("base").id == "base" and c.models.retrieve("initech").id == "initech"
     with pytest.raises(openai.NotFoundError):
         c.models.retrieve("acme")
