@@ -2,7 +2,7 @@
 
 `main()` reads the config once, resolves the base model (the configured path, or the tiny local model,
 built on first use), installs signal handlers (SIGTERM / Ctrl-C: finish the current step, then stop; a
-second Ctrl-C stops at once) and hands over to `learner.loop.run`, which re-reads the config file every
+step still waiting for its rollouts is dropped, committing nothing; a second Ctrl-C stops at once) and hands over to `learner.loop.run`, which re-reads the config file every
 few seconds to pick up new tenants.
 """
 
