@@ -605,16 +605,21 @@ class TokenBytes:
     """Each token id's raw bytes, read from the tokenizer's vocabulary on first use and kept (at most one
     entry per token the server has answered with).
 
+    Special tokens ("<|im_end|>") are their content: vLLM leaves them out of the text, so they have no other.
     A byte-level BPE vocabulary (Qwen's, Llama 3's, the tiny model's) spells every byte with one character;
     whether the tokenizer is one is tried once, on a probe text whose pieces must spell its bytes.
-    SentencePiece spells a byte it has no piece for "<0xE4>". Added tokens ("<|im_end|>") are their text.
-    Any other token falls back to its text as vLLM decodes one token (a SentencePiece "▁" kept as a space).
+    SentencePiece spells a byte it has no piece for "<0xE4>". Any other token falls back to its text as vLLM
+    decodes one token, where SentencePiece's "▁" is a space (leading ones kept). Added tokens that are not
+    special are text like any piece and take the same rules, not their content: Gemma's whitespace tokens
+    "▁▁" to 31 × "▁" are spaces, and a byte-level tokenizer's added tokens go through its alphabet, as its
+    decoder takes them.
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        self._added = {token_id: token.content for token_id, token in added.items()}
+        self.special = {token_id: token.content for token_id, token in added.items()
+                        if getattr(token, "special", False)}
         self._byte_level = self._spells_bytes()
         self._known: dict[int, bytes] = {}
 
@@ -640,8 +645,8 @@ class TokenBytes:
             return [None] * len(token_ids)
 
     def _read(self, token_id: int) -> bytes:
-        if token_id in self._added:
-            return self._added[token_id].encode("utf-8")
+        if token_id in self.special:
+            return self.special[token_id].encode("utf-8")
         piece = (self._pieces([token_id]) or [None])[0]
         if piece is not None:
             spelt = _spelt_bytes(piece) if self._byte_level else None

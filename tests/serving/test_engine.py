@@ -54,6 +54,10 @@ def test_a_byte_level_vocabularys_tokens_are_their_bytes_not_their_text(tiny_mod
     assert b"".join(token_bytes(t) for t in ids) == text.encode()
     assert tokenizer.decode([ids[1]]) == "\ufffd" and token_bytes(ids[1]) == b"\xc3"  # the first byte of "é"
     assert token_bytes(tokenizer.convert_tokens_to_ids("<|im_end|>")) == b"<|im_end|>"  # a special token: its text
+    tokenizer.add_tokens(["<think>", "ĠxĠ"])  # not special: read as the decoder reads them, through the alphabet
+    think, spaced = tokenizer.convert_tokens_to_ids(["<think>", "ĠxĠ"])
+    assert TokenBytes(tokenizer)(think) == b"<think>" and tokenizer.decode([spaced]) == " x "
+    assert TokenBytes(tokenizer)(spaced) == b" x "
 
 
 class SentencePieceTokenizer:
@@ -76,6 +80,49 @@ def test_sentencepiece_byte_pieces_are_their_byte_and_other_pieces_their_text():
     assert b"".join(token_bytes(t) for t in (4, 5, 6)) == "你".encode() and token_bytes(4) == b"\xe4"
     assert token_bytes(7) == "é".encode()  # not read as the byte-level alphabet's 0xE9
     assert token_bytes(3) == b"hi"  # its text, as vLLM decodes one token
+
+
+def sentencepiece_style_tokenizer(metaspace: bool):
+    """A fast SentencePiece-style tokenizer built offline: "▁" for a space, "<0xNN>" byte pieces, and the
+    non-special added token "▁▁▁▁", as Gemma lists whitespace runs. `metaspace`: Llama 2's layout (a Metaspace
+    pre-tokenizer, a decoder that strips the text's first space); otherwise Gemma's (a normalizer writes "▁",
+    the decoder only turns it back)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, **{f"<0x{b:02X}>": 4 + b for b in range(256)}}
+    for piece in ["▁", "d", "e", "f", "x", "\n", "▁d", "▁de", "▁def", "de", "def"]:
+        vocab[piece] = len(vocab)
+    merges = [("▁", "d"), ("▁d", "e"), ("▁de", "f"), ("d", "e"), ("de", "f")]
+    model = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if metaspace:
+        model.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        steps.append(decoders.Strip(" ", 1, 0))
+    else:
+        model.normalizer = normalizers.Replace(" ", "▁")
+    model.decoder = decoders.Sequence(steps)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<bos>", eos_token="<eos>",
+                                        unk_token="<unk>", pad_token="<pad>")
+    tokenizer.add_tokens([AddedToken("▁▁▁▁", normalized=False, special=False)])
+    return tokenizer
+
+
+@pytest.mark.parametrize("metaspace", [False, True], ids=["gemma", "llama2"])
+def test_sentencepiece_spaces_and_whitespace_added_tokens_are_spaces(metaspace):
+    """"▁" is a space in every piece, the added token "▁▁▁▁" too (not the UTF-8 of "▁▁▁▁"): the tokens'
+    bytes, joined, are the text vLLM's decode stream gives after a prompt. Special tokens stay their text."""
+    from tokenizers.decoders import DecodeStream
+
+    tokenizer = sentencepiece_style_tokenizer(metaspace)
+    token_bytes = TokenBytes(tokenizer)
+    ids = tokenizer.convert_tokens_to_ids(["▁def", "\n", "▁▁▁▁", "x", "▁def", "▁", "<0xE4>", "<0xBD>", "<0xA0>"])
+    stream = DecodeStream(ids=tokenizer.encode("x", add_special_tokens=False), skip_special_tokens=True)
+    text = "".join(stream.step(tokenizer._tokenizer, t) or "" for t in ids)
+    assert text == " def\n    x def 你"
+    assert b"".join(token_bytes(t) for t in ids) == text.encode()
+    assert token_bytes(ids[2]) == b"    " and token_bytes(ids[0]) == b" def"
+    assert token_bytes(tokenizer.eos_token_id) == b"<eos>"
 
 
 def test_text_offsets_count_a_split_character_once_and_stay_inside_the_text():
