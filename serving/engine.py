@@ -27,7 +27,9 @@ Log-probabilities are vLLM's default `raw_logprobs`: log-softmax of the model's 
 temperature, top-p or penalties, i.e. the log-probability under the policy at temperature 1, which is
 what a learner recomputes with the same weights. Each sampled token comes with its raw bytes, read from
 the vocabulary (`TokenBytes`) rather than decoded (a token holding part of a UTF-8 character decodes to ""
-or U+FFFD, which says nothing of its bytes), and with where it starts in its choice's text (`text_offset`).
+or U+FFFD, which says nothing of its bytes), and with where it starts in its choice's text (`text_offset`),
+counted from the tokens' bytes: with stop strings vLLM holds a delta's last characters back, so the text
+returned so far says nothing of where a token starts.
 
 On CPU, vLLM 0.32's torch punica ops (`vllm/lora/ops/torch_ops`) index the adapter slot table with the
 row's adapter index, and rows without an adapter carry index -1: Python indexing turns that into the
@@ -144,7 +146,8 @@ class Delta:
 
 @dataclass
 class Choice:
-    """One finished (or accumulating) choice."""
+    """One finished (or accumulating) choice. Once its last delta is in, no token starts past the end of its
+    text: a token that starts inside a stop string cut from the text starts where it was cut."""
 
     index: int
     text: str = ""
@@ -158,6 +161,8 @@ class Choice:
         self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
+            end = len(self.text)
+            self.logprobs = [lp if lp.text_offset <= end else replace(lp, text_offset=end) for lp in self.logprobs]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -424,6 +429,11 @@ class Engine:
 
         Leaving the iteration early (client gone, task cancelled) aborts the request in the engine.
         `cache_salt` (the tenant) keeps this request's prefix-cache blocks apart from other salts'.
+
+        A token's `text_offset` counts the characters its choice's earlier tokens decode to, text still held
+        back for a stop string included. A stop string is cut from the text only once its last token comes,
+        so a token that starts inside it starts past the end of the text the deltas add up to (by less than
+        the stop string's length); a `Choice`, taking the last delta, moves such offsets to the end.
         """
         from vllm.exceptions import VLLMClientError
         from vllm.inputs.engine import tokens_input
@@ -433,7 +443,7 @@ class Engine:
         copies = sampling.n if _greedy(sampling) else 1  # greedy runs once (n = 1); each choice gets its answer
         adapter = adapter or self.zero_adapter
         lora = _lora_request(adapter) if adapter is not None else None
-        chars: dict[int, int] = {}  # choice -> characters of its text so far
+        chars: dict[int, int] = {}  # choice -> characters its tokens decode to so far
         decoders: dict[int, Any] = {}  # choice -> the UTF-8 decoder its tokens' bytes go through
         try:
             params = _sampling_params(sampling)  # vLLM refuses some combinations: a 400, like its own server
@@ -443,11 +453,9 @@ class Engine:
                     if out.finish_reason == "error":  # vLLM: a request-level internal error, always a 500
                         raise GenerationFailed(f"the engine failed request {request_id} (choice {out.index}); "
                                                "it may succeed if retried")
-                    start = chars.get(out.index, 0)
-                    chars[out.index] = start + len(out.text)
                     decoder = decoders.setdefault(out.index, codecs.getincrementaldecoder("utf-8")("replace"))
-                    offsets = _text_offsets([self.token_bytes(t) for t in out.token_ids], start, len(out.text),
-                                            decoder)
+                    text_bytes = [b"" if t in self.token_bytes.special else self.token_bytes(t) for t in out.token_ids]
+                    offsets, chars[out.index] = _text_offsets(text_bytes, chars.get(out.index, 0), decoder)
                     delta = Delta(
                         index=out.index,
                         text=out.text,
@@ -561,17 +569,20 @@ def _token_logprobs(
     return out
 
 
-def _text_offsets(raws: Sequence[bytes], start: int, chars: int, decoder: Any) -> list[int]:
-    """Where each token of one delta starts in its choice's text: `start` (the characters before the delta)
-    plus the characters the delta's earlier tokens complete, at most the delta's `chars`. `decoder` is the
-    choice's incremental UTF-8 decoder, so a character split over tokens (over deltas too) counts once, at its
-    last byte: every token of it starts where the character does. The cap keeps offsets inside the text
-    returned, which leaves out special tokens and what a stop string cut."""
-    offsets, done = [], 0
+def _text_offsets(raws: Sequence[bytes], start: int, decoder: Any) -> tuple[list[int], int]:
+    """Where each token of one delta starts in its choice's text, and where the last one ends: `start` (the
+    characters the choice's earlier tokens decode to) plus the characters the delta's earlier tokens complete.
+
+    Counted from the tokens' bytes (`raws`: b"" for a special token, which the text leaves out), never from
+    the text the delta returns: with stop strings, vLLM holds back the text's last characters (the longest
+    stop string's length less one) until it knows they do not begin one, so a delta's text lags its tokens.
+    `decoder` is the choice's incremental UTF-8 decoder, so a character split over tokens (over deltas too)
+    counts once, at its last byte: every token of it starts where the character does."""
+    offsets = []
     for raw in raws:
-        offsets.append(start + min(done, chars))
-        done += len(decoder.decode(raw))
-    return offsets
+        offsets.append(start)
+        start += len(decoder.decode(raw))
+    return offsets, start
 
 
 # ---------------------------------------------------------------------------------------------------------

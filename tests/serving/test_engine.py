@@ -1,14 +1,16 @@
-"""Pieces of the engine wrapper that need no running engine: the zero adapter, the logprob conversion and
-each token's bytes."""
+"""Pieces of the engine wrapper that need no running engine: the zero adapter, the logprob conversion,
+each token's bytes, and text offsets through vLLM's own incremental detokenizer (no engine started)."""
 
+import asyncio
 import codecs
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 from safetensors.torch import load_file
 
 from serving.adapter_check import base_linear_shapes, validate_adapter
-from serving.engine import TokenBytes, _text_offsets, _token_logprobs, write_zero_adapter
+from serving.engine import Choice, Engine, Sampling, TokenBytes, _text_offsets, _token_logprobs, write_zero_adapter
 
 pytestmark = pytest.mark.unit
 
@@ -125,10 +127,85 @@ def test_sentencepiece_spaces_and_whitespace_added_tokens_are_spaces(metaspace):
     assert token_bytes(tokenizer.eos_token_id) == b"<eos>"
 
 
-def test_text_offsets_count_a_split_character_once_and_stay_inside_the_text():
+def test_text_offsets_count_the_tokens_bytes_and_a_split_character_once():
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    # "a" and the first byte of "你" in one delta (its text "a"), the rest and "b" in the next ("你b")
-    assert _text_offsets([b"a", b"\xe4"], 0, 1, decoder) == [0, 1]
-    assert _text_offsets([b"\xbd\xa0", b"b"], 1, 2, decoder) == [1, 2]
-    # a stop string cut the text: the offsets do not run past what was returned
-    assert _text_offsets([b"x", b"yz"], 5, 0, codecs.getincrementaldecoder("utf-8")("replace")) == [5, 5]
+    # "a" and the first byte of "你" in one delta, the rest and "b" in the next: where each starts, and the end
+    assert _text_offsets([b"a", b"\xe4"], 0, decoder) == ([0, 1], 1)
+    assert _text_offsets([b"\xbd\xa0", b"b"], 1, decoder) == ([1, 2], 3)
+    assert _text_offsets([b"", b"c"], 3, decoder) == ([3, 3], 4)  # a special token (b""): no characters
+
+
+class DetokenizingLLM:
+    """What serving/engine.py reads of vLLM's AsyncLLM, answering `reply` one token a step through vLLM's own
+    incremental detokenizer as its output processor drives it: a stop string's possible start held back from
+    each delta's text and the stop string cut from the last one, an EOS left out of the text."""
+
+    def __init__(self, tokenizer, reply: list[int]):
+        self.tokenizer, self.reply = tokenizer, reply
+        self.model_config = SimpleNamespace(get_vocab_size=lambda: len(tokenizer))
+        self.errored = False
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+
+        request = SimpleNamespace(request_id=request_id, sampling_params=params, prompt_embeds=None,
+                                  prompt_token_ids=prompt["prompt_token_ids"])
+        detokenizer = IncrementalDetokenizer.from_new_request(self.tokenizer, request)
+        for step, token in enumerate(self.reply):
+            eos = token == self.tokenizer.eos_token_id
+            stopped = detokenizer.update([token], eos) is not None
+            finish = "stop" if eos or stopped else "length" if step == len(self.reply) - 1 else None
+            text = detokenizer.get_next_output_text(finish is not None, delta=True)
+            yield SimpleNamespace(outputs=[SimpleNamespace(index=0, text=text, token_ids=[token], finish_reason=finish,
+                                                           logprobs=[{token: Logprob(-0.5)}])])
+            if finish is not None:
+                return
+
+
+def starts(text: str, raws: list[bytes]) -> list[int]:
+    """Where each token starts in `text`, worked out apart: the characters whole before its first byte."""
+    utf8, out, at = text.encode(), [], 0
+    for raw in raws:
+        out.append(len(utf8[:at].decode("utf-8", errors="ignore")))
+        at += len(raw)
+    return out
+
+
+@pytest.mark.parametrize("stop", [(), ("\nUser:",)], ids=["no-stop", "stop"])
+def test_text_offsets_are_where_tokens_start_when_vllm_holds_text_back_for_a_stop_string(tiny_model, stop):
+    """vLLM holds back the last len(stop) - 1 characters of each delta's text while they may begin a stop
+    string, so the text returned so far lags the tokens: offsets come from the tokens, streamed or not. "你"
+    is three tokens, which start where it does; a token inside the stop string cut from the text starts at
+    the text's end once the choice is whole, and streamed, past it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    said = "Hello 你好, how are you?\nUser: more"
+    reply = [*tokenizer.encode(said, add_special_tokens=False), tokenizer.eos_token_id]
+    engine = Engine(DetokenizingLLM(tokenizer, reply), max_model_len=64)
+    sampling = Sampling(max_tokens=40, stop=stop)
+
+    deltas = asyncio.run(_collect(engine.stream([1, 2], sampling, None, "r")))
+    choice = Choice(0)
+    for delta in deltas:
+        choice.add(delta)
+    text = "Hello 你好, how are you?" if stop else said
+    sent = [lp for delta in deltas for lp in delta.logprobs]
+    raws = [lp.raw for lp in sent]
+    assert choice.text == text and raws[:6] == [b"Hello", b" ", b"\xe4", b"\xbd", b"\xa0", b"\xe5"]
+    if stop:  # 5 characters held back: "Hello" comes as "", then "Hello " as "H"
+        assert [d.text for d in deltas[:2]] == ["", "H"] and choice.finish_reason == "stop"
+        assert raws[-4:] == [b"U", b"s", b"er", b":"]  # the last one completes the stop string
+    else:
+        assert raws[-1] == b"<|im_end|>"  # the EOS, which the text leaves out
+    whole = starts(said, raws)
+    assert [lp.text_offset for lp in sent] == whole
+    assert [lp.text_offset for lp in choice.logprobs] == [min(o, len(text)) for o in whole]
+    assert [lp.text_offset for lp in choice.logprobs][:7] == [0, 5, 6, 6, 6, 7, 7]
+
+
+async def _collect(deltas):
+    return [delta async for delta in deltas]
