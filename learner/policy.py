@@ -276,8 +276,10 @@ class Policy:
                     # Stored as the transpose of a contiguous [in, out] matrix: `linear` multiplies by
                     # weight.t(), and a contiguous right operand is faster at decoding's few rows on CPU (the
                     # tiny model's probe: ~7%).
-                    merged = torch.addmm(base.weight.t(), layer.lora_A[name].weight.t(), layer.lora_B[name].weight.t(),
-                                         alpha=layer.scaling[name]).t()
+                    # In float32 whatever the base's dtype (peft keeps a bf16 base's adapters in float32).
+                    merged = torch.addmm(base.weight.t().float(), layer.lora_A[name].weight.t().float(),
+                                         layer.lora_B[name].weight.t().float(), alpha=layer.scaling[name])
+                    merged = merged.to(base.weight.dtype).t()
                     originals.append((base, base.weight))
                     base.weight = torch.nn.Parameter(merged, requires_grad=False)
             with self.adapter(None):
@@ -518,23 +520,22 @@ class Policy:
         The same passes and the same random draws as transformers' `generate` with `do_sample`, `top_k=0`,
         `top_p=1` (tested token for token), without its per-step machinery (logits processors, stopping
         criteria, input preparation): that was a quarter of a gate probe's time on the tiny model."""
-        from transformers import DynamicCache
-
         rows = input_ids.shape[0]
-        cache = DynamicCache()
+        cache = None  # the model makes the cache its layers need (attention, sliding window, convolution state)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         stop = torch.tensor(self.stop_token_ids, device=self.device)
         finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
         step_ids, new = input_ids, []
         for _ in range(max_new_tokens):
-            logits = self.model(
+            out = self.model(
                 input_ids=step_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
-            ).logits[:, -1].float()
+            )
+            cache, logits = out.past_key_values, out.logits[:, -1].float()
             if temperature is None:
                 token = logits.argmax(-1)
             else:

@@ -357,3 +357,48 @@ def test_sampling_draws_what_transformers_generate_draws(policy):
         theirs = [policy._sample(row[width:].tolist(), "acme").token_ids for row in out]
         assert [s.token_ids for group in ours for s in group] == theirs
         assert len(set(theirs)) > 1  # draws, not one sequence six times
+
+
+def test_generation_merges_float32_adapters_into_a_bf16_base(tiny_model):
+    """On a GPU the base stays bf16 while peft keeps the adapters in float32: the merge must not mix them
+    (it raised "self and mat2 must have the same dtype", failing every gate probe)."""
+    p = Policy(tiny_model, device="cpu")
+    p.model.to(torch.bfloat16)  # as on cuda
+    p.add_tenant(spec("acme"))
+    layer = p._lora_layers[0]
+    assert layer.lora_A[adapter_name("acme")].weight.dtype == torch.float32
+    with torch.no_grad():
+        for param in p.trainable("acme"):
+            param.normal_(std=0.02)
+    weight = layer.base_layer.weight
+    [[sample]] = p.generate("acme", ["hello there"], max_new_tokens=6, greedy=True)
+    assert 1 <= len(sample.token_ids) <= 6
+    assert layer.base_layer.weight is weight and weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "mistral-sliding-window"])
+def test_decoding_matches_transformers_generate_on_models_with_other_caches(tiny_model, tmp_path, arch):
+    """A model with convolution layers (LFM2) or a sliding window needs the cache its own forward pass makes:
+    a plain DynamicCache made beforehand failed on LFM2 (IndexError) where transformers' generate worked."""
+    import transformers
+
+    from learner.policy import Policy as _Policy
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model)
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=2, pad_token_id=0)
+    if arch == "lfm2":
+        config = transformers.Lfm2Config(**common, layer_types=["conv", "full_attention", "conv", "full_attention"])
+    else:
+        config = transformers.MistralConfig(**common, sliding_window=4)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    p = _Policy(tmp_path, device="cpu")
+    prompts = ["hello there, how are you today my friend, tell me a long story", "hi"]
+    enc = p.tokenizer(prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
+    out = p.model.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=p.pad_token_id,
+                           eos_token_id=list(p.stop_token_ids))
+    width = enc["input_ids"].shape[1]
+    theirs = [p._sample(row[width:].tolist(), None).token_ids for row in out]
+    assert [g[0].token_ids for g in p.generate(None, prompts, max_new_tokens=12, greedy=True)] == theirs
