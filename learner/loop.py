@@ -97,6 +97,9 @@ CHECKPOINT_META = "learner.json"
 CHECKPOINT_FORMAT = 1
 CONFIG_RELOAD_SECONDS = 5.0
 BACKOFF_SECONDS = (5.0, 15.0, 60.0, 300.0)
+# Tries of the same rollout prompts whose every sample fails scoring before the step is committed as skipped
+# (a dependency of the scorer down comes back within the back-offs; a prompt the scorer cannot handle never does).
+UNSCORABLE_TRIES = 3
 COMPACT_EVERY_STEPS = 100
 MAX_REMEMBERED_ROLLOUTS = 100_000  # rollout interaction ids awaiting ingest; older ones are forgotten
 SERVED_KEPT = 1024  # served version numbers a tenant remembers for staleness (at least max_staleness + 2)
@@ -131,6 +134,7 @@ class TenantRuntime:
     failures: int = 0
     retry_at: float = 0.0
     partial_since: float | None = None  # logs mode: when a backlog below batch_size was first seen
+    unscorable: tuple[tuple[str, ...], int] = ((), 0)  # rollouts: (prompts, tries) whose every sample failed scoring
     last: dict = field(default_factory=dict)  # the last train_steps row
 
 
@@ -787,17 +791,28 @@ class Learner:
             return _Trained(step.update, rewards, step.reward_mean, len(work.logs), work.dropped, step.baseline)
         if not work.plan.prompts:
             return _Trained(None, (), math.nan, 0, 0, rt.baseline)
-        step = rollouts.train_step(
-            self.policy,
-            name,
-            work.plan.prompts,
-            work.samples,
-            scorer,
-            current_version=rt.version,
-            max_staleness=self.settings.max_staleness,
-            served=rt.served,
-            **common,
-        )
+        prompts = tuple(work.plan.prompts)
+        tries = rt.unscorable[1] if rt.unscorable[0] == prompts else 0
+        try:
+            step = rollouts.train_step(
+                self.policy,
+                name,
+                work.plan.prompts,
+                work.samples,
+                scorer,
+                current_version=rt.version,
+                max_staleness=self.settings.max_staleness,
+                served=rt.served,
+                skip_unscorable=tries + 1 >= UNSCORABLE_TRIES,
+                **common,
+            )
+        except rollouts.NoUsableSamples as e:
+            rt.unscorable = (prompts, tries + 1) if e.unscorable else ((), 0)
+            raise
+        if step.update is None and step.n_samples == 0:
+            logger.warning("tenant %s: every sample of the same %d prompt(s) failed scoring %d times; the step is "
+                           "committed as skipped", name, len(prompts), tries + 1)
+        rt.unscorable = ((), 0)
         return _Trained(step.update, step.rewards, step.reward_mean, step.n_samples, step.n_dropped, rt.baseline,
                         step.score_seconds, step.n_score_failed)
 

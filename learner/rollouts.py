@@ -90,7 +90,12 @@ class Stopped(Exception):
 
 class NoUsableSamples(RuntimeError):
     """Every sample of a step was left out (failed scoring, stale): there is nothing to train, and the
-    step must not commit its trajectories as if there were."""
+    step must not commit its trajectories as if there were. `unscorable`: every sample was left out because
+    its scorer call failed (a dependency down, or a prompt the scorer cannot handle: retrying may never help)."""
+
+    def __init__(self, message: str, *, unscorable: bool = False):
+        super().__init__(message)
+        self.unscorable = unscorable
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -429,8 +434,15 @@ class Prefetcher:
                stop: threading.Event | None = None) -> tuple[list[list[Sample]], float]:
         """(samples, seconds) of `requests`, sampled now and waited for as `take` waits (a thread of its own,
         not one of the `workers`: the caller has nothing else to do meanwhile)."""
+        if stop is not None and stop.is_set():
+            raise Stopped
         future = _in_thread(self._timed, list(requests), name="rollout-sample")
-        _await(future, stop)
+        try:
+            _await(future, stop)
+        except Stopped:
+            for tenant in {r.tenant for r in requests}:  # still sampling: the tenant's next job starts after it
+                self._discarded[tenant] = future
+            raise
         return future.result()
 
     def _discarded_running(self, tenant: str) -> bool:
@@ -540,9 +552,12 @@ def train_step(
     kl_coef: float,
     max_grad_norm: float,
     max_len: int,
+    skip_unscorable: bool = False,
 ) -> RolloutStep:
     """Scores the groups, computes GRPO advantages and makes one update (see the module note). Raises
-    NoUsableSamples when every sample is left out."""
+    NoUsableSamples when every sample is left out, unless every one failed scoring and `skip_unscorable`
+    is set (the loop's last try of the same prompts): then the step trains nothing and is committed as
+    skipped, so one prompt its scorer never handles cannot hold up the tenant for good."""
     prompt_ids, completion_ids, behaviour, rewards, groups = [], [], [], [], []
     stale, failed, empty = [], [], 0  # why samples were left out
     n = 0
@@ -575,10 +590,13 @@ def train_step(
             behaviour.append(c_logprobs)
             rewards.append(reward)
             groups.append(g)
-    if not rewards:
-        raise NoUsableSamples(_none_usable(len(prompts), n, failed, stale, empty))
     counts = dict(n_samples=len(rewards), n_dropped=len(stale) + empty, n_score_failed=len(failed),
                   score_seconds=score_seconds)
+    if not rewards:
+        unscorable = n > 0 and len(failed) == n
+        if unscorable and skip_unscorable:
+            return RolloutStep(update=None, reward_mean=math.nan, rewards=(), **counts)
+        raise NoUsableSamples(_none_usable(len(prompts), n, failed, stale, empty), unscorable=unscorable)
     reward_t = torch.tensor(rewards, dtype=torch.float64)
     advantages = maths.grpo_advantages(reward_t, torch.tensor(groups, dtype=torch.long))
     reward_mean = float(reward_t.mean())

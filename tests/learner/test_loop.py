@@ -23,7 +23,7 @@ from storage.registry import Registry
 pytestmark = pytest.mark.unit
 
 # The metadata clora's serving tier logs with an interaction the base model answered (adapter_version null).
-BASE_SERVED = {"served_by": "tiny", "endpoint": "chat"}
+BASE_SERVED = {"served_by": "tiny", "endpoint": "chat", "latency_ms": 5.0, "usage": {}, "sampling": {}}
 
 
 def learn(cfg, model, **kw):
@@ -891,6 +891,21 @@ def test_a_rollouts_step_whose_every_sample_failed_scoring_commits_nothing_and_s
                          "unavailable")
     assert step_ids(data_dir, "lab") == [] and Registry(data_dir).versions("lab") == []
     assert Cursors(data_dir).backlog()["lab"] == 3
+    # The same prompts failing again and again (a prompt the scorer cannot handle) hold the tenant up only
+    # UNSCORABLE_TRIES times: the last try commits the step as skipped, trained on nothing.
+    from learner.loop import UNSCORABLE_TRIES
+
+    for _ in range(UNSCORABLE_TRIES - 2):
+        lab.retry_at = 0.0
+        learner.pending(hold_partial=False)
+        assert learner.step_safely("lab") is None and lab.status == "error"
+    assert step_ids(data_dir, "lab") == []
+    lab.retry_at = 0.0
+    learner.pending(hold_partial=False)
+    learner.step_safely("lab")
+    assert lab.status != "error" and lab.error is None and lab.unscorable == ((), 0)
+    assert len(step_ids(data_dir, "lab")) == 1 and Registry(data_dir).versions("lab") == []
+    assert Cursors(data_dir).backlog().get("lab", 0) == 0
     learner.close()
 
 

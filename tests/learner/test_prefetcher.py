@@ -127,3 +127,20 @@ def test_every_wait_for_samples_gives_up_when_the_learner_stops_and_no_thread_ho
     assert sampler.in_flight == 3
     sampling = [t for t in threading.enumerate() if t.name.startswith("rollout-")]
     assert len(sampling) == 3 and all(t.daemon for t in sampling)
+
+
+def test_sampling_now_starts_nothing_once_stopped_and_a_sample_it_gave_up_on_keeps_the_tenant_busy(held):
+    sampler, prefetcher = held
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(Stopped):
+        prefetcher.sample(REQUESTS, stop=stop)
+    assert sampler.calls == 0  # no request sent for a step that cannot use it
+    stopped_within_seconds(lambda s: prefetcher.sample(REQUESTS, stop=s))
+    assert sampler.calls == 1 and prefetcher.busy("acme")  # still sampling in the serving tier
+    prefetcher.start("acme", PLAN, REQUESTS, step=2)
+    assert not prefetcher.pending("acme")  # no second job beside it
+    sampler.release.set()
+    wait_until(lambda: not prefetcher.busy("acme"))
+    prefetcher.start("acme", PLAN, REQUESTS, step=2)
+    assert prefetcher.pending("acme")
