@@ -26,8 +26,8 @@ pull towards an old policy. "Behind" counts the versions the tenant has served s
 published and since retired; loop.py keeps each tenant's list), not version numbers: rejected candidates
 take numbers too, and after a run of rejections a sample of the current adapter's parent would otherwise
 look several versions old. Completions made by another tenant's adapter are dropped as foreign. Null means
-the base model only in a row clora's serving tier logged (it marks every interaction it logs with
-`metadata.served_by`): a row without a version that an app produced to Kafka itself was made by the app's
+the base model only in a row clora's serving tier logged (its metadata holds every one of SERVING_KEYS,
+`served_by` among them; an app's metadata may have one of those names): a row without a version that an app produced to Kafka itself was made by the app's
 own model, which no published version replaces, and it never ages (select_fresh). What decides is the row,
 not the config: an app's tenant that ingest created and the operator later added to the config still
 learns from its app's rows. Dropped rows are still committed with the step (so they are never looked at
@@ -64,7 +64,9 @@ from learner.types import Example
 from learner.update import UpdateResult, pg_update
 
 _VERSION = re.compile(r"^(?P<tenant>.+)@(?P<number>[0-9]+)$")
-SERVED_BY = "served_by"  # the metadata key clora's serving tier sets on every interaction it logs (serving/api.py)
+# Metadata keys clora's serving tier has set on every interaction it logs since its first version
+# (serving/api.py): all of them together tell its rows from an app's own, whose metadata may well have one.
+SERVING_KEYS = ("served_by", "endpoint", "latency_ms", "usage", "sampling")
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +107,7 @@ def served_by_clora(metadata_json: str | None) -> bool:
         meta = json.loads(metadata_json)
     except ValueError:
         return False
-    return isinstance(meta, dict) and SERVED_BY in meta
+    return isinstance(meta, dict) and all(key in meta for key in SERVING_KEYS)
 
 
 def stale_reason(adapter_version: str | None, tenant: str, current: int, max_staleness: int,

@@ -80,15 +80,17 @@ def test_rows_without_a_version_age_only_when_clora_served_them():
         {"id": "b", "prompt": "p", "completion": "c", "reward": 1.0, "adapter_version": "newco@2"},
         {"id": "c", "prompt": "p", "completion": "c", "reward": 1.0, "adapter_version": "zed@9"},
         {"id": "d", "prompt": "p", "completion": "c", "reward": 1.0, "adapter_version": None,
-         "metadata": {"served_by": "tiny", "endpoint": "chat"}},
+         "metadata": {"served_by": "tiny", "endpoint": "chat", "latency_ms": 5.0, "usage": {}, "sampling": {}}},
         {"id": "e", "prompt": "p", "completion": "c", "reward": 1.0, "adapter_version": None,
          "metadata": {"app": "shop"}},
+        {"id": "f", "prompt": "p", "completion": "c", "reward": 1.0, "adapter_version": None,
+         "metadata": {"served_by": "pod-7", "endpoint": "/chat"}},  # an app's own keys of the same names
     ])
     sel = select_fresh(rows, "newco", current=30, max_staleness=4)
-    assert sel.kept.column("id").to_pylist() == ["a", "e"] and set(sel.dropped) == {"b", "c", "d"}
+    assert sel.kept.column("id").to_pylist() == ["a", "e", "f"] and set(sel.dropped) == {"b", "c", "d"}
     assert "stale" in sel.dropped["b"] and "foreign" in sel.dropped["c"]
     assert "made by version 0" in sel.dropped["d"]
-    assert select_fresh(rows, "newco", current=4, max_staleness=4).kept.column("id").to_pylist() == ["a", "b", "d", "e"]
+    assert select_fresh(rows, "newco", current=4, max_staleness=4).kept.column("id").to_pylist() == ["a", "b", "d", "e", "f"]
 
 
 def test_rows_become_examples_with_token_ids_and_behaviour_logprobs_when_usable(tiny_model):
