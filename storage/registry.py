@@ -16,11 +16,25 @@ are gone has always already been marked retired.
 
 A number is never used twice, even after a hand edit: serving, and the learner's checkpoints, tell versions by
 number, and a reused one would leave them with the old files under the new version's name. `create` takes
-the number after the largest that any trace on disk still names: the records, the index hint, the adapter
-directories and HEAD.json. Numbers between the newest record and that one (an adapter directory without
-metadata, the orphan of a create that crashed before its commit point; or a record deleted by hand) get a
-record of their own, status "retired" with the reason, and their files are deleted: records stay
-consecutive, which the index hint's probing relies on.
+the number after the largest that any trace on disk still names: the records, the index hint, the
+directories under adapters/<tenant>/ whose names are a number as it is written ("7"; not "07", "7.bak" or
+another script's digits) and HEAD.json. Numbers between the newest record and that one (an adapter directory
+without metadata, the orphan of a create that crashed before its commit point; or a record deleted by hand)
+get a record of their own, status "retired" with the reason, and their files are deleted: records stay
+consecutive, which the index hint's probing relies on. The create logs how many and their range.
+
+A trace more than MAX_SKIP (1,000) past the newest record is not taken for a number. A create cut short
+leaves one number without a record, and records deleted by hand as many as were deleted; a folder an
+operator named by a date (`20250101`), or a hint or HEAD.json edited by hand, can name any number, and each
+number skipped costs a fsynced record written under the lock (most of a millisecond: a thousand hold every
+writer up for under a second, twenty thousand for 15-20 s). Such a trace is logged once per process and the
+create goes on with the number after the others: HEAD.json is rebuilt by that create anyway, the hint is
+deleted (readers probing from it would miss every version below it; they list the records until the next
+publish or reject writes a new one), and the folder is left as it is: it has no record, so nothing says it
+is a version. Refusing the create instead would stop the tenant's learner over a folder it does not need.
+The folder is judged afresh by every create, though: should the versions come within MAX_SKIP of it, it
+counts like any other trace (its number is skipped and the folder deleted), which is why the warning asks
+for it to be moved; and one in the way of the very next number is refused, naming it.
 
 Status moves: candidate -> published | rejected; anything -> retired. `rollback` never rewrites history:
 it copies an older version's files into a new, newest, published version whose parent is the old one.
@@ -99,6 +113,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 STALE_STAGING_S = 3600.0
 CACHE_VERSIONS = 4096  # parsed version records a Registry keeps (~6 KB each with metrics and gate checks)
+MAX_SKIP = 1000  # how far past the newest record a trace on disk is still taken for a version number (module notes)
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +252,7 @@ class Registry:
         # CACHE_VERSIONS of them (one per step would grow for ever), oldest out first.
         self._metas: dict[Path, tuple[tuple[int, int, int], AdapterVersion]] = {}
         self._unreadable: dict[Path, str] = {}  # file -> the reason logged for it (logged once, not per change)
+        self._far: set[tuple[Path, int]] = set()  # traces logged as too far past the newest record (once each)
         self._generation_seen = 0  # the largest generation read or written: one rebuilt from the clock is larger
 
     def __repr__(self) -> str:
@@ -547,16 +563,28 @@ class Registry:
         return v
 
     def _allocate(self, tenant: str) -> tuple[int, list[AdapterVersion]]:
-        """Under the lock: the next version number, past every one a trace on disk names (see the module
-        notes), and the records written for the numbers skipped (their files still to be removed)."""
-        adapters = self.dd.adapters / tenant
-        used = [int(p.name) for p in adapters.iterdir() if p.name.isdigit()] if adapters.is_dir() else []
+        """Under the lock: the next version number, past every one a trace on disk names up to MAX_SKIP past the
+        newest record (see the module notes), and the records written for the numbers skipped (their files
+        still to be removed)."""
+        index = self._read_index(tenant)
+        newest = self._live(tenant)[0]
+        if newest and not self._meta_path(tenant, newest).exists():
+            # The hint names more than there are (edited by hand, or its newest records deleted): one listing.
+            newest = max(self.numbers(tenant), default=0)
+        traces = [(n, self.dd.adapter_dir(tenant, n)) for n in self._adapter_numbers(tenant)]
+        if index is not None:
+            traces.append((index[0], self._index_path(tenant)))
         _, head = self._old_head()
         served = (head or {}).get(tenant)
-        top = max(self._live(tenant)[0], max(used, default=0), served.number if served is not None else 0)
-        newest = top  # the newest record: the hint's `last` may name more than there are (edited by hand)
-        while newest > 0 and not self._meta_path(tenant, newest).exists():
-            newest -= 1
+        if served is not None:
+            traces.append((served.number, self._head))
+        far = [(n, where) for n, where in traces if n > newest + MAX_SKIP]
+        top = max([newest] + [n for n, _ in traces if n <= newest + MAX_SKIP])
+        for n, where in far:
+            self._ignore_far(tenant, n, where, newest, top + 1)
+        if (top + 1, self.dd.adapter_dir(tenant, top + 1)) in far:
+            raise RegistryError(f"cannot create {tenant}@{top + 1}: {self.dd.adapter_dir(tenant, top + 1)} is in the "
+                                "way; it has no record, so it is no version: move it out of the registry's folders")
         skipped = []
         for n in range(newest + 1, top + 1):
             now = _now()
@@ -574,9 +602,30 @@ class Registry:
             self._write_meta(v)
             skipped.append(v)
         if skipped:
-            logger.warning("registry: %s had no record; numbers are never reused, so %s@%d is next and they are "
-                           "recorded as retired", ", ".join(v.name for v in skipped), tenant, top + 1)
+            logger.warning("registry: %d number(s) of %s had no record (%s to %s: a create cut short before its "
+                           "record, or records deleted by hand); numbers are never reused, so they are recorded as "
+                           "retired, their files removed, and %s@%d is next",
+                           len(skipped), tenant, skipped[0].name, skipped[-1].name, tenant, top + 1)
         return top + 1, skipped
+
+    def _ignore_far(self, tenant: str, number: int, where: Path, newest: int, next_number: int) -> None:
+        """A trace too far past the newest record to be a version's (module notes): logged once, and a hint
+        naming it deleted."""
+        if where == self._index_path(tenant):
+            where.unlink(missing_ok=True)  # readers probe from its `last`, past every version there is
+            consequence = "the index hint is deleted (readers list the records until a publish or reject rewrites it)"
+        elif where == self._head:
+            consequence = "HEAD.json is rebuilt from the records"
+        else:
+            consequence = (f"the folder is left as it is: move it out of {where.parent} (once the versions come within "
+                           f"{MAX_SKIP} of it, it is taken for a version's files and deleted)")
+        if (where, number) in self._far:
+            return
+        self._far.add((where, number))
+        logger.warning("registry: %s names %s@%d, more than %d past the newest record (%s): too far for a create cut "
+                       "short or records deleted by hand, so no number is skipped for it and %s@%d is next; %s",
+                       where, tenant, number, MAX_SKIP, f"{tenant}@{newest}" if newest else "none",
+                       tenant, next_number, consequence)
 
     def _locked(self):
         return FileLock(self._lock_path)
@@ -589,7 +638,15 @@ class Registry:
         d = self.dd.registry / tenant
         if not d.is_dir():
             return []
-        return sorted(int(p.stem) for p in d.iterdir() if p.suffix == ".json" and p.stem.isdigit())
+        return sorted(int(p.stem) for p in d.iterdir() if p.suffix == ".json" and _is_number(p.stem))
+
+    def _adapter_numbers(self, tenant: str) -> list[int]:
+        """The numbers adapters/<tenant>/ has a directory for (one listing; none read)."""
+        try:
+            with os.scandir(self.dd.adapters / tenant) as entries:
+                return [int(e.name) for e in entries if _is_number(e.name) and e.is_dir()]
+        except FileNotFoundError:
+            return []
 
     def _index_path(self, tenant: str) -> Path:
         return self.dd.registry / tenant / "index.json"
@@ -785,6 +842,12 @@ def _why(e: Exception) -> str:
 
 def _is_count(value: Any) -> bool:
     return type(value) is int and value >= 0
+
+
+def _is_number(name: str) -> bool:
+    """A version number as the registry writes it in a file or folder name: "7", not "07", "+7" or "٧" (which
+    int() reads as 7 too) or "0"."""
+    return name.isascii() and name.isdigit() and str(int(name)) == name and name != "0"
 
 
 def _check_peft_files(directory: Path, tenant: str) -> None:

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from storage.registry import Registry, RegistryError, UnreadableRecord, VersionNotFound, parse_version
+from storage import registry
+from storage.registry import MAX_SKIP, Registry, RegistryError, UnreadableRecord, VersionNotFound, parse_version
 
 pytestmark = pytest.mark.unit
 
@@ -752,3 +753,73 @@ def test_a_number_whose_record_was_deleted_by_hand_is_not_reused(data_dir, peft_
     (data_dir / "registry" / "acme" / "index.json").write_bytes(stale_hint)
     assert Registry(data_dir).newest_number("acme") == 4
     assert _create_number(Registry(data_dir), peft_writer) == 5
+
+
+def _records(data_dir, tenant: str = "acme") -> list[str]:
+    return sorted((p.name for p in (data_dir / "registry" / tenant).glob("*.json") if p.name != "index.json"),
+                  key=lambda name: int(name.split(".")[0]))
+
+
+@pytest.mark.parametrize("trace", ["adapter directory", "index hint", "HEAD.json"])
+def test_a_number_far_past_the_newest_record_is_not_taken_for_one(data_dir, peft_writer, trace, caplog):
+    """An operator's folder named by a date, or a hint or HEAD.json edited by hand, would otherwise make the create
+    write a record for every number up to it, under the lock (20,000 took 20 s)."""
+    reg = Registry(data_dir)
+    reg.publish("acme", _new(reg, peft_writer).number)
+    far = 1 + MAX_SKIP + 5  # past the bound by more than the two creates below move the newest record
+    folder = data_dir / "adapters" / "acme" / str(far)
+    if trace == "adapter directory":
+        folder.mkdir()
+        (folder / "notes.txt").write_text("kept by hand")
+    elif trace == "index hint":
+        (data_dir / "registry" / "acme" / "index.json").write_text(json.dumps({"format": 1, "last": far, "open": [1]}))
+    else:
+        head = json.loads((data_dir / "registry" / "HEAD.json").read_text())
+        head["published"]["acme"]["number"] = far
+        (data_dir / "registry" / "HEAD.json").write_text(json.dumps(head))
+
+    assert _new(reg, peft_writer, parent="acme@1").number == 2
+    assert _records(data_dir) == ["1.json", "2.json"], "no number skipped for it"
+    assert [v.name for v in Registry(data_dir).unsettled("acme")] == ["acme@1", "acme@2"], "readers see them all"
+    assert reg.published()["acme"].name == "acme@1"
+    warned = [r.getMessage() for r in caplog.records if f"acme@{far}" in r.getMessage()]
+    assert len(warned) == 1 and f"more than {MAX_SKIP} past the newest record (acme@1)" in warned[0]
+    if trace == "adapter directory":
+        assert str(folder) in warned[0] and "left as it is" in warned[0]
+        assert _new(reg, peft_writer, parent="acme@1").number == 3
+        assert len([r for r in caplog.records if f"acme@{far}" in r.getMessage()]) == 1, "logged once"
+        assert [p.name for p in folder.iterdir()] == ["notes.txt"], "a folder without a record is never deleted"
+
+
+def test_only_directories_named_by_a_number_as_written_are_traces(data_dir, peft_writer):
+    reg = Registry(data_dir)
+    _new(reg, peft_writer)
+    acme = data_dir / "adapters" / "acme"
+    for name in ("007", "+9", "\u0663", "\u00b2", "0"):  # int() reads the first four as numbers; "²" it refuses
+        (acme / name).mkdir()
+    (acme / "5").write_text("a file")
+    (data_dir / "registry" / "acme" / "04.json").write_text("{}")
+    assert _new(reg, peft_writer, parent="acme@1").number == 2
+    assert reg.numbers("acme") == [1, 2]
+    assert sorted(p.name for p in acme.iterdir()) == sorted(["1", "2", "007", "+9", "\u0663", "\u00b2", "0", "5"])
+
+
+def test_numbers_skipped_within_the_bound_are_recorded_and_logged_as_a_range(data_dir, peft_writer, caplog,
+                                                                             monkeypatch):
+    monkeypatch.setattr(registry, "MAX_SKIP", 5)
+    reg = Registry(data_dir)
+    _new(reg, peft_writer)
+    (data_dir / "adapters" / "acme" / "6").mkdir()  # 5 past acme@1: still a trace
+    assert _new(reg, peft_writer).number == 7
+    assert [reg.get("acme", n).status for n in range(2, 7)] == ["retired"] * 5
+    assert not (data_dir / "adapters" / "acme" / "6").exists()
+    [message] = [r.getMessage() for r in caplog.records]
+    assert "5 number(s) of acme had no record (acme@2 to acme@6" in message and "acme@8 is next" not in message
+    assert "acme@4" not in message, "a count and a range, not every name"
+
+    # A folder right at the next number, too far to be a trace, is in the way: refused, naming it.
+    (data_dir / "adapters" / "acme" / "12").mkdir()
+    (data_dir / "adapters" / "acme" / "13").mkdir()
+    with pytest.raises(RegistryError, match=f"acme@13: {data_dir / 'adapters' / 'acme' / '13'} is in the way"):
+        _new(reg, peft_writer)
+    assert reg.numbers("acme") == list(range(1, 8)) and (data_dir / "adapters" / "acme" / "13").exists()
