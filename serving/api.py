@@ -6,15 +6,15 @@ Routes: `POST /v1/chat/completions`, `POST /v1/completions` (both stream as serv
 
 One generation request, top to bottom (`_generate`): authenticate the bearer key (auth.py) -> read the
 body (at most `max_request_bytes`, else 413; 400 `context_length_exceeded` when that limit is room for
-any prompt the context fits, see `_too_large`) and parse it (protocol.py) -> resolve `model` to the tenant's
-adapter or the base model -> take the tenant's in-flight slots (`InflightLimit`: 429 beyond
-`max_inflight_per_tenant` completions) -> render and tokenize the prompt (the engine's prompt thread, off
-the event loop), check it fits and check the sampling with the engine -> lease the adapter version
-(adapters.py; held until the last token, so a hot-swap never changes weights mid-generation) -> run it on
-the engine, salted with the tenant (no prefix-cache sharing between tenants) -> answer -> log one
-interaction event per choice (events_log.py; never blocks) -> count it (metrics.py). Everything the
-engine would refuse is refused before the first byte, so a stream's refusals are real 4xx/5xx statuses;
-only failures after that arrive as an error event in the stream.
+any prompt the context fits and the body is no batch of several prompts, see `_too_large`) and parse it
+(protocol.py) -> resolve `model` to the tenant's adapter or the base model -> take the tenant's in-flight
+slots (`InflightLimit`: 429 beyond `max_inflight_per_tenant` completions) -> render and tokenize the prompt
+(the engine's prompt thread, off the event loop), check it fits and check the sampling with the engine ->
+lease the adapter version (adapters.py; held until the last token, so a hot-swap never changes weights
+mid-generation) -> run it on the engine, salted with the tenant (no prefix-cache sharing between tenants)
+-> answer -> log one interaction event per choice (events_log.py; never blocks) -> count it (metrics.py).
+Everything the engine would refuse is refused before the first byte, so a stream's refusals are real
+4xx/5xx statuses; only failures after that arrive as an error event in the stream.
 
 A /v1/completions request may carry several prompts; each becomes its own engine request and gets `n`
 choices, numbered `i * n + j` for choice j of prompt i (OpenAI's numbering), each logged as its own
@@ -363,28 +363,38 @@ class Api:
 
     async def _body(self, request: Request, prompt: str | None = None) -> bytes:
         """The request body, refused past `max_request_bytes` (by Content-Length, and while read). `prompt` names
-        a generation's prompt field ("messages" or "prompt"), for `_too_large`."""
+        a generation's prompt field ("messages" or "prompt"), for `_too_large`. A /v1/completions body declared
+        too large is still read up to the limit, as one that fits would be: whether it lists several prompts
+        decides the answer."""
         limit = self.max_request_bytes
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise self._too_large(f"{int(declared)} bytes", prompt)
-        chunks, size = [], 0
+        size = f"{int(declared)} bytes" if declared.isdigit() and int(declared) > limit else None
+        if size is not None and prompt != "prompt":
+            raise self._too_large(size, prompt)
+        chunks, got = [], 0
         try:
             async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise self._too_large(f"over {limit} bytes", prompt)
+                got += len(chunk)
                 chunks.append(chunk)
+                if got > limit:
+                    raise self._too_large(size or f"over {limit} bytes", prompt, b"".join(chunks))
         except ClientDisconnect:
             raise ClientClosedRequest("the client left before its request body was read") from None
         return b"".join(chunks)
 
-    def _too_large(self, size: str, prompt: str | None) -> ServingError:
+    def _too_large(self, size: str, prompt: str | None, head: bytes = b"") -> ServingError:
         """413, unless a generation's limit is at least what a prompt filling the context takes (the default
         limit is): then a body past it holds a prompt past the context, or bulk no prompt needs, and the answer
         is OpenAI's 400 context_length_exceeded, by which clients (the openai SDK's BadRequestError, LangChain,
-        LiteLLM) tell a prompt too long. A smaller limit is the server's own: 413."""
+        LiteLLM) tell a prompt too long. A smaller limit is the server's own: 413. So is a /v1/completions
+        batch, whose prompts may each fit (`head`, the body read so far, lists several within the limit; a
+        first prompt that runs past the limit is too long on its own): it is told the batch is too large, not
+        to shorten a prompt."""
         context = self.engine.max_model_len
+        if prompt == "prompt" and protocol.lists_several_prompts(head[: self.max_request_bytes]):
+            return RequestTooLarge(
+                f"the request body is {size}; this server takes at most {self.max_request_bytes} bytes. The batch of "
+                "prompts is too large: send fewer prompts per request", param="prompt")
         if prompt is not None and self.max_request_bytes >= REQUEST_BYTES_PER_TOKEN * context:
             return ContextLengthExceeded(
                 f"This model's maximum context length is {context} tokens. However, your request body is {size}, more "

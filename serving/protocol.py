@@ -15,7 +15,8 @@ clora does anyway (`"add_generation_prompt": true`). OpenAI's metadata fields th
 `min_tokens`, `stop_token_ids`, `include_stop_str_in_output` and `ignore_eos`, which the engine applies.
 Two samplings vLLM refuses are taken, as OpenAI takes them: `temperature: 0` with `n` > 1 gets n copies of
 the one greedy answer (the engine runs it once), and `top_p: 0` keeps the most likely token only, sampled
-as `top_k: 1`.
+as `top_k: 1`. A completions body too large to parse is still looked at for one thing,
+`lists_several_prompts`: a batch is told so, not to shorten a prompt that may fit.
 README.md ("Serving: the HTTP contract") has the table of what is accepted and refused.
 
 Responses are plain dicts built from the engine's `Choice`/`Delta` (serving/engine.py) by pure
@@ -442,6 +443,25 @@ def _lone_surrogate(value: Any) -> tuple[tuple[str | int, ...], str] | None:
         elif isinstance(v, list):
             stack.extend(((*path, i), item) for i, item in reversed(list(enumerate(v))))
     return None
+
+
+# What a completions body cut short shows of its prompt (`lists_several_prompts`): the "prompt" key and an
+# opening "[" (a string can only read `"prompt"` as a whole token: quotes inside a string are escaped), and
+# the first element of that list, a string or a list of token ids, ending; possessive, so a string cut short
+# fails without backtracking.
+_PROMPT_LIST = re.compile(rb'"prompt"\s*+:\s*+\[\s*+')
+_FIRST_PROMPT = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"|\[[^\]]*+\]', re.DOTALL)
+_NEXT_ELEMENT = re.compile(rb"\s*+,")
+
+
+def lists_several_prompts(head: bytes) -> bool:
+    """Whether the start of a /v1/completions body (`head`, cut anywhere) shows a batch: a "prompt" that is a
+    list whose first prompt, text or token ids, ends inside `head` and has another after it. A single prompt,
+    a list of token ids, a first prompt that runs past `head`, or no "prompt" in it at all: False. For telling
+    a batch too large from a prompt too long when the body is past the size limit, so never parsed."""
+    key = _PROMPT_LIST.search(head)
+    first = _FIRST_PROMPT.match(head, key.end()) if key else None
+    return first is not None and _NEXT_ELEMENT.match(head, first.end()) is not None
 
 
 def parse(model: type[BaseModel], raw: bytes) -> Any:

@@ -789,6 +789,34 @@ def test_a_generation_body_past_a_limit_that_fits_the_context_is_context_length_
     assert w.llm.calls == []
 
 
+def test_a_completions_batch_past_the_limit_is_413_batch_too_large_even_when_each_prompt_fits():
+    """Many prompts that each fit the context, together past the body limit, are not told to "reduce the
+    length of the prompt": 413 request_too_large says the batch is too large, with or without Content-Length.
+    A prompt past the limit on its own, alone or first in a list, stays 400 context_length_exceeded."""
+    w = World(max_request_bytes=96 * MAX_MODEL_LEN)
+    batch = {"model": "acme", "prompt": ["x" * 100] * 100}
+    r = w.post("/v1/completions", batch)
+    e = error(r)
+    assert r.status_code == 413 and e["code"] == "request_too_large" and e["param"] == "prompt"
+    assert "batch of prompts is too large" in e["message"] and f"{len(r.request.content)} bytes" in e["message"]
+    r = w.post("/v1/completions", {"model": "acme", "prompt": [[7] * 30] * 300})
+    assert r.status_code == 413 and error(r)["code"] == "request_too_large"
+
+    async def chunked(c):  # no Content-Length: counted while read
+        async def parts():
+            body = json.dumps(batch).encode()
+            for at in range(0, len(body), 512):
+                yield body[at:at + 512]
+        return await c.post("/v1/completions", content=parts(), headers={"content-type": "application/json"})
+
+    r = w.run(chunked)
+    assert r.status_code == 413 and "over 6144 bytes" in error(r)["message"] and "batch" in error(r)["message"]
+    for one in ("x" * 96 * MAX_MODEL_LEN, ["x" * 96 * MAX_MODEL_LEN], ["x" * 96 * MAX_MODEL_LEN, "y"]):
+        r = w.post("/v1/completions", {"model": "acme", "prompt": one})
+        assert r.status_code == 400 and error(r)["code"] == "context_length_exceeded", one
+    assert w.llm.calls == []
+
+
 def test_a_tenant_over_its_in_flight_limit_gets_429_with_retry_after():
     w = World(max_inflight_per_tenant=3)
     w.llm.gate = asyncio.Event()

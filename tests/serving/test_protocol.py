@@ -93,6 +93,35 @@ def test_completion_prompt_forms(prompt, expected):
     assert protocol.parse(protocol.CompletionRequest, body).prompts() == expected
 
 
+@pytest.mark.parametrize("head, several", [
+    (b'{"model": "m", "prompt": ["a", "b"', True),  # cut inside the second prompt
+    (b'{"model": "m", "prompt": [ "a \\"quoted\\", [1]" ,', True),  # quotes and brackets inside a string
+    (b'{"prompt": [[1, 2], [3', True),
+    (b'{"prompt": ["only"]}', False),
+    (b'{"prompt": [5, 6, 7]}', False),  # one prompt as token ids
+    (b'{"prompt": [[5, 6, 7]]}', False),
+    (b'{"model": "m", "prompt": "text ', False),
+    (b'{"model": "m", "prompt": ["a prompt past the limit on its own', False),
+    (b'{"prompt": ["ends in a backslash \\\\"', False),  # the list may still end here
+    (b'{"user": "\\"prompt\\": [\\"a\\", \\"b\\"]", "prompt": "x"}', False),  # "prompt" inside a string
+    (b'{"model": "m", "max_tokens": 5', False),  # no prompt yet: bulk before it
+])
+def test_a_body_cut_short_tells_a_batch_of_prompts_from_one_prompt(head, several):
+    assert protocol.lists_several_prompts(head) is several
+
+
+def test_telling_a_batch_from_one_prompt_reads_megabytes_at_once():
+    """The start of a body past the size limit is looked at on the event loop: no character-by-character walk,
+    no backtracking over a string that does not end."""
+    import time
+
+    started = time.perf_counter()
+    assert not protocol.lists_several_prompts(b'{"prompt": ["' + b'a\\"' * 1_000_000)
+    assert not protocol.lists_several_prompts(b'{"prompt": [[' + b"1, " * 1_000_000)
+    assert protocol.lists_several_prompts(b'{"prompt": ["a", ' + b'"aaaaaaa", ' * 300_000)
+    assert time.perf_counter() - started < 1.0
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"echo": True}, "echo"),
     ({"suffix": "x"}, "suffix"),
