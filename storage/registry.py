@@ -20,8 +20,10 @@ the number after the largest that any trace on disk still names: the records, th
 directories under adapters/<tenant>/ whose names are a number as it is written ("7"; not "07", "7.bak" or
 another script's digits) and HEAD.json. Numbers between the newest record and that one (an adapter directory
 without metadata, the orphan of a create that crashed before its commit point; or a record deleted by hand)
-get a record of their own, status "retired" with the reason, and their files are deleted: records stay
-consecutive, which the index hint's probing relies on. The create logs how many and their range.
+get a record of their own, status "retired" with the reason, and their files are deleted. So do the numbers
+below it that the index hint does not vouch for (past its `last`, or named open) and that have no record (one
+deleted by hand, leaving a hole among the newest versions): records stay consecutive past the hint's `last`,
+which its probing relies on. The create logs how many and their range.
 
 A trace more than MAX_SKIP (1,000) past the newest record is not taken for a number. A create cut short
 leaves one number without a record, and records deleted by hand as many as were deleted; a folder an
@@ -70,7 +72,11 @@ Settled versions are all but every one of a long history, and an operation only 
 hint names them: `last` (the newest number when it was written) and `open` (every number up to `last` that
 was not settled). Writers rewrite it under the lock after every publish and reject; everyone reads it
 without a lock, and versions newer than `last` are found by probing `last + 1, last + 2, ...` (numbers are
-allocated consecutively, and retention deletes only settled versions older than `last`). A hint that is
+allocated consecutively, and retention deletes only settled versions older than `last`). A record deleted by
+hand leaves a hole there, which the next create fills; until then the probe goes on past it from the newest
+directory under adapters/<tenant>/ that has a record, as every version that can still change keeps its files
+there: one listing of a folder that holds a handful of versions' files, not the history, so a hole hides no
+version from a reader (nor from HEAD.json, rebuilt by every change of any tenant). A hint that is
 missing or unreadable means one full listing, which rewrites it. A stale hint (a writer crashed, or a power
 loss undid the rename: it is not fsynced) is still right, because a settled version never becomes unsettled:
 it only names more than it must.
@@ -567,7 +573,7 @@ class Registry:
         newest record (see the module notes), and the records written for the numbers skipped (their files
         still to be removed)."""
         index = self._read_index(tenant)
-        newest = self._live(tenant)[0]
+        newest, live = self._live(tenant)
         if newest and not self._meta_path(tenant, newest).exists():
             # The hint names more than there are (edited by hand, or its newest records deleted): one listing.
             newest = max(self.numbers(tenant), default=0)
@@ -585,8 +591,11 @@ class Registry:
         if (top + 1, self.dd.adapter_dir(tenant, top + 1)) in far:
             raise RegistryError(f"cannot create {tenant}@{top + 1}: {self.dd.adapter_dir(tenant, top + 1)} is in the "
                                 "way; it has no record, so it is no version: move it out of the registry's folders")
+        missing = set(range(newest + 1, top + 1))
+        if index is not None:  # the numbers it does not vouch for; without one, `live` is the listing of the records
+            missing.update(n for n in live if n <= top and not self._meta_path(tenant, n).exists())
         skipped = []
-        for n in range(newest + 1, top + 1):
+        for n in sorted(missing):
             now = _now()
             v = AdapterVersion(
                 tenant=tenant,
@@ -602,10 +611,10 @@ class Registry:
             self._write_meta(v)
             skipped.append(v)
         if skipped:
-            logger.warning("registry: %d number(s) of %s had no record (%s to %s: a create cut short before its "
-                           "record, or records deleted by hand); numbers are never reused, so they are recorded as "
-                           "retired, their files removed, and %s@%d is next",
-                           len(skipped), tenant, skipped[0].name, skipped[-1].name, tenant, top + 1)
+            span = skipped[0].name if len(skipped) == 1 else f"{skipped[0].name} to {skipped[-1].name}"
+            logger.warning("registry: %d number(s) of %s had no record (%s: a create cut short before its record, or "
+                           "records deleted by hand); numbers are never reused, so they are recorded as retired, "
+                           "their files removed, and %s@%d is next", len(skipped), tenant, span, tenant, top + 1)
         return top + 1, skipped
 
     def _ignore_far(self, tenant: str, number: int, where: Path, newest: int, next_number: int) -> None:
@@ -674,6 +683,21 @@ class Registry:
         return newest, open_ + list(range(last + 1, newest + 1))
 
     def _probe(self, tenant: str, last: int) -> int:
+        """The newest number from the hint's `last` on: `last + 1, last + 2, ...` while they have records, and on
+        past a hole (a record deleted by hand) from the newest adapter directory that has a record (module notes)."""
+        last = self._walk(tenant, last)
+        try:
+            names = os.listdir(self.dd.adapters / tenant)
+        except OSError:  # none yet; or one that cannot be listed, which hides only what is past a hole
+            return last
+        for n in sorted((int(name) for name in names if _is_number(name)), reverse=True):
+            if n <= last + 1:
+                break
+            if self._meta_path(tenant, n).exists():  # none past last + 1 but for a hole or a folder left by hand
+                return self._walk(tenant, n)
+        return last
+
+    def _walk(self, tenant: str, last: int) -> int:
         while self._meta_path(tenant, last + 1).exists():
             last += 1
         return last

@@ -823,3 +823,33 @@ def test_numbers_skipped_within_the_bound_are_recorded_and_logged_as_a_range(dat
     with pytest.raises(RegistryError, match=f"acme@13: {data_dir / 'adapters' / 'acme' / '13'} is in the way"):
         _new(reg, peft_writer)
     assert reg.numbers("acme") == list(range(1, 8)) and (data_dir / "adapters" / "acme" / "13").exists()
+
+
+@pytest.mark.parametrize("between", ["nothing", "a publish past the hole"])
+def test_a_record_deleted_by_hand_among_the_newest_hides_no_version(data_dir, peft_writer, between):
+    """Probing from the hint stopped at the hole for good: the versions after it were never served."""
+    reg = Registry(data_dir)
+    reg.publish("acme", _new(reg, peft_writer).number)  # the hint says last 1
+    for n in (2, 3, 4):
+        _new(reg, peft_writer, parent=f"acme@{n - 1}")
+    (data_dir / "registry" / "acme" / "3.json").unlink()
+    hint = data_dir / "registry" / "acme" / "index.json"
+
+    fresh = Registry(data_dir)  # before anything fills the hole
+    assert [v.number for v in fresh.unsettled("acme")] == [1, 2, 4] and fresh.newest_number("acme") == 4
+    if between == "a publish past the hole":
+        reg.publish("acme", 4)
+        reg.publish("beta", _new(reg, peft_writer, "beta").number)  # rebuilds HEAD.json from every tenant's records
+        assert reg.published()["acme"].name == "acme@4" == reg.latest_published("acme").name
+        assert json.loads(hint.read_text())["last"] == 4
+
+    v = _new(reg, peft_writer, parent="acme@2")
+    assert v.number == 5
+    skipped = reg.get("acme", 3)
+    assert skipped.status == "retired" and "acme@3 had no record when acme@5 was created" in skipped.reason
+    assert not (data_dir / "adapters" / "acme" / "3").exists()
+    reg.publish("acme", 5)
+    assert reg.published()["acme"].name == "acme@5" == reg.latest_published("acme").name
+    assert json.loads(hint.read_text())["last"] == 5 and 3 not in json.loads(hint.read_text())["open"]
+    reg.publish("acme", _new(reg, peft_writer, parent="acme@5").number)
+    assert Registry(data_dir).published()["acme"].name == "acme@6"
