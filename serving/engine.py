@@ -26,10 +26,11 @@ gets its deltas: greedy decoding has one answer.
 Log-probabilities are vLLM's default `raw_logprobs`: log-softmax of the model's logits before
 temperature, top-p or penalties, i.e. the log-probability under the policy at temperature 1, which is
 what a learner recomputes with the same weights. Each sampled token comes with its raw bytes, read from
-the vocabulary (`TokenBytes`) rather than decoded (a token holding part of a UTF-8 character decodes to ""
-or U+FFFD, which says nothing of its bytes), and with where it starts in its choice's text (`text_offset`),
-counted from the tokens' bytes: with stop strings vLLM holds a delta's last characters back, so the text
-returned so far says nothing of where a token starts.
+the vocabulary (`TokenBytes`, all of it at start, in the prompt thread) rather than decoded (a token
+holding part of a UTF-8 character decodes to "" or U+FFFD, which says nothing of its bytes), and with
+where it starts in its choice's text (`text_offset`), counted from the tokens' bytes: with stop strings
+vLLM holds a delta's last characters back, so the text returned so far says nothing of where a token
+starts.
 
 On CPU, vLLM 0.32's torch punica ops (`vllm/lora/ops/torch_ops`) index the adapter slot table with the
 row's adapter index, and rows without an adapter carry index -1: Python indexing turns that into the
@@ -296,9 +297,17 @@ class Engine:
         self.zero_adapter = self.new_handle(ZERO_ADAPTER_NAME, zero_adapter_dir) if zero_adapter_dir else None
 
     async def start(self) -> None:
-        """Loads what must be in place before the first request (the zero adapter, on CPU)."""
+        """Loads what must be in place before the first request (the zero adapter, on CPU), and meanwhile reads
+        every token's bytes in the prompt thread (`TokenBytes.warm`), so no response reads the vocabulary on
+        the event loop: a SentencePiece token is read by decoding it, and the first such read serializes the
+        whole tokenizer (vLLM's leading-space rule), a stall the first request with logprobs would take."""
+        warming = asyncio.get_running_loop().run_in_executor(self._prompt_thread, self.token_bytes.warm)
         if self.zero_adapter is not None:
             await self.load_adapter(self.zero_adapter)
+        try:
+            await warming
+        except Exception:  # tokens are then read as responses need them, each failing or not on its own
+            logger.exception("could not read the vocabulary's token bytes at start; reading them as needed")
 
     # --- prompts ------------------------------------------------------------------------------------------
     async def chat_prompt(self, messages: Sequence[dict[str, str]], tenant: str = "") -> tuple[str, list[int]]:
@@ -613,8 +622,9 @@ def _spelt_bytes(piece: str) -> bytes | None:
 
 
 class TokenBytes:
-    """Each token id's raw bytes, read from the tokenizer's vocabulary on first use and kept (at most one
-    entry per token the server has answered with).
+    """Each token id's raw bytes, read from the tokenizer's vocabulary and kept: all of it at once (`warm`, at
+    the engine's start: for a byte-level vocabulary of 150k tokens about 0.2 s and 16 MB, for a SentencePiece
+    one of 256k, which is decoded, about 2 s and 29 MB), or a token on first use (an id past the tokenizer).
 
     Special tokens ("<|im_end|>") are their content: vLLM leaves them out of the text, so they have no other.
     A byte-level BPE vocabulary (Qwen's, Llama 3's, the tiny model's) spells every byte with one character;
@@ -637,35 +647,47 @@ class TokenBytes:
     def __call__(self, token_id: int) -> bytes:
         raw = self._known.get(token_id)
         if raw is None:
-            raw = self._known[token_id] = self._read(token_id)
+            raw = self._known[token_id] = self._read([token_id])[0]
         return raw
+
+    def warm(self) -> None:
+        """Reads the whole vocabulary now, in a few calls, so that no response reads a token on the event loop."""
+        token_ids = list(range(len(self.tokenizer)))
+        self._known.update(zip(token_ids, self._read(token_ids)))
 
     def _spells_bytes(self) -> bool:
         pieces = self._pieces(list(self.tokenizer.encode(BYTE_LEVEL_PROBE, add_special_tokens=False)))
-        return pieces is not None and _spelt_bytes("".join(p or "" for p in pieces)) == BYTE_LEVEL_PROBE.encode()
+        return _spelt_bytes("".join(p or "" for p in pieces)) == BYTE_LEVEL_PROBE.encode()
 
-    def _pieces(self, token_ids: list[int]) -> list[str | None] | None:
-        """The vocabulary's pieces of `token_ids` (None for an id it lacks); None when the tokenizer has no
-        vocabulary to look at."""
+    def _pieces(self, token_ids: list[int]) -> list[str | None]:
+        """The vocabulary's pieces of `token_ids` (None for an id it lacks, and for every id when the tokenizer
+        has no vocabulary to look at)."""
         convert = getattr(self.tokenizer, "convert_ids_to_tokens", None)
-        if convert is None:
-            return None
         try:
-            return list(convert(token_ids))
+            return list(convert(token_ids)) if convert is not None else [None] * len(token_ids)
         except IndexError:  # a slow tokenizer's answer to an id past its vocabulary
             return [None] * len(token_ids)
 
-    def _read(self, token_id: int) -> bytes:
-        if token_id in self.special:
-            return self.special[token_id].encode("utf-8")
-        piece = (self._pieces([token_id]) or [None])[0]
-        if piece is not None:
-            spelt = _spelt_bytes(piece) if self._byte_level else None
-            if spelt is not None:
-                return spelt
-            byte = BYTE_PIECE.fullmatch(piece)
-            if byte is not None:
-                return bytes([int(byte.group(1), 16)])
-        from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+    def _read(self, token_ids: list[int]) -> list[bytes]:
+        """The bytes of `token_ids`: from their pieces where these spell them, the others decoded in one call."""
+        raws = [self.special[t].encode("utf-8") if t in self.special else _piece_bytes(piece, self._byte_level)
+                for t, piece in zip(token_ids, self._pieces(token_ids))]
+        decode = [token_id for token_id, raw in zip(token_ids, raws) if raw is None]
+        if decode:
+            from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
 
-        return convert_ids_list_to_tokens(self.tokenizer, [token_id])[0].encode("utf-8")
+            decoded = iter(convert_ids_list_to_tokens(self.tokenizer, decode))
+            raws = [raw if raw is not None else next(decoded).encode("utf-8") for raw in raws]
+        return raws
+
+
+def _piece_bytes(piece: str | None, byte_level: bool) -> bytes | None:
+    """A piece's bytes where its spelling says them: a byte-level piece, or SentencePiece's "<0xE4>"; None
+    when only decoding says (SentencePiece's "▁", a WordPiece "##")."""
+    if piece is None:
+        return None
+    spelt = _spelt_bytes(piece) if byte_level else None
+    if spelt is not None:
+        return spelt
+    byte = BYTE_PIECE.fullmatch(piece)
+    return bytes([int(byte.group(1), 16)]) if byte is not None else None

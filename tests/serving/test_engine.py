@@ -3,6 +3,7 @@ each token's bytes, and text offsets through vLLM's own incremental detokenizer 
 
 import asyncio
 import codecs
+import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -125,6 +126,9 @@ def test_sentencepiece_spaces_and_whitespace_added_tokens_are_spaces(metaspace):
     assert b"".join(token_bytes(t) for t in ids) == text.encode()
     assert token_bytes(ids[2]) == b"    " and token_bytes(ids[0]) == b" def"
     assert token_bytes(tokenizer.eos_token_id) == b"<eos>"
+    whole = TokenBytes(tokenizer)
+    whole.warm()  # the vocabulary read at once reads as token by token
+    assert [whole(t) for t in range(len(tokenizer))] == [TokenBytes(tokenizer)(t) for t in range(len(tokenizer))]
 
 
 def test_text_offsets_count_the_tokens_bytes_and_a_split_character_once():
@@ -147,6 +151,9 @@ class DetokenizingLLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def shutdown(self):
+        pass
 
     async def generate(self, prompt, params, request_id, lora_request=None):
         from vllm.v1.engine.detokenizer import IncrementalDetokenizer
@@ -189,6 +196,7 @@ def test_text_offsets_are_where_tokens_start_when_vllm_holds_text_back_for_a_sto
     sampling = Sampling(max_tokens=40, stop=stop)
 
     deltas = asyncio.run(_collect(engine.stream([1, 2], sampling, None, "r")))
+    engine.shutdown()
     choice = Choice(0)
     for delta in deltas:
         choice.add(delta)
@@ -205,6 +213,25 @@ def test_text_offsets_are_where_tokens_start_when_vllm_holds_text_back_for_a_sto
     assert [lp.text_offset for lp in sent] == whole
     assert [lp.text_offset for lp in choice.logprobs] == [min(o, len(text)) for o in whole]
     assert [lp.text_offset for lp in choice.logprobs][:7] == [0, 5, 6, 6, 6, 7, 7]
+
+
+def test_start_reads_the_whole_vocabulary_in_the_prompt_thread(tiny_model, monkeypatch):
+    """No response reads the vocabulary on the event loop: start() has read every token, off the loop."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    engine = Engine(DetokenizingLLM(tokenizer, []), max_model_len=64)
+    threads = []
+    convert = tokenizer.convert_ids_to_tokens
+    monkeypatch.setattr(tokenizer, "convert_ids_to_tokens",
+                        lambda ids: threads.append(threading.current_thread().name) or convert(ids))
+    asyncio.run(engine.start())
+    assert threads and all(name.startswith("clora-prompts") for name in threads)
+    threads.clear()
+    one_by_one = TokenBytes(AutoTokenizer.from_pretrained(tiny_model))
+    assert [engine.token_bytes(t) for t in range(len(tokenizer))] == [one_by_one(t) for t in range(len(tokenizer))]
+    assert threads == []  # all of it read already
+    engine.shutdown()
 
 
 async def _collect(deltas):
