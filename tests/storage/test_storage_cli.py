@@ -222,7 +222,7 @@ def test_query_errors_that_are_not_duckdbs_are_one_line(clora, data_dir, tmp_pat
     code, out, _ = clora("query", "select name from adapters")
     assert code == 0 and "acme@1" in out and "acme@2" not in out
     code, _, err = clora("adapters", "show", "acme@2")
-    assert code == 1 and err.startswith("clora adapters show: the registry record of acme@2 cannot be read")
+    assert code == 1 and err.startswith("clora adapters show: registry file ") and "acme/2.json cannot be read" in err
     assert len(err.strip().splitlines()) == 1
 
 
