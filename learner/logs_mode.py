@@ -99,15 +99,21 @@ def _contains(ascending: Sequence[int], x: int) -> bool:
     return i < len(ascending) and ascending[i] == x
 
 
-def served_by_clora(metadata_json: str | None) -> bool:
-    """Whether a trajectory row was logged by clora's serving tier (its metadata names what served it)."""
+def row_metadata(metadata_json: str | None) -> dict:
+    """A trajectory row's metadata object; {} for none, or for JSON that is not an object."""
     if not metadata_json:
-        return False
+        return {}
     try:
         meta = json.loads(metadata_json)
     except ValueError:
-        return False
-    return isinstance(meta, dict) and all(key in meta for key in SERVING_KEYS)
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def served_by_clora(metadata_json: str | None) -> bool:
+    """Whether a trajectory row was logged by clora's serving tier (its metadata has every SERVING_KEYS key)."""
+    meta = row_metadata(metadata_json)
+    return all(key in meta for key in SERVING_KEYS)
 
 
 def stale_reason(adapter_version: str | None, tenant: str, current: int, max_staleness: int,

@@ -52,7 +52,6 @@ Deliberately not here: the HTTP API itself (serving/), scorers (ingest/scorers.p
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import threading
@@ -69,7 +68,7 @@ import torch
 
 from learner import maths
 from learner.batch import pack, pad_values
-from learner.logs_mode import prompt_text, stale_reason
+from learner.logs_mode import prompt_text, row_metadata, stale_reason
 from learner.policy import Policy
 from learner.types import Sample
 from learner.update import UpdateResult, pg_update
@@ -126,13 +125,7 @@ def read_prompts_file(path: Path) -> list[str]:
 
 
 def is_rollout_row(metadata_json: str | None) -> bool:
-    if not metadata_json:
-        return False
-    try:
-        meta = json.loads(metadata_json)
-    except ValueError:
-        return False
-    return isinstance(meta, dict) and meta.get("source") == ROLLOUT_SOURCE
+    return row_metadata(metadata_json).get("source") == ROLLOUT_SOURCE
 
 
 def plan_from_rows(
