@@ -36,7 +36,10 @@ publish or reject writes a new one), and the folder is left as it is: it has no 
 is a version. Refusing the create instead would stop the tenant's learner over a folder it does not need.
 The folder is judged afresh by every create, though: should the versions come within MAX_SKIP of it, it
 counts like any other trace (its number is skipped and the folder deleted), which is why the warning asks
-for it to be moved; and one in the way of the very next number is refused, naming it.
+for it to be moved. A run of consecutive numbers (folders or records: a range restored or copied back) is
+taken whole once it starts within MAX_SKIP: each of its numbers is one past the one before, and only a gap
+makes what lies past it far. A create is refused, naming the folder or record in the way, only past a run
+longer than MAX_SKIP plus the folders there are.
 
 Status moves: candidate -> published | rejected; anything -> retired. `rollback` never rewrites history:
 it copies an older version's files into a new, newest, published version whose parent is the old one.
@@ -70,13 +73,14 @@ step, forever; metadata is deleted only by retention, `prune`, never the newest)
 once nothing can change it any more: retired, or rejected with its files removed, and its files gone.
 Settled versions are all but every one of a long history, and an operation only needs the others. The index
 hint names them: `last` (the newest number when it was written) and `open` (every number up to `last` that
-was not settled). Writers rewrite it under the lock after every publish and reject; everyone reads it
+was not settled). Writers rewrite it under the lock after every publish, reject and retire; everyone reads it
 without a lock, and versions newer than `last` are found by probing `last + 1, last + 2, ...` (numbers are
 allocated consecutively, and retention deletes only settled versions older than `last`). A record deleted by
 hand leaves a hole there, which the next create fills; until then the probe goes on past it from the newest
 directory under adapters/<tenant>/ that has a record, as every version that can still change keeps its files
-there: one listing of a folder that holds a handful of versions' files, not the history, so a hole hides no
-version from a reader (nor from HEAD.json, rebuilt by every change of any tenant). A hint that is
+there (up to MAX_SKIP past the end of the walk: a record with its folder further on, copied there by hand,
+is logged once and left out, like a far folder): one listing of a folder that holds a handful of versions'
+files, not the history, so a hole hides no version from a reader (nor from HEAD.json, rebuilt by every change of any tenant). A hint that is
 missing or unreadable means one full listing, which rewrites it. A stale hint (a writer crashed, or a power
 loss undid the rename: it is not fsynced) is still right, because a settled version never becomes unsettled:
 it only names more than it must.
@@ -452,13 +456,16 @@ class Registry:
 
         HEAD.json is rewritten even when the version was already retired: a retire killed between its record
         and HEAD left HEAD naming this version, and its retry deletes the files, which serving would then
-        load from a HEAD that still names them."""
+        load from a HEAD that still names them. The index hint is rewritten before the files are deleted:
+        past a hole (a record deleted by hand) readers find the newest versions by their folders, and one whose
+        folder is gone must already be within the hint's `last`."""
         with self._locked():
             v = self.get(tenant, number)
             if v.status != "retired":
                 v = self._mark_retired(v)
+            removed = self._enforce_keep_last(tenant)
             self._write_head()
-        self._remove_files([v])
+        self._remove_files([v] + [x for x in removed if x.number != v.number])
         return v
 
     def prune(self, tenant: str, *, before_s: float, dry_run: bool = False) -> int:
@@ -577,21 +584,30 @@ class Registry:
         if newest and not self._meta_path(tenant, newest).exists():
             # The hint names more than there are (edited by hand, or its newest records deleted): one listing.
             newest = max(self.numbers(tenant), default=0)
-        traces = [(n, self.dd.adapter_dir(tenant, n)) for n in self._adapter_numbers(tenant)]
+        folders = set(self._adapter_numbers(tenant))
+        traces = [(n, self.dd.adapter_dir(tenant, n)) for n in folders]
         if index is not None:
             traces.append((index[0], self._index_path(tenant)))
         _, head = self._old_head()
         served = (head or {}).get(tenant)
         if served is not None:
             traces.append((served.number, self._head))
-        far = [(n, where) for n, where in traces if n > newest + MAX_SKIP]
         top = max([newest] + [n for n, _ in traces if n <= newest + MAX_SKIP])
+        # A run of consecutive folders or records (a range restored or copied back) is taken whole: only a gap
+        # makes what lies past it far. Each step is a folder or a record, so the run costs no more than they do.
+        for _ in range(len(folders) + MAX_SKIP):
+            if top + 1 not in folders and not self._meta_path(tenant, top + 1).exists():
+                break
+            top += 1
+        far = [(n, where) for n, where in traces if n > top]
         for n, where in far:
             self._ignore_far(tenant, n, where, newest, top + 1)
-        if (top + 1, self.dd.adapter_dir(tenant, top + 1)) in far:
-            raise RegistryError(f"cannot create {tenant}@{top + 1}: {self.dd.adapter_dir(tenant, top + 1)} is in the "
-                                "way; it has no record, so it is no version: move it out of the registry's folders")
-        missing = set(range(newest + 1, top + 1))
+        for in_the_way in (self.dd.adapter_dir(tenant, top + 1), self._meta_path(tenant, top + 1)):
+            if in_the_way.exists():  # a run longer than the bound above
+                raise RegistryError(f"cannot create {tenant}@{top + 1}: {in_the_way} is in the way, past a run of "
+                                    f"{len(folders) + MAX_SKIP} numbers taken; move it out of the registry's folders")
+        # A record there (a version past a hole that readers' probe cannot reach) is kept, not overwritten.
+        missing = {n for n in range(newest + 1, top + 1) if not self._meta_path(tenant, n).exists()}
         if index is not None:  # the numbers it does not vouch for; without one, `live` is the listing of the records
             missing.update(n for n in live if n <= top and not self._meta_path(tenant, n).exists())
         skipped = []
@@ -635,6 +651,17 @@ class Registry:
                        "short or records deleted by hand, so no number is skipped for it and %s@%d is next; %s",
                        where, tenant, number, MAX_SKIP, f"{tenant}@{newest}" if newest else "none",
                        tenant, next_number, consequence)
+
+    def _ignore_far_record(self, tenant: str, number: int, newest: int) -> None:
+        """A record and folder too far past the newest version to be one (module notes): logged once."""
+        where = self._meta_path(tenant, number)
+        if (where, number) in self._far:
+            return
+        self._far.add((where, number))
+        logger.warning("registry: %s and its folder name %s@%d, more than %d past the newest version found before it "
+                       "(%s): too far for a hole left by records deleted by hand, so readers and creates look no "
+                       "further than %s; move them out of the registry's folders", where, tenant, number, MAX_SKIP,
+                       f"{tenant}@{newest}" if newest else "none", f"{tenant}@{newest}" if newest else "none")
 
     def _locked(self):
         return FileLock(self._lock_path)
@@ -693,8 +720,12 @@ class Registry:
         for n in sorted((int(name) for name in names if _is_number(name)), reverse=True):
             if n <= last + 1:
                 break
-            if self._meta_path(tenant, n).exists():  # none past last + 1 but for a hole or a folder left by hand
-                return self._walk(tenant, n)
+            if not self._meta_path(tenant, n).exists():  # none past last + 1 but for a hole or a folder left by hand
+                continue
+            if n > last + MAX_SKIP:  # a copy put there by hand: taking it would make the next create skip every
+                self._ignore_far_record(tenant, n, last)  # number up to it, under the lock (module notes)
+                continue
+            return self._walk(tenant, n)
         return last
 
     def _walk(self, tenant: str, last: int) -> int:

@@ -817,12 +817,54 @@ def test_numbers_skipped_within_the_bound_are_recorded_and_logged_as_a_range(dat
     assert "5 number(s) of acme had no record (acme@2 to acme@6" in message and "acme@8 is next" not in message
     assert "acme@4" not in message, "a count and a range, not every name"
 
-    # A folder right at the next number, too far to be a trace, is in the way: refused, naming it.
-    (data_dir / "adapters" / "acme" / "12").mkdir()
-    (data_dir / "adapters" / "acme" / "13").mkdir()
-    with pytest.raises(RegistryError, match=f"acme@13: {data_dir / 'adapters' / 'acme' / '13'} is in the way"):
-        _new(reg, peft_writer)
-    assert reg.numbers("acme") == list(range(1, 8)) and (data_dir / "adapters" / "acme" / "13").exists()
+
+
+def test_a_run_of_folders_crossing_the_bound_is_taken_whole(data_dir, peft_writer, monkeypatch):
+    """The folder one past the bound was far, and in the way of the number after the run: every create refused."""
+    monkeypatch.setattr(registry, "MAX_SKIP", 5)
+    reg = Registry(data_dir)
+    _new(reg, peft_writer)
+    for n in range(4, 10):  # a range copied back, from within the bound (acme@6) to past it
+        (data_dir / "adapters" / "acme" / str(n)).mkdir()
+    assert _new(reg, peft_writer).number == 10
+    assert [_new(reg, peft_writer).number for _ in range(2)] == [11, 12]
+    assert reg.numbers("acme") == list(range(1, 13))
+    assert not (data_dir / "adapters" / "acme" / "9").exists()
+
+
+def test_a_record_far_past_the_newest_version_costs_no_skipped_numbers(data_dir, peft_writer, monkeypatch, caplog):
+    """Readers' probe jumped to it and the next create recorded every number below it as skipped (for a
+    record at 100,000: two seconds to read, a minute to create)."""
+    monkeypatch.setattr(registry, "MAX_SKIP", 5)
+    reg = Registry(data_dir)
+    for n in (1, 2):
+        reg.publish("acme", _new(reg, peft_writer, parent=f"acme@{n - 1}" if n > 1 else None).number)
+    record = json.loads((data_dir / "registry" / "acme" / "2.json").read_text())
+    record.update(number=50, name="acme@50", status="retired")
+    (data_dir / "registry" / "acme" / "50.json").write_text(json.dumps(record))
+    shutil.copytree(data_dir / "adapters" / "acme" / "2", data_dir / "adapters" / "acme" / "50")
+
+    fresh = Registry(data_dir)
+    assert fresh.newest_number("acme") == 2 and fresh.latest_published("acme").name == "acme@2"
+    assert fresh.newest_number("acme") == 2  # read again: logged once per process
+    assert len([r for r in caplog.records if "50.json" in r.getMessage()]) == 1, "logged once"
+    reg.publish("acme", _new(reg, peft_writer, parent="acme@2").number)
+    assert reg.numbers("acme") == [1, 2, 3, 50], "no number skipped for it"
+    assert Registry(data_dir).latest_published("acme").name == "acme@3"
+
+
+def test_a_retire_past_a_hole_keeps_its_number(data_dir, peft_writer):
+    """Its folder was what readers found it by past the hole: once deleted, the version was hidden and the next
+    create took its number again, over its record."""
+    reg = Registry(data_dir)
+    reg.publish("acme", _new(reg, peft_writer).number)  # the hint says last 1
+    for n in (2, 3):
+        _new(reg, peft_writer, parent=f"acme@{n - 1}")
+    (data_dir / "registry" / "acme" / "2.json").unlink()
+    reg.retire("acme", 3)
+    assert Registry(data_dir).newest_number("acme") == 3
+    assert _new(reg, peft_writer, parent="acme@1").number == 4
+    assert reg.get("acme", 3).status == "retired" and reg.get("acme", 3).parent == "acme@2"
 
 
 @pytest.mark.parametrize("between", ["nothing", "a publish past the hole"])
