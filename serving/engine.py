@@ -670,8 +670,11 @@ class TokenBytes:
 
     def _read(self, token_ids: list[int]) -> list[bytes]:
         """The bytes of `token_ids`: from their pieces where these spell them, the others decoded in one call."""
-        raws = [self.special[t].encode("utf-8") if t in self.special else _piece_bytes(piece, self._byte_level)
-                for t, piece in zip(token_ids, self._pieces(token_ids))]
+        size = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else None
+        # An id past the tokenizer's vocabulary (models pad theirs: Qwen's 151,936 rows against 151,665 tokens)
+        # spells nothing; decoding it raised in vLLM's SentencePiece path (a 500).
+        raws = [self.special[t].encode("utf-8") if t in self.special else b"" if size is not None and t >= size
+                else _piece_bytes(piece, self._byte_level) for t, piece in zip(token_ids, self._pieces(token_ids))]
         decode = [token_id for token_id, raw in zip(token_ids, raws) if raw is None]
         if decode:
             from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens

@@ -129,6 +129,9 @@ def test_sentencepiece_spaces_and_whitespace_added_tokens_are_spaces(metaspace):
     whole = TokenBytes(tokenizer)
     whole.warm()  # the vocabulary read at once reads as token by token
     assert [whole(t) for t in range(len(tokenizer))] == [TokenBytes(tokenizer)(t) for t in range(len(tokenizer))]
+    # A model's vocabulary is often padded past its tokenizer's (Qwen: 151,936 rows, 151,665 tokens): such an
+    # id, sampled or among the top alternatives, spells nothing (decoding it raised: a 500).
+    assert token_bytes(len(tokenizer)) == b"" and token_bytes(len(tokenizer) + 100) == b""
 
 
 def test_text_offsets_count_the_tokens_bytes_and_a_split_character_once():
