@@ -97,9 +97,10 @@ CHECKPOINT_META = "learner.json"
 CHECKPOINT_FORMAT = 1
 CONFIG_RELOAD_SECONDS = 5.0
 BACKOFF_SECONDS = (5.0, 15.0, 60.0, 300.0)
-# Tries of the same rollout prompts whose every sample fails scoring before the step is committed as skipped
-# (a dependency of the scorer down comes back within the back-offs; a prompt the scorer cannot handle never does).
-UNSCORABLE_TRIES = 3
+# Tries of the same rollout prompts whose every sample fails scoring before the step is committed as skipped:
+# one per back-off (5 + 15 + 60 + 300 s), so a scorer's dependency down for minutes costs no batch, while a
+# prompt the scorer cannot handle does not hold the tenant up for good.
+UNSCORABLE_TRIES = len(BACKOFF_SECONDS) + 1
 COMPACT_EVERY_STEPS = 100
 MAX_REMEMBERED_ROLLOUTS = 100_000  # rollout interaction ids awaiting ingest; older ones are forgotten
 SERVED_KEPT = 1024  # served version numbers a tenant remembers for staleness (at least max_staleness + 2)
@@ -810,8 +811,8 @@ class Learner:
             rt.unscorable = (prompts, tries + 1) if e.unscorable else ((), 0)
             raise
         if step.update is None and step.n_samples == 0:
-            logger.warning("tenant %s: every sample of the same %d prompt(s) failed scoring %d times; the step is "
-                           "committed as skipped", name, len(prompts), tries + 1)
+            logger.warning("tenant %s: every sample of the same %d prompt(s) failed scoring %d times (last: %s); the "
+                           "step is committed as skipped", name, len(prompts), tries + 1, rt.error)
         rt.unscorable = ((), 0)
         return _Trained(step.update, step.rewards, step.reward_mean, step.n_samples, step.n_dropped, rt.baseline,
                         step.score_seconds, step.n_score_failed)
