@@ -261,8 +261,7 @@ class Registry:
         # rename, so a changed file has a new stamp, and a read costs a stat, not a parse. At most
         # CACHE_VERSIONS of them (one per step would grow for ever), oldest out first.
         self._metas: dict[Path, tuple[tuple[int, int, int], AdapterVersion]] = {}
-        self._unreadable: dict[Path, str] = {}  # file -> the reason logged for it (logged once, not per change)
-        self._far: set[tuple[Path, int]] = set()  # traces logged as too far past the newest record (once each)
+        self._logged: dict[object, object] = {}  # what `_log_once` logged: key -> its reason
         self._generation_seen = 0  # the largest generation read or written: one rebuilt from the clock is larger
 
     def __repr__(self) -> str:
@@ -292,7 +291,7 @@ class Registry:
         v = _parse_record(path, raw, self.dd)
         if (v.tenant, v.number) != (tenant, number):
             raise UnreadableRecord(path, f"it holds {v.name}, not {tenant}@{number}")
-        self._unreadable.pop(path, None)  # readable (again): a later fault is logged anew
+        self._logged.pop(path, None)  # readable (again): a later fault is logged anew
         if len(self._metas) >= CACHE_VERSIONS and path not in self._metas:
             try:  # the oldest entry; a listing of a long history cycles through, the live ones come back
                 del self._metas[next(iter(self._metas))]
@@ -644,10 +643,8 @@ class Registry:
         else:
             consequence = (f"the folder is left as it is: move it out of {where.parent} (once the versions come within "
                            f"{MAX_SKIP} of it, it is taken for a version's files and deleted)")
-        if (where, number) in self._far:
-            return
-        self._far.add((where, number))
-        logger.warning("registry: %s names %s@%d, more than %d past the newest record (%s): too far for a create cut "
+        self._log_once((where, number), None, logging.WARNING,
+                       "registry: %s names %s@%d, more than %d past the newest record (%s): too far for a create cut "
                        "short or records deleted by hand, so no number is skipped for it and %s@%d is next; %s",
                        where, tenant, number, MAX_SKIP, f"{tenant}@{newest}" if newest else "none",
                        tenant, next_number, consequence)
@@ -655,10 +652,7 @@ class Registry:
     def _ignore_far_record(self, tenant: str, number: int, newest: int) -> None:
         """A record and folder too far past the newest version to be one (module notes): logged once."""
         where = self._meta_path(tenant, number)
-        if (where, number) in self._far:
-            return
-        self._far.add((where, number))
-        logger.warning("registry: %s and its folder name %s@%d, more than %d past the newest version found before it "
+        self._log_once((where, number), None, logging.WARNING, "registry: %s and its folder name %s@%d, more than %d past the newest version found before it "
                        "(%s): too far for a hole left by records deleted by hand, so readers and creates look no "
                        "further than %s; move them out of the registry's folders", where, tenant, number, MAX_SKIP,
                        f"{tenant}@{newest}" if newest else "none", f"{tenant}@{newest}" if newest else "none")
@@ -863,7 +857,7 @@ class Registry:
             return (generation if _is_count(generation) else None), None
         if head is None:
             return 0, {}
-        self._unreadable.pop(self._head, None)
+        self._logged.pop(self._head, None)
         entries = {}
         for t, d in head["published"].items():
             try:
@@ -874,9 +868,14 @@ class Registry:
 
     def _log_unreadable(self, e: UnreadableRecord, consequence: str) -> None:
         """Logs a file that cannot be read once per process, not on every change (again when its reason changes)."""
-        if self._unreadable.get(e.path) != e.why:
-            self._unreadable[e.path] = e.why
-            logger.error("registry: %s; %s", e, consequence)
+        self._log_once(e.path, e.why, logging.ERROR, "registry: %s; %s", e, consequence)
+
+    def _log_once(self, key: object, reason: object, level: int, message: str, *args) -> None:
+        """Logs `message` the first time `key` comes with `reason` in this process (again when its reason changes)."""
+        if key in self._logged and self._logged[key] == reason:
+            return
+        self._logged[key] = reason
+        logger.log(level, message, *args)
 
 
 def _parse_record(path: Path, raw: bytes, dd: DataDir) -> AdapterVersion:
