@@ -78,7 +78,7 @@ import pyarrow as pa
 
 from clora.config import Config, ConfigError
 from learner import gate, logs_mode, rollouts
-from learner.policy import Policy, read_adapter_shape
+from learner.policy import ADAPTER_WEIGHTS, Policy, read_adapter_shape
 from learner.rollouts import LocalSampler, Prefetcher, RolloutPlan, SampleRequest, Sampler, ServingSampler
 from learner.rollouts import SampledBatch
 from learner.scheduler import Ledger, charge, choose
@@ -88,7 +88,7 @@ from storage.cursors import CursorError, Cursors
 from storage.files import FileLock, HeldLock, atomic_write_bytes, mark_ready
 from storage.layout import DataDir, StorageError
 from storage.parquet import partition_tenants, write_dataset
-from storage.registry import Registry, VersionNotFound
+from storage.registry import Registry, RegistryError, VersionNotFound
 from storage.schema import TRAIN_STEPS, TRAJECTORIES
 
 logger = logging.getLogger(__name__)
@@ -805,6 +805,8 @@ class Learner:
                 max_staleness=self.settings.max_staleness,
                 served=rt.served,
                 skip_unscorable=tries + 1 >= UNSCORABLE_TRIES,
+                temperature=self.settings.temperature,
+                version_files=lambda number: self._version_files(name, number),
                 **common,
             )
         except rollouts.NoUsableSamples as e:
@@ -816,6 +818,14 @@ class Learner:
         rt.unscorable = ((), 0)
         return _Trained(step.update, step.rewards, step.reward_mean, step.n_samples, step.n_dropped, rt.baseline,
                         step.score_seconds, step.n_score_failed)
+
+    def _version_files(self, name: str, number: int) -> Path | None:
+        """The directory of the tenant's version `number` while its adapter files are on disk, else None."""
+        try:
+            path = self.registry.get(name, number).path
+        except (VersionNotFound, RegistryError):
+            return None
+        return path if (path / ADAPTER_WEIGHTS).is_file() else None
 
     def _probe_rewards(self, rt: TenantRuntime, scorer, *, fresh: bool = False) -> tuple[float, ...] | None:
         """The current adapter's reward per probe prompt (cached per adapter state unless `fresh`); None

@@ -309,19 +309,39 @@ class Policy:
         return layers or None
 
     # --- log-probs and the optimizer ------------------------------------------------------------------
-    def token_logprobs(self, batch: TokenBatch, tenant: str | None, *, grad: bool = False) -> Tensor:
-        """log pi(completion token | prefix) for every completion position, [B, C] (float32). Positions past
-        a completion's end hold values of padding tokens: mask them with batch.completion_mask."""
+    def token_logprobs(self, batch: TokenBatch, tenant: str | None, *, grad: bool = False,
+                       temperature: float = 1.0) -> Tensor:
+        """log pi(completion token | prefix) for every completion position, [B, C] (float32), of the policy
+        that samples at `temperature` (softmax(logits / temperature)). Positions past a completion's end
+        hold values of padding tokens: mask them with batch.completion_mask."""
         batch = batch.to(self.device)
         with self.adapter(tenant), torch.set_grad_enabled(grad):
             if not (grad and self._has_dropout):  # train mode would change nothing (it walks every module)
-                return _gather_logprobs(self._completion_logits(batch), batch.completion_ids)
+                return _gather_logprobs(_tempered(self._completion_logits(batch), temperature), batch.completion_ids)
             self.model.train(True)
             try:
                 logits = self._completion_logits(batch)
             finally:
                 self.model.train(False)
-            return _gather_logprobs(logits, batch.completion_ids)
+            return _gather_logprobs(_tempered(logits, temperature), batch.completion_ids)
+
+    def logprobs_of_version(self, batch: TokenBatch, tenant: str, directory: str | Path | None, *,
+                            temperature: float = 1.0) -> Tensor:
+        """`token_logprobs` (no gradient) of an earlier version of the tenant's adapter, whose PEFT files are
+        in `directory` (None: the base model, version 0): the behaviour policy of samples that version
+        made, where the sampler's own log-probs are not those of the sampling distribution. The tenant's
+        current weights are put back afterwards; its optimizer is not touched."""
+        if directory is None:
+            return self.token_logprobs(batch, None, temperature=temperature)
+        self._require(tenant)
+        current = {n: p.detach().clone() for n, p in self._params[tenant]}
+        try:
+            self.load_adapter(tenant, directory)
+            return self.token_logprobs(batch, tenant, temperature=temperature)
+        finally:
+            with torch.no_grad():
+                for n, p in self._params[tenant]:
+                    p.copy_(current[n])
 
     def _completion_logits(self, batch: TokenBatch) -> Tensor:
         """[B, C, V] float32 logits at the positions that predict each completion token, with whatever
@@ -335,17 +355,23 @@ class Policy:
         )
         return out.logits[:, :-1].float()
 
-    def base_reference(self, batch: TokenBatch, *, keep_bytes: int = KEEP_BASE_BYTES) -> tuple[Tensor, Tensor | None]:
-        """One no-grad pass of the base model: its log-probs of the completion tokens [B, C], and its whole
-        log-distributions at those positions [B, C, V] when they fit in `keep_bytes` (else None), for
-        `kl_to_base` to reuse instead of running the base model again."""
+    def base_reference(self, batch: TokenBatch, *, keep_bytes: int = KEEP_BASE_BYTES,
+                       temperature: float = 1.0) -> tuple[Tensor, Tensor | None]:
+        """One no-grad pass of the base model: its log-probs of the completion tokens [B, C] at
+        `temperature` (the KL penalty's reference, beside a policy trained at that temperature), and its
+        whole log-distributions at those positions [B, C, V] at temperature 1 (the exact KL the gate reads)
+        when they fit in `keep_bytes` (else None), for `kl_to_base` to reuse instead of running the base
+        model again."""
         batch = batch.to(self.device)
         with self.adapter(None), torch.no_grad():
             logits = self._completion_logits(batch)
-            if logits.numel() * logits.element_size() > keep_bytes:
-                return _gather_logprobs(logits, batch.completion_ids), None
-            logps = torch.log_softmax(logits, dim=-1)
-        return logps.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1), logps
+            keep = logits.numel() * logits.element_size() <= keep_bytes
+            logps = torch.log_softmax(logits, dim=-1) if keep else None
+            if keep and temperature == 1.0:
+                picked = logps.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+            else:
+                picked = _gather_logprobs(_tempered(logits, temperature), batch.completion_ids)
+        return picked, logps
 
     def kl_to_base(
         self, batch: TokenBatch, tenant: str, *, rows_per_pass: int = 8, base_logps: Tensor | None = None
@@ -615,6 +641,10 @@ def _peft_keys(model, name: str) -> list[str]:
     from peft import get_peft_model_state_dict
 
     return list(get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=False))
+
+
+def _tempered(logits: Tensor, temperature: float) -> Tensor:
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def _gather_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:

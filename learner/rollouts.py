@@ -24,7 +24,11 @@ A step for a tenant:
      train on sequences the policy never produced (a special token sampled mid-text is dropped, invalid
      UTF-8 becomes U+FFFD, a non-canonical split is merged). From a server that does not return them:
      the re-tokenised text, the end-of-sequence token appended to a completion that ended on its own, and
-     ratio 1. The local sampler's samples carry their token ids and are on-policy. Samples made by an
+     ratio 1. At a `learner.temperature` T other than 1 the engine's log-probs (temperature 1) are not
+     the sampling distribution's: the update trains the policy that samples, softmax(logits / T), a
+     sample of the current version is on-policy (ratio 1), and an earlier version's sample gets its old
+     log-probs recomputed from that version's adapter files (left out as stale once they are pruned).
+     The local sampler's samples carry their token ids and are on-policy. Samples made by an
      adapter version more than `learner.max_staleness` served versions behind (the
      `x-clora-adapter-version` header; logs_mode.py says how versions are counted) are left out, unscored.
 
@@ -68,7 +72,7 @@ import torch
 
 from learner import maths
 from learner.batch import pack, pad_values
-from learner.logs_mode import prompt_text, row_metadata, stale_reason
+from learner.logs_mode import prompt_text, row_metadata, stale_reason, version_number
 from learner.policy import Policy
 from learner.types import Sample
 from learner.update import UpdateResult, pg_update
@@ -522,6 +526,31 @@ def _none_usable(n_prompts: int, n: int, failed: list[str], stale: list[str], em
     return f"none of {n} samples usable: " + ", ".join(parts)
 
 
+def _no_behaviour(number: int, current: int, version_files: Callable[[int], Path | None] | None,
+                  temperature: float) -> str | None:
+    """Why a fresh sample made by version `number` cannot be trained at `temperature` != 1, or None: its
+    behaviour log-probs must be recomputed from its version's files, which are gone (train_step's note)."""
+    if number in (current, 0) or (version_files is not None and version_files(number) is not None):
+        return None
+    return (f"stale: version {number}'s adapter files are gone, so its log-probs at temperature {temperature:g} "
+            "cannot be recomputed")
+
+
+def _recomputed_behaviour(policy: Policy, tenant: str, batch, made_by: Sequence[int], current: int,
+                          version_files: Callable[[int], Path | None] | None, temperature: float) -> torch.Tensor:
+    """[B, C] log-probs at `temperature` of each row's sampling version (NaN for the current version's
+    rows: the ratio is 1 there), one pass per earlier version."""
+    old = torch.full(batch.completion_ids.shape, math.nan, dtype=torch.float32)
+    for number in sorted(set(made_by) - {current}):
+        rows = torch.tensor([v == number for v in made_by])
+        directory = None if number == 0 else version_files(number)
+        if number != 0 and directory is None:
+            raise NoUsableSamples(f"version {number}'s adapter files went away during the step")
+        logps = policy.logprobs_of_version(batch, tenant, directory, temperature=temperature).to("cpu", torch.float32)
+        old[rows] = logps[rows]
+    return old
+
+
 def completion_tokens(policy: Policy, sample: Sample) -> tuple[list[int], tuple[float, ...] | None]:
     """(the completion's token ids to train on, their sampled log-probs or None): the sampled tokens when
     the sampler gave them (and they are in the vocabulary), else the re-tokenised text (see the module note)."""
@@ -546,12 +575,20 @@ def train_step(
     max_grad_norm: float,
     max_len: int,
     skip_unscorable: bool = False,
+    temperature: float = 1.0,
+    version_files: Callable[[int], Path | None] | None = None,
 ) -> RolloutStep:
     """Scores the groups, computes GRPO advantages and makes one update (see the module note). Raises
     NoUsableSamples when every sample is left out, unless every one failed scoring and `skip_unscorable`
     is set (the loop's last try of the same prompts): then the step trains nothing and is committed as
-    skipped, so one prompt its scorer never handles cannot hold up the tenant for good."""
-    prompt_ids, completion_ids, behaviour, rewards, groups = [], [], [], [], []
+    skipped, so one prompt its scorer never handles cannot hold up the tenant for good.
+
+    `temperature`: the one the samples were drawn at; the update trains the policy at it. Away from 1 the
+    sampler's log-probs (temperature 1) are not the behaviour policy's: samples of the current version are
+    on-policy (ratio 1), those of an earlier one get log-probs recomputed with that version's adapter
+    files (`version_files(number)`, None once they are gone: the sample is left out as stale)."""
+    tempered = temperature != 1.0
+    prompt_ids, completion_ids, behaviour, rewards, groups, made_by = [], [], [], [], [], []
     stale, failed, empty = [], [], 0  # why samples were left out
     n = 0
     score_seconds = 0.0
@@ -560,6 +597,9 @@ def train_step(
         fresh = []
         for sample in group:
             reason = stale_reason(sample.version, tenant, current_version, max_staleness, served)
+            if not reason and tempered:
+                reason = _no_behaviour(version_number(sample.version, tenant), current_version, version_files,
+                                       temperature)
             if reason:
                 stale.append(reason)
             else:
@@ -580,7 +620,8 @@ def train_step(
                 continue
             prompt_ids.append(p_ids)
             completion_ids.append(c_ids)
-            behaviour.append(c_logprobs)
+            behaviour.append(None if tempered else c_logprobs)
+            made_by.append(version_number(sample.version, tenant))
             rewards.append(reward)
             groups.append(g)
     counts = dict(n_samples=len(rewards), n_dropped=len(stale) + empty, n_score_failed=len(failed),
@@ -596,14 +637,18 @@ def train_step(
     if not bool(advantages.abs().gt(0).any()):
         return RolloutStep(update=None, reward_mean=reward_mean, rewards=tuple(rewards), **counts)
     batch = pack(prompt_ids, completion_ids, pad_id=policy.pad_token_id, max_len=max_len)
+    old = pad_values(behaviour, batch.completion_width) if any(b is not None for b in behaviour) else None
+    if tempered and any(v != current_version for v in made_by):
+        old = _recomputed_behaviour(policy, tenant, batch, made_by, current_version, version_files, temperature)
     result = pg_update(
         policy,
         tenant,
         batch,
         advantages.float(),
-        old_logprobs=pad_values(behaviour, batch.completion_width) if any(b is not None for b in behaviour) else None,
+        old_logprobs=old,
         clip_eps=clip_eps,
         kl_coef=kl_coef,
         max_grad_norm=max_grad_norm,
+        temperature=temperature,
     )
     return RolloutStep(update=result, reward_mean=reward_mean, rewards=tuple(rewards), **counts)

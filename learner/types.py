@@ -162,8 +162,8 @@ class Sample:
     """One sampled completion: its text, its tokens when the sampler knows them, whether it ended on its
     own (end-of-sequence) rather than at the length limit, the adapter version that produced it, the id
     of the interaction the serving tier logged for it (None when nothing was logged), and the sampled
-    tokens' log-probabilities under the policy that sampled them, at temperature 1 (one per token id; None
-    when the sampler does not give them)."""
+    tokens' log-probabilities under the policy that sampled them, at temperature 1 whatever the sampling
+    temperature (vLLM's raw log-probs; one per token id; None when the sampler does not give them)."""
 
     text: str
     token_ids: tuple[int, ...] | None

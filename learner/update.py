@@ -16,6 +16,10 @@ Given a token batch, per-sequence advantages and (optionally) the behaviour poli
 Old log-probs: where the behaviour value of a token is unknown (NaN), the current policy's detached
 log-prob stands in, which makes the ratio exactly 1 there (on-policy / plain REINFORCE with a baseline).
 
+Temperature: samples drawn at temperature T came from softmax(logits / T), so that is the policy whose
+log-probs the surrogate and the KL penalty use (both sides of the ratio, and the base model's reference, at
+T); the gate's exact KL to the base compares the adapters themselves, at temperature 1.
+
 The logs and rollouts modes differ only in where the batch, the advantages and the old log-probs come
 from (logs_mode.py, rollouts.py). Nothing here decides whether the result is kept (gate.py, loop.py).
 """
@@ -60,8 +64,10 @@ def pg_update(
     max_grad_norm: float = 1.0,
     aggregation: maths.Aggregation = "token-mean",
     micro_batch_size: int | None = None,
+    temperature: float = 1.0,
 ) -> UpdateResult:
-    """See the module note. `advantages` is [B]; `old_logprobs` is [B, C] with NaN where unknown, or None."""
+    """See the module note. `advantages` is [B]; `old_logprobs` is [B, C] with NaN where unknown, or None,
+    under the policy at `temperature`, the one trained (rollouts sampled at that temperature)."""
     device = policy.device
     mask = batch.completion_mask.to(device)
     advantages = advantages.to(device, torch.float32)
@@ -70,7 +76,7 @@ def pg_update(
     if old_logprobs is not None and old_logprobs.shape != mask.shape:
         raise ValueError(f"old_logprobs have shape {tuple(old_logprobs.shape)}, expected {tuple(mask.shape)}")
 
-    ref, base_logps = policy.base_reference(batch)
+    ref, base_logps = policy.base_reference(batch, temperature=temperature)
     step = micro_batch_size or batch.size
     total_tokens = mask.sum().clamp(min=1)
     policy.zero_grad(tenant)
@@ -78,7 +84,7 @@ def pg_update(
     for start in range(0, batch.size, step):
         rows = slice(start, min(start + step, batch.size))
         mb_mask = mask[rows]
-        logp = policy.token_logprobs(batch.rows(rows), tenant, grad=True)
+        logp = policy.token_logprobs(batch.rows(rows), tenant, grad=True, temperature=temperature)
         old = logp.detach()
         if old_logprobs is not None:
             known = old_logprobs[rows].to(device)
