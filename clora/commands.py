@@ -170,7 +170,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from clora.simulate import PREFERENCES, Simulator, summarise, tenants_from_config
 
     cfg = config_from_args(args)
-    prefs = args.preferences.split(",") if args.preferences else None
+    prefs = [p.strip() for p in args.preferences.split(",") if p.strip()] if args.preferences else None
     if prefs and any(p not in PREFERENCES for p in prefs):
         print(f"clora simulate: preferences must be among {', '.join(PREFERENCES)}", file=sys.stderr)
         return 2

@@ -617,16 +617,17 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
     source = "defaults"
     if file is not None:
         source = str(file)
+        named = "" if path or not environ.get(CONFIG_ENV) else f" (from ${CONFIG_ENV})"
         try:
             raw = tomllib.loads(file.read_text(encoding="utf-8"))
         except FileNotFoundError as e:
-            raise ConfigError(f"config file {file} does not exist") from e
+            raise ConfigError(f"config file {file}{named} does not exist") from e
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {file} is not valid TOML: {e}") from e
+            raise ConfigError(f"config file {file}{named} is not valid TOML: {e}") from e
         except UnicodeDecodeError as e:
-            raise ConfigError(f"config file {file} is not UTF-8 text: {e}") from e
+            raise ConfigError(f"config file {file}{named} is not UTF-8 text: {e}") from e
         except OSError as e:  # a directory, no permission, an I/O error
-            raise ConfigError(f"config file {file} cannot be read: {e}") from e
+            raise ConfigError(f"config file {file}{named} cannot be read: {e}") from e
     from_env: dict[tuple[str, ...], str] = {}
     for keys, var in _env_fields(Config):
         if not environ.get(var):  # unset, or set to nothing (compose's `${X:-}`): the file's value stands

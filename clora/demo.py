@@ -82,16 +82,14 @@ def run_demo(cfg, *, minutes: float, rate: float, preferences: list[str], seed: 
     from clora.simulate import Simulator, records_to_json, summarise, tenants_from_config
     from clora.up import up
     from ingest.broker import free_port
-    from learner.tiny_model import ensure_tiny
-
-    from clora.cli import data_dir_error, prepare_data_dir
+    from clora.cli import base_model_dir, data_dir_error, prepare_data_dir
 
     root = Path(cfg.data_dir).resolve()
     demo_dir = root / "demo"
     config_path = demo_dir / "clora.toml"
     try:
         prepare_data_dir(root)
-        model = cfg.model.path or ensure_tiny(root / "models", cfg.model.seed)
+        model = base_model_dir(cfg)  # the tiny model unless model.path names one (checked: one line if bad)
         if demo_dir.exists() and not keep_data:
             shutil.rmtree(demo_dir)
         demo_dir.mkdir(parents=True, exist_ok=True)

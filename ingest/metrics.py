@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 LOG_EVERY_S = 10.0
 
 
+class MetricsPortError(RuntimeError):
+    """The metrics endpoint cannot listen on its port (in use, not allowed)."""
+
+
 class IngestMetrics:
     def __init__(self, *, port: int = 0, host: str = "127.0.0.1") -> None:
         self.registry = CollectorRegistry()
@@ -50,7 +54,10 @@ class IngestMetrics:
         self._last_messages = 0
         self.server = None
         if port:
-            self.server, _ = start_http_server(port, addr=host, registry=self.registry)
+            try:
+                self.server, _ = start_http_server(port, addr=host, registry=self.registry)
+            except OSError as e:  # another process has the port: one line from `clora ingest`, not a traceback
+                raise MetricsPortError(f"ingest.metrics_port {port} on {host}: {e.strerror or e}") from e
             logger.info("metrics on http://%s:%d/metrics", host, port)
 
     def flushed(self, messages: int, out: Output, seconds: float, pending: int) -> None:

@@ -21,7 +21,7 @@ from clora.config import Config
 from ingest.batch import Processor
 from ingest.broker import BrokerError, wait_until_reachable
 from ingest.consumer import Ingest
-from ingest.metrics import IngestMetrics
+from ingest.metrics import IngestMetrics, MetricsPortError
 from ingest.scorers import ScorerSpecError
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def run(cfg: Config, *, once: bool = False, max_seconds: float | None = None, dr
         signal.signal(sig, on_signal)
     try:
         ingest = build(cfg)
-    except ScorerSpecError as e:
+    except (ScorerSpecError, MetricsPortError) as e:
         logger.error("clora ingest: %s", e)
         return 2
     # Before the clients: kafka-python's constructors block ~30 s on an unreachable bootstrap, deaf to

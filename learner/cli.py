@@ -90,7 +90,8 @@ def _add_model_commands(sub: argparse._SubParsersAction, common: argparse.Argume
     )
     tiny.add_argument("--out", type=Path, default=None, metavar="DIR", help="directory to write the model to")
     tiny.add_argument("--seed", type=int, default=None, help="weight seed (default: model.seed of the config)")
-    tiny.add_argument("--force", action="store_true", help="replace --out if it already exists")
+    tiny.add_argument("--force", action="store_true",
+                      help="replace --out if it is an earlier clora build or an empty directory")
     tiny.set_defaults(func=_model_tiny)
 
     random = model_sub.add_parser(
@@ -104,7 +105,8 @@ def _add_model_commands(sub: argparse._SubParsersAction, common: argparse.Argume
     random.add_argument("--out", type=Path, required=True, metavar="DIR", help="directory to write the model to")
     random.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype (default bfloat16)")
     random.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
-    random.add_argument("--force", action="store_true", help="replace --out if it already exists")
+    random.add_argument("--force", action="store_true",
+                        help="replace --out if it is an earlier clora build or an empty directory")
     random.set_defaults(func=_model_random)
 
 

@@ -473,11 +473,11 @@ def _build(
     if tokenizer.get_vocab_size() > shape.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size {shape.vocab_size}")
     tokenizer = pad_vocabulary(tokenizer, shape.vocab_size)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists")
-    if out.exists() and not _replaceable(out):
+    if out.exists() and not replaceable_by_build(out):  # before the next check, whose hint is --force
         raise ModelBuildError(f"{out} is not a model clora built (no {MARKER_FILE} in it); not replacing it: "
                               f"remove it yourself or choose another --out")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
@@ -509,7 +509,7 @@ def _build(
     return out
 
 
-def _replaceable(path: Path) -> bool:
+def replaceable_by_build(path: Path) -> bool:
     """Whether a build may replace `path`: an earlier build (it has the marker) or an empty directory; never
     a file or a directory of someone else's (`--out . --force` would have removed the working directory)."""
     if path.is_symlink() or not path.is_dir():

@@ -142,7 +142,8 @@ def cmd_query(args: argparse.Namespace) -> int:
         print("clora query: interrupted", file=sys.stderr)
         return 130
     except OSError as e:  # --out in a missing directory, a full disk
-        print(f"clora query: cannot write the result: {e}", file=sys.stderr)
+        where = args.out if args.out else "stdout"  # the file named, not the hidden one written first
+        print(f"clora query: cannot write the result to {where}: {e.strerror or e}", file=sys.stderr)
         return 1
     except (OverflowError, ValueError) as e:  # a value Python cannot hold ('infinity'::date), an unwritable type
         print(f"clora query: cannot convert the result to {args.format}: {type(e).__name__}: {e} "
@@ -332,11 +333,11 @@ def _finite(v):
 # adapters
 
 
-def _registry(args: argparse.Namespace):
+def _registry(args: argparse.Namespace, *, writes: bool = False):
     from clora.cli import config_from_args
     from storage.registry import Registry
 
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, writes_data_dir=writes)
     return Registry(cfg.data_dir, keep_last=cfg.learner.keep_versions)
 
 
@@ -415,7 +416,7 @@ def cmd_adapters_rollback(args: argparse.Namespace) -> int:
     from storage.layout import StorageError
     from storage.registry import parse_version
 
-    registry = _registry(args)
+    registry = _registry(args, writes=True)
     try:
         v = registry.rollback(*parse_version(args.version))
     except (StorageError, *UNREADABLE) as e:
@@ -428,7 +429,7 @@ def cmd_adapters_retire(args: argparse.Namespace) -> int:
     from storage.layout import StorageError
     from storage.registry import parse_version
 
-    registry = _registry(args)
+    registry = _registry(args, writes=True)
     try:
         v = registry.retire(*parse_version(args.version))
     except (StorageError, *UNREADABLE) as e:
@@ -444,7 +445,7 @@ def cmd_adapters_retire(args: argparse.Namespace) -> int:
 def cmd_compact(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
 
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, writes_data_dir=True)
     grace = cfg.compaction.grace_seconds if args.grace is None else args.grace
     if not_a_tenant := _not_a_tenant(cfg, args.tenant):
         print(f"clora compact: {not_a_tenant}", file=sys.stderr)
@@ -538,7 +539,7 @@ def _compact_every(cfg, args: argparse.Namespace, grace: float) -> int:
 def cmd_prune(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
 
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, writes_data_dir=not args.dry_run)
     days = cfg.retention.days if args.older_than_days is None else args.older_than_days
     if days <= 0:
         print("clora prune: no retention: give --older-than-days DAYS, or set [retention] days in the config",

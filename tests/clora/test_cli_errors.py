@@ -30,7 +30,10 @@ def closed_port() -> int:
         return s.getsockname()[1]  # nothing listens on it once the socket closes
 
 
-@pytest.mark.parametrize("command", [["learn", "--once"], ["serve"], ["ingest", "--once"], ["model", "tiny"]])
+@pytest.mark.parametrize("command", [
+    ["learn", "--once"], ["serve"], ["ingest", "--once"], ["model", "tiny"], ["compact"], ["compact", "--every", "5"],
+    ["prune", "--older-than-days", "1"], ["adapters", "rollback", "acme@1"], ["adapters", "retire", "acme@1"],
+])
 def test_a_data_dir_under_a_file_is_one_line_for_every_command_that_writes_there(tmp_path, capsys, command):
     taken = tmp_path / "a-file"
     taken.write_text("")
@@ -39,6 +42,18 @@ def test_a_data_dir_under_a_file_is_one_line_for_every_command_that_writes_there
         main([*command, "--config", str(config)])
     assert e.value.code == 2
     assert capsys.readouterr().err.strip() == f"clora: data_dir {taken / 'data'}: Not a directory"
+
+
+def test_a_config_file_named_by_the_environment_says_so(tmp_path, capsys, monkeypatch):
+    missing = tmp_path / "nosuch.toml"
+    monkeypatch.setenv("CLORA_CONFIG", str(missing))
+    with pytest.raises(SystemExit) as e:
+        main(["config", "show"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == f"clora: config file {missing} (from $CLORA_CONFIG) does not exist"
+    with pytest.raises(SystemExit):  # --config wins over the environment and is named as given
+        main(["config", "show", "--config", str(tmp_path / "other.toml")])
+    assert capsys.readouterr().err.strip() == f"clora: config file {tmp_path / 'other.toml'} does not exist"
 
 
 def test_the_data_dir_check_writes_a_file_and_leaves_none(tmp_path):
@@ -105,6 +120,27 @@ def test_ingest_without_a_broker_says_so_in_one_line(tmp_path, monkeypatch, capl
                       f"Connection refused; is the broker running?"]
 
 
+def test_ingest_with_its_metrics_port_taken_says_so_in_one_line(tmp_path, monkeypatch, caplog):
+    """A second ingest on the same host with the same ingest.metrics_port (the scale-out README describes)."""
+    from clora.config import load_config
+    from ingest import process
+
+    monkeypatch.setattr(process, "tune_runtime", lambda: None)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = load_config(write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[ingest]\nmetrics_port = {port}\n'),
+                          environ={})
+        try:
+            assert process.run(cfg) == 2
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [f"clora ingest: ingest.metrics_port {port} on 127.0.0.1: Address already in use"]
+
+
 def test_ingest_waiting_for_a_broker_stops_at_ctrl_c(tmp_path):
     """kafka-python's constructors block ~30 s on an unreachable bootstrap, deaf to signals."""
     config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[kafka]\nbootstrap = "127.0.0.1:{closed_port()}"\n')
@@ -147,6 +183,9 @@ def test_model_tiny_force_replaces_only_a_model_clora_built(tmp_path, capsys):
     assert main(["model", "tiny", "--out", str(precious), "--force"]) == 1
     assert (precious / "notes.txt").read_text() == "important"
     assert "is not a model clora built" in capsys.readouterr().err
+    assert main(["model", "tiny", "--out", str(precious)]) == 1  # no hint at a --force that would be refused
+    err = capsys.readouterr().err
+    assert "is not a model clora built" in err and "--force replaces it" not in err
     built = tmp_path / "built"
     assert main(["model", "tiny", "--out", str(built)]) == 0
     assert main(["model", "tiny", "--out", str(built)]) == 1
