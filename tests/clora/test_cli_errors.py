@@ -110,13 +110,7 @@ def test_ingest_without_a_broker_says_so_in_one_line(tmp_path, monkeypatch, capl
     bootstrap = f"127.0.0.1:{closed_port()}"
     cfg = load_config(write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[kafka]\nbootstrap = "{bootstrap}"\n'),
                       environ={})
-    try:
-        assert process.run(cfg) == 2
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert errors == [f"clora ingest: cannot reach Kafka at {bootstrap} (kafka.bootstrap) within 1 s: {bootstrap}: "
+    assert _ingest_errors(process, cfg, caplog) == [f"clora ingest: cannot reach Kafka at {bootstrap} (kafka.bootstrap) within 1 s: {bootstrap}: "
                       f"Connection refused; is the broker running?"]
 
 
@@ -132,13 +126,19 @@ def test_ingest_with_its_metrics_port_taken_says_so_in_one_line(tmp_path, monkey
         port = taken.getsockname()[1]
         cfg = load_config(write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[ingest]\nmetrics_port = {port}\n'),
                           environ={})
-        try:
-            assert process.run(cfg) == 2
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        errors = _ingest_errors(process, cfg, caplog)
     assert errors == [f"clora ingest: ingest.metrics_port {port} on 127.0.0.1: Address already in use"]
+
+
+def _ingest_errors(process, cfg, caplog) -> list[str]:
+    """Runs ingest in this process, expecting exit 2; its ERROR lines. The signal handlers it installs are
+    put back."""
+    try:
+        assert process.run(cfg) == 2
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    return [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
 
 
 def test_ingest_waiting_for_a_broker_stops_at_ctrl_c(tmp_path):
