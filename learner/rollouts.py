@@ -56,6 +56,7 @@ Deliberately not here: the HTTP API itself (serving/), scorers (ingest/scorers.p
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -588,6 +589,8 @@ def train_step(
     on-policy (ratio 1), those of an earlier one get log-probs recomputed with that version's adapter
     files (`version_files(number)`, None once they are gone: the sample is left out as stale)."""
     tempered = temperature != 1.0
+    if tempered and version_files is not None:
+        version_files = functools.cache(version_files)  # one registry lookup per version, not per sample
     prompt_ids, completion_ids, behaviour, rewards, groups, made_by = [], [], [], [], [], []
     stale, failed, empty = [], [], 0  # why samples were left out
     n = 0
