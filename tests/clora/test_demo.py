@@ -39,6 +39,8 @@ def run_demo(tmp_path, fake_up, monkeypatch):
     from clora.config import Config
 
     monkeypatch.setattr("clora.up.up", fake_up)
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text("{}")  # what the demo's model.path check looks for
     cfg = Config.model_validate({"data_dir": str(tmp_path / "data"), "model": {"path": str(tmp_path / "model")}})
     return demo.run_demo(cfg, minutes=1, rate=20, preferences=["digits"], seed=0, out_png=tmp_path / "demo.png")
 
@@ -124,3 +126,14 @@ def test_a_data_dir_that_cannot_be_used_is_one_line_and_exit_2(tmp_path, monkeyp
     cfg = Config.model_validate({"data_dir": str(taken), "model": {"path": str(tmp_path / "model")}})
     assert demo.run_demo(cfg, minutes=1, rate=1, preferences=["digits"], seed=0, out_png=tmp_path / "demo.png") == 2
     assert capsys.readouterr().err.strip() == f"clora: data_dir {taken}: Not a directory"
+
+
+def test_a_model_path_that_is_not_a_model_is_one_line_before_the_stack_starts(tmp_path, monkeypatch, capsys):
+    from clora.config import Config
+
+    monkeypatch.setattr("clora.up.up", lambda *a, **kw: pytest.fail("the stack must not start"))
+    cfg = Config.model_validate({"data_dir": str(tmp_path / "data"), "model": {"path": str(tmp_path / "model")}})
+    with pytest.raises(SystemExit) as e:
+        demo.run_demo(cfg, minutes=1, rate=1, preferences=["digits"], seed=0, out_png=tmp_path / "demo.png")
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == f"clora: model.path {tmp_path / 'model'} does not exist"
