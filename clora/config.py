@@ -226,6 +226,12 @@ class LearnerConfig(_Strict):
         "they have waited this long (a batch of one or two sparse rewards is mostly noise; this bounds freshness); "
         "0: train whatever is there. `clora learn --once/--until-idle` never wait."
     )
+    catch_up: int = Field(
+        4, ge=1, le=64, description="logs mode: a tenant with more than batch_size untrained trajectories trains up "
+        "to this many batches' worth in one step (in micro-batches of batch_size: one batch's memory), so a learner "
+        "that falls behind its traffic catches up with fewer, larger steps instead of training a backlog that has "
+        "aged past max_staleness; 1: always batch_size."
+    )
     max_staleness: int = Field(
         4, ge=0, description="Trajectories from an adapter version more than this many served versions behind the "
         "current one are dropped (rejected candidates do not count)."

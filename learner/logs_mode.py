@@ -1,6 +1,8 @@
 """`logs` mode: off-policy learning from production trajectories (what apps actually asked and got).
 
-A step takes the tenant's oldest untrained trajectories (storage.cursors), and:
+A step takes the tenant's oldest untrained trajectories (storage.cursors): batch_size of them, or up to
+`learner.catch_up` batches' worth when that many are waiting (a learner behind its traffic catches up in
+fewer, larger steps, trained in micro-batches of batch_size, before its backlog ages past max_staleness), and:
   1. drops stale ones (below);
   2. turns each row into an Example: prompt tokens from `prompt_token_ids` when the row has them (a
      prompt sent to serving as token ids: its decoded text may re-tokenize to other ids, which the model
@@ -287,9 +289,12 @@ def train_step(
     kl_coef: float,
     max_grad_norm: float,
     max_len: int,
+    micro_batch_size: int | None = None,
 ) -> LogsStep:
     """One off-policy update on `examples` (see the module note); `baseline` is the tenant's running mean
-    reward so far (None before its first step)."""
+    reward so far (None before its first step). `micro_batch_size` bounds the examples in one forward pass
+    (the gradient is the whole batch's either way), so a catch-up step of several batches needs one batch's
+    memory."""
     rewards = torch.tensor([e.reward for e in examples], dtype=torch.float64)
     start = maths.running_mean(None, rewards) if baseline is None else baseline
     advantages = maths.baseline_advantages(rewards, maths.group_ids([e.group for e in examples]), start)
@@ -308,5 +313,6 @@ def train_step(
         clip_eps=clip_eps,
         kl_coef=kl_coef,
         max_grad_norm=max_grad_norm,
+        micro_batch_size=micro_batch_size,
     )
     return LogsStep(update=result, reward_mean=float(rewards.mean()), baseline=maths.running_mean(baseline, rewards))

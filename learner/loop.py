@@ -617,7 +617,12 @@ class Learner:
         raise LearnerError(f"tenant {rt.spec.name!r}: unknown mode {rt.spec.mode!r}")
 
     def _collect_logs(self, rt: TenantRuntime) -> _Work | None:
-        rows = self.cursors.untrained(rt.spec.name, limit=rt.spec.batch_size)
+        # Up to catch_up batches at once: a learner behind its traffic (a backlog of several batches) catches
+        # up in fewer, larger steps. One batch per step would publish a version per batch_size rows however
+        # far behind it is, so the backlog's rows would age by more than max_staleness versions before their
+        # step and be dropped, leaving steps of one or two trajectories, which publish versions just as
+        # fast: a learner on a loaded machine fell further behind and stopped learning.
+        rows = self.cursors.untrained(rt.spec.name, limit=rt.spec.batch_size * self.settings.catch_up)
         if rows.num_rows == 0:
             return None
         selection = logs_mode.select_fresh(rows, rt.spec.name, rt.version, self.settings.max_staleness, rt.served)
@@ -787,7 +792,8 @@ class Learner:
                 baseline = logs_mode.baseline_after(rt.baseline, rewards)
                 return _Trained(None, rewards, sum(rewards) / len(rewards), 0, work.dropped, baseline)
             step = logs_mode.train_step(
-                self.policy, name, work.logs, baseline=rt.baseline, scale_advantages=self.settings.scale_advantages, **common
+                self.policy, name, work.logs, baseline=rt.baseline, scale_advantages=self.settings.scale_advantages,
+                micro_batch_size=rt.spec.batch_size, **common
             )
             return _Trained(step.update, rewards, step.reward_mean, len(work.logs), work.dropped, step.baseline)
         if not work.plan.prompts:

@@ -103,8 +103,8 @@ def picky_scorer(completion: str, prompt: str) -> float:
 
 
 # Learner settings of every test config. Tests write their batches whole, so a partial one is trained at
-# once (test_loop tests the wait).
-TEST_LEARNER = {"poll_seconds": 0.1, "gate_prompts": 0, "batch_wait_seconds": 0}
+# once (test_loop tests the wait), and count steps of batch_size (test_loop tests catch-up steps).
+TEST_LEARNER = {"poll_seconds": 0.1, "gate_prompts": 0, "batch_wait_seconds": 0, "catch_up": 1}
 
 
 def make_config(data_dir: Path, model_path: Path, tenants: list[dict], **learner):

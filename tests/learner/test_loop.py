@@ -193,6 +193,40 @@ def test_a_flat_batch_trains_nothing_but_moves_the_baseline(tiny_model, data_dir
     assert Registry(data_dir).latest_published("acme").number == 2
 
 
+def test_a_backlog_of_several_batches_trains_in_catch_up_steps(tiny_model, data_dir):
+    write(data_dir, "acme", rows("a", 44), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], catch_up=4)
+    learn(cfg, tiny_model)
+    # 44 waiting in batches of 8, at most 4 batches a step: 32, then the 12 left (one and a half batches)
+    assert [len(ids) for ids in step_ids(data_dir, "acme")] == [32, 12]
+    assert step_ids(data_dir, "acme")[0] == [f"a{i}" for i in range(32)]  # oldest first
+    versions = Registry(data_dir).versions("acme")
+    assert [(v.status, v.metrics["n_trajectories"]) for v in versions] == [("published", 32), ("published", 12)]
+    assert_each_id_once(data_dir, "acme", {f"a{i}" for i in range(44)})
+
+
+def test_a_catch_up_step_in_micro_batches_equals_one_step_on_the_whole_batch(tiny_model):
+    from learner import logs_mode
+    from learner.policy import Policy
+    from learner_support import trajectories
+
+    after = []
+    for micro in (None, 4):  # 12 examples at once, then in micro-batches of 4, from the same fresh adapter
+        policy = Policy(tiny_model, device="cpu", seed=0)
+        policy.add_tenant(TenantSpec.default("acme"))
+        examples, unusable = logs_mode.to_examples(trajectories("acme", rows("a", 12)), policy.tokenizer)
+        assert len(examples) == 12 and not unusable
+        for _ in range(2):  # the second step moves lora_A too (lora_B starts at 0, so A's first gradient is 0)
+            logs_mode.train_step(policy, "acme", examples, baseline=None, clip_eps=0.2, kl_coef=0.0,
+                                 max_grad_norm=1.0, max_len=256, micro_batch_size=micro)
+        after.append(policy.snapshot("acme").weights)
+    whole, micro = after
+    assert whole.keys() == micro.keys()
+    assert any(float(w.abs().max()) > 0 for k, w in whole.items() if "lora_B" in k)  # it did train
+    for key in whole:
+        torch.testing.assert_close(micro[key], whole[key], rtol=1e-3, atol=1e-5)  # an Adam step is ~1e-3
+
+
 def test_a_partial_logs_batch_waits_for_batch_size_or_batch_wait_seconds(tiny_model, data_dir):
     cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], batch_wait_seconds=0.5)
     learner = Learner(cfg, model_path=tiny_model, progress=False)
