@@ -47,11 +47,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from ingest.events import DeadLetter, FeedbackEvent, InteractionEvent, decode, key_mismatch
+from ingest.index import key_hash
 from ingest.pending import Key, PendingStore
 from ingest.rows import (
     Coords,
@@ -75,7 +76,10 @@ MAX_AUTO_TENANTS = 64  # the default of ingest.max_auto_tenants
 
 
 class Record(NamedTuple):
-    """One consumed Kafka message (value None for a tombstone; key None for a message without one)."""
+    """One consumed Kafka message (value None for a tombstone; key None for a message without one).
+
+    `process` reads these five fields by name only, so the consumer hands it kafka-python's ConsumerRecords
+    as they come (they have the same fields, and more) rather than building one of these per message."""
 
     topic: str
     partition: int
@@ -175,7 +179,7 @@ class Processor:
         """Whether `tenant` has (or may have) partitions of its own: configured, or created on the fly."""
         return tenant in self.specs or tenant in self.auto
 
-    def process(self, records: list[Record], store: PendingStore, now_ms: int) -> Output:
+    def process(self, records: Sequence[Record], store: PendingStore, now_ms: int) -> Output:
         out = Output()
         if self.unknown_tenant == "create" and store.tenants_on_disk is not self._merged:  # a view (re)loaded
             self.auto |= store.tenants_on_disk - self.configured
@@ -189,26 +193,29 @@ class Processor:
         # Pass 1: decode, then ask the store about every key of the batch at once (vectorised lookups).
         # Dead-letter offsets are looked up one by one when a record is rejected (a few percent of them).
         max_bytes = self.max_message_bytes
-        # tuple.__new__ builds the NamedTuple from (topic, partition, offset) at half the cost of Coords(...).
-        decoded = [(tuple.__new__(Coords, r[:3]), r.value or b"") for r in records]
-        events = [decode(raw, max_bytes=max_bytes) for _, raw in decoded]
+        values = [r.value or b"" for r in records]
+        events = [decode(raw, max_bytes=max_bytes) for raw in values]
         for i, (rec, ev) in enumerate(zip(records, events)):
             key = rec.key
             if key is not None and type(ev) is not DeadLetter and key != ev.tenant.encode():
                 events[i] = key_mismatch(key, ev)
-        keys = {(ev.tenant, ev.id) for ev in events if type(ev) is not DeadLetter}
-        stored_interactions = store.interactions.present(keys)
-        scored = store.trajectories.present(keys)  # grows with this batch's trajectories
+        keys = list({(ev.tenant, ev.id): None for ev in events if type(ev) is not DeadLetter})
+        hashes = list(map(key_hash, keys))  # once for both indexes
+        stored_interactions = store.interactions.present(keys, hashes)
+        scored = store.trajectories.present(keys, hashes)  # grows with this batch's trajectories
         stored_feedback = store.feedback.present(feedback_key(ev) for ev in events if type(ev) is FeedbackEvent)
         batch_feedback: set = set()  # this batch's feedback keys so far: a resend within one batch
 
         new_interactions: dict[Key, InteractionRow] = {}
         to_fetch: dict[Key, list[FeedbackRow]] = {}  # feedback whose interaction is on disk, in stream order
 
+        waiting_tenants = store.pending.by_tenant  # a tenant not in it has no feedback waiting to take out
+
         def score(row: InteractionRow, reward: float, source: str) -> None:
             out.trajectories.append(trajectory_row(row, reward, source, now_ms))
             scored.add((row.tenant, row.id))
-            store.pending.pop((row.tenant, row.id))
+            if row.tenant in waiting_tenants:
+                store.pending.pop((row.tenant, row.id))
 
         def wait(fb: FeedbackRow) -> None:
             """Feedback whose interaction has not arrived waits for it, within the caps."""
@@ -219,7 +226,10 @@ class Processor:
             """The feedback that scores `row`: the first (in stream order) within the expiry of it."""
             return next((fb for fb in waiting if store.within_expiry(fb.ts, row.ts)), None)
 
-        def reject(dl: DeadLetter, raw: bytes, at: Coords) -> None:
+        def reject(dl: DeadLetter, raw: bytes, rec: Record) -> None:
+            # tuple.__new__ builds the NamedTuple at half the cost of Coords(...). Only a rejected record
+            # needs one (its key in dead_letters/); rows read a record's coordinates from the record itself.
+            at = tuple.__new__(Coords, (rec.topic, rec.partition, rec.offset))
             if dl.tenant is not None and not self._known(dl.tenant):  # no partition for a name anyone can claim
                 detail = dl.detail if dl.reason == "unknown_tenant" else f"{dl.detail} (tenant {dl.tenant!r}, not configured)"
                 dl = DeadLetter(dl.reason, detail, None, dl.id)
@@ -235,15 +245,15 @@ class Processor:
 
         # Pass 2: one decision per record, in Kafka order.
         specs, functions = self.specs, self.functions
-        for (at, raw), ev in zip(decoded, events):
+        for rec, raw, ev in zip(records, values, events):
             if type(ev) is DeadLetter:
-                reject(ev, raw, at)
+                reject(ev, raw, rec)
                 continue
             spec = specs.get(ev.tenant)
             if spec is None:
                 why = self.admit(ev.tenant)
                 if why is not None:
-                    reject(DeadLetter("unknown_tenant", why, ev.tenant, ev.id), raw, at)
+                    reject(DeadLetter("unknown_tenant", why, ev.tenant, ev.id), raw, rec)
                     continue
                 spec = specs[ev.tenant]
             key = (ev.tenant, ev.id)
@@ -254,13 +264,13 @@ class Processor:
                 if stored and key in scored:  # a replay or a resend: nothing left to derive
                     out.duplicates += 1
                     continue
-                row = interaction_row(ev, at, now_ms)
+                row = interaction_row(ev, rec, now_ms)
                 reward = None
                 if function is not None and key not in scored:
                     try:
                         reward = apply(function, row.completion, row.prompt)
                     except ScorerError as e:
-                        reject(DeadLetter("scorer_error", f"scorer {spec!r}: {e}", ev.tenant, ev.id), raw, at)
+                        reject(DeadLetter("scorer_error", f"scorer {spec!r}: {e}", ev.tenant, ev.id), raw, rec)
                         continue
                 if stored:
                     out.duplicates += 1
@@ -273,13 +283,13 @@ class Processor:
                     score(row, reward, spec)
                 elif ev.reward is not None:
                     score(row, ev.reward, "inline")
-                elif function is None:
-                    fb = first_within(store.pending.get(key), row)
+                elif function is None and (waiting := store.pending.get(key)):
+                    fb = first_within(waiting, row)
                     if fb is not None:
                         score(row, fb.score, fb.source or "feedback")
 
             else:
-                fb = feedback_row(ev, at, now_ms)
+                fb = feedback_row(ev, rec, now_ms)
                 fkey = FEEDBACK_KEY(fb)
                 if fkey in stored_feedback or fkey in batch_feedback:
                     out.duplicates += 1

@@ -157,7 +157,7 @@ def write_rows(root: str, part: DatasetRows, ranges: dict[tuple[str, int], tuple
 def _tell_store(store: PendingStore, part: DatasetRows) -> None:
     """The store view learns of one dataset's rows (interactions: see writing_interactions)."""
     if part.dataset == "interactions":
-        store.writing_interactions(part.rows)
+        store.writing_interactions(part.rows, part.keys)
     elif part.dataset == "feedback":
         store.stored_feedback(part.keys)
     elif part.dataset == "trajectories":
@@ -353,12 +353,11 @@ class Ingest:
                     self.load_store()
                 elif self.assigned_at is None:
                     self._mark_ready()  # in the group with no partition (more processes than partitions)
-            for tp, messages in polled.items():
+            for messages in polled.values():
                 if not self.buffer:
                     self.buffer_since = time.monotonic()
-                topic, partition = tp.topic, tp.partition
-                # tuple.__new__ builds the NamedTuple at half the cost of Record(...), once per message.
-                self.buffer.extend([tuple.__new__(Record, (topic, partition, m.offset, m.value, m.key)) for m in messages])
+                # kafka-python's ConsumerRecords as they come: they have a Record's fields (batch.Record).
+                self.buffer.extend(messages)
             # Commit a write as soon as it is done.
             if self.writing is not None and self.writing.done() and not self._finish_write(shrink=True):
                 self._drop_uncommitted({}, "the group refused a commit")

@@ -117,22 +117,38 @@ class KeyIndex:
         recent = self._recent
         return [hit or h in recent for h, hit in zip(hashes, base)]
 
-    def present(self, keys: Iterable[tuple]) -> set:
-        """The subset of `keys` in the index (what a batch asks first, all at once)."""
+    def present(self, keys: Iterable[tuple], hashes: list[int] | None = None) -> set:
+        """The subset of `keys` in the index (what a batch asks first, all at once). `hashes`: their
+        `key_hash` values, when the caller has them (a batch asks two indexes about the same keys)."""
         keys = list(keys)
-        return {k for k, hit in zip(keys, self._hits(list(map(key_hash, keys)))) if hit}
+        if hashes is None:
+            hashes = list(map(key_hash, keys))
+        return {k for k, hit in zip(keys, self._hits(hashes), strict=True) if hit}
 
     def add(self, key: tuple, value: int = 0) -> None:
         """Adds `key` (a key already present keeps its value)."""
         self.add_many([key], [value])
 
     def add_many(self, keys: Iterable[tuple], values: Iterable[int] | None = None) -> None:
-        """Adds every key (one already present keeps its value)."""
+        """Adds every key (one already present keeps its value; of one key given twice, the first value
+        is kept). A batch's keys at a time, so the work is done by dict and numpy operations that loop in C,
+        not by a Python statement per key (the consumer's loop thread adds every key it writes)."""
         hashes = list(map(key_hash, keys))
-        values = [0] * len(hashes) if values is None else list(values)
-        for h, v, hit in zip(hashes, values, self._hits(hashes)):
-            if not hit:
-                self._recent.setdefault(h, v)
+        if values is None:
+            fresh = dict.fromkeys(hashes, 0)
+        else:
+            values = list(values)
+            if len(values) != len(hashes):
+                raise ValueError(f"{len(hashes)} keys but {len(values)} values")
+            fresh = dict(zip(reversed(hashes), reversed(values)))  # built from the end: the first value wins
+        if len(self._hashes) and fresh:
+            new = np.fromiter(fresh, dtype=np.int64, count=len(fresh))
+            at = np.minimum(np.searchsorted(self._hashes, new), len(self._hashes) - 1)
+            for h in new[self._hashes[at] == new].tolist():
+                del fresh[h]
+        for h in fresh.keys() & self._recent.keys():
+            del fresh[h]
+        self._recent.update(fresh)
         if len(self._recent) >= max(MIN_MERGE, len(self._hashes) >> 4):
             self._merge()
 

@@ -93,6 +93,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable
+from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +120,7 @@ from storage.schema import FEEDBACK, INTERACTIONS, conform
 logger = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (tenant, id)
+_TENANT_ID = attrgetter("tenant", "id")  # the Key of a row
 
 RELOAD_MIN_FILES = 4096  # the file list grows by at least this much between two looks at the live files
 ROWS_PER_RELOAD_FILE = 64  # ... and by at least 1/64 of the stored interactions (a rebuild reads them all)
@@ -507,16 +509,20 @@ class PendingStore:
 
     # --- after a write (started, or durable) ----------------------------------------------------------
 
-    def writing_interactions(self, rows: list[InteractionRow]) -> None:
+    def writing_interactions(self, rows: list[InteractionRow], keys: list[Key] | None = None) -> None:
         """Indexes rows whose write has started: one file number per tenant is reserved, and the rows are
-        read from memory until `interactions_written` says where they landed."""
+        read from memory until `interactions_written` says where they landed. `keys`: the rows' (tenant, id),
+        when the caller has them."""
         if self._reserved:
             raise RuntimeError(f"interactions of {len(self.unwritten)} rows are still being written: one batch at a time")
-        for tenant in sorted({r.tenant for r in rows}):
+        if keys is None:
+            keys = list(map(_TENANT_ID, rows))
+        tenants = [key[0] for key in keys]
+        for tenant in sorted(set(tenants)):
             self._reserved[tenant] = len(self.files)
             self.files.append("")
-        self.interactions.add_many([(r.tenant, r.id) for r in rows], [self._reserved[r.tenant] for r in rows])
-        self.unwritten = {(r.tenant, r.id): r for r in rows}
+        self.interactions.add_many(keys, map(self._reserved.__getitem__, tenants))
+        self.unwritten = dict(zip(keys, rows))
 
     def interactions_written(self, paths: list[Path]) -> None:
         """The rows of `writing_interactions` are durable in `paths` (one per tenant:
@@ -574,8 +580,10 @@ class PendingStore:
 
     def stored_trajectories(self, keys: list[Key]) -> None:
         self.trajectories.add_many(keys)
+        waiting = self.pending.by_tenant  # only a tenant with feedback waiting has any to drop
         for key in keys:
-            self.pending.pop(key)
+            if key[0] in waiting:
+                self.pending.pop(key)
 
     def stored_feedback(self, keys: list[tuple]) -> None:
         self.feedback.add_many(keys)

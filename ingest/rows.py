@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 from operator import attrgetter
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import pyarrow as pa
 
-from ingest.events import DeadLetter, FeedbackEvent, InteractionEvent, decoded_to_json
+from ingest.events import DeadLetter, FeedbackEvent, InteractionEvent, decoded_to_json, render_messages
 from storage.layout import UNKNOWN_TENANT
 from storage.schema import DEAD_LETTERS, FEEDBACK, INTERACTIONS, TRAJECTORIES
 
@@ -34,6 +34,18 @@ class Coords(NamedTuple):
     topic: str
     partition: int
     offset: int
+
+
+class Origin(Protocol):
+    """What the rows of a message read of where it came from: a Coords, or the consumed record itself
+    (batch.Record, kafka-python's ConsumerRecord), so that no Coords is built per message."""
+
+    @property
+    def topic(self) -> str: ...
+    @property
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
 
 
 class InteractionRow(NamedTuple):
@@ -115,13 +127,14 @@ def epoch_ms(ts: datetime) -> int:
 _row = tuple.__new__
 
 
-def interaction_row(ev: InteractionEvent, at: Coords, ingested_at: int) -> InteractionRow:
+def interaction_row(ev: InteractionEvent, at: Origin, ingested_at: int) -> InteractionRow:
+    messages = ev.messages
     return _row(InteractionRow, (
         ev.id,
         ev.tenant,
         epoch_ms(ev.ts),
-        ev.rendered_prompt,
-        None if ev.messages is None else decoded_to_json(ev.messages),
+        ev.prompt if ev.prompt is not None else render_messages(messages),  # ev.rendered_prompt, without a call
+        None if messages is None else decoded_to_json(messages),
         ev.completion,
         ev.adapter_version,
         ev.prompt_token_ids,
@@ -137,7 +150,14 @@ def interaction_row(ev: InteractionEvent, at: Coords, ingested_at: int) -> Inter
 
 def trajectory_row(row: InteractionRow, reward: float, source: str, ingested_at: int) -> TrajectoryRow:
     """A scored interaction; it keeps the interaction's Kafka provenance."""
-    return _row(TrajectoryRow, row[:6] + (reward, source) + row[6:-1] + (ingested_at,))
+    # Unpacked and built in one tuple: half the cost of concatenating slices, once per scored message.
+    (id_, tenant, ts, prompt, messages_json, completion, adapter_version, prompt_token_ids, completion_token_ids,
+     completion_logprobs, metadata_json, kafka_topic, kafka_partition, kafka_offset, _) = row
+    return _row(TrajectoryRow, (
+        id_, tenant, ts, prompt, messages_json, completion, reward, source, adapter_version, prompt_token_ids,
+        completion_token_ids, completion_logprobs, metadata_json, kafka_topic, kafka_partition, kafka_offset,
+        ingested_at,
+    ))
 
 
 # What makes two feedback events one event, the key feedback/ is deduplicated on: a resent event (the
@@ -151,7 +171,7 @@ def feedback_key(ev: FeedbackEvent) -> tuple:
     return (ev.tenant, ev.id, epoch_ms(ev.ts), ev.score, ev.source)
 
 
-def feedback_row(ev: FeedbackEvent, at: Coords, ingested_at: int) -> FeedbackRow:
+def feedback_row(ev: FeedbackEvent, at: Origin, ingested_at: int) -> FeedbackRow:
     return _row(FeedbackRow, (ev.id, ev.tenant, epoch_ms(ev.ts), ev.score, ev.source, at.topic, at.partition, at.offset, ingested_at))
 
 

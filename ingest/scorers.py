@@ -273,14 +273,17 @@ def apply(scorer: Scorer, completion: str, prompt: str) -> float:
     except BaseException as e:  # a user's scorer may raise anything, sys.exit() too: it must not stop the consumer
         summary = "".join(traceback.format_exception(e, limit=-3)).strip()
         raise ScorerError(f"scorer raised {type(e).__name__}: {exception_text(e)}\n{summary}"[:2000]) from e
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):  # numpy's scalars are Reals too
-        raise ScorerError(f"scorer returned {shown(reward)}, not a finite number")
-    try:
-        value = float(reward)
-    except OverflowError:  # an int beyond a float's range: outside [-1, 1] by far
-        raise ScorerError(f"scorer returned {shown(reward)}, outside [-1, 1]") from None
-    except Exception as e:  # an int or float subclass whose __float__ fails: the scorer's value, not ingest
-        raise ScorerError(f"scorer returned {shown(reward)}, which float() refuses: {exception_text(e)}") from e
+    if type(reward) is float:  # what the built-in scorers return: no ABC check, and float() would return it
+        value = reward
+    else:
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real):  # numpy's scalars are Reals too
+            raise ScorerError(f"scorer returned {shown(reward)}, not a finite number")
+        try:
+            value = float(reward)
+        except OverflowError:  # an int beyond a float's range: outside [-1, 1] by far
+            raise ScorerError(f"scorer returned {shown(reward)}, outside [-1, 1]") from None
+        except Exception as e:  # an int or float subclass whose __float__ fails: the scorer's value, not ingest
+            raise ScorerError(f"scorer returned {shown(reward)}, which float() refuses: {exception_text(e)}") from e
     if not math.isfinite(value):
         raise ScorerError(f"scorer returned {value!r}, not a finite number")
     if not -1.0 <= value <= 1.0:

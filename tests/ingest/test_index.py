@@ -18,6 +18,20 @@ def test_add_get_and_first_value_wins():
     assert ("a", "2") not in ix and ("b", "1") not in ix
 
 
+def test_add_many_keeps_the_first_value_of_a_key_in_the_batch_the_array_or_the_recent_keys():
+    ix = KeyIndex.from_keys([("t", "stored")], [1])  # in the sorted array
+    ix.add(("t", "recent"), 2)  # in the recent dict
+    ix.add_many([("t", "new"), ("t", "stored"), ("t", "recent"), ("t", "new"), ("t", "other")], [3, 4, 5, 6, 7])
+    assert [ix.get(("t", k)) for k in ("stored", "recent", "new", "other")] == [1, 2, 3, 7]
+    assert len(ix) == 4
+    ix.add_many([("t", "x"), ("t", "x")])  # no values: 0
+    assert ix.get(("t", "x")) == 0 and len(ix) == 5
+    ix.add_many([], [])
+    assert len(ix) == 5
+    with pytest.raises(ValueError, match="values"):
+        ix.add_many([("t", "y")], [1, 2])
+
+
 def test_from_keys_deduplicates_keeping_the_first_value():
     ix = KeyIndex.from_keys([("t", "x"), ("t", "y"), ("t", "x")], [1, 2, 3])
     assert len(ix) == 2 and ix.get(("t", "x")) == 1 and ix.get(("t", "y")) == 2

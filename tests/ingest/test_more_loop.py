@@ -30,6 +30,8 @@ SAFETY_POLLS = 2000  # a loop that ignores its deadline is stopped after this ma
 
 
 class _Message(NamedTuple):  # what the loop reads of a kafka-python ConsumerRecord
+    topic: str
+    partition: int
     offset: int
     value: bytes
     key: bytes | None
@@ -100,7 +102,7 @@ class FakeConsumer:
 def test_max_seconds_ends_the_run_once_that_long_has_passed(data_dir, monkeypatch, caplog):
     stop = threading.Event()
     FakeConsumer.stop, FakeConsumer.made = stop, []
-    FakeConsumer.batch = [_Message(k, encode(InteractionEvent(id=f"r{k}", tenant="acme", prompt="p", completion="c")),
+    FakeConsumer.batch = [_Message("t.i", 0, k, encode(InteractionEvent(id=f"r{k}", tenant="acme", prompt="p", completion="c")),
                                    b"acme") for k in range(3)]
     monkeypatch.setattr(consumer_module, "KafkaConsumer", FakeConsumer)
     monkeypatch.setattr(consumer_module, "KafkaProducer", FakeProducer)

@@ -195,7 +195,7 @@ class LoopConsumer(FakeConsumer):
         if not self.batches:
             self.stop.set()
             return {}
-        return {TopicPartition("t.i", 0): [_Message(r.offset, r.value, r.key) for r in self.batches.pop(0)]}
+        return {TopicPartition("t.i", 0): [_Message(r.topic, r.partition, r.offset, r.value, r.key) for r in self.batches.pop(0)]}
 
     def assignment(self):
         return set(self.assigned)
@@ -205,6 +205,8 @@ class LoopConsumer(FakeConsumer):
 
 
 class _Message(NamedTuple):  # what the loop reads of a kafka-python ConsumerRecord
+    topic: str
+    partition: int
     offset: int
     value: bytes
     key: bytes | None

@@ -48,6 +48,14 @@ def test_interaction_and_trajectory_rows():
     assert interaction_rows(to_table([row], InteractionRow)) == [row]
 
 
+def test_a_trajectory_row_carries_every_field_of_its_interaction_row():
+    row = InteractionRow(*(f"v{i}" for i in range(len(InteractionRow._fields))))  # a distinct value per field
+    traj = trajectory_row(row, 0.5, "src", ingested_at=7)
+    shared = [f for f in InteractionRow._fields if f != "ingested_at"]
+    assert {f: getattr(traj, f) for f in shared} == {f: getattr(row, f) for f in shared}
+    assert (traj.reward, traj.reward_source, traj.ingested_at) == (0.5, "src", 7)
+
+
 def test_prompt_token_ids_go_to_interaction_and_trajectory_rows():
     ev = InteractionEvent(id="r", tenant="acme", completion="!", prompt="hello", prompt_token_ids=[74, 71, 78, 78, 81],
                           completion_token_ids=[5], completion_logprobs=[-0.25])
