@@ -356,22 +356,30 @@ class Policy:
         return out.logits[:, :-1].float()
 
     def base_reference(self, batch: TokenBatch, *, keep_bytes: int = KEEP_BASE_BYTES,
-                       temperature: float = 1.0) -> tuple[Tensor, Tensor | None]:
-        """One no-grad pass of the base model: its log-probs of the completion tokens [B, C] at
+                       temperature: float = 1.0, rows_per_pass: int | None = None) -> tuple[Tensor, Tensor | None]:
+        """A no-grad pass of the base model: its log-probs of the completion tokens [B, C] at
         `temperature` (the KL penalty's reference, beside a policy trained at that temperature), and its
         whole log-distributions at those positions [B, C, V] at temperature 1 (the exact KL the gate reads)
         when they fit in `keep_bytes` (else None), for `kl_to_base` to reuse instead of running the base
-        model again."""
+        model again. `rows_per_pass` rows at a time (None: all), so a batch trained in micro-batches holds
+        one micro-batch's logits at once here too."""
         batch = batch.to(self.device)
+        step = rows_per_pass or batch.size
+        picked, kept, keep = [], [], None
         with self.adapter(None), torch.no_grad():
-            logits = self._completion_logits(batch)
-            keep = logits.numel() * logits.element_size() <= keep_bytes
-            logps = torch.log_softmax(logits, dim=-1) if keep else None
-            if keep and temperature == 1.0:
-                picked = logps.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
-            else:
-                picked = _gather_logprobs(_tempered(logits, temperature), batch.completion_ids)
-        return picked, logps
+            for start in range(0, batch.size, step):
+                part = batch.rows(slice(start, min(start + step, batch.size)))
+                logits = self._completion_logits(part)
+                if keep is None:  # every row's [C, V] is the same size (rows keep the batch's widths)
+                    keep = logits[0].numel() * logits.element_size() * batch.size <= keep_bytes
+                logps = torch.log_softmax(logits, dim=-1) if keep else None
+                if keep and temperature == 1.0:
+                    picked.append(logps.gather(-1, part.completion_ids.unsqueeze(-1)).squeeze(-1))
+                else:
+                    picked.append(_gather_logprobs(_tempered(logits, temperature), part.completion_ids))
+                if keep:
+                    kept.append(logps)
+        return torch.cat(picked), torch.cat(kept) if keep else None
 
     def kl_to_base(
         self, batch: TokenBatch, tenant: str, *, rows_per_pass: int = 8, base_logps: Tensor | None = None

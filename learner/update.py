@@ -76,8 +76,8 @@ def pg_update(
     if old_logprobs is not None and old_logprobs.shape != mask.shape:
         raise ValueError(f"old_logprobs have shape {tuple(old_logprobs.shape)}, expected {tuple(mask.shape)}")
 
-    ref, base_logps = policy.base_reference(batch, temperature=temperature)
     step = micro_batch_size or batch.size
+    ref, base_logps = policy.base_reference(batch, temperature=temperature, rows_per_pass=step)
     total_tokens = mask.sum().clamp(min=1)
     policy.zero_grad(tenant)
     loss_sum = pg_sum = clipped_sum = kl_before_sum = 0.0
