@@ -209,13 +209,10 @@ class Processor:
         new_interactions: dict[Key, InteractionRow] = {}
         to_fetch: dict[Key, list[FeedbackRow]] = {}  # feedback whose interaction is on disk, in stream order
 
-        waiting_tenants = store.pending.by_tenant  # a tenant not in it has no feedback waiting to take out
-
         def score(row: InteractionRow, reward: float, source: str) -> None:
             out.trajectories.append(trajectory_row(row, reward, source, now_ms))
             scored.add((row.tenant, row.id))
-            if row.tenant in waiting_tenants:
-                store.pending.pop((row.tenant, row.id))
+            store.pending.pop((row.tenant, row.id))
 
         def wait(fb: FeedbackRow) -> None:
             """Feedback whose interaction has not arrived waits for it, within the caps."""

@@ -332,16 +332,9 @@ def _interaction(data: dict, id_: str, tenant: str, ts: datetime, strict: bool) 
         messages = _messages(messages)
     elif prompt is None:
         raise _Reject("bad_field", "an interaction needs messages or a prompt")
-    # Most events carry none of the three lists: the checks are called only for those that do.
-    prompt_token_ids = data.get("prompt_token_ids")
-    if prompt_token_ids is not None:
-        prompt_token_ids = _token_ids(prompt_token_ids, "prompt_token_ids")
-    token_ids = data.get("completion_token_ids")
-    if token_ids is not None:
-        token_ids = _token_ids(token_ids)
-    logprobs = data.get("completion_logprobs")
-    if logprobs is not None:
-        logprobs = _logprobs(logprobs)
+    prompt_token_ids = _token_ids(data.get("prompt_token_ids"), "prompt_token_ids")
+    token_ids = _token_ids(data.get("completion_token_ids"))
+    logprobs = _logprobs(data.get("completion_logprobs"))
     if token_ids is not None and logprobs is not None and len(token_ids) != len(logprobs):
         raise _Reject(
             "bad_field",

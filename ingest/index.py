@@ -106,14 +106,16 @@ class KeyIndex:
     def __contains__(self, key: tuple) -> bool:
         return self.get(key) is not None
 
+    def _in_sorted(self, hashes: np.ndarray) -> np.ndarray:
+        """For each int64 hash, whether the sorted array holds it (one vectorised search)."""
+        if not len(self._hashes):
+            return np.zeros(len(hashes), dtype=bool)
+        at = np.minimum(np.searchsorted(self._hashes, hashes), len(self._hashes) - 1)
+        return self._hashes[at] == hashes
+
     def _hits(self, hashes: list[int]) -> list[bool]:
-        """For each hash, whether it is in the index (one vectorised search of the sorted array)."""
-        if len(self._hashes):
-            arr = np.fromiter(hashes, dtype=np.int64, count=len(hashes))
-            at = np.minimum(np.searchsorted(self._hashes, arr), len(self._hashes) - 1)
-            base = (self._hashes[at] == arr).tolist()
-        else:
-            base = [False] * len(hashes)
+        """For each hash, whether it is in the index."""
+        base = self._in_sorted(np.fromiter(hashes, dtype=np.int64, count=len(hashes))).tolist()
         recent = self._recent
         return [hit or h in recent for h, hit in zip(hashes, base)]
 
@@ -141,10 +143,9 @@ class KeyIndex:
             if len(values) != len(hashes):
                 raise ValueError(f"{len(hashes)} keys but {len(values)} values")
             fresh = dict(zip(reversed(hashes), reversed(values)))  # built from the end: the first value wins
-        if len(self._hashes) and fresh:
+        if fresh:
             new = np.fromiter(fresh, dtype=np.int64, count=len(fresh))
-            at = np.minimum(np.searchsorted(self._hashes, new), len(self._hashes) - 1)
-            for h in new[self._hashes[at] == new].tolist():
+            for h in new[self._in_sorted(new)].tolist():
                 del fresh[h]
         for h in fresh.keys() & self._recent.keys():
             del fresh[h]

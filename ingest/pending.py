@@ -580,10 +580,8 @@ class PendingStore:
 
     def stored_trajectories(self, keys: list[Key]) -> None:
         self.trajectories.add_many(keys)
-        waiting = self.pending.by_tenant  # only a tenant with feedback waiting has any to drop
         for key in keys:
-            if key[0] in waiting:
-                self.pending.pop(key)
+            self.pending.pop(key)
 
     def stored_feedback(self, keys: list[tuple]) -> None:
         self.feedback.add_many(keys)

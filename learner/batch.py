@@ -16,7 +16,7 @@ Pure: lists of ints in, tensors out. Tokenizing is the caller's business (logs_m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +55,14 @@ class TokenBatch:
             completion_mask=self.completion_mask[index],
             prompt_width=self.prompt_width,
         )
+
+    def chunks(self, rows: int | None) -> Iterator[tuple[slice, TokenBatch]]:
+        """Consecutive slices of at most `rows` rows (None: the whole batch) and each slice's batch: the
+        micro-batches of an update, and of the passes that must not hold every row's logits at once."""
+        step = rows or self.size
+        for start in range(0, self.size, step):
+            index = slice(start, min(start + step, self.size))
+            yield index, self.rows(index)
 
     def to(self, device) -> TokenBatch:
         return TokenBatch(

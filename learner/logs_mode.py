@@ -1,8 +1,10 @@
 """`logs` mode: off-policy learning from production trajectories (what apps actually asked and got).
 
 A step takes the tenant's oldest untrained trajectories (storage.cursors): batch_size of them, or up to
-`learner.catch_up` batches' worth when that many are waiting (a learner behind its traffic catches up in
-fewer, larger steps, trained in micro-batches of batch_size, before its backlog ages past max_staleness), and:
+`learner.catch_up` batches' worth when that many are waiting, trained in micro-batches of batch_size. With
+one batch a step, a learner behind its traffic published a version per batch_size rows however far behind it
+was, so its backlog aged past max_staleness before its turn and was dropped, and steps on the one or two
+fresh rows left published versions just as fast: it never caught up. A step then:
   1. drops stale ones (below);
   2. turns each row into an Example: prompt tokens from `prompt_token_ids` when the row has them (a
      prompt sent to serving as token ids: its decoded text may re-tokenize to other ids, which the model

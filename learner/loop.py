@@ -617,11 +617,7 @@ class Learner:
         raise LearnerError(f"tenant {rt.spec.name!r}: unknown mode {rt.spec.mode!r}")
 
     def _collect_logs(self, rt: TenantRuntime) -> _Work | None:
-        # Up to catch_up batches at once: a learner behind its traffic (a backlog of several batches) catches
-        # up in fewer, larger steps. One batch per step would publish a version per batch_size rows however
-        # far behind it is, so the backlog's rows would age by more than max_staleness versions before their
-        # step and be dropped, leaving steps of one or two trajectories, which publish versions just as
-        # fast: a learner on a loaded machine fell further behind and stopped learning.
+        # Up to catch_up batches at once, so a learner behind its traffic catches up (logs_mode's note).
         rows = self.cursors.untrained(rt.spec.name, limit=rt.spec.batch_size * self.settings.catch_up)
         if rows.num_rows == 0:
             return None

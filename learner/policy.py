@@ -364,21 +364,18 @@ class Policy:
         model again. `rows_per_pass` rows at a time (None: all), so a batch trained in micro-batches holds
         one micro-batch's logits at once here too."""
         batch = batch.to(self.device)
-        step = rows_per_pass or batch.size
         picked, kept, keep = [], [], None
         with self.adapter(None), torch.no_grad():
-            for start in range(0, batch.size, step):
-                part = batch.rows(slice(start, min(start + step, batch.size)))
+            for _, part in batch.chunks(rows_per_pass):
                 logits = self._completion_logits(part)
                 if keep is None:  # every row's [C, V] is the same size (rows keep the batch's widths)
                     keep = logits[0].numel() * logits.element_size() * batch.size <= keep_bytes
-                logps = torch.log_softmax(logits, dim=-1) if keep else None
+                if keep:
+                    kept.append(torch.log_softmax(logits, dim=-1))
                 if keep and temperature == 1.0:
-                    picked.append(logps.gather(-1, part.completion_ids.unsqueeze(-1)).squeeze(-1))
+                    picked.append(kept[-1].gather(-1, part.completion_ids.unsqueeze(-1)).squeeze(-1))
                 else:
                     picked.append(_gather_logprobs(_tempered(logits, temperature), part.completion_ids))
-                if keep:
-                    kept.append(logps)
         return torch.cat(picked), torch.cat(kept) if keep else None
 
     def kl_to_base(
@@ -391,9 +388,7 @@ class Policy:
         batch = batch.to(self.device)
         out = []
         with torch.no_grad():
-            for start in range(0, batch.size, rows_per_pass):
-                rows = slice(start, min(start + rows_per_pass, batch.size))
-                part = batch.rows(rows)
+            for rows, part in batch.chunks(rows_per_pass):
                 with self.adapter(tenant):
                     ours = torch.log_softmax(self._completion_logits(part), dim=-1)
                 if base_logps is not None:

@@ -76,15 +76,13 @@ def pg_update(
     if old_logprobs is not None and old_logprobs.shape != mask.shape:
         raise ValueError(f"old_logprobs have shape {tuple(old_logprobs.shape)}, expected {tuple(mask.shape)}")
 
-    step = micro_batch_size or batch.size
-    ref, base_logps = policy.base_reference(batch, temperature=temperature, rows_per_pass=step)
+    ref, base_logps = policy.base_reference(batch, temperature=temperature, rows_per_pass=micro_batch_size)
     total_tokens = mask.sum().clamp(min=1)
     policy.zero_grad(tenant)
     loss_sum = pg_sum = clipped_sum = kl_before_sum = 0.0
-    for start in range(0, batch.size, step):
-        rows = slice(start, min(start + step, batch.size))
+    for rows, part in batch.chunks(micro_batch_size):
         mb_mask = mask[rows]
-        logp = policy.token_logprobs(batch.rows(rows), tenant, grad=True, temperature=temperature)
+        logp = policy.token_logprobs(part, tenant, grad=True, temperature=temperature)
         old = logp.detach()
         if old_logprobs is not None:
             known = old_logprobs[rows].to(device)
