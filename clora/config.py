@@ -261,6 +261,12 @@ class LearnerConfig(_Strict):
     gate_prompts: int = Field(
         4, ge=0, description="Publish gate: probe prompts greedy-decoded to compare rewards with the parent (0: off)."
     )
+    round_tenants: int = Field(
+        8, ge=1, le=256, description="Up to this many ready tenants step together as one round: each trains in "
+        "turn, then the gate probes of all of them are greedy-decoded in one batch (one decode per round instead "
+        "of one per tenant); a tenant joins the scheduler's pick only if it has a probe and nothing to wait for. "
+        "1: one tenant per step."
+    )
     rollout_sampler: Literal["serving", "local"] = Field(
         "serving",
         description="Rollouts mode: sample through the serving tier's HTTP API, or with the learner's own model.",

@@ -10,7 +10,10 @@ trajectories (random prompt and completion tokens, random rewards; the numbers d
      (target <= 5%); also the steps of N tenants taken in turn against the same tenant in a row, which
      includes any cache effects of switching;
   3. memory: process RSS with 1 trained tenant, then with N; the growth is compared with
-     1.5 x (N - 1) x (adapter + optimizer bytes of one tenant).
+     1.5 x (N - 1) x (adapter + optimizer bytes of one tenant);
+  4. gate probes: the greedy decode of `--probe-prompts` prompts for each of the N tenants, one tenant at
+     a time (`Policy.generate`) against all N in one grouped decode (`Policy.generate_grouped`, what a
+     learner round does), median of 5 each, and whether both gave the same tokens.
 Prints a table and writes learner.json and learner.png under --out. Timings on a shared machine are
 noisy; compare ratios within one run.
 """
@@ -40,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (default 64)")
     parser.add_argument("--completion-tokens", type=int, default=32, help="completion length (default 32)")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
+    parser.add_argument("--probe-prompts", type=int, default=4, help="gate probe prompts per tenant (default 4)")
+    parser.add_argument("--probe-tokens", type=int, default=16, help="tokens per probe completion (default 16)")
 
 
 def rss_bytes() -> int:
@@ -135,6 +140,30 @@ def run(args: argparse.Namespace) -> int:
         sync()
         switches.append(time.perf_counter() - t)
 
+    probe_prompts = [
+        policy.tokenizer.apply_chat_template([{"role": "user", "content": f"Tell me about topic {i}, please."}],
+                                             tokenize=False, add_generation_prompt=True)
+        for i in range(args.probe_prompts)
+    ]
+
+    def probes_alone():
+        return [policy.generate(n, probe_prompts, max_new_tokens=args.probe_tokens, greedy=True) for n in names]
+
+    def probes_grouped():
+        return policy.generate_grouped([(n, probe_prompts) for n in names], max_new_tokens=args.probe_tokens)
+
+    def timed(fn):
+        sync()
+        t = time.perf_counter()
+        got = fn()
+        sync()
+        return time.perf_counter() - t, [[s[0].token_ids for s in g] for g in got]
+
+    alone_runs = [timed(probes_alone) for _ in range(5)]
+    grouped_runs = [timed(probes_grouped) for _ in range(5)]
+    probe_alone_s = statistics.median(t for t, _ in alone_runs)
+    probe_grouped_s = statistics.median(t for t, _ in grouped_runs)
+
     step_s = statistics.median(same)
     switch_s = statistics.median(switches)
     growth = all_rss - one_rss
@@ -161,6 +190,12 @@ def run(args: argparse.Namespace) -> int:
         "adapter_plus_optimizer_bytes": per_tenant,
         "rss_growth_budget_bytes": budget,
         "memory_ok": growth <= budget,
+        "probe_prompts": args.probe_prompts,
+        "probe_tokens": args.probe_tokens,
+        "probe_alone_seconds_median": probe_alone_s,
+        "probe_grouped_seconds_median": probe_grouped_s,
+        "probe_speedup": probe_alone_s / probe_grouped_s,
+        "probe_same_tokens": alone_runs[0][1] == grouped_runs[0][1],
     }
     (out / "learner.json").write_text(json.dumps(result, indent=2) + "\n")
     _plot(result, same, rotating, out / "learner.png")
@@ -183,6 +218,9 @@ def _print(r: dict) -> None:
          f"{r[all_key] / mib:.0f} MiB"),
         (f"RSS growth 1 -> {r['tenants']}", f"{r['rss_growth_bytes'] / mib:.2f} MiB (budget {r['rss_growth_budget_bytes'] / mib:.2f} MiB: "
          f"{'ok' if r['memory_ok'] else 'MISSED'})"),
+        (f"gate probes of {r['tenants']} tenants", f"{r['probe_alone_seconds_median'] * 1000:.0f} ms one at a time, "
+         f"{r['probe_grouped_seconds_median'] * 1000:.0f} ms in one grouped decode ({r['probe_speedup']:.2f}x; "
+         f"{r['probe_prompts']} prompts x {r['probe_tokens']} tokens each; same tokens: {r['probe_same_tokens']})"),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
@@ -197,7 +235,7 @@ def _plot(r: dict, same: list[float], rotating: list[float], path: Path) -> None
 
     mib = 1024 * 1024
     all_key = f"rss_{r['tenants']}_tenants_bytes"
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 4))
     ax1.boxplot([[s * 1000 for s in same], [s * 1000 for s in rotating]], tick_labels=["one tenant", f"{r['tenants']} in turn"])
     ax1.set_ylabel("step time (ms)")
     ax1.set_title(f"switch = {r['switch_fraction_of_step']:.2%} of a step")
@@ -210,6 +248,10 @@ def _plot(r: dict, same: list[float], rotating: list[float], path: Path) -> None
     ax2.bar(labels, values, color=["tab:blue", "tab:blue", "tab:gray"])
     ax2.set_ylabel("RSS above the base model (MiB)")
     ax2.set_title("memory per tenant")
+    ax3.bar(["one at a time", "grouped"], [r["probe_alone_seconds_median"] * 1000, r["probe_grouped_seconds_median"] * 1000],
+            color=["tab:gray", "tab:blue"])
+    ax3.set_ylabel(f"gate probes of {r['tenants']} tenants (ms)")
+    ax3.set_title(f"grouped decode {r['probe_speedup']:.2f}x")
     fig.suptitle(f"clora learner: {Path(r['model']).name} on {r['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

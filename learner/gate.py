@@ -163,11 +163,27 @@ def probe_rewards(
 ) -> tuple[float, ...]:
     """The reward of the greedy completion of each of `prompts` under `tenant`'s adapter (None: the base
     model), in order. A prompt whose completion the scorer fails on counts as reward 0."""
-    from ingest.scorers import ScorerError, apply
-
     if not prompts:
         return ()
     samples = policy.generate(tenant, list(prompts), n=1, max_new_tokens=max_new_tokens, greedy=True)
+    return _scored(prompts, samples, scorer)
+
+
+def probe_rewards_grouped(
+    policy: Policy,
+    probes: Sequence[tuple[str, Sequence[str], Callable[[str, str], float]]],
+    *,
+    max_new_tokens: int,
+) -> list[tuple[float, ...]]:
+    """`probe_rewards` of several tenants' (tenant, prompts, scorer) probes, decoded together in one batch
+    (`Policy.generate_grouped`): what a round of the learner's steps probes."""
+    samples = policy.generate_grouped([(tenant, prompts) for tenant, prompts, _ in probes], max_new_tokens=max_new_tokens)
+    return [_scored(prompts, got, scorer) for (_, prompts, scorer), got in zip(probes, samples)]
+
+
+def _scored(prompts: Sequence[str], samples, scorer: Callable[[str, str], float]) -> tuple[float, ...]:
+    from ingest.scorers import ScorerError, apply
+
     rewards = []
     for prompt, (sample,) in zip(prompts, samples):
         try:

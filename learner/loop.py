@@ -48,6 +48,15 @@ tenant's adapter is only created when it first has work. Several learner process
 each trains its shard's tenants (`Shard`, `clora learn --shard K/N`), and a process trains a tenant only
 while it holds that tenant's lock (`Learner._claim`), so no two processes ever step one tenant.
 
+Rounds (`learner.round_tenants`): the scheduler's pick steps together with up to round_tenants - 1 other
+ready tenants that have a gate probe and nothing to wait for (`round_partners`). A step is a generator that
+runs up to its candidate's probe and yields a `ProbeRequest`; `step_round` runs each step of the round to
+that point in turn, decodes every request in one grouped batch (`gate.probe_rewards_grouped`: the base
+weights multiplied once for every tenant's rows), and hands each step its `ProbeAnswer` to gate, commit and
+publish in turn. Nothing else changes: each tenant's adapter, optimizer and commit are its own, so a round
+trains and decides what the same steps one at a time would (tested); a tenant's publish waits for the
+others' training. The wait is left out of the step's time (its `seconds`, timings and scheduler charge).
+
 Overlap (rollouts tenants, serving sampler): every ready tenant's next batch is being sampled in the
 serving engine while the learner trains another tenant (`prefetch`), and with `learner.sample_ahead` a
 prompts-file tenant's step k+1 is sampled while its own step k trains (see `_start_prefetch`). A batch
@@ -128,6 +137,7 @@ class TenantRuntime:
     baseline: float | None = None  # running mean reward (logs mode)
     probes: tuple[str, ...] = ()
     probe_cache: dict = field(default_factory=dict)  # (state_id, probes) -> reward per probe prompt
+    round_wait: float = 0.0  # seconds the step in progress waited for the other tenants of its round
     unfinished: dict | None = None  # learner.json of a committed step whose publish/row is not done yet
     rollout_ids: dict = field(default_factory=dict)  # ids of logged rollout interactions not seen in storage yet (ordered)
     status: str = "idle"
@@ -170,6 +180,22 @@ class _Work:
     plan: RolloutPlan | None = None  # rollouts mode
     samples: list | None = None
     sampling_seconds: float | None = None  # rollouts mode: the sampler's time for `samples`
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """A step's request for its candidate's gate probe. Steps are generators that yield one (at most) and
+    carry on with its `ProbeAnswer`, so a round can decode the probes of all its tenants together."""
+
+    tenant: str
+    prompts: tuple[str, ...]
+    scorer: Callable[[str, str], float]
+
+
+@dataclass(frozen=True)
+class ProbeAnswer:
+    rewards: tuple[float, ...]  # gate.probe_rewards of the request
+    seconds: float  # the request's share of the decode's time
 
 
 @dataclass(frozen=True)
@@ -401,12 +427,98 @@ class Learner:
         return name
 
     # --- one step, with per-tenant error handling -----------------------------------------------------
+    def round_partners(self, first: str, backlog: dict[str, int], exclude=()) -> list[str]:
+        """The tenants that take their steps in one round with the scheduler's pick `first` (module note,
+        "Rounds"): up to learner.round_tenants - 1 more, picked by the scheduler among the ready tenants that
+        have a gate probe to batch and nothing to wait for (a rollouts tenant's batch already sampled)."""
+        if self.settings.round_tenants < 2 or self.settings.gate_prompts < 1:
+            return []
+        from ingest.scorers import is_function
+
+        skip = set(exclude) | {first}
+        eligible = {}
+        for name, n in backlog.items():
+            rt = self.tenants[name]
+            if n <= 0 or name in skip or not is_function(rt.spec.scorer):
+                continue
+            if rt.spec.mode == "rollouts" and self.prefetcher is not None and (
+                not self.prefetcher.pending(name) or self.prefetcher.busy(name)
+            ):
+                continue
+            eligible[name] = n
+        partners = []
+        while len(partners) < self.settings.round_tenants - 1:
+            name = self.choose(eligible, exclude=partners)
+            if name is None:
+                break
+            partners.append(name)
+        return partners
+
     def step_safely(self, name: str) -> StepRecord | None:
+        """One step of tenant `name`; an error is the tenant's (logged, recorded, backed off), not raised."""
+        return self.step_round([name])[0]
+
+    def step_round(self, names) -> list[StepRecord | None]:
+        """One step of each of `names` as one round: each step runs in turn up to its gate probe, the probes
+        are greedy-decoded in one batch, then each step finishes in turn. Errors are per tenant, as in
+        `step_safely`; the records come in the order of `names`."""
+        steps = {name: self._step_safely(name) for name in names}
+        records: dict[str, StepRecord | None] = {}
+        try:
+            asked = self._advance(steps, dict.fromkeys(names), records)
+            while asked:
+                requests = list(asked.values())
+                answers = dict(zip(asked, self._probe(requests)))
+                asked = self._advance(steps, answers, records)
+        finally:
+            for gen in steps.values():
+                gen.close()  # only if something above raised: a step left mid-way restores its parent
+        return [records.get(name) for name in names]
+
+    @staticmethod
+    def _advance(steps: dict, answers: dict, records: dict) -> dict[str, ProbeRequest]:
+        """Runs each step in `answers` with its answer (None to start it; an exception is raised in it) until
+        it asks for a probe (returned, by tenant) or ends (its record into `records`)."""
+        asked = {}
+        for name, answer in answers.items():
+            try:
+                if isinstance(answer, BaseException):
+                    asked[name] = steps[name].throw(answer)
+                else:
+                    asked[name] = steps[name].send(answer)
+            except StopIteration as done:
+                records[name] = done.value
+        return asked
+
+    def _probe(self, requests: list[ProbeRequest]) -> list[ProbeAnswer | Exception]:
+        """The answer to each request: all of them decoded in one batch; one at a time if that fails (each
+        failure then goes to its own step)."""
+        started = time.monotonic()
+        tokens = self.settings.max_new_tokens
+        try:
+            if len(requests) == 1:
+                (r,) = requests
+                rewards = [gate.probe_rewards(self.policy, r.tenant, r.prompts, r.scorer, max_new_tokens=tokens)]
+            else:
+                rewards = gate.probe_rewards_grouped(self.policy, [(r.tenant, r.prompts, r.scorer) for r in requests],
+                                                     max_new_tokens=tokens)
+        except Exception as e:
+            if len(requests) == 1:
+                return [e]
+            logger.warning("the gate probes of %s failed as one batch; probing them one at a time",
+                           ", ".join(r.tenant for r in requests), exc_info=True)
+            return [answer for r in requests for answer in self._probe([r])]
+        share = (time.monotonic() - started) / len(requests)
+        return [ProbeAnswer(rewards=tuple(r), seconds=share) for r in rewards]
+
+    def _step_safely(self, name: str):
+        """`step_safely` as a step generator (see `ProbeRequest`)."""
         rt = self.tenants[name]
         rt.partial_since = None  # what arrives during this step waits for a batch of its own
+        rt.round_wait = 0.0
         started = time.monotonic()
         try:
-            record = self.step(name)
+            record = yield from self._step(name)
         except rollouts.Stopped:  # the learner is stopping: the step gave up waiting for its samples
             logger.info("tenant %s: step %d stopped while its rollouts were sampled; nothing committed", name,
                         rt.step + 1)
@@ -420,7 +532,7 @@ class Learner:
             record = None
         else:
             rt.failures, rt.error, rt.retry_at = 0, None, 0.0
-        self.ledger = charge(self.ledger, name, time.monotonic() - started)
+        self.ledger = charge(self.ledger, name, max(0.0, time.monotonic() - started - rt.round_wait))
         self._report(rt)
         return record
 
@@ -432,7 +544,21 @@ class Learner:
         rt.retry_at = time.monotonic() + BACKOFF_SECONDS[min(rt.failures, len(BACKOFF_SECONDS)) - 1]
 
     def step(self, name: str) -> StepRecord | None:
-        """One training step of tenant `name` (see the module note); None when it had nothing to do."""
+        """One training step of tenant `name` alone (see the module note); None when it had nothing to do.
+        Raises what the step raised."""
+        steps = self._step(name)
+        try:
+            request = next(steps)
+            while True:
+                (answer,) = self._probe([request])
+                request = steps.throw(answer) if isinstance(answer, BaseException) else steps.send(answer)
+        except StopIteration as done:
+            return done.value
+        finally:
+            steps.close()
+
+    def _step(self, name: str):
+        """`step` as a step generator (see `ProbeRequest`)."""
         rt = self.tenants[name]
         self._ensure_loaded(rt)
         if rt.unfinished is not None:
@@ -442,7 +568,7 @@ class Learner:
         started = time.monotonic()
         parent = self.policy.snapshot(name)
         try:
-            meta, work, trained = self._train_and_commit(rt, parent, started, clock)
+            meta, work, trained = yield from self._train_and_commit(rt, parent, started, clock)
         except BaseException:
             # Nothing was committed: put the in-memory adapter and optimizer back to the committed state.
             self.policy.restore(name, parent)
@@ -456,7 +582,7 @@ class Learner:
                 self._compact(name, meta["step"])
         self._start_prefetch(rt)
         rt.status = decision
-        timings = clock.timings(total=time.monotonic() - started)
+        timings = clock.timings(total=time.monotonic() - started - rt.round_wait)
         if work.sampling_seconds is not None:
             timings["sampling"] = work.sampling_seconds
         return StepRecord(
@@ -492,7 +618,7 @@ class Learner:
         rt.probes = gate.update_probes(rt.probes, work.prompts, self.settings.gate_prompts)
         scorer = tenant_scorer(rt.spec)
         with clock("probe"):
-            parent_probe = self._probe_rewards(rt, scorer)
+            parent_probe = self._parent_probe(rt, scorer)
         with clock("train"):
             trained = self._update(rt, work, scorer)
         clock.move("train", "score", trained.score_seconds)
@@ -530,8 +656,8 @@ class Learner:
         }
         probe = None
         if update is not None:
-            with clock("probe"):
-                probe = self._probe_rewards(rt, scorer, fresh=True) if parent_probe is not None else None
+            if parent_probe is not None:
+                probe = yield from self._candidate_probe(rt, scorer, clock)
             result = gate.decide(
                 gate.GateInput(
                     loss=update.loss,
@@ -570,7 +696,7 @@ class Learner:
                 logger.warning("tenant %s: step %d rejected by the gate: %s", name, step, result.reason)
                 meta.update(decision="rejected", baseline=rt.baseline)  # a poisoned batch must not move the baseline
                 self.policy.restore(name, parent)
-        row["seconds"] = time.monotonic() - started
+        row["seconds"] = time.monotonic() - started - rt.round_wait
         row["ts"] = datetime.now(timezone.utc).isoformat()
 
         try:
@@ -829,18 +955,24 @@ class Learner:
             return None
         return path if (path / ADAPTER_WEIGHTS).is_file() else None
 
-    def _probe_rewards(self, rt: TenantRuntime, scorer, *, fresh: bool = False) -> tuple[float, ...] | None:
-        """The current adapter's reward per probe prompt (cached per adapter state unless `fresh`); None
-        without a scorer."""
+    def _candidate_probe(self, rt: TenantRuntime, scorer, clock: _Phases):
+        """The freshly trained adapter's reward per probe prompt, asked of the step's driver (a round decodes
+        every tenant's together); the wait for the other tenants of the round is not the step's time."""
+        asked = time.monotonic()
+        answer = yield ProbeRequest(tenant=rt.spec.name, prompts=rt.probes, scorer=scorer)
+        clock.add("probe", answer.seconds)
+        rt.round_wait += max(0.0, time.monotonic() - asked - answer.seconds)
+        return answer.rewards
+
+    def _parent_probe(self, rt: TenantRuntime, scorer) -> tuple[float, ...] | None:
+        """The current adapter's reward per probe prompt (cached per adapter state); None without a scorer."""
         if scorer is None or not rt.probes:
             return None
         key = (rt.state_id, rt.probes)
-        if not fresh and key in rt.probe_cache:
-            return rt.probe_cache[key]
-        value = gate.probe_rewards(self.policy, rt.spec.name, rt.probes, scorer, max_new_tokens=self.settings.max_new_tokens)
-        if not fresh:
-            rt.probe_cache = {key: value}
-        return value
+        if key not in rt.probe_cache:
+            rt.probe_cache = {key: gate.probe_rewards(self.policy, rt.spec.name, rt.probes, scorer,
+                                                      max_new_tokens=self.settings.max_new_tokens)}
+        return rt.probe_cache[key]
 
     # --- loading, recovery, following the registry ----------------------------------------------------
     def recover(self) -> None:
@@ -1146,11 +1278,14 @@ def run(
                     break
                 stop.wait(cfg.learner.poll_seconds)
                 continue
-            record = learner.step_safely(name)
-            if record is not None and on_step is not None:
-                on_step(record)
-            served.add(name)
-            steps += 1
+            names = [name, *learner.round_partners(name, backlog, exclude=exclude | sampling)]
+            if max_steps is not None:
+                names = names[: max_steps - steps]
+            for name, record in zip(names, learner.step_round(names)):
+                if record is not None and on_step is not None:
+                    on_step(record)
+                served.add(name)
+            steps += len(names)
             if max_steps is not None and steps >= max_steps:
                 break
     finally:
@@ -1175,6 +1310,10 @@ class _Phases:
             yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.monotonic() - started
+
+    def add(self, phase: str, seconds: float) -> None:
+        """Books `seconds` measured elsewhere to `phase`."""
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
 
     def move(self, source: str, target: str, seconds: float) -> None:
         """Books `seconds` of `source` to `target` (a part measured inside another phase)."""

@@ -541,6 +541,69 @@ class Policy:
         samples = [self._sample(row.tolist(), tenant) for row in tokens]
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
+    @torch.no_grad()
+    def generate_grouped(self, groups: Sequence[tuple[str, Sequence[str]]], *, max_new_tokens: int = 32) -> list[list[Sample]]:
+        """The greedy completion of each prompt of each (tenant, prompts) group under that tenant's adapter, all
+        groups decoded together: one forward pass per token for every tenant (the learner's gate probes of a
+        round, loop.py), where `generate` would run one decode per tenant. The same tokens as `generate(tenant,
+        prompts, greedy=True)` per group (tested), up to float rounding of the adapters' sums.
+
+        Every LoRA layer computes base(x) + B_t A_t x for the rows of tenant t as one batched matmul over the
+        groups (`_grouped`), so the base weights are multiplied once for all rows and no adapter is merged or
+        copied. Groups are padded to the largest with copies of their first prompt (dropped afterwards). Falls
+        back to one `generate` per group for a single group and for adapters `_grouped` cannot batch."""
+        groups = [(tenant, list(prompts)) for tenant, prompts in groups]
+        live = [(tenant, prompts) for tenant, prompts in groups if prompts]
+        if len(live) < 2 or any(self._mergeable(tenant) is None for tenant, _ in live):
+            return [self.generate(tenant, prompts, max_new_tokens=max_new_tokens, greedy=True) if prompts else []
+                    for tenant, prompts in groups]
+        width = max(len(prompts) for _, prompts in live)
+        rows = [p for _, prompts in live for p in prompts + [prompts[0]] * (width - len(prompts))]
+        enc = self.tokenizer(rows, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
+        with self._grouped([tenant for tenant, _ in live]):
+            tokens = self._decode(enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device), max_new_tokens, None)
+        out, at = [], 0
+        for tenant, prompts in groups:
+            if not prompts:
+                out.append([])
+                continue
+            out.append([[self._sample(row.tolist(), tenant)] for row in tokens[at : at + len(prompts)]])
+            at += width
+        return out
+
+    @contextlib.contextmanager
+    def _grouped(self, tenants: Sequence[str]) -> Iterator[None]:
+        """Runs the block with the batch's rows in len(tenants) equal groups, group g under tenants[g]'s
+        adapter: each LoRA layer's forward becomes base(x) + bmm(bmm(x_g, A_g), B_g), with every tenant's
+        A [in, r] and scale x B [r, out] stacked (ranks padded with zeros to the largest; zeros for a tenant
+        that does not adapt the layer). No gradient, no dropout (as in generation); peft's own forward
+        comes back afterwards. Every tenant must be `_mergeable` (plain LoRA over nn.Linear)."""
+        names = [adapter_name(t) for t in tenants]
+        for tenant in tenants:
+            self._require(tenant)
+        patched = []
+        try:
+            for layer in self._lora_layers or ():
+                present = [n for n in names if n in getattr(layer, "lora_A", {})]
+                if not present:
+                    continue
+                base = layer.base_layer
+                rank = max(layer.lora_A[n].weight.shape[0] for n in present)
+                dtype = layer.lora_A[present[0]].weight.dtype
+                a = torch.zeros(len(names), base.in_features, rank, dtype=dtype, device=self.device)
+                b = torch.zeros(len(names), rank, base.out_features, dtype=dtype, device=self.device)
+                for g, n in enumerate(names):
+                    if n in layer.lora_A:
+                        r = layer.lora_A[n].weight.shape[0]
+                        a[g, :, :r] = layer.lora_A[n].weight.t()
+                        b[g, :r] = layer.lora_B[n].weight.t() * layer.scaling[n]
+                layer.forward = _grouped_forward(base, a, b)
+                patched.append(layer)
+            yield
+        finally:
+            for layer in patched:
+                del layer.forward
+
     def _decode(self, input_ids: Tensor, attention_mask: Tensor, max_new_tokens: int, temperature: float | None) -> Tensor:
         """New tokens [rows, <= max_new_tokens] for left-padded prompts: greedy (`temperature` None) or drawn
         from softmax(logits / temperature), one token per row per forward pass over a KV cache, until every
@@ -591,6 +654,18 @@ class Policy:
     def _require(self, tenant: str) -> None:
         if tenant not in self._specs:
             raise PolicyError(f"tenant {tenant!r} has no adapter (known: {', '.join(self._specs) or 'none'})")
+
+
+def _grouped_forward(base: torch.nn.Module, a: Tensor, b: Tensor):
+    """A LoRA layer's forward for rows in a.shape[0] equal groups, group g adapted by a[g] [in, r], b[g] [r, out]."""
+    groups = a.shape[0]
+
+    def forward(x: Tensor, *args, **kwargs) -> Tensor:
+        y = base(x, *args, **kwargs)
+        delta = torch.bmm(torch.bmm(x.reshape(groups, -1, x.shape[-1]).to(a.dtype), a), b)
+        return y + delta.reshape(y.shape).to(y.dtype)
+
+    return forward
 
 
 def _has_dropout(model) -> bool:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from learner.loop import ABANDONED, Learner, run
+from learner.policy import ADAPTER_WEIGHTS
 from learner.types import TenantSpec
 from learner_support import LEARNABLE_TARGETS, assert_each_id_once, chat_prompt, make_config, rows, step_ids, write
 from storage.cursors import Cursors
@@ -1170,4 +1171,97 @@ def test_a_sampling_job_planned_under_an_old_spec_is_dropped_when_the_config_cha
     learner.apply_config(make_config(data_dir, tiny_model, [{**tenant, "group_size": 4}], max_new_tokens=8,
                                      gate_max_kl=50.0, sample_ahead=False))
     assert not learner.prefetcher.pending("lab")
+    learner.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rounds: several tenants step together, their gate probes decoded in one batch
+
+
+def _round_config(data_dir, tiny_model, prompts, round_tenants):
+    tenants = [
+        {"name": name, "mode": "rollouts", "scorer": scorer, "prompts_file": str(prompts), "batch_size": 8,
+         "group_size": 4, "learning_rate": 1e-2, "lora": {"target_modules": LEARNABLE_TARGETS}}
+        for name, scorer in (("a", "length:48"), ("b", "length:40"), ("c", "length:56"))
+    ]
+    return make_config(data_dir, tiny_model, tenants, rollout_sampler="local", max_new_tokens=12, gate_prompts=2,
+                       gate_max_kl=50.0, max_staleness=0, round_tenants=round_tenants)
+
+
+def test_a_round_decodes_its_tenants_probes_in_one_batch_and_learns_what_steps_one_at_a_time_learn(
+        tiny_model, tmp_path, monkeypatch):
+    """Three rollouts tenants, six steps, once one tenant at a time (round_tenants = 1) and once in rounds
+    of three: the same samples, probes, gate decisions, losses and adapters, with one batched probe decode
+    per round instead of one decode per candidate."""
+    from learner.policy import Policy
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Write a number.\nTell me about cats.\nhello\nCount to five.\n")
+    calls = []
+    real = Policy.generate_grouped
+
+    def counted(self, groups, **kw):
+        calls.append([tenant for tenant, _ in groups])
+        return real(self, groups, **kw)
+
+    monkeypatch.setattr(Policy, "generate_grouped", counted)
+    outcome = {}
+    for size in (1, 3):
+        data_dir = tmp_path / f"round-{size}"
+        torch.manual_seed(0)
+        learn(_round_config(data_dir, tiny_model, prompts, size), tiny_model, until_idle=False, max_steps=6)
+        registry = Registry(data_dir)
+        outcome[size] = {
+            "steps": sorted((r["tenant"], r["step"], r["loss"], r["n_trajectories"])
+                            for r in read_dataset(data_dir, "train_steps").to_pylist()),
+            "gate": {t: [(v.status, v.gate["probe_rewards"], v.gate["parent_probe_rewards"]) for v in registry.versions(t)]
+                     for t in "abc"},
+            "weights": {t: [(v.path / ADAPTER_WEIGHTS).read_bytes() for v in registry.versions(t)] for t in "abc"},
+        }
+        if size == 1:
+            assert calls == [], "one tenant at a time never decodes probes as a group"
+    assert calls == [["a", "b", "c"], ["a", "b", "c"]], calls
+    assert [s[:2] for s in outcome[3]["steps"]] == [(t, k) for t in "abc" for k in (1, 2)]
+    assert outcome[3] == outcome[1]
+    for t in "abc":  # both steps trained and were probed, and the second adapter is not the first
+        assert [len(probe) == len(parent) == 2 for _, probe, parent in outcome[3]["gate"][t]] == [True, True]
+        assert outcome[3]["weights"][t][0] != outcome[3]["weights"][t][1]
+
+
+def test_a_round_whose_batched_probe_fails_probes_one_tenant_at_a_time(tiny_model, tmp_path, monkeypatch, caplog):
+    from learner.policy import Policy
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Write a number.\nhello\n")
+
+    def broken(self, groups, **kw):
+        raise RuntimeError("out of memory in the batched decode")
+
+    monkeypatch.setattr(Policy, "generate_grouped", broken)
+    data_dir = tmp_path / "data"
+    learner = learn(_round_config(data_dir, tiny_model, prompts, 3), tiny_model, until_idle=False, max_steps=3)
+    assert "probing them one at a time" in caplog.text
+    assert {t: learner.tenants[t].step for t in "abc"} == {"a": 1, "b": 1, "c": 1}
+    assert all(v.gate["probe_rewards"] is not None for t in "abc" for v in Registry(data_dir).versions(t))
+
+
+def test_a_failing_step_in_a_round_leaves_the_other_tenants_steps_to_finish(tiny_model, tmp_path, monkeypatch):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Write a number.\nhello\n")
+    cfg = _round_config(tmp_path / "data", tiny_model, prompts, 3)
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    real = Learner._update
+
+    def failing_for_b(self, rt, work, scorer):
+        if rt.spec.name == "b":
+            raise RuntimeError("b's update failed")
+        return real(self, rt, work, scorer)
+
+    monkeypatch.setattr(Learner, "_update", failing_for_b)
+    before = {t: learner.policy.snapshot(t) if learner.policy.has(t) else None for t in "abc"}
+    records = learner.step_round(["a", "b", "c"])
+    assert [r is not None for r in records] == [True, False, True]
+    assert learner.tenants["b"].status == "error" and "b's update failed" in learner.tenants["b"].error
+    assert learner.tenants["b"].step == 0 and learner.tenants["a"].step == learner.tenants["c"].step == 1
+    assert before["b"] is None or all(torch.equal(p, before["b"].weights[n]) for n, p in learner.policy._params["b"])
     learner.close()

@@ -306,6 +306,31 @@ def test_generation_with_the_adapter_folded_into_the_weights_matches_the_adapter
     assert policy._mergeable(None) is None
 
 
+def test_grouped_generation_decodes_several_tenants_at_once_as_each_alone(policy):
+    """generate_grouped: every group's greedy tokens are its tenant's own `generate`, with ranks (8 and 4)
+    and adapted layers (all, or q/v only) that differ, groups of unequal size and an empty one; peft's own
+    forward is back afterwards, also after an exception inside the block."""
+    batch, _, _ = small_batch(policy)
+    for tenant in ("acme", "beta.prod"):  # trained adapters: B is no longer zero
+        pg_update(policy, tenant, batch, torch.tensor([1.0, -1.0, 0.5]), clip_eps=0.2)
+    render = lambda q: policy.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                            add_generation_prompt=True)
+    groups = [("acme", [render("hi"), render("count to five"), render("x")]), ("beta.prod", [render("hi")]),
+              ("acme", []), ("beta.prod", [render("what is 2 + 2?"), render("count to five")])]
+    grouped = policy.generate_grouped(groups, max_new_tokens=12)
+    alone = [policy.generate(t, prompts, max_new_tokens=12, greedy=True) if prompts else [] for t, prompts in groups]
+    assert [[s[0].token_ids for s in g] for g in grouped] == [[s[0].token_ids for s in g] for g in alone]
+    assert [len(g) for g in grouped] == [3, 1, 0, 2]
+    # the adapters matter: the two tenants' completions of "hi" differ from each other or from the base's
+    base = policy.generate(None, [render("hi")], max_new_tokens=12, greedy=True)[0][0].token_ids
+    assert len({grouped[0][0][0].token_ids, grouped[1][0][0].token_ids, base}) > 1
+    assert not any("forward" in vars(layer) for layer in policy._lora_layers)
+    with pytest.raises(RuntimeError), policy._grouped(["acme", "beta.prod"]):
+        assert all("forward" in vars(layer) for layer in policy._lora_layers)
+        raise RuntimeError("inside the grouped block")
+    assert not any("forward" in vars(layer) for layer in policy._lora_layers)
+
+
 def test_gradient_passes_use_train_mode_only_when_some_dropout_would_act(tiny_model):
     """Train mode walks every module twice per pass; it is skipped when it changes nothing (no dropout),
     and used when a tenant's adapter has dropout (two gradient passes then differ, no-grad ones do not)."""
