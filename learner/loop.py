@@ -447,8 +447,10 @@ class Learner:
                 continue
             eligible[name] = n
         partners = []
+        floor = self.ledger.floor  # fair_share's, from the ready tenants of the main pick (not the partners' fewer)
         while len(partners) < self.settings.round_tenants - 1:
             name = self.choose(eligible, exclude=partners)
+            self.ledger = replace(self.ledger, floor=floor)
             if name is None:
                 break
             partners.append(name)
@@ -491,31 +493,32 @@ class Learner:
         return asked
 
     def _probe(self, requests: list[ProbeRequest]) -> list[ProbeAnswer | Exception]:
-        """The answer to each request: all of them decoded in one batch; one at a time if that fails (each
-        failure then goes to its own step)."""
+        """The answer to each request: all of them decoded in one grouped batch (one request alike, so a
+        probe scores the same alone and in a round); if that fails, one at a time by `generate`, each
+        failure then going to its own step."""
         started = time.monotonic()
-        tokens = self.settings.max_new_tokens
         try:
-            if len(requests) == 1:
-                (r,) = requests
-                rewards = [gate.probe_rewards(self.policy, r.tenant, r.prompts, r.scorer, max_new_tokens=tokens)]
-            else:
-                rewards = gate.probe_rewards_grouped(self.policy, [(r.tenant, r.prompts, r.scorer) for r in requests],
-                                                     max_new_tokens=tokens)
-        except Exception as e:
-            if len(requests) == 1:
-                return [e]
-            logger.warning("the gate probes of %s failed as one batch; probing them one at a time",
+            rewards = gate.probe_rewards_grouped(self.policy, [(r.tenant, r.prompts, r.scorer) for r in requests],
+                                                 max_new_tokens=self.settings.max_new_tokens)
+        except Exception:
+            logger.warning("the gate probes of %s failed as one grouped batch; probing them one at a time",
                            ", ".join(r.tenant for r in requests), exc_info=True)
-            return [answer for r in requests for answer in self._probe([r])]
+            return [self._probe_alone(r) for r in requests]
         share = (time.monotonic() - started) / len(requests)
         return [ProbeAnswer(rewards=tuple(r), seconds=share) for r in rewards]
+
+    def _probe_alone(self, r: ProbeRequest) -> ProbeAnswer | Exception:
+        started = time.monotonic()
+        try:
+            rewards = gate.probe_rewards(self.policy, r.tenant, r.prompts, r.scorer, max_new_tokens=self.settings.max_new_tokens)
+        except Exception as e:
+            return e
+        return ProbeAnswer(rewards=rewards, seconds=time.monotonic() - started)
 
     def _step_safely(self, name: str):
         """`step_safely` as a step generator (see `ProbeRequest`)."""
         rt = self.tenants[name]
         rt.partial_since = None  # what arrives during this step waits for a batch of its own
-        rt.round_wait = 0.0
         started = time.monotonic()
         try:
             record = yield from self._step(name)
@@ -560,6 +563,7 @@ class Learner:
     def _step(self, name: str):
         """`step` as a step generator (see `ProbeRequest`)."""
         rt = self.tenants[name]
+        rt.round_wait = 0.0
         self._ensure_loaded(rt)
         if rt.unfinished is not None:
             self._finish(rt, rt.unfinished)
@@ -969,9 +973,11 @@ class Learner:
         if scorer is None or not rt.probes:
             return None
         key = (rt.state_id, rt.probes)
-        if key not in rt.probe_cache:
-            rt.probe_cache = {key: gate.probe_rewards(self.policy, rt.spec.name, rt.probes, scorer,
-                                                      max_new_tokens=self.settings.max_new_tokens)}
+        if key not in rt.probe_cache:  # decoded as the candidate's is (`_probe`), so the two compare like for like
+            (answer,) = self._probe([ProbeRequest(tenant=rt.spec.name, prompts=rt.probes, scorer=scorer)])
+            if isinstance(answer, Exception):
+                raise answer
+            rt.probe_cache = {key: answer.rewards}
         return rt.probe_cache[key]
 
     # --- loading, recovery, following the registry ----------------------------------------------------

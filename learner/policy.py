@@ -550,17 +550,19 @@ class Policy:
 
         Every LoRA layer computes base(x) + B_t A_t x for the rows of tenant t as one batched matmul over the
         groups (`_grouped`), so the base weights are multiplied once for all rows and no adapter is merged or
-        copied. Groups are padded to the largest with copies of their first prompt (dropped afterwards). Falls
-        back to one `generate` per group for a single group and for adapters `_grouped` cannot batch."""
+        copied. Groups are padded to the largest with copies of their first prompt (dropped afterwards). One
+        group decodes the same way (so a tenant's probes score alike alone and in a round, whatever the base's
+        dtype: `generate` folds the adapter into the base's weights, which rounds it in bf16). Falls back to
+        one `generate` per group for adapters `_grouped` cannot batch."""
         groups = [(tenant, list(prompts)) for tenant, prompts in groups]
         live = [(tenant, prompts) for tenant, prompts in groups if prompts]
-        if len(live) < 2 or any(self._mergeable(tenant) is None for tenant, _ in live):
+        if not live or any(self._mergeable(tenant) is None for tenant, _ in live):
             return [self.generate(tenant, prompts, max_new_tokens=max_new_tokens, greedy=True) if prompts else []
                     for tenant, prompts in groups]
         width = max(len(prompts) for _, prompts in live)
         rows = [p for _, prompts in live for p in prompts + [prompts[0]] * (width - len(prompts))]
         enc = self.tokenizer(rows, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
-        with self._grouped([tenant for tenant, _ in live]):
+        with self._grouped([tenant for tenant, _ in live], rows=len(rows)):
             tokens = self._decode(enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device), max_new_tokens, None)
         out, at = [], 0
         for tenant, prompts in groups:
@@ -572,12 +574,13 @@ class Policy:
         return out
 
     @contextlib.contextmanager
-    def _grouped(self, tenants: Sequence[str]) -> Iterator[None]:
-        """Runs the block with the batch's rows in len(tenants) equal groups, group g under tenants[g]'s
+    def _grouped(self, tenants: Sequence[str], *, rows: int) -> Iterator[None]:
+        """Runs the block with the batch's `rows` rows in len(tenants) equal groups, group g under tenants[g]'s
         adapter: each LoRA layer's forward becomes base(x) + bmm(bmm(x_g, A_g), B_g), with every tenant's
         A [in, r] and scale x B [r, out] stacked (ranks padded with zeros to the largest; zeros for a tenant
-        that does not adapt the layer). No gradient, no dropout (as in generation); peft's own forward
-        comes back afterwards. Every tenant must be `_mergeable` (plain LoRA over nn.Linear)."""
+        that does not adapt the layer), and every other LoRA layer (another tenant's only) is off. No
+        gradient, no dropout (as in generation); peft's own forward comes back afterwards. Every tenant must
+        be `_mergeable` (plain LoRA over nn.Linear); a layer that sees other than the batch's rows raises."""
         names = [adapter_name(t) for t in tenants]
         for tenant in tenants:
             self._require(tenant)
@@ -597,9 +600,10 @@ class Policy:
                         r = layer.lora_A[n].weight.shape[0]
                         a[g, :, :r] = layer.lora_A[n].weight.t()
                         b[g, :r] = layer.lora_B[n].weight.t() * layer.scaling[n]
-                layer.forward = _grouped_forward(base, a, b)
+                layer.forward = _grouped_forward(base, a, b, rows)
                 patched.append(layer)
-            yield
+            with self.adapter(None):  # layers of tenants outside the batch: the base alone
+                yield
         finally:
             for layer in patched:
                 del layer.forward
@@ -656,11 +660,13 @@ class Policy:
             raise PolicyError(f"tenant {tenant!r} has no adapter (known: {', '.join(self._specs) or 'none'})")
 
 
-def _grouped_forward(base: torch.nn.Module, a: Tensor, b: Tensor):
-    """A LoRA layer's forward for rows in a.shape[0] equal groups, group g adapted by a[g] [in, r], b[g] [r, out]."""
+def _grouped_forward(base: torch.nn.Module, a: Tensor, b: Tensor, rows: int):
+    """A LoRA layer's forward for `rows` rows in a.shape[0] equal groups, group g adapted by a[g] [in, r], b[g] [r, out]."""
     groups = a.shape[0]
 
     def forward(x: Tensor, *args, **kwargs) -> Tensor:
+        if x.dim() < 2 or x.shape[0] != rows:  # e.g. an expert's share of the tokens: rows cannot be told apart
+            raise PolicyError(f"a grouped LoRA layer got input of shape {tuple(x.shape)}, not {rows} rows")
         y = base(x, *args, **kwargs)
         delta = torch.bmm(torch.bmm(x.reshape(groups, -1, x.shape[-1]).to(a.dtype), a), b)
         return y + delta.reshape(y.shape).to(y.dtype)

@@ -1219,8 +1219,11 @@ def test_a_round_decodes_its_tenants_probes_in_one_batch_and_learns_what_steps_o
             "weights": {t: [(v.path / ADAPTER_WEIGHTS).read_bytes() for v in registry.versions(t)] for t in "abc"},
         }
         if size == 1:
-            assert calls == [], "one tenant at a time never decodes probes as a group"
-    assert calls == [["a", "b", "c"], ["a", "b", "c"]], calls
+            assert calls and all(len(c) == 1 for c in calls), "one tenant at a time decodes one tenant's probes"
+            calls.clear()
+    # each tenant's first parent probe alone, then one decode of the three candidates per round
+    assert [c for c in calls if len(c) > 1] == [["a", "b", "c"], ["a", "b", "c"]], calls
+    assert sorted(c[0] for c in calls if len(c) == 1) == ["a", "b", "c"], calls
     assert [s[:2] for s in outcome[3]["steps"]] == [(t, k) for t in "abc" for k in (1, 2)]
     assert outcome[3] == outcome[1]
     for t in "abc":  # both steps trained and were probed, and the second adapter is not the first
@@ -1264,4 +1267,22 @@ def test_a_failing_step_in_a_round_leaves_the_other_tenants_steps_to_finish(tiny
     assert learner.tenants["b"].status == "error" and "b's update failed" in learner.tenants["b"].error
     assert learner.tenants["b"].step == 0 and learner.tenants["a"].step == learner.tenants["c"].step == 1
     assert before["b"] is None or all(torch.equal(p, before["b"].weights[n]) for n, p in learner.policy._params["b"])
+    learner.close()
+
+
+def test_round_partners_keep_fair_share_balancing_learner_time(tiny_model, data_dir):
+    """Partners are picked among fewer tenants than the main pick; the fair-share floor stays the main pick's,
+    so a tenant far below the others in learner time keeps its credit."""
+    from learner.scheduler import Ledger, choose
+
+    tenants = [{"name": t, "scorer": "length:20"} for t in "abcd"]
+    cfg = make_config(data_dir, tiny_model, tenants, scheduler="fair_share", gate_prompts=2, round_tenants=2)
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    backlog = dict.fromkeys("abcd", 8)
+    learner.ledger = Ledger(seconds={"a": 0.0, "b": 5.0, "c": 100.0, "d": 50.0}, floor=0.0)
+    first = learner.choose(backlog)
+    assert (first, learner.round_partners(first, backlog)) == ("a", ["b"])
+    assert learner.ledger.floor == 0.0 and learner.ledger.seconds["a"] == 0.0
+    # the next pick is still "a" (least time), not a tenant lifted past it
+    assert choose("fair_share", backlog, learner.ledger)[0] == "a"
     learner.close()

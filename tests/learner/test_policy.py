@@ -325,7 +325,12 @@ def test_grouped_generation_decodes_several_tenants_at_once_as_each_alone(policy
     base = policy.generate(None, [render("hi")], max_new_tokens=12, greedy=True)[0][0].token_ids
     assert len({grouped[0][0][0].token_ids, grouped[1][0][0].token_ids, base}) > 1
     assert not any("forward" in vars(layer) for layer in policy._lora_layers)
-    with pytest.raises(RuntimeError), policy._grouped(["acme", "beta.prod"]):
+    # a tenant outside the batch adapts layers the batch's do not: they stay off, whichever tenant was active
+    policy.use("acme")
+    only_beta = policy.generate_grouped([("beta.prod", [render("hi")]), ("beta.prod", [render("x")])], max_new_tokens=12)
+    assert [g[0][0].token_ids for g in only_beta] == [
+        s[0].token_ids for s in policy.generate("beta.prod", [render("hi"), render("x")], max_new_tokens=12, greedy=True)]
+    with pytest.raises(RuntimeError), policy._grouped(["acme", "beta.prod"], rows=2):
         assert all("forward" in vars(layer) for layer in policy._lora_layers)
         raise RuntimeError("inside the grouped block")
     assert not any("forward" in vars(layer) for layer in policy._lora_layers)
