@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import replace
 
@@ -241,11 +242,12 @@ def test_one_base_pass_serves_the_reference_and_the_kl_and_the_base_switch_alway
     # a pass per micro-batch (2 rows, then 1) gives the whole batch's reference and distributions, up to float32
     # rounding: log-probs near -8 carry ~1e-6 of it, and a matmul over 2 rows may sum in another order than
     # over 3 (a CI machine's kernels differed by 1.9e-6 there), so the tolerance is relative to the value
+    close = functools.partial(torch.testing.assert_close, rtol=1e-6, atol=1e-6)
     ref2, logps2 = policy.base_reference(batch, rows_per_pass=2)
-    torch.testing.assert_close(ref2, ref, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(logps2, logps, rtol=1e-6, atol=1e-6)
+    close(ref2, ref)
+    close(logps2, logps)
     assert policy.base_reference(batch, keep_bytes=0, rows_per_pass=2)[1] is None
-    torch.testing.assert_close(policy.base_reference(batch, keep_bytes=0, rows_per_pass=2)[0], ref, rtol=1e-6, atol=1e-6)
+    close(policy.base_reference(batch, keep_bytes=0, rows_per_pass=2)[0], ref)
     pg_update(policy, "acme", batch, torch.tensor([1.0, -1.0, 0.5]), clip_eps=0.2)
     assert torch.allclose(policy.kl_to_base(batch, "acme", base_logps=logps), policy.kl_to_base(batch, "acme"), atol=1e-6)
     # the fast base switch: the adapters are back on after the block, even when it raised
