@@ -211,7 +211,16 @@ class LearnerConfig(_Strict):
         "round_robin", description="How the next tenant is chosen."
     )
     poll_seconds: float = Field(1.0, gt=0, description="Sleep when no tenant has new trajectories.")
-    clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip range.")
+    clip_eps: float = Field(
+        0.2, gt=0, description="PPO clip range of the ratio to the adapter as a step starts (the proximal policy). "
+        "One optimizer step per batch leaves that ratio at 1, so today it does not act; stale samples are "
+        "corrected by behaviour_weight_cap."
+    )
+    behaviour_weight_cap: float = Field(
+        2.0, ge=1, description="Each sampled token's policy gradient is weighed by "
+        "min(pi / pi_behaviour, this cap): the importance weight of the policy that sampled it (an older served "
+        "version, an app's own model), truncated so one token it made unlikely cannot carry the update."
+    )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the base model (0: off).")
     scale_advantages: bool = Field(
         True, description="logs mode: divide each batch's advantages by the std of its rewards (small or sparse rewards still learn)."

@@ -905,6 +905,7 @@ class Learner:
         name = rt.spec.name
         common = dict(
             clip_eps=self.settings.clip_eps,
+            behaviour_weight_cap=self.settings.behaviour_weight_cap,
             kl_coef=self.settings.kl_coef,
             max_grad_norm=self.settings.max_grad_norm,
             max_len=self.max_len,

@@ -1,4 +1,5 @@
-"""The learner's maths: advantages, importance ratios, the clipped policy-gradient loss, KL estimators.
+"""The learner's maths: advantages, importance ratios and weights, the clipped policy-gradient loss, KL
+estimators.
 
 Every function here is tensor-in, tensor-out: no model, no tokenizer, no I/O, no config. Shapes follow one
 convention: per-sequence values are `[B]`, per-token values are `[B, T]` with a 0/1 `mask` of the same shape
@@ -8,13 +9,17 @@ the token that was actually sampled.
 What is deliberately not here: how log-probs are computed (policy.py), where rewards come from (logs_mode.py,
 rollouts.py) and what a step does with the loss (update.py).
 
-References: the clipped surrogate is PPO's (Schulman et al. 2017); group-normalised advantages are GRPO's
-(Shao et al. 2024, DeepSeekMath); the k1/k2/k3 KL estimators are from Schulman's note "Approximating KL
-divergence" (2020).
+References: the clipped surrogate is PPO's (Schulman et al. 2017); splitting it into a proximal policy (the
+clip's centre) and a behaviour policy (the one that sampled, corrected by an importance weight) is the
+decoupled objective of Hilton et al. 2021, "Batch size-invariance for policy optimization"; truncating
+that weight at a constant is IMPALA's (Espeholt et al. 2018, V-trace); group-normalised advantages are
+GRPO's (Shao et al. 2024, DeepSeekMath); the k1/k2/k3 KL estimators are from Schulman's note
+"Approximating KL divergence" (2020).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -111,6 +116,7 @@ def running_mean(previous: float | None, rewards: Tensor, momentum: float = 0.9)
 
 MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: past it float32 products overflow (TRL and verl cap it likewise)
 DUAL_CLIP = 3.0  # the dual clip's bound c on -r * A for A < 0 (Ye et al. 2020)
+BEHAVIOUR_WEIGHT_CAP = 2.0  # the truncation C of pi_prox / mu (verl's truncated importance sampling uses 2)
 
 
 def importance_ratio(logprobs: Tensor, old_logprobs: Tensor) -> Tensor:
@@ -118,16 +124,34 @@ def importance_ratio(logprobs: Tensor, old_logprobs: Tensor) -> Tensor:
     return torch.exp((logprobs - old_logprobs).clamp(max=MAX_LOG_RATIO))
 
 
+def behaviour_weights(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+    """The truncated importance weight min(pi_prox / mu, cap) per token, and where the cap cut it.
+
+    mu is the policy that sampled the token (an older adapter version still being served, or an app's own
+    model), pi_prox the adapter the update starts from; neither carries a gradient, so the weight only
+    scales each token's policy gradient. Truncating it bounds the variance a token mu made unlikely would
+    otherwise bring (its weight grows without limit); tokens mu made likelier than pi_prox now does get a
+    weight below 1 and are not cut. `cap` >= 1. Returns (weight [B, T], truncated [B, T] bool)."""
+    if not cap >= 1.0:
+        raise ValueError(f"the behaviour weight cap must be at least 1, got {cap}")
+    log_weight = (proximal_logprobs - behaviour_logprobs).detach()
+    log_cap = math.log(cap)
+    return torch.exp(log_weight.clamp(max=log_cap)), log_weight > log_cap
+
+
 def clipped_pg_loss(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_eps: float, dual_clip: float = DUAL_CLIP
 ) -> tuple[Tensor, Tensor]:
     """PPO's clipped surrogate with the dual clip, per token: -min(r * A, clip(r, 1 - eps, 1 + eps) * A), and
-    for A < 0 at most -dual_clip * A.
+    for A < 0 at most -dual_clip * A, with r = pi / pi_old.
 
     Plain PPO leaves r unbounded where A < 0 and r > 1 + eps (the unclipped term is the smaller one there):
-    with behaviour log-probs from an older policy, or from another model (logs mode), one token whose
-    behaviour probability was tiny then carries the whole update (its gradient is r * |A|). The dual clip
-    makes such a token's loss constant, so its gradient is 0 past r = dual_clip.
+    one token whose old probability was tiny then carries the whole update (its gradient is r * |A|). The
+    dual clip makes such a token's loss constant, so its gradient is 0 past r = dual_clip.
+
+    The learner's `old_logprobs` are the proximal policy's, not the behaviour policy's (update.py says why):
+    centred on the sampler, a clip this tight switches off every token a stale batch has already moved the
+    right way.
 
     `advantages` is per sequence [B] (broadcast over tokens) or per token [B, T]. Returns (loss [B, T],
     clipped [B, T] bool), where `clipped` marks tokens whose gradient a clip has switched off (r > 1 + eps

@@ -1,10 +1,10 @@
-"""One clipped policy-gradient update of one tenant's adapter: the step both training modes share.
+"""One policy-gradient update of one tenant's adapter: the step both training modes share.
 
 Given a token batch, per-sequence advantages and (optionally) the behaviour policy's per-token log-probs,
 `pg_update` does, in order:
   1. reference log-probs of the base model (the same model with the adapter disabled), no gradient, keeping
      its log-distributions (when they fit, `Policy.base_reference`) for step 4;
-  2. for each micro-batch: the tenant's log-probs with gradient, the clipped surrogate (maths.py) plus
+  2. for each micro-batch: the tenant's log-probs with gradient, the decoupled surrogate below plus
      `kl_coef` x k3 KL to the base, aggregated with the batch-wide denominator, backward;
   3. gradient clipping and one AdamW step (policy.py);
   4. the exact KL to the base over the whole vocabulary at every completion position, no gradient, that
@@ -13,15 +13,31 @@ Given a token batch, per-sequence advantages and (optionally) the behaviour poli
      unlikely k3 explodes (a KL of 300 for an adapter whose true KL is 5). Only the updated adapter's pass
      runs here: the base model's side is step 1's.
 
-Old log-probs: where the behaviour value of a token is unknown (NaN), the current policy's detached
-log-prob stands in, which makes the ratio exactly 1 there (on-policy / plain REINFORCE with a baseline).
+The surrogate, per token: w x PPO's clipped loss of the ratio pi / pi_prox, where pi_prox is the adapter as
+the step starts (its detached log-probs) and w = min(pi_prox / mu, `behaviour_weight_cap`) the truncated
+importance weight of the behaviour policy mu that sampled the token (maths.py; Hilton et al. 2021's
+decoupled objective). The step makes one optimizer step, so pi = pi_prox when the gradient is taken: the
+ratio is 1, the clip does not act, and the gradient is -w x A x grad log pi. The trust region would matter
+only for several optimizer steps on one batch; the correction for stale samples is w.
+
+Why not PPO's clip around mu itself: serving lags the learner (a batch is sampled by the version one to
+a few steps back), and one Adam step at an adapter's learning rate moves a token's probability well past
+1 +- clip_eps. Centred on mu, the clip then switched off every token that had already moved the right way
+and kept those that had moved the wrong way: only the gradients undoing the last steps were left. Trained
+two versions behind its sampler, the tiny model's upper-case tenant stayed at its base reward of 0.13
+for 24 steps in every seed (and `make demo`'s drifted to a KL of 2.4 without learning), where on-policy
+it reaches 1.0 in 12; with w it reaches 1.0 within 24 steps two versions behind, in 4 seeds of 4
+(tests/learner/test_learning.py).
+
+Unknown behaviour log-probs (NaN) are taken as pi_prox's: w = 1 there (on-policy, plain REINFORCE with a
+baseline).
 
 Temperature: samples drawn at temperature T came from softmax(logits / T), so that is the policy whose
-log-probs the surrogate and the KL penalty use (both sides of the ratio, and the base model's reference, at
-T); the gate's exact KL to the base compares the adapters themselves, at temperature 1.
+log-probs the surrogate and the KL penalty use (pi, pi_prox, mu and the base model's reference, all at T);
+the gate's exact KL to the base compares the adapters themselves, at temperature 1.
 
-The logs and rollouts modes differ only in where the batch, the advantages and the old log-probs come
-from (logs_mode.py, rollouts.py). Nothing here decides whether the result is kept (gate.py, loop.py).
+The logs and rollouts modes differ only in where the batch, the advantages and the behaviour log-probs
+come from (logs_mode.py, rollouts.py). Nothing here decides whether the result is kept (gate.py, loop.py).
 """
 
 from __future__ import annotations
@@ -43,7 +59,7 @@ class UpdateResult:
     pg_loss: float  # its policy-gradient part
     kl: float  # mean exact KL to the base over completion positions, after the update
     kl_before: float  # mean k3 estimate on the batch's tokens before the update (the parent's)
-    clip_frac: float  # share of tokens whose gradient the clip switched off
+    clip_frac: float  # share of tokens whose behaviour weight the cap cut (or whose gradient the clip switched off)
     grad_norm: float  # before clipping
     tokens: int  # completion tokens trained on
 
@@ -60,6 +76,7 @@ def pg_update(
     *,
     old_logprobs: Tensor | None = None,
     clip_eps: float,
+    behaviour_weight_cap: float = maths.BEHAVIOUR_WEIGHT_CAP,
     kl_coef: float = 0.0,
     max_grad_norm: float = 1.0,
     aggregation: maths.Aggregation = "token-mean",
@@ -83,11 +100,15 @@ def pg_update(
     for rows, part in batch.chunks(micro_batch_size):
         mb_mask = mask[rows]
         logp = policy.token_logprobs(part, tenant, grad=True, temperature=temperature)
-        old = logp.detach()
+        proximal = logp.detach()
+        behaviour = proximal
         if old_logprobs is not None:
             known = old_logprobs[rows].to(device)
-            old = torch.where(torch.isnan(known), old, known)
-        pg, clipped = maths.clipped_pg_loss(logp, old, advantages[rows], clip_eps)
+            behaviour = torch.where(torch.isnan(known), proximal, known)
+        weight, truncated = maths.behaviour_weights(proximal, behaviour, behaviour_weight_cap)
+        pg, clipped = maths.clipped_pg_loss(logp, proximal, advantages[rows], clip_eps)
+        pg = weight * pg
+        clipped = clipped | truncated
         kl_tok = maths.kl_k3(logp, ref[rows])
         per_token = pg + kl_coef * kl_tok if kl_coef else pg
         # Each micro-batch's share of the batch-wide aggregate, so the summed gradient equals the one of

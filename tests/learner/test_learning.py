@@ -6,12 +6,14 @@ one Policy (one base, two adapters), sampling on-policy with the learner's own m
 updating with GRPO (rollouts.train_step), exactly what rollouts mode does minus the serving tier.
 
 The checks: each tenant's reward on its own objective rises clearly; the letters tenant produces no more
-digits than the base did while the digits tenant floods with them; and a step of one tenant changes
-nothing in the other's outputs.
+digits than the base did while the digits tenant floods with them; a step of one tenant changes nothing
+in the other's outputs; and a tenant whose samples come from the version two steps behind the one it
+trains (serving lagging the learner) learns as well.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import replace
 
 import pytest
@@ -21,7 +23,7 @@ from ingest.scorers import digits, uppercase
 from learner.batch import pack
 from learner.policy import Policy
 from learner.rollouts import LocalSampler, SampleRequest, render_user_prompt, train_step
-from learner.types import TenantSpec
+from learner.types import Sample, TenantSpec
 from learner.update import pg_update
 from learner_support import LEARNABLE_TARGETS
 
@@ -79,12 +81,49 @@ def test_two_tenants_learn_opposite_objectives_from_one_base(tiny_model):
     assert torch.equal(policy.token_logprobs(batch, None), base_before)
 
 
-def test_rollouts_train_on_the_sampled_tokens_weighed_by_their_sampled_log_probs(tiny_model):
-    """A batch sampled ahead by an older version comes with that version's log-probs: the update's ratios
-    use them (the clip acts), where taking the batch as on-policy (ratio 1) never clips. Without log-probs
-    from the sampler, ratio 1 as before."""
-    from learner.types import Sample
+def _with_logprobs(policy: Policy, tenant: str, prompts: list[str], groups: list[list[Sample]]) -> list[list[Sample]]:
+    """The samples with their log-probs under the tenant's adapter as it is now (the sampling version's)."""
+    p_ids = [policy.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+    flat = [(g, s) for g, group in enumerate(groups) for s in group]
+    batch = pack([p_ids[g] for g, _ in flat], [list(s.token_ids) for _, s in flat], pad_id=policy.pad_token_id,
+                 max_len=256)
+    with torch.no_grad():
+        logps = policy.token_logprobs(batch, tenant)
+    rows = iter(range(len(flat)))
+    return [[replace(s, logprobs=tuple(logps[i, : len(s.token_ids)].tolist())) for s, i in zip(group, rows)]
+            for group in groups]
 
+
+def test_a_tenant_trained_two_versions_behind_its_sampler_learns(tiny_model):
+    """Serving lags the learner: each batch is sampled by the adapter two updates before the one it trains,
+    with that version's log-probs. One Adam step moves a token's probability far past 1 + clip_eps, so PPO's
+    clip around the sampler switched off every token already moved the right way, and this tenant stayed
+    at its base reward (0.13) for all 24 steps; the truncated behaviour weight (update.py) learns."""
+    lag, steps = 2, 24
+    torch.manual_seed(0)
+    policy = Policy(tiny_model, device="cpu")
+    policy.add_tenant(replace(TenantSpec.default("loud"), target_modules=tuple(LEARNABLE_TARGETS), learning_rate=1e-2))
+    sampler = LocalSampler(policy)
+    prompts = [render_user_prompt(policy.tokenizer, q) for q in QUESTIONS]
+    in_flight: deque[list[list[Sample]]] = deque()
+    history = []
+    for version in range(steps + lag):
+        groups = sampler.sample([SampleRequest("loud", "", p, GROUP, MAX_TOKENS, 1.0, version=f"loud@{version}") for p in prompts])
+        in_flight.append(_with_logprobs(policy, "loud", prompts, groups))
+        if len(in_flight) > lag:
+            result = train_step(policy, "loud", prompts, in_flight.popleft(), uppercase, current_version=version,
+                                max_staleness=lag, served=list(range(version + 1)), clip_eps=0.2, kl_coef=0.0,
+                                max_grad_norm=1.0, max_len=256)
+            assert result.n_dropped == 0  # (no update once every sample scores 1: nothing to tell apart)
+            history.append(result.reward_mean)
+    print([round(x, 3) for x in history])
+    assert history[0] < 0.2 and sum(history[-3:]) / 3 > 0.8, history
+
+
+def test_rollouts_train_on_the_sampled_tokens_weighed_by_their_sampled_log_probs(tiny_model):
+    """A batch sampled ahead by an older version comes with that version's log-probs: the update's behaviour
+    weights use them (the cap cuts some), where taking the batch as on-policy (weight 1) cuts none. Without
+    log-probs from the sampler, weight 1 as before."""
     torch.manual_seed(0)
     policy = Policy(tiny_model, device="cpu")
     policy.add_tenant(replace(TenantSpec.default("acme"), target_modules=tuple(LEARNABLE_TARGETS)))
@@ -101,7 +140,8 @@ def test_rollouts_train_on_the_sampled_tokens_weighed_by_their_sampled_log_probs
 
     on_policy = step(group)
     assert on_policy.update is not None and on_policy.update.clip_frac == 0.0
-    # the "older policy" made every sampled token far less likely than the current one: r = e^2 > 1 + eps
+    # the "older policy" made every sampled token far less likely than the current one: the weight pi / mu
+    # is far past the cap
     old = [Sample(s.text, s.token_ids, s.finished, logprobs=tuple(-30.0 for _ in s.token_ids)) for s in group]
     stale = step(old)
     assert stale.update.clip_frac > 0.3, stale.update

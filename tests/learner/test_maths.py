@@ -90,6 +90,28 @@ def test_importance_ratio():
     close(maths.importance_ratio(torch.tensor([math.log(0.5), -1.0]), torch.tensor([math.log(0.25), -1.0])), [2.0, 1.0])
 
 
+def test_behaviour_weights_are_the_ratio_to_the_sampler_truncated_at_the_cap():
+    # pi_prox / mu per token: 4 (cut to the cap 2), 2 (exactly the cap: not cut), 0.5 (kept: the sampler
+    # made the token likelier than pi_prox does), 1 (on-policy)
+    proximal = torch.tensor([[math.log(0.8), math.log(0.4), math.log(0.1), -1.0]], requires_grad=True)
+    behaviour = torch.tensor([[math.log(0.2), math.log(0.2), math.log(0.2), -1.0]])
+    weight, truncated = maths.behaviour_weights(proximal, behaviour, cap=2.0)
+    close(weight, [[2.0, 2.0, 0.5, 1.0]])
+    assert truncated.tolist() == [[True, False, False, False]]
+    assert not weight.requires_grad  # it scales each token's gradient, it has none of its own
+    # a sampler that made a token impossibly unlikely: the weight stays at the cap, finite
+    weight, _ = maths.behaviour_weights(torch.zeros(1, 1), torch.tensor([[-1e4]]), cap=2.0)
+    close(weight, [[2.0]])
+    with pytest.raises(ValueError, match="at least 1"):
+        maths.behaviour_weights(proximal, behaviour, cap=0.5)
+
+
+def test_learner_config_default_cap_is_the_maths_default():
+    from clora.config import LearnerConfig
+
+    assert LearnerConfig().behaviour_weight_cap == maths.BEHAVIOUR_WEIGHT_CAP
+
+
 def test_clipped_pg_loss_by_hand():
     # eps = 0.2. Tokens (ratio, advantage):
     #  r=1.5, A=+1: min(1.5, 1.2) = 1.2 -> loss -1.2, clipped (r > 1.2 and A > 0)
