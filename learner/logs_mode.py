@@ -18,14 +18,14 @@ fresh rows left published versions just as fast: it never caught up. A step then
      std of the batch's rewards when `learner.scale_advantages` is on (the default): production rewards
      are often small and sparse (a digit fraction of 0.002, one thumbs-up in twenty), and unscaled they
      barely move the adapter; a batch whose rewards are all equal is left unscaled;
-  4. one clipped importance-weighted policy-gradient update (update.py) with ratio pi / pi_behaviour per
-     token (the current policy's detached log-probs where the behaviour ones are missing: ratio 1), and
-     the optional KL penalty to the base model (`learner.kl_coef`).
+  4. one importance-weighted policy-gradient update (update.py), each token weighed by
+     min(pi / pi_behaviour, `learner.behaviour_weight_cap`) (weight 1 where the behaviour log-probs are
+     missing), and the optional KL penalty to the base model (`learner.kl_coef`).
 
 Staleness: the serving tier records which adapter version made each completion (`adapter_version`,
 "<tenant>@<n>", null for the base model = version 0). A trajectory made by a version more than
 `learner.max_staleness` versions behind the learner's current one is dropped: the policy that made it is
-so far from the current one that importance ratios are mostly clipped or wild, and learning from it would
+so far from the current one that importance weights are mostly cut or tiny, and learning from it would
 pull towards an old policy. "Behind" counts the versions the tenant has served since (published, or
 published and since retired; loop.py keeps each tenant's list), not version numbers: rejected candidates
 take numbers too, and after a run of rejections a sample of the current adapter's parent would otherwise
@@ -149,8 +149,8 @@ def select_fresh(rows: pa.Table, tenant: str, current: int, max_staleness: int,
     that clora's serving tier did not log (an app producing to Kafka itself) was made by the app's own
     model, which no published version replaces: counting it as the base model's (version 0) would drop
     every such row after `max_staleness` published versions, and the tenant would stop learning. It is
-    kept, a fixed behaviour policy (the importance ratios against its recorded log-probs are clipped as for
-    any other row)."""
+    kept, a fixed behaviour policy (the importance weights against its recorded log-probs are truncated as
+    for any other row)."""
     ids = rows.column("id").to_pylist()
     versions = rows.column("adapter_version").to_pylist()
     metadata = rows.column("metadata_json").to_pylist()

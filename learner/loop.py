@@ -8,7 +8,7 @@
             follow the registry if an operator rolled back        (the adapter becomes the published one)
             work     = logs: oldest untrained trajectories | rollouts: prompts + sampled groups
             parent   = snapshot of adapter + optimizer; probe reward of the parent (gate.py)
-            update   = one clipped policy-gradient step           (logs_mode.py / rollouts.py -> update.py)
+            update   = one importance-weighted policy-gradient step (logs_mode.py / rollouts.py -> update.py)
             decision = gate(update, rewards, probe reward)        (gate.py)
             Registry.create(candidate)        -> version n ("candidate", never served)
             reject? restore parent adapter + optimizer

@@ -16,15 +16,15 @@ A step for a tenant:
   3. rewards from the tenant's programmatic scorer (ingest.scorers.build_scorer; a sample whose scorer
      call fails is left out, counted as `n_score_failed`), GRPO advantages (reward - group mean) / group
      std (maths.grpo_advantages);
-  4. one clipped policy-gradient update (update.py) on the tokens the engine sampled (the serving tier
+  4. one importance-weighted policy-gradient update (update.py) on the tokens the engine sampled (the serving tier
      returns them: `return_token_ids`), with their sampled log-probabilities (`logprobs: 0`, vLLM's raw
-     ones, at temperature 1) as the old log-probs: a batch sampled ahead by the previous version, or by an
-     older one, is importance-weighted and clipped like any PPO batch instead of being taken as on-policy
-     (for samples made by the version being trained the ratio is 1). Re-tokenising the text instead would
+     ones, at temperature 1) as the behaviour log-probs: a batch sampled ahead by the previous version, or
+     by an older one, is importance-weighted (truncated at `learner.behaviour_weight_cap`) instead of
+     being taken as on-policy (for samples made by the version being trained the weight is 1). Re-tokenising the text instead would
      train on sequences the policy never produced (a special token sampled mid-text is dropped, invalid
      UTF-8 becomes U+FFFD, a non-canonical split is merged). From a server that does not return them:
      the re-tokenised text, the end-of-sequence token appended to a completion that ended on its own, and
-     ratio 1. At a `learner.temperature` T other than 1 the engine's log-probs (temperature 1) are not
+     weight 1. At a `learner.temperature` T other than 1 the engine's log-probs (temperature 1) are not
      the sampling distribution's: the update trains the policy that samples, softmax(logits / T), a
      sample of the current version is on-policy (ratio 1), and an earlier version's sample gets its old
      log-probs recomputed from that version's adapter files (left out as stale once they are pruned).
