@@ -21,13 +21,13 @@ ratio is 1, the clip does not act, and the gradient is -w x A x grad log pi. The
 only for several optimizer steps on one batch; the correction for stale samples is w.
 
 Why not PPO's clip around mu itself: serving lags the learner (a batch is sampled by the version one to
-a few steps back), and one Adam step at an adapter's learning rate moves a token's probability well past
-1 +- clip_eps. Centred on mu, the clip then switched off every token that had already moved the right way
+a few steps back), and one Adam step at an adapter's learning rate moves a token's ratio pi / mu well
+past 1 +- clip_eps. Centred on mu, the clip then switched off every token that had already moved the right way
 and kept those that had moved the wrong way: only the gradients undoing the last steps were left. Trained
 two versions behind its sampler, the tiny model's upper-case tenant stayed at its base reward of 0.13
 for 24 steps in every seed (and `make demo`'s drifted to a KL of 2.4 without learning), where on-policy
-it reaches 1.0 in 12; with w it reaches 1.0 within 24 steps two versions behind, in 4 seeds of 4
-(tests/learner/test_learning.py).
+it reaches 1.0 in 12; with w it reaches 1.0 within 24 steps two versions behind, in 4 seeds of 4 (the
+set-up of tests/learner/test_learning.py, which runs seed 0).
 
 Unknown behaviour log-probs (NaN) are taken as pi_prox's: w = 1 there (on-policy, plain REINFORCE with a
 baseline).
