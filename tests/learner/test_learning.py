@@ -96,7 +96,7 @@ def _with_logprobs(policy: Policy, tenant: str, prompts: list[str], groups: list
 
 def test_a_tenant_trained_two_versions_behind_its_sampler_learns(tiny_model):
     """Serving lags the learner: each batch is sampled by the adapter two updates before the one it trains,
-    with that version's log-probs. One Adam step moves a token's probability far past 1 + clip_eps, so PPO's
+    with that version's log-probs. One Adam step moves a token's ratio pi / mu far past 1 + clip_eps, so PPO's
     clip around the sampler switched off every token already moved the right way, and this tenant stayed
     at its base reward (0.13) for all 24 steps; the truncated behaviour weight (update.py) learns."""
     lag, steps = 2, 24

@@ -1,8 +1,8 @@
 """Rollouts sampled at a temperature other than 1 train the policy that sampled them (tiny model, CPU).
 
 The engine's log-probs are temperature 1's whatever the sampling temperature (vLLM's raw ones), so at
-T != 1 they are not the behaviour policy's: the update uses softmax(logits / T) on both sides of the PPO
-ratio, takes the current version's samples as on-policy, and recomputes an earlier version's log-probs from
+T != 1 they are not the behaviour policy's: the update uses softmax(logits / T) on both sides of the behaviour
+weight, takes the current version's samples as on-policy, and recomputes an earlier version's log-probs from
 that version's adapter files, leaving its samples out once those are gone.
 """
 
@@ -65,7 +65,7 @@ def test_token_logprobs_at_a_temperature_are_those_of_the_tempered_softmax(polic
 def test_current_versions_samples_are_on_policy_whatever_log_probs_the_sampler_gave(policy):
     prompt = render_user_prompt(policy.tokenizer, "hello")
     (group,) = LocalSampler(policy).sample([SampleRequest("acme", "", prompt, 4, 8, T)])
-    # log-probs from the sampler far from the policy's: at T = 1 they would make the clip act on most tokens
+    # log-probs from the sampler far from the policy's: at T = 1 the behaviour weight's cap would cut most tokens
     given = [replace(s, version="acme@3", logprobs=tuple(-30.0 for _ in s.token_ids)) for s in group]
     at_one = _step(policy, prompt, given, current=3, temperature=1.0)
     assert at_one.update.clip_frac > 0.3
@@ -82,14 +82,14 @@ def test_an_earlier_versions_samples_get_that_versions_log_probs_recomputed(poli
     policy.save_adapter("acme", same)
     weights = {n: p.detach().clone() for n, p in policy._params["acme"]}
 
-    # version 1's files hold the current weights: the recomputed ratio is 1, as for an on-policy batch
+    # version 1's files hold the current weights: the recomputed weight is 1, as for an on-policy batch
     result = _step(policy, prompt, samples, current=2, version_files={1: same}.get)
     assert result.update is not None and result.update.clip_frac == 0.0
     batch = _batch(policy, prompt, group)
     assert torch.allclose(policy.logprobs_of_version(batch, "acme", same, temperature=T),
                           policy.token_logprobs(batch, "acme", temperature=T))
 
-    # version 1 far from the current weights: its log-probs differ, so the clip acts
+    # version 1 far from the current weights: its log-probs differ, so the cap cuts some weights
     far = tmp_path / "far"
     far.mkdir()
     with torch.no_grad():
@@ -104,7 +104,7 @@ def test_an_earlier_versions_samples_get_that_versions_log_probs_recomputed(poli
     # the current weights are back after each recomputation
     assert all(torch.equal(p, weights[n]) for n, p in policy._params["acme"])
 
-    # version 1's files gone: its samples are left out as stale, never trained with a ratio of 1
+    # version 1's files gone: its samples are left out as stale, never trained with a weight of 1
     with pytest.raises(NoUsableSamples, match="adapter files are gone"):
         _step(policy, prompt, samples, current=2, version_files=lambda number: None)
     # at temperature 1 the sampler's log-probs are the behaviour policy's and no files are needed
