@@ -5,7 +5,8 @@ width P and completions right-padded to a common width C. All completions then s
 log-probs of every completion token come from the last C + 1 positions of the logits
 (`logits_to_keep=C + 1`), and the model never materialises logits over the prompt, which is where most
 of the memory would go for long prompts and large vocabularies. Position ids count real tokens only, so a
-left-padded row sees the same positions as it would alone.
+left-padded row sees the same positions as it would alone. Rows with the same prompt (a GRPO group) have the
+same prompt columns, so `prompt_groups` finds them and the policy runs each prompt once (policy.py).
 
 Truncation: a row longer than `max_len` loses prompt tokens from the left (the end of the prompt, next to
 the completion, matters most), keeping at least one prompt token; a completion that alone does not fit is
@@ -44,6 +45,21 @@ class TokenBatch:
     def n_tokens(self) -> int:
         """Real completion tokens (what the loss is taken over)."""
         return int(self.completion_mask.sum())
+
+    def prompt_groups(self) -> tuple[Tensor, Tensor] | None:
+        """Rows that share their prompt (the same tokens in the same padded columns, as a GRPO group's
+        completions do): `(first, inverse)`, where `first[u]` is the first row holding the u-th distinct
+        prompt and `inverse[r]` the distinct prompt of row r, so a forward pass can run each prompt once
+        and hand its keys and values to every row of its group. None when no two rows share a prompt."""
+        width = self.prompt_width
+        key = torch.cat([self.input_ids[:, :width], self.attention_mask[:, :width]], dim=1)
+        distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
+        if distinct.shape[0] == self.size:
+            return None
+        rows = torch.arange(self.size, device=inverse.device)
+        first = torch.full((distinct.shape[0],), self.size, dtype=torch.long, device=inverse.device)
+        first = first.scatter_reduce(0, inverse, rows, reduce="amin")
+        return first, inverse
 
     def rows(self, index: slice) -> TokenBatch:
         """A contiguous slice of rows (for micro-batches); widths stay the same."""

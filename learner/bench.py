@@ -13,7 +13,10 @@ trajectories (random prompt and completion tokens, random rewards; the numbers d
      1.5 x (N - 1) x (adapter + optimizer bytes of one tenant);
   4. gate probes: the greedy decode of `--probe-prompts` prompts for each of the N tenants, one tenant at
      a time (`Policy.generate`) against all N in one grouped decode (`Policy.generate_grouped`, what a
-     learner round does), median of 5 each, and whether both gave the same tokens.
+     learner round does), median of 5 each, and whether both gave the same tokens;
+  5. GRPO groups: one rollouts-mode update of `--group-size` completions per prompt with each distinct
+     prompt run once for its whole group (the learner's way) against one full pass per row, the two
+     alternating step by step (median of `--steps` each), and the largest log-prob difference between them.
 Prints a table and writes learner.json and learner.png under --out. Timings on a shared machine are
 noisy; compare ratios within one run.
 """
@@ -45,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
     parser.add_argument("--probe-prompts", type=int, default=4, help="gate probe prompts per tenant (default 4)")
     parser.add_argument("--probe-tokens", type=int, default=16, help="tokens per probe completion (default 16)")
+    parser.add_argument("--group-size", type=int, default=4, help="completions per prompt in the GRPO measurement (default 4)")
 
 
 def rss_bytes() -> int:
@@ -85,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
 
     from clora.cli import config_from_args
     from clora.cli import base_model_dir
+    from learner.batch import pack
     from learner.logs_mode import train_step
+    from learner.update import pg_update
     from learner.policy import Policy
     from learner.types import TenantSpec
 
@@ -164,6 +170,34 @@ def run(args: argparse.Namespace) -> int:
     probe_alone_s = statistics.median(t for t, _ in alone_runs)
     probe_grouped_s = statistics.median(t for t, _ in grouped_runs)
 
+    groups = max(1, args.batch_size // args.group_size)
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)] for _ in range(groups)]
+    grpo = pack([p for p in prompts for _ in range(args.group_size)],
+                [[rng.randrange(3, vocab) for _ in range(args.completion_tokens)] for _ in range(groups * args.group_size)],
+                pad_id=policy.pad_token_id, max_len=4096)
+    advantages = torch.randn(grpo.size)
+
+    def grpo_step(share: bool) -> float:
+        policy.share_prompts = share
+        sync()
+        t = time.perf_counter()
+        pg_update(policy, names[0], grpo, advantages, clip_eps=0.2)
+        sync()
+        return time.perf_counter() - t
+
+    grpo_step(True), grpo_step(False)  # warm-up of both shapes
+    shared_steps, per_row_steps = [], []
+    for _ in range(args.steps):
+        shared_steps.append(grpo_step(True))
+        per_row_steps.append(grpo_step(False))
+    with torch.no_grad():
+        policy.share_prompts = False
+        per_row_logp = policy.token_logprobs(grpo, names[0])
+        policy.share_prompts = True
+        shared_logp = policy.token_logprobs(grpo, names[0])
+    mask = grpo.completion_mask.bool().to(shared_logp.device)
+    grpo_diff = float((shared_logp - per_row_logp).abs()[mask].max())
+
     step_s = statistics.median(same)
     switch_s = statistics.median(switches)
     growth = all_rss - one_rss
@@ -196,6 +230,12 @@ def run(args: argparse.Namespace) -> int:
         "probe_grouped_seconds_median": probe_grouped_s,
         "probe_speedup": probe_alone_s / probe_grouped_s,
         "probe_same_tokens": alone_runs[0][1] == grouped_runs[0][1],
+        "group_size": args.group_size,
+        "grpo_rows": grpo.size,
+        "grpo_shared_prompt_seconds_median": statistics.median(shared_steps),
+        "grpo_per_row_seconds_median": statistics.median(per_row_steps),
+        "grpo_speedup": statistics.median(per_row_steps) / statistics.median(shared_steps),
+        "grpo_max_logprob_difference": grpo_diff,
     }
     (out / "learner.json").write_text(json.dumps(result, indent=2) + "\n")
     _plot(result, same, rotating, out / "learner.png")
@@ -221,6 +261,10 @@ def _print(r: dict) -> None:
         (f"gate probes of {r['tenants']} tenants", f"{r['probe_alone_seconds_median'] * 1000:.0f} ms one at a time, "
          f"{r['probe_grouped_seconds_median'] * 1000:.0f} ms in one grouped decode ({r['probe_speedup']:.2f}x; "
          f"{r['probe_prompts']} prompts x {r['probe_tokens']} tokens each; same tokens: {r['probe_same_tokens']})"),
+        (f"GRPO update, {r['grpo_rows']} rows in groups of {r['group_size']}",
+         f"{r['grpo_shared_prompt_seconds_median'] * 1000:.0f} ms with each prompt run once, "
+         f"{r['grpo_per_row_seconds_median'] * 1000:.0f} ms with a pass per row ({r['grpo_speedup']:.2f}x; "
+         f"log-probs differ by at most {r['grpo_max_logprob_difference']:.1e})"),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
@@ -235,7 +279,7 @@ def _plot(r: dict, same: list[float], rotating: list[float], path: Path) -> None
 
     mib = 1024 * 1024
     all_key = f"rss_{r['tenants']}_tenants_bytes"
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 4))
+    fig, (ax1, ax2, ax3, ax4) = plt.subplots(1, 4, figsize=(18, 4))
     ax1.boxplot([[s * 1000 for s in same], [s * 1000 for s in rotating]], tick_labels=["one tenant", f"{r['tenants']} in turn"])
     ax1.set_ylabel("step time (ms)")
     ax1.set_title(f"switch = {r['switch_fraction_of_step']:.2%} of a step")
@@ -252,6 +296,10 @@ def _plot(r: dict, same: list[float], rotating: list[float], path: Path) -> None
             color=["tab:gray", "tab:blue"])
     ax3.set_ylabel(f"gate probes of {r['tenants']} tenants (ms)")
     ax3.set_title(f"grouped decode {r['probe_speedup']:.2f}x")
+    ax4.bar(["a pass per row", "prompt once per group"],
+            [r["grpo_per_row_seconds_median"] * 1000, r["grpo_shared_prompt_seconds_median"] * 1000], color=["tab:gray", "tab:blue"])
+    ax4.set_ylabel(f"GRPO update, {r['grpo_rows']} rows (ms)")
+    ax4.set_title(f"shared prompt pass {r['grpo_speedup']:.2f}x")
     fig.suptitle(f"clora learner: {Path(r['model']).name} on {r['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

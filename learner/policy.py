@@ -116,6 +116,7 @@ class Policy:
         self._active: str | None = None
         self._lora_layers: list | None = None  # the switch's fast path (see `use`)
         self._has_dropout = _has_dropout(base)  # whether train mode changes a forward pass at all
+        self.share_prompts = True  # rows with one prompt share its forward pass (`_completion_logits`)
 
     # --- tenants --------------------------------------------------------------------------------------
     @property
@@ -345,7 +346,19 @@ class Policy:
 
     def _completion_logits(self, batch: TokenBatch) -> Tensor:
         """[B, C, V] float32 logits at the positions that predict each completion token, with whatever
-        adapter and grad mode the caller set."""
+        adapter and grad mode the caller set.
+
+        Rows that share a prompt (a GRPO group's completions) share its pass: each distinct prompt runs
+        once, with the KV cache kept, and its keys and values are indexed out to every row of its group
+        for a second pass over the completions (all but their last token, which predicts nothing). The
+        logits are the single pass's up to float rounding, and so is the gradient, which flows back
+        through the indexing into the shared prompt pass. A group of G completions of a P-token prompt
+        then costs P + G x C tokens where it cost G x (P + C); `share_prompts = False` turns it off."""
+        groups = batch.prompt_groups() if self.share_prompts else None
+        if groups is not None:
+            shared = self._shared_prompt_logits(batch, *groups)
+            if shared is not None:
+                return shared
         out = self.model(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
@@ -354,6 +367,36 @@ class Policy:
             use_cache=False,
         )
         return out.logits[:, :-1].float()
+
+    def _shared_prompt_logits(self, batch: TokenBatch, first: Tensor, inverse: Tensor) -> Tensor | None:
+        """`_completion_logits` with one pass per distinct prompt (see there); None, and `share_prompts`
+        turned off for good, when the model's cache cannot be indexed by row (LFM2's convolution states)."""
+        width_p, width_c = batch.prompt_width, batch.completion_width
+        prompt = self.model(
+            input_ids=batch.input_ids[first, :width_p],
+            attention_mask=batch.attention_mask[first, :width_p],
+            position_ids=batch.position_ids[first, :width_p],
+            logits_to_keep=1,
+            use_cache=True,
+        )
+        first_token = prompt.logits[inverse]  # [B, 1, V]: the last prompt position predicts the first token
+        if width_c == 1:
+            return first_token.float()
+        cache = prompt.past_key_values
+        if not all(hasattr(layer, "batch_select_indices") for layer in getattr(cache, "layers", [None])):
+            logger.info("the model's cache (%s) cannot be indexed by row: rows that share a prompt run it each",
+                        type(cache).__name__)
+            self.share_prompts = False
+            return None
+        cache.batch_select_indices(inverse)
+        rest = self.model(
+            input_ids=batch.completion_ids[:, : width_c - 1],
+            attention_mask=batch.attention_mask[:, : width_p + width_c - 1],
+            position_ids=batch.position_ids[:, width_p : width_p + width_c - 1],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return torch.cat([first_token, rest.logits], dim=1).float()
 
     def base_reference(self, batch: TokenBatch, *, keep_bytes: int = KEEP_BASE_BYTES,
                        temperature: float = 1.0, rows_per_pass: int | None = None) -> tuple[Tensor, Tensor | None]:

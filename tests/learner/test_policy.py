@@ -416,13 +416,45 @@ def test_generation_merges_float32_adapters_into_a_bf16_base(tiny_model):
     assert layer.base_layer.weight is weight and weight.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "mistral-sliding-window"])
-def test_decoding_matches_transformers_generate_on_models_with_other_caches(tiny_model, tmp_path, arch):
-    """A model with convolution layers (LFM2) or a sliding window needs the cache its own forward pass makes:
-    a plain DynamicCache made beforehand failed on LFM2 (IndexError) where transformers' generate worked."""
-    import transformers
+def grouped_logprobs_and_gradient(policy, tenant, *, share):
+    """Log-probs (with gradient) of two prompts x two completions each and the adapter's gradient of their
+    sum, with the shared prompt pass on or off, and the (rows, tokens) of each forward pass's input. Call it
+    with share=False first: the shared call leaves `share_prompts` as the model's cache allows."""
+    tok = policy.tokenizer
+    long, short = (tok(q, add_special_tokens=False).input_ids for q in ("hello there my friend, how are you", "hi"))
+    completions = [tok(c, add_special_tokens=False).input_ids for c in ("a cat sat on it", "no", "twelve dogs ran", "ok")]
+    batch = pack([long, short, long, short], completions, pad_id=policy.pad_token_id, max_len=256)
+    shapes = []
+    hook = policy.model.get_input_embeddings().register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
+    policy.share_prompts = share  # left as the pass leaves it: on, or off where the model's cache turned it off
+    try:
+        logp = policy.token_logprobs(batch, tenant, grad=True)
+        (logp * batch.completion_mask).sum().backward()
+    finally:
+        hook.remove()
+    grad = torch.cat([p.grad.flatten() for p in policy.trainable(tenant)])
+    policy.zero_grad(tenant)
+    return batch, logp.detach(), grad, shapes
 
-    from learner.policy import Policy as _Policy
+
+def test_rows_that_share_a_prompt_run_it_once_with_the_same_logprobs_and_gradient(policy):
+    with torch.no_grad():  # a non-zero adapter, so the LoRA path and its gradient both take part
+        for p in policy.trainable("acme"):
+            p.add_(0.05 * torch.randn_like(p))
+    batch, plain, plain_grad, plain_shapes = grouped_logprobs_and_gradient(policy, "acme", share=False)
+    _, shared, shared_grad, shared_shapes = grouped_logprobs_and_gradient(policy, "acme", share=True)
+    width_p, width_c = batch.prompt_width, batch.completion_width
+    assert plain_shapes == [(4, width_p + width_c)]
+    assert shared_shapes == [(2, width_p), (4, width_c - 1)]  # each prompt once, then the completions alone
+    mask = batch.completion_mask.bool()
+    assert torch.allclose(shared[mask], plain[mask], atol=1e-4)
+    assert float((shared_grad - plain_grad).norm() / plain_grad.norm()) < 1e-4  # no gradient lost in the prompt pass: ~1e-6
+    assert float(plain_grad.norm()) > 0
+
+
+def model_with_other_cache(tiny_model, path, arch):
+    """A small random model whose cache is not Qwen3's: LFM2's convolution layers, or a sliding window."""
+    import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(tiny_model)
     common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -432,9 +464,37 @@ def test_decoding_matches_transformers_generate_on_models_with_other_caches(tiny
     else:
         config = transformers.MistralConfig(**common, sliding_window=4)
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    p = _Policy(tmp_path, device="cpu")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "mistral-sliding-window"])
+def test_shared_prompt_passes_on_models_with_other_caches_match_or_turn_themselves_off(tiny_model, tmp_path, arch):
+    """A sliding window's cache is indexed by row like any other; LFM2's convolution states cannot be,
+    so its policy goes back to one pass per row, with the same log-probs."""
+    p = Policy(model_with_other_cache(tiny_model, tmp_path, arch), device="cpu")
+    p.add_tenant(spec("a", target_modules=("q_proj", "v_proj")))
+    with torch.no_grad():
+        for param in p.trainable("a"):
+            param.add_(0.1 * torch.randn_like(param))
+    batch, plain, plain_grad, _ = grouped_logprobs_and_gradient(p, "a", share=False)
+    _, shared, shared_grad, shapes = grouped_logprobs_and_gradient(p, "a", share=True)
+    mask = batch.completion_mask.bool()
+    assert torch.allclose(shared[mask], plain[mask], atol=1e-4)
+    assert float((shared_grad - plain_grad).norm() / plain_grad.norm()) < 1e-4  # no gradient lost in the prompt pass: ~1e-6
+    if arch == "lfm2":
+        assert shapes[-1] == (4, batch.prompt_width + batch.completion_width)
+        assert p.share_prompts is False
+    else:
+        assert shapes == [(2, batch.prompt_width), (4, batch.completion_width - 1)]
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "mistral-sliding-window"])
+def test_decoding_matches_transformers_generate_on_models_with_other_caches(tiny_model, tmp_path, arch):
+    """A model with convolution layers (LFM2) or a sliding window needs the cache its own forward pass makes:
+    a plain DynamicCache made beforehand failed on LFM2 (IndexError) where transformers' generate worked."""
+    p = Policy(model_with_other_cache(tiny_model, tmp_path, arch), device="cpu")
     prompts = ["hello there, how are you today my friend, tell me a long story", "hi"]
     enc = p.tokenizer(prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
     out = p.model.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=p.pad_token_id,

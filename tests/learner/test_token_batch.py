@@ -47,6 +47,16 @@ def test_pack_checks_its_inputs():
         pack([], [], pad_id=0, max_len=8)
 
 
+def test_rows_that_share_a_prompt_are_grouped_and_rows_that_do_not_are_not():
+    # rows 0, 2 and 3 share [5, 6]; row 1's [6] is a different prompt, and so is row 4's [0, 6]: the same
+    # token ids once padded ([0, 6]) but a real token 0 where row 1 has padding
+    b = pack([[5, 6], [6], [5, 6], [5, 6], [0, 6]], [[1], [2, 3], [4], [], [7]], pad_id=0, max_len=16)
+    first, inverse = b.prompt_groups()
+    assert first.shape == (3,)
+    assert [int(first[inverse[r]]) for r in range(b.size)] == [0, 1, 0, 0, 4]
+    assert pack([[1], [2]], [[3], [3]], pad_id=0, max_len=8).prompt_groups() is None
+
+
 def test_pad_values_aligns_with_completions_and_fills_gaps():
     v = pad_values([[-0.5, -1.0], None, [-2.0, -3.0, -4.0, -5.0]], width=3)
     assert v[0, :2].tolist() == [-0.5, -1.0] and math.isnan(v[0, 2])
