@@ -212,9 +212,14 @@ class LearnerConfig(_Strict):
     )
     poll_seconds: float = Field(1.0, gt=0, description="Sleep when no tenant has new trajectories.")
     clip_eps: float = Field(
-        0.2, gt=0, description="PPO clip range of the ratio to the adapter as a step starts (the proximal policy). "
-        "One optimizer step per batch leaves that ratio at 1, so today it does not act; stale samples are "
-        "corrected by behaviour_weight_cap."
+        0.2, gt=0, description="PPO clip range of the ratio to the adapter as a step starts (the proximal policy): "
+        "the trust region of update_epochs > 1. With one optimizer step per batch that ratio stays 1 and the clip "
+        "does not act; stale samples are corrected by behaviour_weight_cap either way."
+    )
+    update_epochs: int = Field(
+        1, ge=1, le=16, description="Optimizer steps on each batch (PPO's epochs): more learning per sample, "
+        "as many training passes per step, each epoch after the first clipped to 1 +- clip_eps around the "
+        "adapter as the step started."
     )
     behaviour_weight_cap: float = Field(
         2.0, ge=1, description="Each sampled token's policy gradient is weighed by "

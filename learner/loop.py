@@ -906,6 +906,7 @@ class Learner:
         common = dict(
             clip_eps=self.settings.clip_eps,
             behaviour_weight_cap=self.settings.behaviour_weight_cap,
+            epochs=self.settings.update_epochs,
             kl_coef=self.settings.kl_coef,
             max_grad_norm=self.settings.max_grad_norm,
             max_len=self.max_len,

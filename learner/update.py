@@ -6,7 +6,7 @@ Given a token batch, per-sequence advantages and (optionally) the behaviour poli
      its log-distributions (when they fit, `Policy.base_reference`) for step 4;
   2. for each micro-batch: the tenant's log-probs with gradient, the decoupled surrogate below plus
      `kl_coef` x k3 KL to the base, aggregated with the batch-wide denominator, backward;
-  3. gradient clipping and one AdamW step (policy.py);
+  3. gradient clipping and one AdamW step (policy.py); steps 2-3 `epochs` times (PPO's epochs);
   4. the exact KL to the base over the whole vocabulary at every completion position, no gradient, that
      the publish gate reads (the KL of the adapter that would be published, not of its parent). Not k3 on
      the batch's tokens: those were sampled by an older policy, and where the update made one of them
@@ -16,9 +16,13 @@ Given a token batch, per-sequence advantages and (optionally) the behaviour poli
 The surrogate, per token: w x PPO's clipped loss of the ratio pi / pi_prox, where pi_prox is the adapter as
 the step starts (its detached log-probs) and w = min(pi_prox / mu, `behaviour_weight_cap`) the truncated
 importance weight of the behaviour policy mu that sampled the token (maths.py; Hilton et al. 2021's
-decoupled objective). The step makes one optimizer step, so pi = pi_prox when the gradient is taken: the
-ratio is 1, the clip does not act, and the gradient is -w x A x grad log pi. The trust region would matter
-only for several optimizer steps on one batch; the correction for stale samples is w.
+decoupled objective). With one optimizer step per batch (`epochs = 1`, the default) pi = pi_prox when the
+gradient is taken: the ratio is 1, the clip does not act, and the gradient is -w x A x grad log pi. With
+several, every epoch after the first starts where the last one's step left the adapter, so its ratio to
+pi_prox has moved, and the clip (`clip_eps`) is the trust region that keeps the reuse of one batch from
+walking the adapter arbitrarily far from where the step began: a token whose ratio has passed 1 + eps the
+way its advantage pushes gets no more gradient. pi_prox and w stay those of the step's start throughout.
+The correction for stale samples is w either way.
 
 Why not PPO's clip around mu itself: serving lags the learner (a batch is sampled by the version one to
 a few steps back), and one Adam step at an adapter's learning rate moves a token's ratio pi / mu well
@@ -59,7 +63,7 @@ class UpdateResult:
     pg_loss: float  # its policy-gradient part
     kl: float  # mean exact KL to the base over completion positions, after the update
     kl_before: float  # mean k3 estimate on the batch's tokens before the update (the parent's)
-    clip_frac: float  # share of tokens whose behaviour weight the cap cut (or whose gradient the clip switched off)
+    clip_frac: float  # share of tokens whose behaviour weight the cap cut or whose gradient the clip switched off, over the epochs
     grad_norm: float  # before clipping
     tokens: int  # completion tokens trained on
 
@@ -82,9 +86,15 @@ def pg_update(
     aggregation: maths.Aggregation = "token-mean",
     micro_batch_size: int | None = None,
     temperature: float = 1.0,
+    epochs: int = 1,
 ) -> UpdateResult:
     """See the module note. `advantages` is [B]; `old_logprobs` is [B, C] with NaN where unknown, or None,
-    under the policy at `temperature`, the one trained (rollouts sampled at that temperature)."""
+    under the policy at `temperature`, the one trained (rollouts sampled at that temperature). `epochs`
+    optimizer steps on the batch (fewer if a gradient is not finite: the last epoch run reports it); loss,
+    pg_loss and clip_frac are the epochs' means, grad_norm the largest, kl_before the first epoch's (the
+    parent's)."""
+    if epochs < 1:
+        raise ValueError(f"epochs must be at least 1, got {epochs}")
     device = policy.device
     mask = batch.completion_mask.to(device)
     advantages = advantages.to(device, torch.float32)
@@ -95,44 +105,52 @@ def pg_update(
 
     ref, base_logps = policy.base_reference(batch, temperature=temperature, rows_per_pass=micro_batch_size)
     total_tokens = mask.sum().clamp(min=1)
-    policy.zero_grad(tenant)
+    start: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # per micro-batch: pi_prox, w, the cap's cuts
     loss_sum = pg_sum = clipped_sum = kl_before_sum = 0.0
-    for rows, part in batch.chunks(micro_batch_size):
-        mb_mask = mask[rows]
-        logp = policy.token_logprobs(part, tenant, grad=True, temperature=temperature)
-        proximal = logp.detach()
-        behaviour = proximal
-        if old_logprobs is not None:
-            known = old_logprobs[rows].to(device)
-            behaviour = torch.where(torch.isnan(known), proximal, known)
-        weight, truncated = maths.behaviour_weights(proximal, behaviour, behaviour_weight_cap)
-        pg, clipped = maths.clipped_pg_loss(logp, proximal, advantages[rows], clip_eps)
-        pg = weight * pg
-        clipped = clipped | truncated
-        kl_tok = maths.kl_k3(logp, ref[rows])
-        per_token = pg + kl_coef * kl_tok if kl_coef else pg
-        # Each micro-batch's share of the batch-wide aggregate, so the summed gradient equals the one of
-        # the whole batch at once.
-        if aggregation == "token-mean":
-            weight = mb_mask.sum() / total_tokens
-        else:
-            weight = torch.tensor(mb_mask.shape[0] / batch.size, device=device)
-        loss = maths.aggregate(per_token, mb_mask, aggregation) * weight
-        loss.backward()
-        loss_sum += float(loss.detach())
-        pg_sum += float(maths.aggregate(pg.detach(), mb_mask, aggregation) * weight)
-        clipped_sum += float(maths.masked_sum(clipped.float(), mb_mask))
-        kl_before_sum += float(maths.masked_sum(kl_tok.detach(), mb_mask))
-    grad_norm = policy.optimizer_step(tenant, max_grad_norm=max_grad_norm)
+    norms = []
+    for epoch in range(epochs):
+        policy.zero_grad(tenant)
+        for i, (rows, part) in enumerate(batch.chunks(micro_batch_size)):
+            mb_mask = mask[rows]
+            logp = policy.token_logprobs(part, tenant, grad=True, temperature=temperature)
+            if i not in start:  # the first epoch: the adapter as the step starts
+                proximal = logp.detach()
+                behaviour = proximal
+                if old_logprobs is not None:
+                    known = old_logprobs[rows].to(device)
+                    behaviour = torch.where(torch.isnan(known), proximal, known)
+                start[i] = (proximal, *maths.behaviour_weights(proximal, behaviour, behaviour_weight_cap))
+            proximal, weight, truncated = start[i]
+            pg, clipped = maths.clipped_pg_loss(logp, proximal, advantages[rows], clip_eps)
+            pg = weight * pg
+            clipped = clipped | truncated
+            kl_tok = maths.kl_k3(logp, ref[rows])
+            per_token = pg + kl_coef * kl_tok if kl_coef else pg
+            # Each micro-batch's share of the batch-wide aggregate, so the summed gradient equals the one of
+            # the whole batch at once.
+            if aggregation == "token-mean":
+                share = mb_mask.sum() / total_tokens
+            else:
+                share = torch.tensor(mb_mask.shape[0] / batch.size, device=device)
+            loss = maths.aggregate(per_token, mb_mask, aggregation) * share
+            loss.backward()
+            loss_sum += float(loss.detach())
+            pg_sum += float(maths.aggregate(pg.detach(), mb_mask, aggregation) * share)
+            clipped_sum += float(maths.masked_sum(clipped.float(), mb_mask))
+            if epoch == 0:
+                kl_before_sum += float(maths.masked_sum(kl_tok.detach(), mb_mask))
+        norms.append(policy.optimizer_step(tenant, max_grad_norm=max_grad_norm))
+        if not math.isfinite(norms[-1]):
+            break  # the gate rejects this candidate whatever more epochs would do
 
     kl_after = policy.kl_to_base(batch, tenant, base_logps=base_logps)
     n = float(total_tokens)
     return UpdateResult(
-        loss=loss_sum,
-        pg_loss=pg_sum,
+        loss=loss_sum / len(norms),
+        pg_loss=pg_sum / len(norms),
         kl=float(maths.masked_mean(kl_after, mask)),
         kl_before=kl_before_sum / n,
-        clip_frac=clipped_sum / n,
-        grad_norm=grad_norm,
+        clip_frac=clipped_sum / (n * len(norms)),
+        grad_norm=norms[-1] if not math.isfinite(norms[-1]) else max(norms),
         tokens=batch.n_tokens,
     )

@@ -63,6 +63,18 @@ def test_logs_mode_trains_every_trajectory_once_and_publishes_a_lineage(tiny_mod
     assert status["acme"]["version"] == "acme@3" and status["acme"]["error"] is None
 
 
+@pytest.mark.parametrize("epochs", [1, 3])
+def test_update_epochs_reach_the_update(tiny_model, tmp_path, epochs):
+    """learner.update_epochs: the same batch trained once, or three times under a tight clip around where the
+    step began (which then cuts tokens: clip_frac > 0 in the step's row, 0 on one epoch of fresh samples)."""
+    data_dir = tmp_path / "data"
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], update_epochs=epochs, clip_eps=1e-3)
+    learn(cfg, tiny_model)
+    (step,) = read_dataset(data_dir, "train_steps").to_pylist()
+    assert (step["clip_frac"] > 0) == (epochs > 1) and step["n_trajectories"] == 8
+
+
 def test_published_adapter_equals_the_learners_and_loads_in_peft(tiny_model, data_dir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -125,6 +125,31 @@ def test_exact_kl_to_the_base_is_zero_for_a_fresh_adapter_and_matches_the_full_d
     assert torch.allclose(kl[0, :n], by_hand[:n], atol=1e-4)
 
 
+def test_several_epochs_on_one_batch_learn_more_within_a_clip_around_where_the_step_began(policy):
+    batch, _, _ = small_batch(policy)
+    advantages = torch.tensor([1.0, -1.0, 0.5])
+    mask = batch.completion_mask.bool()
+    start = policy.snapshot("acme")
+    before = policy.token_logprobs(batch, "acme")
+
+    def moved(**kw):
+        """How far the step raised the log-probs of row 0 (advantage +1), and the step's result."""
+        policy.restore("acme", start)
+        result = pg_update(policy, "acme", batch, advantages, **kw)
+        return float((policy.token_logprobs(batch, "acme") - before)[0][mask[0]].mean()), result
+
+    one, one_result = moved(clip_eps=0.05)
+    clipped, clipped_result = moved(clip_eps=0.05, epochs=4)
+    free, _ = moved(clip_eps=1e6, epochs=4)
+    assert one_result.clip_frac == 0.0  # one step on fresh samples: ratio 1, weight 1, nothing cut
+    assert clipped_result.clip_frac > 0.0 and clipped_result.finite
+    assert 0 < one < clipped < free  # more steps learn more; the clip holds them back
+    with pytest.raises(ValueError, match="epochs must be at least 1"):
+        pg_update(policy, "acme", batch, advantages, clip_eps=0.2, epochs=0)
+    poisoned = pg_update(policy, "acme", batch, torch.tensor([float("nan"), 1.0, 0.5]), clip_eps=0.2, epochs=3)
+    assert not poisoned.finite  # stops at the first non-finite gradient and reports it, for the gate
+
+
 def test_memory_is_per_tenant_adapter_and_optimizer(policy):
     # acme: 7 targets x 4 layers, r=8; beta: q,v x 4 layers, r=4 -> a smaller adapter
     assert policy.adapter_bytes("beta.prod") < policy.adapter_bytes("acme")
