@@ -136,6 +136,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--round-tenants", type=int, default=None, metavar="K",
                         help="learner.round_tenants: ready experiments stepping together, their gate probes decoded "
                         "in one batch (default: the config's default; 1: one at a time)")
+    parser.add_argument("--update-epochs", type=int, default=None, metavar="K",
+                        help="learner.update_epochs: optimizer steps on each batch (default: the config's default, 1)")
     parser.add_argument("--no-sample-ahead", action="store_true",
                         help="sample each step's rollouts only after the previous commit (learner.sample_ahead off)")
     parser.add_argument("--alone", type=int, default=None, metavar="K",
@@ -273,6 +275,7 @@ def _settings(args: argparse.Namespace, model: Path, prompts_file: Path) -> dict
         "gate_reward_z": args.gate_reward_z if args.gate_reward_z is not None else LearnerConfig().gate_reward_z,
         "sample_ahead": not args.no_sample_ahead,
         "round_tenants": args.round_tenants if args.round_tenants is not None else LearnerConfig().round_tenants,
+        "update_epochs": args.update_epochs if args.update_epochs is not None else LearnerConfig().update_epochs,
         "prompts_file": prompts_file,
     }
 
@@ -318,6 +321,7 @@ def write_config(path: Path, group: list[Experiment], settings: dict, *, data_di
             "gate_reward_z": settings["gate_reward_z"],
             "sample_ahead": settings["sample_ahead"],
             "round_tenants": settings["round_tenants"],
+            "update_epochs": settings.get("update_epochs", 1),
         },
         "tenants": [
             {
@@ -826,7 +830,7 @@ def table(result: dict) -> str:
         f"clora bench experiments: {Path(result['model']).name}, {result['steps']} steps x {s['batch_size']} samples "
         f"({s['batch_size'] // s['group_size']} prompts x {s['group_size']}), {s['max_tokens']} tokens, "
         f"sample-ahead {'on' if s['sample_ahead'] else 'off'}, gate probes {s['gate_prompts']} (z {s.get('gate_reward_z', 0):g}), "
-        f"rounds of {s.get('round_tenants', 1)}",
+        f"rounds of {s.get('round_tenants', 1)}, {s.get('update_epochs', 1)} epoch(s) per batch",
         f"{result['machine']}; bench took {result['bench_seconds']:.0f}s",
         f"(a) N experiments on one always-on stack ({_learners_text(s)}); (b) each alone, fresh serving + learner "
         "processes (start-up included)",
@@ -849,7 +853,8 @@ def to_markdown(result: dict) -> str:
         f"{s['device']}). {result['steps']} GRPO steps per experiment, {s['batch_size']} samples per step "
         f"({s['batch_size'] // s['group_size']} prompts x {s['group_size']}), {s['max_tokens']} tokens, LoRA r={s['rank']}, "
         f"sample-ahead {'on' if s['sample_ahead'] else 'off'}, {s['gate_prompts']} gate probe prompts "
-        f"(gate_reward_z {s.get('gate_reward_z', 0):g}), learner rounds of up to {s.get('round_tenants', 1)} experiments. "
+        f"(gate_reward_z {s.get('gate_reward_z', 0):g}), learner rounds of up to {s.get('round_tenants', 1)} experiments, "
+        f"{s.get('update_epochs', 1)} optimizer step(s) per batch. "
         f"(a): N experiments on one always-on stack (one engine, {_learners_text(s)}); (b): each alone in fresh "
         "serving and learner processes, start-up included. Latency: interval between an experiment's consecutive steps.",
         "",

@@ -69,7 +69,7 @@ def test_the_stack_config_is_a_valid_clora_toml(tmp_path):
                 "kv_cache_gib": 0.5,
                 "max_num_seqs": 64, "steps": 2, "batch_size": 8, "group_size": 4, "max_tokens": 16,
                 "learning_rate": 1e-2, "rank": 8, "gate_prompts": 2, "gate_reward_z": 0.5, "sample_ahead": True,
-                "round_tenants": 3, "prompts_file": tmp_path / "prompts.txt"}
+                "round_tenants": 3, "update_epochs": 2, "prompts_file": tmp_path / "prompts.txt"}
     path = write_config(tmp_path / "clora.toml", group, settings, data_dir=tmp_path / "data", bootstrap="127.0.0.1:1",
                         port=8123)
     cfg = load_config(path, environ={})
@@ -79,6 +79,7 @@ def test_the_stack_config_is_a_valid_clora_toml(tmp_path):
     assert cfg.serving.max_loras == 4 and cfg.serving.dtype == "float32" and cfg.serving.port == 8123
     assert cfg.learner.sample_ahead is True and cfg.learner.device == "cpu" and cfg.learner.max_new_tokens == 16
     assert cfg.learner.gate_prompts == 2 and cfg.learner.gate_reward_z == 0.5 and cfg.learner.round_tenants == 3
+    assert cfg.learner.update_epochs == 2
     assert cfg.serving.max_loras == 4  # experiments + 1 unless --max-loras sets one shape for every stack
     settings["max_loras"] = 9
     path = write_config(tmp_path / "clora.toml", group, settings, data_dir=tmp_path / "data", bootstrap="127.0.0.1:1",
