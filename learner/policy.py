@@ -353,7 +353,7 @@ class Policy:
         for a second pass over the completions (all but their last token, which predicts nothing). The
         logits are the single pass's up to float rounding, and so is the gradient, which flows back
         through the indexing into the shared prompt pass. A group of G completions of a P-token prompt
-        then costs P + G x C tokens where it cost G x (P + C); `share_prompts = False` turns it off."""
+        then costs P + G x (C - 1) tokens where it cost G x (P + C); `share_prompts = False` turns it off."""
         groups = batch.prompt_groups() if self.share_prompts else None
         if groups is not None:
             shared = self._shared_prompt_logits(batch, *groups)

@@ -105,7 +105,7 @@ def pg_update(
 
     ref, base_logps = policy.base_reference(batch, temperature=temperature, rows_per_pass=micro_batch_size)
     total_tokens = mask.sum().clamp(min=1)
-    start: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # per micro-batch: pi_prox, w, the cap's cuts
+    start: list[tuple[Tensor, Tensor, Tensor]] = []  # per micro-batch, from the first epoch: pi_prox, w, the cap's cuts
     loss_sum = pg_sum = clipped_sum = kl_before_sum = 0.0
     norms = []
     for epoch in range(epochs):
@@ -113,13 +113,13 @@ def pg_update(
         for i, (rows, part) in enumerate(batch.chunks(micro_batch_size)):
             mb_mask = mask[rows]
             logp = policy.token_logprobs(part, tenant, grad=True, temperature=temperature)
-            if i not in start:  # the first epoch: the adapter as the step starts
+            if epoch == 0:  # the adapter as the step starts
                 proximal = logp.detach()
                 behaviour = proximal
                 if old_logprobs is not None:
                     known = old_logprobs[rows].to(device)
                     behaviour = torch.where(torch.isnan(known), proximal, known)
-                start[i] = (proximal, *maths.behaviour_weights(proximal, behaviour, behaviour_weight_cap))
+                start.append((proximal, *maths.behaviour_weights(proximal, behaviour, behaviour_weight_cap)))
             proximal, weight, truncated = start[i]
             pg, clipped = maths.clipped_pg_loss(logp, proximal, advantages[rows], clip_eps)
             pg = weight * pg
