@@ -29,7 +29,10 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         parents=[common],
         help="run the loop with simulated apps on the tiny model and report per tenant (make demo)",
     )
-    p.add_argument("--minutes", type=positive, default=4.0, help="how long the simulated apps send traffic (default 4)")
+    p.add_argument("--minutes", type=positive, default=8.0,
+                   help="the most the simulated apps send traffic (default 8); they stop sooner once every tenant "
+                   "has learned (its last quarter's reward halfway from its base reward to 1)")
+    p.add_argument("--full", action="store_true", help="send traffic for all of --minutes, learned or not")
     p.add_argument("--rate", type=positive, default=6.0, help="requests per second, all tenants together (default 6)")
     p.add_argument("--tenants", default="digits,upper,short",
                    help="comma-separated preferences, one tenant each: digits, upper, short, json")
@@ -162,7 +165,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"clora demo: unknown preference(s) {unknown}; choose from {', '.join(PREFERENCES)}", file=sys.stderr)
         return 2
     return run_demo(cfg, minutes=args.minutes, rate=args.rate, preferences=prefs, seed=args.seed,
-                    out_png=Path(args.out))
+                    out_png=Path(args.out), full=args.full)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

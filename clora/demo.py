@@ -1,8 +1,8 @@
 """`clora demo` (what `make demo` runs): the whole loop on the tiny model, then a verdict.
 
 It writes a demo config (its own data directory, free ports, one tenant per simulated preference), runs
-`clora up` with `clora simulate` against it for a few minutes, and then reports per tenant: versions
-published, reward of the base model's answers vs the last window, adapter swaps seen by the app,
+`clora up` with `clora simulate` against it for up to `--minutes` (sooner once every tenant has learned, see
+`learned`; `--full` runs them all), and then reports per tenant: versions published, reward of the base model's answers vs the last window, adapter swaps seen by the app,
 interactions ingested.
 `demo.png` shows reward over time per tenant with the moments each new adapter went live. The exit code
 is 0 only when every tenant's reward improved; otherwise it says which did not. Interrupted (Ctrl-C,
@@ -21,6 +21,8 @@ from pathlib import Path
 
 DEMO_PREFERENCES = ["digits", "upper", "short"]
 IMPROVEMENT = 0.05  # the last window must beat the base model's answers by at least this much reward
+LEARNED = 0.5  # the traffic stops early once every tenant's last window is this far from its base reward to 1
+PROGRESS_SECONDS = 10.0  # how often the demo prints the rewards and checks whether every tenant has learned
 
 
 def toml_string(text: str) -> str:
@@ -76,8 +78,24 @@ gate_max_kl = 20.0
 {tenants}"""
 
 
+def learned(summary: dict[str, dict]) -> bool:
+    """Whether every tenant has learned its users' preference: an adapter version answered, and the reward
+    of its last window (the verdict's) is at least `LEARNED` of the way from its base reward to 1, the most
+    a feedback score gives. A stricter bar than the verdict's `IMPROVEMENT`, so that a demo stopped by it
+    shows a tenant that has learned, not one whose reward has just started to move; and a run it stops
+    passes the verdict."""
+    return bool(summary) and all(
+        not math.isnan(s["reward_base"])
+        and any("@" in v for v in s["versions_seen"])
+        and s["reward_last"] >= s["reward_base"] + LEARNED * (1.0 - s["reward_base"])
+        for s in summary.values()
+    )
+
+
 def run_demo(cfg, *, minutes: float, rate: float, preferences: list[str], seed: int, out_png: Path,
-             keep_data: bool = False) -> int:
+             keep_data: bool = False, full: bool = False) -> int:
+    """The demo; `minutes` is the most the simulated apps send traffic: it stops once every tenant has
+    `learned` unless `full`. The verdict is the same either way."""
     from clora.config import load_config
     from clora.simulate import Simulator, records_to_json, summarise, tenants_from_config
     from clora.up import up
@@ -103,9 +121,17 @@ def run_demo(cfg, *, minutes: float, rate: float, preferences: list[str], seed: 
     demo_cfg = load_config(config_path, environ={})
     sim_tenants = tenants_from_config(demo_cfg, preferences)
     base_url = demo_cfg.serving.local_url
-    sim = Simulator(base_url, sim_tenants, rate=rate, duration=minutes * 60, seed=seed)
+    sim = Simulator(base_url, sim_tenants, rate=rate, duration=minutes * 60, seed=seed,
+                    progress_seconds=PROGRESS_SECONDS)
     done = threading.Event()
     started = {}
+
+    def progress(sim) -> None:
+        _progress(sim)
+        if not full and learned(summarise(sim.records, sim.tenants)):
+            print(f"    demo | every tenant has learned (its last quarter's reward is at least "
+                  f"{LEARNED:.0%} of the way from its base reward to 1): stopping the traffic early", flush=True)
+            sim.stop.set()  # run() returns, `done` is set: a finished run, with its verdict
 
     def simulate_when_up() -> None:
         import httpx
@@ -120,9 +146,11 @@ def run_demo(cfg, *, minutes: float, rate: float, preferences: list[str], seed: 
         if sim.stop.is_set():  # stopped before serving was up
             return
         started["t"] = time.time()
-        print(f"    demo | simulating {len(sim_tenants)} tenants at {rate:g} requests/s for {minutes:g} min", flush=True)
+        until = "" if full else ", or until every tenant has learned"
+        print(f"    demo | simulating {len(sim_tenants)} tenants at {rate:g} requests/s for up to {minutes:g} min{until}",
+              flush=True)
         try:
-            sim.run(progress=_progress)
+            sim.run(progress=progress)
         finally:
             done.set()
 

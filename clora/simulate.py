@@ -118,6 +118,7 @@ class Simulator:
         seed: int = 0,
         max_tokens: int = 24,
         concurrency: int = 8,
+        progress_seconds: float = 10.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.tenants = tenants
@@ -126,6 +127,7 @@ class Simulator:
         self.seed = seed
         self.max_tokens = max_tokens
         self.concurrency = concurrency
+        self.progress_seconds = progress_seconds  # how often run() calls its progress callback
         self.records: list[Record] = []
         self.stop = threading.Event()
         self._lock = threading.Lock()
@@ -181,14 +183,14 @@ class Simulator:
         interval = 1.0 / self.rate
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="simulate") as pool:
             i = 0
-            next_progress = t0 + 10
+            next_progress = t0 + self.progress_seconds
             while not self.stop.is_set() and time.monotonic() - t0 < self.duration:
                 tenant = self.tenants[i % len(self.tenants)]
                 pool.submit(self._one, t0, tenant, rng.choice(PROMPTS), rng.randrange(2**31))
                 i += 1
                 if progress and time.monotonic() >= next_progress:
                     progress(self)
-                    next_progress += 10
+                    next_progress += self.progress_seconds
                 # pace by the schedule, not by the last request, so slow answers do not lower the rate
                 self.stop.wait(max(0.0, t0 + i * interval - time.monotonic()))
         return self.records

@@ -106,6 +106,94 @@ def test_a_demo_interrupted_during_the_traffic_reports_partial_figures_and_exits
     assert "digits-app" in out and "every tenant improved" not in out
 
 
+def tenant_figures(reward_base, reward_last, versions=("base", "digits-app@1")):
+    return {"preference": "digits", "requests": 40, "failed": 0, "versions_seen": list(versions),
+            "reward_base": reward_base, "reward_last": reward_last}
+
+
+def test_a_tenant_has_learned_halfway_from_its_base_reward_to_1():
+    assert demo.learned({"a": tenant_figures(0.1, 0.56)})  # 0.1 + 0.5 * 0.9 = 0.55
+    assert not demo.learned({"a": tenant_figures(0.1, 0.54)})  # improved (the verdict's bar), not learned
+    assert not demo.learned({"a": tenant_figures(0.1, 0.9, versions=["base"])})  # no adapter answered
+    assert not demo.learned({"a": tenant_figures(float("nan"), 0.9)})
+    assert not demo.learned({"a": tenant_figures(0.1, 0.9), "b": tenant_figures(0.1, 0.2)})  # every tenant
+    assert not demo.learned({})
+
+
+class LearningServing(BaseHTTPRequestHandler):
+    """A stand-in for serving whose tenant has learned digits after its first 10 answers."""
+    answered = 0
+
+    def do_GET(self):
+        self._answer(200, {"status": "ok"})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        if self.path.endswith("/feedback"):
+            return self._answer(200, {"status": "ok"})
+        n, LearningServing.answered = LearningServing.answered, LearningServing.answered + 1
+        text, version = ("no digits here", "tiny") if n < 10 else ("4 8 15 16 23 42", "digits-app@1")
+        self._answer(200, {"id": f"chatcmpl-{n}", "object": "chat.completion", "created": 0, "model": "digits-app",
+                           "choices": [{"index": 0, "finish_reason": "stop",
+                                        "message": {"role": "assistant", "content": text}}]},
+                     {"x-clora-adapter-version": version})
+
+    def _answer(self, status, body, headers=()):
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        for k, v in dict(headers).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *_):
+        pass
+
+
+def serving_up(cfg, config_path, *, until, on_stop, file_only):
+    """Serves (LearningServing) until the demo's traffic has ended, then stops as `up` does."""
+    server = ThreadingHTTPServer((cfg.serving.host, cfg.serving.port), LearningServing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 120
+        while not until():
+            assert time.monotonic() < deadline, "the simulation never ended"
+            time.sleep(0.05)
+        on_stop()
+    finally:
+        server.shutdown()
+        server.server_close()
+    return 0
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_the_traffic_stops_once_every_tenant_has_learned_unless_full(full, tmp_path, monkeypatch, capsys):
+    from clora.config import Config
+
+    LearningServing.answered = 0
+    monkeypatch.setattr(demo, "PROGRESS_SECONDS", 0.5)
+    monkeypatch.setattr("clora.up.up", serving_up)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    cfg = Config.model_validate({"data_dir": str(tmp_path / "data"), "model": {"path": str(tmp_path / "model")}})
+    minutes = 0.15  # 9 s: the learned tenant stops the traffic within a few seconds unless `full`
+    t0 = time.monotonic()
+    code = demo.run_demo(cfg, minutes=minutes, rate=20, preferences=["digits"], seed=0,
+                         out_png=tmp_path / "demo.png", full=full)
+    took = time.monotonic() - t0
+    out = capsys.readouterr().out
+    assert code == 0 and "every tenant improved" in out, out
+    assert ("stopping the traffic early" in out) is not full
+    records = json.loads((tmp_path / "data" / "demo" / "records.json").read_text())
+    last = max(r["t"] for r in records)
+    if full:
+        assert last >= minutes * 60 - 1, "a full run sends traffic for all of its minutes"
+    else:
+        assert last < minutes * 60 - 3, f"the traffic went on after the tenant had learned ({took:.1f}s)"
+
+
 @pytest.mark.parametrize("path", ['/tmp/a "quoted" dir', "C:\\Users\\me\\clora", "/tmp/caf\u00e9\x7f\ttab"])
 def test_the_demo_config_holds_any_path(path):
     """Paths went into the TOML unescaped: a quote or a backslash made the demo's own config unreadable."""

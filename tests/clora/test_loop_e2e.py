@@ -45,14 +45,15 @@ def clora(*args, cwd, **kw):
 def test_demo_runs_the_whole_loop_and_every_tenant_improves(tmp_path, tiny_model):
     config = tmp_path / "clora.toml"
     config.write_text(f'data_dir = "{tmp_path / "data"}"\n[model]\npath = "{tiny_model}"\n')
-    # Two tenants whose users grade every answer (upper case, short answers): their reward takes off one
-    # to two minutes in, later on a loaded machine (a CI run's upper-app had not at 2.5 minutes); 3 minutes
-    # leave room. `digits` is left to `make demo` (4 minutes): from a reward of ~0.001 on the
-    # random tiny model it takes off anywhere from 1.5 to 3 minutes in.
-    proc = clora("demo", "--config", str(config), "--minutes", "3", "--tenants", "upper,short",
+    # Two tenants whose users grade every answer (upper case, short answers). Their reward takes off after
+    # some 8 to 20 versions: one to two minutes in here, and a CI run had made only 12 of them, with neither
+    # tenant off yet, at 3 minutes. So the traffic may run for 8 minutes and stops once both have learned
+    # (halfway from the base reward to 1), which is what the test waits for. `digits` is left to `make demo`:
+    # from a reward of ~0.001 on the random tiny model it takes off later and over a wider range.
+    proc = clora("demo", "--config", str(config), "--minutes", "8", "--tenants", "upper,short",
                  "--out", str(tmp_path / "demo.png"), cwd=tmp_path)
     try:
-        out, _ = proc.communicate(timeout=900)
+        out, _ = proc.communicate(timeout=1500)
     finally:
         stop(proc)
     assert proc.returncode == 0, out[-6000:]
