@@ -1,6 +1,6 @@
 # clora — the commands a newcomer needs. `make demo` and `make test` set everything up themselves.
 #   make setup   create .venv, install clora with its CPU engine, broker and test extras, build the tiny model
-#   make demo    run the whole loop on the tiny model for a few minutes and report per tenant
+#   make demo    run the whole loop on the tiny model until every tenant has learned (8 min at most), report per tenant
 #   make test    unit and integration tests (starts the real broker and the real vLLM engine itself)
 #   make bench   every benchmark; results land in bench-results/ (see BENCHMARKS.md)
 #   make clean   remove the venv, caches and local data
