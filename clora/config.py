@@ -227,6 +227,11 @@ class LearnerConfig(_Strict):
         "version, an app's own model), truncated so one token it made unlikely cannot carry the update."
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the base model (0: off).")
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Weight of the entropy bonus (0: off): minus this times the policy's entropy (nats) "
+        "at each completion position is added to the loss, so that a tenant does not collapse onto one answer "
+        "whose batches all score alike and teach nothing."
+    )
     scale_advantages: bool = Field(
         True, description="logs mode: divide each batch's advantages by the std of its rewards (small or sparse rewards still learn)."
     )

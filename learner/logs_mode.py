@@ -291,6 +291,7 @@ def train_step(
     behaviour_weight_cap: float = maths.BEHAVIOUR_WEIGHT_CAP,
     epochs: int = 1,
     kl_coef: float,
+    entropy_coef: float = 0.0,
     max_grad_norm: float,
     max_len: int,
     micro_batch_size: int | None = None,
@@ -318,6 +319,7 @@ def train_step(
         behaviour_weight_cap=behaviour_weight_cap,
         epochs=epochs,
         kl_coef=kl_coef,
+        entropy_coef=entropy_coef,
         max_grad_norm=max_grad_norm,
         micro_batch_size=micro_batch_size,
     )

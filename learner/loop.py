@@ -908,6 +908,7 @@ class Learner:
             behaviour_weight_cap=self.settings.behaviour_weight_cap,
             epochs=self.settings.update_epochs,
             kl_coef=self.settings.kl_coef,
+            entropy_coef=self.settings.entropy_coef,
             max_grad_norm=self.settings.max_grad_norm,
             max_len=self.max_len,
         )
@@ -1387,6 +1388,7 @@ def _metrics(trained: _Trained, step: int, mode: str, probe: tuple | None, paren
         "kl": update.kl,
         "kl_before": update.kl_before,
         "clip_frac": update.clip_frac,
+        "entropy": update.entropy,
         "grad_norm": update.grad_norm,
         "tokens": update.tokens,
         "n_trajectories": trained.n_trained,

@@ -197,6 +197,14 @@ def kl_exact(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return (logprobs.exp() * (logprobs - ref_logprobs)).sum(-1).clamp(min=0.0)
 
 
+def entropy(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) over the last (vocabulary) axis, [..., V] -> [...], in nats: the entropy
+    bonus's term (`learner.entropy_coef`), which keeps a policy from collapsing onto one answer whose
+    batches then all score alike and teach nothing."""
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Aggregation over tokens
 

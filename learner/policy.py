@@ -315,16 +315,25 @@ class Policy:
         """log pi(completion token | prefix) for every completion position, [B, C] (float32), of the policy
         that samples at `temperature` (softmax(logits / temperature)). Positions past a completion's end
         hold values of padding tokens: mask them with batch.completion_mask."""
+        return self.token_logprobs_and_entropy(batch, tenant, grad=grad, temperature=temperature,
+                                               with_entropy=False)[0]
+
+    def token_logprobs_and_entropy(self, batch: TokenBatch, tenant: str | None, *, grad: bool = False,
+                                   temperature: float = 1.0, with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+        """`token_logprobs` and, when `with_entropy`, the entropy of the policy's next-token distribution at
+        every completion position, [B, C] (float32), from the same logits (one forward pass)."""
         batch = batch.to(self.device)
         with self.adapter(tenant), torch.set_grad_enabled(grad):
-            if not (grad and self._has_dropout):  # train mode would change nothing (it walks every module)
-                return _gather_logprobs(_tempered(self._completion_logits(batch), temperature), batch.completion_ids)
-            self.model.train(True)
+            train = grad and self._has_dropout  # train mode would change nothing else (it walks every module)
+            if train:
+                self.model.train(True)
             try:
-                logits = self._completion_logits(batch)
+                logits = _tempered(self._completion_logits(batch), temperature)
             finally:
-                self.model.train(False)
-            return _gather_logprobs(_tempered(logits, temperature), batch.completion_ids)
+                if train:
+                    self.model.train(False)
+            return (_gather_logprobs(logits, batch.completion_ids),
+                    maths.entropy(logits) if with_entropy else None)
 
     def logprobs_of_version(self, batch: TokenBatch, tenant: str, directory: str | Path | None, *,
                             temperature: float = 1.0) -> Tensor:

@@ -575,6 +575,7 @@ def train_step(
     epochs: int = 1,
     served: Sequence[int] | None = None,
     kl_coef: float,
+    entropy_coef: float = 0.0,
     max_grad_norm: float,
     max_len: int,
     skip_unscorable: bool = False,
@@ -655,6 +656,7 @@ def train_step(
         behaviour_weight_cap=behaviour_weight_cap,
         epochs=epochs,
         kl_coef=kl_coef,
+        entropy_coef=entropy_coef,
         max_grad_norm=max_grad_norm,
         temperature=temperature,
     )

@@ -219,3 +219,10 @@ def test_clip_fraction_counts_only_real_tokens():
     clipped = torch.tensor([[True, False, False, True]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     close(maths.clip_fraction(clipped, mask), 1 / 3)
+
+
+def test_entropy_is_log_v_for_uniform_logits_and_zero_for_one_sure_token():
+    close(maths.entropy(torch.zeros(2, 8)), [math.log(8)] * 2)  # uniform over 8: log 8 = 2.079 nats
+    close(maths.entropy(torch.tensor([[0.0, -1e4, -1e4]])), [0.0])  # all the mass on one token
+    # p = (1/2, 1/4, 1/4): -(1/2 log 1/2 + 2 x 1/4 log 1/4) = 1.5 log 2 = 1.0397
+    close(maths.entropy(torch.log(torch.tensor([0.5, 0.25, 0.25]))), 1.5 * math.log(2))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -148,6 +149,29 @@ def test_several_epochs_on_one_batch_learn_more_within_a_clip_around_where_the_s
         pg_update(policy, "acme", batch, advantages, clip_eps=0.2, epochs=0)
     poisoned = pg_update(policy, "acme", batch, torch.tensor([float("nan"), 1.0, 0.5]), clip_eps=0.2, epochs=3)
     assert not poisoned.finite  # stops at the first non-finite gradient and reports it, for the gate
+
+
+def test_the_entropy_bonus_keeps_the_policy_spread_where_the_same_steps_collapse_it_without(policy):
+    """Steps that push one answer up: without the bonus the policy's entropy at its positions falls;
+    with it, it falls less. A step with the bonus off reports no entropy."""
+    batch, _, _ = small_batch(policy)
+    mask = batch.completion_mask.bool()
+    advantages = torch.tensor([1.0, -1.0, -1.0])
+    start = policy.snapshot("acme")
+
+    def entropy_after(coef: float, steps: int = 6) -> tuple[float, float]:
+        policy.restore("acme", start)
+        for _ in range(steps):
+            result = pg_update(policy, "acme", batch, advantages, clip_eps=0.2, entropy_coef=coef)
+        _, entropy = policy.token_logprobs_and_entropy(batch, "acme")
+        return float(entropy[mask].mean()), result.entropy
+
+    fresh = float(policy.token_logprobs_and_entropy(batch, "acme")[1][mask].mean())
+    plain, plain_reported = entropy_after(0.0)
+    bonus, bonus_reported = entropy_after(0.5)
+    assert math.isnan(plain_reported) and 0 < bonus_reported <= fresh + 1e-3
+    assert plain < fresh - 0.05  # the pushed answer took the mass
+    assert plain < bonus  # the bonus held some of it back
 
 
 def test_memory_is_per_tenant_adapter_and_optimizer(policy):
