@@ -50,10 +50,13 @@ while it holds that tenant's lock (`Learner._claim`), so no two processes ever s
 
 Rounds (`learner.round_tenants`): the scheduler's pick steps together with up to round_tenants - 1 other
 ready tenants that have a gate probe and nothing to wait for (`round_partners`). A step is a generator that
-runs up to its candidate's probe and yields a `ProbeRequest`; `step_round` runs each step of the round to
-that point in turn, decodes every request in one grouped batch (`gate.probe_rewards_grouped`: the base
-weights multiplied once for every tenant's rows), and hands each step its `ProbeAnswer` to gate, commit and
-publish in turn. Nothing else changes: each tenant's adapter, optimizer and commit are its own, so a round
+yields twice: `Collected` once it has taken its work, then a `ProbeRequest` for its candidate's probe.
+`step_round` first has every step of the round take its work (so the next batches that sample-ahead asks
+for reach the serving engine together and are decoded as one multi-LoRA batch; asked for as each step's
+training ended, they reached it one tenant at a time and the engine decoded them one after another), then
+runs each step in turn up to its probe, decodes every request in one grouped batch
+(`gate.probe_rewards_grouped`: the base weights multiplied once for every tenant's rows), and hands each
+step its `ProbeAnswer` to gate, commit and publish in turn. Nothing else changes: each tenant's adapter, optimizer and commit are its own, so a round
 trains and decides what the same steps one at a time would (tested); a tenant's publish waits for the
 others' training. The wait is left out of the step's time (its `seconds`, timings and scheduler charge).
 
@@ -180,6 +183,16 @@ class _Work:
     plan: RolloutPlan | None = None  # rollouts mode
     samples: list | None = None
     sampling_seconds: float | None = None  # rollouts mode: the sampler's time for `samples`
+
+
+@dataclass(frozen=True)
+class Collected:
+    """A step's word that it has taken its work (with sample-ahead, also asked for its next batch) and is
+    about to train. A round takes every tenant's work before it trains any, so the batches sampled ahead
+    reach the serving engine together and are decoded in one multi-LoRA batch, not one tenant after another
+    as each step's training ends."""
+
+    tenant: str
 
 
 @dataclass(frozen=True)
@@ -469,6 +482,11 @@ class Learner:
         try:
             asked = self._advance(steps, dict.fromkeys(names), records)
             while asked:
+                collected = [name for name, request in asked.items() if isinstance(request, Collected)]
+                if collected:  # every step of the round has taken its work: now each trains in turn
+                    asked = {name: r for name, r in asked.items() if name not in collected}
+                    asked.update(self._advance(steps, dict.fromkeys(collected), records))
+                    continue
                 requests = list(asked.values())
                 answers = dict(zip(asked, self._probe(requests)))
                 asked = self._advance(steps, answers, records)
@@ -478,9 +496,10 @@ class Learner:
         return [records.get(name) for name in names]
 
     @staticmethod
-    def _advance(steps: dict, answers: dict, records: dict) -> dict[str, ProbeRequest]:
-        """Runs each step in `answers` with its answer (None to start it; an exception is raised in it) until
-        it asks for a probe (returned, by tenant) or ends (its record into `records`)."""
+    def _advance(steps: dict, answers: dict, records: dict) -> dict[str, Collected | ProbeRequest]:
+        """Runs each step in `answers` with its answer (None to start or go on; an exception is raised in it)
+        until it has collected its work or asks for a probe (returned, by tenant) or ends (its record into
+        `records`)."""
         asked = {}
         for name, answer in answers.items():
             try:
@@ -553,6 +572,9 @@ class Learner:
         try:
             request = next(steps)
             while True:
+                if isinstance(request, Collected):
+                    request = steps.send(None)
+                    continue
                 (answer,) = self._probe([request])
                 request = steps.throw(answer) if isinstance(answer, BaseException) else steps.send(answer)
         except StopIteration as done:
@@ -619,6 +641,9 @@ class Learner:
             work = self._collect(rt)
         if work is None:
             return None, None, None
+        collected = time.monotonic()
+        yield Collected(name)  # a round takes the others' work now (`Collected`); the wait is not this step's
+        rt.round_wait += time.monotonic() - collected
         rt.probes = gate.update_probes(rt.probes, work.prompts, self.settings.gate_prompts)
         scorer = tenant_scorer(rt.spec)
         with clock("probe"):

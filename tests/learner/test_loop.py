@@ -1243,6 +1243,40 @@ def test_a_round_decodes_its_tenants_probes_in_one_batch_and_learns_what_steps_o
         assert outcome[3]["weights"][t][0] != outcome[3]["weights"][t][1]
 
 
+def test_a_round_asks_for_every_tenants_next_batch_before_it_trains_any(tiny_model, tmp_path):
+    """With sample-ahead, a step asks for its next batch as it takes its samples. A round has all its tenants
+    take theirs first, so those requests reach the serving engine together (one multi-LoRA decode) rather
+    than one tenant after another as each step's training ends."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Write a number.\nTell me about cats.\nhello\nCount to five.\n")
+    tenants = [{**rollouts_lab(prompts), "name": name} for name in "abc"]
+    cfg = make_config(tmp_path / "data", tiny_model, tenants, max_new_tokens=8, gate_prompts=2, gate_max_kl=50.0,
+                      sample_ahead=True, max_staleness=2, round_tenants=3)
+    learner = Learner(cfg, model_path=tiny_model, sampler=FakeServingSampler(), progress=False)
+    events = []
+    start, update = learner.prefetcher.start, learner._update
+
+    def recording_start(tenant, plan, requests, *, step=0):
+        events.append(("ask", tenant, step))
+        start(tenant, plan, requests, step=step)
+
+    def recording_update(rt, work, scorer):
+        events.append(("train", rt.spec.name, rt.step + 1))
+        return update(rt, work, scorer)
+
+    learner.prefetcher.start, learner._update = recording_start, recording_update
+    records = []
+    run(cfg, model_path=tiny_model, learner=learner, max_steps=6, progress=False, on_step=records.append)
+
+    assert sorted((r.tenant, r.step) for r in records) == [(t, k) for t in "abc" for k in (1, 2)]
+    second_round = events[events.index(("train", "c", 1)) + 1:]
+    assert [e[0] for e in second_round[:6]] == ["ask"] * 3 + ["train"] * 3, events
+    assert {e[1:] for e in second_round[:3]} == {(t, 3) for t in "abc"}  # step 3's batches, while steps 2 train
+    for r in records:  # the wait for the others' collecting is the round's, not the step's
+        assert sum(r.timings[k] for k in ("wait", "score", "train", "probe", "publish", "other")) == pytest.approx(
+            r.timings["total"], abs=1e-6)
+
+
 def test_a_round_whose_batched_probe_fails_probes_one_tenant_at_a_time(tiny_model, tmp_path, monkeypatch, caplog):
     from learner.policy import Policy
 
