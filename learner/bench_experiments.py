@@ -34,8 +34,10 @@ each experiment's final reward (mean reward of the samples of its last `--final-
 (b), the mean difference and its 95% half-width (paired t over the experiments, so run-to-run randomness
 counts); where the learner's time goes per step (waiting for rollouts, scoring, training, gate probes,
 publishing, other; first steps apart, they carry the warm-up), the sampler's time per batch (it runs in the
-background), the serving tier's swap time and publish-to-live lag, and the most versions (registry
-numbers, rejected candidates included) a trained sample was behind.
+background), the CPU the serving tier's processes and the learner processes used per step (core-seconds
+over the run, sampled from /proc: the engine's work runs beside the learner's, so the wall times alone
+do not say which side fills the machine), the serving tier's swap time and publish-to-live lag, and the
+most versions (registry numbers, rejected candidates included) a trained sample was behind.
 
 Prints the table, writes experiments.json, experiments.png (ratio vs N, latency vs N) and experiments.md
 (the table for BENCHMARKS.md, with date and machine) under --out; the processes' logs and data
@@ -45,6 +47,7 @@ directories stay under --out/work. Not part of the test suite; timings on a shar
 from __future__ import annotations
 
 import argparse
+import bisect
 import datetime
 import json
 import math
@@ -359,6 +362,8 @@ def run_stack(directory: Path, group: list[Experiment], settings: dict, *, boots
               "spawned": time.time()}
     serving = _spawn([sys.executable, "-m", "serving", "--config", str(config)], directory / "serving.log")
     learners: list[subprocess.Popen] = []
+    cpu = CpuSampler()
+    cpu.watch("serving", serving.pid)
     try:
         _wait_healthy(url, serving, directory / "serving.log")
         record["serving_ready"] = time.time()
@@ -373,6 +378,9 @@ def run_stack(directory: Path, group: list[Experiment], settings: dict, *, boots
                 {"OMP_NUM_THREADS": str(threads)},
             ))
         record["learner_spawned"] = time.time()
+        for learner in learners:
+            cpu.watch("learner", learner.pid)
+        cpu.start()
         deadline = time.monotonic() + timeout
         timelines = []
         for k, learner in enumerate(learners):
@@ -389,6 +397,7 @@ def run_stack(directory: Path, group: list[Experiment], settings: dict, *, boots
         record["timeline"] = merge_timelines(timelines)
         record["serving_metrics"] = serving_metrics(url)
     finally:
+        record["cpu"] = cpu.stop()
         for process in (*learners, serving):
             _stop(process)
     record["stopped"] = time.time()
@@ -405,6 +414,80 @@ def merge_timelines(timelines: list[dict]) -> dict:
         "steps": sorted((s for t in timelines for s in t["steps"]), key=lambda s: s["t"]),
         "errors": {k: v for t in timelines for k, v in t.get("errors", {}).items()},
     }
+
+
+class CpuSampler:
+    """Samples, every `period` seconds in a thread, the CPU seconds (user + system) used so far by each
+    watched role: the processes of each session watched under it (a process `_spawn` started, which leads
+    a session of its own, and its descendants, which stay in it: serving's engine core and workers). So
+    the table can say how much of the machine each side of the stack used per step, which the phases'
+    wall times do not (the engine's work runs beside the learner's). Linux only (/proc); elsewhere it
+    records nothing. A process that exits takes its seconds out of the sum: none does during a run."""
+
+    def __init__(self, period: float = 0.5):
+        self.period = period
+        self.sessions: dict[int, str] = {}  # session id -> role
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-cpu", daemon=True)
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def watch(self, role: str, session: int) -> None:
+        self.sessions[session] = role
+
+    def start(self) -> None:
+        if Path("/proc/self/stat").exists():
+            self._thread.start()
+
+    def stop(self) -> dict:
+        """Stops sampling; returns {"t": [epoch s], role: [CPU s], ...}, one entry per sample."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        out: dict[str, list[float]] = {"t": [t for t, _ in self.samples]}
+        for role in dict.fromkeys(self.sessions.values()):
+            out[role] = [by_role.get(role, 0.0) for _, by_role in self.samples]
+        return out
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append((time.time(), self._read()))
+            if self._stop.wait(self.period):
+                self.samples.append((time.time(), self._read()))
+                return
+
+    def _read(self) -> dict[str, float]:
+        by_role: dict[str, float] = {}
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):  # gone meanwhile
+                continue
+            role = self.sessions.get(int(fields[3]))  # after the name: state, ppid, pgrp, session, ...
+            if role is not None:
+                by_role[role] = by_role.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / self._tick
+        return by_role
+
+
+def cpu_between(cpu: dict | None, role: str, start: float, end: float) -> float:
+    """CPU seconds the role used between epoch times `start` and `end`, read off `CpuSampler.stop`'s samples
+    (linear between two samples); NaN when the samples do not cover the window."""
+    if not cpu or role not in cpu or len(cpu["t"]) < 2 or end < start:
+        return math.nan
+    times, used = cpu["t"], cpu[role]
+    if start < times[0] or end > times[-1]:
+        return math.nan
+
+    def at(t: float) -> float:
+        i = min(max(1, bisect.bisect_left(times, t)), len(times) - 1)
+        t0, t1 = times[i - 1], times[i]
+        share = (t - t0) / (t1 - t0) if t1 > t0 else 1.0
+        return used[i - 1] + share * (used[i] - used[i - 1])
+
+    return at(end) - at(start)
 
 
 def _spawn(command: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -635,6 +718,8 @@ def summarize(record: dict, steps: int, window: int) -> dict:
     all_steps = [s for rows in by_tenant.values() for s in rows]
     later = [s for rows in by_tenant.values() for s in rows[1:]]  # first steps carry the warm-up: apart
     phases = {key: _mean([s["timings"][key] for s in later if key in s["timings"]]) for key in PHASE_COLUMNS}
+    cpu = {role: cpu_between(record.get("cpu"), role, ready, last) / len(all_steps) if all_steps else math.nan
+           for role in CPU_ROLES}
     metrics = record.get("serving_metrics", {})
     swaps = sum(m.get("swaps", 0) for m in metrics.values())
     lags = sum(m.get("publish_to_live_count", 0) for m in metrics.values())
@@ -649,6 +734,7 @@ def summarize(record: dict, steps: int, window: int) -> dict:
         "latencies": intervals,
         "rewards": rewards,
         "phases": phases,
+        "cpu": cpu,
         "swap_seconds": sum(m.get("swap_seconds", 0.0) for m in metrics.values()) / swaps if swaps else math.nan,
         "publish_to_live": sum(m.get("publish_to_live_seconds", 0.0) for m in metrics.values()) / lags if lags else math.nan,
         "staleness_max": max((s["staleness"] for s in all_steps if s.get("staleness") is not None), default=None),
@@ -724,6 +810,8 @@ def compare(n: int, concurrent: dict, alone: list[dict | None], steps: int, wind
         "experiments": experiments_,
         "phases_a": a["phases"],
         "phases_b": {k: _mean([b["phases"][k] for b in measured]) for k in a["phases"]},
+        "cpu_a": a["cpu"],
+        "cpu_b": {k: _mean([b["cpu"][k] for b in measured if not math.isnan(b["cpu"][k])]) for k in CPU_ROLES},
         "swap_seconds_a": a["swap_seconds"],
         "publish_to_live_a": a["publish_to_live"],
         "publish_to_live_b": _mean([b["publish_to_live"] for b in measured if not math.isnan(b["publish_to_live"])]),
@@ -765,6 +853,7 @@ def _paired_mark(row: dict) -> str:
 
 
 PHASE_COLUMNS = ("wait", "score", "train", "probe", "publish", "other", "total", "sampling")
+CPU_ROLES = ("serving", "learner")  # `CpuSampler`'s roles: the serving tier's processes, the learner processes
 
 
 def _rows_text(header: list[str], rows: list[list[str]], markdown: bool) -> list[str]:
@@ -780,11 +869,14 @@ def _rows_text(header: list[str], rows: list[list[str]], markdown: bool) -> list
 def _sections(result: dict, markdown: bool) -> list[str]:
     rows = result["rows"]
     lines = _rows_text([c[0] for c in COLUMNS], [[f(r) for _, f in COLUMNS] for r in rows], markdown)
-    lines += ["", "Where a step's time goes (mean seconds per step; (a) concurrent / (b) alone):"]
-    header = ["N", *PHASE_COLUMNS, "swap", "publish->live", "staleness max"]
+    lines += ["", "Where a step's time goes (mean seconds per step; (a) concurrent / (b) alone; CPU: core-seconds per "
+                  "step over the run, the serving tier's processes and the learners'):"]
+    header = ["N", *PHASE_COLUMNS, *(f"CPU {role}" for role in CPU_ROLES), "swap", "publish->live", "staleness max"]
     body = []
     for r in rows:
+        cpu_a, cpu_b = r.get("cpu_a", {}), r.get("cpu_b", {})  # runs recorded before CPU was sampled have none
         body.append([str(r["n"])] + [f"{_f(r['phases_a'][k], '.2f')} / {_f(r['phases_b'][k], '.2f')}" for k in PHASE_COLUMNS]
+                    + [f"{_f(cpu_a.get(k), '.2f')} / {_f(cpu_b.get(k), '.2f')}" for k in CPU_ROLES]
                     + [_f(r["swap_seconds_a"], ".3f"),
                        f"{_f(r['publish_to_live_a'], '.2f')} / {_f(r['publish_to_live_b'], '.2f')}",
                        _f(r["staleness_max_a"], "d") if r["staleness_max_a"] is not None else "-"])

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from clora.cli import main
 from clora.config import load_config
-from learner.bench_experiments import compare, experiments, merge_timelines, percentile, t_quantile_975, write_config
+from learner.bench_experiments import (CpuSampler, compare, cpu_between, experiments, merge_timelines, percentile,
+                                      t_quantile_975, write_config)
 
 pytestmark = pytest.mark.integration
 
@@ -56,11 +60,16 @@ def test_the_benchmark_runs_end_to_end_with_two_experiments(tiny_model, tmp_path
     assert all(0.0 <= e["final_a"] <= 1.0 for e in rewards.values())
     assert 0.0 <= rewards["exp-0"]["final_b"] <= 1.0 and math.isnan(rewards["exp-1"]["final_b"])
 
+    # CPU per step over the run, of the serving tier's processes and of the learners, both ways
+    for cpu in (row["cpu_a"], row["cpu_b"]):
+        assert cpu["serving"] > 0 and cpu["learner"] > 0, cpu
+    assert concurrent["cpu"]["t"][0] <= concurrent["timeline"]["ready"] and len(concurrent["cpu"]["learner"]) >= 2
+
     assert (out / "experiments.png").stat().st_size > 0
     markdown = (out / "experiments.md").read_text()
     assert "| 2 |" in markdown and result["machine"] in markdown and "2 learner processes" in markdown
     printed = capsys.readouterr().out
-    assert "ratio (b)/(a)" in printed and "Where a step's time goes" in printed
+    assert "ratio (b)/(a)" in printed and "Where a step's time goes" in printed and "CPU learner" in printed
 
 
 def test_the_stack_config_is_a_valid_clora_toml(tmp_path):
@@ -85,6 +94,38 @@ def test_the_stack_config_is_a_valid_clora_toml(tmp_path):
     path = write_config(tmp_path / "clora.toml", group, settings, data_dir=tmp_path / "data", bootstrap="127.0.0.1:1",
                         port=8123)
     assert load_config(path, environ={}).serving.max_loras == 9
+
+
+def test_cpu_between_reads_the_samples_linearly_between_them():
+    cpu = {"t": [10.0, 11.0, 13.0], "serving": [1.0, 1.5, 3.5], "learner": [0.0, 1.0, 1.0]}
+    assert cpu_between(cpu, "serving", 10.0, 13.0) == pytest.approx(2.5)
+    assert cpu_between(cpu, "serving", 10.5, 12.0) == pytest.approx(2.5 - 1.25)  # 1.25 at 10.5, 2.5 at 12
+    assert cpu_between(cpu, "learner", 11.0, 13.0) == pytest.approx(0.0)
+    assert math.isnan(cpu_between(cpu, "serving", 9.0, 12.0))  # before the first sample: unknown, not 0
+    assert math.isnan(cpu_between(cpu, "serving", 12.0, 14.0))
+    assert math.isnan(cpu_between(cpu, "other", 10.0, 13.0)) and math.isnan(cpu_between(None, "serving", 10.0, 11.0))
+
+
+def test_the_cpu_sampler_counts_a_watched_session_under_its_role():
+    """A process that burns CPU in a session of its own (as the benchmark starts serving and learners) is
+    counted under its role, and its count only grows while it runs."""
+    import subprocess
+    import sys
+
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        sampler = CpuSampler(period=0.05)
+        sampler.watch("learner", burner.pid)
+        sampler.start()
+        time.sleep(0.6)
+        cpu = sampler.stop()
+    finally:
+        burner.kill()
+        burner.wait()
+    assert set(cpu) == {"t", "learner"} and len(cpu["t"]) >= 3
+    used = cpu_between(cpu, "learner", cpu["t"][0], cpu["t"][-1])
+    assert 0 < used <= (cpu["t"][-1] - cpu["t"][0]) + 0.05  # one process: at most one core
+    assert cpu["learner"] == sorted(cpu["learner"])
 
 
 def record(names, *, spawned, ready, step_times, rewards, rejected=()):
