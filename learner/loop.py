@@ -56,9 +56,9 @@ for reach the serving engine together and are decoded as one multi-LoRA batch; a
 training ended, they reached it one tenant at a time and the engine decoded them one after another), then
 runs each step in turn up to its probe, decodes every request in one grouped batch
 (`gate.probe_rewards_grouped`: the base weights multiplied once for every tenant's rows), and hands each
-step its `ProbeAnswer` to gate, commit and publish in turn. Nothing else changes: each tenant's adapter, optimizer and commit are its own, so a round
-trains and decides what the same steps one at a time would (tested); a tenant's publish waits for the
-others' training. The wait is left out of the step's time (its `seconds`, timings and scheduler charge).
+step its `ProbeAnswer` to gate, commit and publish in turn. Nothing else changes: each tenant's adapter,
+optimizer and commit are its own, so a round trains and decides what the same steps one at a time would
+(tested); a tenant's publish waits for the others' training. The wait is left out of the step's time (its `seconds`, timings and scheduler charge).
 
 Overlap (rollouts tenants, serving sampler): every ready tenant's next batch is being sampled in the
 serving engine while the learner trains another tenant (`prefetch`), and with `learner.sample_ahead` a
@@ -197,8 +197,9 @@ class Collected:
 
 @dataclass(frozen=True)
 class ProbeRequest:
-    """A step's request for its candidate's gate probe. Steps are generators that yield one (at most) and
-    carry on with its `ProbeAnswer`, so a round can decode the probes of all its tenants together."""
+    """A step's request for its candidate's gate probe. Steps are generators that yield one (at most, after
+    their `Collected`) and carry on with its `ProbeAnswer`, so a round can decode the probes of all its
+    tenants together."""
 
     tenant: str
     prompts: tuple[str, ...]
