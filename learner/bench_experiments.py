@@ -422,12 +422,14 @@ class CpuSampler:
     a session of its own, and its descendants, which stay in it: serving's engine core and workers). So
     the table can say how much of the machine each side of the stack used per step, which the phases'
     wall times do not (the engine's work runs beside the learner's). Linux only (/proc); elsewhere it
-    records nothing. A process that exits takes its seconds out of the sum: none does during a run."""
+    records nothing. A process that exits keeps the seconds it was last seen with (a learner shard that
+    is done before the others stops counting, but what it used still counts)."""
 
     def __init__(self, period: float = 0.5):
         self.period = period
         self.sessions: dict[int, str] = {}  # session id -> role
         self.samples: list[tuple[float, dict[str, float]]] = []
+        self._seen: dict[int, tuple[str, float]] = {}  # pid -> (role, CPU seconds when last seen)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-cpu", daemon=True)
         self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -457,7 +459,6 @@ class CpuSampler:
                 return
 
     def _read(self) -> dict[str, float]:
-        by_role: dict[str, float] = {}
         for entry in os.scandir("/proc"):
             if not entry.name.isdigit():
                 continue
@@ -468,7 +469,10 @@ class CpuSampler:
                 continue
             role = self.sessions.get(int(fields[3]))  # after the name: state, ppid, pgrp, session, ...
             if role is not None:
-                by_role[role] = by_role.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / self._tick
+                self._seen[int(entry.name)] = (role, (int(fields[11]) + int(fields[12])) / self._tick)
+        by_role: dict[str, float] = {}
+        for role, used in self._seen.values():
+            by_role[role] = by_role.get(role, 0.0) + used
         return by_role
 
 

@@ -106,26 +106,25 @@ def test_cpu_between_reads_the_samples_linearly_between_them():
     assert math.isnan(cpu_between(cpu, "other", 10.0, 13.0)) and math.isnan(cpu_between(None, "serving", 10.0, 11.0))
 
 
-def test_the_cpu_sampler_counts_a_watched_session_under_its_role():
+def test_the_cpu_sampler_counts_a_watched_session_under_its_role_and_keeps_what_an_exited_one_used():
     """A process that burns CPU in a session of its own (as the benchmark starts serving and learners) is
-    counted under its role, and its count only grows while it runs."""
-    import subprocess
-    import sys
-
+    counted under its role while it runs, and what it used still counts once it has exited (a learner
+    shard done before the others)."""
     burner = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    sampler = CpuSampler(period=0.05)
+    sampler.watch("learner", burner.pid)
     try:
-        sampler = CpuSampler(period=0.05)
-        sampler.watch("learner", burner.pid)
         sampler.start()
         time.sleep(0.6)
-        cpu = sampler.stop()
     finally:
         burner.kill()
         burner.wait()
+    time.sleep(0.2)
+    cpu = sampler.stop()
     assert set(cpu) == {"t", "learner"} and len(cpu["t"]) >= 3
     used = cpu_between(cpu, "learner", cpu["t"][0], cpu["t"][-1])
     assert 0 < used <= (cpu["t"][-1] - cpu["t"][0]) + 0.05  # one process: at most one core
-    assert cpu["learner"] == sorted(cpu["learner"])
+    assert cpu["learner"] == sorted(cpu["learner"]) and cpu["learner"][-1] == cpu["learner"][-2] > 0
 
 
 def record(names, *, spawned, ready, step_times, rewards, rejected=()):
