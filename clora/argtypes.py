@@ -27,6 +27,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be 0 or more")
+    return value
+
+
 def positive(text: str) -> float:
     """A number above 0 (a rate of 0 divided by zero; a negative duration sent nothing)."""
     try:
@@ -35,4 +45,15 @@ def positive(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text} must be a number above 0")
+    return value
+
+
+def non_negative(text: str) -> float:
+    """A number of 0 or more (where 0 means something: off, or sized automatically)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a number of 0 or more")
     return value

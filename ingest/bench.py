@@ -42,6 +42,7 @@ import threading
 import time
 from pathlib import Path
 
+from clora.argtypes import non_negative_int, positive_int
 from ingest.events import FeedbackEvent, InteractionEvent, encode
 
 logger = logging.getLogger(__name__)
@@ -65,10 +66,10 @@ WORDS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--events", type=int, default=20_000, help="messages in the rate test (default 20000)")
-    parser.add_argument("--rss-factor", type=int, default=10, help="the long stream is this many times longer (default 10)")
-    parser.add_argument("--rounds", type=int, default=3, help="bare consumer / ingest rounds on the same messages (default 3)")
-    parser.add_argument("--processes", type=int, default=2,
+    parser.add_argument("--events", type=positive_int, default=20_000, help="messages in the rate test (default 20000)")
+    parser.add_argument("--rss-factor", type=positive_int, default=10, help="the long stream is this many times longer (default 10)")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="bare consumer / ingest rounds on the same messages (default 3)")
+    parser.add_argument("--processes", type=non_negative_int, default=2,
                         help="each round also runs this many bare consumers and this many ingest processes in one "
                              "group (default 2; 0 leaves it out)")
 

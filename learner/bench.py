@@ -33,6 +33,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from clora.argtypes import positive_int
+
 SWITCH_TARGET = 0.05
 MEMORY_FACTOR = 1.5
 
@@ -40,15 +42,15 @@ MEMORY_FACTOR = 1.5
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=None, help="base model directory (default: the tiny local model)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
-    parser.add_argument("--tenants", type=int, default=8, help="tenants for the switch and memory runs (default 8)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per measurement (default 20)")
-    parser.add_argument("--batch-size", type=int, default=16, help="trajectories per step (default 16)")
-    parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (default 64)")
-    parser.add_argument("--completion-tokens", type=int, default=32, help="completion length (default 32)")
-    parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
-    parser.add_argument("--probe-prompts", type=int, default=4, help="gate probe prompts per tenant (default 4)")
-    parser.add_argument("--probe-tokens", type=int, default=16, help="tokens per probe completion (default 16)")
-    parser.add_argument("--group-size", type=int, default=4, help="completions per prompt in the GRPO measurement (default 4)")
+    parser.add_argument("--tenants", type=positive_int, default=8, help="tenants for the switch and memory runs (default 8)")
+    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per measurement (default 20)")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="trajectories per step (default 16)")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=64, help="prompt length (default 64)")
+    parser.add_argument("--completion-tokens", type=positive_int, default=32, help="completion length (default 32)")
+    parser.add_argument("--rank", type=positive_int, default=8, help="LoRA rank (default 8)")
+    parser.add_argument("--probe-prompts", type=positive_int, default=4, help="gate probe prompts per tenant (default 4)")
+    parser.add_argument("--probe-tokens", type=positive_int, default=16, help="tokens per probe completion (default 16)")
+    parser.add_argument("--group-size", type=positive_int, default=4, help="completions per prompt in the GRPO measurement (default 4)")
 
 
 def rss_bytes() -> int:

@@ -63,6 +63,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from clora.argtypes import non_negative, non_negative_int, positive, positive_int
 from clora.bench import machine
 from clora.processes import terminate
 
@@ -125,49 +126,49 @@ def experiments(n: int) -> list[Experiment]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", default="1,2,4,8", help="experiment counts (default 1,2,4,8)")
-    parser.add_argument("--steps", type=int, default=6, help="training steps per experiment (default 6)")
-    parser.add_argument("--batch-size", type=int, default=8, help="samples per step (default 8)")
-    parser.add_argument("--group-size", type=int, default=4, help="completions per prompt (default 4)")
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per completion (default 16)")
-    parser.add_argument("--learning-rate", type=float, default=1e-2, help="Adam learning rate (default 1e-2)")
-    parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
-    parser.add_argument("--gate-prompts", type=int, default=None,
+    parser.add_argument("--steps", type=positive_int, default=6, help="training steps per experiment (default 6)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="samples per step (default 8)")
+    parser.add_argument("--group-size", type=positive_int, default=4, help="completions per prompt (default 4)")
+    parser.add_argument("--max-tokens", type=positive_int, default=16, help="tokens per completion (default 16)")
+    parser.add_argument("--learning-rate", type=positive, default=1e-2, help="Adam learning rate (default 1e-2)")
+    parser.add_argument("--rank", type=positive_int, default=8, help="LoRA rank (default 8)")
+    parser.add_argument("--gate-prompts", type=non_negative_int, default=None,
                         help="learner.gate_prompts: publish-gate probe prompts (default: the config's default)")
-    parser.add_argument("--gate-reward-z", type=float, default=None,
+    parser.add_argument("--gate-reward-z", type=non_negative, default=None,
                         help="learner.gate_reward_z: standard errors of the probe's per-prompt changes the gate "
                         "allows on top of its tolerance (default: the config's default; 0: tolerance alone)")
-    parser.add_argument("--round-tenants", type=int, default=None, metavar="K",
+    parser.add_argument("--round-tenants", type=positive_int, default=None, metavar="K",
                         help="learner.round_tenants: ready experiments stepping together, their gate probes decoded "
                         "in one batch (default: the config's default; 1: one at a time)")
-    parser.add_argument("--update-epochs", type=int, default=None, metavar="K",
+    parser.add_argument("--update-epochs", type=positive_int, default=None, metavar="K",
                         help="learner.update_epochs: optimizer steps on each batch (default: the config's default, 1)")
     parser.add_argument("--no-sample-ahead", action="store_true",
                         help="sample each step's rollouts only after the previous commit (learner.sample_ahead off)")
-    parser.add_argument("--alone", type=int, default=None, metavar="K",
+    parser.add_argument("--alone", type=positive_int, default=None, metavar="K",
                         help="run only experiments 0..K-1 alone; the others' (b) time is their mean (default: all)")
-    parser.add_argument("--final-window", type=int, default=None, metavar="W",
+    parser.add_argument("--final-window", type=positive_int, default=None, metavar="W",
                         help="steps whose samples make the final reward (default: a third of --steps, at least 1)")
     parser.add_argument("--model", type=Path, default=None, help="base model directory (default: the tiny model)")
     parser.add_argument("--dtype", default="float32", help="serving engine dtype (default float32: the learner's "
                         "and the server's log-probs agree on CPU)")
     parser.add_argument("--gpu", action="store_true", help="learner on cuda, engine KV cache --kv-cache-gib")
-    parser.add_argument("--kv-cache-gib", type=float, default=None,
+    parser.add_argument("--kv-cache-gib", type=non_negative, default=None,
                         help="engine KV cache (default 0.5 on CPU, 16 with --gpu)")
-    parser.add_argument("--max-num-seqs", type=int, default=None, help="engine batch (default 64 on CPU, 128 with --gpu)")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--max-num-seqs", type=positive_int, default=None, help="engine batch (default 64 on CPU, 128 with --gpu)")
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="OMP_NUM_THREADS of the learner processes (default: $OMP_NUM_THREADS if set, else "
                         "half the cores, as `clora up` gives the learner)")
-    parser.add_argument("--learners", type=int, default=1, metavar="K",
+    parser.add_argument("--learners", type=positive_int, default=1, metavar="K",
                         help="learner processes of each concurrent stack (learner.processes), each training its shard "
                         "of the experiments, the cores of --threads shared out between them; an experiment alone "
                         "always has one (default 1)")
-    parser.add_argument("--max-loras", type=int, default=None,
+    parser.add_argument("--max-loras", type=positive_int, default=None,
                         help="serving.max_loras of every stack (default: its experiments + 1); one value for all "
                         "stacks gives every engine the same shape (a GPU then compiles it once)")
     parser.add_argument("--from-json", type=Path, default=None, metavar="FILE",
                         help="start nothing: rewrite the table, JSON and PNG from the runs in an earlier "
                         "experiments.json")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds one run may take (default 1800)")
+    parser.add_argument("--timeout", type=positive, default=1800, help="seconds one run may take (default 1800)")
 
 
 # ---------------------------------------------------------------------------------------------------------

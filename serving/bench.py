@@ -33,16 +33,18 @@ import tempfile
 import time
 from pathlib import Path
 
+from clora.argtypes import positive_int
+
 MODES = ("mixed", "one-by-one", "zero-lora", "base")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenants", default="1,2,4,8", help="tenant counts to measure (default 1,2,4,8)")
-    parser.add_argument("--prompts", type=int, default=8,
+    parser.add_argument("--prompts", type=positive_int, default=8,
                         help="requests per tenant (default 8: one step's rollouts in `clora bench experiments`)")
-    parser.add_argument("--tokens", type=int, default=32, help="generated tokens per request (default 32)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the median counts (default 3)")
-    parser.add_argument("--rank", type=int, default=8, help="LoRA rank of the adapters (default 8)")
+    parser.add_argument("--tokens", type=positive_int, default=32, help="generated tokens per request (default 32)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="runs of each measurement; the median counts (default 3)")
+    parser.add_argument("--rank", type=positive_int, default=8, help="LoRA rank of the adapters (default 8)")
     parser.add_argument("--dtype", default=None, help="engine dtype (default: serving.dtype of the config)")
     parser.add_argument("--cpu-lora-ops", choices=("clora", "vllm"), default="clora",
                         help="on CPU: clora's multi-LoRA ops (default) or vLLM's own (serving/cpu_lora.py)")

@@ -36,15 +36,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from clora.argtypes import positive, positive_int
 from clora.processes import terminate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tenants", type=int, default=4, help="tenants under load (default 4)")
-    parser.add_argument("--publishes", type=int, default=20, help="new versions to publish (default 20)")
-    parser.add_argument("--interval", type=float, default=1.0, help="seconds between publishes (default 1.0)")
-    parser.add_argument("--concurrency", type=int, default=8, help="concurrent client streams (default 8)")
-    parser.add_argument("--tokens", type=int, default=16, help="tokens per response (default 16)")
+    parser.add_argument("--tenants", type=positive_int, default=4, help="tenants under load (default 4)")
+    parser.add_argument("--publishes", type=positive_int, default=20, help="new versions to publish (default 20)")
+    parser.add_argument("--interval", type=positive, default=1.0, help="seconds between publishes (default 1.0)")
+    parser.add_argument("--concurrency", type=positive_int, default=8, help="concurrent client streams (default 8)")
+    parser.add_argument("--tokens", type=positive_int, default=16, help="tokens per response (default 16)")
 
 
 @dataclass

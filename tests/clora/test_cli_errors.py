@@ -84,6 +84,13 @@ def test_a_model_path_that_is_not_a_model_directory_is_one_line(tmp_path, capsys
         (["broker", "--port", "x"], "argument --port: 'x' is not a port number"),
         (["learn", "--max-steps", "0"], "argument --max-steps: 0 must be at least 1"),
         (["ingest", "--max-seconds", "-5"], "argument --max-seconds: -5 must be a number above 0"),
+        (["bench", "ingest", "--processes", "-1"], "argument --processes: -1 must be 0 or more"),
+        (["bench", "ingest", "--events", "0"], "argument --events: 0 must be at least 1"),
+        (["bench", "experiments", "--steps", "0"], "argument --steps: 0 must be at least 1"),
+        (["bench", "experiments", "--kv-cache-gib", "-1"], "argument --kv-cache-gib: -1 must be a number of 0 or more"),
+        (["bench", "swap", "--interval", "0"], "argument --interval: 0 must be a number above 0"),
+        (["bench", "serving", "--repeats", "x"], "argument --repeats: 'x' is not a whole number"),
+        (["bench", "learner", "--tenants", "-2"], "argument --tenants: -2 must be at least 1"),
         (["learn", "--shard", "2/2"], "argument --shard: a shard is K/N with 0 <= K < N (e.g. 0/2), got '2/2'"),
     ],
 )
