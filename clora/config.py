@@ -185,6 +185,11 @@ class IngestConfig(_Strict):
         "join, so one tenant's flood does not take the others' room."
     )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port of the ingest process (0: none).")
+    processes: int = Field(
+        1, ge=1, le=64, description="`clora up`: ingest processes in one consumer group (kafka.group_id), splitting "
+        "the partitions between them (`clora ingest --member K`); beyond one per partition the rest wait idle. "
+        "With metrics_port set, process K serves its metrics on metrics_port + K."
+    )
 
 
 class RetentionConfig(_Strict):
@@ -511,6 +516,11 @@ def _between_fields(c: Any) -> list[tuple[tuple[str | int, ...], str]]:
             kafka.heartbeat_interval_ms >= kafka.session_timeout_ms:
         problems.append((("kafka", "heartbeat_interval_ms"), f"heartbeat_interval_ms ({kafka.heartbeat_interval_ms}) "
                          f"must be below session_timeout_ms ({kafka.session_timeout_ms})"))
+    ingest = c.ingest
+    if _known(ingest.metrics_port, ingest.processes) and ingest.metrics_port and \
+            ingest.metrics_port + ingest.processes - 1 > 65535:
+        problems.append((("ingest", "metrics_port"), f"metrics_port {ingest.metrics_port} leaves no port for all "
+                         f"{ingest.processes} ingest processes (process K serves on metrics_port + K, at most 65535)"))
     tenants = c.tenants if isinstance(c.tenants, list) else []
     first_name: dict[str, int] = {}
     first_folded: dict[str, tuple[int, str]] = {}

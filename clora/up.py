@@ -326,6 +326,7 @@ def stack_specs(cfg, config_path: str | None, *, file_only: bool = False) -> tup
     import httpx
 
     from ingest.broker import port_in_use
+    from ingest.cli import member_name
     from learner.types import Shard, learner_process_name
     from storage.files import ready_pid
     from storage.layout import DataDir
@@ -370,8 +371,16 @@ def stack_specs(cfg, config_path: str | None, *, file_only: bool = False) -> tup
     # Ingest drains the topics when stopped. The embedded broker keeps them in memory only and stops right
     # after ingest, so what ingest has not stored by then is lost: it gets long to finish. An external
     # Kafka keeps what is left for the next start.
-    specs.append(ChildSpec("ingest", [*py, "ingest", "--drain-on-stop", *conf], **marked_ready("ingest"),
-                           stop_timeout=INGEST_DRAIN_EMBEDDED_S if cfg.broker.embedded else 60.0))
+    # Several ingest processes split the partitions as one consumer group; each marks itself ready by its
+    # own name (and serves its metrics on its own port).
+    members = cfg.ingest.processes
+    ingests = []
+    for k in range(members):
+        member = None if members == 1 else k
+        name, flag = member_name(member), ([] if member is None else ["--member", str(k)])
+        specs.append(ChildSpec(name, [*py, "ingest", "--drain-on-stop", *conf, *flag], **marked_ready(name),
+                               stop_timeout=INGEST_DRAIN_EMBEDDED_S if cfg.broker.embedded else 60.0))
+        ingests.append(name)
     # On one machine the CPU engine binds its threads to its own cores; the learners' torch gets half of them
     # (shared out between learner processes) so they do not fight over the same cores (an explicit
     # OMP_NUM_THREADS wins).
@@ -393,7 +402,7 @@ def stack_specs(cfg, config_path: str | None, *, file_only: bool = False) -> tup
 
         unset: dict[str, str | None] = dict.fromkeys([CONFIG_ENV, *env_variables()])
         specs = [replace(spec, env={**unset, **spec.env}) for spec in specs]
-    return specs, ["compactor", "serving", *learners, "ingest", "broker"]
+    return specs, ["compactor", "serving", *learners, *ingests, "broker"]
 
 
 def setup_problems(cfg) -> list[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from clora.argtypes import port, positive
+from clora.argtypes import non_negative_int, port, positive
 
 
 def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -41,11 +41,21 @@ def add_ingest_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-seconds", type=positive, default=None, metavar="N", help="exit after N seconds")
     parser.add_argument(
+        "--member", type=non_negative_int, default=None, metavar="K",
+        help="this is ingest process K of several in one group (as `clora up` starts them with ingest.processes): "
+        "it marks itself ready as ingest-K and serves its metrics on ingest.metrics_port + K",
+    )
+    parser.add_argument(
         "--drain-on-stop",
         action="store_true",
         help="on the first Ctrl-C/SIGTERM, read every assigned partition to its end before exiting (a second "
         "one stops at once); for brokers that keep topics in memory only, such as the embedded one",
     )
+
+
+def member_name(member: int | None) -> str:
+    """What an ingest process calls itself (its ready mark, `clora up`'s child): ingest, or ingest-K."""
+    return "ingest" if member is None else f"ingest-{member}"
 
 
 def run_ingest(args: argparse.Namespace) -> int:

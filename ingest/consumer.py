@@ -257,8 +257,10 @@ class Ingest:
         metrics: IngestMetrics,
         max_pending_per_tenant: int = MAX_PENDING_PER_TENANT,
         max_pending: int | None = MAX_PENDING,
+        name: str = "ingest",
     ) -> None:
         self.root = root
+        self.name = name  # its ready mark's name: ingest, or ingest-K for one of several under `clora up`
         self.bootstrap = bootstrap
         self.topics = [interactions_topic, feedback_topic]
         self.dead_letter_topic = dead_letter_topic
@@ -585,7 +587,7 @@ class Ingest:
     def _mark_ready(self) -> None:
         self.assigned_at, self.assigned_cpu = time.monotonic(), time.process_time()
         # In the group (its store view loaded, where it has partitions): `clora up` goes on.
-        mark_ready(as_datadir(self.root).state, "ingest")
+        mark_ready(as_datadir(self.root).state, self.name)
 
     # --- progress -------------------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import pyarrow as pa
 from clora.config import Config
 from ingest.batch import Processor
 from ingest.broker import BrokerError, wait_until_reachable
+from ingest.cli import member_name
 from ingest.consumer import Ingest
 from ingest.metrics import IngestMetrics, MetricsPortError
 from ingest.scorers import ScorerSpecError
@@ -57,7 +58,9 @@ def tune_runtime() -> None:
     pa.set_memory_pool(pa.system_memory_pool())
 
 
-def build(cfg: Config, metrics: IngestMetrics | None = None) -> Ingest:
+def build(cfg: Config, metrics: IngestMetrics | None = None, *, member: int | None = None) -> Ingest:
+    """The Ingest loop the config describes; `member` K (of several in one group) marks itself ready as
+    ingest-K and serves its metrics on ingest.metrics_port + K."""
     processor = Processor(
         {t.name: t.scorer for t in cfg.tenants},
         unknown_tenant=cfg.ingest.unknown_tenant,
@@ -80,11 +83,13 @@ def build(cfg: Config, metrics: IngestMetrics | None = None) -> Ingest:
         max_pending=cfg.ingest.max_pending_feedback,
         session_timeout_ms=cfg.kafka.session_timeout_ms,
         heartbeat_interval_ms=cfg.kafka.heartbeat_interval_ms,
-        metrics=metrics or IngestMetrics(port=cfg.ingest.metrics_port),
+        metrics=metrics or IngestMetrics(port=cfg.ingest.metrics_port + (member or 0) if cfg.ingest.metrics_port else 0),
+        name=member_name(member),
     )
 
 
-def run(cfg: Config, *, once: bool = False, max_seconds: float | None = None, drain_on_stop: bool = False) -> int:
+def run(cfg: Config, *, once: bool = False, max_seconds: float | None = None, drain_on_stop: bool = False,
+        member: int | None = None) -> int:
     stop, drain = threading.Event(), threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -97,7 +102,7 @@ def run(cfg: Config, *, once: bool = False, max_seconds: float | None = None, dr
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     try:
-        ingest = build(cfg)
+        ingest = build(cfg, member=member)
     except (ScorerSpecError, MetricsPortError) as e:
         logger.error("clora ingest: %s", e)
         return 2
@@ -129,7 +134,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
 
     cfg = config_from_args(args, writes_data_dir=True)
-    return run(cfg, once=args.once, max_seconds=args.max_seconds, drain_on_stop=args.drain_on_stop)
+    return run(cfg, once=args.once, max_seconds=args.max_seconds, drain_on_stop=args.drain_on_stop, member=args.member)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -111,6 +111,9 @@ port = 70000
 partitions = 0
 session_timeout_ms = 1000
 heartbeat_interval_ms = 2000
+[ingest]
+metrics_port = 65535
+processes = 2
 [[tenants]]
 name = "a"
 api_key = "sk-aaaaaaaa"
@@ -127,11 +130,13 @@ api_key = "sk-aaaaaaaa"
     where = [line.split(": ", 1)[0] for line in found]
     assert sorted(where) == sorted(["serving.port", "kafka.partitions", "tenants.0.scorer", "bogus",
                                     "kafka.heartbeat_interval_ms", "tenants.1.name", "tenants.1.api_key",
-                                    "tenants.0.lora.rank"])
+                                    "tenants.0.lora.rank", "ingest.metrics_port"])
     assert "tenants.1.name: tenant name 'a' appears more than once (also tenants.0)" in found
     assert "tenants.1.api_key: two tenants share an api_key (this one and tenants.0's)" in found
     assert "tenants.0.lora.rank: tenant 'a': lora.rank 64 exceeds serving.max_lora_rank 16" in found
     assert "kafka.heartbeat_interval_ms: heartbeat_interval_ms (2000) must be below session_timeout_ms (1000)" in found
+    assert ("ingest.metrics_port: metrics_port 65535 leaves no port for all 2 ingest processes (process K serves on "
+            "metrics_port + K, at most 65535)") in found
 
 
 def test_each_problem_between_fields_is_a_line_at_its_field(tmp_path):

@@ -101,9 +101,11 @@ def test_ctrl_c_during_up_leaves_no_orphans_and_up_resumes(tmp_path, tiny_model)
         f"""data_dir = "{data}"
 [kafka]
 bootstrap = "127.0.0.1:{broker_port}"
-partitions = 1
+partitions = 2
 [broker]
 port = {broker_port}
+[ingest]
+processes = 2
 [model]
 path = "{tiny_model}"
 [serving]
@@ -200,7 +202,7 @@ def run_round(up, round_, url, key, body, data, after: int) -> Round:
     checks; returns what it left (read once it stopped)."""
     wait_healthy(url, up)
     children = psutil.Process(up.pid).children(recursive=True)
-    assert len(children) >= 4  # broker, serving (+ its engine), ingest, learner
+    assert len(children) >= 5  # broker, serving (+ its engine), two ingest processes, learner
     for i in range(6):
         r = httpx.post(url + "/v1/chat/completions", json=body, headers=key, timeout=60)
         assert r.status_code == 200, r.text
@@ -223,6 +225,7 @@ def run_round(up, round_, url, key, body, data, after: int) -> Round:
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, [p.pid for p in alive]
     assert "stopping serving" in out and "broker stopped" in out
+    assert "stopping ingest-0" in out and "stopping ingest-1" in out  # two ingest processes in one group
     # no half-written file: every Parquet file is complete and readable, no temporary names left behind
     leftovers = [p for p in data.rglob("*") if p.is_file() and p.name.startswith(storage_files.TMP_PREFIX)
                  and "locks" not in p.parts]

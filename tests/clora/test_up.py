@@ -241,6 +241,24 @@ def test_the_stack_runs_one_learner_per_configured_shard(tmp_path, monkeypatch):
     assert stop_order == ["compactor", "serving", "learner-0", "learner-1", "ingest", "broker"]
 
 
+def test_the_stack_runs_the_configured_ingest_processes_in_one_group(tmp_path):
+    from clora.config import Config
+
+    specs, _ = stack_specs(Config.model_validate({"data_dir": str(tmp_path)}), "clora.toml")
+    (ingest,) = [s for s in specs if s.name.startswith("ingest")]
+    assert ingest.name == "ingest" and "--member" not in ingest.argv
+    assert ingest.ready_file == tmp_path / "state" / "ready" / "ingest.json"
+
+    three = Config.model_validate({"data_dir": str(tmp_path), "ingest": {"processes": 3}})
+    specs, stop_order = stack_specs(three, "clora.toml")
+    ingests = [s for s in specs if s.name.startswith("ingest")]
+    assert [s.name for s in ingests] == ["ingest-0", "ingest-1", "ingest-2"]
+    assert [s.argv[-2:] for s in ingests] == [["--member", "0"], ["--member", "1"], ["--member", "2"]]
+    assert all("--drain-on-stop" in s.argv for s in ingests)
+    assert [s.ready_file.name for s in ingests] == ["ingest-0.json", "ingest-1.json", "ingest-2.json"]
+    assert stop_order == ["compactor", "serving", "learner", "ingest-0", "ingest-1", "ingest-2", "broker"]
+
+
 def test_the_stack_runs_the_compactor_unless_it_is_turned_off(tmp_path):
     from clora.config import Config
 

@@ -24,6 +24,8 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from ingest.broker import ensure_topics
 from ingest.events import FeedbackEvent, InteractionEvent, encode
+from storage.files import ready_pid
+from storage.layout import DataDir
 from storage.parquet import live_rows, read_dataset
 
 pytestmark = pytest.mark.integration
@@ -321,13 +323,16 @@ def test_feedback_before_after_and_across_a_restart(setup_factory):
 
 def test_two_processes_share_the_group_and_survive_a_kill(setup_factory):
     s = setup_factory(flush_rows=200, flush_seconds=0.2, tenants=[("t0", "digits")])
-    a, b = s.start(name="a"), s.start(name="b")
+    a, b = s.start("--member", "0", name="a"), s.start("--member", "1", name="b")  # as `clora up` starts them
 
     def both_assigned():
         la, lb = assignments(a), assignments(b)
         return la and lb and la[-1] != "none" and lb[-1] != "none"
 
     wait_for(both_assigned, 60, "both processes to hold partitions", [a, b])
+    state = DataDir(s.data_dir).state  # each marked itself ready by its own name (`clora up` waits on both)
+    wait_for(lambda: (ready_pid(state, "ingest-0"), ready_pid(state, "ingest-1")) == (a.pid, b.pid), 30,
+             "both ready marks", [a, b])
     first_a, first_b = set(assignments(a)[-1].split(",")), set(assignments(b)[-1].split(","))
     assert not first_a & first_b and len(first_a | first_b) == 2 * PARTITIONS
 

@@ -24,3 +24,20 @@ def test_the_caps_reach_the_processor_and_the_store_view(tmp_path):
 def test_the_caps_are_at_least_one(field):
     with pytest.raises(ValidationError, match=field):
         IngestConfig(**{field: 0})
+
+
+def test_a_member_of_several_is_named_and_serves_its_metrics_on_its_own_port(tmp_path):
+    import urllib.request
+
+    from ingest.broker import free_port
+
+    port = free_port()  # member 1's; the configured base port is the one below it
+    cfg = Config(data_dir=tmp_path, ingest=IngestConfig(metrics_port=port - 1, processes=2))
+    ingest = build(cfg, member=1)
+    try:
+        assert ingest.name == "ingest-1"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            assert b"clora_ingest_messages" in r.read()
+    finally:
+        ingest.metrics.close()
+    assert build(Config(data_dir=tmp_path), metrics=IngestMetrics()).name == "ingest"
