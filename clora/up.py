@@ -427,6 +427,21 @@ def setup_problems(cfg) -> list[str]:
     ]
 
 
+def setup_warnings(cfg) -> list[str]:
+    """What works but wastes something, one line each: more ingest processes than the topics clora creates
+    have partitions (a consumer group gives each partition to one member, so the rest wait idle)."""
+    warnings = []
+    processes, partitions = cfg.ingest.processes, cfg.kafka.partitions
+    if processes > partitions:
+        idle = processes - partitions
+        warnings.append(
+            f"ingest.processes = {processes} is more than kafka.partitions = {partitions}: {idle} ingest "
+            f"process{'es' if idle > 1 else ''} will wait idle without a partition (unless the topics exist "
+            "already with more partitions: kafka.partitions applies to the topics clora creates)"
+        )
+    return warnings
+
+
 def _names_broker(bootstrap: str, host: str, port: int) -> bool:
     """Whether one of the bootstrap servers is the broker at host:port: that port, and a name for the same
     address ("localhost" for 127.0.0.1), or any name when the broker binds every address."""
@@ -474,6 +489,8 @@ def up(cfg, config_path: str | None, *, until: Callable[[], bool] = lambda: Fals
         for problem in problems:
             sup.emit("up", f"error: {problem}")
         return 1
+    for warning in setup_warnings(cfg):
+        sup.emit("up", f"warning: {warning}")
     # SIGHUP too: a closed terminal must stop the stack in order (ingest drains before the broker goes);
     # unless it is ignored (`nohup clora up &`: meant to outlive the terminal).
     # A SIGHUP only starts the stop, never hurries it: a closed terminal sends its jobs more than one (the

@@ -569,6 +569,9 @@ class Ingest:
         # The store view is rebuilt after poll() returns, not here: a listener runs inside the consumer's
         # network loop, and a long load would hold up heartbeats until the group evicts this process.
         logger.info("ingest: assigned partitions %s", _names(partitions))
+        if not partitions:
+            logger.warning("ingest: no partition assigned: the group %r has more members than the topics have "
+                           "partitions; this process waits idle until a rebalance gives it one", self.group_id)
         self.joined = True
         try:
             self._finish_write(commit=False)  # normally done on revocation already; not committed: see revoked

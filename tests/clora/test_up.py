@@ -333,6 +333,32 @@ def test_up_refuses_an_embedded_broker_that_kafka_bootstrap_does_not_name(tmp_pa
         assert up_module.setup_problems(named) == [], bootstrap
 
 
+def test_up_warns_of_ingest_processes_beyond_the_partitions_and_starts(tmp_path, monkeypatch):
+    from clora import up as up_module
+    from clora.config import Config
+    from ingest.broker import free_port
+
+    def config(processes, partitions=4):
+        port = free_port()
+        return Config.model_validate({
+            "data_dir": str(tmp_path), "broker": {"port": port}, "serving": {"port": free_port()},
+            "kafka": {"bootstrap": f"127.0.0.1:{port}", "partitions": partitions}, "ingest": {"processes": processes},
+        })
+
+    assert up_module.setup_warnings(config(4)) == []  # one partition each
+    assert up_module.setup_warnings(config(2, partitions=1)) == [
+        "ingest.processes = 2 is more than kafka.partitions = 1: 1 ingest process will wait idle without a "
+        "partition (unless the topics exist already with more partitions: kafka.partitions applies to the "
+        "topics clora creates)"
+    ]
+    monkeypatch.setattr(up_module, "stack_specs", lambda *_, **__: ([spec("a")], ["a"]))
+    lines, emit = collect()
+    assert up_module.up(config(6), None, until=lambda: True, emit=emit) == 0  # a warning, not a refusal
+    (warning,) = [line for n, line in lines if n == "up" and line.startswith("warning")]
+    assert warning.startswith("warning: ingest.processes = 6 is more than kafka.partitions = 4: 2 ingest processes")
+    assert any(line.startswith("clora is up") for n, line in lines if n == "up")
+
+
 def test_ingest_may_drain_the_embedded_brokers_topics_for_long(tmp_path):
     from clora.config import Config
     from clora.up import INGEST_DRAIN_EMBEDDED_S

@@ -297,6 +297,8 @@ def test_once_exits_when_the_group_gives_this_process_no_partition(ingest, data_
     with caplog.at_level("INFO", logger="ingest.consumer"):
         ingest._loop(stop, once=True, deadline=time.monotonic() + 30, drain=threading.Event())
     assert "every assigned partition is read to its end (--once)" in caplog.text, "left by --max-seconds"
+    (idle,) = [r for r in caplog.records if "no partition assigned" in r.getMessage()]
+    assert idle.levelname == "WARNING" and "more members than the topics have partitions" in idle.getMessage()
     assert ingest.consumer.polls == 3
     assert (data_dir / "state" / "ready" / "ingest.json").exists()  # in the group: `clora up` may go on
     assert ingest.store is None  # no partition: no store view to load
