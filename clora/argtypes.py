@@ -37,6 +37,21 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def int_between(low: int, high: int):
+    """A whole number from `low` to `high` (both included)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} must be from {low} to {high}")
+        return value
+
+    return parse
+
+
 def positive(text: str) -> float:
     """A number above 0 (a rate of 0 divided by zero; a negative duration sent nothing)."""
     try:

@@ -12,6 +12,10 @@ crashes (with exponential backoff, and says so), and stops them in a safe order 
   ingest (drains the topics and commits: the embedded broker keeps topics in memory only),
   broker last.
 
+Several learner shards ([learner] processes) or ingest processes ([ingest] processes) are stopped
+together, each group as one step of that order: one at a time, every ingest stop would move its
+partitions to the others (a rebalance, and a batch read again) and each could take its whole drain time.
+
 Before starting anything, `up` checks that the ports its own children will bind (the embedded broker's,
 serving's) are free, and refuses to start otherwise: a stale process from an earlier run on one of them
 would answer the health check while our child failed to bind. Children get SIGTERM if `clora up` itself
@@ -158,12 +162,13 @@ class StopFlag:
 
 class Supervisor:
     """Starts children in order (again, with backoff, one that exits while starting), restarts crashed ones
-    with backoff, stops them in `stop_order`."""
+    with backoff, stops them in `stop_order`: names, or tuples of names stopped together (SIGTERM to each
+    at once, then waiting for all of them)."""
 
     def __init__(
         self,
         specs: list[ChildSpec],
-        stop_order: list[str],
+        stop_order: list[str | tuple[str, ...]],
         *,
         emit: Callable[[str, str], None] | None = None,
         max_backoff: float = 30.0,
@@ -172,13 +177,15 @@ class Supervisor:
         self.emit = emit or _print_prefixed
         self.children = {s.name: Child(s, self.emit) for s in specs}
         # Only children that exist (no "broker" child when an external Kafka is used), then any others.
-        self.stop_order = [n for n in stop_order if n in self.children] + [n for n in self.children if n not in stop_order]
+        stages = [tuple(n for n in ((s,) if isinstance(s, str) else s) if n in self.children) for s in stop_order]
+        named = {n for stage in stages for n in stage}
+        self.stop_order = [stage for stage in stages if stage] + [(n,) for n in self.children if n not in named]
         self.max_backoff = max_backoff
         self.start_attempts = start_attempts
         self.stopping = StopFlag()
         self.signals = 0  # Ctrl-C/SIGTERM/SIGHUP received (`signalled`)
         self._stop_signals: int | None = None  # `signals` when stop_all began; those after it, see _while_stopping
-        self._stopping_child: tuple[str, float] | None = None  # (name, deadline) of the child being stopped
+        self._stopping_child: tuple[str, float] | None = None  # (names, deadline) of the children being stopped
         self._warned = self._forced = False
 
     def signalled(self) -> None:
@@ -252,16 +259,34 @@ class Supervisor:
     def stop_all(self) -> None:
         self.stopping.set()
         self._stop_signals = self.signals
-        for name in self.stop_order:
-            child = self.children[name]
-            if child.proc is None:
+        for stage in self.stop_order:
+            children = [self.children[name] for name in stage if self.children[name].proc is not None]
+            if not children:
                 continue
-            timeout = child.spec.stop_timeout
-            self.emit("up", f"stopping {name} (up to {timeout:.0f}s)")
-            self._stopping_child = (name, time.monotonic() + timeout)
-            code = child.stop(tick=self._while_stopping)
-            self.emit("up", f"{name} stopped (exit code {code})")
+            timeout = max(child.spec.stop_timeout for child in children)
+            names = ", ".join(child.spec.name for child in children)
+            self.emit("up", f"stopping {names} (up to {timeout:.0f}s)")
+            self._stopping_child = (names, time.monotonic() + timeout)
+            if len(children) == 1:
+                self._stopped(children[0], children[0].stop(tick=self._while_stopping))
+            else:
+                self._stop_together(children)
         self._stopping_child = None
+
+    def _stopped(self, child: Child, code: int | None) -> None:
+        self.emit("up", f"{child.spec.name} stopped (exit code {code})")
+
+    def _stop_together(self, children: list[Child]) -> None:
+        """Stops `children` at once, one thread each (each its own SIGTERM, wait and kill after its
+        stop_timeout); this thread keeps answering signals meanwhile (_while_stopping)."""
+        threads = [threading.Thread(target=lambda c=child: self._stopped(c, c.stop()), name=f"stop-{child.spec.name}")
+                   for child in children]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.1)
+                self._while_stopping()
 
     def _while_stopping(self) -> None:
         """A signal during the stop (ingest may drain for many minutes) says how long the child being stopped
@@ -269,8 +294,8 @@ class Supervisor:
         since = self.signals - (self._stop_signals or 0)
         if since >= 1 and not self._warned and self._stopping_child is not None:
             self._warned = True
-            name, deadline = self._stopping_child
-            self.emit("up", f"already stopping: {name} may take up to {max(0.0, deadline - time.monotonic()):.0f}s "
+            names, deadline = self._stopping_child
+            self.emit("up", f"already stopping: {names} may take up to {max(0.0, deadline - time.monotonic()):.0f}s "
                             "more; Ctrl-C (or SIGTERM) again kills every child at once (what they have not "
                             "finished is lost, e.g. events ingest has not stored yet)")
         elif since >= 2 and not self._forced:
@@ -319,8 +344,9 @@ def _stdout_to_devnull() -> None:
 # The clora stack
 
 
-def stack_specs(cfg, config_path: str | None, *, file_only: bool = False) -> tuple[list[ChildSpec], list[str]]:
-    """The children of `clora up` for this config, and their stop order. `file_only`: the children read
+def stack_specs(cfg, config_path: str | None, *, file_only: bool = False) -> tuple[list[ChildSpec], list[str | tuple[str, ...]]]:
+    """The children of `clora up` for this config, and their stop order (several learners, or several ingest
+    processes, stopped together: Supervisor). `file_only`: the children read
     `config_path` without the environment's overrides (CLORA_DATA_DIR and the like), as `cfg` was loaded
     (the demo: its own data and ports, whatever the shell has set for a real deployment)."""
     import httpx
@@ -402,7 +428,11 @@ def stack_specs(cfg, config_path: str | None, *, file_only: bool = False) -> tup
 
         unset: dict[str, str | None] = dict.fromkeys([CONFIG_ENV, *env_variables()])
         specs = [replace(spec, env={**unset, **spec.env}) for spec in specs]
-    return specs, ["compactor", "serving", *learners, *ingests, "broker"]
+
+    def together(names: list[str]) -> list[str | tuple[str, ...]]:
+        return [tuple(names)] if len(names) > 1 else list(names)
+
+    return specs, ["compactor", "serving", *together(learners), *together(ingests), "broker"]
 
 
 def setup_problems(cfg) -> list[str]:

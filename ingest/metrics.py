@@ -31,7 +31,9 @@ class MetricsPortError(RuntimeError):
 
 
 class IngestMetrics:
-    def __init__(self, *, port: int = 0, host: str = "127.0.0.1") -> None:
+    def __init__(self, *, port: int = 0, host: str = "127.0.0.1", setting: str | None = None) -> None:
+        """`setting`: how the config names `port`, for the error when it cannot be used (default
+        "ingest.metrics_port <port>")."""
         self.registry = CollectorRegistry()
         self.messages = PromCounter("clora_ingest_messages", "Kafka messages processed", registry=self.registry)
         self.rows = PromCounter("clora_ingest_rows", "Rows written, by dataset", ["dataset"], registry=self.registry)
@@ -56,8 +58,9 @@ class IngestMetrics:
         if port:
             try:
                 self.server, _ = start_http_server(port, addr=host, registry=self.registry)
-            except OSError as e:  # another process has the port: one line from `clora ingest`, not a traceback
-                raise MetricsPortError(f"ingest.metrics_port {port} on {host}: {e.strerror or e}") from e
+            except (OSError, OverflowError) as e:  # taken, or out of range: one line from `clora ingest`, not a traceback
+                what = setting or f"ingest.metrics_port {port}"
+                raise MetricsPortError(f"{what} on {host}: {getattr(e, 'strerror', None) or e}") from e
             logger.info("metrics on http://%s:%d/metrics", host, port)
 
     def flushed(self, messages: int, out: Output, seconds: float, pending: int) -> None:

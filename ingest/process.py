@@ -68,6 +68,11 @@ def build(cfg: Config, metrics: IngestMetrics | None = None, *, member: int | No
         max_auto_tenants=cfg.ingest.max_auto_tenants,
         time_limits={t.name: t.scorer_time_limit_s for t in cfg.tenants},
     )
+    base = cfg.ingest.metrics_port
+    if metrics is None:
+        port = base + (member or 0) if base else 0
+        setting = f"ingest.metrics_port {base} + member {member} (port {port})" if member else None
+        metrics = IngestMetrics(port=port, setting=setting)
     return Ingest(
         root=str(cfg.data_dir),
         bootstrap=cfg.kafka.bootstrap,
@@ -83,7 +88,7 @@ def build(cfg: Config, metrics: IngestMetrics | None = None, *, member: int | No
         max_pending=cfg.ingest.max_pending_feedback,
         session_timeout_ms=cfg.kafka.session_timeout_ms,
         heartbeat_interval_ms=cfg.kafka.heartbeat_interval_ms,
-        metrics=metrics or IngestMetrics(port=cfg.ingest.metrics_port + (member or 0) if cfg.ingest.metrics_port else 0),
+        metrics=metrics,
         name=member_name(member),
     )
 

@@ -84,7 +84,8 @@ def test_a_model_path_that_is_not_a_model_directory_is_one_line(tmp_path, capsys
         (["broker", "--port", "x"], "argument --port: 'x' is not a port number"),
         (["learn", "--max-steps", "0"], "argument --max-steps: 0 must be at least 1"),
         (["ingest", "--max-seconds", "-5"], "argument --max-seconds: -5 must be a number above 0"),
-        (["bench", "ingest", "--processes", "-1"], "argument --processes: -1 must be 0 or more"),
+        (["bench", "ingest", "--processes", "-1"], "argument --processes: -1 must be from 0 to 8"),
+        (["bench", "ingest", "--processes", "9"], "argument --processes: 9 must be from 0 to 8"),
         (["bench", "ingest", "--events", "0"], "argument --events: 0 must be at least 1"),
         (["bench", "experiments", "--steps", "0"], "argument --steps: 0 must be at least 1"),
         (["bench", "experiments", "--kv-cache-gib", "-1"], "argument --kv-cache-gib: -1 must be a number of 0 or more"),
@@ -137,11 +138,34 @@ def test_ingest_with_its_metrics_port_taken_says_so_in_one_line(tmp_path, monkey
     assert errors == [f"clora ingest: ingest.metrics_port {port} on 127.0.0.1: Address already in use"]
 
 
-def _ingest_errors(process, cfg, caplog) -> list[str]:
+def test_an_ingest_members_metrics_port_taken_or_out_of_range_says_so_in_one_line(tmp_path, monkeypatch, caplog):
+    """`--member K` serves on ingest.metrics_port + K: the error names both, and a K past the last port is
+    the same one line (clora up's config check covers only the members it starts)."""
+    from clora.config import load_config
+    from ingest import process
+
+    monkeypatch.setattr(process, "tune_runtime", lambda: None)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = load_config(write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[ingest]\nmetrics_port = {port - 2}\n'),
+                          environ={})
+        errors = _ingest_errors(process, cfg, caplog, member=2)
+    assert errors == [f"clora ingest: ingest.metrics_port {port - 2} + member 2 (port {port}) on 127.0.0.1: "
+                      "Address already in use"]
+    caplog.clear()
+    (error,) = _ingest_errors(process, cfg, caplog, member=70_000)
+    assert error.startswith(f"clora ingest: ingest.metrics_port {port - 2} + member 70000 (port {port - 2 + 70_000}) "
+                            "on 127.0.0.1: ")
+    assert "65535" in error
+
+
+def _ingest_errors(process, cfg, caplog, member=None) -> list[str]:
     """Runs ingest in this process, expecting exit 2; its ERROR lines. The signal handlers it installs are
     put back."""
     try:
-        assert process.run(cfg) == 2
+        assert process.run(cfg, member=member) == 2
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)

@@ -225,7 +225,9 @@ def run_round(up, round_, url, key, body, data, after: int) -> Round:
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, [p.pid for p in alive]
     assert "stopping serving" in out and "broker stopped" in out
-    assert "stopping ingest-0" in out and "stopping ingest-1" in out  # two ingest processes in one group
+    # two ingest processes in one group, stopped together (each drains its own partitions)
+    assert "stopping ingest-0, ingest-1" in out
+    assert "ingest-0 stopped (exit code 0)" in out and "ingest-1 stopped (exit code 0)" in out
     # no half-written file: every Parquet file is complete and readable, no temporary names left behind
     leftovers = [p for p in data.rglob("*") if p.is_file() and p.name.startswith(storage_files.TMP_PREFIX)
                  and "locks" not in p.parts]

@@ -54,6 +54,42 @@ def test_start_stop_order_and_no_orphans():
             os.kill(pid, 0)
 
 
+# On SIGTERM: marks itself, then exits 0 once the other child (argv[2]) has had its SIGTERM too, or 3 after
+# 20 s without it (what stopping one child after the other gives).
+WAITS_FOR_PARTNER = [sys.executable, "-c", """
+import os, signal, sys, time
+me, partner = sys.argv[1], sys.argv[2]
+def on_term(*_):
+    open(me, "w").close()
+    deadline = time.monotonic() + 20
+    while not os.path.exists(partner):
+        if time.monotonic() > deadline:
+            sys.exit(3)
+        time.sleep(0.05)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""]
+
+
+def test_children_in_one_stop_stage_get_their_sigterm_together(tmp_path):
+    lines, emit = collect()
+    a, b = str(tmp_path / "a.term"), str(tmp_path / "b.term")
+    sup = Supervisor([spec("first", lines=lines), ChildSpec("a", [*WAITS_FOR_PARTNER, a, b], healthy=lambda _pid: (
+        "a", "ready") in lines, stop_timeout=60), ChildSpec("b", [*WAITS_FOR_PARTNER, b, a], healthy=lambda _pid: (
+        "b", "ready") in lines, stop_timeout=60), spec("last", lines=lines)],
+        stop_order=["first", ("a", "b"), "last"], emit=emit)
+    sup.start_all()
+    sup.stop_all()
+    said = [line for n, line in lines if n == "up" and "stop" in line]
+    assert said[:2] == ["stopping first (up to 5s)", "first stopped (exit code -15)"]
+    assert said[2] == "stopping a, b (up to 60s)"
+    assert sorted(said[3:5]) == ["a stopped (exit code 0)", "b stopped (exit code 0)"]  # 3: one after the other
+    assert said[5:] == ["stopping last (up to 5s)", "last stopped (exit code -15)"]
+
+
 def test_a_stop_order_naming_a_child_that_is_not_there_stops_the_others():
     """With an external Kafka there is no "broker" child, but the stop order still ends with it."""
     lines, emit = collect()
@@ -238,7 +274,7 @@ def test_the_stack_runs_one_learner_per_configured_shard(tmp_path, monkeypatch):
     assert [s.name for s in learners] == ["learner-0", "learner-1"]
     assert [s.argv[-2:] for s in learners] == [["--shard", "0/2"], ["--shard", "1/2"]]
     assert all(s.env == {"OMP_NUM_THREADS": "2"} for s in learners)  # the learners' half of the cores, shared
-    assert stop_order == ["compactor", "serving", "learner-0", "learner-1", "ingest", "broker"]
+    assert stop_order == ["compactor", "serving", ("learner-0", "learner-1"), "ingest", "broker"]  # shards together
 
 
 def test_the_stack_runs_the_configured_ingest_processes_in_one_group(tmp_path):
@@ -256,7 +292,7 @@ def test_the_stack_runs_the_configured_ingest_processes_in_one_group(tmp_path):
     assert [s.argv[-2:] for s in ingests] == [["--member", "0"], ["--member", "1"], ["--member", "2"]]
     assert all("--drain-on-stop" in s.argv for s in ingests)
     assert [s.ready_file.name for s in ingests] == ["ingest-0.json", "ingest-1.json", "ingest-2.json"]
-    assert stop_order == ["compactor", "serving", "learner", "ingest-0", "ingest-1", "ingest-2", "broker"]
+    assert stop_order == ["compactor", "serving", "learner", ("ingest-0", "ingest-1", "ingest-2"), "broker"]
 
 
 def test_the_stack_runs_the_compactor_unless_it_is_turned_off(tmp_path):

@@ -35,8 +35,10 @@ def test_processes_split_the_work_and_write_what_one_process_writes(broker, topi
     # Both members had partitions: the barrier held each window until the group had settled.
     assert [m["messages"] > 0 for m in group["members"]] == [True, True]
     assert group["seconds"] >= max(m["seconds"] for m in group["members"])
+    assert group["synchronised"]  # no member's window opened before the others were in the group
 
     bare = in_processes("bare", 2, broker.bootstrap, topics, tmp_path / "bare")
     assert bare["messages"] == EVENTS
     assert [m["messages"] > 0 for m in bare["members"]] == [True, True]
+    assert bare["synchronised"]
     assert bare["rate"] > 0 and bare["cpu_us"] > 0
