@@ -17,7 +17,7 @@ together, each group as one step of that order: one at a time, every ingest stop
 partitions to the others (a rebalance, and a batch read again) and each could take its whole drain time.
 
 Before starting anything, `up` checks that the ports its own children will bind (the embedded broker's,
-serving's) are free, and refuses to start otherwise: a stale process from an earlier run on one of them
+serving's, the ingest processes' metrics ports) are free, and refuses to start otherwise: a stale process from an earlier run on one of them
 would answer the health check while our child failed to bind. Children get SIGTERM if `clora up` itself
 dies (Linux parent-death signal), so nothing is orphaned. Each child leads its own process group: what it
 forked (vLLM's engine core) is killed with it when it crashes or has to be killed, and whatever it left
@@ -437,9 +437,10 @@ def stack_specs(cfg, config_path: str | None, *, file_only: bool = False) -> tup
 
 def setup_problems(cfg) -> list[str]:
     """What would keep `up`'s children from working, one line each, checked before anything starts: the
-    embedded broker somewhere else than kafka.bootstrap says (serving and ingest would never reach it), and
-    ports another process already holds (a child that cannot bind its port exits, and a health check would
-    see the other process answering)."""
+    embedded broker somewhere else than kafka.bootstrap says (serving and ingest would never reach it), ingest
+    metrics ports (ingest.metrics_port + K) that fall on serving's or the broker's, and ports another process
+    already holds (a child that cannot bind its port exits, and a health check would see the other process
+    answering)."""
     problems = []
     broker = f"{cfg.broker.host}:{cfg.broker.port}"
     if cfg.broker.embedded and not _names_broker(cfg.kafka.bootstrap, cfg.broker.host, cfg.broker.port):
@@ -449,6 +450,13 @@ def setup_problems(cfg) -> list[str]:
     wanted = [("serving.port", cfg.serving.host, cfg.serving.port)]
     if cfg.broker.embedded:
         wanted.insert(0, ("broker.port and kafka.bootstrap", cfg.broker.host, cfg.broker.port))
+    if cfg.ingest.metrics_port:  # each ingest process's metrics endpoint (ingest/metrics.py binds loopback)
+        members = cfg.ingest.processes
+        wanted += [("ingest.metrics_port", "127.0.0.1", cfg.ingest.metrics_port + k) for k in range(members)]
+        clashes = sorted({cfg.serving.port, *([cfg.broker.port] if cfg.broker.embedded else [])}
+                         & set(range(cfg.ingest.metrics_port, cfg.ingest.metrics_port + members)))
+        problems += [f"ingest.metrics_port {cfg.ingest.metrics_port} puts an ingest process's metrics on port {port}, "
+                     "which serving or the broker listens on: set ingest.metrics_port to a free range" for port in clashes]
     return problems + [
         f"port {port} on {host} is already in use by another process (perhaps an earlier clora still "
         f"running): stop it, or set {key} to a free port"

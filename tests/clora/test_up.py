@@ -369,6 +369,37 @@ def test_up_refuses_an_embedded_broker_that_kafka_bootstrap_does_not_name(tmp_pa
         assert up_module.setup_problems(named) == [], bootstrap
 
 
+def test_up_refuses_ingest_metrics_ports_that_are_taken_or_clash_with_its_own(tmp_path):
+    from clora import up as up_module
+    from clora.config import Config
+    from ingest.broker import free_port
+
+    broker = free_port()
+    held = listening()
+    taken = held.getsockname()[1]
+    try:
+        cfg = Config.model_validate({
+            "data_dir": str(tmp_path), "broker": {"port": broker}, "serving": {"port": free_port()},
+            "kafka": {"bootstrap": f"127.0.0.1:{broker}"}, "ingest": {"processes": 3, "metrics_port": taken - 2},
+        })
+        problems = up_module.setup_problems(cfg)
+    finally:
+        held.close()
+    # member 2's port: held by another process (members 0 and 1 may or may not be free; only the held one is asserted)
+    assert (f"port {taken} on 127.0.0.1 is already in use by another process (perhaps an earlier clora still "
+            "running): stop it, or set ingest.metrics_port to a free port") in problems
+    clash = Config.model_validate({
+        "data_dir": str(tmp_path), "broker": {"port": broker}, "serving": {"port": broker + 1},
+        "kafka": {"bootstrap": f"127.0.0.1:{broker}"}, "ingest": {"processes": 2, "metrics_port": broker}})
+    assert [p for p in up_module.setup_problems(clash) if "puts an ingest process" in p] == [
+        f"ingest.metrics_port {broker} puts an ingest process's metrics on port {port}, which serving or the broker "
+        "listens on: set ingest.metrics_port to a free range" for port in (broker, broker + 1)]
+    fine = Config.model_validate({
+        "data_dir": str(tmp_path), "broker": {"port": broker}, "serving": {"port": free_port()},
+        "kafka": {"bootstrap": f"127.0.0.1:{broker}"}, "ingest": {"processes": 2}})  # metrics off: nothing to check
+    assert up_module.setup_problems(fine) == []
+
+
 def test_up_warns_of_ingest_processes_beyond_the_partitions_and_starts(tmp_path, monkeypatch):
     from clora import up as up_module
     from clora.config import Config
