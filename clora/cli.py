@@ -99,12 +99,24 @@ def base_model_dir(cfg) -> Path:
     return ensure_tiny(Path(cfg.data_dir) / "models", cfg.model.seed)
 
 
+# What a model directory holds besides config.json: its weights (one file, or shards with an index) and its
+# tokenizer, in any of the formats transformers and vLLM load.
+WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def model_path_problem(path: Path) -> str | None:
-    """Why a configured model.path is not a model directory, or None when it is one."""
-    if (path / "config.json").is_file():
-        return None
-    why = "does not exist" if not path.exists() else "is not a model directory (it has no config.json)"
-    return f"model.path {path} {why}"
+    """Why a configured model.path is not a model directory, or None when it is one. Names only what is
+    missing; whether the files inside can be read shows when the model is loaded."""
+    if not path.exists():
+        return f"model.path {path} does not exist"
+    if not (path / "config.json").is_file():
+        return f"model.path {path} is not a model directory (it has no config.json)"
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
+        return f"model.path {path} has no weights (no *.safetensors or pytorch_model*.bin)"
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return f"model.path {path} has no tokenizer (no {', '.join(TOKENIZER_FILES)})"
+    return None
 
 
 def prepare_data_dir(path: Path) -> None:

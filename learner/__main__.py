@@ -23,6 +23,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     from clora.cli import base_model_dir, config_from_args
     from clora.config import load_config
     from learner.loop import run
+    from learner.policy import PolicyError
 
     cfg = config_from_args(args, writes_data_dir=True)
     shard = args.shard  # a Shard (parsed by argparse) or None
@@ -38,17 +39,21 @@ def main_from_args(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     config_file = getattr(args, "config_path", None)
-    learner = run(
-        cfg,
-        model_path=path,
-        reload=lambda: load_config(config_file),
-        once=args.once,
-        until_idle=args.until_idle,
-        max_steps=args.max_steps,
-        progress=not args.no_progress,
-        stop=stop,
-        shard=shard,
-    )
+    try:
+        learner = run(
+            cfg,
+            model_path=path,
+            reload=lambda: load_config(config_file),
+            once=args.once,
+            until_idle=args.until_idle,
+            max_steps=args.max_steps,
+            progress=not args.no_progress,
+            stop=stop,
+            shard=shard,
+        )
+    except PolicyError as e:  # the base model cannot be loaded (a tenant's own failures are its status, below)
+        logger.error("clora learn: %s", e)
+        return 2
     failed = sorted(name for name, t in learner.tenants.items() if t.status == "error")
     if failed:
         logger.error("tenants whose last step failed: %s", ", ".join(failed))

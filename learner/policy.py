@@ -94,8 +94,8 @@ class Policy:
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
             base = AutoModelForCausalLM.from_pretrained(self.model_path, dtype="auto")
-        except (OSError, ValueError) as e:
-            raise PolicyError(f"cannot load the base model from {self.model_path}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - damaged files raise whatever their reader does (safetensors, tokenizers)
+            raise PolicyError(f"cannot load the base model from {self.model_path}: {type(e).__name__}: {e}") from e
         if self.device.type == "cpu" and base.dtype != torch.float32:
             base = base.float()  # half precision matmuls are slow or missing on CPU
         base.to(self.device)
@@ -525,8 +525,8 @@ class Policy:
         directory = Path(directory)
         try:
             state = load_file(str(directory / ADAPTER_WEIGHTS), device=str(self.device))
-        except (OSError, ValueError) as e:
-            raise PolicyError(f"tenant {tenant!r}: cannot read adapter weights in {directory}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - a damaged file raises safetensors' own error, not an OSError
+            raise PolicyError(f"tenant {tenant!r}: cannot read adapter weights in {directory}: {type(e).__name__}: {e}") from e
         expected = {k for k in _peft_keys(self.model, adapter_name(tenant))}
         if set(state) != expected:
             missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
@@ -550,10 +550,12 @@ class Policy:
         directory = Path(directory)
         self.load_adapter(tenant, directory / CHECKPOINT_ADAPTER_DIR)
         try:
+            # A damaged file raises what unpickling meets (UnpicklingError, EOFError, ...), not an OSError.
             state = torch.load(directory / OPTIMIZER_FILE, map_location=self.device, weights_only=True)
             self._optimizers[tenant].load_state_dict(state)
-        except (OSError, ValueError, RuntimeError, KeyError) as e:
-            raise PolicyError(f"tenant {tenant!r}: cannot restore the optimizer from {directory}: {e}") from e
+        except Exception as e:  # noqa: BLE001
+            raise PolicyError(f"tenant {tenant!r}: cannot restore the optimizer from {directory / OPTIMIZER_FILE}: "
+                              f"{type(e).__name__}: {e}") from e
         for group in self._optimizers[tenant].param_groups:  # the saved state carries the lr of its time
             group["lr"] = self.spec(tenant).learning_rate
 

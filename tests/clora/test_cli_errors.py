@@ -64,17 +64,38 @@ def test_the_data_dir_check_writes_a_file_and_leaves_none(tmp_path):
 
 
 @pytest.mark.parametrize("command", [["learn", "--once"], ["serve"], ["up"]])
-@pytest.mark.parametrize("kind", ["missing", "not a model"])
-def test_a_model_path_that_is_not_a_model_directory_is_one_line(tmp_path, capsys, command, kind):
+@pytest.mark.parametrize("kind, why", [
+    ("missing", "does not exist"),
+    ("not a model", "is not a model directory (it has no config.json)"),
+    ("no weights", "has no weights (no *.safetensors or pytorch_model*.bin)"),
+    ("no tokenizer", "has no tokenizer (no tokenizer.json, tokenizer_config.json, tokenizer.model)"),
+])
+def test_a_model_path_that_is_not_a_model_directory_is_one_line(tmp_path, capsys, command, kind, why):
     model = tmp_path / "model"
-    if kind == "not a model":
+    if kind != "missing":
         model.mkdir()
+    if kind in ("no weights", "no tokenizer"):
+        (model / "config.json").write_text("{}")
+    if kind == "no tokenizer":
+        (model / "model.safetensors").write_bytes(b"")
     config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[model]\npath = "{model}"\n')
     with pytest.raises(SystemExit) as e:
         main([*command, "--config", str(config)])
     assert e.value.code == 2
-    why = "does not exist" if kind == "missing" else "is not a model directory (it has no config.json)"
     assert capsys.readouterr().err.strip() == f"clora: model.path {model} {why}"
+
+
+def test_learn_with_a_damaged_base_model_says_so_in_one_line(tmp_path, tiny_model, caplog):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "tokenizer.json").write_text('{"x": 1}')
+    config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[model]\npath = "{model}"\n')
+    with caplog.at_level("ERROR"):
+        assert main(["learn", "--once", "--no-progress", "--config", str(config)]) == 2
+    (error,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert error.startswith(f"clora learn: cannot load the base model from {model}: ")
 
 
 @pytest.mark.parametrize(

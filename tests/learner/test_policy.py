@@ -258,6 +258,31 @@ def test_loading_an_adapter_of_another_shape_is_refused_with_names(policy, tmp_p
         policy.load_adapter("acme", tmp_path)
 
 
+def test_damaged_checkpoint_files_are_policy_errors_naming_the_file(policy, tmp_path):
+    """A damaged file raises its reader's own error (safetensors', unpickling's), not an OSError: it must
+    still come out as a PolicyError that says which file."""
+    from learner.policy import ADAPTER_WEIGHTS, CHECKPOINT_ADAPTER_DIR, OPTIMIZER_FILE
+
+    policy.save_checkpoint("acme", tmp_path)
+    (tmp_path / OPTIMIZER_FILE).write_bytes(b"not a pickle")
+    with pytest.raises(PolicyError, match=f"cannot restore the optimizer from {tmp_path / OPTIMIZER_FILE}"):
+        policy.load_checkpoint("acme", tmp_path)
+    adapter = tmp_path / CHECKPOINT_ADAPTER_DIR
+    (adapter / ADAPTER_WEIGHTS).write_bytes(b"xx")
+    with pytest.raises(PolicyError, match=f"cannot read adapter weights in {adapter}: SafetensorError"):
+        policy.load_adapter("acme", adapter)
+
+
+def test_a_damaged_base_model_is_a_policy_error(tiny_model, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "model.safetensors").write_bytes(b"xx")
+    with pytest.raises(PolicyError, match=f"cannot load the base model from {model}: "):
+        Policy(model, device="cpu")
+
+
 def test_unknown_tenant_and_bad_targets_are_named(policy, tiny_model):
     with pytest.raises(PolicyError, match="'ghost' has no adapter"):
         policy.snapshot("ghost")
