@@ -159,7 +159,11 @@ class AdapterSet:
         self._refused: dict[tuple[str, int], tuple[str, datetime | None]] = {}  # -> (why, the version's created_at)
         self._failing: dict[str, _Failing] = {}  # tenant -> the swap to try again, and when
         self._loading: dict[tuple[str, int], asyncio.Future] = {}
-        self._generation: int | None = None
+        self._generation: int | None = None  # the registry generation every tenant's swap has settled at
+        # The registry generation last read, settled or not (a swap backing off keeps _generation behind): what
+        # an explicit version's published status is checked against (a retired one must be refused from the
+        # next poll on, whatever another tenant's swap is doing).
+        self._seen: int | None = None
         self._unreadable: str | None = None  # why the registry's HEAD.json could not be read, logged once
         self._refresh_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
@@ -192,7 +196,7 @@ class AdapterSet:
                 return self.base_lease()
             return self._lease(loaded)
         loaded = self._loaded.get((tenant, version))
-        if loaded is None or loaded.checked != self._generation:
+        if loaded is None or loaded.checked != self._seen:
             # Loaded, but the registry changed since it was last found published (it may be retired now):
             # ask the registry again, once per registry change.
             loaded = await self._load_explicit(tenant, version)
@@ -226,6 +230,7 @@ class AdapterSet:
         async with self._refresh_lock:
             try:
                 generation = await asyncio.to_thread(self.registry.generation)
+                self._seen = generation
                 if generation == self._generation:
                     return
                 published = await asyncio.to_thread(self.registry.published)
@@ -368,7 +373,7 @@ class AdapterSet:
         from storage.registry import UnreadableRecord, VersionNotFound
 
         name = f"{tenant}@{number}"
-        generation = self._generation  # what the status read below is at least as new as
+        generation = self._seen  # what the status read below is at least as new as
         try:
             version = await asyncio.to_thread(self.registry.get, tenant, number)
         except VersionNotFound:

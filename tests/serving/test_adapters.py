@@ -181,6 +181,37 @@ def test_a_retired_version_is_refused_even_while_a_request_still_holds_it(world)
     run(scenario())
 
 
+def test_a_retired_version_is_refused_while_another_tenants_swap_backs_off(world):
+    """One tenant's adapter that keeps failing to load (a transient error, retried with back-off) leaves
+    the registry's changes unsettled; a version retired meanwhile must still be refused from the next poll."""
+    registry, engine, adapters, publish = world
+    check = adapters.check
+
+    def globex_unreadable(path):
+        if "globex" in str(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return check(path)
+
+    adapters.check = globex_unreadable
+
+    async def scenario():
+        publish("acme", seed=1)
+        publish("acme", seed=2)
+        await adapters.refresh()
+        held = await adapters.acquire("acme", 1)  # a long request keeps acme@1 loaded
+        publish("globex", seed=3)
+        await adapters.refresh()  # globex@1 fails: backing off
+        assert adapters.current("globex") == "base"
+        registry.retire("acme", 1)
+        await adapters.refresh()
+        with pytest.raises(UnknownVersion, match="retired"):
+            await adapters.acquire("acme", 1)
+        assert adapters.current("acme") == "acme@2"
+        held.release()
+
+    run(scenario())
+
+
 def test_concurrent_requests_for_one_version_load_it_once(world):
     registry, engine, adapters, publish = world
 
