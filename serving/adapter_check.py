@@ -18,6 +18,7 @@ What this module does not do: load anything into the engine or decide which vers
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,12 +113,15 @@ def _check_config(
     elif rank > max_rank:
         problems.append(f"rank {rank} exceeds the engine's max_lora_rank {max_rank}")
     for key, value in (config.get("rank_pattern") or {}).items():
-        if not isinstance(value, int) or value <= 0 or value > max_rank:
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value > max_rank:
             problems.append(f"rank_pattern[{key!r}] = {value!r} is not a rank in 1..{max_rank}")
     alpha = config.get("lora_alpha")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha > 0:
-        problems.append(f"lora_alpha must be a positive number, got {alpha!r}")
+    if not _positive_finite(alpha):  # the engine scales B·A by alpha / r: Infinity (valid JSON here) breaks every output
+        problems.append(f"lora_alpha must be a finite positive number, got {alpha!r}")
         alpha = 0.0
+    for key, value in (config.get("alpha_pattern") or {}).items():
+        if not _positive_finite(value):
+            problems.append(f"alpha_pattern[{key!r}] = {value!r} is not a finite positive number")
     if config.get("use_dora"):
         problems.append("DoRA adapters (use_dora) are not supported by the engine")
     if config.get("bias", "none") != "none":
@@ -126,6 +130,10 @@ def _check_config(
         problems.append(f"modules_to_save {config['modules_to_save']!r} is not supported")
     targets = _check_targets(config.get("target_modules"), base_shapes, problems)
     return rank, float(alpha), targets
+
+
+def _positive_finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 def _check_targets(targets: object, base_shapes: dict[str, tuple[int, int]], problems: list[str]) -> tuple[str, ...]:

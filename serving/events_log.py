@@ -185,7 +185,14 @@ class EventLog:
     def log(self, event: Event) -> bool:
         """Queues `event` for Kafka (or the spool); False when it was dropped: twice `queue_bytes` of events are
         in memory already (Kafka slow and the spool failing or behind)."""
-        message = Message(self.topics[type(event)], event.tenant, encode(event).decode("utf-8"))
+        try:
+            message = Message(self.topics[type(event)], event.tenant, encode(event).decode("utf-8"))
+        except ValueError as e:  # a value JSON cannot carry (a non-finite log-prob from a broken adapter)
+            kind = "feedback" if isinstance(event, FeedbackEvent) else "interaction"
+            self.metrics.events.labels(kind, "dropped").inc()
+            logger.error("dropped %s event %s of tenant %s: it cannot be encoded as JSON (%s)", kind, event.id,
+                         event.tenant, e)
+            return False
         size = len(message.value)
         with self._lock:
             held = self._queued_bytes + self._spilling_bytes

@@ -72,12 +72,27 @@ def test_every_problem_is_reported_at_once(tmp_path, shapes):
     text = "\n".join(e.value.problems)
     assert "rank 32 exceeds the engine's max_lora_rank 16" in text
     assert "['wq'] are not linear layers" in text
-    assert "DoRA" in text and "lora_alpha must be a positive number" in text
+    assert "DoRA" in text and "lora_alpha must be a finite positive number" in text
     assert "has 1 non-finite values" in text
     assert "model.layers.1.mlp.down_proj' has no lora_B" in text
     assert "model.layers.9.self_attn.q_proj' is not a linear layer of the base model" in text
     assert len(e.value.problems) >= 7
     assert str(bad) in str(e.value)
+
+
+@pytest.mark.parametrize("config, problem", [
+    ({"lora_alpha": float("inf")}, "lora_alpha must be a finite positive number, got inf"),
+    ({"lora_alpha": float("nan")}, "lora_alpha must be a finite positive number, got nan"),
+    ({"alpha_pattern": {"q_proj": float("inf")}}, "alpha_pattern['q_proj'] = inf is not a finite positive number"),
+    ({"alpha_pattern": {"q_proj": 0}}, "alpha_pattern['q_proj'] = 0 is not a finite positive number"),
+    ({"rank_pattern": {"q_proj": True}}, "rank_pattern['q_proj'] = True is not a rank in 1..16"),
+])
+def test_scales_that_are_not_finite_positive_numbers_are_refused(tmp_path, shapes, config, problem):
+    """JSON as Python writes and reads it carries Infinity and NaN; the engine scales B·A by alpha / r."""
+    adapter = write_adapter(tmp_path / "a", shapes, config=config)
+    with pytest.raises(AdapterRejected) as e:
+        validate_adapter(adapter, max_rank=16, base_shapes=shapes)
+    assert problem in e.value.problems
 
 
 def test_shape_mismatch_means_another_base(tmp_path, shapes):

@@ -96,6 +96,22 @@ def test_events_reach_their_topics_keyed_by_tenant(tmp_path):
     assert broker.received == [("t.interactions", "acme", "i1"), ("t.feedback", "acme", "i1")]
 
 
+def test_an_event_json_cannot_carry_is_dropped_counted_and_logged_not_raised(tmp_path, caplog):
+    """A non-finite log-prob (a broken adapter's output) must not turn an answer already generated into an
+    error: that one event is dropped, counted and logged; the next ones go on."""
+    broker = FakeBroker()
+    log = make_log(tmp_path, broker)
+    bad = InteractionEvent(id="nan", tenant="acme", completion="c", prompt="p", completion_logprobs=[float("-inf")])
+    with caplog.at_level("ERROR", logger="serving.events_log"):
+        assert log.log(bad) is False
+    assert log.log(interaction(2)) is True
+    wait_for(lambda: len(broker.received) == 1)
+    log.close()
+    assert broker.received == [("t.interactions", "acme", "i2")]
+    assert log.metrics.events.labels("interaction", "dropped")._value.get() == 1
+    assert "dropped interaction event nan of tenant acme: it cannot be encoded as JSON" in caplog.text
+
+
 def test_outage_spools_then_resends_everything_in_order(tmp_path):
     broker = FakeBroker()
     broker.up = False
