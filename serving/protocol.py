@@ -115,6 +115,9 @@ def _count(default: int | None, **bounds) -> Any:
     return Field(default, strict=True, **bounds)  # `true` is not 1
 
 
+_TokenId = Annotated[int, Strict()]
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
     not_implemented: ClassVar[dict[str, tuple[str, Any]]] = NOT_IMPLEMENTED
@@ -126,7 +129,7 @@ class _Request(BaseModel):
     n: int = _count(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = _count(None, ge=-(2**63), le=2**63 - 1)  # vLLM's range (a larger one fails inside it)
-    stream: bool = False
+    stream: bool = Field(False, strict=True)  # "true" or 1 is a 400, not a stream
     stream_options: dict[str, Any] | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None  # the caller's tags, kept on the interaction event (see README)
@@ -295,7 +298,7 @@ class ChatRequest(_Request):
     not_implemented: ClassVar[dict[str, tuple[str, Any]]] = CHAT_NOT_IMPLEMENTED
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = _count(None, ge=1)
-    logprobs: bool = False
+    logprobs: bool = Field(False, strict=True)
     top_logprobs: int | None = _count(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -339,9 +342,9 @@ class ChatRequest(_Request):
 
 class CompletionRequest(_Request):
     not_implemented: ClassVar[dict[str, tuple[str, Any]]] = COMPLETIONS_NOT_IMPLEMENTED
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[_TokenId] | list[list[_TokenId]]  # [true, false] is no prompt of ids 1, 0
     logprobs: int | None = _count(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
+    echo: bool = Field(False, strict=True)
     suffix: str | None = None
     best_of: int | None = _count(None, ge=1)
 
@@ -384,7 +387,7 @@ class FeedbackRequest(BaseModel):
 
     id: str = Field(min_length=1, max_length=256)
     score: float = Field(ge=-1, le=1, allow_inf_nan=False, strict=True)  # `false` is not a score of 0
-    source: str | None = Field(None, max_length=128)
+    source: str | None = Field(None, min_length=1, max_length=128)  # leave it out for the default, "http"
 
 
 # msgspec's parser takes strict JSON in valid UTF-8 only, so what it accepts holds no lone surrogate (the

@@ -52,6 +52,24 @@ def test_sampling_the_engine_would_refuse_is_a_bad_request(extra, expected):
     assert protocol.parse(protocol.ChatRequest, json.dumps(ok).encode()).seed == 2**63 - 1
 
 
+@pytest.mark.parametrize("model, extra, field", [
+    (protocol.ChatRequest, {"stream": "true"}, "stream"),
+    (protocol.ChatRequest, {"stream": 1}, "stream"),
+    (protocol.ChatRequest, {"logprobs": 1}, "logprobs"),
+    (protocol.CompletionRequest, {"prompt": [True, False]}, "prompt"),
+    (protocol.CompletionRequest, {"prompt": [[1, True]]}, "prompt"),
+    (protocol.CompletionRequest, {"prompt": "x", "echo": "false"}, "echo"),
+    (protocol.FeedbackRequest, {"source": ""}, "source"),
+])
+def test_values_of_the_wrong_type_are_refused_not_read_as_another(model, extra, field):
+    """`true` is no token id 1 and "true" no flag, as OpenAI answers them (400)."""
+    base = {protocol.ChatRequest: {"model": "m", "messages": [{"role": "user", "content": "x"}]},
+            protocol.CompletionRequest: {"model": "m"}, protocol.FeedbackRequest: {"id": "r", "score": 1}}[model]
+    with pytest.raises(BadRequest) as e:
+        protocol.parse(model, json.dumps({**base, **extra}).encode())
+    assert e.value.param == field
+
+
 @pytest.mark.parametrize("role", ["bot", "User", "ASSISTANT", "model", "human"])
 def test_a_role_openai_does_not_define_is_refused_naming_the_message(role):
     """Qwen3's chat template drops a message whose role it does not know: answered 200 as if it was not sent."""
