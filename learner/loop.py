@@ -324,14 +324,28 @@ class Learner:
         return True
 
     def _load_served(self, rt: TenantRuntime) -> None:
-        rt.served = sorted(v.number for v in self.registry.versions(rt.spec.name) if v.published_at is not None)
-        self._trim_served(rt)
+        """The newest served versions, read newest first until there are as many as staleness can count:
+        a start or takeover reads that many records (and the rejected ones between), not the whole history
+        (one version per step, for ever)."""
+        tenant, keep, served = rt.spec.name, self._served_kept(), []
+        for number in reversed(self.registry.numbers(tenant)):
+            try:
+                version = self.registry.get(tenant, number)
+            except VersionNotFound:  # deleted since the listing (retention)
+                continue
+            if version.published_at is not None:
+                served.append(number)
+                if len(served) >= keep:
+                    break
+        rt.served = served[::-1]
+
+    def _served_kept(self) -> int:
+        return max(SERVED_KEPT, self.settings.max_staleness + 2)
 
     def _trim_served(self, rt: TenantRuntime) -> None:
         """Keeps the newest served versions staleness can count (one per published step would grow for
         ever); a sample older than all of them is behind by more than max_staleness either way."""
-        keep = max(SERVED_KEPT, self.settings.max_staleness + 2)
-        del rt.served[:-keep]
+        del rt.served[:-self._served_kept()]
 
     def _left_config(self, name: str) -> None:
         """A tenant a config reload removed gets what a restart would give it: while storage holds anything

@@ -1055,6 +1055,13 @@ def test_a_tenant_remembers_only_the_served_versions_staleness_can_count(tiny_mo
     monkeypatch.setattr("learner.loop.SERVED_KEPT", 1)
     learner = learn(make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], max_staleness=0), tiny_model)
     assert learner.tenants["acme"].served == published[-2:], "max_staleness + 2 of them, the newest"
+    # and only they are read (newest first), not every record of the history
+    numbers = Registry(data_dir).numbers("acme")
+    read, get = [], learner.registry.get
+    monkeypatch.setattr(learner.registry, "get", lambda tenant, n: read.append(n) or get(tenant, n))
+    learner._load_served(learner.tenants["acme"])
+    assert learner.tenants["acme"].served == published[-2:]
+    assert read == sorted((n for n in numbers if n >= published[-2]), reverse=True) and len(read) < len(numbers)
 
 
 def test_rollouts_reach_the_serving_url_when_one_is_set(tiny_model, data_dir):
