@@ -35,12 +35,18 @@ def test_an_interrupted_run_is_marked_partial_and_exits_130(tmp_path, capsys):
     assert "every tenant improved" not in out and "no verdict" in out
 
 
+def stand_in_model(path):
+    """What the demo's model.path check looks for (config, weights, tokenizer); nothing here loads it."""
+    path.mkdir(exist_ok=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (path / name).write_text("{}")
+
+
 def run_demo(tmp_path, fake_up, monkeypatch):
     from clora.config import Config
 
     monkeypatch.setattr("clora.up.up", fake_up)
-    (tmp_path / "model").mkdir(exist_ok=True)
-    (tmp_path / "model" / "config.json").write_text("{}")  # what the demo's model.path check looks for
+    stand_in_model(tmp_path / "model")
     cfg = Config.model_validate({"data_dir": str(tmp_path / "data"), "model": {"path": str(tmp_path / "model")}})
     return demo.run_demo(cfg, minutes=1, rate=20, preferences=["digits"], seed=0, out_png=tmp_path / "demo.png")
 
@@ -175,8 +181,7 @@ def test_the_traffic_stops_once_every_tenant_has_learned_unless_full(full, tmp_p
     LearningServing.answered = 0
     monkeypatch.setattr(demo, "PROGRESS_SECONDS", 0.5)
     monkeypatch.setattr("clora.up.up", serving_up)
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
+    stand_in_model(tmp_path / "model")
     cfg = Config.model_validate({"data_dir": str(tmp_path / "data"), "model": {"path": str(tmp_path / "model")}})
     minutes = 0.15  # 9 s: the learned tenant stops the traffic within a few seconds unless `full`
     t0 = time.monotonic()
