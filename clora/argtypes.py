@@ -37,6 +37,17 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_int_list(text: str) -> list[int]:
+    """Comma-separated counts, each at least 1 ("1,2,4,8"): sorted, each once."""
+    try:
+        values = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must list counts of at least 1")
+    return values
+
+
 def int_between(low: int, high: int):
     """A whole number from `low` to `high` (both included)."""
 

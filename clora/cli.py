@@ -64,10 +64,12 @@ def build_parser(modules: Sequence[str] = COMMAND_MODULES) -> argparse.ArgumentP
     return parser
 
 
-def config_from_args(args: argparse.Namespace, *, writes_data_dir: bool = False):
+def config_from_args(args: argparse.Namespace, *, writes_data_dir: bool = False, reads_data_dir: bool = False):
     """Loads the config named by --config (or the defaults); exits with the listed problems if it is bad.
     `writes_data_dir`: the command writes under data_dir, which is then created and checked first, so that
-    a path that cannot be used is one line (`clora: data_dir X: <reason>`, exit 2), not a traceback later."""
+    a path that cannot be used is one line (`clora: data_dir X: <reason>`, exit 2), not a traceback later.
+    `reads_data_dir`: the command only reads it: a data_dir that is not a directory is that same line, and
+    one that does not exist a note on stderr (an empty answer from the wrong directory says nothing)."""
     from clora.config import ConfigError, load_config
 
     try:
@@ -82,6 +84,15 @@ def config_from_args(args: argparse.Namespace, *, writes_data_dir: bool = False)
         except OSError as e:
             print(data_dir_error(cfg.data_dir, e), file=sys.stderr)
             raise SystemExit(2) from None
+    elif reads_data_dir:
+        data_dir = Path(cfg.data_dir)
+        if not data_dir.exists():
+            print(f"clora: note: data_dir {data_dir} does not exist: nothing is stored there yet (is it the data "
+                  "directory you meant? --config, CLORA_DATA_DIR)", file=sys.stderr)
+        elif not data_dir.is_dir():
+            print(data_dir_error(data_dir, NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))),
+                  file=sys.stderr)
+            raise SystemExit(2)
     return cfg
 
 

@@ -28,6 +28,9 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         "demo",
         parents=[common],
         help="run the loop with simulated apps on the tiny model and report per tenant (make demo)",
+        description="Starts the whole loop (clora up) in its own data directory and ports, sends simulated apps' "
+        "requests and feedback for a few tenants with hidden preferences, then reports each tenant's reward "
+        "before and after and plots it. Exits with 1 when some tenant did not improve.",
     )
     p.add_argument("--minutes", type=positive, default=8.0,
                    help="the most the simulated apps send traffic (default 8); they stop sooner once every tenant "
@@ -36,7 +39,7 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p.add_argument("--rate", type=positive, default=6.0, help="requests per second, all tenants together (default 6)")
     p.add_argument("--tenants", default="digits,upper,short",
                    help="comma-separated preferences, one tenant each: digits, upper, short, json")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the simulated traffic (default 0)")
     p.add_argument("--out", default="demo.png", help="where to write the reward plot (default demo.png)")
     p.set_defaults(func=cmd_demo)
 
@@ -53,8 +56,9 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p.add_argument("--seconds", type=positive, default=60.0, help="how long to run")
     p.add_argument("--preferences", default=None,
                    help="comma-separated preferences assigned to the tenants in order (default: from tenant names)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-tokens", type=positive_int, default=24)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the prompt sequence and the sampling seeds (default 0)")
+    p.add_argument("--max-tokens", type=positive_int, default=24, help="max_tokens of each request (default 24)")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("config", parents=[common], help="show the effective configuration, or the environment variables that override it")
@@ -112,6 +116,10 @@ def config_check(args: argparse.Namespace) -> int:
                 results.append((f"tenant {t.name}: prompts_file {t.prompts_file} has {n} prompts", None))
             except SamplingError as e:
                 results.append((f"tenant {t.name}", f"tenant {t.name}: {e}"))
+    from clora.up import embedded_broker_problem
+
+    if (problem := embedded_broker_problem(cfg)) is not None:
+        results.append(("kafka.bootstrap", problem))
     why = unreachable(cfg.kafka.bootstrap)
     if why is None:
         results.append((f"Kafka answers at {cfg.kafka.bootstrap}", None))

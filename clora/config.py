@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import tomllib
 from pathlib import Path
 from functools import lru_cache
@@ -48,7 +49,30 @@ def env(name: str) -> dict[str, str]:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    # No Infinity or NaN in any number: TOML writes them (inf, nan), and every setting is a finite amount.
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
+
+
+def _bootstrap_entry_ok(entry: str) -> bool:
+    """One bootstrap server, by kafka-python's rules (cluster.collect_hosts), its port (default 9092) 1-65535."""
+    text = re.sub(r"^.*://", "", entry.strip())
+    if text.startswith("["):
+        host, closed, rest = text[1:].partition("]")
+        if not closed or (rest and not rest.startswith(":")):
+            return False
+        port = rest[1:] if rest else "9092"
+    elif ":" not in text:
+        host, port = text, "9092"
+    else:
+        try:
+            socket.inet_pton(socket.AF_INET6, text)  # an IPv6 literal, on the default port
+            return True
+        except OSError:
+            host, _, port = text.rpartition(":")
+            if ":" in host:
+                return False
+    return (bool(host) and not any(c.isspace() or c in "/?#@" for c in host)
+            and port.isdigit() and 1 <= int(port) <= 65535)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -72,6 +96,17 @@ class KafkaConfig(_Strict):
     heartbeat_interval_ms: int = Field(
         2000, ge=100, description="Consumer-group heartbeat interval; below session_timeout_ms."
     )
+
+    @field_validator("bootstrap")
+    @classmethod
+    def _host_port_list(cls, v: str) -> str:
+        """Each entry as the Kafka client reads it (it raises from deep inside on anything else): host,
+        host:port, [IPv6] or [IPv6]:port, an IPv6 literal, after an optional PROTOCOL:// prefix."""
+        for entry in v.split(","):
+            if not _bootstrap_entry_ok(entry):
+                raise ValueError(f"{v!r}: {entry.strip()!r} is not host:port (comma separated, e.g. "
+                                 "127.0.0.1:9092 or [::1]:9092)")
+        return v
 
 
 class BrokerConfig(_Strict):
@@ -399,6 +434,8 @@ class Config(_Strict):
     def _data_dir_not_empty(cls, v):
         if isinstance(v, str) and not v.strip():
             raise ValueError("data_dir must not be empty (it would be the current directory)")
+        if isinstance(v, (str, Path)) and "\x00" in str(v):
+            raise ValueError("data_dir must not contain a NUL character")
         try:
             return Path(v).expanduser() if isinstance(v, (str, Path)) else v  # "~/clora": the home, for every process
         except RuntimeError as e:  # "~nosuchuser/x", or no home directory to be found

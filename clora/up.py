@@ -441,12 +441,7 @@ def setup_problems(cfg) -> list[str]:
     metrics ports (ingest.metrics_port + K) that fall on serving's or the broker's, and ports another process
     already holds (a child that cannot bind its port exits, and a health check would see the other process
     answering)."""
-    problems = []
-    broker = f"{cfg.broker.host}:{cfg.broker.port}"
-    if cfg.broker.embedded and not _names_broker(cfg.kafka.bootstrap, cfg.broker.host, cfg.broker.port):
-        problems.append(f"kafka.bootstrap is {cfg.kafka.bootstrap!r} but the embedded broker listens on {broker} "
-                        "(broker.host, broker.port): set kafka.bootstrap to it, or broker.embedded = false to use "
-                        "the Kafka at kafka.bootstrap")
+    problems = [p for p in [embedded_broker_problem(cfg)] if p is not None]
     wanted = [("serving.port", cfg.serving.host, cfg.serving.port)]
     if cfg.broker.embedded:
         wanted.insert(0, ("broker.port and kafka.bootstrap", cfg.broker.host, cfg.broker.port))
@@ -463,6 +458,15 @@ def setup_problems(cfg) -> list[str]:
         for key, host, port in wanted
         if not _can_bind(host, port)
     ]
+
+
+def embedded_broker_problem(cfg) -> str | None:
+    """The embedded broker somewhere else than kafka.bootstrap says: serving and ingest would never reach it."""
+    if not cfg.broker.embedded or _names_broker(cfg.kafka.bootstrap, cfg.broker.host, cfg.broker.port):
+        return None
+    return (f"kafka.bootstrap is {cfg.kafka.bootstrap!r} but the embedded broker listens on "
+            f"{cfg.broker.host}:{cfg.broker.port} (broker.host, broker.port): set kafka.bootstrap to it, or "
+            "broker.embedded = false to use the Kafka at kafka.bootstrap")
 
 
 def setup_warnings(cfg) -> list[str]:

@@ -63,7 +63,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from clora.argtypes import non_negative, non_negative_int, positive, positive_int
+from clora.argtypes import non_negative, non_negative_int, positive, positive_int, positive_int_list
 from clora.bench import machine
 from clora.processes import terminate
 
@@ -125,7 +125,8 @@ def experiments(n: int) -> list[Experiment]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--n", default="1,2,4,8", help="experiment counts (default 1,2,4,8)")
+    parser.add_argument("--n", type=positive_int_list, default=[1, 2, 4, 8],
+                        help="experiment counts, comma separated (default 1,2,4,8)")
     parser.add_argument("--steps", type=positive_int, default=6, help="training steps per experiment (default 6)")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="samples per step (default 8)")
     parser.add_argument("--group-size", type=positive_int, default=4, help="completions per prompt (default 4)")
@@ -204,9 +205,9 @@ def measure(args: argparse.Namespace, out: Path) -> dict:
     from clora.cli import base_model_dir
 
     cfg = config_from_args(args)
-    try:
-        counts = sorted({int(x) for x in str(args.n).split(",") if x.strip()})
-    except ValueError:
+    try:  # a list from the command line (positive_int_list); programmatic callers may give "1,2"
+        counts = positive_int_list(args.n) if isinstance(args.n, str) else sorted(set(args.n))
+    except argparse.ArgumentTypeError:
         counts = []
     if not counts or counts[0] < 1 or args.steps < 1:
         raise SystemExit(f"--n must list positive experiment counts (got {args.n!r}) and --steps be >= 1")

@@ -33,13 +33,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from clora.argtypes import positive_int
+from clora.argtypes import positive_int, positive_int_list
 
 MODES = ("mixed", "one-by-one", "zero-lora", "base")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tenants", default="1,2,4,8", help="tenant counts to measure (default 1,2,4,8)")
+    parser.add_argument("--tenants", type=positive_int_list, default=[1, 2, 4, 8],
+                        help="tenant counts to measure, comma separated (default 1,2,4,8)")
     parser.add_argument("--prompts", type=positive_int, default=8,
                         help="requests per tenant (default 8: one step's rollouts in `clora bench experiments`)")
     parser.add_argument("--tokens", type=positive_int, default=32, help="generated tokens per request (default 32)")
@@ -153,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ[ENV] = args.cpu_lora_ops  # read by the plugin in the engine's processes
     os.environ[COMPILE_ENV] = "0" if args.eager_lora else "1"
     cfg = config_from_args(args)
-    counts = sorted({int(x) for x in str(args.tenants).split(",") if x.strip()})
+    counts = args.tenants
     dtype = args.dtype or cfg.serving.dtype
     model_path = base_model_dir(cfg)
     print(f"clora bench serving: {model_path}, tenants {counts}, {args.prompts} prompts x {args.tokens} tokens "

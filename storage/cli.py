@@ -16,6 +16,10 @@ import sys
 from clora.argtypes import positive
 
 FORMATS = ("table", "csv", "json", "parquet")
+# --dataset's choices, written out so that `clora --help` imports no pyarrow: storage.layout.DATASETS and
+# storage.retention.PRUNED_DATASETS (tests/storage/test_cli.py holds them equal).
+COMPACTED = ("interactions", "feedback", "trajectories", "dead_letters", "train_steps")
+PRUNED = ("interactions", "feedback", "trajectories", "dead_letters")
 MAX_CELL = 60  # characters of one cell in the readable table
 
 
@@ -56,8 +60,12 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         "compact",
         parents=[common],
         help="merge small Parquet files per tenant (safe while ingest and the learner run)",
+        description="Merges each tenant's small Parquet files of each dataset into one compacted file (and the "
+        "learner's cursors), deleting the inputs after a grace period so running queries finish. Safe at any "
+        "moment while ingest and the learner run.",
     )
-    p.add_argument("--dataset", default=None, help="only this dataset (default: all, and the learner cursors)")
+    p.add_argument("--dataset", choices=COMPACTED, default=None,
+                   help="only this dataset (default: all, and the learner cursors)")
     p.add_argument("--tenant", default=None, help="only this tenant")
     p.add_argument(
         "--grace",
@@ -81,6 +89,10 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         "prune",
         parents=[common],
         help="delete stored data older than the retention, whole files at a time (safe while clora runs)",
+        description="Deletes the Parquet files whose rows were all ingested longer ago than the retention "
+        "([retention] days, or --older-than-days), the registry records of settled adapter versions last written "
+        "before then, and the ids the learner's cursors keep of steps committed before then. --dry-run says what "
+        "would go.",
     )
     p.add_argument(
         "--older-than-days",
@@ -89,7 +101,7 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         metavar="DAYS",
         help="delete files whose rows were all ingested more than DAYS ago (default: [retention] days)",
     )
-    p.add_argument("--dataset", default=None, help="only this dataset (interactions, feedback, trajectories, dead_letters)")
+    p.add_argument("--dataset", choices=PRUNED, default=None, help="only this dataset (default: all of these)")
     p.add_argument("--tenant", default=None, help="only this tenant")
     p.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
     p.set_defaults(func=cmd_prune)
@@ -118,9 +130,17 @@ def cmd_query(args: argparse.Namespace) -> int:
     from storage.layout import StorageError
     from storage.query import query
 
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, reads_data_dir=True)
     if args.format == "parquet" and not args.out:
         print("clora query: --format parquet needs --out FILE", file=sys.stderr)
+        return 2
+    try:
+        statements = len(duckdb.extract_statements(args.sql))
+    except duckdb.Error:  # not SQL: running it reports DuckDB's own error, pointing at the spot
+        statements = 1
+    if statements != 1:
+        print(f"clora query: give one SQL statement (got {statements}); run each on its own" if statements
+              else "clora query: no SQL statement given", file=sys.stderr)
         return 2
     try:
         table = query(cfg.data_dir, args.sql)
@@ -337,7 +357,7 @@ def _registry(args: argparse.Namespace, *, writes: bool = False):
     from clora.cli import config_from_args
     from storage.registry import Registry
 
-    cfg = config_from_args(args, writes_data_dir=writes)
+    cfg = config_from_args(args, writes_data_dir=writes, reads_data_dir=not writes)
     return Registry(cfg.data_dir, keep_last=cfg.learner.keep_versions)
 
 
@@ -539,7 +559,7 @@ def _compact_every(cfg, args: argparse.Namespace, grace: float) -> int:
 def cmd_prune(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
 
-    cfg = config_from_args(args, writes_data_dir=not args.dry_run)
+    cfg = config_from_args(args, writes_data_dir=not args.dry_run, reads_data_dir=args.dry_run)
     days = cfg.retention.days if args.older_than_days is None else args.older_than_days
     if days <= 0:
         print("clora prune: no retention: give --older-than-days DAYS, or set [retention] days in the config",

@@ -113,6 +113,8 @@ def test_learn_with_a_damaged_base_model_says_so_in_one_line(tmp_path, tiny_mode
         (["bench", "swap", "--interval", "0"], "argument --interval: 0 must be a number above 0"),
         (["bench", "serving", "--repeats", "x"], "argument --repeats: 'x' is not a whole number"),
         (["bench", "learner", "--tenants", "-2"], "argument --tenants: -2 must be at least 1"),
+        (["bench", "serving", "--tenants", "x"], "argument --tenants: 'x' is not a comma-separated list of whole numbers"),
+        (["bench", "experiments", "--n", "0,8"], "argument --n: '0,8' must list counts of at least 1"),
         (["learn", "--shard", "2/2"], "argument --shard: a shard is K/N with 0 <= K < N (e.g. 0/2), got '2/2'"),
     ],
 )
@@ -246,13 +248,14 @@ def test_model_tiny_force_replaces_only_a_model_clora_built(tmp_path, capsys):
 
 
 def test_config_check_lists_what_the_config_names_that_is_not_there(tmp_path, capsys):
+    port = closed_port()
     config = write_config(tmp_path, f"""data_dir = "{tmp_path / 'data'}"
 [model]
 path = "{tmp_path / 'no-model'}"
 [broker]
 embedded = false
 [kafka]
-bootstrap = "127.0.0.1:{closed_port()}"
+bootstrap = "127.0.0.1:{port}"
 [[tenants]]
 name = "acme"
 api_key = "sk-acme-key-1"
@@ -276,11 +279,23 @@ prompts_file = "{tmp_path / 'prompts.txt'}"
 
     (tmp_path / "prompts.txt").write_text("one\ntwo\n")
     fixed = config.read_text().replace("python:no_such_module_here:f", "digits").replace(
-        f'path = "{tmp_path / "no-model"}"', "seed = 0").replace("embedded = false", "embedded = true")
+        f'path = "{tmp_path / "no-model"}"', "seed = 0").replace("embedded = false", f"embedded = true\nport = {port}")  # where kafka.bootstrap points
     config.write_text(fixed)
     assert main(["config", "check", "--config", str(config)]) == 0
     out = capsys.readouterr().out
     assert "prompts_file" in out and "has 2 prompts" in out and out.rstrip().endswith("all checks passed")
+
+
+def test_config_check_finds_an_embedded_broker_kafka_bootstrap_does_not_name(tmp_path, capsys):
+    from ingest.broker import free_port
+
+    port = free_port()
+    config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[broker]\nport = {port}\n')
+    assert main(["config", "check", "--config", str(config)]) == 1  # kafka.bootstrap: the default, 127.0.0.1:9092
+    problems = [line.split("PROBLEM", 1)[1].strip() for line in capsys.readouterr().out.splitlines() if "PROBLEM" in line]
+    assert problems == [f"kafka.bootstrap is '127.0.0.1:9092' but the embedded broker listens on 127.0.0.1:{port} "
+                        "(broker.host, broker.port): set kafka.bootstrap to it, or broker.embedded = false to use "
+                        "the Kafka at kafka.bootstrap"]
 
 
 def test_the_bootstrap_is_read_as_kafka_python_reads_it():

@@ -214,6 +214,36 @@ def test_bad_toml_and_missing_file(tmp_path):
         load_config(tmp_path, environ={})  # a directory
 
 
+def test_infinite_and_nan_numbers_are_refused_at_their_fields(tmp_path):
+    """TOML writes inf and nan; `[retention] days = inf` made `clora prune` fail with a traceback."""
+    p = write_config(tmp_path, "[retention]\ndays = inf\n[ingest]\nflush_seconds = nan\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, environ={})
+    found = dict(line.split(": ", 1) for line in problems(e))
+    assert set(found) == {"retention.days", "ingest.flush_seconds"}
+    assert all("finite number" in why for why in found.values()), found
+
+
+@pytest.mark.parametrize("bootstrap", ["localhost:9092x", "[::1", "kafka:0", "kafka:70000", "a:1,,b:2", ":9092",
+                                       "k a:9092", "1:2:3:x"])
+def test_a_bootstrap_that_is_not_host_port_is_refused(bootstrap):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, environ={"CLORA_KAFKA_BOOTSTRAP": bootstrap})
+    (line,) = problems(e)
+    assert line.startswith(f"kafka.bootstrap: {bootstrap!r}: ") and "is not host:port" in line
+
+
+@pytest.mark.parametrize("bootstrap", ["127.0.0.1:9092", "kafka-1:9092, kafka-2:9093", "[::1]:9092", "[::1]", "::1",
+                                       "kafka", "PLAINTEXT://127.0.0.1:9092"])  # the Kafka client's forms
+def test_host_port_bootstraps_are_taken(bootstrap):
+    assert load_config(None, environ={"CLORA_KAFKA_BOOTSTRAP": bootstrap}).kafka.bootstrap == bootstrap
+
+
+def test_a_data_dir_with_a_nul_character_is_refused():
+    with pytest.raises(ConfigError, match="data_dir must not contain a NUL character"):
+        load_config(None, environ={"CLORA_DATA_DIR": "/tmp/a\x00b"})
+
+
 def test_empty_paths_mean_the_default_model_and_no_data_dir():
     assert load_config(None, environ={"CLORA_MODEL_PATH": ""}).model.path is None  # the tiny local model
     with pytest.raises(ConfigError, match="data_dir must not be empty"):

@@ -287,6 +287,51 @@ def test_prune_and_compact_of_the_unknown_tenant_succeed(clora, data_dir):
     assert "deleted 1 files, 2 rows" in out and live_files(data_dir, "dead_letters") == []
 
 
+def test_query_runs_exactly_one_statement(clora, data_dir):
+    code, out, err = clora("query", "")
+    assert (code, out, err.strip()) == (2, "", "clora query: no SQL statement given")
+    code, out, err = clora("query", "select 1; select 2")
+    assert (code, out, err.strip()) == (2, "", "clora query: give one SQL statement (got 2); run each on its own")
+    code, out, _ = clora("query", "select 41 + 1 as n;", "--format", "json")  # one, with its semicolon
+    assert code == 0 and json.loads(out) == [{"n": 42}]
+
+
+def test_read_only_commands_say_when_the_data_dir_is_missing_or_not_a_directory(clora, data_dir, tmp_path,
+                                                                                monkeypatch, capsys):
+    data_dir.rmdir()
+    code, out, err = clora("query", "select count(*) as n from trajectories", "--format", "json")
+    assert code == 0 and json.loads(out) == [{"n": 0}]
+    assert err.strip() == (f"clora: note: data_dir {data_dir} does not exist: nothing is stored there yet (is it the "
+                           "data directory you meant? --config, CLORA_DATA_DIR)")
+    code, _, err = clora("adapters", "list")
+    assert code == 0 and "does not exist" in err
+    assert not data_dir.exists(), "a read-only command must not create it"
+    data_dir.write_text("a file")
+    for argv in (["query", "select 1"], ["adapters", "list"], ["prune", "--older-than-days", "5", "--dry-run"]):
+        with pytest.raises(SystemExit) as exit_:
+            clora(*argv)
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.strip() == f"clora: data_dir {data_dir}: Not a directory", argv
+
+
+@pytest.mark.parametrize("argv, wrong", [
+    (["compact", "--dataset", "bogus"], "bogus"),
+    (["prune", "--older-than-days", "5", "--dataset", "train_steps"], "train_steps"),  # not pruned
+])
+def test_an_unknown_dataset_is_a_usage_error_listing_the_choices(clora, capsys, argv, wrong):
+    with pytest.raises(SystemExit) as exit_:
+        clora(*argv)
+    assert exit_.value.code == 2 and f"argument --dataset: invalid choice: '{wrong}'" in capsys.readouterr().err
+
+
+def test_the_dataset_choices_are_the_storage_layouts():
+    from storage import cli
+    from storage.layout import DATASETS
+    from storage.retention import PRUNED_DATASETS
+
+    assert (cli.COMPACTED, cli.PRUNED) == (DATASETS, PRUNED_DATASETS)
+
+
 @pytest.mark.parametrize("days", ["-1", "0", "nan", "inf"])
 def test_prune_older_than_days_must_be_above_0(clora, data_dir, capsys, days):
     """A usage error naming the option, not "no retention" (the answer when neither it nor the config gives
