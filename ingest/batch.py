@@ -9,6 +9,7 @@
                                        -> trajectories when it has a reward and (tenant, id) is not scored:
                                           the tenant's scorer function, else its inline `reward`, else
                                           pending feedback for it; a scorer failure dead-letters the event
+                                          (on a replay of that offset, the scorer is not run again)
                    -> FeedbackEvent    -> feedback (unless the same event is stored: same tenant, id,
                                           ts, score and source; a resent event comes at a new offset)
                                        -> trajectories when its interaction is in this batch or stored and
@@ -264,6 +265,14 @@ class Processor:
                 row = interaction_row(ev, rec, now_ms)
                 reward = None
                 if function is not None and key not in scored:
+                    if not stored and (rec.topic, rec.partition, rec.offset) in store.dead_letters:
+                        # Its scorer failed at this offset before (a replay): not run again. A scorer that
+                        # ran out of time would cost its whole limit again per event, for every replay of
+                        # the batch; the stored dead letter has the first run's detail.
+                        reject(DeadLetter("scorer_error", f"scorer {spec!r} failed on this event before; not run "
+                                          "again on a replay (dead_letters/ holds the first failure)", ev.tenant,
+                                          ev.id), raw, rec)
+                        continue
                     try:
                         reward = apply(function, row.completion, row.prompt)
                     except ScorerError as e:

@@ -330,6 +330,11 @@ def _interaction(data: dict, id_: str, tenant: str, ts: datetime, strict: bool) 
     messages = data.get("messages")
     if messages is not None:
         messages = _messages(messages)
+        if not strict:  # the strict parser admits no NaN or Infinity; the standard library does
+            try:
+                to_json(messages)
+            except ValueError as e:
+                raise _Reject("bad_field", f"messages hold a non-finite number: {e}") from e
     elif prompt is None:
         raise _Reject("bad_field", "an interaction needs messages or a prompt")
     prompt_token_ids = _token_ids(data.get("prompt_token_ids"), "prompt_token_ids")

@@ -410,7 +410,7 @@ class PendingStore:
 
     def _unjoined(self, tenant: str, table: pa.Table) -> list[FeedbackRow]:
         """Of one tenant's recent feedback, in the order it came: the first MAX_WAITING_PER_ID rows of each
-        id without a trajectory, for the ids whose first row came last, until they pass the cap of rows (by
+        id without a trajectory or a stored interaction, for the ids whose first row came last, until they pass the cap of rows (by
         at most the rows of the oldest id taken, whose first ones `add` then drops)."""
         table = table.sort_by([("ingested_at", "ascending"), ("kafka_offset", "ascending")])
         encoded = pc.dictionary_encode(table.column("id").combine_chunks())
@@ -430,8 +430,11 @@ class PendingStore:
             numbers = newest_first[start:start + LOAD_CHUNK]
             ids = encoded.dictionary.take(pa.array(numbers)).to_pylist()
             scored = self.trajectories.present((tenant, id_) for id_ in ids)
+            # Its interaction stored (and not scored: outside the expiry of this feedback): never pending
+            # while ingest runs either (batch.py tries such feedback once, against the stored interaction).
+            stored = self.interactions.present([(tenant, id_) for id_ in ids])
             for number, id_ in zip(numbers, ids):
-                if (tenant, id_) not in scored:
+                if (tenant, id_) not in scored and (tenant, id_) not in stored:
                     chosen.append(number)
                     held += int(kept_rows[number])
                     if held > cap:

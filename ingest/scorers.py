@@ -190,11 +190,13 @@ class _TimeUp(BaseException):
 
 
 _running = [False]  # a limited call is under way: the alarm may stop it (not after it returned)
+ALARM_REPEAT_S = 0.05  # past the limit, the alarm fires again this often until the call has unwound
 
 
 def _on_alarm(signum, frame) -> None:
+    # Again at every repeat while the call runs: a scorer's bare `except:` (or `except BaseException`)
+    # swallows one _TimeUp and goes on, and only the next one can stop it.
     if _running[0]:
-        _running[0] = False
         raise _TimeUp
 
 
@@ -222,7 +224,7 @@ def time_limited(fn: Scorer, seconds: float) -> Scorer:
             return fn(completion, prompt)
         try:
             _running[0] = True
-            signal.setitimer(signal.ITIMER_REAL, seconds)
+            signal.setitimer(signal.ITIMER_REAL, seconds, ALARM_REPEAT_S)
             try:
                 return fn(completion, prompt)
             finally:

@@ -41,6 +41,14 @@ def huge_scorer(completion, prompt):
     return 10**400
 
 
+SCORER_CALLS = []
+
+
+def counted_bad_scorer(completion, prompt):
+    SCORER_CALLS.append(completion)
+    raise ZeroDivisionError("scorer bug")
+
+
 class Harness:
     """Feeds records through Processor + write_output as consumer.py does, one call per batch."""
 
@@ -392,6 +400,31 @@ def test_scorer_failure_and_unknown_tenant_are_dead_letters(data_dir):
     assert "ZeroDivisionError" in by_reason["scorer_error"] and "scorer bug" in by_reason["scorer_error"]
     assert sorted(dl.column("tenant").to_pylist()) == ["_unknown", "_unknown", "bad"]
     assert h.table("interactions").column("id").to_pylist() == ["c"]
+
+
+def test_a_replay_does_not_run_a_scorer_again_on_an_event_it_failed(data_dir):
+    """A scorer that ran out of time would cost its whole limit again per event on every replay of the batch,
+    which could keep a partition from ever being committed."""
+    SCORER_CALLS.clear()
+    h = Harness(data_dir, scorers={"bad": f"python:{__name__}:counted_bad_scorer", "fb": "feedback"})
+    first = h.feed(inter("a", tenant="bad"), inter("b"))
+    assert first.reasons == {"scorer_error": 1} and SCORER_CALLS == ["c1"]
+    h.restart()
+    again = h.replay(h.log)  # after a crash before the commit
+    assert SCORER_CALLS == ["c1"], "the scorer ran again"
+    assert again.dead_letters == [] and again.duplicates == 2
+    (resent,) = again.replayed_dead_letters  # sent to the dead-letter topic again, as any replayed dead letter
+    assert resent.row.reason == "scorer_error" and "not run again on a replay" in resent.row.detail
+    assert h.table("dead_letters").num_rows == 1 and "ZeroDivisionError" in h.table("dead_letters").column("detail")[0].as_py()
+
+
+def test_feedback_for_a_stored_interaction_outside_its_expiry_is_not_pending_after_a_restart(h):
+    h.feed(inter("a"))
+    h.feed(fb("a", 0.9, ts=T0 + timedelta(days=10)))  # outside the 72 h expiry: joins nothing
+    assert not h.store.pending
+    h.restart()
+    assert not h.store.pending, "loaded as waiting for an interaction that is stored already"
+    assert h.rewards() == []
 
 
 def test_integers_too_large_for_a_float_are_dead_letters_and_ingest_goes_on(data_dir):

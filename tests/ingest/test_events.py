@@ -141,6 +141,9 @@ def test_bad_messages_have_their_reason(message, expected):
     (b'{"type":"interaction","id":"r","tenant":"a","ts":0,"prompt":"p","completion":"c","metadata":{"x":Infinity}}', "bad_field"),
     (b'{"type":"interaction","id":"r","tenant":"a","ts":0,"prompt":"\\ud800","completion":"c"}', "bad_field"),
     (b'{"type":"interaction","id":"r","tenant":"a","ts":0,"prompt":"p","completion":"c","completion_logprobs":[NaN]}', "bad_field"),
+    # stored in messages_json as null, had it passed
+    (b'{"type":"interaction","id":"r","tenant":"a","ts":0,"completion":"c","messages":[{"role":"user","content":"x","n":NaN}]}',
+     "bad_field"),
 ])
 def test_non_finite_numbers_and_lone_surrogates(text, expected):
     assert reason(text) == expected

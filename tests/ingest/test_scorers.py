@@ -216,6 +216,15 @@ def spin_swallowing_exceptions(completion, prompt):
             pass
 
 
+def retry_after_a_bare_except(completion, prompt):
+    try:
+        while True:
+            pass
+    except:  # noqa: E722 - bare: it swallows the time limit's own exception, then tries again
+        while True:
+            pass
+
+
 def _alarm_left() -> float:
     return signal.getitimer(signal.ITIMER_REAL)[0]
 
@@ -226,6 +235,7 @@ def _alarm_left() -> float:
         (r"regex:(a+)+$", "a" * 40 + "b"),  # catastrophic backtracking: ~2^40 steps
         (f"python:{__name__}:spin_forever", "x"),
         (f"python:{__name__}:spin_swallowing_exceptions", "x"),
+        (f"python:{__name__}:retry_after_a_bare_except", "x"),  # stopped by the alarm's repeat
     ],
 )
 def test_a_scorer_past_its_time_limit_is_stopped_as_a_scorer_error(spec, completion):
