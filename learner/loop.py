@@ -99,7 +99,7 @@ from learner.update import UpdateResult
 from storage.cursors import CursorError, Cursors
 from storage.files import FileLock, HeldLock, atomic_write_bytes, mark_ready
 from storage.layout import DataDir, StorageError
-from storage.parquet import partition_tenants, write_dataset
+from storage.parquet import column_max, partition_tenants, write_dataset
 from storage.registry import Registry, RegistryError, VersionNotFound
 from storage.schema import TRAIN_STEPS, TRAJECTORIES
 
@@ -1085,7 +1085,10 @@ class Learner:
             if published is not None:
                 self.policy.load_adapter(name, published.path)
                 rt.version = published.number
-            rt.step = self.cursors.latest_step(name) or 0
+            # Numbered on from the tenant's train_steps too: its cursor may be gone (deleted by hand to train
+            # the tenant again from its served adapter), and a step number that a row holds already would
+            # name a train_steps file that exists, so the new step's row would not be written.
+            rt.step = max(self.cursors.latest_step(name) or 0, column_max(self.dd, "train_steps", "step", name) or 0)
         rt.state_id += 1
         rt.probe_cache = {}
         rt.loaded = True

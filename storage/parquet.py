@@ -542,6 +542,19 @@ def read_dataset(root, dataset: str, tenant: str | None = None) -> pa.Table:
     return retry_vanished(read, f"reading {dataset}")
 
 
+def column_max(root, dataset: str, column: str, tenant: str | None = None):
+    """The largest value of `column` in the live files of `dataset` (one tenant or all), reading that column
+    only; None where there are no rows (or only nulls)."""
+    dd = as_datadir(root)
+    check_dataset(dataset)
+
+    def read():
+        tops = [pc.max(read_file(dd, p, columns=[column]).column(0)).as_py() for p in live_files(dd, dataset, tenant)]
+        return max((t for t in tops if t is not None), default=None)
+
+    return retry_vanished(read, f"reading {dataset}.{column}")
+
+
 def read_ids(root, dataset: str, tenant: str | None = None) -> set[tuple[str, str]]:
     """{(tenant, id)} of `dataset` (interactions, feedback or trajectories): what ingest deduplicates by."""
     dd = as_datadir(root)

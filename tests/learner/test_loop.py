@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -574,6 +575,20 @@ def test_when_every_version_is_retired_the_learner_starts_again_from_a_fresh_ada
     learn(cfg, tiny_model, learner=learner)
     v2 = Registry(data_dir).get("acme", 2)
     assert v2.status == "published" and v2.parent is None  # not a descendant of the retired acme@1
+
+
+def test_a_tenant_whose_cursor_was_deleted_numbers_its_steps_on_and_records_every_one(tiny_model, data_dir):
+    """Deleting a tenant's cursor by hand trains its trajectories again from the served adapter; the new
+    steps' train_steps rows are written under new step numbers, not lost to the old rows' file names."""
+    write(data_dir, "acme", rows("a", 16), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    learn(cfg, tiny_model)  # steps 1, 2
+    shutil.rmtree(Path(data_dir) / "cursors" / "acme")
+    learn(cfg, tiny_model)  # a new process: the same 16 trajectories again, as steps 3, 4
+    steps = sorted(r["step"] for r in read_dataset(data_dir, "train_steps", "acme").to_pylist())
+    assert steps == [1, 2, 3, 4]
+    assert Cursors(data_dir).latest_step("acme") == 4
+    assert Registry(data_dir).latest_published("acme").number == 4
 
 
 def test_a_head_file_left_behind_by_a_crash_does_not_mislead_the_learner(tiny_model, data_dir):
