@@ -217,8 +217,8 @@ class Processor:
 
         def wait(fb: FeedbackRow) -> None:
             """Feedback whose interaction has not arrived waits for it, within the caps."""
-            if dropped := store.pending.add(fb):
-                out.pending_dropped["over_cap"] += dropped
+            if reason := store.pending.add(fb):
+                out.pending_dropped[reason] += 1
 
         def first_within(waiting: Iterable[FeedbackRow], row: InteractionRow) -> FeedbackRow | None:
             """The feedback that scores `row`: the first (in stream order) within the expiry of it."""

@@ -2,9 +2,9 @@
 
 Reported: events/s, rows written per dataset, duplicates skipped, dead letters by reason, consumer lag per
 partition, pending feedback, pending feedback dropped from memory by reason (`over_cap`: the tenant's cap,
-ingest.max_pending_feedback_per_tenant, or the total cap made room for newer feedback, or an id already
-had 8 feedback events waiting; `expired`: waited longer than
-ingest.pending_expiry_hours; either way the event stays in feedback/), flush time. Prometheus metrics live in a registry of their own (so several
+ingest.max_pending_feedback_per_tenant, or the total cap made room for newer feedback; `per_id`: its id
+already had 8 feedback events waiting; `expired`: waited longer than ingest.pending_expiry_hours; in each
+case the event stays in feedback/), flush time. Prometheus metrics live in a registry of their own (so several
 Ingest objects in one test process do not collide) and are served on 127.0.0.1:`port` when the port is
 non-zero (config `ingest.metrics_port`).
 
@@ -43,7 +43,7 @@ class IngestMetrics:
         self.pending_gauge = Gauge("clora_ingest_pending_feedback", "Feedback waiting for its interaction", registry=self.registry)
         self.dropped_counter = PromCounter(
             "clora_ingest_pending_feedback_dropped",
-            "Pending feedback dropped from memory (still in feedback/), by reason: over_cap, expired",
+            "Pending feedback dropped from memory (still in feedback/), by reason: over_cap, per_id, expired",
             ["reason"], registry=self.registry,
         )
         self.flush_seconds = Histogram("clora_ingest_flush_seconds", "Time to write one batch", registry=self.registry)

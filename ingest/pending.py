@@ -133,6 +133,9 @@ KEY_COLUMNS = {
 MAX_PENDING_PER_TENANT = 100_000  # the default of ingest.max_pending_feedback_per_tenant
 MAX_PENDING = 1_000_000  # the default of ingest.max_pending_feedback (every tenant together)
 MAX_WAITING_PER_ID = 8  # feedback rows kept for one id whose interaction has not arrived (see the docstring)
+# Why pending feedback left memory (the reasons of the pending-dropped counts; it stays in feedback/):
+OVER_CAP = "over_cap"  # past the tenant's cap or the total: the oldest waiting row went
+PER_ID = "per_id"  # MAX_WAITING_PER_ID rows wait for its id already: the new row is not kept
 LOAD_CHUNK = 65_536  # ids checked against the trajectories index at once when pending feedback is loaded
 # What ingest gives up for a stored file it cannot read at load (logged with the file).
 UNREAD_COST = ("ingest goes on without its rows' keys: an event of it delivered again (a replay, a resend) is "
@@ -180,29 +183,31 @@ class PendingFeedback:
         waiting = self.by_tenant.get(key[0])
         return () if waiting is None else waiting.get(key[1], ())
 
-    def add(self, row: FeedbackRow, *, hold_total: bool = True) -> int:
+    def add(self, row: FeedbackRow, *, hold_total: bool = True) -> str | None:
         """Keeps `row` after the rows already waiting for its (tenant, id), unless MAX_WAITING_PER_ID wait
-        already (the earlier ones come first). Returns how many rows left the join (0 or 1): `row` itself
-        when its id is full; else, past the caps, the tenant's oldest, or past `total` the oldest of the
-        tenant holding the most. `hold_total=False` leaves `total` to a later `fit_total` (a load adds a
-        tenant's rows at once)."""
+        already (the earlier ones come first). Returns why a row left the join, None when none did:
+        PER_ID for `row` itself when its id is full; else OVER_CAP for, past the caps, the tenant's oldest,
+        or past `total` the oldest of the tenant holding the most. `hold_total=False` leaves `total` to a
+        later `fit_total` (a load adds a tenant's rows at once)."""
         waiting = self.by_tenant.get(row.tenant)
         if waiting is None:
             waiting = self.by_tenant[row.tenant] = OrderedDict()
             self.held[row.tenant] = 0
         rows = waiting.get(row.id, ())
         if any(FEEDBACK_KEY(r) == FEEDBACK_KEY(row) for r in rows):
-            return 0  # the same event again (a replay after a restart, a resend): one place in the join
+            return None  # the same event again (a replay after a restart, a resend): one place in the join
         if len(rows) >= MAX_WAITING_PER_ID:
-            return 1
+            return PER_ID
         waiting[row.id] = (*rows, row)  # an id already waiting keeps its place
         self.held[row.tenant] += 1
         self._size += 1
         if self.held[row.tenant] > self.cap:
-            return self._drop_oldest(row.tenant, 1)  # one in, one out
+            self._drop_oldest(row.tenant, 1)  # one in, one out
+            return OVER_CAP
         if hold_total and self.total is not None and self._size > self.total:
-            return self._drop_oldest(max(self.held, key=self.held.__getitem__), 1)
-        return 0
+            self._drop_oldest(max(self.held, key=self.held.__getitem__), 1)
+            return OVER_CAP
+        return None
 
     def fit_total(self) -> int:
         """Drops rows until exactly `total` are left: every tenant above a common level is cut to it (a

@@ -303,6 +303,13 @@ def test_pending_feedback_is_capped_per_tenant_and_the_oldest_leaves_memory_firs
     assert h.rewards() == [("x5", 0.5, "feedback")]
 
 
+def test_a_ninth_feedback_event_for_one_waiting_id_is_counted_as_per_id_not_over_cap(data_dir):
+    h = Harness(data_dir)
+    out = h.feed(*(fb("x", 0.5, ts=T0 + timedelta(seconds=i)) for i in range(9)))  # nine events for one id
+    assert out.pending_dropped == {"per_id": 1}
+    assert len(h.store.pending) == 8 and h.table("feedback").num_rows == 9  # every feedback event is kept
+
+
 def test_the_cap_holds_after_a_restart_keeping_the_newest(data_dir, monkeypatch):
     monkeypatch.setattr("ingest.pending.LOAD_CHUNK", 2)  # ids are checked for a trajectory a chunk at a time
     h = Harness(data_dir, max_pending_per_tenant=3)

@@ -122,7 +122,7 @@ def offsets(waiting: pending.PendingFeedback, key):
 
 def test_rows_of_one_id_wait_in_the_order_they_came_up_to_the_limit_per_id():
     waiting = pending.PendingFeedback(cap=100)
-    assert [waiting.add(row("a", n)) for n in range(pending.MAX_WAITING_PER_ID + 2)] == [0] * 8 + [1, 1]
+    assert [waiting.add(row("a", n)) for n in range(pending.MAX_WAITING_PER_ID + 2)] == [None] * 8 + ["per_id"] * 2
     assert offsets(waiting, ("fa", "a")) == list(range(pending.MAX_WAITING_PER_ID))  # the later ones are left out
     assert len(waiting) == pending.MAX_WAITING_PER_ID and list(waiting) == [("fa", "a")]
     assert waiting.get(("fa", "nope")) == () and waiting.pop(("fa", "nope")) == ()
@@ -133,17 +133,17 @@ def test_the_same_feedback_event_again_takes_one_place_in_the_join():
     """A replay after a restart (the view loaded it from disk) or a resend adds the same event again: it
     took a second place and, near the cap, pushed another interaction's feedback out of the join."""
     waiting = pending.PendingFeedback(cap=2)
-    assert waiting.add(row("a", 0)) == 0 and waiting.add(row("b", 1)) == 0
-    assert waiting.add(row("b", 1)) == 0 and waiting.add(row("b", 7, ts=NOW_MS + 1)) == 0  # the same event, re-read
+    assert waiting.add(row("a", 0)) is None and waiting.add(row("b", 1)) is None
+    assert waiting.add(row("b", 1)) is None and waiting.add(row("b", 7, ts=NOW_MS + 1)) is None  # the same event, re-read
     assert offsets(waiting, ("fa", "a")) == [0] and offsets(waiting, ("fa", "b")) == [1] and waiting.held == {"fa": 2}
 
 
 def test_the_caps_count_rows_and_drop_the_oldest_rows_first():
     waiting = pending.PendingFeedback(cap=3, total=4)
     waiting.add(row("a", 0)), waiting.add(row("b", 1)), waiting.add(row("a", 2))
-    assert waiting.add(row("c", 3)) == 1  # the tenant's oldest row goes: a's first; a keeps its place
+    assert waiting.add(row("c", 3)) == "over_cap"  # the tenant's oldest row goes: a's first; a keeps its place
     assert list(waiting) == [("fa", "a"), ("fa", "b"), ("fa", "c")] and offsets(waiting, ("fa", "a")) == [2]
-    assert waiting.add(row("x", 4, tenant="fb")) == 0 and waiting.add(row("y", 5, tenant="fb")) == 1  # past 4 in all
+    assert waiting.add(row("x", 4, tenant="fb")) is None and waiting.add(row("y", 5, tenant="fb")) == "over_cap"  # past 4 in all
     assert len(waiting) == 4 and offsets(waiting, ("fa", "a")) == []  # fa held the most: its oldest went
     assert waiting.held == {"fa": 2, "fb": 2}
 
