@@ -148,7 +148,7 @@ def cmd_query(args: argparse.Namespace) -> int:
         print("clora query: interrupted", file=sys.stderr)
         return 130
     except duckdb.Error as e:  # parser, binder, IO errors: the message, not a traceback
-        print(f"clora query: {duckdb_error_line(e)}", file=sys.stderr)
+        print(f"clora query: {duckdb_error_line(e, args.sql)}", file=sys.stderr)
         return 1
     except (StorageError, OSError) as e:
         print(f"clora query: {e}", file=sys.stderr)
@@ -177,13 +177,20 @@ def cmd_query(args: argparse.Namespace) -> int:
 _ERROR_CONTEXT = re.compile(r"\s*\nLINE (\d+): (.*)\n( *)(\^+)\s*$")
 _MISSING_TABLE = re.compile(r"Table with name .* does not exist")
 _SUGGESTION = re.compile(r'\s*Did you mean "([^"]*)"\?')
+# DuckDB's words for a file it cannot read as Parquet (a cut-short copy, bytes changed on disk).
+_DAMAGED_FILE = re.compile(r"too small to be a Parquet file|No magic bytes|decompression failure|Invalid Parquet"
+                           r"|Failed to read file", re.IGNORECASE)
 
 
-def duckdb_error_line(e: Exception) -> str:
+def duckdb_error_line(e: Exception, sql: str | None = None) -> str:
     """DuckDB's message for `e` on one line: its pointer block becomes "(line N, at "token")", continuation
     lines (candidate columns, functions) are joined on, and for a table that does not exist a suggestion
     that is not one of the views (DuckDB's catalog tables, "pg_enum", and clora's own "_clora_*") gives way
-    to the list of views."""
+    to the list of views. Given the user's statement `sql`, a pointer at a token it does not hold (one into
+    a view's own SQL, as for a damaged data file) is left out, and a data file DuckDB cannot read as
+    Parquet is named as damaged."""
+    import duckdb
+
     from storage.query import VIEWS
 
     text, where = str(e).strip(), ""
@@ -193,11 +200,16 @@ def duckdb_error_line(e: Exception) -> str:
         token = _under_marks(shown, len(pad) - len(f"LINE {line}: "), len(marks))
         # A parser error names the token already ("syntax error at or near "selec"").
         where = f" (line {line})" if not token or f'"{token}"' in text else f' (line {line}, at "{token}")'
+        if sql is not None and token and token not in sql:
+            where = ""
     text = " ".join(part.strip() for part in text.splitlines() if part.strip())
     if _MISSING_TABLE.search(text):
         suggestion = _SUGGESTION.search(text)
         if suggestion is None or suggestion.group(1).rsplit(".", 1)[-1].lower() not in VIEWS:
             text = _SUGGESTION.sub("", text) + f" (the views are {', '.join(VIEWS)})"
+    if isinstance(e, duckdb.InvalidInputException) and ".parquet" in text and _DAMAGED_FILE.search(text):
+        text += (" (a damaged data file: restore it, or move it out of the data dir if the rows only it holds"
+                 " are not needed)")
     return text + where
 
 

@@ -245,6 +245,22 @@ def test_query_errors_from_duckdb_are_one_line_with_where(clora, data_dir):
     assert code == 1 and len(err.strip().splitlines()) == 1 and "Candidate bindings" in err
 
 
+@pytest.mark.parametrize("damage", ["cut", "garbage", "page"])
+def test_query_over_a_damaged_data_file_names_it_and_points_nowhere_into_the_views(clora, data_dir, make_trajectories,
+                                                                                   damage):
+    """DuckDB's pointer for a file it cannot read marks a token of clora's view SQL (read_parquet([...]), not
+    of the user's statement: it is left out, and the file is named as damaged."""
+    _fill(data_dir, make_trajectories)
+    path = next(p for p in live_files(data_dir, "trajectories") if "acme" in p)
+    good = open(path, "rb").read()
+    bad = {"cut": good[:100], "garbage": b"\x01" * 3000,
+           "page": good[:10] + b"x" * 20 + good[30:]}[damage]  # inside the first column's first page
+    open(path, "wb").write(bad)
+    code, _, err = clora("query", "select count(*) from trajectories")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert path in err and "a damaged data file" in err and "read_parquet" not in err and "(line" not in err, err
+
+
 def test_query_of_a_missing_table_names_the_views(clora, data_dir):
     """DuckDB suggests the nearest name in its catalog, often one of its own tables (pg_enum) or clora's
     internal ones: those give way to the views; a suggestion that is a view stays."""
