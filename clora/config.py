@@ -197,6 +197,11 @@ class IngestConfig(_Strict):
     flush_rows: int = Field(5000, ge=1, description="Write Parquet once this many events are buffered.")
     flush_seconds: float = Field(1.0, gt=0, description="Write Parquet at least this often (freshness bound).")
     max_message_bytes: int = Field(1_000_000, ge=64, description="Larger messages are dead-lettered.")
+    max_batch_scoring_seconds: float = Field(
+        30.0, gt=0, description="A batch whose scorer functions have run this long ends before its next scorer call: "
+        "what was processed is written and committed, the rest is read again for the next batch. Keeps a slow "
+        "scorer (python:, a judge model behind it) from holding every row of the batch back, or the loop from polls."
+    )
     unknown_tenant: Literal["reject", "create"] = Field(
         "create", description="Events of tenants absent from the config: dead-letter them, or create the tenant "
         "(with the feedback scorer, up to max_auto_tenants)."

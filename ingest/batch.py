@@ -20,6 +20,10 @@
                                           tenant: the oldest waiting row leaves memory (counted in
                                           `pending_dropped`; the row is in feedback/ still)
 
+A batch whose scorer functions have run past the processor's `scoring_budget_s` ends before its next scorer
+call (`Output.cut`): the records from there on are left out of the output entirely, for the loop to read
+again as its next batch.
+
 Every decision consults the store *and* this batch, so replaying any range of offsets (after a crash, or
 when another process takes a partition over) writes nothing twice and misses nothing: each dataset is
 deduplicated on its own key, and a trajectory is derived again if its write was the one lost. An
@@ -47,6 +51,7 @@ Nothing here touches Kafka or writes files; the store is read (and its `pending`
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -109,10 +114,23 @@ class Output:
     reasons: Counter = field(default_factory=Counter)  # dead letters by reason
     pending_dropped: Counter = field(default_factory=Counter)  # pending feedback dropped from memory, by reason
     ranges: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)  # (topic, partition) -> first, last
+    # Set when the batch's scoring ran past its time budget: the records from this index on were not
+    # processed (nothing of them is in this output, `ranges` included); the loop reads them again.
+    cut: int | None = None
 
     @property
     def rows(self) -> int:
         return len(self.interactions) + len(self.trajectories) + len(self.feedback) + len(self.dead_letters)
+
+
+def offset_ranges(records: Iterable[Record]) -> dict[tuple[str, int], tuple[int, int]]:
+    """(topic, partition) -> (first offset, last offset) of `records` (each partition's in offset order)."""
+    ranges: dict[tuple[str, int], tuple[int, int]] = {}
+    for rec in records:
+        tp = (rec.topic, rec.partition)
+        first_last = ranges.get(tp)
+        ranges[tp] = (rec.offset if first_last is None else first_last[0], rec.offset)
+    return ranges
 
 
 class Processor:
@@ -127,10 +145,14 @@ class Processor:
         max_message_bytes: int,
         max_auto_tenants: int = MAX_AUTO_TENANTS,
         time_limits: dict[str, float] | None = None,
+        scoring_budget_s: float | None = None,
     ) -> None:
         """`scorers`: tenant -> scorer spec; `time_limits`: tenant -> its scorer's time limit per call
-        (scorers.DEFAULT_TIME_LIMIT_S for a tenant not in it)."""
+        (scorers.DEFAULT_TIME_LIMIT_S for a tenant not in it); `scoring_budget_s`: once a batch has taken
+        this long, it ends before its next scorer call (Output.cut), so that slow scorers (a judge model
+        behind a python: scorer) still let the loop write, commit and poll within Kafka's poll interval."""
         self.specs = dict(scorers)
+        self.scoring_budget_s = scoring_budget_s
         self.configured = frozenset(scorers)
         self.unknown_tenant = unknown_tenant
         self.max_message_bytes = max_message_bytes
@@ -181,15 +203,13 @@ class Processor:
         return tenant in self.specs or tenant in self.auto
 
     def process(self, records: Sequence[Record], store: PendingStore, now_ms: int) -> Output:
+        budget = self.scoring_budget_s
+        deadline = None if budget is None else time.monotonic() + budget
         out = Output()
         if self.unknown_tenant == "create" and store.tenants_on_disk is not self._merged:  # a view (re)loaded
             self.auto |= store.tenants_on_disk - self.configured
             self._merged = store.tenants_on_disk
-        ranges = out.ranges
-        for rec in records:
-            tp = (rec.topic, rec.partition)
-            first_last = ranges.get(tp)
-            ranges[tp] = (rec.offset if first_last is None else first_last[0], rec.offset)
+        out.ranges = offset_ranges(records)
 
         # Pass 1: decode, then ask the store about every key of the batch at once (vectorised lookups).
         # Dead-letter offsets are looked up one by one when a record is rejected (a few percent of them).
@@ -243,7 +263,7 @@ class Processor:
 
         # Pass 2: one decision per record, in Kafka order.
         specs, functions = self.specs, self.functions
-        for rec, raw, ev in zip(records, values, events):
+        for i, (rec, raw, ev) in enumerate(zip(records, values, events)):
             if type(ev) is DeadLetter:
                 reject(ev, raw, rec)
                 continue
@@ -273,6 +293,9 @@ class Processor:
                                           "again on a replay (dead_letters/ holds the first failure)", ev.tenant,
                                           ev.id), raw, rec)
                         continue
+                    if deadline is not None and i and time.monotonic() >= deadline:
+                        out.cut = i  # before anything of record i is decided: the rest is read again
+                        break
                     try:
                         reward = apply(function, row.completion, row.prompt)
                     except ScorerError as e:
@@ -313,6 +336,8 @@ class Processor:
                 else:
                     wait(fb)
 
+        if out.cut is not None:
+            out.ranges = offset_ranges(records[: out.cut])
         if to_fetch:
             stored = store.fetch_interactions(to_fetch)
             for key, waiting in to_fetch.items():

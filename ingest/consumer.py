@@ -1,7 +1,9 @@
 """The ingest loop: Kafka -> batch.py -> Parquet, offsets committed only after the write is durable.
 
     poll(500 ms) -> buffer -> (flush_rows reached, flush_seconds passed, or a poll came back empty) -> flush:
-        1. Processor.process(buffer)            decode, score, deduplicate, join (batch.py)
+        1. Processor.process(buffer)            decode, score, deduplicate, join (batch.py); a batch whose
+                                                scorers ran out of time is cut, its partitions sought back
+                                                to the first record left out, read again as the next batch
         2. dead letters -> dead-letter topic     producer.flush() waits for the broker's ack
         3. Parquet: interactions, feedback, trajectories, dead_letters, each one file per tenant named by
            the batch's offset ranges and its rows' keys, written tmp -> fsync -> link (storage.parquet)
@@ -67,7 +69,7 @@ from kafka.errors import CommitFailedError, KafkaError, KafkaTimeoutError
 from kafka.producer.future import FutureRecordMetadata
 from kafka.structs import OffsetAndMetadata
 
-from ingest.batch import Output, Processor, Record, Rejected
+from ingest.batch import Output, Processor, Record, Rejected, offset_ranges
 from ingest.broker import BrokerError
 from ingest.events import utc_now
 from ingest.metrics import IngestMetrics
@@ -399,6 +401,11 @@ class Ingest:
         started = time.monotonic()
         records, self.buffer = self.buffer, []
         out = self.processor.process(records, self.store, now_ms())
+        if out.cut is not None:  # its scorers used the batch's time budget: the rest is read again
+            rest = records[out.cut:]
+            logger.info("ingest: scoring took the batch's %gs (ingest.max_batch_scoring_seconds); writing its first %d "
+                        "records, reading the other %d again", self.processor.scoring_budget_s, out.cut, len(rest))
+            self._seek_back(offset_ranges(rest))
         # If the previous write failed, this raises and `out` is never written.
         if not self._finish_write(shrink=shrink, commit=commit):
             self._drop_uncommitted(out.ranges, "the group refused the previous batch's commit")
@@ -518,12 +525,16 @@ class Ingest:
         logger.log(level, "ingest: %s; dropping %d uncommitted records of %s for replay", why,
                    sum(b - a + 1 for a, b in ranges.values()) + len(self.buffer), _names([TopicPartition(*tp) for tp in first]))
         self.buffer = []
-        for (topic, partition), (offset, _) in first.items():
+        self._seek_back(first)
+        self.store = None
+
+    def _seek_back(self, ranges: dict[tuple[str, int], tuple[int, int]]) -> None:
+        """Moves each partition of `ranges` back to its first offset there, to read it again from there."""
+        for (topic, partition), (offset, _) in ranges.items():
             try:
                 self.consumer.seek(TopicPartition(topic, partition), offset)
             except (KafkaError, ValueError) as e:  # no longer assigned: its new owner replays it
                 logger.debug("ingest: no seek back on %s:%d (%s)", topic, partition, e)
-        self.store = None
 
     # --- rebalancing ----------------------------------------------------------------------------------
 
@@ -618,7 +629,9 @@ class Ingest:
         if self.store is None:
             return False
         ends = self.consumer.end_offsets(list(assignment))
-        return all(self.consumer.position(tp) >= ends[tp] for tp in assignment)
+        # And the high-water mark the last fetch saw: the embedded broker's end offset can lag the records it
+        # holds (a partition written in several producer batches), which a position sought back lies behind.
+        return all(self.consumer.position(tp) >= max(ends[tp], self.consumer.highwater(tp) or 0) for tp in assignment)
 
 
 @contextlib.contextmanager

@@ -67,6 +67,7 @@ def build(cfg: Config, metrics: IngestMetrics | None = None, *, member: int | No
         max_message_bytes=cfg.ingest.max_message_bytes,
         max_auto_tenants=cfg.ingest.max_auto_tenants,
         time_limits={t.name: t.scorer_time_limit_s for t in cfg.tenants},
+        scoring_budget_s=cfg.ingest.max_batch_scoring_seconds,
     )
     base = cfg.ingest.metrics_port
     if metrics is None:

@@ -9,8 +9,10 @@ scorer failures and unknown tenants dead-lettered (under `_unknown`), the cap on
 decided while the previous one is still being written (consumer.py's pipelining) decides the same.
 """
 
+import json
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 
@@ -42,6 +44,12 @@ def huge_scorer(completion, prompt):
 
 
 SCORER_CALLS = []
+
+
+def slow_scorer(completion, prompt):
+    """Takes 50 ms per call: a judge model behind a python: scorer, in miniature."""
+    time.sleep(0.05)
+    return 1.0
 
 
 def counted_bad_scorer(completion, prompt):
@@ -623,3 +631,35 @@ def test_a_scorer_past_its_time_limit_dead_letters_its_event_and_ingest_goes_on(
     assert len(detail) == 1 and "stopped after 0.2 s" in detail[0]
     assert h.rewards() == [("fast", 1.0, r"regex:(a+)+$")]
     assert sorted(h.table("interactions").column("id").to_pylist()) == ["fast"]
+
+
+def test_a_batch_whose_scorers_run_past_the_budget_is_cut_and_the_rest_is_read_again_exactly_once(data_dir):
+    """Slow scorer calls (50 ms each) with a budget of 0.2 s: the batch ends before the call that would run
+    past it. What was processed, and only that, is in the output and in its offset ranges; the rest, fed again
+    as the loop reads it again, lands once."""
+    h = Harness(data_dir)
+    h.processor = Processor({"slow": f"python:{__name__}:slow_scorer", "fb": "feedback"}, unknown_tenant="reject",
+                            max_message_bytes=10_000, scoring_budget_s=0.2)
+    records = []
+    for i in range(12):  # interactions of both tenants on partition 0, interleaved with feedback
+        records.append(h.record(inter(f"s{i}", tenant="slow")))
+        records.append(h.record(inter(f"f{i}")))
+        records.append(h.record(fb(f"f{i}", 0.5)))
+    rounds, rest = 0, records
+    while rest:
+        out = h.replay(rest)
+        rounds += 1
+        if out.cut is None:
+            break
+        assert 0 < out.cut < len(rest)
+        done, rest = rest[: out.cut], rest[out.cut:]
+        assert out.ranges == {(t, 0): (min(r.offset for r in done if r.topic == t), max(r.offset for r in done if r.topic == t))
+                              for t in {r.topic for r in done}}
+        assert {r.id for r in out.interactions} == {json.loads(r.value)["id"] for r in done if r.topic == "i"}
+        assert rest[0].topic == "i" and json.loads(rest[0].value)["tenant"] == "slow"  # cut before a scorer call
+    assert rounds >= 3  # 12 calls of 50 ms against 0.2 s a batch
+    ids = h.table("interactions").column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == 24
+    assert h.rewards() == sorted([(f"s{i}", 1.0, f"python:{__name__}:slow_scorer") for i in range(12)]
+                                 + [(f"f{i}", 0.5, "feedback") for i in range(12)])
+    assert h.table("feedback").num_rows == 12

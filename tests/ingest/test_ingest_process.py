@@ -38,7 +38,7 @@ class Setup:
     """Topics, a group and a config file for one test; starts ingest processes and stops them by pid."""
 
     def __init__(self, broker, tmp_path: Path, data_dir: Path, *, flush_rows=500, flush_seconds=0.3, tenants=(),
-                 max_message_bytes=None):
+                 max_message_bytes=None, ingest_settings=()):
         tag = uuid.uuid4().hex[:8]
         self.bootstrap = broker.bootstrap
         self.interactions, self.feedback, self.dead = f"t-{tag}.i", f"t-{tag}.f", f"t-{tag}.d"
@@ -48,6 +48,7 @@ class Setup:
         self.tmp = tmp_path
         self.tenants = tenants
         self.max_message_bytes = max_message_bytes
+        self.ingest_settings = ingest_settings  # more [ingest] lines
         self.config = tmp_path / "clora.toml"
         self.write_config(flush_rows, flush_seconds)
         self.producer = KafkaProducer(bootstrap_servers=self.bootstrap, linger_ms=10)
@@ -68,6 +69,7 @@ class Setup:
         ]
         if self.max_message_bytes is not None:
             lines.append(f"max_message_bytes = {self.max_message_bytes}")
+        lines += self.ingest_settings
         for name, scorer in self.tenants:
             lines += ["[[tenants]]", f'name = "{name}"', f'api_key = "key-{name}-0123"', f'scorer = "{scorer}"']
         self.config.write_text("\n".join(lines) + "\n")
@@ -84,7 +86,8 @@ class Setup:
         log = open(self.tmp / f"{name}-{len(self.procs)}.log", "wb")  # noqa: SIM115 (closed by the child's end)
         proc = subprocess.Popen(
             [sys.executable, "-m", "ingest", "--config", str(self.config), *args],
-            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)},
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(self.tmp)])},  # tmp: a test's scorer module
         )
         proc.log_path = Path(log.name)
         log.close()
@@ -382,6 +385,40 @@ def test_drain_on_stop_reads_everything_before_exiting(setup_factory):
     assert proc.wait(timeout=60) == 0, proc.log_path.read_text()[-3000:]
     assert "drained" in proc.log_path.read_text()
     assert s.count("interactions") == 4000
+
+
+def test_a_slow_scorer_cuts_batches_at_the_scoring_budget_and_every_event_lands_once(setup_factory, tmp_path):
+    """A python: scorer taking 20 ms a call and a budget of 0.3 s a batch: batches end early, what they did is
+    written and committed, the rest is read again from the broker; in the end every event is stored once and
+    every offset committed."""
+    (tmp_path / "clora_slow_scorer.py").write_text("import time\n\ndef score(completion, prompt):\n"
+                                                   "    time.sleep(0.02)\n    return 1.0\n")
+    s = setup_factory(flush_rows=1000, flush_seconds=5, tenants=[("slow", "python:clora_slow_scorer:score"),
+                                                                 ("fb", "feedback")],
+                      ingest_settings=["max_batch_scoring_seconds = 0.3"])
+    for i in range(100):
+        s.send(InteractionEvent(id=f"s{i}", tenant="slow", prompt="p", completion="c"))
+        s.send(InteractionEvent(id=f"f{i}", tenant="fb", prompt="p", completion="c"))
+        s.send(FeedbackEvent(id=f"f{i}", tenant="fb", score=0.5))
+    s.producer.flush()
+    proc = s.start("--once")
+    assert proc.wait(timeout=120) == 0, proc.log_path.read_text()[-3000:]
+    log = proc.log_path.read_text()
+    assert log.count("reading the other") >= 3, log[-3000:]  # 100 calls of 20 ms against 0.3 s a batch
+    ids = read_dataset(s.data_dir, "interactions").column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == 200
+    trajectories = read_dataset(s.data_dir, "trajectories").to_pylist()
+    assert sorted((r["id"], r["reward"]) for r in trajectories) == sorted(
+        [(f"s{i}", 1.0) for i in range(100)] + [(f"f{i}", 0.5) for i in range(100)])
+    consumer = KafkaConsumer(bootstrap_servers=s.bootstrap, group_id=s.group, enable_auto_commit=False)
+    try:
+        for topic in (s.interactions, s.feedback):
+            ends = {}  # what the topic holds: past its last record, per partition
+            for rec in read_topic(s.bootstrap, topic):
+                ends[rec.partition] = max(ends.get(rec.partition, 0), rec.offset + 1)
+            assert {p: consumer.committed(TopicPartition(topic, p)) or 0 for p in ends} == ends
+    finally:
+        consumer.close()
 
 
 def test_max_seconds_stops_the_process_on_its_own(setup_factory):
