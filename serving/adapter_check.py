@@ -73,7 +73,12 @@ def validate_adapter(path: Path, *, max_rank: int, base_shapes: dict[str, tuple[
     path = Path(path)
     problems: list[str] = []
     config = _read_config(path, problems)
-    rank, alpha, targets = _check_config(config, max_rank, base_shapes, problems) if config is not None else (0, 0.0, ())
+    rank, alpha, targets = 0, 0.0, ()
+    if config is not None:
+        try:
+            rank, alpha, targets = _check_config(config, max_rank, base_shapes, problems)
+        except (TypeError, AttributeError, KeyError, ValueError) as e:  # a shape no check above foresaw: the file's
+            problems.append(f"{CONFIG_FILE} has a value of an unexpected type ({type(e).__name__}: {e})")
     modules = _check_weights(path, max_rank, base_shapes, problems)
     if problems:
         raise AdapterRejected(path, problems)
@@ -112,14 +117,14 @@ def _check_config(
         rank = 0
     elif rank > max_rank:
         problems.append(f"rank {rank} exceeds the engine's max_lora_rank {max_rank}")
-    for key, value in (config.get("rank_pattern") or {}).items():
+    for key, value in _pattern(config, "rank_pattern", problems).items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value > max_rank:
             problems.append(f"rank_pattern[{key!r}] = {value!r} is not a rank in 1..{max_rank}")
     alpha = config.get("lora_alpha")
     if not _positive_finite(alpha):  # the engine scales B·A by alpha / r: Infinity (valid JSON here) breaks every output
         problems.append(f"lora_alpha must be a finite positive number, got {alpha!r}")
         alpha = 0.0
-    for key, value in (config.get("alpha_pattern") or {}).items():
+    for key, value in _pattern(config, "alpha_pattern", problems).items():
         if not _positive_finite(value):
             problems.append(f"alpha_pattern[{key!r}] = {value!r} is not a finite positive number")
     if config.get("use_dora"):
@@ -130,6 +135,18 @@ def _check_config(
         problems.append(f"modules_to_save {config['modules_to_save']!r} is not supported")
     targets = _check_targets(config.get("target_modules"), base_shapes, problems)
     return rank, float(alpha), targets
+
+
+def _pattern(config: dict, key: str, problems: list[str]) -> dict:
+    """config[key] (a module-name pattern -> value map), or {} where it is missing, null or not a map (a
+    problem then)."""
+    value = config.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        problems.append(f"{key} must be a JSON object (module pattern -> value), got {type(value).__name__}")
+        return {}
+    return value
 
 
 def _positive_finite(value: object) -> bool:

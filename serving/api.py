@@ -554,6 +554,7 @@ class Api:
         from storage.registry import UnreadableRecord
 
         tenant = self.auth.tenant(request.headers.get("authorization"))
+        request.state.tenant = tenant
         try:
             versions = await asyncio.to_thread(self.registry.unsettled, tenant)  # every published one, not the history
         except UnreadableRecord as e:  # a record edited by hand: the tenant's versions stay out until it is mended
@@ -722,6 +723,7 @@ def create_app(api: Api) -> FastAPI:
         # never sees this response: the id goes on here. The scope's state is shared, so it is the same id.
         request_id = getattr(request.state, "request_id", None) or uuid.uuid4().hex
         logger.exception("request %s to %s failed", request_id, request.url.path)
+        api.metrics.request_refused(getattr(request.state, "tenant", "-"), endpoint_label(request.url.path), 500)
         return JSONResponse(internal_error_body(e), status_code=500, headers={REQUEST_ID: request_id})
 
     app.add_middleware(RequestIdMiddleware)

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import itertools
 import json
 import logging
@@ -479,6 +480,12 @@ class Engine:
             raise BadRequest(str(e), param=getattr(e, "parameter", None)) from e
         except EngineDeadError as e:
             raise Unavailable("the engine has stopped; the server must be restarted") from e
+        except Exception:
+            # vLLM registers a request before sending it to the engine core, and one whose sending failed it
+            # never aborts: its state would stay in the engine for good, one per such request.
+            with contextlib.suppress(Exception):
+                await self.llm.abort(request_id)
+            raise
 
     async def generate(
         self, prompt_ids: list[int], sampling: Sampling, adapter: AdapterHandle | None, request_id: str,

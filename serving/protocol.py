@@ -97,6 +97,11 @@ COMPLETIONS_NOT_IMPLEMENTED = {
 }
 
 
+# stream_options this server takes: include_usage (a last chunk with the usage), include_obfuscation
+# (OpenAI's random padding of stream events against length side channels: none is sent, which clients accept).
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")
+
+
 def _asks_for_more(value: Any, harmless: Any) -> bool:
     """Whether a refused field's value asks for something clora does not do (`true` is not 1, nor 1 true)."""
     if harmless is NOTHING:
@@ -137,17 +142,17 @@ class _Request(BaseModel):
     frequency_penalty: float = _finite(0.0, ge=-2, le=2)
     logit_bias: dict[str, Annotated[float, Strict()]] | None = None  # token id (as a JSON key) -> [-100, 100]
     # vLLM's extensions, which its OpenAI server also takes
-    top_k: int = _count(0, ge=-1)  # 0 or -1: off
+    top_k: int = _count(0, ge=-1, le=2**31 - 1)  # 0 or -1: off; past int32 vLLM fails (and keeps the request)
     min_p: float = _finite(0.0, ge=0, le=1)
     repetition_penalty: float = _finite(1.0, gt=0)
     response_format: dict[str, Any] | None = None
     # vLLM's extension: each choice (and each stream chunk's choice) carries the sampled token ids, so a
     # trainer gets exactly the tokens the model produced, not a re-tokenization of the text
-    return_token_ids: bool = False
+    return_token_ids: bool = Field(False, strict=True)
     min_tokens: int = _count(0, ge=0)  # EOS and stop_token_ids are masked before this many tokens
     stop_token_ids: list[Annotated[int, Strict(), Field(ge=0)]] | None = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
+    include_stop_str_in_output: bool = Field(False, strict=True)
+    ignore_eos: bool = Field(False, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -208,6 +213,12 @@ class _Request(BaseModel):
         # Raised as a BadRequest (not a ValueError), so it carries its `param`; it runs once the fields are valid.
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
+        for key, value in (self.stream_options or {}).items():
+            if value is not None and not isinstance(value, bool):
+                raise BadRequest(f"stream_options.{key} must be true or false, got {value!r}", param="stream_options")
+            if value and key not in STREAM_OPTIONS:
+                raise UnsupportedParameter(f"stream_options.{key} is not supported by this server (it takes "
+                                           f"{', '.join(STREAM_OPTIONS)})", param="stream_options")
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise UnsupportedParameter(

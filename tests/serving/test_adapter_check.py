@@ -86,6 +86,8 @@ def test_every_problem_is_reported_at_once(tmp_path, shapes):
     ({"alpha_pattern": {"q_proj": float("inf")}}, "alpha_pattern['q_proj'] = inf is not a finite positive number"),
     ({"alpha_pattern": {"q_proj": 0}}, "alpha_pattern['q_proj'] = 0 is not a finite positive number"),
     ({"rank_pattern": {"q_proj": True}}, "rank_pattern['q_proj'] = True is not a rank in 1..16"),
+    ({"alpha_pattern": [8]}, "alpha_pattern must be a JSON object (module pattern -> value), got list"),
+    ({"rank_pattern": "q"}, "rank_pattern must be a JSON object (module pattern -> value), got str"),
 ])
 def test_scales_that_are_not_finite_positive_numbers_are_refused(tmp_path, shapes, config, problem):
     """JSON as Python writes and reads it carries Infinity and NaN; the engine scales B·A by alpha / r."""

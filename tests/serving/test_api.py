@@ -1083,3 +1083,28 @@ def test_a_500_carries_its_request_id_and_the_error_shape(caplog):
     assert first.headers["x-request-id"] != second.headers["x-request-id"]
     logged = [r.getMessage() for r in caplog.records if r.name == "serving.api"]
     assert logged == [f"request {r.headers['x-request-id']} to /v1/models failed" for r in (first, second)]
+    metrics = w.api.metrics.render().decode()
+    assert 'clora_serving_requests_total{endpoint="models",status="500",tenant="acme"} 2.0' in metrics, metrics
+
+
+def test_a_request_the_engine_fails_to_take_is_aborted_there():
+    """vLLM registers a request before sending it to its engine core and never aborts one whose sending
+    failed: its state stayed in the engine, one per such request."""
+    w = World()
+    w.llm.fail = RuntimeError("could not send the request")
+    w.llm.aborted = []
+
+    async def abort(request_id):
+        w.llm.aborted.append(request_id)
+
+    w.llm.abort = abort
+
+    async def scenario(_):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=w.app, raise_app_exceptions=False),
+                                     base_url="http://clora", headers={"Authorization": f"Bearer {KEYS['acme']}"}) as c:
+            return await c.post("/v1/chat/completions", json=chat())
+
+    r = w.run(scenario)
+    assert r.status_code == 500
+    assert w.llm.aborted == [call.request_id for call in w.llm.calls] and len(w.llm.aborted) == 1
+    assert w.api.inflight.held("acme") == 0

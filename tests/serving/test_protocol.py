@@ -60,6 +60,11 @@ def test_sampling_the_engine_would_refuse_is_a_bad_request(extra, expected):
     (protocol.CompletionRequest, {"prompt": [[1, True]]}, "prompt"),
     (protocol.CompletionRequest, {"prompt": "x", "echo": "false"}, "echo"),
     (protocol.FeedbackRequest, {"source": ""}, "source"),
+    (protocol.ChatRequest, {"ignore_eos": "yes"}, "ignore_eos"),
+    (protocol.ChatRequest, {"return_token_ids": 1}, "return_token_ids"),
+    (protocol.CompletionRequest, {"prompt": "x", "include_stop_str_in_output": "on"}, "include_stop_str_in_output"),
+    (protocol.ChatRequest, {"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
+    (protocol.ChatRequest, {"top_k": 2**64}, "top_k"),
 ])
 def test_values_of_the_wrong_type_are_refused_not_read_as_another(model, extra, field):
     """`true` is no token id 1 and "true" no flag, as OpenAI answers them (400)."""
@@ -278,3 +283,14 @@ def test_stream_chunks_and_sse():
     assert protocol.chat_chunk("c", "m", 10, None)["choices"] == []
     assert protocol.sse("[DONE]") == b"data: [DONE]\n\n"
     assert json.loads(protocol.sse(chunk)[6:]) == chunk
+
+
+def test_stream_options_clora_does_not_implement_are_refused_and_the_ones_it_takes_are_read():
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    with pytest.raises(UnsupportedParameter) as e:
+        protocol.parse(protocol.ChatRequest, json.dumps({**base, "stream_options": {"continuous_usage_stats": True}}).encode())
+    assert e.value.param == "stream_options" and "continuous_usage_stats" in str(e.value)
+    for options, usage in [({"include_usage": True}, True), ({"include_usage": True, "include_obfuscation": True}, True),
+                           ({"continuous_usage_stats": False}, False), ({"include_usage": None}, False)]:
+        body = protocol.parse(protocol.ChatRequest, json.dumps({**base, "stream_options": options}).encode())
+        assert body.include_usage is usage
