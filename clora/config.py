@@ -282,8 +282,9 @@ class LearnerConfig(_Strict):
     )
     skip_flat_batches: bool = Field(
         True,
-        description="logs mode: a batch of 2+ trajectories with all rewards equal trains nothing (only the baseline);"
-        " its advantages are noise an Adam step would turn into a full-size random step.",
+        description="logs mode: a batch of 2+ trajectories with all rewards equal, or whose every prompt came several "
+        "times with its answers all scored alike (every advantage 0), trains nothing (only the baseline): its "
+        "advantages are noise, or zero, that an Adam step would turn into a full-size step on its momentum.",
     )
     batch_wait_seconds: float = Field(
         5.0, ge=0, description="logs mode: a tenant with fewer than batch_size untrained trajectories trains once "

@@ -275,7 +275,7 @@ def baseline_after(baseline: float | None, rewards: Sequence[float]) -> float:
 
 @dataclass(frozen=True)
 class LogsStep:
-    update: UpdateResult
+    update: UpdateResult | None  # None: no trajectory's advantage is non-zero, so nothing was trained
     reward_mean: float
     baseline: float  # the running mean after this batch
 
@@ -295,16 +295,24 @@ def train_step(
     max_grad_norm: float,
     max_len: int,
     micro_batch_size: int | None = None,
+    skip_flat: bool = True,
 ) -> LogsStep:
     """One off-policy update on `examples` (see the module note); `baseline` is the tenant's running mean
     reward so far (None before its first step). `micro_batch_size` bounds the examples in one forward pass
     (the gradient is the whole batch's either way), so a catch-up step of several batches needs one batch's
-    memory."""
+    memory. `skip_flat` (learner.skip_flat_batches): a batch whose every advantage is zero trains nothing
+    (update None)."""
     rewards = torch.tensor([e.reward for e in examples], dtype=torch.float64)
     start = maths.running_mean(None, rewards) if baseline is None else baseline
     advantages = maths.baseline_advantages(rewards, maths.group_ids([e.group for e in examples]), start)
     if scale_advantages:
         advantages = maths.scale_by_std(advantages, rewards)
+    if skip_flat and not bool(advantages.abs().gt(0).any()):
+        # Every prompt repeated and each one's answers scored alike (an app's greedy answers to the same
+        # questions): flat within each group, so nothing to tell better from worse. A zero gradient is no
+        # zero step: Adam would move the adapter on its momentum from earlier batches and make a version of
+        # that. As rollouts mode does with flat groups.
+        return LogsStep(update=None, reward_mean=float(rewards.mean()), baseline=maths.running_mean(baseline, rewards))
     batch = pack(
         [e.prompt_ids for e in examples], [e.completion_ids for e in examples], pad_id=policy.pad_token_id, max_len=max_len
     )

@@ -962,9 +962,10 @@ class Learner:
                 return _Trained(None, rewards, sum(rewards) / len(rewards), 0, work.dropped, baseline)
             step = logs_mode.train_step(
                 self.policy, name, work.logs, baseline=rt.baseline, scale_advantages=self.settings.scale_advantages,
-                micro_batch_size=rt.spec.batch_size, **common
+                micro_batch_size=rt.spec.batch_size, skip_flat=self.settings.skip_flat_batches, **common
             )
-            return _Trained(step.update, rewards, step.reward_mean, len(work.logs), work.dropped, step.baseline)
+            trained = len(work.logs) if step.update is not None else 0
+            return _Trained(step.update, rewards, step.reward_mean, trained, work.dropped, step.baseline)
         if not work.plan.prompts:
             return _Trained(None, (), math.nan, 0, 0, rt.baseline)
         prompts = tuple(work.plan.prompts)

@@ -207,6 +207,23 @@ def test_a_flat_batch_trains_nothing_but_moves_the_baseline(tiny_model, data_dir
     assert Registry(data_dir).latest_published("acme").number == 2
 
 
+def test_a_batch_flat_within_each_prompt_trains_nothing_though_its_rewards_differ(tiny_model, data_dir):
+    """Each prompt twice, its answers scored alike, prompts scored apart: every advantage is 0 (leave-one-out
+    within the prompt), yet not every reward is equal. It made a version moved only by Adam's momentum."""
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    learner = learn(cfg, tiny_model)  # -> acme@1, and Adam has momentum
+    weights = [p.detach().clone() for p in learner.policy.trainable("acme")]
+    grouped = [{**r, "reward": [1.0, 0.0, 0.5, -0.5][i % 4]} for i, r in enumerate(rows("g", 8, seed=3))]
+    write(data_dir, "acme", grouped, "b1", start=100)  # rows() asks question i % 4: each prompt twice
+    learn(cfg, tiny_model, learner=learner)
+    assert [v.number for v in Registry(data_dir).versions("acme")] == [1]
+    assert all(torch.equal(w, p) for w, p in zip(weights, learner.policy.trainable("acme")))
+    row = max(read_dataset(data_dir, "train_steps").to_pylist(), key=lambda r: r["step"])
+    assert (row["reward_mean"], row["n_trajectories"], row["loss"]) == (0.25, 0, None)
+    assert_each_id_once(data_dir, "acme", {f"a{i}" for i in range(8)} | {f"g{i}" for i in range(8)})
+
+
 def test_a_backlog_of_several_batches_trains_in_catch_up_steps(tiny_model, data_dir):
     write(data_dir, "acme", rows("a", 44), "b0")
     cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], catch_up=4)
