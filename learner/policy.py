@@ -120,6 +120,11 @@ class Policy:
 
     # --- tenants --------------------------------------------------------------------------------------
     @property
+    def has_dropout(self) -> bool:
+        """Whether a gradient pass (train mode) differs from a no-grad one: some dropout would act."""
+        return self._has_dropout
+
+    @property
     def tenants(self) -> list[str]:
         return sorted(self._specs)
 
@@ -156,6 +161,9 @@ class Policy:
                     self.model.add_adapter(name, config)
             except ValueError as e:  # peft: target modules not found in the base model, and the like
                 raise PolicyError(f"cannot add an adapter for tenant {spec.name!r}: {e}") from e
+        # peft leaves the model in train mode: every pass but a gradient pass (which switches train mode on for
+        # itself) must run without dropout, a probe or a π_prox before this tenant's first update included.
+        self.model.eval()
         params = sorted(
             (n, p) for n, p in self.model.named_parameters() if _adapter_of(n) == name
         )

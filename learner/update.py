@@ -125,6 +125,10 @@ def pg_update(
                                                               with_entropy=bool(entropy_coef))
             if epoch == 0:  # the adapter as the step starts
                 proximal = logp.detach()
+                if policy.has_dropout:
+                    # The gradient pass runs in train mode, its dropout in `logp`; the adapter as it samples
+                    # (and as the behaviour log-probs were taken) has none, so π_prox comes from a pass without.
+                    proximal = policy.token_logprobs(part, tenant, temperature=temperature)
                 behaviour = proximal
                 if old_logprobs is not None:
                     known = old_logprobs[rows].to(device)

@@ -433,6 +433,36 @@ def test_gradient_passes_use_train_mode_only_when_some_dropout_would_act(tiny_mo
     assert not plain.model.training
 
 
+def test_with_dropout_the_steps_starting_policy_is_the_adapter_without_it(tiny_model, monkeypatch):
+    """π_prox (where the behaviour weight and the clip are centred) is the adapter as it samples, without
+    dropout: taken from the train-mode gradient pass, on-policy samples got random weights around 1."""
+    import learner.update as update_module
+
+    policy = Policy(tiny_model, device="cpu")
+    policy.add_tenant(spec("b", rank=4, dropout=0.5))
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name and adapter_name("b") in name:
+                p.fill_(0.1)  # dropout on the adapter's input now shows in the output
+    batch, _, _ = small_batch(policy)
+    assert not policy.model.training  # peft left it in train mode: no-grad passes had dropout too
+    on_policy = policy.token_logprobs(batch, "b")  # what the version being trained gave when it sampled
+    assert torch.equal(on_policy, policy.token_logprobs(batch, "b"))
+    seen = []
+    real = update_module.maths.behaviour_weights
+
+    def spy(proximal, behaviour, cap):
+        seen.append((proximal, behaviour))
+        return real(proximal, behaviour, cap)
+
+    monkeypatch.setattr(update_module.maths, "behaviour_weights", spy)
+    result = pg_update(policy, "b", batch, torch.tensor([1.0, -1.0, 0.5]), old_logprobs=on_policy, clip_eps=0.2)
+    ((proximal, behaviour),) = seen
+    mask = batch.completion_mask.bool()
+    assert torch.allclose(proximal[mask], on_policy[mask]) and torch.allclose(behaviour[mask], on_policy[mask])
+    assert result.finite  # (the clip is centred there too: dropout's own noise can now reach it)
+
+
 def test_a_removed_tenant_frees_its_adapter_and_leaves_the_others_as_they_were(tiny_model):
     p = Policy(tiny_model, device="cpu")
     p.add_tenant(spec("keep", learning_rate=1e-2))
