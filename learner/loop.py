@@ -131,7 +131,8 @@ class LearnerError(RuntimeError):
 
 @dataclass
 class TenantRuntime:
-    spec: TenantSpec
+    spec: TenantSpec  # as applied: the adapter's shape is the saved adapter's (Policy.update_spec)
+    given: TenantSpec | None = None  # as the config (or the defaults) last gave it
     loaded: bool = False  # adapter created and restored from its checkpoint
     step: int = 0  # last committed step
     version: int = 0  # the registry version the adapter equals (0: none yet)
@@ -386,11 +387,14 @@ class Learner:
     def _set_spec(self, spec: TenantSpec) -> None:
         rt = self.tenants.get(spec.name)
         if rt is None:
-            self.tenants[spec.name] = TenantRuntime(spec=spec)
+            self.tenants[spec.name] = TenantRuntime(spec=spec, given=spec)
             logger.info("tenant %s: %s mode, scorer %s%s", spec.name, spec.mode, spec.scorer, "" if spec.configured else " (not in the config: defaults)")
             return
-        if spec == rt.spec:
+        # Compared with what was given last, not with what applies: a shape the saved adapter overrides (or
+        # lists in another order) would differ on every re-read, dropping the batch sampled ahead each time.
+        if spec == rt.given:
             return
+        rt.given = spec
         if self.prefetcher is not None:  # a job planned under the old spec (mode, prompts, group size)
             self.prefetcher.discard(spec.name)
         if rt.loaded:

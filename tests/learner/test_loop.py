@@ -1225,6 +1225,32 @@ def test_a_sampling_job_planned_under_an_old_spec_is_dropped_when_the_config_cha
     learner.close()
 
 
+def test_rereading_an_unchanged_config_keeps_the_batch_sampled_ahead_even_if_the_adapter_keeps_its_shape(
+        tiny_model, data_dir, tmp_path, caplog):
+    """A config asking for another adapter shape than the saved adapter's: the saved shape applies, so the
+    applied spec never equalled the config's, and every re-read (every few seconds) dropped the batch sampled
+    ahead and warned again."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\nthree\nfour\n")
+    tenant = {"name": "lab", "mode": "rollouts", "scorer": "length:12", "prompts_file": str(prompts), "batch_size": 4,
+              "group_size": 2, "learning_rate": 1e-2}
+    settings = dict(max_new_tokens=8, gate_max_kl=50.0, sample_ahead=False)
+    cfg = make_config(data_dir, tiny_model, [tenant], **settings)
+    learner = Learner(cfg, model_path=tiny_model, sampler=FakeServingSampler(), progress=False)
+    run(cfg, model_path=tiny_model, learner=learner, max_steps=1, progress=False)
+    reshaped = make_config(data_dir, tiny_model, [{**tenant, "lora": {"rank": 4}}], **settings)
+    with caplog.at_level("WARNING", logger="learner.policy"):
+        learner.apply_config(reshaped)  # a change: applied (the shape kept, with a warning)
+        assert learner.tenants["lab"].spec.rank == 8 and not learner.prefetcher.pending("lab")
+        run(reshaped, model_path=tiny_model, learner=learner, max_steps=1, progress=False)
+        assert learner.prefetcher.pending("lab")  # the next step's batch
+        for _ in range(3):
+            learner.apply_config(reshaped)  # re-read, unchanged
+        assert learner.prefetcher.pending("lab")
+    assert sum("changes the adapter shape" in r.getMessage() for r in caplog.records) == 1
+    learner.close()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Rounds: several tenants step together, their gate probes decoded in one batch
 
