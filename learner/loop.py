@@ -820,7 +820,9 @@ class Learner:
             # Sampled ahead by the version before the newest, and versions moved on meanwhile (serving still
             # had an older one, an operator's publish): a batch too stale to train is sampled again now rather
             # than failing the step (train_step raises when nothing is left).
-            stale = rollouts.all_stale(job.samples, rt.spec.name, rt.version, self.settings.max_staleness, rt.served)
+            stale = rollouts.all_stale(job.samples, rt.spec.name, rt.version, self.settings.max_staleness, rt.served,
+                                       temperature=self.settings.temperature,
+                                       version_files=lambda number: self._version_files(rt.spec.name, number))
             if stale is not None:
                 logger.info("tenant %s: sampled batch for step %d too stale (%s); sampling it again", rt.spec.name,
                             job.step, stale)

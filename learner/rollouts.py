@@ -506,10 +506,19 @@ def score_samples(scorer: Callable[[str, str], float], prompt: str,
 
 
 def all_stale(samples: Sequence[Sequence[Sample]], tenant: str, current_version: int, max_staleness: int,
-              served: Sequence[int] | None = None) -> str | None:
-    """When every sample is too many versions behind `current_version` (or foreign) to train on, why the
+              served: Sequence[int] | None = None, *, temperature: float = 1.0,
+              version_files: Callable[[int], Path | None] | None = None) -> str | None:
+    """When every sample is too many versions behind `current_version` (or foreign) to train on, or at a
+    `temperature` != 1 made by a version whose files are gone (train_step leaves those out too), why the
     first one is; None when some sample is fresh, or there are none."""
-    reasons = [stale_reason(s.version, tenant, current_version, max_staleness, served) for g in samples for s in g]
+
+    def reason(sample: Sample) -> str | None:
+        why = stale_reason(sample.version, tenant, current_version, max_staleness, served)
+        if not why and temperature != 1.0:
+            why = _no_behaviour(version_number(sample.version, tenant), current_version, version_files, temperature)
+        return why
+
+    reasons = [reason(s) for g in samples for s in g]
     return reasons[0] if reasons and all(reasons) else None
 
 

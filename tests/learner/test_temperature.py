@@ -15,7 +15,7 @@ import torch
 
 from learner.batch import pack
 from learner.policy import Policy
-from learner.rollouts import LocalSampler, NoUsableSamples, SampleRequest, render_user_prompt, train_step
+from learner.rollouts import LocalSampler, NoUsableSamples, SampleRequest, all_stale, render_user_prompt, train_step
 from learner.types import Sample, TenantSpec
 from learner_support import LEARNABLE_TARGETS
 
@@ -117,3 +117,14 @@ def test_the_base_models_samples_are_recomputed_without_files(policy):
     samples = [replace(s, version=None) for s in group]  # made before the tenant's first version
     result = _step(policy, prompt, samples, current=1, version_files=lambda number: None)
     assert result.update is not None
+
+
+def test_a_batch_whose_every_sample_train_step_would_leave_out_counts_as_all_stale():
+    """The loop samples such a batch again (a batch sampled ahead); at T != 1 a sample whose version's files
+    are gone is left out by train_step, and all_stale missed it: the step failed instead."""
+    samples = [[Sample(text="x", token_ids=None, finished=True, version="acme@1")] * 2]
+    assert all_stale(samples, "acme", 2, 4, temperature=1.0) is None
+    assert all_stale(samples, "acme", 2, 4, temperature=T, version_files={1: "/v1"}.get) is None
+    assert "adapter files are gone" in all_stale(samples, "acme", 2, 4, temperature=T, version_files=lambda n: None)
+    current = [[Sample(text="x", token_ids=None, finished=True, version="acme@2")]]
+    assert all_stale(current, "acme", 2, 4, temperature=T, version_files=lambda n: None) is None
