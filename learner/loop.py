@@ -129,6 +129,11 @@ class LearnerError(RuntimeError):
 # Per-tenant state and step results
 
 
+# Learner settings read once, when the learner starts (its sampler, its device, how many shards `clora up`
+# starts): a config re-read that changes them only says so.
+RESTART_SETTINGS = ("rollout_sampler", "serving_url", "device", "processes")
+
+
 @dataclass
 class TenantRuntime:
     spec: TenantSpec  # as applied: the adapter's shape is the saved adapter's (Policy.update_spec)
@@ -266,8 +271,20 @@ class Learner:
     # --- configuration and discovery ------------------------------------------------------------------
     def apply_config(self, cfg: Config) -> None:
         """Takes the learner settings and tenants of `cfg`; existing tenants keep their adapters. A tenant
-        that left the config gets what a restart would give it (`_left_config`)."""
+        that left the config gets what a restart would give it (`_left_config`). Settings read only at start
+        (RESTART_SETTINGS) are logged when they change; the rest apply from the next step."""
+        before = getattr(self, "settings", None)
         self.settings = cfg.learner
+        self.registry.keep_last = cfg.learner.keep_versions
+        if before is not None:
+            if self.prefetcher is not None and (before.temperature, before.max_new_tokens) != (
+                    cfg.learner.temperature, cfg.learner.max_new_tokens):
+                for name in self.tenants:  # sampled under the old settings, it would train as if under the new
+                    self.prefetcher.discard(name)
+            changed = [k for k in RESTART_SETTINGS if getattr(before, k) != getattr(cfg.learner, k)]
+            if changed:
+                logger.warning("learner.%s changed in the config: takes effect when the learner starts again",
+                               ", learner.".join(changed))
         self.max_len = cfg.serving.max_model_len
         self.max_lora_rank = cfg.serving.max_lora_rank
         self.scheduler = cfg.learner.scheduler
@@ -1335,7 +1352,7 @@ def run(
             if name is None:
                 if once or until_idle:
                     break
-                stop.wait(cfg.learner.poll_seconds)
+                stop.wait(learner.settings.poll_seconds)  # as the config says now: it is re-read
                 continue
             names = [name, *learner.round_partners(name, backlog, exclude=exclude | sampling)]
             if max_steps is not None:

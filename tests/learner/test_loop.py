@@ -1251,6 +1251,29 @@ def test_rereading_an_unchanged_config_keeps_the_batch_sampled_ahead_even_if_the
     learner.close()
 
 
+def test_a_config_re_read_applies_the_learner_settings_or_says_which_wait_for_a_restart(tiny_model, data_dir,
+                                                                                        tmp_path, caplog):
+    """keep_versions stayed the start's (the registry was made once), a new temperature trained the batch
+    sampled under the old one as if sampled under it, and settings read once changed without a word."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\nthree\nfour\n")
+    tenant = {"name": "lab", "mode": "rollouts", "scorer": "length:12", "prompts_file": str(prompts), "batch_size": 4,
+              "group_size": 2, "learning_rate": 1e-2}
+    settings = dict(max_new_tokens=8, gate_max_kl=50.0, sample_ahead=False)
+    cfg = make_config(data_dir, tiny_model, [tenant], **settings)
+    learner = Learner(cfg, model_path=tiny_model, sampler=FakeServingSampler(), progress=False)
+    run(cfg, model_path=tiny_model, learner=learner, max_steps=1, progress=False)
+    assert learner.prefetcher.pending("lab")
+    learner.apply_config(make_config(data_dir, tiny_model, [tenant], keep_versions=1, **settings))
+    assert learner.registry.keep_last == 1 and learner.prefetcher.pending("lab")  # nothing about sampling changed
+    with caplog.at_level("WARNING", logger="learner.loop"):
+        learner.apply_config(make_config(data_dir, tiny_model, [tenant], keep_versions=1, temperature=0.7,
+                                         serving_url="http://127.0.0.1:1", **settings))
+    assert not learner.prefetcher.pending("lab")
+    assert "learner.serving_url changed in the config: takes effect when the learner starts again" in caplog.text
+    learner.close()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Rounds: several tenants step together, their gate probes decoded in one batch
 
