@@ -458,24 +458,29 @@ class Engine:
         try:
             params = _sampling_params(sampling)  # vLLM refuses some combinations: a 400, like its own server
             prompt = tokens_input(list(prompt_ids), cache_salt=cache_salt)
-            async for output in self.llm.generate(prompt, params, request_id, lora_request=lora):
-                for out in output.outputs:
-                    if out.finish_reason == "error":  # vLLM: a request-level internal error, always a 500
-                        raise GenerationFailed(f"the engine failed request {request_id} (choice {out.index}); "
-                                               "it may succeed if retried")
-                    decoder = decoders.setdefault(out.index, codecs.getincrementaldecoder("utf-8")("replace"))
-                    text_bytes = [b"" if t in self.token_bytes.special else self.token_bytes(t) for t in out.token_ids]
-                    offsets, chars[out.index] = _text_offsets(text_bytes, chars.get(out.index, 0), decoder)
-                    delta = Delta(
-                        index=out.index,
-                        text=out.text,
-                        token_ids=list(out.token_ids),
-                        logprobs=_token_logprobs(out.token_ids, out.logprobs, sampling.top_logprobs, self.token_bytes,
-                                                 offsets),
-                        finish_reason=out.finish_reason,
-                    )
-                    for index in range(copies):
-                        yield delta if copies == 1 else replace(delta, index=index)
+            # Closed (which aborts the request in the engine) as soon as this loop ends, however it ends: left
+            # to the garbage collector, the abort came a few event-loop passes after the caller released the
+            # adapter, which could then be unloaded, its files deleted, under a request still running on it.
+            async with contextlib.aclosing(self.llm.generate(prompt, params, request_id, lora_request=lora)) as outputs:
+                async for output in outputs:
+                    for out in output.outputs:
+                        if out.finish_reason == "error":  # vLLM: a request-level internal error, always a 500
+                            raise GenerationFailed(f"the engine failed request {request_id} (choice {out.index}); "
+                                                   "it may succeed if retried")
+                        decoder = decoders.setdefault(out.index, codecs.getincrementaldecoder("utf-8")("replace"))
+                        text_bytes = [b"" if t in self.token_bytes.special else self.token_bytes(t)
+                                      for t in out.token_ids]
+                        offsets, chars[out.index] = _text_offsets(text_bytes, chars.get(out.index, 0), decoder)
+                        delta = Delta(
+                            index=out.index,
+                            text=out.text,
+                            token_ids=list(out.token_ids),
+                            logprobs=_token_logprobs(out.token_ids, out.logprobs, sampling.top_logprobs,
+                                                     self.token_bytes, offsets),
+                            finish_reason=out.finish_reason,
+                        )
+                        for index in range(copies):
+                            yield delta if copies == 1 else replace(delta, index=index)
         except VLLMClientError as e:
             raise BadRequest(str(e), param=getattr(e, "parameter", None)) from e
         except EngineDeadError as e:

@@ -81,6 +81,16 @@ class FakeLLM:
         self.calls.append(SimpleNamespace(prompt=prompt, params=params, request_id=request_id))
         if self.fail is not None:
             raise self.fail
+        try:
+            async for output in self._outputs(prompt, params):
+                yield output
+        finally:  # vLLM aborts the request here when the generator is closed early
+            if self.on_close is not None:
+                self.on_close(request_id)
+
+    on_close = None  # called with the request id when a generation's generator is closed or ends
+
+    async def _outputs(self, prompt, params):
         if self.gate is not None:
             await self.gate.wait()
         tokens = self.reply[: params.max_tokens] if self.reply else prompt["prompt_token_ids"][: min(3, params.max_tokens)]
@@ -645,6 +655,18 @@ def test_engine_error_finish_is_a_500_and_logs_nothing():
     assert streamed.status_code == 200  # its first tokens were out before the engine failed it
     assert events[-2]["error"]["code"] == "generation_failed" and events[-1] == "[DONE]"
     assert w.events.logged == [] and w.api.inflight.held("acme") == 0
+
+
+def test_a_generation_that_ends_early_is_closed_in_the_engine_before_its_adapter_lease_is_released():
+    """Closing it aborts the request in vLLM. Left to the garbage collector, the abort came after the
+    lease's release, which may unload the adapter (and delete its files) under the still-running request."""
+    w = World()
+    w.llm.finish_reason = "error"  # a choice fails: the stream ends by an exception inside the engine's loop
+    held_at_close = []
+    w.llm.on_close = lambda request_id: held_at_close.append(w.api.inflight.held("acme"))
+    for body in (chat(), chat(stream=True)):
+        w.post("/v1/chat/completions", body)
+    assert held_at_close == [1, 1] and w.api.inflight.held("acme") == 0
 
 
 def test_unknown_routes_and_methods_use_the_openai_error_shape():
