@@ -38,9 +38,11 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p.add_argument("--full", action="store_true", help="send traffic for all of --minutes, learned or not")
     p.add_argument("--rate", type=positive, default=6.0, help="requests per second, all tenants together (default 6)")
     p.add_argument("--tenants", default="digits,upper,short",
-                   help="comma-separated preferences, one tenant each: digits, upper, short, json")
+                   help="comma-separated preferences, one tenant each (so each once): digits, upper, short, json")
     p.add_argument("--seed", type=int, default=0, help="seed of the simulated traffic (default 0)")
-    p.add_argument("--out", default="demo.png", help="where to write the reward plot (default demo.png)")
+    p.add_argument("--out", default="demo.png",
+                   help="where to write the reward plot, its format by its extension: .png, .svg, .pdf, ... "
+                   "(default demo.png)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser(
@@ -116,10 +118,11 @@ def config_check(args: argparse.Namespace) -> int:
                 results.append((f"tenant {t.name}: prompts_file {t.prompts_file} has {n} prompts", None))
             except SamplingError as e:
                 results.append((f"tenant {t.name}", f"tenant {t.name}: {e}"))
-    from clora.up import embedded_broker_problem
+    from clora.up import embedded_broker_problem, port_clashes
 
     if (problem := embedded_broker_problem(cfg)) is not None:
         results.append(("kafka.bootstrap", problem))
+    results += [("ports", problem) for problem in port_clashes(cfg)]
     why = unreachable(cfg.kafka.bootstrap)
     if why is None:
         results.append((f"Kafka answers at {cfg.kafka.bootstrap}", None))
@@ -163,14 +166,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from clora.cli import config_from_args
-    from clora.demo import run_demo
+    from clora.demo import out_problem, run_demo
     from clora.simulate import PREFERENCES
 
     cfg = config_from_args(args)
+    # Every check before run_demo, which deletes the previous demo's data first.
     prefs = [p.strip() for p in args.tenants.split(",") if p.strip()]
     unknown = [p for p in prefs if p not in PREFERENCES]
     if unknown or not prefs:
         print(f"clora demo: unknown preference(s) {unknown}; choose from {', '.join(PREFERENCES)}", file=sys.stderr)
+        return 2
+    if repeated := sorted({p for p in prefs if prefs.count(p) > 1}):  # one tenant each: two would share a name
+        print(f"clora demo: --tenants names {', '.join(repeated)} more than once; give each preference once",
+              file=sys.stderr)
+        return 2
+    if problem := out_problem(Path(args.out)):
+        print(f"clora demo: {problem}", file=sys.stderr)
         return 2
     return run_demo(cfg, minutes=args.minutes, rate=args.rate, preferences=prefs, seed=args.seed,
                     out_png=Path(args.out), full=args.full)

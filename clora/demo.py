@@ -181,8 +181,14 @@ def run_demo(cfg, *, minutes: float, rate: float, preferences: list[str], seed: 
     (demo_dir / "records.json").write_text(records_to_json(sim.records))
     summary = summarise(sim.records, sim_tenants)
     stats = _store_stats(demo_cfg.data_dir)
-    _plot(sim.records, sim_tenants, out_png)
-    return _report(summary, stats, out_png, interrupted_after=interrupted_after)
+    code = _report(summary, stats, interrupted_after=interrupted_after)  # first: a plot that fails loses none of it
+    try:
+        _plot(sim.records, sim_tenants, out_png)
+    except Exception as e:  # noqa: BLE001 (the figures and the verdict above stand; the plot is an extra)
+        print(f"demo: cannot write the reward plot to {out_png}: {type(e).__name__}: {e}", file=sys.stderr)
+    else:
+        print(f"reward over time: {out_png}")
+    return code
 
 
 def _progress(sim) -> None:
@@ -209,8 +215,7 @@ def _store_stats(data_dir: Path) -> dict[str, dict]:
     return stats
 
 
-def _report(summary: dict[str, dict], stats: dict[str, dict], out_png: Path, *,
-            interrupted_after: float | None = None) -> int:
+def _report(summary: dict[str, dict], stats: dict[str, dict], *, interrupted_after: float | None = None) -> int:
     """Prints the per-tenant table; returns the exit code: 0 if every tenant improved, 1 if not, 130 (no
     verdict) for a run interrupted `interrupted_after` seconds into the simulated traffic."""
     header = f"{'tenant':<12} {'prefers':<8} {'requests':>8} {'failed':>6} {'ingested':>8} {'published':>9} " \
@@ -231,7 +236,6 @@ def _report(summary: dict[str, dict], stats: dict[str, dict], out_png: Path, *,
             f"{st.get('published', 0):>9} {max(0, len(s['versions_seen']) - 1):>5} {s['reward_base']:>11.3f} "
             f"{s['reward_last']:>11.3f}  {'yes' if improved else 'NO'}"
         )
-    print(f"\nreward over time: {out_png}")
     failed = sum(s["failed"] for s in summary.values())
     if failed:
         print(f"{failed} request(s) failed")
@@ -243,6 +247,27 @@ def _report(summary: dict[str, dict], stats: dict[str, dict], out_png: Path, *,
         return 1
     print("every tenant improved")
     return 0
+
+
+def out_problem(out_png: Path) -> str | None:
+    """Why the plot cannot be written to `out_png`, or None. Checked before the run, which takes minutes:
+    savefig finds the same only after it. Its directory must exist and be writable, and its extension name
+    a format matplotlib writes (savefig picks the format by it)."""
+    import os
+
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if out_png.suffix.lower().removeprefix(".") not in formats:
+        return (f"--out {out_png}: the extension must be an image format matplotlib writes "
+                f"({', '.join(sorted(formats))})")
+    if out_png.is_dir():
+        return f"--out {out_png} is a directory"
+    if not out_png.parent.is_dir():
+        return f"--out {out_png}: {out_png.parent} is not a directory"
+    if not os.access(out_png.parent, os.W_OK):
+        return f"--out {out_png}: cannot write in {out_png.parent}"
+    return None
 
 
 def _plot(records, tenants, out_png: Path) -> None:

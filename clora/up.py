@@ -17,7 +17,7 @@ together, each group as one step of that order: one at a time, every ingest stop
 partitions to the others (a rebalance, and a batch read again) and each could take its whole drain time.
 
 Before starting anything, `up` checks that the ports its own children will bind (the embedded broker's,
-serving's, the ingest processes' metrics ports) are free, and refuses to start otherwise: a stale process from an earlier run on one of them
+serving's, the ingest processes' metrics ports) are distinct and free, and refuses to start otherwise: a stale process from an earlier run on one of them
 would answer the health check while our child failed to bind. Children get SIGTERM if `clora up` itself
 dies (Linux parent-death signal), so nothing is orphaned. Each child leads its own process group: what it
 forked (vLLM's engine core) is killed with it when it crashes or has to be killed, and whatever it left
@@ -139,9 +139,10 @@ class Child:
 
 
 class StopFlag:
-    """Whether the stack is stopping: a plain attribute, set from signal handlers too. Never a lock: a handler
-    runs in the main thread between two of its bytecodes, possibly while that thread holds the very lock
-    (threading.Event.set in a handler deadlocked against the main thread's Event.wait)."""
+    """Whether to stop: a plain attribute, set from signal handlers too. Never a lock: a handler runs in the
+    main thread between two of its bytecodes, possibly while that thread holds the very lock
+    (threading.Event.set in a handler deadlocked against the main thread's Event.wait). The stack's, and
+    the stop of each of its children's loops (ingest, learner, `clora compact --every`, `clora broker`)."""
 
     def __init__(self) -> None:
         self._set = False
@@ -437,27 +438,41 @@ def stack_specs(cfg, config_path: str | None, *, file_only: bool = False) -> tup
 
 def setup_problems(cfg) -> list[str]:
     """What would keep `up`'s children from working, one line each, checked before anything starts: the
-    embedded broker somewhere else than kafka.bootstrap says (serving and ingest would never reach it), ingest
-    metrics ports (ingest.metrics_port + K) that fall on serving's or the broker's, and ports another process
-    already holds (a child that cannot bind its port exits, and a health check would see the other process
-    answering)."""
-    problems = [p for p in [embedded_broker_problem(cfg)] if p is not None]
+    embedded broker somewhere else than kafka.bootstrap says (serving and ingest would never reach it), two
+    of its children given one port (port_clashes), and ports another process already holds (a child that
+    cannot bind its port exits, and a health check would see the other process answering)."""
+    problems = [p for p in [embedded_broker_problem(cfg)] if p is not None] + port_clashes(cfg)
     wanted = [("serving.port", cfg.serving.host, cfg.serving.port)]
     if cfg.broker.embedded:
         wanted.insert(0, ("broker.port and kafka.bootstrap", cfg.broker.host, cfg.broker.port))
     if cfg.ingest.metrics_port:  # each ingest process's metrics endpoint (ingest/metrics.py binds loopback)
         members = cfg.ingest.processes
         wanted += [("ingest.metrics_port", "127.0.0.1", cfg.ingest.metrics_port + k) for k in range(members)]
-        clashes = sorted({cfg.serving.port, *([cfg.broker.port] if cfg.broker.embedded else [])}
-                         & set(range(cfg.ingest.metrics_port, cfg.ingest.metrics_port + members)))
-        problems += [f"ingest.metrics_port {cfg.ingest.metrics_port} puts an ingest process's metrics on port {port}, "
-                     "which serving or the broker listens on: set ingest.metrics_port to a free range" for port in clashes]
     return problems + [
         f"port {port} on {host} is already in use by another process (perhaps an earlier clora still "
         f"running): stop it, or set {key} to a free port"
         for key, host, port in wanted
         if not _can_bind(host, port)
     ]
+
+
+def port_clashes(cfg) -> list[str]:
+    """Ports the config gives two of `up`'s children, one line each: serving's and the embedded broker's, and
+    ingest metrics ports (ingest.metrics_port + K) on either. Each port on its own may well be free, and
+    the second child to bind it fails (serving, started after the broker, three times). Hosts are not
+    compared: a wildcard address (0.0.0.0) clashes with every other."""
+    problems = []
+    if cfg.broker.embedded and cfg.serving.port == cfg.broker.port:
+        problems.append(f"serving.port and broker.port are both {cfg.serving.port}, where serving and the embedded "
+                        "broker cannot both listen: set serving.port to another port (or broker.port and "
+                        "kafka.bootstrap)")
+    if cfg.ingest.metrics_port:
+        members = cfg.ingest.processes
+        clashes = sorted({cfg.serving.port, *([cfg.broker.port] if cfg.broker.embedded else [])}
+                         & set(range(cfg.ingest.metrics_port, cfg.ingest.metrics_port + members)))
+        problems += [f"ingest.metrics_port {cfg.ingest.metrics_port} puts an ingest process's metrics on port {port}, "
+                     "which serving or the broker listens on: set ingest.metrics_port to a free range" for port in clashes]
+    return problems
 
 
 def embedded_broker_problem(cfg) -> str | None:

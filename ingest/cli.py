@@ -67,15 +67,15 @@ def run_ingest(args: argparse.Namespace) -> int:
 def run_broker(args: argparse.Namespace) -> int:
     import signal
     import sys
-    import threading
 
     from clora.cli import config_from_args
+    from clora.up import StopFlag
     from ingest.broker import BrokerError, EmbeddedBroker
 
     cfg = config_from_args(args)
     broker = EmbeddedBroker(args.host or cfg.broker.host, args.port or cfg.broker.port)
     topics = [cfg.kafka.interactions_topic, cfg.kafka.feedback_topic, cfg.kafka.dead_letter_topic]
-    stop = threading.Event()
+    stop = StopFlag()  # not a threading.Event: its set() in a handler can deadlock against the loop's wait()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:

@@ -13,11 +13,11 @@ import gc
 import logging
 import signal
 import sys
-import threading
 
 import pyarrow as pa
 
 from clora.config import Config
+from clora.up import StopFlag
 from ingest.batch import Processor
 from ingest.broker import BrokerError, wait_until_reachable
 from ingest.cli import member_name
@@ -96,7 +96,8 @@ def build(cfg: Config, metrics: IngestMetrics | None = None, *, member: int | No
 
 def run(cfg: Config, *, once: bool = False, max_seconds: float | None = None, drain_on_stop: bool = False,
         member: int | None = None) -> int:
-    stop, drain = threading.Event(), threading.Event()
+    # Not threading.Events: their set() from a signal handler can deadlock against the main thread's wait().
+    stop, drain = StopFlag(), StopFlag()
 
     def on_signal(signum: int, frame: object) -> None:
         if drain_on_stop and not drain.is_set():

@@ -12,7 +12,6 @@ import argparse
 import logging
 import signal
 import sys
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,13 +21,14 @@ logger = logging.getLogger("learner")
 def main_from_args(args: argparse.Namespace) -> int:
     from clora.cli import base_model_dir, config_from_args
     from clora.config import load_config
+    from clora.up import StopFlag
     from learner.loop import run
     from learner.policy import PolicyError
 
     cfg = config_from_args(args, writes_data_dir=True)
     shard = args.shard  # a Shard (parsed by argparse) or None
     path = base_model_dir(cfg)
-    stop = threading.Event()
+    stop = StopFlag()  # not a threading.Event: its set() from the handler can deadlock against the loop's wait()
 
     def on_signal(signum, _frame):
         if stop.is_set() and signum == signal.SIGINT:

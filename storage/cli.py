@@ -420,7 +420,9 @@ def cmd_adapters_list(args: argparse.Namespace) -> int:
                     print(f"clora adapters list: tenant {t!r} left out: {e}", file=sys.stderr)  # the others still list
                     continue
                 versions += mine
-                hidden += registry.newest_number(t) - len(mine)
+                # What --all would add: the records on disk (retention deletes settled ones: the numbers
+                # are not all there), not the newest number.
+                hidden += len(set(registry.numbers(t)) - {v.number for v in mine})
     except (StorageError, *UNREADABLE) as e:
         return _fail("list", e)
     columns = ["name", "status", "latest", "parent", "created_at", "published_at", "reason", "metrics"]
@@ -517,7 +519,7 @@ def _compact_once(cfg, args: argparse.Namespace, grace: float) -> int:
 
     try:
         results = compact(cfg.data_dir, args.dataset, args.tenant, grace_s=grace)
-    except StorageError as e:
+    except (StorageError, OSError) as e:  # compact() reports its partitions' own; this is what is left
         print(f"clora compact: {e}", file=sys.stderr)
         return 1
     for r in results:
@@ -525,7 +527,7 @@ def _compact_once(cfg, args: argparse.Namespace, grace: float) -> int:
             print(r, flush=True)
     merged = sum(r.inputs for r in results)
     print(f"compacted {merged} files in {sum(1 for r in results if r.outputs)} partition(s)", flush=True)
-    failed = [f"{r.dataset}/tenant={r.tenant}" for r in results if r.error]
+    failed = [r.where for r in results if r.error]
     if failed:  # the others were compacted; the run as a whole did not do what was asked
         print(f"clora compact: {len(failed)} failed: {', '.join(failed)} (see above)", file=sys.stderr, flush=True)
         return 1
@@ -537,13 +539,13 @@ def _compact_every(cfg, args: argparse.Namespace, grace: float) -> int:
     `clora prune` when `[retention] days` is set. A run that fails
     (a disk error, a file that will not read) is reported and the next one comes on time."""
     import signal
-    import threading
     import time
 
+    from clora.up import StopFlag
     from storage.files import mark_ready
     from storage.layout import DataDir
 
-    stop = threading.Event()
+    stop = StopFlag()  # not a threading.Event: its set() in a handler can deadlock against the loop's wait()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     mark_ready(DataDir(cfg.data_dir).state, "compactor")

@@ -71,8 +71,9 @@ data (retention) or re-sorting rows.
 
 Each partition and each cursor is a unit of its own: one that fails (a full disk, a file deleted by hand)
 is logged, its result carries the `error` (`clora compact` exits 1), and the others are compacted all the
-same. A partition's run deletes what earlier runs merged before it merges anything, so on a full disk it
-still frees their inputs. An input whose footer reads but whose rows do not (damaged pages) fails only its
+same; so is a dataset whose directory cannot be listed (a file in its place, EACCES, EIO). A partition's
+run deletes what earlier runs merged before it merges anything, so on a full disk it still frees their
+inputs. An input whose footer reads but whose rows do not (damaged pages) fails only its
 own part: the batch is merged without it, and later runs of the process leave it out (remembered by name,
 size and mtime, logged and counted each run) instead of failing on it again.
 """
@@ -118,7 +119,7 @@ DAY_MS = 86_400_000
 @dataclass
 class CompactionResult:
     dataset: str
-    tenant: str
+    tenant: str  # "": the whole dataset (its tenants could not be listed)
     inputs: int = 0  # files merged by this run
     rows: int = 0
     outputs: list[str] = field(default_factory=list)
@@ -128,8 +129,12 @@ class CompactionResult:
     skipped: str | None = None
     error: str | None = None  # why the run failed here (logged with its traceback); the others went on
 
+    @property
+    def where(self) -> str:
+        return f"{self.dataset}/tenant={self.tenant}" if self.tenant else self.dataset
+
     def __str__(self) -> str:
-        where = f"{self.dataset}/tenant={self.tenant}"
+        where = self.where
         if self.skipped:
             return f"{where}: skipped ({self.skipped})"
         if self.error and not (self.inputs or self.removed or self.waiting or self.left_out):
@@ -153,17 +158,31 @@ def compact(
 ) -> list[CompactionResult]:
     """Compacts every partition (of one dataset / one tenant if given) and the learner cursors. A partition or
     cursor that fails (a full disk, a file that will not read) is logged and has its `error` set in the
-    results (a cursor as dataset "cursors"); the others are compacted all the same."""
+    results (a cursor as dataset "cursors"); the others are compacted all the same. So is a dataset (or the
+    cursors) whose tenants cannot be listed (a file in the directory's place, EACCES, EIO): its result has
+    the tenant ""."""
     dd = as_datadir(root)
     results = []
     for ds in [check_dataset(dataset)] if dataset else DATASETS:
-        for t in [tenant] if tenant else partition_tenants(dd, ds):
+        try:
+            tenants = [tenant] if tenant else partition_tenants(dd, ds)
+        except OSError as e:  # one dataset's directory must not stop the others' compaction
+            logger.exception("listing the tenants of %s failed", ds)
+            results.append(CompactionResult(ds, "", error=f"{type(e).__name__}: {e}"))
+            continue
+        for t in tenants:
             results.append(
                 compact_partition(dd, ds, t, target_bytes=target_bytes, min_files=min_files, grace_s=grace_s)
             )
     if dataset is None and tenant != UNKNOWN_TENANT:  # dead letters without a tenant have no learner cursor
         cursors = Cursors(dd)
-        for t in [tenant] if tenant else cursors.tenants():
+        try:
+            tenants = [tenant] if tenant else cursors.tenants()
+        except OSError as e:
+            logger.exception("listing the tenants of the cursors failed")
+            results.append(CompactionResult("cursors", "", error=f"{type(e).__name__}: {e}"))
+            tenants = []
+        for t in tenants:
             try:
                 folded = cursors.compact(t)
             except Exception as e:  # noqa: BLE001 (one tenant's cursor must not stop the others' folding)

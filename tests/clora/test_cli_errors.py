@@ -298,6 +298,18 @@ def test_config_check_finds_an_embedded_broker_kafka_bootstrap_does_not_name(tmp
                         "the Kafka at kafka.bootstrap"]
 
 
+def test_config_check_finds_serving_on_the_embedded_brokers_port(tmp_path, capsys):
+    from ingest.broker import free_port
+
+    port = free_port()
+    config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[broker]\nport = {port}\n'
+                                    f'[serving]\nport = {port}\n[kafka]\nbootstrap = "127.0.0.1:{port}"\n')
+    assert main(["config", "check", "--config", str(config)]) == 1
+    problems = [line.split("PROBLEM", 1)[1].strip() for line in capsys.readouterr().out.splitlines() if "PROBLEM" in line]
+    assert problems == [f"serving.port and broker.port are both {port}, where serving and the embedded broker cannot "
+                        "both listen: set serving.port to another port (or broker.port and kafka.bootstrap)"]
+
+
 def test_the_bootstrap_is_read_as_kafka_python_reads_it():
     """A `PLAINTEXT://` prefix and a missing port (9092) are Kafka's own forms: read as unreachable for ever,
     they kept ingest from starting."""

@@ -22,13 +22,13 @@ def figures(reward_last):
 
 
 def test_a_finished_run_gets_a_verdict(tmp_path, capsys):
-    assert demo._report(figures(0.9), {}, tmp_path / "demo.png") == 0
+    assert demo._report(figures(0.9), {}) == 0
     assert "every tenant improved" in capsys.readouterr().out
-    assert demo._report(figures(0.1), {}, tmp_path / "demo.png") == 1
+    assert demo._report(figures(0.1), {}) == 1
 
 
 def test_an_interrupted_run_is_marked_partial_and_exits_130(tmp_path, capsys):
-    assert demo._report(figures(0.9), {}, tmp_path / "demo.png", interrupted_after=42.4) == 130
+    assert demo._report(figures(0.9), {}, interrupted_after=42.4) == 130
     out = capsys.readouterr().out
     assert out.lstrip().startswith("demo: interrupted after 42s of simulated traffic; partial figures:")
     assert "digits-app" in out  # the partial figures are still shown
@@ -197,6 +197,52 @@ def test_the_traffic_stops_once_every_tenant_has_learned_unless_full(full, tmp_p
         assert last >= minutes * 60 - 1, "a full run sends traffic for all of its minutes"
     else:
         assert last < minutes * 60 - 3, f"the traffic went on after the tenant had learned ({took:.1f}s)"
+
+
+def test_a_plot_that_cannot_be_written_is_one_line_after_the_verdict(tmp_path, monkeypatch, capsys):
+    """The figures and the verdict come first: a failing savefig (a full disk, the directory gone meanwhile)
+    loses neither, nor the exit code."""
+    from clora.config import Config
+
+    def fails(records, tenants, out_png):
+        raise OSError(28, "No space left on device")
+
+    LearningServing.answered = 0
+    monkeypatch.setattr(demo, "PROGRESS_SECONDS", 0.5)
+    monkeypatch.setattr(demo, "_plot", fails)
+    monkeypatch.setattr("clora.up.up", serving_up)
+    stand_in_model(tmp_path / "model")
+    cfg = Config.model_validate({"data_dir": str(tmp_path / "data"), "model": {"path": str(tmp_path / "model")}})
+    code = demo.run_demo(cfg, minutes=0.15, rate=20, preferences=["digits"], seed=0, out_png=tmp_path / "demo.png")
+    out, err = capsys.readouterr()
+    assert code == 0 and "digits-app" in out and "every tenant improved" in out, out
+    assert "reward over time" not in out
+    assert err.strip() == (f"demo: cannot write the reward plot to {tmp_path / 'demo.png'}: OSError: [Errno 28] "
+                           "No space left on device")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tenants", "digits,upper,digits"], "--tenants names digits more than once; give each preference once"),
+    (["--out", "{tmp}/no-such-dir/demo.png"], "--out {tmp}/no-such-dir/demo.png: {tmp}/no-such-dir is not a directory"),
+    (["--out", "{tmp}/demo.xyz"], "--out {tmp}/demo.xyz: the extension must be an image format matplotlib writes ("),
+    (["--out", "{tmp}/demo"], "--out {tmp}/demo: the extension must be an image format matplotlib writes ("),
+])
+def test_demo_arguments_it_would_fail_on_are_usage_errors_before_anything_is_deleted(argv, message, tmp_path,
+                                                                                     monkeypatch, capsys):
+    """Found after the run (a duplicate tenant in the demo's config, savefig), they cost the minutes of the run
+    and the previous demo's data, which the run deletes first."""
+    from clora.cli import main
+
+    monkeypatch.setattr(demo, "run_demo", lambda *a, **kw: pytest.fail("the demo must not start"))
+    config = tmp_path / "clora.toml"
+    config.write_text(f'data_dir = "{tmp_path / "data"}"\n')
+    previous = tmp_path / "data" / "demo" / "records.json"
+    previous.parent.mkdir(parents=True)
+    previous.write_text("[]")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(["demo", "--config", str(config), *argv]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"clora demo: {message.replace('{tmp}', str(tmp_path))}")
+    assert previous.exists()
 
 
 @pytest.mark.parametrize("path", ['/tmp/a "quoted" dir', "C:\\Users\\me\\clora", "/tmp/caf\u00e9\x7f\ttab"])

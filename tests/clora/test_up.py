@@ -400,6 +400,29 @@ def test_up_refuses_ingest_metrics_ports_that_are_taken_or_clash_with_its_own(tm
     assert up_module.setup_problems(fine) == []
 
 
+def test_up_refuses_serving_on_the_embedded_brokers_port(tmp_path, monkeypatch):
+    """Each port is free on its own; the broker, started first, would take it and serving fail three times."""
+    from clora import up as up_module
+    from clora.config import Config
+    from ingest.broker import free_port
+
+    port = free_port()
+    cfg = Config.model_validate({"data_dir": str(tmp_path), "broker": {"port": port}, "serving": {"port": port},
+                                 "kafka": {"bootstrap": f"127.0.0.1:{port}"}})
+    started = []
+    monkeypatch.setattr(up_module, "stack_specs", lambda *_, **__: (
+        [ChildSpec("a", SLEEPER, healthy=lambda pid: started.append(pid) or True, stop_timeout=5)], ["a"]))
+    lines, emit = collect()
+    assert up_module.up(cfg, None, until=lambda: True, emit=emit) == 1
+    assert not started, "no child may start"
+    assert [line for n, line in lines if n == "up" and line.startswith("error")] == [
+        f"error: serving.port and broker.port are both {port}, where serving and the embedded broker cannot both "
+        "listen: set serving.port to another port (or broker.port and kafka.bootstrap)"]
+    external = Config.model_validate({"data_dir": str(tmp_path), "broker": {"embedded": False, "port": port},
+                                      "serving": {"port": port}, "kafka": {"bootstrap": f"kafka.example:{port}"}})
+    assert up_module.setup_problems(external) == []  # no broker of its own: the port is serving's alone
+
+
 def test_up_warns_of_ingest_processes_beyond_the_partitions_and_starts(tmp_path, monkeypatch):
     from clora import up as up_module
     from clora.config import Config
@@ -644,6 +667,54 @@ def test_the_signal_handler_takes_no_lock(tmp_path, monkeypatch):
     assert lock_calls == []
     assert len(calls) == 1, "the main loop stopped on the signal"
     assert ("up", "stopping a (up to 5s)") in lines
+
+
+def test_the_broker_commands_signal_handler_takes_no_lock(tmp_path, monkeypatch, capsys):
+    """`clora broker`, a child of `up`, waits in a loop too: its handler must take no lock either."""
+    import argparse
+
+    from clora.config import Config
+    from ingest import broker as broker_module
+    from ingest.cli import run_broker
+
+    lock_calls, polls = [], []
+
+    def profile(_frame, event, arg):
+        if event == "c_call" and getattr(arg, "__name__", "") in ("acquire", "__enter__", "acquire_lock"):
+            lock_calls.append(repr(arg))
+
+    class Process:
+        def poll(self):  # SIGTERM while the loop runs; it stops before another poll
+            polls.append(True)
+            if len(polls) == 1:
+                handler = signal.getsignal(signal.SIGTERM)
+                sys.setprofile(profile)
+                try:
+                    handler(signal.SIGTERM, None)
+                finally:
+                    sys.setprofile(None)
+
+    class Broker:
+        def __init__(self, host, port):
+            self.bootstrap, self.process = f"{host}:{port}", Process()
+
+        def start(self, topics, partitions):
+            pass
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(broker_module, "EmbeddedBroker", Broker)
+    monkeypatch.setattr("clora.cli.config_from_args", lambda _args: Config.model_validate({"data_dir": str(tmp_path)}))
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = run_broker(argparse.Namespace(host=None, port=None))
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    assert code == 0 and "broker stopped" in capsys.readouterr().out
+    assert lock_calls == []
+    assert len(polls) == 1, "the loop stopped on the signal"
 
 
 def test_a_stop_while_a_child_starts_does_not_call_it_healthy():

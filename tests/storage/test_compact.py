@@ -545,6 +545,31 @@ def test_a_cursor_that_cannot_be_folded_does_not_stop_the_others(data_dir, monke
     assert [p.name for p in (data_dir / "cursors" / "globex").iterdir() if p.name.startswith("trained-")]
 
 
+def test_a_dataset_whose_tenants_cannot_be_listed_does_not_stop_the_others(data_dir, make_trajectories):
+    """A file in the place of a dataset's directory (or EACCES, EIO on it) is that dataset's error: the
+    datasets after it are compacted and the cursors folded all the same."""
+    import shutil
+
+    from storage.cursors import Cursors
+
+    interactions = data_dir / "interactions"  # the first dataset compacted
+    if interactions.exists():
+        shutil.rmtree(interactions)
+    interactions.write_text("not a directory")
+    _write_files(data_dir, make_trajectories, 3)
+    cursors = Cursors(data_dir, keep_checkpoints=1)
+    for s in (1, 2):
+        cursors.commit("acme", step=s, ids=[f"acme{s}"], checkpoint=lambda d: (d / "w").write_text("x"))
+
+    results = compact(data_dir, grace_s=0)
+    (failed,) = [r for r in results if r.error]
+    assert (failed.dataset, failed.tenant) == ("interactions", "") and "NotADirectoryError" in failed.error
+    assert str(failed).startswith("interactions: failed: NotADirectoryError")
+    assert {(r.dataset, r.tenant): r.inputs for r in results}[("trajectories", "acme")] == 3
+    assert [p.name for p in (data_dir / "cursors" / "acme").iterdir() if p.name.startswith("trained-")], \
+        "the cursor was folded"
+
+
 def test_the_grace_period_counts_from_when_the_merged_file_appeared_not_from_its_first_byte(
     data_dir, make_trajectories, monkeypatch
 ):

@@ -136,6 +136,26 @@ def test_adapters_list_shows_what_can_still_change_unless_all(clora, data_dir, p
     assert "older versions" not in out
 
 
+def test_adapters_list_counts_only_the_older_versions_all_would_list(clora, data_dir, peft_writer):
+    """After retention deleted settled records, the count of those not shown is of the records left."""
+    import os
+    import time
+
+    reg = Registry(data_dir, keep_last=2)
+    for n in range(1, 7):
+        reg.create("acme", parent=None, write=peft_writer)
+        reg.publish("acme", n)
+    old = time.time() - 3600
+    for n in (1, 2):  # retired long ago: retention deletes their records
+        os.utime(data_dir / "registry" / "acme" / f"{n}.json", (old, old))
+    assert reg.prune("acme", before_s=time.time() - 60) == 2
+    code, out, _ = clora("adapters", "list")
+    assert code == 0 and "(2 older versions" in out, out
+    code, out, _ = clora("adapters", "list", "--all")
+    assert [line.split()[0] for line in out.splitlines()[2:] if line.startswith("acme@")] == [
+        f"acme@{n}" for n in range(3, 7)]
+
+
 def test_compact_every_runs_until_sigterm_and_marks_itself_ready(tmp_path, data_dir, make_trajectories, compactor_loop):
     from storage.files import ready_pid
 
@@ -164,6 +184,43 @@ def test_compact_every_runs_until_sigterm_and_marks_itself_ready(tmp_path, data_
     assert ready_pid(data_dir / "state", "compactor") == pid
     assert sorted(read_dataset(data_dir, "trajectories").column("id").to_pylist()) == ["late", "x0", "x1", "x2", "x3"]
     assert len(list((data_dir / "trajectories" / "tenant=acme").glob("*.parquet"))) == 1
+
+
+def test_the_compactor_loops_signal_handler_takes_no_lock(clora, data_dir, monkeypatch):
+    """A handler runs in the main thread between two of its bytecodes, perhaps while that thread holds a lock
+    (threading.Event.wait's): a handler taking the same lock deadlocks the loop (as in clora/up.py)."""
+    import signal
+    import sys
+
+    from storage import cli
+
+    lock_calls, runs = [], []
+
+    def profile(_frame, event, arg):
+        if event == "c_call" and getattr(arg, "__name__", "") in ("acquire", "__enter__", "acquire_lock"):
+            lock_calls.append(repr(arg))
+
+    def compact_once(*_args):
+        runs.append(True)
+        if len(runs) == 1:  # SIGTERM during the first run; the loop stops before a second
+            handler = signal.getsignal(signal.SIGTERM)
+            sys.setprofile(profile)
+            try:
+                handler(signal.SIGTERM, None)
+            finally:
+                sys.setprofile(None)
+        return 0
+
+    monkeypatch.setattr(cli, "_compact_once", compact_once)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code, out, _ = clora("compact", "--every", "0.2")
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    assert code == 0 and "compactor stopped" in out
+    assert lock_calls == []
+    assert len(runs) == 1, "the loop stopped on the signal"
 
 
 def _fill_feedback(data_dir):
@@ -472,6 +529,22 @@ def test_compact_goes_on_past_a_partition_that_fails_and_exits_1(clora, data_dir
     assert "trajectories/tenant=acme: failed: OSError: [Errno 28] No space left on device" in out
     assert "compacted 2 files in 1 partition(s)" in out and len(live_files(data_dir, "trajectories", "globex")) == 1
     assert err.strip() == "clora compact: 1 failed: trajectories/tenant=acme (see above)"
+
+
+def test_compact_goes_on_past_a_dataset_it_cannot_list_and_exits_1(clora, data_dir, make_trajectories):
+    import shutil
+
+    feedback = data_dir / "feedback"
+    if feedback.exists():
+        shutil.rmtree(feedback)
+    feedback.write_text("not a directory")
+    for k in range(2):
+        write_dataset(data_dir, "trajectories", make_trajectories([f"x{k}"], "acme", start=k), file_id=f"f{k}")
+    code, out, err = clora("compact", "--grace", "0")
+    assert code == 1
+    assert "feedback: failed: NotADirectoryError" in out
+    assert "compacted 2 files in 1 partition(s)" in out
+    assert err.strip() == "clora compact: 1 failed: feedback (see above)"
 
 
 def test_adapters_list_leaves_out_a_tenant_whose_record_cannot_be_read(clora, data_dir, peft_writer):
