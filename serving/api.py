@@ -36,6 +36,7 @@ What this module does not do: choose versions, talk to Kafka, or touch vLLM type
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import logging
 import os
@@ -407,8 +408,12 @@ class Api:
         adapter, n = call.lease.adapter, call.body.n
         if len(call.prompts) == 1:
             p = call.prompts[0]
-            async for delta in self.engine.stream(p.ids, p.sampling, adapter, call.response_id, cache_salt=call.tenant):
-                yield delta
+            # Closed with this generator (the caller's aclose when the client leaves): the engine's request is
+            # then aborted before the caller releases the adapter's lease, not whenever the collector gets to it.
+            async with contextlib.aclosing(self.engine.stream(p.ids, p.sampling, adapter, call.response_id,
+                                                              cache_salt=call.tenant)) as deltas:
+                async for delta in deltas:
+                    yield delta
             return
         queue: asyncio.Queue = asyncio.Queue()
         end = object()

@@ -498,8 +498,10 @@ class Engine:
     ) -> list[Choice]:
         """Runs the request to the end; one `Choice` per `sampling.n`, ordered by index."""
         choices = {i: Choice(i) for i in range(sampling.n)}
-        async for delta in self.stream(prompt_ids, sampling, adapter, request_id, cache_salt=cache_salt):
-            choices[delta.index].add(delta)
+        async with contextlib.aclosing(self.stream(prompt_ids, sampling, adapter, request_id,
+                                                   cache_salt=cache_salt)) as deltas:  # closed (aborted) on any exit
+            async for delta in deltas:
+                choices[delta.index].add(delta)
         return [choices[i] for i in range(sampling.n)]
 
     @property

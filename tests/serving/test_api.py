@@ -9,6 +9,7 @@ status, `param` and `code`, limits) and checks the engine saw what it should.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from datetime import datetime, timezone
@@ -881,6 +882,8 @@ def test_a_client_that_leaves_before_the_answer_gives_its_slots_back_at_once(str
     tenant's in-flight slots until it would have ended."""
     w = World(max_inflight_per_tenant=4)
     w.llm.gate = asyncio.Event()  # the generation never gets its first token unless the test lets it
+    held_at_close = []  # the engine's request is closed (aborted) before the slots go back
+    w.llm.on_close = lambda request_id: held_at_close.append(w.api.inflight.held("acme"))
     body = json.dumps(chat(n=4, temperature=1, stream=stream)).encode()
 
     async def scenario():
@@ -907,8 +910,49 @@ def test_a_client_that_leaves_before_the_answer_gives_its_slots_back_at_once(str
         return w.api.inflight.held("acme")
 
     assert asyncio.run(scenario()) == 0
+    assert held_at_close == [4]
     assert w.events.logged == [], "nothing was answered, so no interaction is logged"
     assert w.api.metrics.requests.labels("acme", "chat", "499")._value.get() == 1, "the aborted request is counted"
+
+
+def test_a_client_that_leaves_mid_stream_has_its_engine_request_closed_before_its_slots_go_back():
+    """The connection breaks after the first chunks (sending fails): the server drops the response's
+    iterator, and closing it must close the engine's generation (abort its request) before the lease goes
+    back, not whenever the garbage collector gets to the inner generators."""
+    import gc
+
+    w = World(max_inflight_per_tenant=4)
+    w.llm.reply = [1, 2, 3, 4, 5, 6]
+    held_at_close = []
+    w.llm.on_close = lambda request_id: held_at_close.append(w.api.inflight.held("acme"))
+    body = json.dumps(chat(stream=True, max_tokens=6)).encode()
+
+    async def scenario():
+        chunks, gone = [], asyncio.Event()
+        messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+        async def receive():  # the request's body; the disconnect only once sending has failed
+            with contextlib.suppress(StopIteration):
+                return next(messages)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.body" and message.get("body"):
+                chunks.append(message["body"])
+                if len(chunks) == 2:
+                    gone.set()
+                    raise OSError("connection reset by peer")
+
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(w.app(chat_scope(body), receive, send), 5)
+        for _ in range(20):  # whatever the collector and the event loop close meanwhile
+            gc.collect()
+            await asyncio.sleep(0)
+        return len(chunks)
+
+    assert asyncio.run(scenario()) == 2
+    assert held_at_close == [1] and w.api.inflight.held("acme") == 0
 
 
 def test_a_client_that_leaves_while_sending_its_body_is_a_quiet_499(caplog):
