@@ -41,7 +41,8 @@ which only finishes the write in flight. The range assignor keeps partition i of
 process, which is what lets feedback find its interaction (both are keyed by tenant).
 
 Stopping: `stop` (an Event the process's signal handler sets) is checked after every poll; the write in
-flight and the buffer are written and committed before the consumer closes. `drain` (set instead of `stop` with --drain-on-stop)
+flight and the buffer are written and committed before the consumer closes (of a batch its scoring budget
+cut, the part before the cut; the rest is read again at the next start). `drain` (set instead of `stop` with --drain-on-stop)
 first reads every assigned partition to its end, for brokers that keep topics in memory only. `once` exits
 when every assigned partition is read to its end. Memory: the buffer holds at most flush_rows records, plus
 the batch being processed and the one being written; the store view is bounded as pending.py says
@@ -413,7 +414,7 @@ class Ingest:
         self.writing = _Write(
             BatchWrite(self.root, self.store, out, self.writer),
             self.writer.submit(self._dead_letters, out),
-            len(records),
+            len(records) if out.cut is None else out.cut,  # the rest is read, and counted, again
             started,
         )
 

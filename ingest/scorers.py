@@ -154,6 +154,8 @@ def python(target: str) -> Scorer:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ScorerSpecError(f"scorer python: cannot import module {module_name!r}: {e}") from e
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the module's own code failed as it loaded
+        raise ScorerSpecError(f"scorer python: importing module {module_name!r} failed: {type(e).__name__}: {e}") from e
     fn = getattr(module, func_name, None)
     if not callable(fn):
         raise ScorerSpecError(f"scorer python: {module_name!r} has no callable {func_name!r}")

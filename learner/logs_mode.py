@@ -268,6 +268,16 @@ def is_flat(rewards: Sequence[float]) -> bool:
     return len(rewards) >= 2 and all(math.isfinite(r) for r in rewards) and max(rewards) - min(rewards) <= FLAT_TOLERANCE
 
 
+def flat_within_prompts(examples: Sequence[Example]) -> bool:
+    """Whether every prompt of the batch came two or more times and each one's answers scored alike (an
+    app answering the same questions greedily): every leave-one-out advantage is then 0 (up to rounding),
+    and a zero gradient is no zero step, Adam moving the adapter on its momentum from earlier batches."""
+    by_prompt: dict[str, list[float]] = {}
+    for e in examples:
+        by_prompt.setdefault(e.group, []).append(e.reward)
+    return bool(by_prompt) and all(len(r) >= 2 and is_flat(r) for r in by_prompt.values())
+
+
 def baseline_after(baseline: float | None, rewards: Sequence[float]) -> float:
     """The tenant's running mean reward after a batch with `rewards` (maths.running_mean)."""
     return maths.running_mean(baseline, torch.tensor(list(rewards), dtype=torch.float64))
@@ -275,7 +285,7 @@ def baseline_after(baseline: float | None, rewards: Sequence[float]) -> float:
 
 @dataclass(frozen=True)
 class LogsStep:
-    update: UpdateResult | None  # None: no trajectory's advantage is non-zero, so nothing was trained
+    update: UpdateResult
     reward_mean: float
     baseline: float  # the running mean after this batch
 
@@ -295,24 +305,16 @@ def train_step(
     max_grad_norm: float,
     max_len: int,
     micro_batch_size: int | None = None,
-    skip_flat: bool = True,
 ) -> LogsStep:
     """One off-policy update on `examples` (see the module note); `baseline` is the tenant's running mean
     reward so far (None before its first step). `micro_batch_size` bounds the examples in one forward pass
     (the gradient is the whole batch's either way), so a catch-up step of several batches needs one batch's
-    memory. `skip_flat` (learner.skip_flat_batches): a batch whose every advantage is zero trains nothing
-    (update None)."""
+    memory."""
     rewards = torch.tensor([e.reward for e in examples], dtype=torch.float64)
     start = maths.running_mean(None, rewards) if baseline is None else baseline
     advantages = maths.baseline_advantages(rewards, maths.group_ids([e.group for e in examples]), start)
     if scale_advantages:
         advantages = maths.scale_by_std(advantages, rewards)
-    if skip_flat and not bool(advantages.abs().gt(0).any()):
-        # Every prompt repeated and each one's answers scored alike (an app's greedy answers to the same
-        # questions): flat within each group, so nothing to tell better from worse. A zero gradient is no
-        # zero step: Adam would move the adapter on its momentum from earlier batches and make a version of
-        # that. As rollouts mode does with flat groups.
-        return LogsStep(update=None, reward_mean=float(rewards.mean()), baseline=maths.running_mean(baseline, rewards))
     batch = pack(
         [e.prompt_ids for e in examples], [e.completion_ids for e in examples], pad_id=policy.pad_token_id, max_len=max_len
     )

@@ -979,16 +979,15 @@ class Learner:
             if not work.logs:
                 return _Trained(None, (), math.nan, 0, work.dropped, rt.baseline)
             rewards = tuple(e.reward for e in work.logs)
-            if self.settings.skip_flat_batches and logs_mode.is_flat(rewards):
+            if self.settings.skip_flat_batches and (logs_mode.is_flat(rewards) or logs_mode.flat_within_prompts(work.logs)):
                 # nothing to tell better from worse: only the baseline learns (see logs_mode's note)
                 baseline = logs_mode.baseline_after(rt.baseline, rewards)
                 return _Trained(None, rewards, sum(rewards) / len(rewards), 0, work.dropped, baseline)
             step = logs_mode.train_step(
                 self.policy, name, work.logs, baseline=rt.baseline, scale_advantages=self.settings.scale_advantages,
-                micro_batch_size=rt.spec.batch_size, skip_flat=self.settings.skip_flat_batches, **common
+                micro_batch_size=rt.spec.batch_size, **common
             )
-            trained = len(work.logs) if step.update is not None else 0
-            return _Trained(step.update, rewards, step.reward_mean, trained, work.dropped, step.baseline)
+            return _Trained(step.update, rewards, step.reward_mean, len(work.logs), work.dropped, step.baseline)
         if not work.plan.prompts:
             return _Trained(None, (), math.nan, 0, 0, rt.baseline)
         prompts = tuple(work.plan.prompts)

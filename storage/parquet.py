@@ -544,12 +544,22 @@ def read_dataset(root, dataset: str, tenant: str | None = None) -> pa.Table:
 
 def column_max(root, dataset: str, column: str, tenant: str | None = None):
     """The largest value of `column` in the live files of `dataset` (one tenant or all), reading that column
-    only; None where there are no rows (or only nulls)."""
+    only; None where there are no rows (or only nulls). A file that cannot be read is logged and left out:
+    what asks (the learner numbering a tenant's steps on) must not stop at one damaged file."""
     dd = as_datadir(root)
     check_dataset(dataset)
 
+    def top(path: str):
+        try:
+            return pc.max(read_file(dd, path, columns=[column]).column(0)).as_py()
+        except FileNotFoundError:
+            raise
+        except (OSError, pa.ArrowException) as e:
+            logger.warning("%s: left out of the largest %s (%s: %s)", path, column, type(e).__name__, e)
+            return None
+
     def read():
-        tops = [pc.max(read_file(dd, p, columns=[column]).column(0)).as_py() for p in live_files(dd, dataset, tenant)]
+        tops = [top(p) for p in live_files(dd, dataset, tenant)]
         return max((t for t in tops if t is not None), default=None)
 
     return retry_vanished(read, f"reading {dataset}.{column}")

@@ -405,6 +405,8 @@ def test_a_slow_scorer_cuts_batches_at_the_scoring_budget_and_every_event_lands_
     assert proc.wait(timeout=120) == 0, proc.log_path.read_text()[-3000:]
     log = proc.log_path.read_text()
     assert log.count("reading the other") >= 3, log[-3000:]  # 100 calls of 20 ms against 0.3 s a batch
+    totals = [line.split("totals: ")[1].split(" messages")[0] for line in log.splitlines() if "totals: " in line]
+    assert totals[-1] == "300", log[-3000:]  # each message counted once, however often it was read
     ids = read_dataset(s.data_dir, "interactions").column("id").to_pylist()
     assert len(ids) == len(set(ids)) == 200
     trajectories = read_dataset(s.data_dir, "trajectories").to_pylist()

@@ -89,6 +89,21 @@ def test_bad_specs(spec, match):
         build_scorer(spec)
 
 
+@pytest.mark.parametrize("source, error", [
+    ("def f(completion, prompt)\n    return 1.0\n", "SyntaxError"),
+    ("raise RuntimeError('no judge model configured')\n", "RuntimeError: no judge model configured"),
+    ("import sys\nsys.exit(3)\n", "SystemExit: 3"),
+])
+def test_a_python_scorer_module_that_fails_as_it_loads_is_a_spec_error(tmp_path, monkeypatch, source, error):
+    """Only ImportError was: a module with a syntax error or failing top-level code was a traceback (and
+    `clora ingest` did not exit 2 with one line)."""
+    (tmp_path / "clora_broken_scorer_mod.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "clora_broken_scorer_mod", raising=False)
+    with pytest.raises(ScorerSpecError, match=f"importing module 'clora_broken_scorer_mod' failed: {error}"):
+        build_scorer("python:clora_broken_scorer_mod:f")
+
+
 def test_is_function():
     assert not is_function("feedback") and not is_function("inline")
     assert is_function("digits") and is_function("contains:x")
