@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import threading
 import time
@@ -76,7 +77,7 @@ from ingest.events import utc_now
 from ingest.metrics import IngestMetrics
 from ingest.pending import MAX_PENDING, MAX_PENDING_PER_TENANT, PendingStore
 from ingest.rows import FEEDBACK_KEY, DeadLetterRow, FeedbackRow, InteractionRow, TrajectoryRow, epoch_ms, to_table
-from storage.files import mark_ready
+from storage.files import FileLock, atomic_write_bytes, mark_ready
 from storage.layout import as_datadir
 from storage.parquet import write_dataset
 
@@ -95,6 +96,9 @@ DEAD_LETTER_DELIVERY_MS = 20_000
 MAX_POLL_INTERVAL_MS = 30 * 60_000
 DEAD_LETTER_BLOCK_MS = 10_000  # the longest a send may wait for the topic's metadata (kafka-python's max_block_ms)
 WRITING_POLL_MS = 10  # while a write is in flight: poll briefly, so its commit follows it closely
+# In the state dir: per topic, the broker's id for it and since when ingest reads that incarnation
+# (`_topics_since`).
+TOPICS_FILE = "ingest-topics.json"
 WRITER_THREADS = 3  # the two large datasets (interactions, trajectories) at once, and the small ones
 EXPIRE_EVERY_S = 60.0  # how often pending feedback is checked for expiry (a pass over all of it)
 
@@ -594,10 +598,52 @@ class Ingest:
         self.store = PendingStore.load(
             self.root, expiry_ms=self.expiry_ms, now_ms=now_ms(), max_pending_per_tenant=self.max_pending_per_tenant,
             max_pending=self.max_pending, function_scored=self.processor.functions,
+            topics_since=self._topics_since(),
         )
         self.metrics.set_pending(len(self.store.pending))
         if self.assigned_at is None:
             self._mark_ready()
+
+    def _topics_since(self) -> dict[str, int]:
+        """topic -> since when (epoch ms) ingest has read the topic as it is now, for the topics whose id the
+        broker gives (TOPICS_FILE). A topic deleted and made again, as the embedded broker's are at each
+        start (it keeps them in memory), has a new id and numbers its offsets from 0 again: the dead letters
+        stored at the old topic's offsets are then other messages than the new ones there."""
+        cluster = getattr(getattr(self.consumer, "_client", None), "cluster", None)  # kafka-python's metadata
+        ids = {}
+        for topic in self.topics:
+            topic_id = cluster.topic_id(topic) if cluster is not None and hasattr(cluster, "topic_id") else None
+            if topic_id is not None:
+                ids[topic] = str(topic_id)
+        if not ids:
+            return {}
+        state = as_datadir(self.root).state
+        state.mkdir(parents=True, exist_ok=True)
+        path = state / TOPICS_FILE
+        with FileLock(state / (TOPICS_FILE + ".lock")):  # several ingest processes start together
+            try:
+                known = json.loads(path.read_text())
+            except FileNotFoundError:
+                known = {}
+            except (OSError, ValueError) as e:  # damaged: written again (at worst a dead letter stored twice)
+                logger.warning("ingest: %s unreadable (%s); written again", path, e)
+                known = {}
+            if not isinstance(known, dict):
+                known = {}
+            changed = False
+            for topic, topic_id in ids.items():
+                entry = known.get(topic)
+                was = entry.get("id") if isinstance(entry, dict) else None
+                if was != topic_id or not isinstance(entry.get("since_ms"), int):
+                    if topic in known:
+                        logger.info("ingest: topic %s was made again (id %s, was %s): its offsets start over",
+                                    topic, topic_id, was)
+                    # Never seen: what is stored of it came from this one (or from before ids were recorded).
+                    known[topic] = {"id": topic_id, "since_ms": now_ms() if topic in known else 0}
+                    changed = True
+            if changed:
+                atomic_write_bytes(path, json.dumps(known, indent=1).encode())
+        return {topic: int(known[topic]["since_ms"]) for topic in ids}
 
     def _mark_ready(self) -> None:
         self.assigned_at, self.assigned_cpu = time.monotonic(), time.process_time()

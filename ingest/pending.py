@@ -305,6 +305,7 @@ class PendingStore:
         self._reserved: dict[str, int] = {}  # tenant -> its file number in the batch being written
         self._look_at = 0  # len(files) at which to compare the file list with the live files again
         self.unreadable: set[str] = set()  # stored files the load could not read (logged), left out
+        self.topics_since: dict[str, int] = {}  # see `load`
 
     # --- building -------------------------------------------------------------------------------------
 
@@ -312,10 +313,15 @@ class PendingStore:
     def load(
         cls, root: str | Path, *, expiry_ms: int, now_ms: int, max_pending_per_tenant: int = MAX_PENDING_PER_TENANT,
         max_pending: int | None = MAX_PENDING, function_scored: Iterable[str] = (),
+        topics_since: dict[str, int] | None = None,
     ) -> PendingStore:
         """`function_scored`: the tenants the config scores with a function (batch.Processor.functions), whose
-        feedback scores nothing, so none of it is loaded to wait (batch.py never adds it live either)."""
+        feedback scores nothing, so none of it is loaded to wait (batch.py never adds it live either).
+        `topics_since`: topic -> epoch ms since when its offsets name the messages they name now (a topic
+        made again numbers them from 0 again); dead letters ingested before then are left out of the index
+        of stored offsets, which would take new messages at those offsets for replays."""
         store = cls(root, expiry_ms=expiry_ms, max_pending_per_tenant=max_pending_per_tenant, max_pending=max_pending)
+        store.topics_since = dict(topics_since or {})
         retry_vanished(store._load_interactions, "loading interaction ids")
         for dataset, columns in KEY_COLUMNS.items():
             setattr(store, dataset, retry_vanished(lambda: store._load_index(dataset, columns), f"loading {dataset} keys"))
@@ -349,10 +355,15 @@ class PendingStore:
     def _load_index(self, dataset: str, columns: list[str]) -> KeyIndex:
         """One file at a time, so loading holds one file's Python objects, not the dataset's."""
         hashes = []
+        since = self.topics_since if dataset == "dead_letters" else {}
         for path in live_files(self.root, dataset):
-            t = self._read_or_skip(path, columns)
+            t = self._read_or_skip(path, [*columns, "ingested_at"] if since else columns)
             if t is None:
                 continue
+            for topic, since_ms in since.items():  # an earlier incarnation's offsets: other messages
+                older = pc.and_(pc.equal(t.column("kafka_topic"), topic),
+                                pc.less(t.column("ingested_at").cast(pa.int64()), since_ms))
+                t = t.filter(pc.invert(pc.fill_null(older, False)))
             # Timestamps as epoch ms, as the rows have them (to_pylist would give datetimes).
             values = [(t.column(c).cast(pa.int64()) if pa.types.is_timestamp(t.schema.field(c).type) else t.column(c)).to_pylist()
                       for c in columns]

@@ -74,10 +74,10 @@ class Harness:
         self.log: list[Record] = []
         self.restart()
 
-    def restart(self, now_ms=NOW_MS):
+    def restart(self, now_ms=NOW_MS, topics_since=None):
         self.store = PendingStore.load(
             self.root, expiry_ms=self.expiry_ms, now_ms=now_ms, max_pending_per_tenant=self.max_pending,
-            max_pending=self.max_pending_total, function_scored=self.processor.functions,
+            max_pending=self.max_pending_total, function_scored=self.processor.functions, topics_since=topics_since,
         )
 
     def record(self, event_or_bytes) -> Record:
@@ -663,3 +663,20 @@ def test_a_batch_whose_scorers_run_past_the_budget_is_cut_and_the_rest_is_read_a
     assert h.rewards() == sorted([(f"s{i}", 1.0, f"python:{__name__}:slow_scorer") for i in range(12)]
                                  + [(f"f{i}", 0.5, "feedback") for i in range(12)])
     assert h.table("feedback").num_rows == 12
+
+
+def test_a_topic_made_again_numbers_its_offsets_anew_and_its_messages_are_not_taken_for_replays(data_dir):
+    """The embedded broker keeps topics in memory: each start makes them again, offsets from 0, while the
+    data dir stays. Dead letters stored at the old topic's offsets made a valid event at the same offset a
+    "replay" of a failed scorer call (lost), and a new malformed one a duplicate (never stored)."""
+    h = Harness(data_dir, scorers={"dig": "digits"})
+    h.feed(b"not json", now_ms=NOW_MS)  # i:0:0, dead-lettered
+    h.restart(now_ms=NOW_MS + 60_000, topics_since={"i": NOW_MS + 60_000, "f": NOW_MS + 60_000})
+    h.offsets = {}  # the topic made again: offsets from 0
+    out = h.feed(inter("d0", tenant="dig", completion="12ab"), b"also not json", now_ms=NOW_MS + 60_000)
+    assert (out.duplicates, out.reasons) == (0, {"not_json": 1})
+    assert h.rewards() == [("d0", 0.5, "digits")]
+    assert sorted(h.table("dead_letters").column("raw").to_pylist()) == [b"also not json", b"not json"]
+    # the same incarnation replayed after a restart: still each once
+    h.restart(now_ms=NOW_MS + 120_000, topics_since={"i": NOW_MS + 60_000, "f": NOW_MS + 60_000})
+    assert h.replay(h.log[1:]).rows == 0

@@ -423,6 +423,45 @@ def test_a_slow_scorer_cuts_batches_at_the_scoring_budget_and_every_event_lands_
         consumer.close()
 
 
+def test_a_broker_that_starts_again_with_its_topics_made_anew_loses_no_event(tmp_path, data_dir):
+    """The embedded broker keeps its topics in memory: started again, it makes them anew, offsets from 0, and
+    the data dir is the same. A valid event at an offset where the old topic's message was dead-lettered was
+    taken for a replay of it and lost; a new malformed one there was never stored."""
+    from ingest.broker import EmbeddedBroker, free_port
+
+    topics = ["a.i", "a.f", "a.d"]
+
+    def ingest_once(*values: bytes) -> str:
+        broker = EmbeddedBroker("127.0.0.1", free_port())
+        broker.start(topics, 1)
+        try:
+            config = tmp_path / "clora.toml"
+            config.write_text("\n".join([
+                f'data_dir = "{data_dir}"', "[kafka]", f'bootstrap = "{broker.bootstrap}"',
+                'interactions_topic = "a.i"', 'feedback_topic = "a.f"', 'dead_letter_topic = "a.d"',
+                'group_id = "g"', "[ingest]", "flush_seconds = 0.3",
+                "[[tenants]]", 'name = "dig"', 'api_key = "key-dig-0123"', 'scorer = "digits"']) + "\n")
+            producer = KafkaProducer(bootstrap_servers=broker.bootstrap)
+            for value in values:
+                producer.send("a.i", key=b"dig", value=value)
+            producer.flush()
+            producer.close()
+            done = subprocess.run([sys.executable, "-m", "ingest", "--config", str(config), "--once"], cwd=REPO,
+                                  env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                                  timeout=120)
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+            return done.stdout + done.stderr
+        finally:
+            broker.stop()
+
+    ingest_once(b"not json")  # a.i:0:0
+    log = ingest_once(encode(InteractionEvent(id="d0", tenant="dig", prompt="p", completion="12ab")), b"also bad")
+    assert "topic a.i was made again" in log
+    assert read_dataset(data_dir, "interactions").column("id").to_pylist() == ["d0"]
+    assert read_dataset(data_dir, "trajectories").column("reward").to_pylist() == [0.5]
+    assert sorted(read_dataset(data_dir, "dead_letters").column("raw").to_pylist()) == [b"also bad", b"not json"]
+
+
 def test_max_seconds_stops_the_process_on_its_own(setup_factory):
     """`clora ingest --max-seconds N`: consumes, then exits 0 once N seconds have passed (no signal, no --once)."""
     s = setup_factory(flush_rows=100, flush_seconds=0.2)
