@@ -426,8 +426,9 @@ class PendingStore:
 
     def _unjoined(self, tenant: str, table: pa.Table) -> list[FeedbackRow]:
         """Of one tenant's recent feedback, in the order it came: the first MAX_WAITING_PER_ID rows of each
-        id without a trajectory or a stored interaction, for the ids whose first row came last, until they pass the cap of rows (by
-        at most the rows of the oldest id taken, whose first ones `add` then drops)."""
+        id without a trajectory (and, where its interaction is stored, within that interaction's expiry), for
+        the ids whose first row came last, until they pass the cap of rows (by at most the rows of the oldest
+        id taken, whose first ones `add` then drops)."""
         table = table.sort_by([("ingested_at", "ascending"), ("kafka_offset", "ascending")])
         encoded = pc.dictionary_encode(table.column("id").combine_chunks())
         codes = encoded.indices.to_numpy()  # ids numbered 0..n-1, every number used
@@ -442,17 +443,18 @@ class PendingStore:
         # Ids newest first (by their first row), walked until their rows without a trajectory pass the cap.
         newest_first = np.argsort(first_row)[::-1]
         cap, chosen, held = self.pending.cap, [], 0
+        stored_unscored: set[Key] = set()  # checked against their interactions below
         for start in range(0, len(newest_first), LOAD_CHUNK):
             numbers = newest_first[start:start + LOAD_CHUNK]
             ids = encoded.dictionary.take(pa.array(numbers)).to_pylist()
             scored = self.trajectories.present((tenant, id_) for id_ in ids)
-            # Its interaction stored (and not scored: outside the expiry of this feedback): never pending
-            # while ingest runs either (batch.py tries such feedback once, against the stored interaction).
             stored = self.interactions.present([(tenant, id_) for id_ in ids])
             for number, id_ in zip(numbers, ids):
-                if (tenant, id_) not in scored and (tenant, id_) not in stored:
+                if (tenant, id_) not in scored:
                     chosen.append(number)
                     held += int(kept_rows[number])
+                    if (tenant, id_) in stored:
+                        stored_unscored.add((tenant, id_))
                     if held > cap:
                         break
             if held > cap:
@@ -465,7 +467,16 @@ class PendingStore:
         chosen_rows = table.take(pa.array(keep, pa.int64()))
         ms = {c: chosen_rows.column(c).cast(pa.int64()).to_pylist() for c in ("ts", "ingested_at")}
         columns = [ms[f] if f in ms else chosen_rows.column(f).to_pylist() for f in FeedbackRow._fields]
-        return [FeedbackRow(*values) for values in zip(*columns)]
+        rows = [FeedbackRow(*values) for values in zip(*columns)]
+        if not stored_unscored:
+            return rows
+        # Feedback for an interaction stored but not scored: outside its expiry, it joins nothing (nor is it
+        # pending while ingest runs: batch.py tries it once against the stored row). Within it, the
+        # trajectory's write was lost (a crash between the batch's files; its offsets were not committed),
+        # and the interaction, read again, must find it waiting to derive the trajectory anew.
+        interactions = self.fetch_interactions(stored_unscored)
+        return [fb for fb in rows if (key := _TENANT_ID(fb)) not in stored_unscored
+                or (key in interactions and self.within_expiry(fb.ts, interactions[key].ts))]
 
     # --- questions ------------------------------------------------------------------------------------
 

@@ -442,6 +442,25 @@ def test_feedback_for_a_stored_interaction_outside_its_expiry_is_not_pending_aft
     assert h.rewards() == []
 
 
+def test_a_joined_trajectory_whose_write_was_lost_is_derived_again_after_a_restart(h):
+    """Feedback first; its interaction joins it in a later batch, and a crash lands after that batch's
+    interactions file and before its trajectories file (uncommitted: it is read again). The restart did not
+    load the feedback to wait (its interaction is stored), so the replayed interaction found nothing and the
+    reward was lost for good."""
+    from ingest.consumer import batch_datasets, write_rows
+
+    h.feed(fb("a", 0.9))
+    interaction = h.record(inter("a"))
+    out = h.processor.process([interaction], h.store, NOW_MS)
+    assert len(out.trajectories) == 1
+    (part,) = [p for p in batch_datasets(out) if p.dataset == "interactions"]
+    write_rows(h.root, part, out.ranges)  # ... and the crash: no trajectories file, nothing committed
+    h.restart()
+    h.replay([interaction])
+    assert h.rewards() == [("a", 0.9, "feedback")]
+    assert not h.store.pending
+
+
 def test_integers_too_large_for_a_float_are_dead_letters_and_ingest_goes_on(data_dir):
     """A reward of 1 and 400 zeros raised OverflowError out of decode, and a python scorer returning 10**400
     out of apply: the batch was never written nor committed, and its replay crashed the same way for ever."""
