@@ -99,7 +99,7 @@ def run_demo(cfg, *, minutes: float, rate: float, preferences: list[str], seed: 
     from clora.config import load_config
     from clora.simulate import Simulator, records_to_json, summarise, tenants_from_config
     from clora.up import up
-    from ingest.broker import free_port
+    from ingest.broker import free_ports
     from clora.cli import base_model_dir, data_dir_error, prepare_data_dir
 
     root = Path(cfg.data_dir).resolve()
@@ -112,7 +112,7 @@ def run_demo(cfg, *, minutes: float, rate: float, preferences: list[str], seed: 
             shutil.rmtree(demo_dir)
         demo_dir.mkdir(parents=True, exist_ok=True)
         config_path.write_text(
-            demo_config_text(demo_dir / "data", Path(model).resolve(), free_port(), free_port(), preferences),
+            demo_config_text(demo_dir / "data", Path(model).resolve(), *free_ports(2), preferences),
             encoding="utf-8",
         )
     except OSError as e:

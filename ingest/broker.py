@@ -77,6 +77,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` different free ports (free_port's, drawn again on a repeat: two draws can give the same port),
+    for services started side by side, such as the embedded broker and serving."""
+    ports: list[int] = []
+    while len(ports) < n:
+        if (port := free_port(host)) not in ports:
+            ports.append(port)
+    return ports
+
+
 def _ephemeral_low() -> int:
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])

@@ -92,9 +92,9 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None
 
 
 def test_ctrl_c_during_up_leaves_no_orphans_and_up_resumes(tmp_path, tiny_model):
-    from ingest.broker import free_port
+    from ingest.broker import free_ports
 
-    port, broker_port = free_port(), free_port()
+    port, broker_port = free_ports(2)
     data = tmp_path / "data"
     config = tmp_path / "clora.toml"
     config.write_text(

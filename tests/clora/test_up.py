@@ -27,6 +27,14 @@ def spec(name, argv=SLEEPER, lines=None, **kw):
     return ChildSpec(name, argv, healthy=healthy, stop_timeout=5, **kw)
 
 
+def free_port_but(taken: int) -> int:
+    """A free port other than `taken` (serving's beside the broker's: two free_port() draws can give one port,
+    and serving on the broker's port is a setup problem of its own)."""
+    from ingest.broker import free_ports
+
+    return next(p for p in free_ports(2) if p != taken)
+
+
 def collect():
     lines = []
     lock = threading.Lock()
@@ -327,7 +335,8 @@ def test_up_refuses_to_start_when_another_process_holds_a_port(tmp_path, monkeyp
 
     held = listening()
     port = held.getsockname()[1]
-    ports = {"broker": {"port": free_port()}, "serving": {"port": free_port()}}
+    broker_port = free_port()
+    ports = {"broker": {"port": broker_port}, "serving": {"port": free_port_but(broker_port)}}
     ports[key.split(".")[0]]["port"] = port
     bootstrap = f"127.0.0.1:{ports['broker']['port']}"
     cfg = Config.model_validate({"data_dir": str(tmp_path), **ports, "kafka": {"bootstrap": bootstrap}})
@@ -354,18 +363,18 @@ def test_up_refuses_an_embedded_broker_that_kafka_bootstrap_does_not_name(tmp_pa
     from ingest.broker import free_port
 
     port = free_port()
-    cfg = Config.model_validate({"data_dir": str(tmp_path), "broker": {"port": port}, "serving": {"port": free_port()}})
+    cfg = Config.model_validate({"data_dir": str(tmp_path), "broker": {"port": port}, "serving": {"port": free_port_but(port)}})
     monkeypatch.setattr(up_module, "stack_specs", lambda *_, **__: ([spec("a")], ["a"]))
     lines, emit = collect()
     assert up_module.up(cfg, None, until=lambda: True, emit=emit) == 1
     (error,) = [line for n, line in lines if n == "up" and line.startswith("error")]
     assert f"kafka.bootstrap is '127.0.0.1:9092' but the embedded broker listens on 127.0.0.1:{port}" in error
     external = Config.model_validate({"data_dir": str(tmp_path), "broker": {"embedded": False, "port": port},
-                                      "serving": {"port": free_port()}})
+                                      "serving": {"port": free_port_but(port)}})
     assert up_module.setup_problems(external) == []  # the Kafka at kafka.bootstrap is used as it is
     for bootstrap in (f"localhost:{port}", f"kafka.example:9092,127.0.0.1:{port}"):  # other names for it
         named = Config.model_validate({"data_dir": str(tmp_path), "broker": {"port": port},
-                                       "kafka": {"bootstrap": bootstrap}, "serving": {"port": free_port()}})
+                                       "kafka": {"bootstrap": bootstrap}, "serving": {"port": free_port_but(port)}})
         assert up_module.setup_problems(named) == [], bootstrap
 
 
@@ -379,7 +388,7 @@ def test_up_refuses_ingest_metrics_ports_that_are_taken_or_clash_with_its_own(tm
     taken = held.getsockname()[1]
     try:
         cfg = Config.model_validate({
-            "data_dir": str(tmp_path), "broker": {"port": broker}, "serving": {"port": free_port()},
+            "data_dir": str(tmp_path), "broker": {"port": broker}, "serving": {"port": free_port_but(broker)},
             "kafka": {"bootstrap": f"127.0.0.1:{broker}"}, "ingest": {"processes": 3, "metrics_port": taken - 2},
         })
         problems = up_module.setup_problems(cfg)
@@ -395,7 +404,7 @@ def test_up_refuses_ingest_metrics_ports_that_are_taken_or_clash_with_its_own(tm
         f"ingest.metrics_port {broker} puts an ingest process's metrics on port {port}, which serving or the broker "
         "listens on: set ingest.metrics_port to a free range" for port in (broker, broker + 1)]
     fine = Config.model_validate({
-        "data_dir": str(tmp_path), "broker": {"port": broker}, "serving": {"port": free_port()},
+        "data_dir": str(tmp_path), "broker": {"port": broker}, "serving": {"port": free_port_but(broker)},
         "kafka": {"bootstrap": f"127.0.0.1:{broker}"}, "ingest": {"processes": 2}})  # metrics off: nothing to check
     assert up_module.setup_problems(fine) == []
 
@@ -431,7 +440,7 @@ def test_up_warns_of_ingest_processes_beyond_the_partitions_and_starts(tmp_path,
     def config(processes, partitions=4):
         port = free_port()
         return Config.model_validate({
-            "data_dir": str(tmp_path), "broker": {"port": port}, "serving": {"port": free_port()},
+            "data_dir": str(tmp_path), "broker": {"port": port}, "serving": {"port": free_port_but(port)},
             "kafka": {"bootstrap": f"127.0.0.1:{port}", "partitions": partitions}, "ingest": {"processes": processes},
         })
 
