@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from signal_support import handlers_restored, locks_taken_by_handler
 from test_processes import gone  # tests/clora/test_processes.py
 
 from clora.up import ChildSpec, Supervisor, stack_specs
@@ -651,24 +652,12 @@ def test_the_signal_handler_takes_no_lock(tmp_path, monkeypatch):
 
     monkeypatch.setattr(up_module, "stack_specs", lambda *_, **__: ([spec("a")], ["a"]))
     monkeypatch.setattr(up_module, "setup_problems", lambda _cfg: [])
-    lock_calls = []
-
-    def profile(_frame, event, arg):
-        if event == "c_call" and getattr(arg, "__name__", "") in ("acquire", "__enter__", "acquire_lock"):
-            lock_calls.append(repr(arg))
-
-    calls = []
+    lock_calls, calls = [], []
 
     def until():
         calls.append(time.monotonic())
         if len(calls) == 1:
-            handler = signal.getsignal(signal.SIGTERM)
-            previous = sys.getprofile()
-            sys.setprofile(profile)
-            try:
-                handler(signal.SIGTERM, None)
-            finally:
-                sys.setprofile(previous)
+            lock_calls.extend(locks_taken_by_handler())
         return len(calls) > 50  # not the way out: the signal is
 
     lines, emit = collect()
@@ -688,20 +677,11 @@ def test_the_broker_commands_signal_handler_takes_no_lock(tmp_path, monkeypatch,
 
     lock_calls, polls = [], []
 
-    def profile(_frame, event, arg):
-        if event == "c_call" and getattr(arg, "__name__", "") in ("acquire", "__enter__", "acquire_lock"):
-            lock_calls.append(repr(arg))
-
     class Process:
         def poll(self):  # SIGTERM while the loop runs; it stops before another poll
             polls.append(True)
             if len(polls) == 1:
-                handler = signal.getsignal(signal.SIGTERM)
-                sys.setprofile(profile)
-                try:
-                    handler(signal.SIGTERM, None)
-                finally:
-                    sys.setprofile(None)
+                lock_calls.extend(locks_taken_by_handler())
 
     class Broker:
         def __init__(self, host, port):
@@ -715,12 +695,8 @@ def test_the_broker_commands_signal_handler_takes_no_lock(tmp_path, monkeypatch,
 
     monkeypatch.setattr(broker_module, "EmbeddedBroker", Broker)
     monkeypatch.setattr("clora.cli.config_from_args", lambda _args: Config.model_validate({"data_dir": str(tmp_path)}))
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    with handlers_restored():
         code = run_broker(argparse.Namespace(host=None, port=None))
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     assert code == 0 and "broker stopped" in capsys.readouterr().out
     assert lock_calls == []
     assert len(polls) == 1, "the loop stopped on the signal"

@@ -52,35 +52,18 @@ def test_the_batch_scoring_budget_reaches_the_processor(tmp_path):
 def test_the_signal_handler_takes_no_lock(tmp_path, monkeypatch, drain_on_stop):
     """A handler runs in the main thread between two of its bytecodes, perhaps while that thread holds a lock
     (threading.Event.wait's, in the wait for Kafka): threading.Event.set in the handler could deadlock."""
-    import signal
-    import sys
-
     import ingest.process as process_module
     from ingest.scorers import ScorerSpecError
+    from signal_support import handlers_restored, locks_taken_by_handler
 
     lock_calls = []
 
-    def profile(_frame, event, arg):
-        # An RLock (logging's) is re-entrant: the handler may take it while the interrupted code holds it.
-        if event == "c_call" and getattr(arg, "__name__", "") in ("acquire", "__enter__", "acquire_lock") \
-                and "RLock" not in repr(arg):
-            lock_calls.append(repr(arg))
-
     def build(cfg, member=None):  # the handlers are in place by now: signal, then leave
-        handler = signal.getsignal(signal.SIGTERM)
-        sys.setprofile(profile)
-        try:
-            handler(signal.SIGTERM, None)
-            handler(signal.SIGTERM, None)  # with --drain-on-stop: the first drains, the second stops
-        finally:
-            sys.setprofile(None)
+        # twice: with --drain-on-stop the first drains, the second stops
+        lock_calls.extend(locks_taken_by_handler(times=2))
         raise ScorerSpecError("stop here")
 
     monkeypatch.setattr(process_module, "build", build)
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    with handlers_restored():
         assert process_module.run(Config(data_dir=tmp_path), drain_on_stop=drain_on_stop) == 2
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     assert lock_calls == []

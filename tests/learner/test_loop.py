@@ -1240,19 +1240,25 @@ def test_a_sampling_job_planned_under_an_old_spec_is_dropped_when_the_config_cha
     learner.close()
 
 
+def _lab_after_one_step(data_dir, tiny_model, tmp_path):
+    """A rollouts tenant one step in, its next batch sampled (in the background): (learner, its tenant's
+    config, the learner settings)."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\nthree\nfour\n")
+    tenant = rollouts_lab(prompts)
+    settings = dict(max_new_tokens=8, gate_max_kl=50.0, sample_ahead=False)
+    cfg = make_config(data_dir, tiny_model, [tenant], **settings)
+    learner = Learner(cfg, model_path=tiny_model, sampler=FakeServingSampler(), progress=False)
+    run(cfg, model_path=tiny_model, learner=learner, max_steps=1, progress=False)
+    return learner, tenant, settings
+
+
 def test_rereading_an_unchanged_config_keeps_the_batch_sampled_ahead_even_if_the_adapter_keeps_its_shape(
         tiny_model, data_dir, tmp_path, caplog):
     """A config asking for another adapter shape than the saved adapter's: the saved shape applies, so the
     applied spec never equalled the config's, and every re-read (every few seconds) dropped the batch sampled
     ahead and warned again."""
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("one\ntwo\nthree\nfour\n")
-    tenant = {"name": "lab", "mode": "rollouts", "scorer": "length:12", "prompts_file": str(prompts), "batch_size": 4,
-              "group_size": 2, "learning_rate": 1e-2}
-    settings = dict(max_new_tokens=8, gate_max_kl=50.0, sample_ahead=False)
-    cfg = make_config(data_dir, tiny_model, [tenant], **settings)
-    learner = Learner(cfg, model_path=tiny_model, sampler=FakeServingSampler(), progress=False)
-    run(cfg, model_path=tiny_model, learner=learner, max_steps=1, progress=False)
+    learner, tenant, settings = _lab_after_one_step(data_dir, tiny_model, tmp_path)
     reshaped = make_config(data_dir, tiny_model, [{**tenant, "lora": {"rank": 4}}], **settings)
     with caplog.at_level("WARNING", logger="learner.policy"):
         learner.apply_config(reshaped)  # a change: applied (the shape kept, with a warning)
@@ -1270,14 +1276,7 @@ def test_a_config_re_read_applies_the_learner_settings_or_says_which_wait_for_a_
                                                                                         tmp_path, caplog):
     """keep_versions stayed the start's (the registry was made once), a new temperature trained the batch
     sampled under the old one as if sampled under it, and settings read once changed without a word."""
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("one\ntwo\nthree\nfour\n")
-    tenant = {"name": "lab", "mode": "rollouts", "scorer": "length:12", "prompts_file": str(prompts), "batch_size": 4,
-              "group_size": 2, "learning_rate": 1e-2}
-    settings = dict(max_new_tokens=8, gate_max_kl=50.0, sample_ahead=False)
-    cfg = make_config(data_dir, tiny_model, [tenant], **settings)
-    learner = Learner(cfg, model_path=tiny_model, sampler=FakeServingSampler(), progress=False)
-    run(cfg, model_path=tiny_model, learner=learner, max_steps=1, progress=False)
+    learner, tenant, settings = _lab_after_one_step(data_dir, tiny_model, tmp_path)
     assert learner.prefetcher.pending("lab")
     learner.apply_config(make_config(data_dir, tiny_model, [tenant], keep_versions=1, **settings))
     assert learner.registry.keep_last == 1 and learner.prefetcher.pending("lab")  # nothing about sampling changed

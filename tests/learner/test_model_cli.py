@@ -65,29 +65,17 @@ def test_clora_learns_signal_handler_takes_no_lock(tmp_path, monkeypatch):
     """A handler runs in the main thread between two of its bytecodes, perhaps while that thread holds a lock
     (threading.Event.wait's, in the learner's idle wait): threading.Event.set in the handler could deadlock."""
     import argparse
-    import signal
-    import sys
     from types import SimpleNamespace
 
     import learner.loop as loop_module
     from clora.config import Config
     from learner.__main__ import main_from_args
+    from signal_support import handlers_restored, locks_taken_by_handler
 
     lock_calls = []
 
-    def profile(_frame, event, arg):
-        # An RLock (logging's) is re-entrant: the handler may take it while the interrupted code holds it.
-        if event == "c_call" and getattr(arg, "__name__", "") in ("acquire", "__enter__", "acquire_lock") \
-                and "RLock" not in repr(arg):
-            lock_calls.append(repr(arg))
-
     def run(cfg, *, stop, **_kw):
-        handler = signal.getsignal(signal.SIGTERM)
-        sys.setprofile(profile)
-        try:
-            handler(signal.SIGTERM, None)
-        finally:
-            sys.setprofile(None)
+        lock_calls.extend(locks_taken_by_handler())
         assert stop.is_set() and stop.wait(5)  # set: the wait returns at once
         return SimpleNamespace(tenants={})
 
@@ -96,10 +84,6 @@ def test_clora_learns_signal_handler_takes_no_lock(tmp_path, monkeypatch):
     monkeypatch.setattr("clora.cli.base_model_dir", lambda _cfg: tmp_path)
     args = argparse.Namespace(shard=None, once=False, until_idle=False, max_steps=None, no_progress=True,
                               config_path=None)
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    with handlers_restored():
         assert main_from_args(args) == 0
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     assert lock_calls == []

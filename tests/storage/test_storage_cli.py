@@ -189,35 +189,20 @@ def test_compact_every_runs_until_sigterm_and_marks_itself_ready(tmp_path, data_
 def test_the_compactor_loops_signal_handler_takes_no_lock(clora, data_dir, monkeypatch):
     """A handler runs in the main thread between two of its bytecodes, perhaps while that thread holds a lock
     (threading.Event.wait's): a handler taking the same lock deadlocks the loop (as in clora/up.py)."""
-    import signal
-    import sys
-
+    from signal_support import handlers_restored, locks_taken_by_handler
     from storage import cli
 
     lock_calls, runs = [], []
 
-    def profile(_frame, event, arg):
-        if event == "c_call" and getattr(arg, "__name__", "") in ("acquire", "__enter__", "acquire_lock"):
-            lock_calls.append(repr(arg))
-
     def compact_once(*_args):
         runs.append(True)
         if len(runs) == 1:  # SIGTERM during the first run; the loop stops before a second
-            handler = signal.getsignal(signal.SIGTERM)
-            sys.setprofile(profile)
-            try:
-                handler(signal.SIGTERM, None)
-            finally:
-                sys.setprofile(None)
+            lock_calls.extend(locks_taken_by_handler())
         return 0
 
     monkeypatch.setattr(cli, "_compact_once", compact_once)
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    with handlers_restored():
         code, out, _ = clora("compact", "--every", "0.2")
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     assert code == 0 and "compactor stopped" in out
     assert lock_calls == []
     assert len(runs) == 1, "the loop stopped on the signal"
