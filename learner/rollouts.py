@@ -511,15 +511,19 @@ def all_stale(samples: Sequence[Sequence[Sample]], tenant: str, current_version:
     """When every sample is too many versions behind `current_version` (or foreign) to train on, or at a
     `temperature` != 1 made by a version whose files are gone (train_step leaves those out too), why the
     first one is; None when some sample is fresh, or there are none."""
-
-    def reason(sample: Sample) -> str | None:
-        why = stale_reason(sample.version, tenant, current_version, max_staleness, served)
-        if not why and temperature != 1.0:
-            why = _no_behaviour(version_number(sample.version, tenant), current_version, version_files, temperature)
-        return why
-
-    reasons = [reason(s) for g in samples for s in g]
+    reasons = [_left_out(s, tenant, current_version, max_staleness, served, temperature, version_files)
+               for g in samples for s in g]
     return reasons[0] if reasons and all(reasons) else None
+
+
+def _left_out(sample: Sample, tenant: str, current_version: int, max_staleness: int, served: Sequence[int] | None,
+              temperature: float, version_files: Callable[[int], Path | None] | None) -> str | None:
+    """Why train_step leaves `sample` out as stale, or None: too many versions behind (or foreign), or at a
+    temperature != 1 made by a version whose files are gone."""
+    why = stale_reason(sample.version, tenant, current_version, max_staleness, served)
+    if not why and temperature != 1.0:
+        why = _no_behaviour(version_number(sample.version, tenant), current_version, version_files, temperature)
+    return why
 
 
 def _none_usable(n_prompts: int, n: int, failed: list[str], stale: list[str], empty: int) -> str:
@@ -611,10 +615,7 @@ def train_step(
         n += len(group)
         fresh = []
         for sample in group:
-            reason = stale_reason(sample.version, tenant, current_version, max_staleness, served)
-            if not reason and tempered:
-                reason = _no_behaviour(version_number(sample.version, tenant), current_version, version_files,
-                                       temperature)
+            reason = _left_out(sample, tenant, current_version, max_staleness, served, temperature, version_files)
             if reason:
                 stale.append(reason)
             else:
