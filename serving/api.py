@@ -342,7 +342,7 @@ class Api:
             # abort the generation (closing `_deltas` aborts the engine's request), so the tenant's in-flight
             # slots come back at once, not when a long completion nobody reads would have ended.
             if not await _unless_disconnected(request, collect()):
-                self.metrics.request_refused(tenant, endpoint, CLIENT_CLOSED_REQUEST)
+                self.metrics.request_answered(tenant, endpoint, CLIENT_CLOSED_REQUEST)
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
         finally:
             release()
@@ -482,19 +482,19 @@ class Api:
         except ServingError as e:
             if not sent:
                 raise  # nothing answered yet: the app's handler gives it its own status
-            self.metrics.request_refused(call.tenant, call.endpoint, e.status)
+            self.metrics.request_answered(call.tenant, call.endpoint, e.status)
             yield protocol.sse(e.body())
             yield protocol.sse("[DONE]")
         except (asyncio.CancelledError, GeneratorExit):
             if not finished:
                 logger.info("request %s: the client went away; generation aborted", call.response_id)
-                self.metrics.request_refused(call.tenant, call.endpoint, CLIENT_CLOSED_REQUEST)
+                self.metrics.request_answered(call.tenant, call.endpoint, CLIENT_CLOSED_REQUEST)
             raise
         except Exception as e:  # the status line is sent: the stream still ends with an error and [DONE]
             if not sent:
                 raise
             logger.exception("request %s: the stream failed", call.response_id)
-            self.metrics.request_refused(call.tenant, call.endpoint, 500)
+            self.metrics.request_answered(call.tenant, call.endpoint, 500)
             yield protocol.sse(internal_error_body(e))
             yield protocol.sse("[DONE]")
         finally:
@@ -550,7 +550,7 @@ class Api:
             # after its answer was sent; that is counted and logged only).
             raise EventLogFull("feedback not accepted: the event log is full (Kafka is slow and the spool failing); "
                                "send it again", headers={"retry-after": str(FEEDBACK_RETRY_AFTER_S)})
-        self.metrics.requests.labels(tenant, "feedback", "202").inc()
+        self.metrics.request_answered(tenant, "feedback", 202)
         return JSONResponse({"id": body.id, "object": "feedback", "status": "accepted"}, status_code=202)
 
     async def models(self, request: Request) -> Response:
@@ -571,13 +571,12 @@ class Api:
             for v in versions
             if v.status == "published" and self.adapters.refusal(tenant, v.number) is None
         ]
+        self.metrics.request_answered(tenant, "models", 200)
         return JSONResponse({"object": "list", "data": data})
 
     async def model(self, request: Request) -> Response:
         """One model card: the base model, the caller's tenant, or one of its published versions; anything
         else (another tenant's, or a version serving refused, included) is 404, as a generation naming it is."""
-        from storage.registry import UnreadableRecord, VersionNotFound
-
         tenant = self.auth.tenant(request.headers.get("authorization"))
         request.state.tenant = tenant
         model_id = request.path_params["model_id"]
@@ -586,11 +585,20 @@ class Api:
         except Forbidden:
             raise ModelNotFound(f"model {model_id!r} does not exist", param="model") from None
         if not choice.adapter:
-            return JSONResponse(_model_card(self.base_name, self.started))
-        if choice.version is None:
-            return JSONResponse(_model_card(tenant, self.started))
+            card = _model_card(self.base_name, self.started)
+        elif choice.version is None:
+            card = _model_card(tenant, self.started)
+        else:
+            card = await self._version_card(tenant, model_id, choice.version)
+        self.metrics.request_answered(tenant, "models", 200)
+        return JSONResponse(card)
+
+    async def _version_card(self, tenant: str, model_id: str, number: int) -> dict[str, Any]:
+        """The card of one of the tenant's versions, or 404 when it is not published or serving refused it."""
+        from storage.registry import UnreadableRecord, VersionNotFound
+
         try:
-            version = await asyncio.to_thread(self.registry.get, tenant, choice.version)
+            version = await asyncio.to_thread(self.registry.get, tenant, number)
         except VersionNotFound:
             version = None
         except UnreadableRecord as e:
@@ -598,11 +606,10 @@ class Api:
             raise ModelNotFound(f"model {model_id!r}: its registry record cannot be read", param="model") from None
         if version is None or version.status != "published":
             raise ModelNotFound(f"model {model_id!r} does not exist or is not published", param="model")
-        refused = self.adapters.refusal(tenant, choice.version)
+        refused = self.adapters.refusal(tenant, number)
         if refused is not None:
             raise ModelNotFound(f"model {model_id!r} cannot be served: {refused}", param="model")
-        return JSONResponse(
-            _model_card(version.name, int((version.published_at or version.created_at).timestamp()), parent=tenant))
+        return _model_card(version.name, int((version.published_at or version.created_at).timestamp()), parent=tenant)
 
     async def health(self, request: Request) -> Response:
         """Status and pid for anyone (a load balancer, `clora up`); every tenant's adapter, refused versions and
@@ -704,7 +711,7 @@ def create_app(api: Api) -> FastAPI:
 
     @app.exception_handler(ServingError)
     async def _refused(request: Request, e: ServingError) -> Response:
-        api.metrics.request_refused(getattr(request.state, "tenant", "-"), endpoint_label(request.url.path), e.status)
+        api.metrics.request_answered(getattr(request.state, "tenant", "-"), endpoint_label(request.url.path), e.status)
         headers = {"www-authenticate": "Bearer", **e.headers} if e.status == 401 else e.headers
         return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
@@ -728,7 +735,7 @@ def create_app(api: Api) -> FastAPI:
         # never sees this response: the id goes on here. The scope's state is shared, so it is the same id.
         request_id = getattr(request.state, "request_id", None) or uuid.uuid4().hex
         logger.exception("request %s to %s failed", request_id, request.url.path)
-        api.metrics.request_refused(getattr(request.state, "tenant", "-"), endpoint_label(request.url.path), 500)
+        api.metrics.request_answered(getattr(request.state, "tenant", "-"), endpoint_label(request.url.path), 500)
         return JSONResponse(internal_error_body(e), status_code=500, headers={REQUEST_ID: request_id})
 
     app.add_middleware(RequestIdMiddleware)

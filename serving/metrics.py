@@ -3,7 +3,7 @@
 One `ServingMetrics` per process, on its own `CollectorRegistry` (so tests and benchmarks can build
 several without clashing in the global one). Names start with `clora_serving_`:
 
-    requests_total{tenant,endpoint,status}      finished HTTP requests (status: HTTP code)
+    requests_total{tenant,endpoint,status}      answered API requests, errors included (status: HTTP code)
     prompt_tokens_total{tenant}, completion_tokens_total{tenant}
     request_seconds{tenant,endpoint}            request latency, arrival to last token
     adapter_version{tenant}                     version number now served as "<tenant>" (0: base model)
@@ -77,7 +77,8 @@ class ServingMetrics:
         self.prompt_tokens.labels(tenant).inc(prompt_tokens)
         self.completion_tokens.labels(tenant).inc(completion_tokens)
 
-    def request_refused(self, tenant: str, endpoint: str, status: int) -> None:
+    def request_answered(self, tenant: str, endpoint: str, status: int) -> None:
+        """A request that generated nothing: refused, failed, abandoned, or a models or feedback answer."""
         self.requests.labels(tenant, endpoint, str(status)).inc()
 
     def swapped(self, tenant: str, version: int, seconds: float, publish_to_live: float | None) -> None:

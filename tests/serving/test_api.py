@@ -690,6 +690,16 @@ def test_one_model_card_of_your_own_models():
     assert w.get("/v1/models/acme", tenant=None).status_code == 401
 
 
+def test_models_answers_are_counted_in_requests_total():
+    w = World()
+    assert w.get("/v1/models").status_code == 200
+    assert w.get("/v1/models/acme@1").status_code == 200
+    assert w.get("/v1/models/acme@9").status_code == 404
+    metrics = w.get("/metrics").text
+    assert 'clora_serving_requests_total{endpoint="models",status="200",tenant="acme"} 2.0' in metrics, metrics
+    assert 'clora_serving_requests_total{endpoint="models",status="404",tenant="acme"} 1.0' in metrics, metrics
+
+
 def test_a_version_serving_refused_is_neither_listed_nor_carded():
     """A generation naming a refused version is 404, so the models routes do not offer it either."""
     from pathlib import Path
