@@ -82,6 +82,7 @@ import os
 import re
 import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -414,7 +415,7 @@ class Cursors:
         tenant_dir = self.dd.tenant_cursors(tenant)
         if not tenant_dir.is_dir():
             return 0
-        with FileLock(self._lock_path(tenant)):
+        with nullcontext() if dry_run else FileLock(self._lock_path(tenant)):  # a dry run creates no lock file
             snapshots, steps = self._listing(tenant)
             old = self.horizon(tenant)
             chain = _chain(snapshots, old)

@@ -98,6 +98,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -475,7 +476,7 @@ class Registry:
         Without a hint nothing is settled for sure, and nothing goes."""
         check_tenant(tenant)
         removed = 0
-        with self._locked():
+        with nullcontext() if dry_run else self._locked():  # a dry run creates no lock file
             index = self._read_index(tenant)
             if index is None:
                 return 0

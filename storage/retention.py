@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -166,7 +167,8 @@ def prune_partition(root, dataset: str, tenant: str, cutoff_ms: int, *, dry_run:
     dd = as_datadir(root)
     result = PruneResult(dataset, tenant)
     try:
-        with partition_lock(dd, dataset, tenant):
+        # A dry run only reads: no lock (taking one would create its file), so it counts while a compaction runs.
+        with nullcontext() if dry_run else partition_lock(dd, dataset, tenant):
             listing = partition_listing(dd, dataset, tenant)
             superseded = listing.superseded
             doomed, unreadable = [], []

@@ -164,8 +164,10 @@ def test_prune_command(tmp_path, data_dir, files, monkeypatch, capsys):
         meta.write_text(json.dumps({**json.loads(meta.read_text()), "created_at": "2025-01-02T00:00:00+00:00"}))
     cursors.compact("acme")
     # The rows are from T0 (2025): all older than 30 days.
+    before = sorted(p.relative_to(data_dir) for p in data_dir.rglob("*"))
     code, out, _ = run("prune", "--older-than-days", "30", "--dry-run")
     assert code == 0 and "would delete 5 files, 20 rows" in out and len(names(files)) == 5
+    assert sorted(p.relative_to(data_dir) for p in data_dir.rglob("*")) == before  # a dry run writes nothing, locks included
     assert "0 adapter version records, 0 serving dead-letter day files; 3 trained ids forgotten" in out
     assert cursors.trained_ids("acme") == {"f0-0", "f0-1", "f0-2"}
     code, out, _ = run("prune", "--older-than-days", "30")
