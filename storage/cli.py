@@ -237,23 +237,20 @@ def write_table(table, fmt: str, out: str | None) -> None:
         import pyarrow.parquet as pq
 
         table = table.rename_columns(_unique_names(table.column_names))  # readable by name
-        _write_whole(out, lambda path: pq.write_table(table, path))
+        _write_whole(out, lambda f: pq.write_table(table, f))
         return
     text = {"table": format_table, "csv": format_csv, "json": format_json}[fmt](table)
     if out:
-        def write(path: str) -> None:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-
-        _write_whole(out, write)
+        _write_whole(out, lambda f: f.write(text.encode("utf-8")))
     else:
         sys.stdout.write(text)
 
 
 def _write_whole(out: str, write) -> None:
-    """`write(path)` into a hidden sibling of `out` that is renamed over it once complete, so a write that
-    fails or is interrupted (Ctrl-C, a full disk) leaves no partial file and the previous one intact. A
-    device or pipe (--out /dev/stdout) is written as it is: it cannot be renamed over."""
+    """`write(f)` into a binary file, a hidden sibling of `out` that is renamed over it once complete, so a
+    write that fails or is interrupted (Ctrl-C, a full disk) leaves no partial file and the previous one
+    intact. A device or pipe (--out /dev/stdout) is written as it is: it cannot be renamed over. Python
+    opens the file, so an OSError says why in `strerror`, without the hidden file's name."""
     import os
     from pathlib import Path
 
@@ -261,11 +258,13 @@ def _write_whole(out: str, write) -> None:
 
     final = Path(out)
     if final.exists() and not final.is_file():
-        write(out)
+        with open(final, "wb") as f:
+            write(f)
         return
     tmp = tmp_name(final)
     try:
-        write(str(tmp))
+        with open(tmp, "wb") as f:
+            write(f)
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)

@@ -250,10 +250,11 @@ def test_query_json_writes_null_for_nan_and_infinities(clora, data_dir):
 
 
 def test_query_errors_that_are_not_duckdbs_are_one_line(clora, data_dir, tmp_path, peft_writer):
-    out = tmp_path / "no" / "dir" / "x.csv"
-    code, _, err = clora("query", "select 1", "--format", "csv", "--out", str(out))
-    # the file the user named, not the hidden one the result is written to first
-    assert code == 1 and err.strip() == f"clora query: cannot write the result to {out}: No such file or directory"
+    for fmt in ("csv", "parquet"):
+        out = tmp_path / "no" / "dir" / f"x.{fmt}"
+        code, _, err = clora("query", "select 1", "--format", fmt, "--out", str(out))
+        # the file the user named, not the hidden one the result is written to first
+        assert code == 1 and err.strip() == f"clora query: cannot write the result to {out}: No such file or directory"
     for fmt in ("table", "json"):
         code, _, err = clora("query", "select 'infinity'::date as d", "--format", fmt)
         assert code == 1 and "OverflowError" in err and len(err.strip().splitlines()) == 1
@@ -482,9 +483,8 @@ def test_an_interrupted_or_failed_out_file_write_leaves_the_previous_file(tmp_pa
     out = tmp_path / "result.parquet"
     write_table(pa.table({"x": [1]}), "parquet", str(out))
 
-    def cut_short(table, path):
-        with open(path, "wb") as f:
-            f.write(b"PAR1 half")
+    def cut_short(table, f):
+        f.write(b"PAR1 half")
         raise KeyboardInterrupt
 
     monkeypatch.setattr(pq_module, "write_table", cut_short)
