@@ -17,7 +17,7 @@ from clora.argtypes import positive
 
 FORMATS = ("table", "csv", "json", "parquet")
 # --dataset's choices, written out so that `clora --help` imports no pyarrow: storage.layout.DATASETS and
-# storage.retention.PRUNED_DATASETS (tests/storage/test_cli.py holds them equal).
+# storage.retention.PRUNED_DATASETS (tests/storage/test_storage_cli.py holds them equal).
 COMPACTED = ("interactions", "feedback", "trajectories", "dead_letters", "train_steps")
 PRUNED = ("interactions", "feedback", "trajectories", "dead_letters")
 MAX_CELL = 60  # characters of one cell in the readable table
@@ -549,13 +549,16 @@ def _compact_every(cfg, args: argparse.Namespace, grace: float) -> int:
         signal.signal(sig, lambda *_: stop.set())
     mark_ready(DataDir(cfg.data_dir).state, "compactor")
     print(f"compacting {cfg.data_dir} every {args.every:g}s (Ctrl-C to stop)", flush=True)
+    prunes = cfg.retention.days > 0 and args.dataset in (None, *PRUNED)
+    if cfg.retention.days > 0 and not prunes:  # said once, not as a failure of every run
+        print(f"[retention] days is set, but {args.dataset} is not pruned: only compacted", flush=True)
     while not stop.is_set():
         started = time.monotonic()
         try:
             _compact_once(cfg, args, grace)
         except Exception as e:  # noqa: BLE001 (one failed run must not end the loop; the next may succeed)
             print(f"clora compact: this run failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        if cfg.retention.days > 0:  # on its own: a compaction that keeps failing must not stop retention
+        if prunes:  # on its own: a compaction that keeps failing must not stop retention
             try:
                 _prune(cfg, cfg.retention.days, args.dataset, args.tenant, dry_run=False, command="compact")
             except Exception as e:  # noqa: BLE001

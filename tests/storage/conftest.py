@@ -107,14 +107,14 @@ def python_subprocess():
     return run_python, popen_python
 
 
-def run_compactor(config: Path, done, timeout: float = 60) -> tuple[int, str, int]:
-    """Runs `clora compact --every 0.2 --grace 0 --config <config>` until `done()` holds (or `timeout`), then
-    stops it with SIGTERM; returns (exit code, output, pid)."""
+def run_compactor(config: Path, done, timeout: float = 60, args: tuple[str, ...] = ()) -> tuple[int, str, int]:
+    """Runs `clora compact --every 0.2 --grace 0 --config <config> [args]` until `done()` holds (or `timeout`),
+    then stops it with SIGTERM; returns (exit code, output, pid)."""
     import signal
     import time
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "clora", "compact", "--every", "0.2", "--grace", "0", "--config", str(config)],
+        [sys.executable, "-m", "clora", "compact", "--every", "0.2", "--grace", "0", "--config", str(config), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     try:

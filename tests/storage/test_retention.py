@@ -4,6 +4,7 @@ consistent, and `clora prune` / the compactor loop apply it."""
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime, timedelta, timezone
 
 import pyarrow as pa
@@ -178,6 +179,21 @@ def test_prune_command(tmp_path, data_dir, files, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         run("prune")
     assert exit_.value.code == 2 and "pending_expiry_hours" in capsys.readouterr().err
+
+
+def test_the_compactor_loop_of_a_dataset_never_pruned_says_so_once(tmp_path, data_dir, compactor_loop):
+    config = tmp_path / "loop.toml"
+    config.write_text(f'data_dir = "{data_dir}"\n[retention]\ndays = 30\n')
+    ready = data_dir / "state" / "ready" / "compactor.json"
+
+    def several_runs(proc):  # its output is read once it has stopped: runs 0.2 s apart, over 1 s once ready
+        return ready.exists() and time.time() - json.loads(ready.read_text())["at"] > 1.0
+
+    code, out, _ = compactor_loop(config, several_runs, args=("--dataset", "train_steps"))
+    assert code == 0, out
+    assert out.count("compacted 0 files") >= 2, out
+    assert out.count("[retention] days is set, but train_steps is not pruned: only compacted") == 1, out
+    assert "pruning failed" not in out, out
 
 
 def test_the_config_refuses_a_retention_shorter_than_the_feedback_wait():
