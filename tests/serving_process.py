@@ -19,7 +19,8 @@ from pathlib import Path
 
 from clora.processes import terminate
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]  # this file is tests/serving_process.py
+assert (REPO / "serving" / "__main__.py").is_file(), f"{REPO} is not the repository"  # the code under test
 TENANT_KEYS = {
     "acme": "acme-key-0001",
     "globex": "globex-key-0002",

@@ -16,6 +16,7 @@ import torch
 
 from learner.loop import ABANDONED, Learner, run
 from learner.policy import ADAPTER_WEIGHTS
+from learner.rollouts import SamplingError
 from learner.types import TenantSpec
 from learner_support import LEARNABLE_TARGETS, assert_each_id_once, chat_prompt, make_config, rows, step_ids, write
 from storage.cursors import Cursors
@@ -898,7 +899,7 @@ def test_a_prompts_file_is_rendered_once_and_again_when_it_changes(tiny_model, d
     prompts.write_text("Write a number.\nhello\nCount to five.\n")
     assert [p for p in learner._file_prompts(rt) if "Count to five." in p]
     prompts.unlink()
-    with pytest.raises(Exception, match="prompts_file"):  # a vanished file is an error, not the old prompts
+    with pytest.raises(SamplingError, match="cannot read prompts_file"):  # an error, not the old prompts
         learner._file_prompts(rt)
     learner.close()
 

@@ -80,6 +80,17 @@ def test_a_rate_limited_rollout_waits_for_room(stand_in_server):
     assert [s.text for s in samples] == [" 42"] and not answers
 
 
+def test_a_rollout_refused_429_past_the_wait_fails_its_step(stand_in_server, monkeypatch):
+    from learner import rollouts
+
+    url, answers = stand_in_server
+    answers.refused_until["sk-acme-123"] = threading.Event()  # never set: always 429
+    monkeypatch.setattr(rollouts, "RATE_LIMIT_WAIT_S", 0.5)
+    with pytest.raises(SamplingError, match="answered 429"):
+        ServingSampler(url).sample([request()])
+    assert answers.refusals["sk-acme-123"] >= 2  # it waited (Retry-After 0.1 s) and asked again before giving up
+
+
 def test_the_prompt_goes_as_the_token_ids_the_learner_trains_on(stand_in_server):
     """As ids, the engine samples from exactly the trained prompt, whatever serving would add to a text
     prompt (a BOS, as vLLM's completions endpoint adds one for Llama-family tokenizers)."""

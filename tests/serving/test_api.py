@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import threading
 from datetime import datetime, timezone
 from types import SimpleNamespace
@@ -613,30 +614,41 @@ def test_chat_text_counts_roles_and_framing_before_tokenizing(messages, code):
 def test_one_tenants_queue_of_prompts_does_not_go_before_another_tenants():
     """The prompt thread takes one job of each tenant at a time: a flood from one tenant queues behind itself."""
     w = World(max_inflight_per_tenant=64)
-    order = []
-    real = w.llm.tokenizer.apply_chat_template
+    order, arrived, hold = [], [], threading.Event()
+    real_template, real_turn = w.llm.tokenizer.apply_chat_template, w.engine._in_prompt_thread
 
-    def slow(messages, **kw):
-        import time
-
+    def held(messages, **kw):  # the prompt thread's jobs, in the order it runs them; the first waits for `hold`
         order.append(messages[0]["content"])
-        time.sleep(0.05)
-        return real(messages, **kw)
+        hold.wait(10)
+        return real_template(messages, **kw)
 
-    w.llm.tokenizer.apply_chat_template = slow
+    async def counted(tenant, fn, *args):
+        arrived.append(tenant)
+        return await real_turn(tenant, fn, *args)
+
+    w.llm.tokenizer.apply_chat_template, w.engine._in_prompt_thread = held, counted
+
+    async def until(condition):
+        for _ in range(1000):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"timed out: arrived {arrived}, ran {order}")
 
     async def scenario(c):
         flood = [asyncio.create_task(c.post("/v1/chat/completions", json=chat(
             messages=[{"role": "user", "content": f"acme{i}"}]))) for i in range(10)]
-        await asyncio.sleep(0.02)  # the flood is queued first
+        await until(lambda: arrived.count("acme") == 10 and order == ["acme0"])  # the whole flood is queued
         async with w.client("globex") as g:
-            other = await g.post("/v1/chat/completions", json=chat(model="globex",
-                                                                      messages=[{"role": "user", "content": "globex"}]))
-        await asyncio.gather(*flood)
-        return other
+            other = asyncio.create_task(g.post("/v1/chat/completions", json=chat(
+                model="globex", messages=[{"role": "user", "content": "globex"}])))
+            await until(lambda: "globex" in arrived)
+            hold.set()
+            await asyncio.gather(*flood)
+            return await other
 
     assert w.run(scenario).status_code == 200
-    assert order.index("globex") <= 2, order  # not behind the whole flood
+    assert order[:2] == ["acme0", "globex"] and len(order) == 11, order  # next after the one running, not last
 
 
 def test_templating_and_tokenizing_run_off_the_event_loop():
@@ -1047,6 +1059,15 @@ def test_feedback_the_full_event_log_cannot_take_is_503_so_the_client_sends_it_a
     assert r.headers["retry-after"] == "5" and w.events.logged == []
     w.events.full = False
     assert w.post("/v1/feedback", {"id": "chatcmpl-1", "score": 1}).status_code == 202 and len(w.events.logged) == 1
+
+
+def test_health_is_503_engine_dead_once_the_engine_died():
+    w = World()
+    r = w.get("/health", tenant=None)
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    w.llm.errored = True
+    r = w.get("/health", tenant=None)
+    assert r.status_code == 503 and r.json()["status"] == "engine_dead" and r.json()["pid"] == os.getpid()
 
 
 def test_with_an_admin_key_health_details_and_metrics_need_it():

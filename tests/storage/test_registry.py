@@ -270,10 +270,16 @@ def test_retire_newest_published_falls_back_to_previous(data_dir, peft_writer):
 
 
 def test_parse_version():
+    from storage.layout import InvalidName
+    from storage.registry import RegistryError
+
     assert parse_version("acme@12") == ("acme", 12)
-    for bad in ("acme", "acme@", "@3", "acme@x", "a/b@1"):
-        with pytest.raises(Exception, match="acme|@|a/b"):
+    for bad in ("acme", "acme@", "@3", "acme@x"):
+        with pytest.raises(RegistryError) as e:
             parse_version(bad)
+        assert str(e.value) == f"{bad!r} is not a version name; expected <tenant>@<number>, e.g. acme@3"
+    with pytest.raises(InvalidName, match="tenant 'a/b' is not a valid tenant name"):
+        parse_version("a/b@1")
 
 
 # ---------------------------------------------------------------------------------------------------------
