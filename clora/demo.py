@@ -138,7 +138,7 @@ def run_demo(cfg, *, minutes: float, rate: float, preferences: list[str], seed: 
 
         while not sim.stop.is_set():
             try:
-                if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{base_url}/health", timeout=1, trust_env=False).status_code == 200:  # its own child
                     break
             except httpx.HTTPError:
                 pass

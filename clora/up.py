@@ -382,7 +382,8 @@ def stack_specs(cfg, config_path: str | None, *, file_only: bool = False) -> tup
     def serving_healthy(pid: int) -> bool:
         """/health answers 200 from this very process (not from an earlier serving still on the port)."""
         try:
-            r = httpx.get(f"{cfg.serving.local_url}/health", timeout=1)
+            # Its own child on this machine: never through a proxy (the address may be a LAN one, not loopback).
+            r = httpx.get(f"{cfg.serving.local_url}/health", timeout=1, trust_env=False)
             return r.status_code == 200 and r.json().get("pid") == pid
         except (httpx.HTTPError, ValueError):
             return False

@@ -103,6 +103,7 @@ RATIO_TARGET = 2.81  # C-LoRA's experiment throughput at N = 8
 RATIO_AIM = 4.0
 LATENCY_FACTOR = 3.0  # per-step latency at the largest N under this times N = 1's
 HEALTH_TIMEOUT_S = 600
+_LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # its own serving: never via a proxy
 
 
 class BenchError(RuntimeError):
@@ -510,7 +511,7 @@ def _wait_healthy(url: str, process: subprocess.Popen, log_path: Path) -> None:
         if process.poll() is not None:
             raise BenchError(f"the serving process exited with {process.returncode}:\n{_tail(log_path)}")
         try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            with _LOCAL.open(url + "/health", timeout=5) as r:
                 if json.loads(r.read()).get("status") == "ok":
                     return
         except OSError:
@@ -543,7 +544,7 @@ def serving_metrics(url: str) -> dict:
     """Per tenant from the serving tier's /metrics: swaps, swap seconds, publish-to-live seconds (sums)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+    with _LOCAL.open(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     wanted = {
         "clora_serving_adapter_swap_seconds_sum": "swap_seconds",

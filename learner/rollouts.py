@@ -71,6 +71,7 @@ from typing import Protocol
 import pyarrow as pa
 import torch
 
+from clora.loopback import trust_env
 from learner import maths
 from learner.batch import pack, pad_values
 from learner.logs_mode import prompt_text, row_metadata, stale_reason, version_number
@@ -280,7 +281,7 @@ class ServingSampler:
         self.base_url = base_url.rstrip("/")
         # No cap on connections: concurrent calls (the prefetcher samples several tenants at once) must not
         # wait for one another's connections; each call caps its own threads.
-        self._client = httpx.Client(base_url=self.base_url, timeout=timeout,
+        self._client = httpx.Client(base_url=self.base_url, timeout=timeout, trust_env=trust_env(self.base_url),
                                     limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self._concurrency = concurrency
 

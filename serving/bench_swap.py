@@ -102,7 +102,7 @@ def _start_server(config: Path, port: int, log_path: Path, timeout: float = 300.
         if process.poll() is not None:
             raise RuntimeError(f"the serving process exited with {process.returncode}; see {log_path}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
                 return process
         except httpx.HTTPError:
             pass
@@ -124,7 +124,7 @@ async def _load(base_url: str, tenants: list[str], concurrency: int, tokens: int
     import httpx
 
     async def worker(index: int) -> None:
-        async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+        async with httpx.AsyncClient(base_url=base_url, timeout=120, trust_env=False) as http:
             turn = index
             while not stop.is_set():
                 tenant = tenants[turn % len(tenants)]
@@ -188,7 +188,7 @@ def _server_means(metrics_url: str) -> dict[str, float]:
     import httpx
 
     totals: dict[str, float] = {}
-    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+    for line in httpx.get(metrics_url, timeout=10, trust_env=False).text.splitlines():
         for key, name in (("swap", "clora_serving_adapter_swap_seconds"),
                           ("publish_to_live", "clora_serving_adapter_publish_to_live_seconds")):
             for part in ("sum", "count"):
