@@ -599,6 +599,11 @@ def _between_fields(c: Any) -> list[tuple[tuple[str | int, ...], str]]:
         if _known(rank, max_rank) and rank > max_rank:
             problems.append((("tenants", i, "lora", "rank"),
                              f"tenant {_shown(t.name, i)}: lora.rank {rank} exceeds serving.max_lora_rank {max_rank}"))
+    for i, t in enumerate(tenants):
+        if t.mode == "rollouts" and _known(t.group_size) and t.group_size < 2:
+            problems.append((("tenants", i, "group_size"), f"tenant {_shown(t.name, i)}: group_size {t.group_size} "
+                             "in rollouts mode never learns (each sample's advantage is its reward minus its group's "
+                             "mean, 0 in a group of one); use 2 or more"))
     if c.learner.rollout_sampler == "serving":  # rollouts are /v1/completions requests with n = group_size
         from serving.protocol import GREEDY_BELOW, MAX_N
 

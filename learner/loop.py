@@ -90,7 +90,7 @@ import pyarrow as pa
 
 from clora.config import Config, ConfigError
 from learner import gate, logs_mode, rollouts
-from learner.policy import ADAPTER_WEIGHTS, Policy, read_adapter_shape
+from learner.policy import ADAPTER_WEIGHTS, Policy, PolicyError, read_adapter_shape
 from learner.rollouts import LocalSampler, Prefetcher, RolloutPlan, SampleRequest, Sampler, ServingSampler
 from learner.rollouts import SampledBatch
 from learner.scheduler import Ledger, charge, choose
@@ -100,7 +100,7 @@ from storage.cursors import CursorError, Cursors
 from storage.files import FileLock, HeldLock, atomic_write_bytes, mark_ready
 from storage.layout import DataDir, StorageError
 from storage.parquet import column_max, partition_tenants, write_dataset
-from storage.registry import Registry, RegistryError, VersionNotFound
+from storage.registry import Registry, RegistryError, UnreadableRecord, VersionNotFound
 from storage.schema import TRAIN_STEPS, TRAJECTORIES
 
 logger = logging.getLogger(__name__)
@@ -142,6 +142,7 @@ class TenantRuntime:
     step: int = 0  # last committed step
     version: int = 0  # the registry version the adapter equals (0: none yet)
     served: list[int] = field(default_factory=list)  # numbers of its published (or since retired) versions: staleness
+    served_read: bool = False  # `served` read from the registry since the tenant was taken; no step trains before
     state_id: int = 0  # bumped whenever the adapter weights change (keys the probe-reward cache)
     baseline: float | None = None  # running mean reward (logs mode)
     probes: tuple[str, ...] = ()
@@ -337,7 +338,7 @@ class Learner:
             rt.status = "idle"
         if rt.error is not None and rt.error.startswith(LOCK_FAILED):
             rt.status, rt.error, rt.failures = "idle", None, 0
-        rt.loaded = False
+        rt.loaded, rt.served_read = False, False
         self._recover(rt)
         return True
 
@@ -348,14 +349,17 @@ class Learner:
         tenant, keep, served = rt.spec.name, self._served_kept(), []
         for number in reversed(self.registry.numbers(tenant)):
             try:
-                version = self.registry.get(tenant, number)
+                was_served = self.registry.get(tenant, number).published_at is not None
             except VersionNotFound:  # deleted since the listing (retention)
                 continue
-            if version.published_at is not None:
+            except UnreadableRecord as e:  # counted as served: samples look staler, never fresher, than they are
+                logger.warning("tenant %s: %s; staleness counts %s@%d as served", tenant, e, tenant, number)
+                was_served = True
+            if was_served:
                 served.append(number)
                 if len(served) >= keep:
                     break
-        rt.served = served[::-1]
+        rt.served, rt.served_read = served[::-1], True
 
     def _served_kept(self) -> int:
         return max(SERVED_KEPT, self.settings.max_staleness + 2)
@@ -625,8 +629,12 @@ class Learner:
         self._ensure_loaded(rt)
         if rt.unfinished is not None:
             self._finish(rt, rt.unfinished)
+        if not rt.served_read:  # the recovery failed after its finish (or before): done again, or the step fails
+            self._reject_abandoned(name)
+            self._load_served(rt)
         clock = _Phases()
         self._follow_registry(rt)
+        self._check_parent_kl(rt)
         started = time.monotonic()
         parent = self.policy.snapshot(name)
         try:
@@ -1066,7 +1074,7 @@ class Learner:
             latest = self.cursors.latest_checkpoint(name)
             if latest is not None:
                 meta = _read_meta(latest[1])
-                rt.step, rt.version = latest[0], int(meta["version"] or 0)
+                rt.step, rt.version = self._last_step(name, latest[0]), int(meta["version"] or 0)
                 self._finish(rt, meta)
             self._reject_abandoned(name)
             self._load_served(rt)
@@ -1094,10 +1102,19 @@ class Learner:
         latest = self.cursors.latest_checkpoint(name)
         if latest is not None:
             step, directory = latest
-            meta = _read_meta(directory)
-            self._add_adapter(rt, directory / "adapter")
-            self.policy.load_checkpoint(name, directory)
-            rt.step, rt.version, rt.baseline = step, int(meta["version"] or 0), meta.get("baseline")
+            try:
+                meta = _read_meta(directory)
+                self._add_adapter(rt, directory / "adapter")
+                self.policy.load_checkpoint(name, directory)
+                if not self.policy.weights_finite(name):
+                    raise PolicyError(f"tenant {name!r}: the adapter in {directory} holds non-finite weights")
+            except (LearnerError, PolicyError) as e:
+                raise LearnerError(
+                    f"{e} -- the checkpoint of step {step} is damaged: move {directory} out of the cursor (its "
+                    f"step's trained ids stay), and the learner goes on from the checkpoint before it, or from the "
+                    f"served version") from e
+            # Numbered on from the cursor: a step whose checkpoint was moved away stays committed.
+            rt.step, rt.version, rt.baseline = self._last_step(name, step), int(meta["version"] or 0), meta.get("baseline")
             rt.probes = tuple(meta.get("probes") or ())
             rt.rollout_ids = dict.fromkeys(meta.get("rollout_ids") or ())
             rt.unfinished = meta
@@ -1116,11 +1133,34 @@ class Learner:
         rt.probe_cache = {}
         rt.loaded = True
         if rt.unfinished is not None:
-            self._finish(rt, rt.unfinished)
             # As at a take-over (_recover): a reload after a commit whose outcome could not be read leaves
             # that attempt's candidate if the commit had in fact failed, and the versions served since moved.
+            rt.served_read = False  # until done: a failure here leaves it to the next step (_step)
+            self._finish(rt, rt.unfinished)
             self._reject_abandoned(name)
             self._load_served(rt)
+
+    def _last_step(self, name: str, checkpoint_step: int) -> int:
+        """The tenant's last committed step: its newest checkpoint's, or a later one whose checkpoint is gone."""
+        return max(checkpoint_step, self.cursors.latest_step(name) or 0)
+
+    def _check_parent_kl(self, rt: TenantRuntime) -> None:
+        """Fails the step, before it takes a batch, when the served version's own gate KL is above the tenant's
+        gate_max_kl (lowered since it was published, or a version published by hand): every candidate near it
+        would be rejected, and each rejected step's batch counted as trained, without a word."""
+        if not rt.version:
+            return
+        try:
+            gate_checks = self.registry.get(rt.spec.name, rt.version).gate or {}
+        except (VersionNotFound, UnreadableRecord):  # _follow_registry read it; gone or damaged since: no KL known
+            return
+        kl = gate_checks.get("kl")
+        limit = self.limits.max_kl if rt.spec.gate_max_kl is None else rt.spec.gate_max_kl
+        if isinstance(kl, (int, float)) and math.isfinite(kl) and kl > limit:
+            raise LearnerError(
+                f"tenant {rt.spec.name!r}: the served {rt.spec.name}@{rt.version} is {kl:.4g} nats from the base "
+                f"model, above gate_max_kl {limit:g}: every candidate would be rejected and its batch spent; raise "
+                f"gate_max_kl, or roll back to a version within it (nothing is trained until then)")
 
     def _add_adapter(self, rt: TenantRuntime, saved: Path | None) -> None:
         """Creates the tenant's adapter, in the shape it was saved in when there is a saved one."""
@@ -1180,7 +1220,12 @@ class Learner:
             "tenant %s: the registry serves %s but the learner is at %s@%d; continuing from %s",
             rt.spec.name, published.name, rt.spec.name, rt.version, published.name,
         )
+        before = self.policy.snapshot(rt.spec.name)
         self.policy.load_adapter(rt.spec.name, published.path)
+        if not self.policy.weights_finite(rt.spec.name):  # serving refuses it too; training on would reject every step
+            self.policy.restore(rt.spec.name, before)
+            raise LearnerError(f"tenant {rt.spec.name!r}: the served {published.name} holds non-finite weights "
+                               f"({published.path}): roll back to an earlier version")
         self.policy.reset_optimizer(rt.spec.name)
         rt.version = published.number
         rt.state_id += 1

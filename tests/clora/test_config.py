@@ -430,6 +430,15 @@ def test_rollouts_through_serving_ask_only_for_what_serving_allows(tmp_path):
     Config_of(tenants=[tenant(group_size=32)], learner={"rollout_sampler": "local"})
 
 
+@pytest.mark.parametrize("sampler", ["serving", "local"])
+def test_a_rollouts_group_of_one_is_refused_it_would_never_learn(sampler):
+    rollouts = {"name": "lab", "api_key": "long-enough-key", "mode": "rollouts", "scorer": "length:10"}
+    with pytest.raises(ConfigError, match="tenant .lab.: group_size 1 in rollouts mode never learns"):
+        Config_of(tenants=[{**rollouts, "group_size": 1}], learner={"rollout_sampler": sampler})
+    logs = {"name": "app", "api_key": "another-long-key", "mode": "logs", "group_size": 1}
+    assert Config_of(tenants=[logs]).tenants[0].group_size == 1  # logs mode has no groups
+
+
 def Config_of(**sections):
     """Config.model_validate, failing as load_config does."""
     from pydantic import ValidationError

@@ -1,0 +1,143 @@
+"""A tenant's learner state that is damaged or half-recovered: the learner trains nothing on it until it is
+sound again, and consumes no trajectory while it refuses (tiny model, real files)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+
+from learner.loop import Learner, run
+from learner_support import make_config, rows, write
+from storage.cursors import Cursors
+from storage.registry import Registry
+
+pytestmark = pytest.mark.integration
+
+
+def learn(cfg, model, **kw):
+    return run(cfg, model_path=model, progress=False, until_idle=True, **kw)
+
+
+def published(data_dir, tenant="acme") -> list[int]:
+    return [v.number for v in Registry(data_dir).versions(tenant) if v.status == "published"]
+
+
+def stepped(learner: Learner, tenant="acme"):
+    learner.pending(hold_partial=False)
+    return learner.step_safely(tenant)
+
+
+def test_a_damaged_settled_version_record_counts_as_served_for_staleness(tiny_model, data_dir):
+    """It raised out of reading the served versions, which then stayed empty: samples many versions behind
+    trained. Counted as served, samples look staler than they may be, never fresher."""
+    write(data_dir, "acme", rows("a", 24), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], max_staleness=1, gate_max_kl=1000.0,
+                      keep_versions=1)
+    learn(cfg, tiny_model).close()
+    assert [v.status for v in Registry(data_dir).versions("acme")] == ["retired", "retired", "published"]
+    (data_dir / "registry" / "acme" / "1.json").write_text("{ damaged")  # settled: only staleness reads it
+    write(data_dir, "acme", rows("from1", 8, seed=3, adapter_version="acme@1"), "b1", start=100)  # 2 behind
+    learner = learn(cfg, tiny_model)
+    rt = learner.tenants["acme"]
+    assert rt.error is None and rt.served == [1, 2, 3]
+    assert Registry(data_dir).numbers("acme") == [1, 2, 3]  # no acme@4: every sample stale
+    assert Cursors(data_dir).backlog()["acme"] == 0  # dropped as stale, and committed
+    learner.close()
+
+
+def test_a_damaged_record_of_a_live_version_stops_the_tenant_until_mended(tiny_model, data_dir):
+    """The first step failed on it; the second trained with no served versions known, samples 2 behind
+    included."""
+    write(data_dir, "acme", rows("a", 24), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], max_staleness=1, gate_max_kl=1000.0)
+    learn(cfg, tiny_model).close()
+    record = data_dir / "registry" / "acme" / "2.json"
+    sound = record.read_bytes()
+    record.write_text("{ damaged")
+    write(data_dir, "acme", rows("from1", 8, seed=3, adapter_version="acme@1"), "b1", start=100)  # 2 behind
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    for _ in range(2):
+        learner.tenants["acme"].retry_at = 0
+        assert stepped(learner) is None and str(record) in learner.tenants["acme"].error
+    assert Cursors(data_dir).backlog()["acme"] == 8 and Registry(data_dir).numbers("acme") == [1, 2, 3]
+    record.write_bytes(sound)
+    learner.tenants["acme"].retry_at = 0
+    stepped(learner)
+    assert learner.tenants["acme"].error is None and learner.tenants["acme"].served[-2:] == [2, 3]
+    assert Cursors(data_dir).backlog()["acme"] == 0 and Registry(data_dir).numbers("acme") == [1, 2, 3]
+    learner.close()
+
+
+def test_a_recovery_that_failed_twice_is_completed_before_the_next_step_trains(tiny_model, data_dir, monkeypatch):
+    """Its finish failed at the take-over and again at the load: the next step finished it but never read the
+    served versions, and trained samples many versions behind."""
+    write(data_dir, "acme", rows("a", 24), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], max_staleness=1, gate_max_kl=1000.0)
+    learn(cfg, tiny_model).close()
+    finish, failures = Learner._finish, []
+
+    def fails_twice(self, rt, meta):
+        if len(failures) < 2:
+            failures.append(meta["step"])
+            raise OSError(28, "No space left on device")
+        return finish(self, rt, meta)
+
+    monkeypatch.setattr(Learner, "_finish", fails_twice)
+    write(data_dir, "acme", rows("from1", 8, seed=3, adapter_version="acme@1"), "b1", start=100)  # 2 behind
+    learner = Learner(cfg, model_path=tiny_model, progress=False)  # the take-over's finish fails
+    assert stepped(learner) is None and "No space left" in learner.tenants["acme"].error  # the load's does too
+    stepped(learner)
+    assert failures == [3, 3] and learner.tenants["acme"].error is None
+    assert learner.tenants["acme"].served[-2:] == [2, 3]
+    assert published(data_dir) == [1, 2, 3]  # the stale batch trained nothing
+    learner.close()
+
+
+def test_a_served_version_above_a_lowered_gate_max_kl_stops_training_without_spending_batches(tiny_model, data_dir):
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], gate_max_kl=1000.0)
+    learn(cfg, tiny_model).close()
+    kl = Registry(data_dir).get("acme", 1).gate["kl"]
+    assert kl > 0
+    write(data_dir, "acme", rows("b", 8, seed=1), "b1", start=100)
+    lowered = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8, "gate_max_kl": kl / 2}])
+    learner = Learner(lowered, model_path=tiny_model, progress=False)
+    assert stepped(learner) is None
+    error = learner.tenants["acme"].error
+    assert f"the served acme@1 is {kl:.4g} nats from the base model, above gate_max_kl {kl / 2:g}" in error
+    assert Cursors(data_dir).backlog()["acme"] == 8 and Registry(data_dir).numbers("acme") == [1]  # nothing spent
+    learner.close()
+
+
+def test_a_damaged_checkpoint_is_refused_and_moving_it_away_resumes_from_the_one_before(tiny_model, data_dir):
+    """Non-finite weights loaded silently (every step then rejected by the gate and its batch spent); with the
+    newest checkpoint gone, the learner numbered its steps from the one before, and every commit failed."""
+    from safetensors.torch import load_file, save_file
+
+    write(data_dir, "acme", rows("a", 16), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], gate_max_kl=1000.0)
+    learn(cfg, tiny_model).close()
+    step, checkpoint = Cursors(data_dir).latest_checkpoint("acme")
+    assert step == 2 and published(data_dir) == [1, 2]
+    weights = checkpoint / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    next(iter(tensors.values())).view(-1)[0] = math.nan
+    save_file(tensors, weights)
+    write(data_dir, "acme", rows("b", 8, seed=1), "b1", start=100)
+
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    assert stepped(learner) is None
+    error = learner.tenants["acme"].error
+    assert "holds non-finite weights" in error and f"move {checkpoint} out of the cursor" in error
+    assert Cursors(data_dir).backlog()["acme"] == 8
+    learner.close()
+
+    shutil.move(checkpoint, data_dir / "damaged-checkpoint")  # as the error says
+    learner = learn(cfg, tiny_model)
+    rt = learner.tenants["acme"]
+    assert rt.error is None and rt.step == 3 and Cursors(data_dir).latest_step("acme") == 3
+    assert published(data_dir) == [1, 2, 3] and Registry(data_dir).get("acme", 3).parent == "acme@2"
+    assert Cursors(data_dir).backlog()["acme"] == 0
+    learner.close()
