@@ -189,7 +189,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
-    from clora.simulate import PREFERENCES, Simulator, summarise, tenants_from_config
+    from clora.simulate import PREFERENCES, Simulator, summarise, summary_lines, tenants_from_config
 
     cfg = config_from_args(args)
     prefs = [p.strip() for p in args.preferences.split(",") if p.strip()] if args.preferences else None
@@ -204,9 +204,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     sim = Simulator(url, tenants, rate=args.rate, duration=args.seconds, seed=args.seed, max_tokens=args.max_tokens)
     sim.run()
     summary = summarise(sim.records, tenants)
-    for name, s in summary.items():
-        print(f"{name}: {s['requests']} requests, {s['failed']} failed, reward {s['reward_base']:.3f} -> "
-              f"{s['reward_last']:.3f}, versions {', '.join(s['versions_seen'])}")
+    print(f"clora simulate: {sim.traffic_line()}")
+    for line in summary_lines(summary):
+        print(line)
     none_ok = [name for name, s in summary.items() if s["requests"] > 0 and s["requests"] == s["failed"]]
     if none_ok:
         errors = list(dict.fromkeys(r.error for r in sim.records if not r.ok and r.tenant in none_ok))

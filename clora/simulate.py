@@ -7,6 +7,12 @@ here knows how clora learns: it only sees the HTTP API, like a real app.
 
 Deterministic for a seed: the prompt sequence and each request's sampling seed derive from it (the
 timing of concurrent requests, and so the adapter version that answers each, does not).
+
+Open loop, like a load generator: a request goes out every 1/rate seconds whatever the answers take, up to
+`concurrency` awaiting answers at once. A tick that finds them all busy sends nothing and is counted as not
+sent (a slow server is not buried under a backlog, and nothing sent late makes up for it). Ctrl-C stops at
+once: the requests still awaiting answers get INTERRUPT_GRACE seconds, then the partial figures are printed.
+Calls to a serving tier on this machine bypass the environment's proxy (clora/loopback.py).
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
+from clora.loopback import trust_env
+
 logger = logging.getLogger("clora.simulate")
+
+INTERRUPT_GRACE = 2.0  # seconds Ctrl-C leaves the requests in flight to finish (each may take up to 120 s)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -128,17 +137,24 @@ class Simulator:
         self.max_tokens = max_tokens
         self.concurrency = concurrency
         self.progress_seconds = progress_seconds  # how often run() calls its progress callback
-        self.records: list[Record] = []
+        self.records: list[Record] = []  # one per finished exchange, answered or failed
+        self.sent = 0  # requests sent
+        self.not_sent = 0  # ticks that found `concurrency` requests awaiting answers
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._unexpected_logged = False
 
-    def _one(self, t0: float, tenant: SimTenant, prompt: str, seed: int) -> None:
-        if self.stop.is_set():  # queued behind slow answers when the run was stopped: not sent
-            return
+    def _one(self, t0: float, tenant: SimTenant, prompt: str, seed: int, slot: threading.BoundedSemaphore) -> None:
+        """One exchange in its own thread; its slot is given back once its Record is in `records`."""
+        try:
+            self._record(t0, tenant, prompt, seed)
+        finally:
+            slot.release()
+
+    def _record(self, t0: float, tenant: SimTenant, prompt: str, seed: int) -> None:
         try:
             rec = self._exchange(t0, tenant, prompt, seed)
-        except Exception as e:  # noqa: BLE001 - in a pool future it would vanish: counted as a failure instead
+        except Exception as e:  # noqa: BLE001 - it would end its thread uncounted: counted as a failure instead
             with self._lock:
                 first, self._unexpected_logged = not self._unexpected_logged, True
             if first:  # e.g. the openai package missing: every request fails the same way
@@ -152,48 +168,96 @@ class Simulator:
         import httpx
         import openai
 
-        client = openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=tenant.api_key, max_retries=0, timeout=120)
-        try:
-            raw = client.chat.completions.with_raw_response.create(
-                model=tenant.name,
-                messages=[{"role": "user", "content": prompt}],
-                max_tokens=self.max_tokens,
-                temperature=1.0,
-                seed=seed,
-            )
-            resp = raw.parse()
-            text = resp.choices[0].message.content or ""
-            version = raw.headers.get("x-clora-adapter-version", "?")
-            score = PREFERENCES[tenant.preference](text)
-            fb = httpx.post(
-                f"{self.base_url}/v1/feedback",
-                json={"id": resp.id, "score": score},
-                headers={"Authorization": f"Bearer {tenant.api_key}"},
-                timeout=30,
-            )
-            fb.raise_for_status()
-            return Record(time.monotonic() - t0, tenant.name, resp.id, version, score, text, True)
-        except (openai.OpenAIError, httpx.HTTPError) as e:
-            logger.warning("request for %s failed: %s", tenant.name, e)
-            return Record(time.monotonic() - t0, tenant.name, "", "", 0.0, "", False, str(e)[:200])
+        # Not through the environment's proxy to a serving tier on this machine: it cannot reach our loopback.
+        with httpx.Client(trust_env=trust_env(self.base_url), timeout=120) as http:
+            client = openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=tenant.api_key, max_retries=0,
+                                   timeout=120, http_client=http)
+            try:
+                raw = client.chat.completions.with_raw_response.create(
+                    model=tenant.name,
+                    messages=[{"role": "user", "content": prompt}],
+                    max_tokens=self.max_tokens,
+                    temperature=1.0,
+                    seed=seed,
+                )
+                resp = raw.parse()
+                text = resp.choices[0].message.content or ""
+                version = raw.headers.get("x-clora-adapter-version", "?")
+                score = PREFERENCES[tenant.preference](text)
+                fb = http.post(
+                    f"{self.base_url}/v1/feedback",
+                    json={"id": resp.id, "score": score},
+                    headers={"Authorization": f"Bearer {tenant.api_key}"},
+                    timeout=30,
+                )
+                fb.raise_for_status()
+                return Record(time.monotonic() - t0, tenant.name, resp.id, version, score, text, True)
+            except (openai.OpenAIError, httpx.HTTPError) as e:
+                logger.warning("request for %s failed: %s", tenant.name, e)
+                return Record(time.monotonic() - t0, tenant.name, "", "", 0.0, "", False, str(e)[:200])
 
     def run(self, progress: Callable[[Simulator], None] | None = None) -> list[Record]:
+        """Sends the traffic for `duration` seconds (or until `stop` is set), then waits for the answers.
+
+        Ctrl-C (KeyboardInterrupt) sets `stop`, waits at most INTERRUPT_GRACE for the answers, prints the
+        partial figures and raises KeyboardInterrupt again (`clora` exits with 130). A request given up on
+        goes on in its daemon thread until the process exits."""
         rng = random.Random(self.seed)
         t0 = time.monotonic()
         interval = 1.0 / self.rate
-        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="simulate") as pool:
+        slots = threading.BoundedSemaphore(self.concurrency)  # one per request awaiting its answer
+        try:
             i = 0
             next_progress = t0 + self.progress_seconds
             while not self.stop.is_set() and time.monotonic() - t0 < self.duration:
                 tenant = self.tenants[i % len(self.tenants)]
-                pool.submit(self._one, t0, tenant, rng.choice(PROMPTS), rng.randrange(2**31))
+                # drawn for a tick that sends nothing too, so that each tick's request stays the seed's
+                prompt, seed = rng.choice(PROMPTS), rng.randrange(2**31)
+                if slots.acquire(blocking=False):
+                    self.sent += 1
+                    threading.Thread(target=self._one, args=(t0, tenant, prompt, seed, slots),
+                                     name=f"simulate-{i}", daemon=True).start()
+                else:
+                    self.not_sent += 1
                 i += 1
                 if progress and time.monotonic() >= next_progress:
                     progress(self)
                     next_progress += self.progress_seconds
                 # pace by the schedule, not by the last request, so slow answers do not lower the rate
                 self.stop.wait(max(0.0, t0 + i * interval - time.monotonic()))
+            self._await_answers(slots, timeout=None)
+        except KeyboardInterrupt:
+            self.stop.set()
+            try:
+                self._await_answers(slots, timeout=INTERRUPT_GRACE)
+            except KeyboardInterrupt:  # a second Ctrl-C: no grace, but still the figures
+                pass
+            with self._lock:
+                records = list(self.records)
+            print(f"clora simulate: interrupted after {time.monotonic() - t0:.1f}s: {self.traffic_line()}")
+            for line in summary_lines(summarise(records, self.tenants)):
+                print(line)
+            raise
         return self.records
+
+    def _await_answers(self, slots: threading.BoundedSemaphore, timeout: float | None) -> None:
+        """Waits until no request awaits its answer (every slot is back), at most `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for _ in range(self.concurrency):
+            if not slots.acquire(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())):
+                return
+
+    def traffic_line(self) -> str:
+        """What was sent and what came back, e.g. `12 requests sent, 4 finished (1 failed), 8 unanswered;
+        30 not sent: 8 were awaiting answers, the most at once`."""
+        with self._lock:
+            finished, failed = len(self.records), sum(not r.ok for r in self.records)
+        line = f"{self.sent} requests sent, {finished} finished ({failed} failed)"
+        if self.sent > finished:
+            line += f", {self.sent - finished} unanswered"
+        if self.not_sent:
+            line += f"; {self.not_sent} not sent: {self.concurrency} were awaiting answers, the most at once"
+        return line
 
     def summary(self) -> dict[str, dict]:
         return summarise(self.records, self.tenants)
@@ -223,6 +287,12 @@ def summarise(records: list[Record], tenants: list[SimTenant], window: float = 0
             "versions_seen": versions,
         }
     return out
+
+
+def summary_lines(summary: dict[str, dict]) -> list[str]:
+    """One line per tenant of a `summarise` result, as `clora simulate` prints them."""
+    return [f"{name}: {s['requests']} requests, {s['failed']} failed, reward {s['reward_base']:.3f} -> "
+            f"{s['reward_last']:.3f}, versions {', '.join(s['versions_seen'])}" for name, s in summary.items()]
 
 
 def is_base_model(version: str) -> bool:

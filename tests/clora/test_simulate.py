@@ -1,6 +1,18 @@
-"""Simulated user preferences and the per-tenant summary (pure logic)."""
+"""Simulated user preferences and the per-tenant summary (pure logic); the traffic against a stand-in for the
+serving tier (an HTTP server in a thread) or a listener that never answers."""
 
+import json
 import math
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +27,8 @@ from clora.simulate import (
 )
 
 pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_preferences_by_hand():
@@ -116,3 +130,129 @@ def test_simulate_refuses_a_rate_or_duration_that_is_not_above_0(tmp_path, capsy
         main(["simulate", "--config", simulate_config(tmp_path), *args])
     assert e.value.code == 2
     assert "must be" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Traffic: a stand-in serving tier, a listener that never answers.
+
+
+@contextmanager
+def stand_in_serving(delay: float = 0.0):
+    """An HTTP server on loopback answering chat completions (after `delay` seconds) and feedback as serving
+    does; yields its base URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.path == "/v1/chat/completions":
+                time.sleep(delay)
+                status, body = 200, {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "m",
+                                     "choices": [{"index": 0, "finish_reason": "stop",
+                                                  "message": {"role": "assistant", "content": "42"}}]}
+            else:  # /v1/feedback
+                status, body = 202, {"status": "accepted"}
+            body = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("x-clora-adapter-version", "base")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@contextmanager
+def silent_listener():
+    """A TCP listener on loopback that accepts connections and never answers; yields (URL, the connections
+    accepted so far)."""
+    srv = socket.create_server(("127.0.0.1", 0), backlog=64)
+    srv.settimeout(0.1)
+    accepted: list[socket.socket] = []
+    done = threading.Event()
+
+    def accept() -> None:
+        while not done.is_set():
+            try:
+                accepted.append(srv.accept()[0])
+            except TimeoutError:
+                pass
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{srv.getsockname()[1]}", accepted
+    finally:
+        done.set()
+        thread.join()
+        for conn in accepted:
+            conn.close()
+        srv.close()
+
+
+def test_ctrl_c_stops_simulate_at_once_with_the_partial_figures(tmp_path):
+    """Ctrl-C left the thread pool's `with` block, which waited for every queued request (each up to the
+    client's 120 s timeout, none of them stopped): minutes of silence, then no figures."""
+    with silent_listener() as (url, accepted):
+        proc = subprocess.Popen([sys.executable, "-m", "clora", "simulate", "--config", simulate_config(tmp_path),
+                                 "--url", url, "--seconds", "300", "--rate", "20"], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while len(accepted) < 8 and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert len(accepted) == 8, f"simulate did not send 8 requests: {proc.poll()} {accepted}"
+            time.sleep(0.5)  # ticks that find all 8 awaiting answers
+            proc.send_signal(signal.SIGINT)
+            try:
+                out, err = proc.communicate(timeout=30)  # 2 s of grace for the 8 requests in flight
+            except subprocess.TimeoutExpired:
+                pytest.fail("simulate still ran 30 s after Ctrl-C")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 130, err[-2000:]
+    assert "clora simulate: interrupted after" in out
+    assert "8 requests sent, 0 finished (0 failed), 8 unanswered" in out
+    assert "were awaiting answers, the most at once" in out  # the ticks not sent
+    assert "digits-app: 0 requests, 0 failed" in out
+
+
+def test_a_tick_that_finds_every_slot_awaiting_an_answer_sends_nothing():
+    """Requests were queued at --rate without bound when the server was slow."""
+    from clora.simulate import Simulator
+
+    with stand_in_serving(delay=1.0) as url:
+        sim = Simulator(url, [SimTenant("a", "k" * 8, "digits")], rate=20, duration=0.5, concurrency=2)
+        records = sim.run()
+    assert sim.sent == 2 and len(records) == 2 and all(r.ok for r in records)
+    assert sim.not_sent > 0  # ~10 ticks in 0.5 s, each after the first two finding both slots taken
+    assert f"; {sim.not_sent} not sent: 2 were awaiting answers" in sim.traffic_line()
+
+
+def test_simulate_against_this_machine_ignores_the_environments_proxy(tmp_path, monkeypatch, capsys):
+    """With http_proxy set (a host whose proxy is for outside traffic), httpx and the openai client sent the
+    requests for 127.0.0.1 to the proxy, which cannot reach this machine's loopback: every request failed."""
+    from clora.cli import main
+
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens on port 9
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    with stand_in_serving() as url:
+        code = main(["simulate", "--config", simulate_config(tmp_path), "--url", url, "--seconds", "0.5",
+                     "--rate", "10"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert re.search(r"digits-app: [1-9][0-9]* requests, 0 failed", out), out
