@@ -5,6 +5,7 @@
 #   make bench   every benchmark; results land in bench-results/ (see BENCHMARKS.md)
 #   make clean   remove the venv, caches and local data
 
+# Python 3.11 or newer; e.g. make setup PYTHON=python3.11
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -22,7 +23,9 @@ setup: $(STAMP)
 	@$(CLORA) model tiny
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "clora needs Python 3.11 or newer; $(PYTHON) is " + sys.version.split()[0] + ": give another, e.g. make PYTHON=python3.11")'
+	@# A venv left broken (no pip: a first try without the OS package for venvs) or of an older Python is made anew.
+	@$(PY) -c 'import sys, pip; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(PIP_EXTRA) -e '.[cpu,broker,test]'
 	$(PY) -m pip uninstall --quiet -y $(UNWANTED) || true
