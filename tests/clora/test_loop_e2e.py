@@ -16,9 +16,9 @@ from typing import NamedTuple
 
 import httpx
 import psutil
-import pyarrow.parquet as pq
 import pytest
 import torch
+from cursor_support import committed_ids
 
 from storage import files as storage_files
 from storage.cursors import Cursors
@@ -167,7 +167,7 @@ def assert_resumed(data: Path, first: Round, second: Round) -> None:
     assert lineage[-1] == before.name, f"{newest.name} does not descend from {before.name}: {lineage}"
     assert newest.metrics["step"] > first.step >= before.metrics["step"], (newest.metrics, first.step)
     assert second.step > first.step
-    resumed = {step: ids for step, ids in step_ids(data, "acme").items() if step > first.step}
+    resumed = {step: set(ids) for step, ids in committed_ids(data, "acme").items() if step > first.step}
     assert newest.metrics["step"] in resumed, sorted(resumed)  # its step dir keeps its checkpoint: not compacted
     for step, ids in resumed.items():
         assert ids and not ids & first.trained, f"step {step} trained again: {sorted(ids & first.trained)}"
@@ -175,13 +175,6 @@ def assert_resumed(data: Path, first: Round, second: Round) -> None:
     # the weights trained on too, not only the records: the optimizer's state came back from the checkpoint
     # (a new version's step moves it at least once; a fresh optimizer would count only the second run's)
     assert second.optimizer_steps > first.optimizer_steps, (first.optimizer_steps, second.optimizer_steps)
-
-
-def step_ids(data: Path, tenant: str) -> dict[int, set[str]]:
-    """The trajectory ids committed at each step whose directory is still there (compaction folds older ones
-    into a snapshot; the newest keep their checkpoint, and with it their directory)."""
-    return {int(d.name.split("-")[1]): set(pq.read_table(d / "ids.parquet").column("id").to_pylist())
-            for d in (data / "cursors" / tenant).glob("step-*")}
 
 
 def stop(proc: subprocess.Popen) -> None:

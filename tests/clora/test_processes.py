@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from process_support import gone
 
 from clora.processes import terminate
 
@@ -40,21 +41,6 @@ def test_an_exited_child_is_only_reaped():
     process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     process.wait()
     assert terminate(process, 1, on_kill=lambda: pytest.fail("nothing to kill")) == 3
-
-
-def gone(pid: int, within: float = 10.0) -> bool:
-    """Whether process `pid` is dead within `within` seconds (a zombie counts: an orphan's reaper may be slow)."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return True
-        if state in ("Z", "X"):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.mark.parametrize("honours_sigterm", [False, True])

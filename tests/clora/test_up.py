@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+from process_support import gone
 from signal_support import handlers_restored, locks_taken_by_handler
-from test_processes import gone  # tests/clora/test_processes.py
 
 from clora.up import ChildSpec, Supervisor, stack_specs
 
@@ -520,7 +520,7 @@ def test_serving_is_healthy_only_when_its_health_answer_names_the_childs_pid(tmp
 
     from clora.config import Config
 
-    class Health(BaseHTTPRequestHandler):
+    class FakeServingHealth(BaseHTTPRequestHandler):  # serving's /health, answered for pid 4242
         def do_GET(self):
             body = json.dumps({"status": "ok", "pid": 4242}).encode()
             self.send_response(200)
@@ -531,7 +531,7 @@ def test_serving_is_healthy_only_when_its_health_answer_names_the_childs_pid(tmp
         def log_message(self, *_):
             pass
 
-    server = HTTPServer(("127.0.0.1", 0), Health)
+    server = HTTPServer(("127.0.0.1", 0), FakeServingHealth)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         cfg = Config.model_validate({"data_dir": str(tmp_path), "serving": {"port": server.server_address[1]}})
@@ -549,7 +549,7 @@ def test_serving_is_healthy_only_when_its_health_answer_names_the_childs_pid(tmp
 # Stopping in order whatever happens meanwhile
 
 
-class Unwritable:
+class FakeUnwritableStdout:
     """stdout after the terminal hung up (EIO), or with `clora up | tee` once tee is gone (EPIPE)."""
 
     def __init__(self, error):
@@ -584,7 +584,7 @@ def test_output_that_cannot_be_written_does_not_end_the_ordered_stop(tmp_path, m
     monkeypatch.setattr(up_module, "_stdout_gone", False)
     sup = Supervisor(specs, stop_order=["ingest", "broker"])  # the default output: stdout
     sup.start_all()
-    out = Unwritable(error)
+    out = FakeUnwritableStdout(error)
     monkeypatch.setattr(sys, "stdout", out)
     sup.stop_all()
     assert stopped.read_text() == "ingest\nbroker\n"
@@ -677,15 +677,15 @@ def test_the_broker_commands_signal_handler_takes_no_lock(tmp_path, monkeypatch,
 
     lock_calls, polls = [], []
 
-    class Process:
+    class FakeBrokerProcess:
         def poll(self):  # SIGTERM while the loop runs; it stops before another poll
             polls.append(True)
             if len(polls) == 1:
                 lock_calls.extend(locks_taken_by_handler())
 
-    class Broker:
+    class FakeEmbeddedBroker:  # what run_broker uses of ingest.broker.EmbeddedBroker
         def __init__(self, host, port):
-            self.bootstrap, self.process = f"{host}:{port}", Process()
+            self.bootstrap, self.process = f"{host}:{port}", FakeBrokerProcess()
 
         def start(self, topics, partitions):
             pass
@@ -693,7 +693,7 @@ def test_the_broker_commands_signal_handler_takes_no_lock(tmp_path, monkeypatch,
         def stop(self):
             pass
 
-    monkeypatch.setattr(broker_module, "EmbeddedBroker", Broker)
+    monkeypatch.setattr(broker_module, "EmbeddedBroker", FakeEmbeddedBroker)
     monkeypatch.setattr("clora.cli.config_from_args", lambda _args: Config.model_validate({"data_dir": str(tmp_path)}))
     with handlers_restored():
         code = run_broker(argparse.Namespace(host=None, port=None))

@@ -14,9 +14,10 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 
 import pytest
+from event_builders import NOW_MS, T0, fb, inter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,15 +25,13 @@ import ingest.index as index_module
 import ingest.pending as pending_module
 from ingest.batch import Processor, Record
 from ingest.consumer import BatchWrite, write_output
-from ingest.events import FeedbackEvent, InteractionEvent, encode
+from ingest.events import FeedbackEvent, encode
 from ingest.pending import PendingStore
 from storage.parquet import read_dataset
 
 pytestmark = pytest.mark.unit
 
 HOUR_MS = 3_600_000
-T0 = datetime(2025, 5, 1, tzinfo=timezone.utc)
-NOW_MS = int(T0.timestamp() * 1000)
 
 
 def bad_scorer(completion, prompt):
@@ -103,14 +102,6 @@ class Harness:
     def rewards(self):
         t = self.table("trajectories")
         return sorted(zip(t.column("id").to_pylist(), t.column("reward").to_pylist(), t.column("reward_source").to_pylist()))
-
-
-def inter(id_, tenant="fb", ts=T0, **kw):
-    return InteractionEvent(id=id_, tenant=tenant, prompt="p", completion=kw.pop("completion", "c1"), ts=ts, **kw)
-
-
-def fb(id_, score, tenant="fb", ts=T0, source=None):
-    return FeedbackEvent(id=id_, tenant=tenant, score=score, ts=ts, source=source)
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ingest import events
@@ -291,21 +291,36 @@ def test_arbitrary_json_decodes_to_an_event_or_a_dead_letter(value):
     assert _well_formed(decode(json.dumps(value).encode(), max_bytes=MAX))
 
 
+_FEEDBACK = {"type": "feedback", "id": "r1", "tenant": "acme", "ts": 0, "score": 0.5}
+
+
+# Random dicts rarely make a valid event: the examples do, so that the checks on what passed the edge run.
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.sampled_from(["type", "id", "tenant", "ts", "messages", "prompt", "completion", "score",
                                          "reward", "metadata", "completion_token_ids", "completion_logprobs",
                                          "prompt_token_ids", "adapter_version", "source"]),
                        json_values | huge_ints | st.sampled_from(["interaction", "feedback", "acme", "2025-01-01T00:00:00Z"])))
+@example(interaction())
+@example(interaction(messages=..., prompt="2+2=", reward=1))
+@example(_FEEDBACK)
 def test_event_shaped_json_decodes_to_an_event_or_a_dead_letter(value):
     out = decode(json.dumps(value).encode(), max_bytes=MAX)
     assert _well_formed(out)
     if isinstance(out, InteractionEvent):  # what passed the edge is what storage needs
         assert isinstance(out.completion, str) and isinstance(out.rendered_prompt, str)
         assert out.reward is None or math.isfinite(out.reward)
+    if isinstance(out, FeedbackEvent):
+        assert -1.0 <= out.score <= 1.0
+
+
+def test_the_event_shaped_examples_are_valid_events():
+    """The examples above reach the checks on a decoded event only while they decode to one."""
+    assert isinstance(decode(raw(interaction()), max_bytes=MAX), InteractionEvent)
+    assert decode(raw(interaction(messages=..., prompt="2+2=", reward=1)), max_bytes=MAX).reward == 1.0
+    assert isinstance(decode(raw(_FEEDBACK), max_bytes=MAX), FeedbackEvent)
 
 
 _numbers = st.integers() | huge_ints | st.floats()
-_FEEDBACK = {"type": "feedback", "id": "r1", "tenant": "acme", "ts": 0, "score": 0.5}
 
 
 @settings(max_examples=300, deadline=None)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import NamedTuple
 
 import pytest
 from kafka import TopicPartition
+from kafka_fakes import FakeConsumer, FakeConsumerRecord
 
 import ingest.consumer as consumer_module
 from ingest.batch import Processor
@@ -27,14 +27,6 @@ pytestmark = pytest.mark.unit
 
 PARTITION = TopicPartition("t.i", 0)
 SAFETY_POLLS = 2000  # a loop that ignores its deadline is stopped after this many polls (about 20 s)
-
-
-class _Message(NamedTuple):  # what the loop reads of a kafka-python ConsumerRecord
-    topic: str
-    partition: int
-    offset: int
-    value: bytes
-    key: bytes | None
 
 
 class FakeProducer:
@@ -52,23 +44,21 @@ class FakeProducer:
         pass
 
 
-class FakeConsumer:
-    """The group assigns PARTITION on the first poll; the next poll hands out `batch`; every later one comes back
-    empty after 10 ms. Past SAFETY_POLLS polls it sets `stop`, so a loop that never ends on its own fails the
-    test instead of hanging it."""
+class FakeGroupConsumer(FakeConsumer):
+    """Made by `Ingest.run` in place of KafkaConsumer. The group assigns PARTITION on the first poll; the next
+    poll hands out `batch`; every later one comes back empty after 10 ms. Past SAFETY_POLLS polls it sets
+    `stop`, so a loop that never ends on its own fails the test instead of hanging it."""
 
     stop: threading.Event
-    batch: list[_Message]
-    made: list[FakeConsumer] = []
+    batch: list[FakeConsumerRecord]
+    made: list[FakeGroupConsumer] = []
 
     def __init__(self, **settings):
+        super().__init__()
         self.settings = settings
         self.listener = None
-        self.assigned: set[TopicPartition] = set()
         self.polls = 0
-        self.commits: list[dict] = []
-        self.closed = False
-        FakeConsumer.made.append(self)
+        FakeGroupConsumer.made.append(self)
 
     def subscribe(self, topics, listener):
         self.topics, self.listener = topics, listener
@@ -86,25 +76,16 @@ class FakeConsumer:
         time.sleep(0.01)
         return {}
 
-    def assignment(self):
-        return set(self.assigned)
-
-    def commit(self, offsets):
-        self.commits.append({tp: meta.offset for tp, meta in offsets.items()})
-
-    def highwater(self, tp):
-        return None
-
-    def close(self, autocommit=True):
-        self.closed = True
-
 
 def test_max_seconds_ends_the_run_once_that_long_has_passed(data_dir, monkeypatch, caplog):
     stop = threading.Event()
-    FakeConsumer.stop, FakeConsumer.made = stop, []
-    FakeConsumer.batch = [_Message("t.i", 0, k, encode(InteractionEvent(id=f"r{k}", tenant="acme", prompt="p", completion="c")),
-                                   b"acme") for k in range(3)]
-    monkeypatch.setattr(consumer_module, "KafkaConsumer", FakeConsumer)
+    FakeGroupConsumer.stop, FakeGroupConsumer.made = stop, []
+    FakeGroupConsumer.batch = [
+        FakeConsumerRecord("t.i", 0, k, encode(InteractionEvent(id=f"r{k}", tenant="acme", prompt="p", completion="c")),
+                           b"acme")
+        for k in range(3)
+    ]
+    monkeypatch.setattr(consumer_module, "KafkaConsumer", FakeGroupConsumer)
     monkeypatch.setattr(consumer_module, "KafkaProducer", FakeProducer)
     ingest = Ingest(root=str(data_dir), bootstrap="fake:9092", interactions_topic="t.i", feedback_topic="t.f",
                     dead_letter_topic="t.d", group_id="g",
@@ -116,7 +97,7 @@ def test_max_seconds_ends_the_run_once_that_long_has_passed(data_dir, monkeypatc
     with caplog.at_level(logging.INFO, logger="ingest.consumer"):
         ingest.run(stop, max_seconds=max_seconds)
     ended = time.monotonic()
-    (consumer,) = FakeConsumer.made
+    (consumer,) = FakeGroupConsumer.made
     assert not stop.is_set(), f"the run did not end on its own: stopped after {consumer.polls} polls"
     assert "--max-seconds reached" in caplog.text
     assert ended - started >= max_seconds, "it ended before its N seconds were up"

@@ -2,14 +2,15 @@
 interaction's file (not the tenant's whole dataset), and the file list stays near the live files. Pending
 feedback keeps the first rows of each id in the order they came, the caps counting rows, live and reloaded."""
 
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 
 import pytest
+from event_builders import NOW_MS, T0, fb, inter
 
 import ingest.pending as pending
 from ingest.batch import Processor, Record
 from ingest.consumer import write_output
-from ingest.events import FeedbackEvent, InteractionEvent, encode
+from ingest.events import FeedbackEvent, encode
 from ingest.pending import PendingStore
 from ingest.rows import FeedbackRow
 from storage.compact import compact
@@ -17,8 +18,6 @@ from storage.parquet import live_files, read_dataset
 
 pytestmark = pytest.mark.unit
 
-T0 = datetime(2025, 5, 1, tzinfo=timezone.utc)
-NOW_MS = int(T0.timestamp() * 1000)
 TENANTS = ("fa", "fb")
 
 
@@ -43,14 +42,6 @@ class Ingest:
         return set(zip(t.column("tenant").to_pylist(), t.column("id").to_pylist()))
 
 
-def inter(id_, tenant):
-    return InteractionEvent(id=id_, tenant=tenant, prompt="p", completion="c", ts=T0)
-
-
-def fb(id_, tenant):
-    return FeedbackEvent(id=id_, tenant=tenant, score=1.0, ts=T0)
-
-
 def test_a_join_after_compaction_reads_the_compacted_file_that_replaced_the_interactions_file(data_dir, monkeypatch):
     ing = Ingest(data_dir)
     for i in range(4):
@@ -63,7 +54,7 @@ def test_a_join_after_compaction_reads_the_compacted_file_that_replaced_the_inte
     reads = []
     real = pending.read_file
     monkeypatch.setattr(pending, "read_file", lambda dd, path, columns=None: (reads.append(path), real(dd, path, columns))[1])
-    ing.feed(fb("a1", "fa"), fb("a2", "fa"), fb("a3", "fa"), fb("b2", "fb"))
+    ing.feed(fb("a1", tenant="fa"), fb("a2", tenant="fa"), fb("a3", tenant="fa"), fb("b2", tenant="fb"))
     assert ing.rewarded() == {("fa", "a1"), ("fa", "a2"), ("fa", "a3"), ("fb", "b2")}
     (merged,) = live_files(data_dir, "interactions", "fa")
     assert ing.store.files[number] == merged, "remembered where a1 went"
@@ -71,7 +62,7 @@ def test_a_join_after_compaction_reads_the_compacted_file_that_replaced_the_inte
     # compacted again, together with newer files: followed again
     ing.feed(inter("a9", "fa"))
     compact(data_dir, "interactions", grace_s=0)
-    ing.feed(fb("a0", "fa"), fb("a9", "fa"))
+    ing.feed(fb("a0", tenant="fa"), fb("a9", tenant="fa"))
     assert ing.rewarded() == {("fa", "a0"), ("fa", "a1"), ("fa", "a2"), ("fa", "a3"), ("fb", "b2"), ("fa", "a9")}
 
 
@@ -92,7 +83,7 @@ def test_the_file_list_stays_near_the_live_files_and_joins_still_find_their_rows
         longest = max(longest, len(ing.store.files))
         most_live = max(most_live, len(live_files(data_dir, "interactions")))
     assert shrank and longest <= 3 * most_live + pending.RELOAD_MIN_FILES + len(TENANTS), (longest, most_live)
-    ing.feed(*(fb(i, t) for t, i in ids))
+    ing.feed(*(fb(i, tenant=t) for t, i in ids))
     assert ing.rewarded() == set(ids)
 
 
@@ -162,8 +153,8 @@ def test_expiry_drops_old_rows_and_an_id_left_with_newer_ones_moves_back():
 def test_a_restart_loads_the_first_rows_of_each_id_in_the_order_they_came(data_dir):
     """A flood of feedback for one id on disk becomes at most MAX_WAITING_PER_ID Python rows."""
     ing = Ingest(data_dir)
-    ing.feed(*(FeedbackEvent(id="a", tenant="fa", score=1.0, ts=T0 + timedelta(seconds=s)) for s in range(20)),
-             fb("b", "fa"), FeedbackEvent(id="b", tenant="fa", score=-1.0, ts=T0))
+    ing.feed(*(fb("a", tenant="fa", ts=T0 + timedelta(seconds=s)) for s in range(20)),
+             fb("b", tenant="fa"), fb("b", -1.0, tenant="fa"))
     live = {key: ing.store.pending.get(key) for key in ing.store.pending}
     again = PendingStore.load(data_dir, expiry_ms=72 * 3_600_000, now_ms=NOW_MS)
     assert {key: again.pending.get(key) for key in again.pending} == live
@@ -186,7 +177,8 @@ def test_a_restart_leaves_out_the_feedback_of_tenants_scored_by_a_function(data_
     processor = Processor({"fa": "feedback", "fx": "digits"}, unknown_tenant="reject", max_message_bytes=10_000)
     store = PendingStore.load(data_dir, expiry_ms=EXPIRY_MS, now_ms=NOW_MS, max_pending=2,
                               function_scored=processor.functions)
-    _feed(data_dir, processor, store, fb("a0", "fa"), fb("a1", "fa"), *(fb(f"x{i}", "fx") for i in range(3)))
+    _feed(data_dir, processor, store, fb("a0", tenant="fa"), fb("a1", tenant="fa"),
+          *(fb(f"x{i}", tenant="fx") for i in range(3)))
     assert sorted(store.pending) == [("fa", "a0"), ("fa", "a1")]
     again = PendingStore.load(data_dir, expiry_ms=EXPIRY_MS, now_ms=NOW_MS, max_pending=2,
                               function_scored=processor.functions)
@@ -198,8 +190,8 @@ def test_a_tenant_moved_from_a_function_to_feedback_joins_its_stored_feedback_af
     feedback scores it, within the expiry, for the interactions not scored yet."""
     before = Processor({"fx": "digits"}, unknown_tenant="reject", max_message_bytes=10_000)
     store = PendingStore.load(data_dir, expiry_ms=EXPIRY_MS, now_ms=NOW_MS, function_scored=before.functions)
-    _feed(data_dir, before, store, fb("old", "fx"), now_ms=NOW_MS - EXPIRY_MS - 1)
-    _feed(data_dir, before, store, inter("a", "fx"), fb("a", "fx"), fb("b", "fx"), first_offset=1)
+    _feed(data_dir, before, store, fb("old", tenant="fx"), now_ms=NOW_MS - EXPIRY_MS - 1)
+    _feed(data_dir, before, store, inter("a", "fx"), fb("a", tenant="fx"), fb("b", tenant="fx"), first_offset=1)
     assert not store.pending
 
     after = Processor({"fx": "feedback"}, unknown_tenant="reject", max_message_bytes=10_000)

@@ -1,21 +1,18 @@
 """ingest.pending: a stored file that cannot be read is left out of the store's load, with what that costs,
 instead of keeping ingest from starting for every tenant."""
 
-from datetime import datetime, timezone
-
 import pytest
+from event_builders import NOW_MS, fb, inter
 
 from ingest.batch import Processor, Record
 from ingest.consumer import write_output
-from ingest.events import FeedbackEvent, InteractionEvent, encode
+from ingest.events import FeedbackEvent, encode
 from ingest.pending import PendingStore
 from storage import parquet
 from storage.compact import compact
 
 pytestmark = pytest.mark.unit
 
-T0 = datetime(2025, 5, 1, tzinfo=timezone.utc)
-NOW_MS = int(T0.timestamp() * 1000)
 EXPIRY_MS = 72 * 3_600_000
 
 
@@ -33,13 +30,8 @@ def _damage(path) -> None:
     path.write_bytes(path.read_bytes()[:-100])  # its footer cut off: a bad copy, a failing disk
 
 
-def inter(id_, tenant):
-    return InteractionEvent(id=id_, tenant=tenant, prompt="p", completion="c", ts=T0)
-
-
 def test_a_damaged_file_is_left_out_of_the_load_and_the_other_files_are_indexed(data_dir, caplog):
-    _ingest(data_dir, [inter("a0", "fa"), inter("a1", "fa"), inter("b0", "fb"),
-                       FeedbackEvent(id="b9", tenant="fb", score=1.0, ts=T0)])
+    _ingest(data_dir, [inter("a0", "fa"), inter("a1", "fa"), inter("b0", "fb"), fb("b9", tenant="fb")])
     damaged = sorted((data_dir / "interactions" / "tenant=fa").glob("*.parquet"))[0]
     first_ids = parquet.read_file(parquet.as_datadir(data_dir), str(damaged), columns=["id"]).column("id").to_pylist()
     _damage(damaged)

@@ -2,8 +2,8 @@
 partitions lost to an eviction; and when the dead-letter topic cannot be reached. Nothing more is written or committed on the stale view; what was dropped
 is read again (this process seeks back) or replayed by the partitions' next owner.
 
-The consumer is a fake (FakeConsumer: it records commits and seeks, and refuses commits on demand); the
-processing, the Parquet writes and the store view are the real ones. The real broker's rebalances are in
+The consumer is a fake (kafka_fakes.FakeConsumer: it records commits and seeks, and refuses commits on
+demand); the processing, the Parquet writes and the store view are the real ones. The real broker's rebalances are in
 test_ingest_process.py (two processes in one group, one killed).
 """
 
@@ -12,11 +12,10 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
 
 import pytest
 from kafka import TopicPartition
-from kafka.errors import CommitFailedError
+from kafka_fakes import FakeConsumer, FakeConsumerRecord
 
 import ingest.pending as pending
 from ingest.batch import Processor, Record
@@ -27,30 +26,6 @@ from ingest.pending import PendingStore
 from storage.parquet import read_dataset
 
 pytestmark = pytest.mark.unit
-
-
-class FakeConsumer:
-    """Stands in for KafkaConsumer: records commits and seeks; `refuse` makes the next commits fail as a
-    group that has moved on does; `assigned` is what seek accepts."""
-
-    def __init__(self, assigned):
-        self.assigned = set(assigned)
-        self.commits: list[dict] = []
-        self.seeks: list[tuple[TopicPartition, int]] = []
-        self.refuse = False
-        self.in_callback = False
-
-    def commit(self, offsets):
-        if self.in_callback:  # kafka-python 3 runs rebalance callbacks on its network thread, where this raises
-            raise RuntimeError("Cannot block on net.run() from the IO thread itself.")
-        if self.refuse:
-            raise CommitFailedError("the group has already rebalanced")
-        self.commits.append({tp: meta.offset for tp, meta in offsets.items()})
-
-    def seek(self, tp, offset):
-        if tp not in self.assigned:
-            raise ValueError("Unassigned partition")
-        self.seeks.append((tp, offset))
 
 
 def records(partition, first, n):
@@ -145,7 +120,7 @@ def test_a_revocation_finishes_the_write_in_flight_uncommitted_and_leaves_the_bu
     assert ingest.consumer.commits == [{TopicPartition("t.i", 0): 7}]
 
 
-class NoTopicProducer:
+class FakeNoTopicProducer:
     """Stands in for KafkaProducer when the dead-letter topic does not exist and the cluster does not create
     topics: kafka-python's send() raises once max_block_ms pass without the topic's metadata."""
 
@@ -163,7 +138,7 @@ class NoTopicProducer:
 
 
 def test_a_dead_letter_topic_that_cannot_be_reached_does_not_stop_ingest(ingest, data_dir, caplog):
-    ingest.producer = NoTopicProducer()
+    ingest.producer = FakeNoTopicProducer()
     ingest.buffer = records(0, 0, 2) + [Record("t.i", 0, 2, b"not json"), Record("t.i", 0, 3, b"{}")]
     ingest.flush()  # the dead letters' task gave up (logged), so the batch commits
     assert stored_ids(data_dir) == ["p0-0", "p0-1"] and len(read_dataset(str(data_dir), "dead_letters")) == 2
@@ -176,7 +151,7 @@ def test_a_dead_letter_topic_that_cannot_be_reached_does_not_stop_ingest(ingest,
 # The interactions index's rebuild (pending.py, shrink_files) runs in the loop, never in a listener
 
 
-class LoopConsumer(FakeConsumer):
+class FakeLoopConsumer(FakeConsumer):
     """What `Ingest._loop` asks of a consumer. `poll` hands out `batches` so that each is one write: a batch
     when nothing is buffered or in flight, then nothing (the loop, caught up, flushes it), then nothing once
     its write is done (the loop commits it). With all handed out and written it sets `stop`."""
@@ -195,21 +170,8 @@ class LoopConsumer(FakeConsumer):
         if not self.batches:
             self.stop.set()
             return {}
-        return {TopicPartition("t.i", 0): [_Message(r.topic, r.partition, r.offset, r.value, r.key) for r in self.batches.pop(0)]}
-
-    def assignment(self):
-        return set(self.assigned)
-
-    def highwater(self, tp):
-        return None
-
-
-class _Message(NamedTuple):  # what the loop reads of a kafka-python ConsumerRecord
-    topic: str
-    partition: int
-    offset: int
-    value: bytes
-    key: bytes | None
+        return {TopicPartition("t.i", 0): [FakeConsumerRecord(r.topic, r.partition, r.offset, r.value, r.key)
+                                           for r in self.batches.pop(0)]}
 
 
 @pytest.fixture
@@ -253,7 +215,7 @@ def test_the_loop_looks_at_the_file_list_after_its_commits(ingest, data_dir, shr
     """... and the loop still does it, after a commit, when the list is due (after writes 1 and 2 here: the
     next look is due once the list has grown by the live files since)."""
     stop = threading.Event()
-    ingest.consumer = LoopConsumer(ingest, [records(0, 0, 3), records(0, 3, 3), records(0, 6, 3)], stop)
+    ingest.consumer = FakeLoopConsumer(ingest, [records(0, 0, 3), records(0, 3, 3), records(0, 6, 3)], stop)
     ingest._loop(stop, once=False, deadline=time.monotonic() + 60, drain=threading.Event())
     assert stop.is_set() and len(ingest.consumer.commits) == 3
     assert stored_ids(data_dir) == sorted(f"p0-{i}" for i in range(9))
@@ -269,7 +231,7 @@ def test_the_loop_looks_at_the_file_list_after_its_commits(ingest, data_dir, shr
 # A process the group gives no partition (more processes than partitions)
 
 
-class EmptyGroupConsumer(FakeConsumer):
+class FakeEmptyGroupConsumer(FakeConsumer):
     """A fake group member: its polls come back empty, and the `join_at`th poll completes the group's
     rebalance with no partition for this member (the listener's on_partitions_assigned with an empty list)."""
 
@@ -283,16 +245,13 @@ class EmptyGroupConsumer(FakeConsumer):
             self.ingest.assigned([])
         return {}
 
-    def assignment(self):
-        return set()
-
 
 def test_once_exits_when_the_group_gives_this_process_no_partition(ingest, data_dir, caplog):
     """`--once` (and a drain on stop) waited for ever in a process with no partition: it only ever checked
     that assigned partitions were read to their end. Before the group's answer it must not exit (its
     partitions may be on their way); after an empty assignment it has nothing to read."""
     ingest.store = None
-    ingest.consumer = EmptyGroupConsumer(ingest, join_at=3)
+    ingest.consumer = FakeEmptyGroupConsumer(ingest, join_at=3)
     stop = threading.Event()
     with caplog.at_level("INFO", logger="ingest.consumer"):
         ingest._loop(stop, once=True, deadline=time.monotonic() + 30, drain=threading.Event())
@@ -305,7 +264,7 @@ def test_once_exits_when_the_group_gives_this_process_no_partition(ingest, data_
 
 
 def test_a_revocation_makes_once_wait_for_the_next_assignment(ingest):
-    ingest.consumer = EmptyGroupConsumer(ingest, join_at=1)
+    ingest.consumer = FakeEmptyGroupConsumer(ingest, join_at=1)
     ingest.assigned([])
     ingest.revoked([])
     assert not ingest.drained()

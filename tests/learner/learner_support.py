@@ -10,7 +10,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
+from cursor_support import committed_ids
 
 from storage.parquet import write_dataset
 from storage.schema import TRAJECTORIES
@@ -79,8 +79,7 @@ def write(data_dir, tenant, table_rows, file_id, start=0):
 
 def step_ids(data_dir, tenant) -> list[list[str]]:
     """The trajectory ids committed at each step, from the cursor's step directories."""
-    d = Path(data_dir) / "cursors" / tenant
-    return [pq.read_table(p / "ids.parquet").column("id").to_pylist() for p in sorted(d.glob("step-*"))]
+    return list(committed_ids(data_dir, tenant).values())
 
 
 def assert_each_id_once(data_dir, tenant, expected: set[str]):

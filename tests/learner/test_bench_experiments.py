@@ -106,6 +106,13 @@ def test_cpu_between_reads_the_samples_linearly_between_them():
     assert math.isnan(cpu_between(cpu, "other", 10.0, 13.0)) and math.isnan(cpu_between(None, "serving", 10.0, 11.0))
 
 
+def wait_until(condition, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g}s"
+        time.sleep(0.01)
+
+
 def test_the_cpu_sampler_counts_a_watched_session_under_its_role_and_keeps_what_an_exited_one_used():
     """A process that burns CPU in a session of its own (as the benchmark starts serving and learners) is
     counted under its role while it runs, and what it used still counts once it has exited (a learner
@@ -115,11 +122,14 @@ def test_the_cpu_sampler_counts_a_watched_session_under_its_role_and_keeps_what_
     sampler.watch("learner", burner.pid)
     try:
         sampler.start()
-        time.sleep(0.6)
+        # a few samples that have seen it burn
+        wait_until(lambda: len(sampler.samples) >= 3 and sampler.samples[-1][1].get("learner", 0.0) > 0,
+                   "three samples, the last with the burner's CPU seconds")
     finally:
         burner.kill()
         burner.wait()
-    time.sleep(0.2)
+    exited = time.time()
+    wait_until(lambda: sampler.samples[-1][0] > exited, "a sample taken after the burner exited")
     cpu = sampler.stop()
     assert set(cpu) == {"t", "learner"} and len(cpu["t"]) >= 3
     used = cpu_between(cpu, "learner", cpu["t"][0], cpu["t"][-1])

@@ -12,12 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from learner_support import chat_prompt, trajectories, write_toml
+from learner_support import chat_prompt, step_ids, trajectories, write_toml
 from storage.cursors import Cursors
 from storage.parquet import read_dataset, write_dataset
 from storage.registry import Registry
@@ -32,6 +31,10 @@ KILLS = 4
 def committed_steps(data_dir: Path, tenant: str) -> list[Path]:
     d = data_dir / "cursors" / tenant
     return sorted(d.glob("step-*")) if d.is_dir() else []
+
+
+def steps_committed(data_dir: Path) -> int:
+    return sum(len(committed_steps(data_dir, t)) for t in TENANTS)
 
 
 def start(config: Path, *extra: str) -> subprocess.Popen:
@@ -68,13 +71,16 @@ def test_sigkill_at_random_moments_then_resume(tiny_model, data_dir, tmp_path):
     kills = 0
     while kills < KILLS:
         proc = start(config)
-        before = sum(len(committed_steps(data_dir, t)) for t in TENANTS)
+        before = steps_committed(data_dir)
         deadline = time.monotonic() + 120
         # wait until this incarnation has committed at least one step, then kill it at a random moment
-        while time.monotonic() < deadline and proc.poll() is None:
-            if sum(len(committed_steps(data_dir, t)) for t in TENANTS) > before:
-                break
+        while time.monotonic() < deadline and proc.poll() is None and steps_committed(data_dir) == before:
             time.sleep(0.02)
+        if proc.poll() is None and steps_committed(data_dir) == before:
+            proc.kill()
+            proc.wait(timeout=30)
+            err = proc.stderr.read().decode()[-3000:]
+            pytest.fail(f"kill {kills}: no step committed within 120 s, so the kill would not interrupt training:\n{err}")
         time.sleep(rng.uniform(0.0, 0.6))
         if proc.poll() is not None:
             err = proc.stderr.read().decode()[-3000:]
@@ -82,6 +88,7 @@ def test_sigkill_at_random_moments_then_resume(tiny_model, data_dir, tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         proc.stderr.close()
+        print(f"kill {kills}: committed steps {before} -> {steps_committed(data_dir)}")
         kills += 1
 
     done = start(config, "--until-idle")
@@ -91,7 +98,7 @@ def test_sigkill_at_random_moments_then_resume(tiny_model, data_dir, tmp_path):
     cursors, registry = Cursors(data_dir), Registry(data_dir)
     steps_table = read_dataset(data_dir, "train_steps").to_pylist()
     for tenant, ids in expected.items():
-        per_step = [pq.read_table(p / "ids.parquet").column("id").to_pylist() for p in committed_steps(data_dir, tenant)]
+        per_step = step_ids(data_dir, tenant)
         flat = [i for step in per_step for i in step]
         assert len(flat) == len(set(flat)), f"{tenant}: a trajectory was committed at two steps"
         assert set(flat) == ids, f"{tenant}: skipped {sorted(ids - set(flat))[:5]}"

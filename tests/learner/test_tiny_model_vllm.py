@@ -27,11 +27,16 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
+    """The session's `tiny_model` build, but at a path of its own: vLLM keys its compile cache by the model's
+    path (among others), so at the session's fixed path the "compiled" engine would load a graph an earlier
+    run left in ~/.cache/vllm instead of compiling one, and the compile would go untested."""
     return build_tiny(tmp_path_factory.mktemp("models") / "tiny-0", seed=0)
 
 
 def random_adapter(tiny: Path, out: Path, seed: int) -> Path:
-    """A PEFT LoRA (r=8) on every projection, with random non-zero B so it changes the model."""
+    """A PEFT LoRA (r=8) on every projection, with random non-zero B so it changes the model. (What
+    tests/serving/make_adapter.py's write_peft_adapter makes, with scale=0.1; that module is not on the
+    import path of tests/learner.)"""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM

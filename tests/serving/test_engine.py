@@ -26,7 +26,7 @@ def test_zero_adapter_is_a_valid_all_zero_lora_over_every_projection(tmp_path, t
 
 
 @dataclass
-class Logprob:  # the attributes of vllm.logprobs.Logprob that the conversion reads
+class FakeLogprob:  # the attributes of vllm.logprobs.Logprob that the conversion reads
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
@@ -34,14 +34,15 @@ class Logprob:  # the attributes of vllm.logprobs.Logprob that the conversion re
 
 def test_sampled_token_logprob_and_top_alternatives():
     positions = [
-        {7: Logprob(-0.1, 1, "a"), 8: Logprob(-2.0, 2, "b"), 9: Logprob(-3.0, 3, "c")},
-        {5: Logprob(-4.0, 9, "x"), 1: Logprob(-0.5, 1, "y"), 2: Logprob(-1.0, 2, "z")},  # sampled token outside top-2
+        {7: FakeLogprob(-0.1, 1, "a"), 8: FakeLogprob(-2.0, 2, "b"), 9: FakeLogprob(-3.0, 3, "c")},
+        # the sampled token outside the top 2
+        {5: FakeLogprob(-4.0, 9, "x"), 1: FakeLogprob(-0.5, 1, "y"), 2: FakeLogprob(-1.0, 2, "z")},
     ]
     out = _token_logprobs([7, 5], positions, 2, token_bytes=lambda t: b"<%d>" % t, offsets=[0, 3])
     assert [(t.token_id, t.raw, t.logprob, t.text_offset) for t in out] == [(7, b"<7>", -0.1, 0), (5, b"<5>", -4.0, 3)]
     assert out[0].top == ((7, b"<7>", -0.1), (8, b"<8>", -2.0))
     assert out[1].top == ((1, b"<1>", -0.5), (2, b"<2>", -1.0))
-    only_sampled = _token_logprobs([3], [{3: Logprob(-1.5)}], 0, token_bytes=lambda t: b"<%d>" % t, offsets=[0])
+    only_sampled = _token_logprobs([3], [{3: FakeLogprob(-1.5)}], 0, token_bytes=lambda t: b"<%d>" % t, offsets=[0])
     assert only_sampled[0].raw == b"<3>" and only_sampled[0].top == ()
 
 
@@ -63,7 +64,7 @@ def test_a_byte_level_vocabularys_tokens_are_their_bytes_not_their_text(tiny_mod
     assert TokenBytes(tokenizer)(spaced) == b" x "
 
 
-class SentencePieceTokenizer:
+class FakeSentencePieceTokenizer:
     """SentencePiece's pieces: "<0xE4>" for a byte it has no piece for, others their text."""
 
     pieces = {3: "hi", 4: "<0xE4>", 5: "<0xBD>", 6: "<0xA0>", 7: "é"}
@@ -79,7 +80,7 @@ class SentencePieceTokenizer:
 
 
 def test_sentencepiece_byte_pieces_are_their_byte_and_other_pieces_their_text():
-    token_bytes = TokenBytes(SentencePieceTokenizer())
+    token_bytes = TokenBytes(FakeSentencePieceTokenizer())
     assert b"".join(token_bytes(t) for t in (4, 5, 6)) == "你".encode() and token_bytes(4) == b"\xe4"
     assert token_bytes(7) == "é".encode()  # not read as the byte-level alphabet's 0xE9
     assert token_bytes(3) == b"hi"  # its text, as vLLM decodes one token
@@ -142,7 +143,7 @@ def test_text_offsets_count_the_tokens_bytes_and_a_split_character_once():
     assert _text_offsets([b"", b"c"], 3, decoder) == ([3, 3], 4)  # a special token (b""): no characters
 
 
-class DetokenizingLLM:
+class FakeDetokenizingLLM:
     """What serving/engine.py reads of vLLM's AsyncLLM, answering `reply` one token a step through vLLM's own
     incremental detokenizer as its output processor drives it: a stop string's possible start held back from
     each delta's text and the stop string cut from the last one, an EOS left out of the text."""
@@ -170,7 +171,7 @@ class DetokenizingLLM:
             finish = "stop" if eos or stopped else "length" if step == len(self.reply) - 1 else None
             text = detokenizer.get_next_output_text(finish is not None, delta=True)
             yield SimpleNamespace(outputs=[SimpleNamespace(index=0, text=text, token_ids=[token], finish_reason=finish,
-                                                           logprobs=[{token: Logprob(-0.5)}])])
+                                                           logprobs=[{token: FakeLogprob(-0.5)}])])
             if finish is not None:
                 return
 
@@ -195,7 +196,7 @@ def test_text_offsets_are_where_tokens_start_when_vllm_holds_text_back_for_a_sto
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     said = "Hello 你好, how are you?\nUser: more"
     reply = [*tokenizer.encode(said, add_special_tokens=False), tokenizer.eos_token_id]
-    engine = Engine(DetokenizingLLM(tokenizer, reply), max_model_len=64)
+    engine = Engine(FakeDetokenizingLLM(tokenizer, reply), max_model_len=64)
     sampling = Sampling(max_tokens=40, stop=stop)
 
     deltas = asyncio.run(_collect(engine.stream([1, 2], sampling, None, "r")))
@@ -223,7 +224,7 @@ def test_start_reads_the_whole_vocabulary_in_the_prompt_thread(tiny_model, monke
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    engine = Engine(DetokenizingLLM(tokenizer, []), max_model_len=64)
+    engine = Engine(FakeDetokenizingLLM(tokenizer, []), max_model_len=64)
     threads = []
     convert = tokenizer.convert_ids_to_tokens
     monkeypatch.setattr(tokenizer, "convert_ids_to_tokens",
