@@ -19,8 +19,10 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         parents=[common],
         help="run the whole loop: broker, serving, ingest, learner and compactor as supervised processes",
         description="Starts the embedded broker (unless broker.embedded = false), serving, ingest, the learner and the "
-        "compactor; "
-        "restarts a crashed one; Ctrl-C stops them in a safe order.",
+        "compactor; restarts a crashed one; Ctrl-C (or SIGTERM, SIGHUP) stops them in a safe order: compactor, "
+        "serving, learner, ingest, broker. Ctrl-C again says how long the child being stopped may take; a third "
+        "kills every child at once. Exit 0 after a clean stop, 1 when the stack could not start or a child had to "
+        "be killed, 2 for a config or data_dir problem.",
     )
     p.set_defaults(func=cmd_up)
 
@@ -54,8 +56,8 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         "some tenant had no request succeed.",
     )
     p.add_argument("--url", default=None, help="serving base URL (default: from the config)")
-    p.add_argument("--rate", type=positive, default=4.0, help="requests per second, all tenants together")
-    p.add_argument("--seconds", type=positive, default=60.0, help="how long to run")
+    p.add_argument("--rate", type=positive, default=4.0, help="requests per second, all tenants together (default 4)")
+    p.add_argument("--seconds", type=positive, default=60.0, help="how long to run (default 60)")
     p.add_argument("--preferences", default=None,
                    help="comma-separated preferences assigned to the tenants in order (default: from tenant names)")
     p.add_argument("--seed", type=int, default=0,
@@ -63,7 +65,8 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p.add_argument("--max-tokens", type=positive_int, default=24, help="max_tokens of each request (default 24)")
     p.set_defaults(func=cmd_simulate)
 
-    p = sub.add_parser("config", parents=[common], help="show the effective configuration, or the environment variables that override it")
+    p = sub.add_parser("config", parents=[common], help="show the effective configuration or the environment variables "
+                       "that override it, or check the set-up it names")
     config_sub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     show = config_sub.add_parser(
         "show", parents=[common], help="print the effective config (file + environment overrides; keys masked)"
@@ -74,7 +77,8 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     check = config_sub.add_parser(
         "check", parents=[common],
         help="check the set-up the config names: data_dir writable, model.path a model, every scorer builds (python "
-        "ones import), every prompts_file readable, Kafka reachable; exit 1 on any problem",
+        "ones import), every prompts_file readable, kafka.bootstrap names the embedded broker, no two of `clora "
+        "up`'s processes on one port, Kafka reachable; exit 1 on any problem",
     )
     check.set_defaults(func=config_check)
 
@@ -174,7 +178,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     prefs = [p.strip() for p in args.tenants.split(",") if p.strip()]
     unknown = [p for p in prefs if p not in PREFERENCES]
     if unknown or not prefs:
-        print(f"clora demo: unknown preference(s) {unknown}; choose from {', '.join(PREFERENCES)}", file=sys.stderr)
+        what = f"unknown preference(s) {', '.join(unknown)}" if unknown else "--tenants names no preference"
+        print(f"clora demo: {what}; choose from {', '.join(PREFERENCES)}", file=sys.stderr)
         return 2
     if repeated := sorted({p for p in prefs if prefs.count(p) > 1}):  # one tenant each: two would share a name
         print(f"clora demo: --tenants names {', '.join(repeated)} more than once; give each preference once",

@@ -76,6 +76,7 @@ class Child:
         self.restarts = 0
         self.started_at = 0.0
         self.restart_at: float | None = None
+        self.killed = False  # killed while being stopped (past its stop_timeout, or a third Ctrl-C): work lost
 
     def start(self) -> None:
         if self.spec.ready_file is not None:
@@ -129,13 +130,12 @@ class Child:
         is killed too. `tick`: called about every 0.1 s while waiting."""
         if self.proc is None:
             return None
-        return terminate(
-            self.proc,
-            self.spec.stop_timeout,
-            on_kill=lambda: self.emit("up", f"{self.spec.name} did not stop within {self.spec.stop_timeout:.0f}s; killing it"),
-            group=True,
-            tick=tick,
-        )
+
+        def on_kill() -> None:
+            self.killed = True
+            self.emit("up", f"{self.spec.name} did not stop within {self.spec.stop_timeout:.0f}s; killing it")
+
+        return terminate(self.proc, self.spec.stop_timeout, on_kill=on_kill, group=True, tick=tick)
 
 
 class StopFlag:
@@ -304,6 +304,7 @@ class Supervisor:
             self.emit("up", "killing every child now")
             for child in self.children.values():
                 if child.alive():
+                    child.killed = True
                     kill_group(child.proc.pid)
 
 
@@ -406,7 +407,8 @@ def stack_specs(cfg, config_path: str | None, *, file_only: bool = False) -> tup
     for k in range(members):
         member = None if members == 1 else k
         name, flag = member_name(member), ([] if member is None else ["--member", str(k)])
-        specs.append(ChildSpec(name, [*py, "ingest", "--drain-on-stop", *conf, *flag], **marked_ready(name),
+        drain = ["--drain-on-stop"] if cfg.broker.embedded else []  # an external Kafka keeps what is left
+        specs.append(ChildSpec(name, [*py, "ingest", *drain, *conf, *flag], **marked_ready(name),
                                stop_timeout=INGEST_DRAIN_EMBEDDED_S if cfg.broker.embedded else 60.0))
         ingests.append(name)
     # On one machine the CPU engine binds its threads to its own cores; the learners' torch gets half of them
@@ -502,11 +504,12 @@ def setup_warnings(cfg) -> list[str]:
 
 def _names_broker(bootstrap: str, host: str, port: int) -> bool:
     """Whether one of the bootstrap servers is the broker at host:port: that port, and a name for the same
-    address ("localhost" for 127.0.0.1), or any name when the broker binds every address."""
-    for entry in bootstrap.split(","):
-        name, _, given = entry.strip().rpartition(":")
-        name = name.strip("[]")
-        if not given.isdigit() or int(given) != port:
+    address ("localhost" for 127.0.0.1), or any name when the broker binds every address. Read as the Kafka
+    clients read it (a missing port is 9092, a `PLAINTEXT://` prefix is allowed)."""
+    from kafka.cluster import collect_hosts
+
+    for name, given, _ in collect_hosts(bootstrap, randomize=False):
+        if given != port:
             continue
         if name == host or host in ("0.0.0.0", "::", ""):
             return True
@@ -556,15 +559,15 @@ def up(cfg, config_path: str | None, *, until: Callable[[], bool] = lambda: Fals
     previous = {s: signal.signal(s, lambda *_: sup.signalled()) for s in (signal.SIGINT, signal.SIGTERM)}
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: sup.stopping.set())
+    code = 0
     try:
         sup.start_all()
         if not sup.stopping.is_set():
-            sup.emit("up", f"clora is up: http://{cfg.serving.host}:{cfg.serving.port}/v1 (Ctrl-C to stop)")
+            sup.emit("up", f"clora is up: {cfg.serving.local_url}/v1 (Ctrl-C to stop)")
         sup.run(until)
-        return 0
     except RuntimeError as e:
         sup.emit("up", f"error: {e}")
-        return 1
+        code = 1
     finally:
         try:
             on_stop()
@@ -572,3 +575,8 @@ def up(cfg, config_path: str | None, *, until: Callable[[], bool] = lambda: Fals
             sup.stop_all()
         for s, handler in previous.items():
             signal.signal(s, handler)
+    killed = [child.spec.name for child in sup.children.values() if child.killed]
+    if killed:  # what they had not finished is lost (ingest: events the embedded broker held)
+        sup.emit("up", f"stopped, but {', '.join(killed)} had to be killed: what it had not finished is lost")
+        return code or 1
+    return code

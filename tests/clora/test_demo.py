@@ -233,6 +233,8 @@ def test_a_plot_that_cannot_be_written_is_one_line_after_the_verdict(tmp_path, m
 
 @pytest.mark.parametrize("argv, message", [
     (["--tenants", "digits,upper,digits"], "--tenants names digits more than once; give each preference once"),
+    (["--tenants", "digits,bogus"], "unknown preference(s) bogus; choose from digits, upper, short, json"),
+    (["--tenants", " , "], "--tenants names no preference; choose from digits, upper, short, json"),
     (["--out", "{tmp}/no-such-dir/demo.png"], "--out {tmp}/no-such-dir/demo.png: {tmp}/no-such-dir is not a directory"),
     (["--out", "{tmp}/demo.xyz"], "--out {tmp}/demo.xyz: the extension must be an image format matplotlib writes ("),
     (["--out", "{tmp}/demo"], "--out {tmp}/demo: the extension must be an image format matplotlib writes ("),

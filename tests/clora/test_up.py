@@ -373,7 +373,8 @@ def test_up_refuses_an_embedded_broker_that_kafka_bootstrap_does_not_name(tmp_pa
     external = Config.model_validate({"data_dir": str(tmp_path), "broker": {"embedded": False, "port": port},
                                       "serving": {"port": free_port_but(port)}})
     assert up_module.setup_problems(external) == []  # the Kafka at kafka.bootstrap is used as it is
-    for bootstrap in (f"localhost:{port}", f"kafka.example:9092,127.0.0.1:{port}"):  # other names for it
+    for bootstrap in (f"localhost:{port}", f"kafka.example:9092,127.0.0.1:{port}",  # other names for it, as
+                      f"PLAINTEXT://127.0.0.1:{port}", f" [::1]:9093 , localhost:{port}"):  # Kafka clients read them
         named = Config.model_validate({"data_dir": str(tmp_path), "broker": {"port": port},
                                        "kafka": {"bootstrap": bootstrap}, "serving": {"port": free_port_but(port)}})
         assert up_module.setup_problems(named) == [], bootstrap
@@ -471,6 +472,38 @@ def test_ingest_may_drain_the_embedded_brokers_topics_for_long(tmp_path):
     # in memory only, stopped right after ingest: what ingest has not stored by then is lost
     assert ingest_stop_timeout(True) == INGEST_DRAIN_EMBEDDED_S >= 600
     assert ingest_stop_timeout(False) == 60  # an external Kafka keeps the rest for the next start
+
+
+def test_ingest_drains_on_stop_only_before_the_embedded_broker_goes(tmp_path):
+    """With an external Kafka, chasing the end of topics that apps keep producing to ran into the 60 s limit
+    and the kill at every stop."""
+    from clora.config import Config
+
+    for embedded in (True, False):
+        cfg = Config.model_validate({"data_dir": str(tmp_path), "broker": {"embedded": embedded}})
+        (ingest,) = [s for s in stack_specs(cfg, None)[0] if s.name == "ingest"]
+        assert ("--drain-on-stop" in ingest.argv) is embedded
+
+
+def test_a_child_killed_while_the_stack_stops_makes_up_exit_1(tmp_path, monkeypatch):
+    from clora import up as up_module
+    from clora.config import Config
+
+    deaf = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('ready', flush=True); time.sleep(600)"]
+    port = free_port_but(9092)
+    cfg = Config.model_validate({"data_dir": str(tmp_path), "broker": {"embedded": False},
+                                 "serving": {"host": "0.0.0.0", "port": port}})
+    for argv, code in ((SLEEPER, 0), (deaf, 1)):
+        lines, emit = collect()
+        healthy = lambda _pid, lines=lines: ("ingest", "ready") in lines  # noqa: E731 (its SIGTERM handler is set)
+        monkeypatch.setattr(up_module, "stack_specs", lambda *_, argv=argv, healthy=healthy, **__: (
+            [ChildSpec("ingest", argv, healthy=healthy, stop_timeout=1)], ["ingest"]))
+        assert up_module.up(cfg, None, until=lambda: True, emit=emit) == code
+        said = [line for n, line in lines if n == "up"]
+        assert f"clora is up: http://127.0.0.1:{port}/v1 (Ctrl-C to stop)" in said  # a URL a client can use
+        killed = "stopped, but ingest had to be killed: what it had not finished is lost"
+        assert (killed in said) is bool(code), said
 
 
 def test_file_only_children_do_not_see_the_environments_overrides(tmp_path, monkeypatch):
