@@ -28,7 +28,7 @@ COMMAND_MODULES = (
     "serving.cli",  # serve
     "ingest.cli",  # ingest, broker
     "learner.cli",  # learn, model
-    "storage.cli",  # query, adapters, compact
+    "storage.cli",  # query, adapters, compact, prune
     "clora.bench",  # bench
 )
 

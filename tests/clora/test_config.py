@@ -29,6 +29,25 @@ def test_example_config_is_valid():
     assert cfg.tenant_by_key("sk-acme-change-me").name == "acme"
 
 
+def test_the_example_config_names_every_setting():
+    """It is the commented configuration to copy: a setting missing there is one a user never hears of."""
+    import re
+
+    from pydantic import BaseModel
+
+    from clora.config import Config, TenantConfig
+
+    text = (REPO / "clora.example.toml").read_text()
+    named = set(re.findall(r"^#?\s*([a-z_]+)\s*=", text, re.M)) | set(re.findall(r"[{,]\s*([a-z_]+)\s*=", text))
+    sections = {name: field.annotation for name, field in Config.model_fields.items()
+                if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)}
+    sections["tenants"], sections["lora"] = TenantConfig, TenantConfig.model_fields["lora"].annotation
+    missing = [f"{section}.{name}" for section, model in sections.items() for name in model.model_fields
+               if name not in named]
+    missing += [name for name in Config.model_fields if name not in sections and name not in named]
+    assert missing == []
+
+
 def test_defaults_without_a_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_config(None, environ={})
