@@ -561,9 +561,12 @@ class Policy:
             # A damaged file raises what unpickling meets (UnpicklingError, EOFError, ...), not an OSError.
             state = torch.load(directory / OPTIMIZER_FILE, map_location=self.device, weights_only=True)
             self._optimizers[tenant].load_state_dict(state)
-        except Exception as e:  # noqa: BLE001
-            raise PolicyError(f"tenant {tenant!r}: cannot restore the optimizer from {directory / OPTIMIZER_FILE}: "
-                              f"{type(e).__name__}: {e}") from e
+        except OSError as e:  # the disk's say, e.g. EIO: worth showing whole
+            raise PolicyError(f"tenant {tenant!r}: cannot read the optimizer state {directory / OPTIMIZER_FILE}: "
+                              f"{e}") from e
+        except Exception as e:  # noqa: BLE001 - torch's own message would advise an unsafe load (weights_only=False)
+            raise PolicyError(f"tenant {tenant!r}: the optimizer state {directory / OPTIMIZER_FILE} is damaged, or not "
+                              f"one clora wrote ({type(e).__name__})") from e
         for group in self._optimizers[tenant].param_groups:  # the saved state carries the lr of its time
             group["lr"] = self.spec(tenant).learning_rate
 

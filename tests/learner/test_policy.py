@@ -264,9 +264,12 @@ def test_damaged_checkpoint_files_are_policy_errors_naming_the_file(policy, tmp_
     from learner.policy import ADAPTER_WEIGHTS, CHECKPOINT_ADAPTER_DIR, OPTIMIZER_FILE
 
     policy.save_checkpoint("acme", tmp_path)
-    (tmp_path / OPTIMIZER_FILE).write_bytes(b"not a pickle")
-    with pytest.raises(PolicyError, match=f"cannot restore the optimizer from {tmp_path / OPTIMIZER_FILE}"):
-        policy.load_checkpoint("acme", tmp_path)
+    for damaged in (b"not a pickle", b"\x80\x02garbage"):  # the second: torch's advice to load it unsafely
+        (tmp_path / OPTIMIZER_FILE).write_bytes(damaged)
+        with pytest.raises(PolicyError) as e:
+            policy.load_checkpoint("acme", tmp_path)
+        assert str(e.value).startswith(f"tenant 'acme': the optimizer state {tmp_path / OPTIMIZER_FILE} is damaged")
+        assert "weights_only" not in str(e.value)
     adapter = tmp_path / CHECKPOINT_ADAPTER_DIR
     (adapter / ADAPTER_WEIGHTS).write_bytes(b"xx")
     with pytest.raises(PolicyError, match=f"cannot read adapter weights in {adapter}: SafetensorError"):
