@@ -712,6 +712,10 @@ class Learner:
             "seconds": None,
             "n_trajectories": trained.n_trained,
             "ts": None,
+            # Here as well as in the version's metrics: a step that makes no version (every sample stale, a
+            # flat batch) has no metrics to hold them.
+            "n_dropped": trained.n_dropped,
+            "n_score_failed": trained.n_score_failed,
         }
         meta = {
             "format": CHECKPOINT_FORMAT,

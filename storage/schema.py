@@ -119,6 +119,8 @@ TRAIN_STEPS = _schema(
         _f("seconds", pa.float64()),
         _f("n_trajectories", pa.int64()),
         _f("ts", TS, nullable=False),
+        _f("n_dropped", pa.int64()),  # samples left out for their version (stale, foreign) or having no tokens
+        _f("n_score_failed", pa.int64()),  # rollouts: samples the scorer failed on
     ],
 )
 

@@ -186,6 +186,9 @@ def test_every_trajectory_stale_is_a_skipped_step_not_an_error(tiny_model, data_
     assert [v.number for v in Registry(data_dir).versions("acme")] == [1]
     assert learner.tenants["acme"].error is None
     assert_each_id_once(data_dir, "acme", {f"a{i}" for i in range(8)} | {f"old{i}" for i in range(6)})
+    # no version holds its counts in its metrics: the step's row does
+    rows_ = sorted(read_dataset(data_dir, "train_steps").to_pylist(), key=lambda r: r["step"])
+    assert [(r["n_trajectories"], r["n_dropped"], r["n_score_failed"]) for r in rows_] == [(8, 0, 0), (0, 6, 0)]
 
 
 def test_a_flat_batch_trains_nothing_but_moves_the_baseline(tiny_model, data_dir):
