@@ -21,8 +21,8 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         description="Starts the embedded broker (unless broker.embedded = false), serving, ingest, the learner and the "
         "compactor; restarts a crashed one; Ctrl-C (or SIGTERM, SIGHUP) stops them in a safe order: compactor, "
         "serving, learner, ingest, broker. Ctrl-C again says how long the child being stopped may take; a third "
-        "kills every child at once. Exit 0 after a clean stop, 1 when the stack could not start or a child had to "
-        "be killed, 2 for a config or data_dir problem.",
+        "kills every child at once. Exit 0 after a clean stop, 1 when the stack could not start, 2 for a config or "
+        "data_dir problem, 3 when a child had to be killed while stopping.",
     )
     p.set_defaults(func=cmd_up)
 

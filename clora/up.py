@@ -48,6 +48,7 @@ from clora.processes import die_with_parent, kill_group, terminate
 logger = logging.getLogger("clora.up")
 
 INGEST_DRAIN_EMBEDDED_S = 900.0  # how long a stopping ingest may drain the embedded broker's topics
+KILLED_WHILE_STOPPING = 3  # up's exit code when the stack ran but a child had to be killed while it stopped
 
 
 @dataclass
@@ -578,5 +579,5 @@ def up(cfg, config_path: str | None, *, until: Callable[[], bool] = lambda: Fals
     killed = [child.spec.name for child in sup.children.values() if child.killed]
     if killed:  # what they had not finished is lost (ingest: events the embedded broker held)
         sup.emit("up", f"stopped, but {', '.join(killed)} had to be killed: what it had not finished is lost")
-        return code or 1
+        return code or KILLED_WHILE_STOPPING
     return code

@@ -485,7 +485,7 @@ def test_ingest_drains_on_stop_only_before_the_embedded_broker_goes(tmp_path):
         assert ("--drain-on-stop" in ingest.argv) is embedded
 
 
-def test_a_child_killed_while_the_stack_stops_makes_up_exit_1(tmp_path, monkeypatch):
+def test_a_child_killed_while_the_stack_stops_makes_up_exit_3(tmp_path, monkeypatch):
     from clora import up as up_module
     from clora.config import Config
 
@@ -494,7 +494,7 @@ def test_a_child_killed_while_the_stack_stops_makes_up_exit_1(tmp_path, monkeypa
     port = free_port_but(9092)
     cfg = Config.model_validate({"data_dir": str(tmp_path), "broker": {"embedded": False},
                                  "serving": {"host": "0.0.0.0", "port": port}})
-    for argv, code in ((SLEEPER, 0), (deaf, 1)):
+    for argv, code in ((SLEEPER, 0), (deaf, up_module.KILLED_WHILE_STOPPING)):
         lines, emit = collect()
         healthy = lambda _pid, lines=lines: ("ingest", "ready") in lines  # noqa: E731 (its SIGTERM handler is set)
         monkeypatch.setattr(up_module, "stack_specs", lambda *_, argv=argv, healthy=healthy, **__: (
