@@ -90,7 +90,7 @@ import pyarrow as pa
 
 from clora.config import Config, ConfigError
 from learner import gate, logs_mode, rollouts
-from learner.policy import ADAPTER_WEIGHTS, Policy, PolicyError, read_adapter_shape
+from learner.policy import ADAPTER_WEIGHTS, DamagedFile, Policy, PolicyError, read_adapter_shape
 from learner.rollouts import LocalSampler, Prefetcher, RolloutPlan, SampleRequest, Sampler, ServingSampler
 from learner.rollouts import SampledBatch
 from learner.scheduler import Ledger, charge, choose
@@ -1111,12 +1111,16 @@ class Learner:
                 self._add_adapter(rt, directory / "adapter")
                 self.policy.load_checkpoint(name, directory)
                 if not self.policy.weights_finite(name):
-                    raise PolicyError(f"tenant {name!r}: the adapter in {directory} holds non-finite weights")
-            except (LearnerError, PolicyError) as e:
-                raise LearnerError(
-                    f"{e} -- the checkpoint of step {step} is damaged: move {directory} out of the cursor (its "
-                    f"step's trained ids stay), and the learner goes on from the checkpoint before it, or from the "
-                    f"served version") from e
+                    raise DamagedFile(f"tenant {name!r}: the adapter in {directory} holds non-finite weights")
+            except BaseException as e:
+                if self.policy.has(name):  # nothing half-loaded stays: the next try starts afresh
+                    self.policy.remove_tenant(name)
+                if isinstance(e, DamagedFile):  # its content; not the config, the disk now, or a newer clora
+                    raise LearnerError(
+                        f"{e} -- the checkpoint of step {step} is damaged: move {directory} out of the cursor (its "
+                        f"step's trained ids stay), and the learner goes on from the checkpoint before it, or from "
+                        f"the served version") from e
+                raise
             # Numbered on from the cursor: a step whose checkpoint was moved away stays committed.
             rt.step, rt.version, rt.baseline = self._last_step(name, step), int(meta["version"] or 0), meta.get("baseline")
             rt.probes = tuple(meta.get("probes") or ())
@@ -1127,7 +1131,7 @@ class Learner:
             published = self.registry.latest_published(name)  # the records, as _follow_registry reads
             self._add_adapter(rt, published.path if published is not None else None)
             if published is not None:
-                self.policy.load_adapter(name, published.path)
+                self._load_published(rt, published)
                 rt.version = published.number
             # Numbered on from the tenant's train_steps too: its cursor may be gone (deleted by hand to train
             # the tenant again from its served adapter), and a step number that a row holds already would
@@ -1143,6 +1147,18 @@ class Learner:
             self._finish(rt, rt.unfinished)
             self._reject_abandoned(name)
             self._load_served(rt)
+
+    def _load_published(self, rt: TenantRuntime, published) -> None:
+        """Loads the served version `published` into the tenant's adapter. Refused, the adapter left as it was,
+        when its weights are not finite: serving refuses it too, and every step from it would be rejected by
+        the gate with its batch spent."""
+        name = rt.spec.name
+        before = self.policy.snapshot(name)
+        self.policy.load_adapter(name, published.path)
+        if not self.policy.weights_finite(name):
+            self.policy.restore(name, before)
+            raise LearnerError(f"tenant {name!r}: the served {published.name} holds non-finite weights "
+                               f"({published.path}): roll back to an earlier version")
 
     def _last_step(self, name: str, checkpoint_step: int) -> int:
         """The tenant's last committed step: its newest checkpoint's, or a later one whose checkpoint is gone."""
@@ -1224,12 +1240,7 @@ class Learner:
             "tenant %s: the registry serves %s but the learner is at %s@%d; continuing from %s",
             rt.spec.name, published.name, rt.spec.name, rt.version, published.name,
         )
-        before = self.policy.snapshot(rt.spec.name)
-        self.policy.load_adapter(rt.spec.name, published.path)
-        if not self.policy.weights_finite(rt.spec.name):  # serving refuses it too; training on would reject every step
-            self.policy.restore(rt.spec.name, before)
-            raise LearnerError(f"tenant {rt.spec.name!r}: the served {published.name} holds non-finite weights "
-                               f"({published.path}): roll back to an earlier version")
+        self._load_published(rt, published)
         self.policy.reset_optimizer(rt.spec.name)
         rt.version = published.number
         rt.state_id += 1
@@ -1553,7 +1564,9 @@ def _read_meta(directory: Path) -> dict:
     path = directory / CHECKPOINT_META
     try:
         meta = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:
+        raise DamagedFile(f"cannot read the learner checkpoint record {path}: {e}") from e
+    except OSError as e:
         raise LearnerError(f"cannot read the learner checkpoint record {path}: {e}") from e
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise LearnerError(f"{path} has format {meta.get('format')!r}; this clora reads {CHECKPOINT_FORMAT}")

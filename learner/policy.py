@@ -55,6 +55,10 @@ class PolicyError(RuntimeError):
     """A tenant's adapter or checkpoint cannot be used (unknown tenant, wrong shape, missing or bad files)."""
 
 
+class DamagedFile(PolicyError):
+    """An adapter or checkpoint file whose content is wrong (not one that cannot be read now: an OSError)."""
+
+
 def adapter_name(tenant: str) -> str:
     """The peft adapter name of `tenant` (see the module note)."""
     safe = re.sub(r"[^A-Za-z0-9_]", "_", tenant)
@@ -533,19 +537,21 @@ class Policy:
         directory = Path(directory)
         try:
             state = load_file(str(directory / ADAPTER_WEIGHTS), device=str(self.device))
+        except OSError as e:
+            raise PolicyError(f"tenant {tenant!r}: cannot read adapter weights in {directory}: {e}") from e
         except Exception as e:  # noqa: BLE001 - a damaged file raises safetensors' own error, not an OSError
-            raise PolicyError(f"tenant {tenant!r}: cannot read adapter weights in {directory}: {type(e).__name__}: {e}") from e
+            raise DamagedFile(f"tenant {tenant!r}: cannot read adapter weights in {directory}: {type(e).__name__}: {e}") from e
         expected = {k for k in _peft_keys(self.model, adapter_name(tenant))}
         if set(state) != expected:
             missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-            raise PolicyError(
+            raise DamagedFile(
                 f"tenant {tenant!r}: adapter in {directory} does not fit its adapter "
                 f"({len(missing)} missing keys e.g. {missing[:2]}, {len(extra)} unexpected e.g. {extra[:2]})"
             )
         try:
             set_peft_model_state_dict(self.model, state, adapter_name=adapter_name(tenant))
         except RuntimeError as e:  # size mismatch
-            raise PolicyError(f"tenant {tenant!r}: adapter in {directory} has other shapes: {e}") from e
+            raise DamagedFile(f"tenant {tenant!r}: adapter in {directory} has other shapes: {e}") from e
 
     def save_checkpoint(self, tenant: str, directory: str | Path) -> None:
         """adapter/ (PEFT format) + optimizer.pt into `directory`."""
@@ -564,9 +570,9 @@ class Policy:
         except OSError as e:  # the disk's say, e.g. EIO: worth showing whole
             raise PolicyError(f"tenant {tenant!r}: cannot read the optimizer state {directory / OPTIMIZER_FILE}: "
                               f"{e}") from e
-        except Exception as e:  # noqa: BLE001 - torch's own message would advise an unsafe load (weights_only=False)
-            raise PolicyError(f"tenant {tenant!r}: the optimizer state {directory / OPTIMIZER_FILE} is damaged, or not "
-                              f"one clora wrote ({type(e).__name__})") from e
+        except Exception as e:  # noqa: BLE001
+            raise DamagedFile(f"tenant {tenant!r}: the optimizer state {directory / OPTIMIZER_FILE} is damaged, or not "
+                              f"one clora wrote: {_without_unsafe_advice(e)}") from e
         for group in self._optimizers[tenant].param_groups:  # the saved state carries the lr of its time
             group["lr"] = self.spec(tenant).learning_rate
 
@@ -802,13 +808,24 @@ def _gather_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def _without_unsafe_advice(e: Exception) -> str:
+    """`type: message` of a failed torch.load, less torch's advice to load the file with weights_only=False
+    (which runs whatever code a pickle holds): its first sentence at most."""
+    text = str(e).split("\n", 1)[0]
+    if "weights_only" in text:
+        text = text.split(". ", 1)[0]
+    return f"{type(e).__name__}: {text}"
+
+
 def read_adapter_shape(directory: str | Path) -> dict:
     """r, lora_alpha and target_modules of a saved adapter (for rebuilding it with the shape it was saved in)."""
     path = Path(directory) / ADAPTER_CONFIG
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+    except OSError as e:
         raise PolicyError(f"cannot read {path}: {e}") from e
+    except ValueError as e:
+        raise DamagedFile(f"cannot read {path}: {e}") from e
     targets = data.get("target_modules") or []
     return {
         "rank": int(data["r"]),

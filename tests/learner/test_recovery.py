@@ -141,3 +141,42 @@ def test_a_damaged_checkpoint_is_refused_and_moving_it_away_resumes_from_the_one
     assert published(data_dir) == [1, 2, 3] and Registry(data_dir).get("acme", 3).parent == "acme@2"
     assert Cursors(data_dir).backlog()["acme"] == 0
     learner.close()
+
+
+def test_a_checkpoint_of_a_newer_format_is_not_called_damaged_and_nothing_stays_half_loaded(tiny_model, data_dir):
+    """Only damaged content is damaged: a checkpoint another clora wrote is not to be moved away."""
+    import json
+
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], gate_max_kl=1000.0)
+    learn(cfg, tiny_model).close()
+    _, checkpoint = Cursors(data_dir).latest_checkpoint("acme")
+    record = checkpoint / "learner.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "format": 99}))
+    write(data_dir, "acme", rows("b", 8, seed=1), "b1", start=100)
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    assert stepped(learner) is None
+    error = learner.tenants["acme"].error
+    assert "has format 99" in error and "damaged" not in error and "move" not in error
+    assert not learner.policy.has("acme") and Cursors(data_dir).backlog()["acme"] == 8
+    learner.close()
+
+
+def test_a_served_version_with_non_finite_weights_is_not_loaded_from_the_registry(tiny_model, data_dir):
+    """With no checkpoint (a cursor deleted to train the tenant again from its served adapter), the learner
+    loaded the served version unchecked, and every step from it was rejected with its batch spent."""
+    from safetensors.torch import load_file, save_file
+
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], gate_max_kl=1000.0)
+    learn(cfg, tiny_model).close()
+    shutil.rmtree(data_dir / "cursors" / "acme")
+    weights = Registry(data_dir).get("acme", 1).path / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    next(iter(tensors.values())).view(-1)[0] = math.inf
+    save_file(tensors, weights)
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    assert stepped(learner) is None
+    assert "the served acme@1 holds non-finite weights" in learner.tenants["acme"].error
+    assert Cursors(data_dir).backlog()["acme"] == 8 and Registry(data_dir).numbers("acme") == [1]
+    learner.close()
