@@ -82,7 +82,6 @@ import os
 import re
 import uuid
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -415,24 +414,32 @@ class Cursors:
         tenant_dir = self.dd.tenant_cursors(tenant)
         if not tenant_dir.is_dir():
             return 0
-        with nullcontext() if dry_run else FileLock(self._lock_path(tenant)):  # a dry run creates no lock file
-            snapshots, steps = self._listing(tenant)
-            old = self.horizon(tenant)
-            chain = _chain(snapshots, old)
-            gone = []
-            for snap in chain:  # commit times grow along the chain: the old ones are a prefix
-                if _newest_commit_ms(snap.path) >= before_ms - FORGET_MARGIN_MS:
-                    break
-                gone.append(snap)
-            if not gone:
-                return 0
-            ids = sum(_rows(snap.path) for snap in gone)
-            if dry_run:
-                return ids
-            new = Horizon(gone[-1].last, before_ms if old.before_ms is None else max(before_ms, old.before_ms))
-            atomic_write_bytes(tenant_dir / _HORIZON, json.dumps(
-                {"format": FORMAT, "through": new.through, "before_ms": new.before_ms}).encode())
-            self._remove_forgotten(tenant, new)
+        if dry_run:  # no lock (it would create its file): a compaction may delete a snapshot it listed
+            return retry_vanished(lambda: self._forget(tenant, before_ms, dry_run=True),
+                                  f"counting what the cursor of {tenant} would forget")
+        with FileLock(self._lock_path(tenant)):
+            return self._forget(tenant, before_ms, dry_run=False)
+
+    def _forget(self, tenant: str, before_ms: int, *, dry_run: bool) -> int:
+        """`forget`'s work, under the tenant's cursor lock unless it is a dry run."""
+        tenant_dir = self.dd.tenant_cursors(tenant)
+        snapshots, steps = self._listing(tenant)
+        old = self.horizon(tenant)
+        chain = _chain(snapshots, old)
+        gone = []
+        for snap in chain:  # commit times grow along the chain: the old ones are a prefix
+            if _newest_commit_ms(snap.path) >= before_ms - FORGET_MARGIN_MS:
+                break
+            gone.append(snap)
+        if not gone:
+            return 0
+        ids = sum(_rows(snap.path) for snap in gone)
+        if dry_run:
+            return ids
+        new = Horizon(gone[-1].last, before_ms if old.before_ms is None else max(before_ms, old.before_ms))
+        atomic_write_bytes(tenant_dir / _HORIZON, json.dumps(
+            {"format": FORMAT, "through": new.through, "before_ms": new.before_ms}).encode())
+        self._remove_forgotten(tenant, new)
         logger.info("cursor of %s: forgot %d ids (steps <= %d; trajectories ingested before %s are left out)",
                     tenant, ids, new.through, datetime.fromtimestamp(new.before_ms / 1000, timezone.utc).isoformat())
         return ids

@@ -592,6 +592,28 @@ def test_forget_drops_old_steps_and_leaves_rows_older_than_the_cutoff_out(data_d
     assert live.backlog() == {"acme": 0}
 
 
+def test_a_dry_run_forget_lists_again_past_a_snapshot_a_compaction_deleted(data_dir, monkeypatch):
+    """A dry run takes no lock, so a learner's cursor compaction can delete a snapshot it has listed: that was
+    a FileNotFoundError out of `clora prune --dry-run`."""
+    cursors = Cursors(data_dir, keep_checkpoints=1)
+    _commit_at(cursors, data_dir, 1, ["o0", "o1"], T0 + timedelta(days=1))
+    _commit_at(cursors, data_dir, 2, ["o2"], T0 + timedelta(days=2))
+    cursors.compact("acme")  # snapshot 1..2
+    _commit_at(cursors, data_dir, 3, ["o3"], T0 + timedelta(days=10))
+    cursors.compact("acme")  # snapshot 3..3
+    rows, vanished = cursors_module._rows, []
+
+    def first_read_vanishes(path):
+        if not vanished:
+            vanished.append(path)
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return rows(path)
+
+    monkeypatch.setattr(cursors_module, "_rows", first_read_vanishes)
+    cutoff_ms = int((T0 + timedelta(days=5)).timestamp() * 1000)
+    assert cursors.forget("acme", cutoff_ms, dry_run=True) == 3 and vanished
+
+
 def test_snapshots_of_different_days_are_never_merged_so_forget_keeps_the_retention_not_more(data_dir):
     # Ten days of a learner that commits four steps a day and compacts after each: the binary counter runs
     # within a day, the next day's first compaction merges the day before into one snapshot.
