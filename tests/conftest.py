@@ -27,6 +27,15 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 @pytest.fixture
+def proxied(monkeypatch):
+    """An environment whose HTTP proxy (nothing listens on port 9) is set for outside traffic only: no NO_PROXY."""
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
 def data_dir(tmp_path: Path) -> Path:
     d = tmp_path / "data"
     d.mkdir()

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import socket
 
 import pytest
 
-from clora.config import Config
-from clora.loopback import is_loopback, trust_env
-from clora.up import stack_specs
+from clora.loopback import on_this_machine, trust_env
 
 pytestmark = pytest.mark.unit
 
@@ -25,42 +20,18 @@ pytestmark = pytest.mark.unit
     ("http://10.0.0.5:8000", False),
     ("https://serving.example.com/v1", False),
     ("http://0.0.0.0:8000", False),
+    ("http://192.0.2.1:8000", False),  # TEST-NET-1: no machine's address
 ])
-def test_is_loopback(url, loopback):
-    assert is_loopback(url) is loopback and trust_env(url) is not loopback
+def test_on_this_machine(url, loopback):
+    assert on_this_machine(url) is loopback and trust_env(url) is not loopback
 
 
-@pytest.fixture
-def proxied(monkeypatch):
-    """An environment whose proxy (nothing listens on port 9) is set for outside traffic only."""
-    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.setenv(name, "http://127.0.0.1:9")
-    for name in ("no_proxy", "NO_PROXY"):
-        monkeypatch.delenv(name, raising=False)
+def test_this_machines_own_network_address_is_on_this_machine():
+    """serving.host set to the machine's LAN address: the learner's rollouts go there, not to the proxy."""
+    import psutil
 
-
-@pytest.fixture
-def health_server():
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            data = json.dumps({"status": "ok", "pid": os.getpid()}).encode()
-            self.send_response(200)
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *_):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield httpd.server_address[1]
-    httpd.shutdown()
-    httpd.server_close()
-
-
-def test_clora_up_sees_serving_healthy_with_a_proxy_set(tmp_path, proxied, health_server):
-    cfg = Config.model_validate({"data_dir": str(tmp_path), "serving": {"port": health_server}})
-    specs, _ = stack_specs(cfg, None)
-    (serving,) = [s for s in specs if s.name == "serving"]
-    assert serving.healthy(os.getpid())
+    addresses = [a.address for nics in psutil.net_if_addrs().values() for a in nics
+                 if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    if not addresses:
+        pytest.skip("this machine has no IPv4 address but loopback")
+    assert on_this_machine(f"http://{addresses[0]}:8000/v1")

@@ -241,15 +241,11 @@ def test_a_tick_that_finds_every_slot_awaiting_an_answer_sends_nothing():
     assert f"; {sim.not_sent} not sent: 2 were awaiting answers" in sim.traffic_line()
 
 
-def test_simulate_against_this_machine_ignores_the_environments_proxy(tmp_path, monkeypatch, capsys):
+def test_simulate_against_this_machine_ignores_the_environments_proxy(tmp_path, proxied, capsys):
     """With http_proxy set (a host whose proxy is for outside traffic), httpx and the openai client sent the
     requests for 127.0.0.1 to the proxy, which cannot reach this machine's loopback: every request failed."""
     from clora.cli import main
 
-    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens on port 9
-    for name in ("no_proxy", "NO_PROXY"):
-        monkeypatch.delenv(name, raising=False)
     with stand_in_serving() as url:
         code = main(["simulate", "--config", simulate_config(tmp_path), "--url", url, "--seconds", "0.5",
                      "--rate", "10"])

@@ -547,8 +547,14 @@ def test_a_child_that_exits_while_the_health_check_runs_is_not_healthy():
     sup.stop_all()
 
 
-def test_serving_is_healthy_only_when_its_health_answer_names_the_childs_pid(tmp_path):
+@pytest.mark.parametrize("environment", ["plain", "proxied"])
+def test_serving_is_healthy_only_when_its_health_answer_names_the_childs_pid(tmp_path, environment, request):
+    """Proxied: an http_proxy set for outside traffic (no NO_PROXY) took the check to the proxy, and `up` waited
+    for a serving it never saw healthy."""
     import json
+
+    if environment == "proxied":
+        request.getfixturevalue("proxied")
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
     from clora.config import Config

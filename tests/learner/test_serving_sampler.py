@@ -91,12 +91,8 @@ def test_a_rollout_refused_429_past_the_wait_fails_its_step(stand_in_server, mon
     assert answers.refusals["sk-acme-123"] >= 2  # it waited (Retry-After 0.1 s) and asked again before giving up
 
 
-def test_rollouts_to_a_local_serving_bypass_the_environments_proxy(stand_in_server, monkeypatch):
+def test_rollouts_to_a_local_serving_bypass_the_environments_proxy(stand_in_server, proxied):
     url, _ = stand_in_server
-    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.setenv(name, "http://127.0.0.1:9")  # a proxy for outside traffic; nothing listens there
-    for name in ("no_proxy", "NO_PROXY"):
-        monkeypatch.delenv(name, raising=False)
     (samples,) = ServingSampler(url).sample([request()])
     assert [s.text for s in samples] == [" 42"]
 
