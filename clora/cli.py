@@ -172,6 +172,7 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _search_the_current_directory()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -188,6 +189,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         # stdout at /dev/null so that the interpreter's flush at exit does not fail on the pipe again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def _search_the_current_directory() -> None:
+    """A module in the current directory (a `python:` scorer's) imports however clora was started: `python -m`
+    (as `clora up` starts its processes) puts that directory first on sys.path, the `clora` script does not.
+    Added last, it never shadows an installed module."""
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the directory was deleted: nothing there to import
+        return
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.append(cwd)
 
 
 def _stdout_reader_gone() -> bool:

@@ -9,6 +9,7 @@ import argparse
 import errno
 import os
 import sys
+import time
 
 from clora.argtypes import positive, positive_int
 
@@ -207,7 +208,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return 2
     url = args.url or cfg.serving.local_url
     sim = Simulator(url, tenants, rate=args.rate, duration=args.seconds, seed=args.seed, max_tokens=args.max_tokens)
-    sim.run()
+    try:
+        sim.run()
+    except KeyboardInterrupt:  # run() waited a moment for the answers in flight: the partial figures
+        print(f"clora simulate: interrupted after {time.monotonic() - sim.started:.1f}s: {sim.traffic_line()}")
+        for line in summary_lines(sim.summary()):
+            print(line)
+        return 130
     summary = summarise(sim.records, tenants)
     print(f"clora simulate: {sim.traffic_line()}")
     for line in summary_lines(summary):

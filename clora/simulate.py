@@ -141,6 +141,7 @@ class Simulator:
         self.sent = 0  # requests sent
         self.not_sent = 0  # ticks that found `concurrency` requests awaiting answers
         self.stop = threading.Event()
+        self.started: float | None = None  # monotonic time run() began
         self._lock = threading.Lock()
         self._unexpected_logged = False
 
@@ -193,17 +194,18 @@ class Simulator:
                 fb.raise_for_status()
                 return Record(time.monotonic() - t0, tenant.name, resp.id, version, score, text, True)
             except (openai.OpenAIError, httpx.HTTPError) as e:
-                logger.warning("request for %s failed: %s", tenant.name, e)
+                if not self.stop.is_set():  # after a stop, nothing more: the process may be exiting
+                    logger.warning("request for %s failed: %s", tenant.name, e)
                 return Record(time.monotonic() - t0, tenant.name, "", "", 0.0, "", False, str(e)[:200])
 
     def run(self, progress: Callable[[Simulator], None] | None = None) -> list[Record]:
         """Sends the traffic for `duration` seconds (or until `stop` is set), then waits for the answers.
 
-        Ctrl-C (KeyboardInterrupt) sets `stop`, waits at most INTERRUPT_GRACE for the answers, prints the
-        partial figures and raises KeyboardInterrupt again (`clora` exits with 130). A request given up on
-        goes on in its daemon thread until the process exits."""
+        Ctrl-C (KeyboardInterrupt) sets `stop`, waits at most INTERRUPT_GRACE for the answers and raises
+        KeyboardInterrupt again: the caller reports what `records` and `traffic_line` hold. A request given up
+        on goes on in its daemon thread until the process exits."""
         rng = random.Random(self.seed)
-        t0 = time.monotonic()
+        t0 = self.started = time.monotonic()
         interval = 1.0 / self.rate
         slots = threading.BoundedSemaphore(self.concurrency)  # one per request awaiting its answer
         try:
@@ -232,11 +234,6 @@ class Simulator:
                 self._await_answers(slots, timeout=INTERRUPT_GRACE)
             except KeyboardInterrupt:  # a second Ctrl-C: no grace, but still the figures
                 pass
-            with self._lock:
-                records = list(self.records)
-            print(f"clora simulate: interrupted after {time.monotonic() - t0:.1f}s: {self.traffic_line()}")
-            for line in summary_lines(summarise(records, self.tenants)):
-                print(line)
             raise
         return self.records
 
@@ -260,7 +257,9 @@ class Simulator:
         return line
 
     def summary(self) -> dict[str, dict]:
-        return summarise(self.records, self.tenants)
+        with self._lock:  # request threads may still append (after a Ctrl-C)
+            records = list(self.records)
+        return summarise(records, self.tenants)
 
 
 def summarise(records: list[Record], tenants: list[SimTenant], window: float = 0.25) -> dict[str, dict]:

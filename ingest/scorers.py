@@ -35,11 +35,9 @@ import importlib
 import json
 import math
 import numbers
-import os
 import re
 import signal
 import string
-import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -152,7 +150,6 @@ def python(target: str) -> Scorer:
     module_name, _, func_name = target.partition(":")
     if not module_name or not func_name:
         raise ScorerSpecError(f"scorer python needs module:function, got {target!r}")
-    _search_the_current_directory()
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -163,15 +160,6 @@ def python(target: str) -> Scorer:
     if not callable(fn):
         raise ScorerSpecError(f"scorer python: {module_name!r} has no callable {func_name!r}")
     return fn
-
-
-def _search_the_current_directory() -> None:
-    """A scorer module in the current directory imports however clora was started: `python -m …` (as `clora
-    up` starts its processes) puts that directory first on sys.path, the `clora` script does not. Added last,
-    it never shadows an installed module."""
-    cwd = os.getcwd()
-    if "" not in sys.path and cwd not in sys.path:
-        sys.path.append(cwd)
 
 
 # kind -> builder taking the spec's argument; kinds without an argument map to the scorer itself.

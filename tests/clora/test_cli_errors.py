@@ -56,6 +56,22 @@ def test_a_config_file_named_by_the_environment_says_so(tmp_path, capsys, monkey
     assert capsys.readouterr().err.strip() == f"clora: config file {tmp_path / 'other.toml'} does not exist"
 
 
+def test_the_clora_script_imports_a_python_scorer_from_the_current_directory(tmp_path):
+    """`python -m clora` (and `clora up`'s children) put the current directory on sys.path, the installed
+    `clora` script does not: `clora config check` (and `clora ingest`, `clora learn`) failed on a scorer
+    module next to clora.toml."""
+    script = Path(sys.executable).with_name("clora")
+    assert script.is_file(), f"no clora script beside {sys.executable}: is clora installed in this environment?"
+    (tmp_path / "clora_cwd_scorer.py").write_text("def f(completion, prompt):\n    return 0.25\n")
+    (tmp_path / "clora.toml").write_text(
+        f'data_dir = "{tmp_path / "data"}"\n[[tenants]]\nname = "acme"\napi_key = "sk-acme-0001"\n'
+        'scorer = "python:clora_cwd_scorer:f"\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CLORA_CONFIG", "CLORA_DATA_DIR")}
+    result = subprocess.run([str(script), "config", "check", "--config", "clora.toml"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert "ok       tenant acme: scorer python:clora_cwd_scorer:f builds" in result.stdout, result.stdout + result.stderr
+
+
 def test_the_data_dir_check_writes_a_file_and_leaves_none(tmp_path):
     from clora.cli import prepare_data_dir
 

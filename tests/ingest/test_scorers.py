@@ -68,16 +68,6 @@ def test_python_scorer(monkeypatch):
     assert fn("say hi: hi", "hi") == 0.5 and fn("nope", "hi") == -0.5
 
 
-def test_a_python_scorer_module_in_the_current_directory_imports_from_the_clora_script(tmp_path, monkeypatch):
-    """The `clora` script's sys.path holds its own folder, not the current one (`python -m clora` holds it)."""
-    (tmp_path / "clora_cwd_scorer_mod.py").write_text("def f(completion, prompt):\n    return 0.25\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
-    monkeypatch.delitem(sys.modules, "clora_cwd_scorer_mod", raising=False)
-    assert build_scorer("python:clora_cwd_scorer_mod:f")("x", "y") == 0.25
-    assert sys.path[-1] == str(tmp_path)  # last: an installed module of the same name comes first
-
-
 @pytest.mark.parametrize(
     ("spec", "match"),
     [
