@@ -1104,7 +1104,7 @@ class Learner:
             return
         name = rt.spec.name
         latest = self.cursors.latest_checkpoint(name)
-        if latest is not None:
+        while latest is not None:
             step, directory = latest
             try:
                 meta = _read_meta(directory)
@@ -1112,16 +1112,24 @@ class Learner:
                 self.policy.load_checkpoint(name, directory)
                 if not self.policy.weights_finite(name):
                     raise DamagedFile(f"tenant {name!r}: the adapter in {directory} holds non-finite weights")
+                break
             except BaseException as e:
                 if self.policy.has(name):  # nothing half-loaded stays: the next try starts afresh
                     self.policy.remove_tenant(name)
-                if isinstance(e, DamagedFile):  # its content; not the config, the disk now, or a newer clora
-                    raise LearnerError(
-                        f"{e} -- the checkpoint of step {step} is damaged: move {directory} out of the cursor (its "
-                        f"step's trained ids stay), and the learner goes on from the checkpoint before it, or from "
-                        f"the served version") from e
-                raise
-            # Numbered on from the cursor: a step whose checkpoint was moved away stays committed.
+                if not isinstance(e, DamagedFile):  # the config, the disk now, a newer clora: not mended by moving
+                    raise
+                damaged = e
+            # Its content is damaged: set aside, and on from the checkpoint before it, or from the served version.
+            try:
+                moved = self.cursors.set_aside_checkpoint(name, step)
+            except OSError as e:
+                raise LearnerError(f"{damaged} -- the checkpoint of step {step} is damaged, and setting it aside "
+                                   f"failed ({e}): move {directory} out of the cursor") from damaged
+            logger.error("tenant %s: the checkpoint of step %d is damaged (%s); set aside in %s: going on from "
+                         "the checkpoint before it, or from the served version", name, step, damaged, moved)
+            latest = self.cursors.latest_checkpoint(name)
+        if latest is not None:
+            # Numbered on from the cursor: a step whose checkpoint was set aside stays committed.
             rt.step, rt.version, rt.baseline = self._last_step(name, step), int(meta["version"] or 0), meta.get("baseline")
             rt.probes = tuple(meta.get("probes") or ())
             rt.rollout_ids = dict.fromkeys(meta.get("rollout_ids") or ())

@@ -95,6 +95,7 @@ from storage.files import (
     FileLock,
     atomic_write_bytes,
     ensure_dir,
+    fsync_dir,
     fsync_tree,
     publish_dir,
     remove_stale_hidden,
@@ -503,6 +504,22 @@ class Cursors:
         while len(today) > 1 and _rows(today[-1].path) >= _rows(today[-2].path):
             today[-2:] = [_merged(tenant_dir, today[-2:])]
         return out + today
+
+    def set_aside_checkpoint(self, tenant: str, step: int) -> Path:
+        """Moves step `step`'s damaged checkpoint out of the cursor, to `state/damaged-checkpoints/<tenant>/`,
+        and returns where it went. The step stays committed (its ids stay); `latest_checkpoint` then finds the
+        one before, if one is kept. Out of the cursor, the damaged one is not counted among the checkpoints
+        kept (a commit would prune the sound one before it) nor taken for a leftover and deleted."""
+        check_tenant(tenant)
+        source = self.dd.tenant_cursors(tenant) / _step_name(int(step)) / "checkpoint"
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+        target = self.dd.damaged_checkpoints(tenant) / f"{_step_name(int(step))}-{stamp}"
+        with FileLock(self._lock_path(tenant)):
+            ensure_dir(target.parent)
+            os.rename(source, target)
+            fsync_dir(source.parent)
+            fsync_dir(target.parent)
+        return target
 
     # --- internals ------------------------------------------------------------------------------------
     def _lock_path(self, tenant: str) -> Path:

@@ -15,6 +15,7 @@ Nothing else in clora joins path segments under the data dir: ingest, learner an
       state/                                        process-private durable state (ingest offsets, spools)
       state/serving-spool/dead/<YYYY-MM-DD>.jsonl   events Kafka refused for good (serving.spool; pruned by retention)
       state/serving-adapters/<host>-<pid>/          serving's copies of the adapters it loaded
+      state/damaged-checkpoints/<t>/step-<step>-<utc>/  learner checkpoints set aside as damaged (storage.cursors)
       models/                                       base models (the tiny local model is built here)
       locks/                                        advisory lock files (compaction, registry, cursors, learner tenants)
 
@@ -129,6 +130,10 @@ class DataDir:
     def serving_spool_dead(self) -> Path:
         """One `<YYYY-MM-DD>.jsonl` per UTC day of refusals (serving/spool.py writes them; retention prunes)."""
         return self.serving_spool / "dead"
+
+    def damaged_checkpoints(self, tenant: str) -> Path:
+        """Where the learner sets a tenant's damaged checkpoints aside (kept for a look, never read again)."""
+        return self.state / "damaged-checkpoints" / check_tenant(tenant)
 
     @property
     def serving_adapters(self) -> Path:
