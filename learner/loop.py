@@ -1120,6 +1120,17 @@ class Learner:
                     raise
                 damaged = e
             # Its content is damaged: set aside, and on from the checkpoint before it, or from the served version.
+            # The step stays committed: where its record reads, its publish and row are completed first (a
+            # reload after a commit whose outcome could not be read has not finished it), else its candidate
+            # goes as abandoned.
+            try:
+                unfinished = _read_meta(directory)
+            except (DamagedFile, LearnerError):
+                unfinished = None
+                logger.error("tenant %s: step %d's record is unreadable: its version, if any, is rejected as "
+                             "abandoned", name, step)
+            if unfinished is not None:
+                self._finish(rt, unfinished)
             try:
                 moved = self.cursors.set_aside_checkpoint(name, step)
             except OSError as e:
@@ -1134,7 +1145,8 @@ class Learner:
             rt.probes = tuple(meta.get("probes") or ())
             rt.rollout_ids = dict.fromkeys(meta.get("rollout_ids") or ())
             rt.unfinished = meta
-            logger.info("tenant %s: resumed at step %d (adapter %s@%d)", name, step, name, rt.version)
+            logger.info("tenant %s: resumed at step %d from the checkpoint of step %d (adapter %s@%d)", name, rt.step,
+                        step, name, rt.version)
         else:
             published = self.registry.latest_published(name)  # the records, as _follow_registry reads
             self._add_adapter(rt, published.path if published is not None else None)
@@ -1572,10 +1584,12 @@ def _read_meta(directory: Path) -> dict:
     path = directory / CHECKPOINT_META
     try:
         meta = json.loads(path.read_text())
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:  # written atomically with its checkpoint: never missing
         raise DamagedFile(f"cannot read the learner checkpoint record {path}: {e}") from e
     except OSError as e:
         raise LearnerError(f"cannot read the learner checkpoint record {path}: {e}") from e
+    if not isinstance(meta, dict):
+        raise DamagedFile(f"the learner checkpoint record {path} is not a JSON object")
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise LearnerError(f"{path} has format {meta.get('format')!r}; this clora reads {CHECKPOINT_FORMAT}")
     return meta

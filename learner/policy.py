@@ -56,7 +56,9 @@ class PolicyError(RuntimeError):
 
 
 class DamagedFile(PolicyError):
-    """An adapter or checkpoint file whose content is wrong (not one that cannot be read now: an OSError)."""
+    """An adapter or checkpoint file whose bytes do not parse, or hold non-finite weights: read on the CPU, so
+    that a device's error (out of memory, a CUDA fault) is never taken for it, nor is an OSError (the disk
+    now), nor a file that parses but does not fit (another model or peft: the environment, not the file)."""
 
 
 def adapter_name(tenant: str) -> str:
@@ -536,22 +538,22 @@ class Policy:
         self._require(tenant)
         directory = Path(directory)
         try:
-            state = load_file(str(directory / ADAPTER_WEIGHTS), device=str(self.device))
-        except OSError as e:
+            state = load_file(str(directory / ADAPTER_WEIGHTS), device="cpu")  # copied to the model's device below
+        except (OSError, MemoryError) as e:
             raise PolicyError(f"tenant {tenant!r}: cannot read adapter weights in {directory}: {e}") from e
         except Exception as e:  # noqa: BLE001 - a damaged file raises safetensors' own error, not an OSError
             raise DamagedFile(f"tenant {tenant!r}: cannot read adapter weights in {directory}: {type(e).__name__}: {e}") from e
         expected = {k for k in _peft_keys(self.model, adapter_name(tenant))}
         if set(state) != expected:
             missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-            raise DamagedFile(
+            raise PolicyError(
                 f"tenant {tenant!r}: adapter in {directory} does not fit its adapter "
                 f"({len(missing)} missing keys e.g. {missing[:2]}, {len(extra)} unexpected e.g. {extra[:2]})"
             )
         try:
             set_peft_model_state_dict(self.model, state, adapter_name=adapter_name(tenant))
         except RuntimeError as e:  # size mismatch
-            raise DamagedFile(f"tenant {tenant!r}: adapter in {directory} has other shapes: {e}") from e
+            raise PolicyError(f"tenant {tenant!r}: adapter in {directory} has other shapes: {e}") from e
 
     def save_checkpoint(self, tenant: str, directory: str | Path) -> None:
         """adapter/ (PEFT format) + optimizer.pt into `directory`."""
@@ -563,16 +565,20 @@ class Policy:
     def load_checkpoint(self, tenant: str, directory: str | Path) -> None:
         directory = Path(directory)
         self.load_adapter(tenant, directory / CHECKPOINT_ADAPTER_DIR)
+        path = directory / OPTIMIZER_FILE
         try:
-            # A damaged file raises what unpickling meets (UnpicklingError, EOFError, ...), not an OSError.
-            state = torch.load(directory / OPTIMIZER_FILE, map_location=self.device, weights_only=True)
-            self._optimizers[tenant].load_state_dict(state)
-        except OSError as e:  # the disk's say, e.g. EIO: worth showing whole
-            raise PolicyError(f"tenant {tenant!r}: cannot read the optimizer state {directory / OPTIMIZER_FILE}: "
-                              f"{e}") from e
+            # Read on the CPU: a damaged file raises what unpickling meets (UnpicklingError, EOFError, the zip
+            # reader's RuntimeError), and nothing else can fail there but the disk.
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except (OSError, MemoryError) as e:  # the disk's say, e.g. EIO: worth showing whole
+            raise PolicyError(f"tenant {tenant!r}: cannot read the optimizer state {path}: {e}") from e
         except Exception as e:  # noqa: BLE001
-            raise DamagedFile(f"tenant {tenant!r}: the optimizer state {directory / OPTIMIZER_FILE} is damaged, or not "
-                              f"one clora wrote: {_without_unsafe_advice(e)}") from e
+            raise DamagedFile(f"tenant {tenant!r}: the optimizer state {path} is damaged, or not one clora wrote: "
+                              f"{_without_unsafe_advice(e)}") from e
+        try:
+            self._optimizers[tenant].load_state_dict(state)  # onto the parameters' device
+        except (ValueError, KeyError, TypeError) as e:  # parsed, but for other parameters
+            raise PolicyError(f"tenant {tenant!r}: the optimizer state {path} does not fit its adapter: {e}") from e
         for group in self._optimizers[tenant].param_groups:  # the saved state carries the lr of its time
             group["lr"] = self.spec(tenant).learning_rate
 
@@ -826,10 +832,13 @@ def read_adapter_shape(directory: str | Path) -> dict:
         raise PolicyError(f"cannot read {path}: {e}") from e
     except ValueError as e:
         raise DamagedFile(f"cannot read {path}: {e}") from e
-    targets = data.get("target_modules") or []
-    return {
-        "rank": int(data["r"]),
-        "alpha": float(data["lora_alpha"]),
-        "target_modules": tuple(sorted(targets) if isinstance(targets, (list, set)) else [targets]),
-        "dropout": float(data.get("lora_dropout", 0.0)),
-    }
+    try:
+        targets = data.get("target_modules") or []
+        return {
+            "rank": int(data["r"]),
+            "alpha": float(data["lora_alpha"]),
+            "target_modules": tuple(sorted(targets) if isinstance(targets, (list, set)) else [targets]),
+            "dropout": float(data.get("lora_dropout", 0.0)),
+        }
+    except (AttributeError, KeyError, TypeError, ValueError) as e:  # JSON, but not an adapter's config
+        raise DamagedFile(f"{path} is not an adapter config: {type(e).__name__}: {e}") from e

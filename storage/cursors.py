@@ -133,6 +133,9 @@ class CursorError(StorageError):
     """A commit that would break the cursor (a step that is not newer than the last one)."""
 
 
+KEEP_DAMAGED = 3  # damaged checkpoints kept per tenant for a look (each the size of a checkpoint)
+
+
 def _step_name(step: int) -> str:
     return f"step-{step:020d}"
 
@@ -517,8 +520,11 @@ class Cursors:
         with FileLock(self._lock_path(tenant)):
             ensure_dir(target.parent)
             os.rename(source, target)
+            fsync_dir(target.parent)  # its new entry durable before the old one's removal
             fsync_dir(source.parent)
-            fsync_dir(target.parent)
+            by_time = sorted(target.parent.iterdir(), key=lambda p: p.name.rsplit("-", 1)[-1])  # step-<n>-<utc>
+            for old in by_time[:-KEEP_DAMAGED]:
+                remove_tree(old)
         return target
 
     # --- internals ------------------------------------------------------------------------------------

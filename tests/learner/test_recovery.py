@@ -177,3 +177,43 @@ def test_a_served_version_with_non_finite_weights_is_not_loaded_from_the_registr
     assert "the served acme@1 holds non-finite weights" in learner.tenants["acme"].error
     assert Cursors(data_dir).backlog()["acme"] == 8 and Registry(data_dir).numbers("acme") == [1]
     learner.close()
+
+
+def test_the_only_checkpoint_damaged_goes_on_from_the_served_version(tiny_model, data_dir):
+    """Its record unreadable too: the step's version was published already, and is followed."""
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], gate_max_kl=1000.0)
+    learn(cfg, tiny_model).close()
+    step, checkpoint = Cursors(data_dir).latest_checkpoint("acme")
+    assert step == 1 and published(data_dir) == [1]
+    (checkpoint / "learner.json").write_text("{ damaged")
+    (checkpoint / "optimizer.pt").write_bytes(b"\x80\x02garbage")
+    write(data_dir, "acme", rows("b", 8, seed=1), "b1", start=100)
+    learner = learn(cfg, tiny_model)
+    rt = learner.tenants["acme"]
+    assert rt.error is None and rt.step == 2 and published(data_dir) == [1, 2]
+    assert Registry(data_dir).get("acme", 2).parent == "acme@1" and Cursors(data_dir).backlog()["acme"] == 0
+    assert len(list((data_dir / "state" / "damaged-checkpoints" / "acme").iterdir())) == 1
+    learner.close()
+
+
+def test_a_device_error_while_loading_sets_no_checkpoint_aside(tiny_model, data_dir, monkeypatch):
+    """Out of memory (or a CUDA fault) says nothing of the file: the checkpoint stays, the step fails."""
+    import torch
+
+    from learner.policy import Policy
+
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], gate_max_kl=1000.0)
+    learn(cfg, tiny_model).close()
+
+    def out_of_memory(self, tenant, directory):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(Policy, "load_checkpoint", out_of_memory)
+    write(data_dir, "acme", rows("b", 8, seed=1), "b1", start=100)
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    assert stepped(learner) is None and "out of memory" in learner.tenants["acme"].error
+    assert Cursors(data_dir).latest_checkpoint("acme")[0] == 1
+    assert not (data_dir / "state" / "damaged-checkpoints").exists() and Cursors(data_dir).backlog()["acme"] == 8
+    learner.close()

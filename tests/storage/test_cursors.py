@@ -657,3 +657,15 @@ def test_an_unreadable_horizon_is_a_clear_error_and_retention_goes_on_with_the_o
     with pytest.raises(StorageError, match="horizon.json is unreadable .*format 9"):
         cursors.latest_step("acme")
     assert forget_trained(data_dir, older_than_s=1.0) == {"globex": 0}
+
+
+def test_a_damaged_checkpoint_set_aside_leaves_the_step_committed_and_few_are_kept(data_dir):
+    cursors = Cursors(data_dir, keep_checkpoints=10)
+    for step in range(1, 6):
+        cursors.commit("acme", step=step, ids=[f"i{step}"], checkpoint=_checkpoint(f"s{step}"))
+    aside = [cursors.set_aside_checkpoint("acme", step) for step in (5, 4, 3, 2)]
+    assert cursors.latest_checkpoint("acme")[0] == 1 and cursors.latest_step("acme") == 5
+    assert cursors.trained_ids("acme") == {f"i{k}" for k in range(1, 6)}  # every step still committed
+    # the three set aside last are kept (each is a whole checkpoint)
+    assert sorted(aside[0].parent.iterdir()) == sorted(aside[1:])
+    assert (aside[-1] / "optimizer.pt").read_bytes() == b"adam s2"
