@@ -157,6 +157,7 @@ class TenantRuntime:
     partial_since: float | None = None  # logs mode: when a backlog below batch_size was first seen
     unscorable: tuple[tuple[str, ...], int] = ((), 0)  # rollouts: (prompts, tries) whose every sample failed scoring
     last: dict = field(default_factory=dict)  # the last train_steps row
+    set_aside: list[str] = field(default_factory=list)  # damaged checkpoints this process set aside (status.json)
 
 
 @dataclass(frozen=True)
@@ -1138,6 +1139,7 @@ class Learner:
                                    f"failed ({e}): move {directory} out of the cursor") from damaged
             logger.error("tenant %s: the checkpoint of step %d is damaged (%s); set aside in %s: going on from "
                          "the checkpoint before it, or from the served version", name, step, damaged, moved)
+            rt.set_aside.append(str(moved))
             latest = self.cursors.latest_checkpoint(name)
         if latest is not None:
             # Numbered on from the cursor: a step whose checkpoint was set aside stays committed.
@@ -1346,6 +1348,7 @@ class Learner:
                 "error": t.error,
                 "failures": t.failures,
                 "last": t.last,
+                **({"damaged_checkpoints_set_aside": t.set_aside} if t.set_aside else {}),
             }
             for name, t in sorted(self.tenants.items())
         }

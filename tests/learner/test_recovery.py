@@ -3,6 +3,7 @@ sound again, and consumes no trajectory while it refuses (tiny model, real files
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -136,13 +137,14 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_tenant_goes_on_from_the_one_b
     (aside,) = (data_dir / "state" / "damaged-checkpoints" / "acme").iterdir()
     assert aside.name.startswith("step-00000000000000000002-") and (aside / "adapter" / "adapter_model.safetensors").exists()
     assert "the checkpoint of step 2 is damaged" in caplog.text and "holds non-finite weights" in caplog.text
+    status = json.loads((data_dir / "state" / "learner" / "status.json").read_text())
+    assert status["acme"]["damaged_checkpoints_set_aside"] == [str(aside)]
     assert Cursors(data_dir).latest_checkpoint("acme")[0] == 3  # the new step's
     learner.close()
 
 
 def test_a_checkpoint_of_a_newer_format_is_not_called_damaged_and_nothing_stays_half_loaded(tiny_model, data_dir):
     """Only damaged content is damaged: a checkpoint another clora wrote is not to be moved away."""
-    import json
 
     write(data_dir, "acme", rows("a", 8), "b0")
     cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], gate_max_kl=1000.0)
