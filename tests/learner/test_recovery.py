@@ -25,6 +25,23 @@ def published(data_dir, tenant="acme") -> list[int]:
     return [v.number for v in Registry(data_dir).versions(tenant) if v.status == "published"]
 
 
+def trained(data_dir, tiny_model, n_rows: int):
+    """The config of tenant acme (batches of 8, a gate that passes any KL) after training `n_rows` rows."""
+    write(data_dir, "acme", rows("a", n_rows), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], gate_max_kl=1000.0)
+    learn(cfg, tiny_model).close()
+    return cfg
+
+
+def spoil_one_weight(weights, value: float) -> None:
+    """Writes `value` (NaN, inf) into one weight of a safetensors file: it still parses."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(weights)
+    next(iter(tensors.values())).view(-1)[0] = value
+    save_file(tensors, weights)
+
+
 def stepped(learner: Learner, tenant="acme"):
     learner.pending(hold_partial=False)
     return learner.step_safely(tenant)
@@ -97,9 +114,7 @@ def test_a_recovery_that_failed_twice_is_completed_before_the_next_step_trains(t
 
 
 def test_a_served_version_above_a_lowered_gate_max_kl_stops_training_without_spending_batches(tiny_model, data_dir):
-    write(data_dir, "acme", rows("a", 8), "b0")
-    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], gate_max_kl=1000.0)
-    learn(cfg, tiny_model).close()
+    cfg = trained(data_dir, tiny_model, 8)
     kl = Registry(data_dir).get("acme", 1).gate["kl"]
     assert kl > 0
     write(data_dir, "acme", rows("b", 8, seed=1), "b1", start=100)
@@ -116,17 +131,11 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_tenant_goes_on_from_the_one_b
     """Non-finite weights loaded silently (every step then rejected by the gate and its batch spent); a
     checkpoint that would not load blocked its tenant until someone moved it; and with the newest checkpoint
     gone, the learner numbered its steps from the one before, so every commit failed."""
-    from safetensors.torch import load_file, save_file
-
-    write(data_dir, "acme", rows("a", 16), "b0")
-    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], gate_max_kl=1000.0)
-    learn(cfg, tiny_model).close()
+    cfg = trained(data_dir, tiny_model, 16)
     step, checkpoint = Cursors(data_dir).latest_checkpoint("acme")
     assert step == 2 and published(data_dir) == [1, 2]
     weights = checkpoint / "adapter" / "adapter_model.safetensors"
-    tensors = load_file(weights)
-    next(iter(tensors.values())).view(-1)[0] = math.nan
-    save_file(tensors, weights)
+    spoil_one_weight(weights, math.nan)
     write(data_dir, "acme", rows("b", 8, seed=1), "b1", start=100)
 
     learner = learn(cfg, tiny_model)
@@ -145,10 +154,7 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_tenant_goes_on_from_the_one_b
 
 def test_a_checkpoint_of_a_newer_format_is_not_called_damaged_and_nothing_stays_half_loaded(tiny_model, data_dir):
     """Only damaged content is damaged: a checkpoint another clora wrote is not to be moved away."""
-
-    write(data_dir, "acme", rows("a", 8), "b0")
-    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], gate_max_kl=1000.0)
-    learn(cfg, tiny_model).close()
+    cfg = trained(data_dir, tiny_model, 8)
     _, checkpoint = Cursors(data_dir).latest_checkpoint("acme")
     record = checkpoint / "learner.json"
     record.write_text(json.dumps({**json.loads(record.read_text()), "format": 99}))
@@ -164,16 +170,10 @@ def test_a_checkpoint_of_a_newer_format_is_not_called_damaged_and_nothing_stays_
 def test_a_served_version_with_non_finite_weights_is_not_loaded_from_the_registry(tiny_model, data_dir):
     """With no checkpoint (a cursor deleted to train the tenant again from its served adapter), the learner
     loaded the served version unchecked, and every step from it was rejected with its batch spent."""
-    from safetensors.torch import load_file, save_file
-
-    write(data_dir, "acme", rows("a", 8), "b0")
-    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], gate_max_kl=1000.0)
-    learn(cfg, tiny_model).close()
+    cfg = trained(data_dir, tiny_model, 8)
     shutil.rmtree(data_dir / "cursors" / "acme")
     weights = Registry(data_dir).get("acme", 1).path / "adapter_model.safetensors"
-    tensors = load_file(weights)
-    next(iter(tensors.values())).view(-1)[0] = math.inf
-    save_file(tensors, weights)
+    spoil_one_weight(weights, math.inf)
     learner = Learner(cfg, model_path=tiny_model, progress=False)
     assert stepped(learner) is None
     assert "the served acme@1 holds non-finite weights" in learner.tenants["acme"].error
@@ -183,9 +183,7 @@ def test_a_served_version_with_non_finite_weights_is_not_loaded_from_the_registr
 
 def test_the_only_checkpoint_damaged_goes_on_from_the_served_version(tiny_model, data_dir):
     """Its record unreadable too: the step's version was published already, and is followed."""
-    write(data_dir, "acme", rows("a", 8), "b0")
-    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], gate_max_kl=1000.0)
-    learn(cfg, tiny_model).close()
+    cfg = trained(data_dir, tiny_model, 8)
     step, checkpoint = Cursors(data_dir).latest_checkpoint("acme")
     assert step == 1 and published(data_dir) == [1]
     (checkpoint / "learner.json").write_text("{ damaged")
@@ -205,9 +203,7 @@ def test_a_device_error_while_loading_sets_no_checkpoint_aside(tiny_model, data_
 
     from learner.policy import Policy
 
-    write(data_dir, "acme", rows("a", 8), "b0")
-    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], gate_max_kl=1000.0)
-    learn(cfg, tiny_model).close()
+    cfg = trained(data_dir, tiny_model, 8)
 
     def out_of_memory(self, tenant, directory):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
