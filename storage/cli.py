@@ -21,6 +21,7 @@ FORMATS = ("table", "csv", "json", "parquet")
 COMPACTED = ("interactions", "feedback", "trajectories", "dead_letters", "train_steps")
 PRUNED = ("interactions", "feedback", "trajectories", "dead_letters")
 MAX_CELL = 60  # characters of one cell in the readable table
+FROM_CONFIG = object()  # `compact --every` without SECONDS: [compaction] every_seconds
 
 
 def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -78,10 +79,12 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p.add_argument(
         "--every",
         type=positive,
+        nargs="?",
+        const=FROM_CONFIG,
         default=None,
         metavar="SECONDS",
         help="run again every SECONDS until stopped (SIGTERM, Ctrl-C), pruning after each run when "
-        "[retention] days is set; `clora up` runs it so, every [compaction] every_seconds",
+        "[retention] days is set; without SECONDS, every [compaction] every_seconds (600), as `clora up` runs it",
     )
     p.set_defaults(func=cmd_compact)
 
@@ -485,6 +488,12 @@ def cmd_compact(args: argparse.Namespace) -> int:
         return 1
     if args.every is None:
         return _compact_once(cfg, args, grace)
+    if args.every is FROM_CONFIG:
+        if cfg.compaction.every_seconds <= 0:
+            print("clora compact: --every without SECONDS takes [compaction] every_seconds, which is 0 (off); "
+                  "set it or pass --every SECONDS", file=sys.stderr)
+            return 2
+        args.every = cfg.compaction.every_seconds
     return _compact_every(cfg, args, grace)
 
 

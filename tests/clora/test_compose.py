@@ -30,7 +30,7 @@ SERVICE_COMMANDS = {
     "ingest": ["python3", "-m", "ingest"],  # an external Kafka keeps what it has not stored: no drain on stop
     "learner": ["python3", "-m", "learner"],
     "learner-cpu": ["python3", "-m", "learner"],
-    "compactor": ["clora", "compact", "--every", "600"],
+    "compactor": ["clora", "compact", "--every"],  # [compaction] every_seconds of the mounted clora.toml
 }
 
 # The stand-ins put first on PATH: each appends its name and argv (tab-separated) to a log and exits 0, or 1
@@ -128,6 +128,16 @@ def test_services_volumes_and_health():
         assert svc["environment"]["CLORA_KAFKA_BOOTSTRAP"] == "kafka:9092", name
         assert svc["depends_on"]["kafka"]["condition"] == "service_healthy", name
     assert all(p.startswith("127.0.0.1:") for p in services["serving"]["ports"])
+
+
+@pytest.mark.parametrize("name", [n for n in CLORA_SERVICES if SERVICE_COMMANDS[n][0] == "clora"])
+def test_a_services_clora_command_is_one_clora_accepts(name):
+    """The stand-ins above only log the command: clora's own parser must take it (an option it does not
+    know, or one that needs a value, would stop the service at every start)."""
+    from clora.cli import build_parser
+
+    args = build_parser().parse_args(SERVICE_COMMANDS[name][1:])
+    assert callable(args.func)
 
 
 @pytest.mark.parametrize("name", CLORA_SERVICES)

@@ -415,6 +415,27 @@ def test_compact_every_and_grace_must_be_finite(clora, data_dir, capsys, argv, m
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_compact_every_without_seconds_takes_the_configs_period(clora, data_dir, tmp_path, monkeypatch):
+    """A deployment's compactor (compose.yaml) runs `clora compact --every` so that [compaction] every_seconds
+    sets its period, as it does for `clora up`; with the period 0 (off) it is a usage error, not a busy loop."""
+    from storage import cli
+
+    periods = []
+    monkeypatch.setattr(cli, "_compact_every", lambda cfg, args, grace: periods.append(args.every) or 0)
+    config = tmp_path / "period.toml"
+    config.write_text(f'data_dir = "{data_dir}"\n[compaction]\nevery_seconds = 42.5\n')
+    monkeypatch.setenv("CLORA_CONFIG", str(config))
+    assert clora("compact", "--every")[0] == 0
+    assert clora("compact", "--every", "7")[0] == 0
+    assert clora("compact", "--every", "--dataset", "feedback")[0] == 0
+    assert periods == [42.5, 7.0, 42.5]
+
+    config.write_text(f'data_dir = "{data_dir}"\n[compaction]\nevery_seconds = 0\n')
+    code, _, err = clora("compact", "--every")
+    assert code == 2 and "[compaction] every_seconds, which is 0" in err
+    assert periods == [42.5, 7.0, 42.5]
+
+
 def test_compact_and_prune_of_an_unknown_tenant_are_errors(clora, data_dir, make_trajectories, tmp_path, monkeypatch):
     """A typo must not look like a tenant with nothing to do (as in `adapters list`); a tenant with data but
     not in the config (removed from it, or created on the fly) and a configured one without data are fine."""
