@@ -447,7 +447,9 @@ class Registry:
             metrics=old.metrics,
             trajectory_range=old.trajectory_range,
             status="published",
-            gate={"rollback_to": old.name},
+            # the same weights, as far from the base model: the learner's check of the served version's KL
+            # against a lowered gate_max_kl must not be cleared by a rollback to a version above it
+            gate={"rollback_to": old.name, **{k: v for k, v in (old.gate or {}).items() if k == "kl"}},
             reason=f"rollback to {old.name}",
         )
 

@@ -174,10 +174,22 @@ def test_rollback_republishes_old_files_as_newest(data_dir, peft_writer):
     back = reg.rollback("acme", 1)
     assert (back.name, back.parent, back.status) == ("acme@3", "acme@1", "published")
     assert back.metrics == {"reward": 0.7}
+    assert back.gate == {"rollback_to": "acme@1"}  # no gate KL known for acme@1, none made up
     assert (back.path / "adapter_model.safetensors").read_bytes() == b"weights-1"
     assert reg.latest_published("acme").name == "acme@3"
     assert reg.published()["acme"].name == "acme@3"
     assert reg.get("acme", 1).status == "published", "history is not rewritten"
+
+
+def test_a_rollback_keeps_the_gate_kl_of_the_version_it_copies(data_dir, peft_writer):
+    """The learner refuses to train from a served version whose gate KL is above the tenant's gate_max_kl
+    (every candidate would be rejected): a rollback serves the same weights, so it carries their KL."""
+    reg = Registry(data_dir, keep_last=5)
+    _new(reg, peft_writer)
+    reg.publish("acme", 1, gate={"kl": 3.5, "limit_max_kl": 5.0, "reward_delta": 0.1})
+    _new(reg, peft_writer, parent="acme@1")
+    reg.publish("acme", 2, gate={"kl": 0.5})
+    assert reg.rollback("acme", 1).gate == {"rollback_to": "acme@1", "kl": 3.5}
 
 
 def test_a_rollback_to_old_files_survives_a_concurrent_creates_cleanup(data_dir, peft_writer, monkeypatch):
