@@ -90,7 +90,14 @@ import pyarrow as pa
 
 from clora.config import Config, ConfigError
 from learner import gate, logs_mode, rollouts
-from learner.policy import ADAPTER_WEIGHTS, DamagedFile, Policy, PolicyError, read_adapter_shape
+from learner.policy import (
+    ADAPTER_WEIGHTS,
+    DamagedFile,
+    Policy,
+    PolicyError,
+    missing_checkpoint_files,
+    read_adapter_shape,
+)
 from learner.rollouts import LocalSampler, Prefetcher, RolloutPlan, SampleRequest, Sampler, ServingSampler
 from learner.rollouts import SampledBatch
 from learner.scheduler import Ledger, charge, choose
@@ -1109,6 +1116,8 @@ class Learner:
             step, directory = latest
             try:
                 meta = _read_meta(directory)
+                if missing := missing_checkpoint_files(directory):
+                    raise DamagedFile(f"tenant {name!r}: the checkpoint {directory} lacks {', '.join(missing)}")
                 self._add_adapter(rt, directory / "adapter")
                 self.policy.load_checkpoint(name, directory)
                 if not self.policy.weights_finite(name):

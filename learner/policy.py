@@ -823,6 +823,18 @@ def _without_unsafe_advice(e: Exception) -> str:
     return f"{type(e).__name__}: {text}"
 
 
+def missing_checkpoint_files(directory: str | Path) -> list[str]:
+    """The files `save_checkpoint` writes that `directory` lacks. A committed checkpoint is written whole
+    (storage.cursors), so one missing is damage; any other error reading the directory is the disk's, raised."""
+    missing = []
+    for rel in (f"{CHECKPOINT_ADAPTER_DIR}/{ADAPTER_CONFIG}", f"{CHECKPOINT_ADAPTER_DIR}/{ADAPTER_WEIGHTS}", OPTIMIZER_FILE):
+        try:
+            (Path(directory) / rel).stat()
+        except FileNotFoundError:
+            missing.append(rel)
+    return missing
+
+
 def read_adapter_shape(directory: str | Path) -> dict:
     """r, lora_alpha and target_modules of a saved adapter (for rebuilding it with the shape it was saved in)."""
     path = Path(directory) / ADAPTER_CONFIG

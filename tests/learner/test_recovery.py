@@ -152,6 +152,24 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_tenant_goes_on_from_the_one_b
     learner.close()
 
 
+@pytest.mark.parametrize("lost", ["optimizer.pt", "adapter/adapter_model.safetensors", "adapter/adapter_config.json"])
+def test_a_checkpoint_missing_a_file_is_set_aside_as_damaged(tiny_model, data_dir, lost):
+    """A committed checkpoint is written whole: a file gone from it (deleted by hand, lost by the disk) is
+    damage, not a disk error to wait out; it blocked the tenant until someone moved the checkpoint."""
+    cfg = trained(data_dir, tiny_model, 16)
+    step, checkpoint = Cursors(data_dir).latest_checkpoint("acme")
+    assert step == 2
+    (checkpoint / lost).unlink()
+    write(data_dir, "acme", rows("b", 8, seed=1), "b1", start=100)
+    learner = learn(cfg, tiny_model)
+    rt = learner.tenants["acme"]
+    assert rt.error is None and rt.step == 3 and published(data_dir) == [1, 2, 3]
+    assert Registry(data_dir).get("acme", 3).parent == "acme@2" and Cursors(data_dir).backlog()["acme"] == 0
+    (aside,) = (data_dir / "state" / "damaged-checkpoints" / "acme").iterdir()
+    assert not (aside / lost).exists() and aside.name.startswith("step-00000000000000000002-")
+    learner.close()
+
+
 def test_a_checkpoint_of_a_newer_format_is_not_called_damaged_and_nothing_stays_half_loaded(tiny_model, data_dir):
     """Only damaged content is damaged: a checkpoint another clora wrote is not to be moved away."""
     cfg = trained(data_dir, tiny_model, 8)
