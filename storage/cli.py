@@ -606,20 +606,34 @@ def _prune(cfg, days: float, dataset: str | None, tenant: str | None, *, dry_run
     older_than_s = days * DAY_S
     # Dead letters without a readable tenant (_unknown) have data files only: no adapters, no learner cursor.
     data_only = bool(dataset) or tenant == UNKNOWN_TENANT
-    try:
-        results = prune(cfg.data_dir, older_than_s=older_than_s, dataset=dataset, tenant=tenant, dry_run=dry_run)
-        records = {} if data_only else prune_registry(cfg.data_dir, older_than_s=older_than_s, tenant=tenant, dry_run=dry_run)
-        forgotten = {} if data_only else forget_trained(cfg.data_dir, older_than_s=older_than_s, tenant=tenant, dry_run=dry_run)
-        spooled = 0 if data_only or tenant else prune_spool_dead(cfg.data_dir, older_than_s=older_than_s, dry_run=dry_run)
-    except (StorageError, ValueError, OSError) as e:
-        print(f"clora {command}: {e}", file=sys.stderr)
-        return 1
+    failed = []
+
+    def step(what: str, default, run):
+        """Each part on its own: one that fails (a directory that cannot be listed, a full disk) must not
+        keep the others from running, or one bad directory turns retention off for everything."""
+        try:
+            return run()
+        except (StorageError, ValueError, OSError) as e:
+            print(f"clora {command}: {what}: {e}", file=sys.stderr, flush=True)
+            failed.append(what)
+            return default
+
+    kw = dict(older_than_s=older_than_s, dry_run=dry_run)
+    results = step("data files", [], lambda: prune(cfg.data_dir, dataset=dataset, tenant=tenant, **kw))
+    records = {} if data_only else step("adapter records", {}, lambda: prune_registry(cfg.data_dir, tenant=tenant, **kw))
+    forgotten = {} if data_only else step("trained ids", {}, lambda: forget_trained(cfg.data_dir, tenant=tenant, **kw))
+    spooled = 0 if data_only or tenant else step("serving dead letters", 0, lambda: prune_spool_dead(cfg.data_dir, **kw))
     for r in results:
-        if r.files or r.skipped or r.unreadable:
+        if r.files or r.skipped or r.unreadable or r.error:
             print(r, flush=True)
+    failed += [r.where for r in results if r.error]
     verb = "would delete" if dry_run else "deleted"
     print(f"pruned (older than {days:g} days): {verb} {sum(r.files for r in results)} files, "
           f"{sum(r.rows for r in results)} rows, {sum(r.bytes for r in results) / 1e6:.1f} MB, "
           f"{sum(records.values())} adapter version records, {spooled} serving dead-letter day files; "
           f"{sum(forgotten.values())} trained ids forgotten", flush=True)
+    if failed:  # the rest was pruned; the run as a whole did not do what was asked
+        print(f"clora {command}: pruning failed for {len(failed)}: {', '.join(failed)} (see above)", file=sys.stderr,
+              flush=True)
+        return 1
     return 0

@@ -66,9 +66,16 @@ class PruneResult:
     bytes: int = 0
     unreadable: int = 0  # files whose footer or time column could not be read (left alone, logged)
     skipped: str | None = None
+    error: str | None = None  # why pruning failed here (logged with its traceback); the others went on
+
+    @property
+    def where(self) -> str:
+        return f"{self.dataset}/tenant={self.tenant}" if self.tenant else self.dataset
 
     def __str__(self) -> str:
-        where = f"{self.dataset}/tenant={self.tenant}"
+        where = self.where
+        if self.error:
+            return f"{where}: failed: {self.error}"
         if self.skipped:
             return f"{where}: skipped ({self.skipped})"
         bad = f"; {self.unreadable} unreadable files left alone" if self.unreadable else ""
@@ -97,14 +104,23 @@ def prune(
     now_s: float | None = None,
 ) -> list[PruneResult]:
     """Deletes every file whose rows were all ingested more than `older_than_s` ago, in each partition of
-    the pruned datasets (one dataset / one tenant if given); see the module note."""
+    the pruned datasets (one dataset / one tenant if given); see the module note. A partition that fails (a
+    disk or permission error), or a dataset whose tenants cannot be listed (a file in its directory's place),
+    is logged and has its result's `error` set (the tenant "" for a dataset); the others are pruned all the
+    same, as in compaction: one bad directory must not turn retention off for every tenant."""
     cutoff_ms = round(_cutoff_s(older_than_s, now_s) * 1000)
     dd = as_datadir(root)
     if dataset is not None and check_dataset(dataset) not in PRUNED_DATASETS:
         raise ValueError(f"{dataset} is not pruned; pruned datasets: {', '.join(PRUNED_DATASETS)}")
     results = []
     for ds in [dataset] if dataset else PRUNED_DATASETS:
-        for t in [tenant] if tenant else partition_tenants(dd, ds):
+        try:
+            tenants = [tenant] if tenant else partition_tenants(dd, ds)
+        except OSError as e:
+            logger.exception("retention: listing the tenants of %s failed", ds)
+            results.append(PruneResult(ds, "", error=f"{type(e).__name__}: {e}"))
+            continue
+        for t in tenants:
             results.append(prune_partition(dd, ds, t, cutoff_ms, dry_run=dry_run))
     return results
 
@@ -208,5 +224,9 @@ def prune_partition(root, dataset: str, tenant: str, cutoff_ms: int, *, dry_run:
                     fsync_dir(directory)
     except LockBusy:
         result.skipped = "a compaction holds this partition"
-    logger.log(logging.INFO if result.files or result.skipped or result.unreadable else logging.DEBUG, "pruned %s", result)
+    except Exception as e:  # noqa: BLE001 (one partition must not stop the others' retention; what went stands)
+        logger.exception("retention: pruning %s/tenant=%s failed", dataset, tenant)
+        result.error = f"{type(e).__name__}: {e}"
+    if not result.error:
+        logger.log(logging.INFO if result.files or result.skipped or result.unreadable else logging.DEBUG, "pruned %s", result)
     return result

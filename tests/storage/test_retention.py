@@ -181,6 +181,50 @@ def test_prune_command(tmp_path, data_dir, files, monkeypatch, capsys):
     assert exit_.value.code == 2 and "pending_expiry_hours" in capsys.readouterr().err
 
 
+def test_one_dataset_that_cannot_be_listed_does_not_turn_retention_off_for_the_rest(
+        tmp_path, data_dir, files, monkeypatch, capsys):
+    """A file in feedback/'s place stopped the whole run before trajectories, the registry, the cursors and
+    serving's dead letters were pruned, at every compactor cycle: the disk filled while one line was logged."""
+    from clora.cli import build_parser
+    from storage.layout import DataDir
+
+    (data_dir / "feedback").write_text("not a directory")
+    dead = DataDir(data_dir).serving_spool_dead
+    dead.mkdir(parents=True)
+    (dead / "2025-01-01.jsonl").write_text("{}\n")
+    config = tmp_path / "clora.toml"
+    config.write_text(f'data_dir = "{data_dir}"\n')
+    monkeypatch.delenv("CLORA_DATA_DIR", raising=False)
+    monkeypatch.setenv("CLORA_CONFIG", str(config))
+    args = build_parser(["storage.cli"]).parse_args(["prune", "--older-than-days", "30"])
+    assert args.func(args) == 1
+    out, err = capsys.readouterr()
+    assert names(files) == [] and not (dead / "2025-01-01.jsonl").exists()  # the others were pruned
+    assert "feedback: failed: NotADirectoryError" in out and "deleted 5 files, 20 rows" in out
+    assert "pruning failed for 1: feedback" in err
+
+    results = prune(data_dir, older_than_s=30 * DAY_S)
+    assert [(r.where, r.error is not None) for r in results if r.error] == [("feedback", True)]
+
+
+def test_one_partition_that_fails_does_not_stop_the_others(data_dir, files, make_trajectories, monkeypatch):
+    from storage import retention
+
+    write_dataset(data_dir, "trajectories", make_trajectories(["g-0"], tenant="globex"), file_id="g0")
+    listing = retention.partition_listing
+
+    def disk_error_for_acme(dd, dataset, tenant):
+        if tenant == "acme":
+            raise OSError(5, "Input/output error")
+        return listing(dd, dataset, tenant)
+
+    monkeypatch.setattr(retention, "partition_listing", disk_error_for_acme)
+    results = {r.where: r for r in prune(data_dir, older_than_s=30 * DAY_S)}
+    assert results["trajectories/tenant=acme"].error == "OSError: [Errno 5] Input/output error"
+    assert str(results["trajectories/tenant=acme"]) == "trajectories/tenant=acme: failed: OSError: [Errno 5] Input/output error"
+    assert results["trajectories/tenant=globex"].files == 1 and len(names(files)) == 5
+
+
 def test_the_compactor_loop_of_a_dataset_never_pruned_says_so_once(tmp_path, data_dir, compactor_loop):
     config = tmp_path / "loop.toml"
     config.write_text(f'data_dir = "{data_dir}"\n[retention]\ndays = 30\n')
