@@ -252,25 +252,45 @@ def write_table(table, fmt: str, out: str | None) -> None:
 def _write_whole(out: str, write) -> None:
     """`write(f)` into a binary file, a hidden sibling of `out` that is renamed over it once complete, so a
     write that fails or is interrupted (Ctrl-C, a full disk) leaves no partial file and the previous one
-    intact. A device or pipe (--out /dev/stdout) is written as it is: it cannot be renamed over. Python
-    opens the file, so an OSError says why in `strerror`, without the hidden file's name."""
+    intact; the previous file's permissions carry over. A symbolic link is followed (the file it names is
+    replaced, the link stays). A device, a pipe, or anything reached through /dev or /proc (--out /dev/stdout,
+    which with stdout redirected resolves to that file) is written as it is: renaming over it would replace
+    the device's name itself. Python opens the file, so an OSError says why in `strerror`, without the
+    hidden file's name."""
     import os
+    import stat
     from pathlib import Path
 
     from storage.files import tmp_name
 
-    final = Path(out)
-    if final.exists() and not final.is_file():
-        with open(final, "wb") as f:
+    if _written_in_place(out):
+        with open(out, "wb") as f:
             write(f)
         return
+    final = Path(os.path.realpath(out))
     tmp = tmp_name(final)
     try:
         with open(tmp, "wb") as f:
             write(f)
+        try:
+            os.chmod(tmp, stat.S_IMODE(final.stat().st_mode))
+        except FileNotFoundError:  # a new file: the umask's mode, as open() gave it
+            pass
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _written_in_place(out: str) -> bool:
+    """Whether `--out` is written as it is rather than replaced: a device or pipe, or a path in or through
+    /dev or /proc (their names cannot be renamed over; as root, /dev/stdout itself would be)."""
+    import os
+    from pathlib import Path
+
+    given, final = Path(os.path.abspath(out)), Path(os.path.realpath(out))
+    if any(p.parts[1:2] in (("dev",), ("proc",)) for p in (given, final)):
+        return True
+    return final.exists() and not final.is_file()
 
 
 def _rows(table) -> list[tuple]:

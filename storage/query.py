@@ -3,7 +3,9 @@
 Views: interactions, feedback, trajectories, dead_letters, train_steps (one per Parquet dataset, columns as
 in schema.py) and adapters (one row per registry version). `query` builds the adapters view only when the
 SQL names it (it reads every registry record, the whole history of every tenant; otherwise the view is
-empty), and leaves out, with a warning, records it cannot read.
+empty), and leaves out, with a warning, records it cannot read. Likewise a dataset's view reads its files
+only when the SQL names it: DuckDB reads the footer of every file a view lists when it creates the view,
+so otherwise one damaged file would fail every query, `select 1` included.
 
 Each dataset view reads an explicit list of files, `parquet.live_files`, rather than a glob: a glob would
 count rows twice while compacted inputs still lie on disk (until compaction's grace period is over). The
@@ -75,8 +77,10 @@ def connect(root, *, adapters: bool = True) -> duckdb.DuckDBPyConnection:
     return _connect(as_datadir(root), adapters)[0]
 
 
-def _connect(dd, adapters: bool) -> tuple[duckdb.DuckDBPyConnection, list[str]]:
-    """(the connection, every dataset file its views read)."""
+def _connect(dd, adapters: bool, datasets=DATASETS) -> tuple[duckdb.DuckDBPyConnection, list[str]]:
+    """(the connection, every dataset file its views read). The views of datasets not in `datasets` are
+    empty (their columns only): DuckDB reads every listed file's footer when it creates a view, so one
+    damaged file would fail every statement, `select 1` and the adapters view included."""
     typed_adapters = adapters_table(readable_versions(Registry(dd)) if adapters else [])
     for attempt in range(QUERY_ATTEMPTS):
         con = duckdb.connect(":memory:")
@@ -86,7 +90,7 @@ def _connect(dd, adapters: bool) -> tuple[duckdb.DuckDBPyConnection, list[str]]:
             # deletes a listed file in between fails here: list again.
             listed = []
             for dataset in DATASETS:
-                files = live_files(dd, dataset)
+                files = live_files(dd, dataset) if dataset in datasets else []
                 listed += files
                 _create_view(con, dataset, SCHEMAS[dataset].empty_table(), files)
             _create_view(con, "adapters", typed_adapters, [])
@@ -117,21 +121,22 @@ def readable_versions(registry: Registry) -> list[AdapterVersion]:
     return out
 
 
-def mentions_adapters(sql: str) -> bool:
-    """Whether `sql` may read the adapters view (the word, in any case, anywhere: a superset is harmless)."""
-    return re.search(r"\badapters\b", sql, re.IGNORECASE) is not None
+def mentions(sql: str, view: str) -> bool:
+    """Whether `sql` may read `view` (its name as a word, in any case, anywhere: a superset is harmless)."""
+    return re.search(rf"\b{view}\b", sql, re.IGNORECASE) is not None
 
 
 def query(root, sql: str) -> pa.Table:
     """Runs `sql` against the views; returns the result (an empty table for statements without one).
 
-    The adapters view is built only when `sql` names it. The statement runs again only when it failed on a
+    The adapters view is built, and a dataset's view reads its files, only when `sql` names it. The statement runs again only when it failed on a
     dataset file that vanished (a compaction deleted it between our listing and DuckDB reading it); any other
     error, a user's own IO error included, is raised at once (the statement may have had side effects)."""
     dd = as_datadir(root)
-    adapters = mentions_adapters(sql)
+    adapters = mentions(sql, "adapters")
+    datasets = [d for d in DATASETS if mentions(sql, d)]
     for attempt in range(QUERY_ATTEMPTS):
-        con, listed = _connect(dd, adapters)
+        con, listed = _connect(dd, adapters, datasets)
         try:
             return _interruptible(con, sql)
         except duckdb.IOException as e:

@@ -86,6 +86,22 @@ def test_write_partitions_by_tenant_and_reads_back(data_dir, make_trajectories):
     assert not [p for p in paths[0].parent.iterdir() if p.name.startswith(".")], "no temp files left behind"
 
 
+def test_other_readers_read_a_dataset_as_the_readme_says(data_dir, make_trajectories):
+    """The README's recipes for reading the files without clora: each file carries its own `tenant`
+    column, so pyarrow's default hive inference (a dictionary `tenant`) does not merge with it."""
+    import duckdb
+    import pyarrow.dataset as ds
+
+    write_dataset(data_dir, "trajectories", make_trajectories(["a", "b"], "acme"), file_id="f1")
+    write_dataset(data_dir, "trajectories", make_trajectories(["c"], "globex"), file_id="f1")
+    directory = data_dir / "trajectories"
+    expected = [("a", "acme"), ("b", "acme"), ("c", "globex")]
+    for table in (pq.read_table(directory, partitioning=None), ds.dataset(directory, format="parquet").to_table()):
+        assert sorted(zip(table.column("id").to_pylist(), table.column("tenant").to_pylist())) == expected
+    rows = duckdb.sql(f"select id, tenant from read_parquet('{directory}/*/*.parquet', hive_partitioning = false)")
+    assert sorted(rows.fetchall()) == expected
+
+
 def test_split_by_tenant_keeps_each_tenants_rows_in_order(make_trajectories):
     table = pa.concat_tables([make_trajectories(["b1"], "beta"), make_trajectories(["a1", "a2"], "acme"),
                               make_trajectories(["b2"], "beta"), make_trajectories(["a3"], "acme")])

@@ -302,6 +302,11 @@ def test_query_over_a_damaged_data_file_names_it_and_points_nowhere_into_the_vie
     code, _, err = clora("query", "select count(*) from trajectories")
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert path in err and "a damaged data file" in err and "read_parquet" not in err and "(line" not in err, err
+    # Queries that do not read trajectories are not stopped by it (every one was: the views read every footer).
+    for sql, first in (("select 42 x", "42"), ("select count(*) n from interactions", "0"),
+                       ("select count(*) n from adapters", "0")):
+        code, out, err = clora("query", sql)
+        assert code == 0 and out.splitlines()[2] == first, (sql, err)
 
 
 def test_query_of_a_missing_table_names_the_views(clora, data_dir):
@@ -513,6 +518,39 @@ def test_an_interrupted_or_failed_out_file_write_leaves_the_previous_file(tmp_pa
         write_table(pa.table({"x": [2]}), "parquet", str(out))
     assert pq.read_table(out).column("x").to_pylist() == [1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["result.parquet"]
+
+
+def test_an_out_file_reached_by_a_link_is_replaced_through_it_keeping_its_permissions(tmp_path):
+    """The link itself was renamed over (the file it named kept the old result), and a 0600 result came
+    back 0644."""
+    import os
+
+    from storage.cli import write_table
+
+    target = tmp_path / "results" / "secret.csv"
+    target.parent.mkdir()
+    target.write_text("old\n")
+    target.chmod(0o600)
+    link = tmp_path / "latest.csv"
+    link.symlink_to(target)
+    write_table(pa.table({"x": [1]}), "csv", str(link))
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert target.read_text().splitlines() == ["x", "1"]
+    assert target.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in target.parent.iterdir()) == ["secret.csv"]  # no hidden file left
+
+
+def test_out_paths_in_or_through_dev_and_proc_are_written_in_place(tmp_path):
+    """With stdout redirected to a file, /dev/stdout resolves to that file: renaming over it replaced the
+    name /dev/stdout itself (as root), or failed to create a hidden file in /dev (as anyone else)."""
+    from storage.cli import _written_in_place
+
+    to_null = tmp_path / "to-null"
+    to_null.symlink_to("/dev/null")
+    assert _written_in_place("/dev/stdout") and _written_in_place("/proc/self/fd/1") and _written_in_place(str(to_null))
+    assert not _written_in_place(str(tmp_path / "new.csv"))
+    (tmp_path / "old.csv").write_text("x\n")
+    assert not _written_in_place(str(tmp_path / "old.csv"))
 
 
 def test_compact_goes_on_past_a_partition_that_fails_and_exits_1(clora, data_dir, make_trajectories, monkeypatch):
