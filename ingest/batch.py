@@ -254,7 +254,8 @@ class Processor:
             rejected = Rejected(dead_letter_row(dl, raw, at, now_ms), raw, at)
             if at in store.dead_letters:
                 # In dead_letters/ already: a replay after a crash that may have come before this batch's
-                # dead letters reached the topic, so they are sent again (the topic is at least once).
+                # dead letters reached the topic, so they are sent again (the topic is best effort, and
+                # may get one twice).
                 out.duplicates += 1
                 out.replayed_dead_letters.append(rejected)
                 return

@@ -21,9 +21,13 @@ is finished: nothing of it, nor of N+1, is committed or written, and the process
 Exactly once under SIGKILL: a crash anywhere before 4 replays the batch from the last commit. A replay of
 the same ranges lands on the same file names (a no-op); a replay cut differently is caught by the
 per-dataset key indexes (pending.py), so no row is stored twice and a lost trajectory is derived again.
-The dead-letter *topic* is at least once: a replayed batch sends its dead letters again, those already in
-dead_letters/ included (2 and 3 run side by side, so a crash may come after the Parquet file landed and
-before the broker acknowledged the sends); dead_letters/ in Parquet is exactly once.
+dead_letters/ in Parquet is exactly once, and the authoritative record. The dead-letter *topic* is best
+effort: a replayed batch sends its dead letters again, those already in dead_letters/ included (2 and 3 run
+side by side, so a crash may come after the Parquet file landed and before the broker acknowledged the
+sends), so a message can reach it twice; and dead letters the topic has not acknowledged after
+DEAD_LETTER_ATTEMPTS sends are given up (logged, counted in clora_ingest_dead_letters_not_delivered) and the
+batch is committed all the same, so a message can also never reach it. An outage of the dead-letter topic
+does not stop ingest.
 
 Rebalances (several `clora ingest` processes in one group split the partitions): on revocation the write
 in flight and the buffer are written and committed, then the in-memory view is dropped. Partitions *lost*
@@ -86,7 +90,7 @@ logger = logging.getLogger(__name__)
 POLL_MS = 500
 DEAD_LETTER_ATTEMPTS = 3  # sends of a dead letter the broker did not acknowledge, in all
 DEAD_LETTER_BACKOFF_SECONDS = 0.5  # times the attempt number, between attempts
-DEAD_LETTER_TIMEOUT_SECONDS = 30.0  # for the broker's answer to one dead letter, after flush()
+DEAD_LETTER_TIMEOUT_SECONDS = 30.0  # for the broker's answers to one attempt's dead letters, after flush()
 # A send's whole life, retries included (kafka-python's default is 120 s): the attempts below, each bounded
 # so, stay far inside max.poll.interval (a member silent that long leaves the group, and its batch replays).
 DEAD_LETTER_DELIVERY_MS = 20_000
@@ -128,12 +132,14 @@ def batch_file_id(ranges: dict[tuple[str, int], tuple[int, int]], keys: Iterable
 
 
 class DatasetRows(NamedTuple):
-    """One dataset's rows from one batch, with the key each row is deduplicated on."""
+    """One dataset's rows from one batch, with the key each row is deduplicated on (the store view's index),
+    and what the file id digests when that is not the keys (dead letters: see batch_datasets)."""
 
     dataset: str
     row_type: type
     rows: list
     keys: list[tuple]
+    name_keys: list[tuple] | None = None
 
 
 # The key of a row, read by C code rather than by a Python expression per row.
@@ -141,12 +147,21 @@ _TENANT_ID = attrgetter("tenant", "id")
 
 
 def batch_datasets(out: Output) -> list[DatasetRows]:
-    """The datasets a processed batch has rows for."""
+    """The datasets a processed batch has rows for.
+
+    A dead letter's key is its offset, (topic, partition, offset), and an offset names one message only
+    while its topic lives: a topic made again (the embedded broker's, at each start) numbers its offsets
+    from 0 again. Its file id therefore digests each message's bytes too, so that another message rejected
+    at a stored offset (the store view tells it from the old one: pending.py, `topics_since`) gets a file
+    of its own, where the stored file's name would be taken as written already (storage.parquet), while a
+    replay of the same messages still lands on the same name. Rows of the other datasets are keyed by what
+    they hold ((tenant, id), feedback's content): the same key is the same event, whichever topic carried it."""
     datasets = [
         DatasetRows("interactions", InteractionRow, out.interactions, list(map(_TENANT_ID, out.interactions))),
         DatasetRows("feedback", FeedbackRow, out.feedback, list(map(FEEDBACK_KEY, out.feedback))),
         DatasetRows("trajectories", TrajectoryRow, out.trajectories, list(map(_TENANT_ID, out.trajectories))),
-        DatasetRows("dead_letters", DeadLetterRow, [d.row for d in out.dead_letters], [tuple(d.at) for d in out.dead_letters]),
+        DatasetRows("dead_letters", DeadLetterRow, [d.row for d in out.dead_letters], [tuple(d.at) for d in out.dead_letters],
+                    [(*d.at, hashlib.blake2b(d.raw, digest_size=8).hexdigest()) for d in out.dead_letters]),
     ]
     return [d for d in datasets if d.rows]
 
@@ -158,7 +173,8 @@ def write_rows(root: str, part: DatasetRows, ranges: dict[tuple[str, int], tuple
     The rows are grouped by tenant (a stable sort: each tenant's rows keep their order) before the table
     is built, so write_dataset splits it into files by slicing rather than by sorting the Arrow table."""
     by_tenant = sorted(part.rows, key=itemgetter(part.row_type._fields.index("tenant")))
-    return write_dataset(root, part.dataset, to_table(by_tenant, part.row_type), file_id=batch_file_id(ranges, part.keys))
+    file_id = batch_file_id(ranges, part.keys if part.name_keys is None else part.name_keys)
+    return write_dataset(root, part.dataset, to_table(by_tenant, part.row_type), file_id=file_id)
 
 
 def _tell_store(store: PendingStore, part: DatasetRows) -> None:
@@ -434,7 +450,7 @@ class Ingest:
             return True
         write, self.writing = self.writing, None
         write.batch.wait()  # a failed write raises here, and nothing of it is committed
-        write.dead_letters.result()
+        self.metrics.dead_letters_not_delivered(write.dead_letters.result())
         if commit and not self._commit(write.batch.out.ranges):
             return False
         store = write.batch.store
@@ -449,9 +465,10 @@ class Ingest:
             store.shrink_files()
         return True
 
-    def _dead_letters(self, out: Output) -> None:
+    def _dead_letters(self, out: Output) -> int:
         """On a writer thread: sends the batch's dead letters and waits for the broker's answers. A send the
         broker did not acknowledge is sent again (up to DEAD_LETTER_ATTEMPTS times in all) before giving up.
+        Returns how many were given up on (the loop counts them: clora_ingest_dead_letters_not_delivered).
 
         Giving up is logged, not raised: the dead letter is in Parquet either way, and a dead-letter topic
         that refuses messages must not stop ingest of the good ones.
@@ -460,7 +477,7 @@ class Ingest:
         pending = list(everything)
         for attempt in range(1, DEAD_LETTER_ATTEMPTS + 1):
             if not pending:
-                return
+                return 0
             try:
                 sent = [(rejected, self._send_dead_letter(rejected)) for rejected in pending]
             except (KafkaError, ValueError) as e:
@@ -469,13 +486,19 @@ class Ingest:
                 # would wait as long each: give up on this batch's dead letters at once.
                 failed = [(rejected, e) for rejected in pending]
                 break
-            self.producer.flush(timeout=DEAD_LETTER_DELIVERY_MS / 1000)  # each future below says what came of it
+            try:
+                self.producer.flush(timeout=DEAD_LETTER_DELIVERY_MS / 1000)
+            except KafkaError as e:  # KafkaTimeoutError: some sends are not answered yet; the futures below say which
+                logger.debug("ingest: flushing %d dead letters to %s: %s", len(sent), self.dead_letter_topic, e)
             failed = []
+            # One deadline for the attempt's answers, not one per dead letter: after a flush that timed out,
+            # a producer that answers nothing would otherwise hold this thread that long for each of them.
+            deadline = time.monotonic() + DEAD_LETTER_TIMEOUT_SECONDS
             for rejected, future in sent:
                 # Each send's own answer, not flush()'s word: a send can still be on its way to the
                 # producer's buffer when flush() looks, and "not done" must not pass for "acknowledged".
                 try:
-                    future.get(timeout=DEAD_LETTER_TIMEOUT_SECONDS)
+                    future.get(timeout=max(0.0, deadline - time.monotonic()))
                 except KafkaError as e:
                     failed.append((rejected, e))
             pending = [rejected for rejected, _ in failed]
@@ -483,12 +506,14 @@ class Ingest:
                 logger.warning("ingest: %d dead letters not acknowledged by %s (%s); sending them again",
                                len(failed), self.dead_letter_topic, failed[0][1])
                 time.sleep(DEAD_LETTER_BACKOFF_SECONDS * attempt)
-        if pending:
-            at, e = failed[0][0].at, failed[0][1]
-            logger.error(
-                "ingest: %d of %d dead letters could not be sent to %s (first: %s:%d:%d: %s); they are in dead_letters/",
-                len(failed), len(everything), self.dead_letter_topic, at.topic, at.partition, at.offset, e,
-            )
+        if not pending:
+            return 0
+        at, e = failed[0][0].at, failed[0][1]
+        logger.error(
+            "ingest: %d of %d dead letters could not be sent to %s (first: %s:%d:%d: %s); they are in dead_letters/",
+            len(failed), len(everything), self.dead_letter_topic, at.topic, at.partition, at.offset, e,
+        )
+        return len(failed)
 
     def _send_dead_letter(self, rejected: Rejected) -> FutureRecordMetadata:
         """Hands one dead letter to the producer (which sends it on its own thread)."""
@@ -577,7 +602,7 @@ class Ingest:
         try:
             if write is not None:
                 write.batch.wait()
-                write.dead_letters.result()
+                self.metrics.dead_letters_not_delivered(write.dead_letters.result())
         finally:
             self.store = None
 

@@ -4,9 +4,10 @@ Reported: events/s, rows written per dataset, duplicates skipped, dead letters b
 partition, pending feedback, pending feedback dropped from memory by reason (`over_cap`: the tenant's cap,
 ingest.max_pending_feedback_per_tenant, or the total cap made room for newer feedback; `per_id`: its id
 already had 8 feedback events waiting; `expired`: waited longer than ingest.pending_expiry_hours; in each
-case the event stays in feedback/), flush time. Prometheus metrics live in a registry of their own (so several
-Ingest objects in one test process do not collide) and are served on 127.0.0.1:`port` when the port is
-non-zero (config `ingest.metrics_port`).
+case the event stays in feedback/), dead letters the dead-letter topic never acknowledged (given up after
+consumer.DEAD_LETTER_ATTEMPTS sends; the topic is best effort, they are in dead_letters/), flush time.
+Prometheus metrics live in a registry of their own (so several Ingest objects in one test process do not
+collide) and are served on 127.0.0.1:`port` when the port is non-zero (config `ingest.metrics_port`).
 
 Not here: how the numbers are produced (consumer.py calls `flushed` and `lag`).
 """
@@ -39,6 +40,11 @@ class IngestMetrics:
         self.rows = PromCounter("clora_ingest_rows", "Rows written, by dataset", ["dataset"], registry=self.registry)
         self.duplicates = PromCounter("clora_ingest_duplicates", "Messages already stored, skipped", registry=self.registry)
         self.dead = PromCounter("clora_ingest_dead_letters", "Dead letters, by reason", ["reason"], registry=self.registry)
+        self.not_delivered_counter = PromCounter(
+            "clora_ingest_dead_letters_not_delivered",
+            "Dead letters the dead-letter topic did not acknowledge after every attempt (they are in dead_letters/)",
+            registry=self.registry,
+        )
         self.lag_gauge = Gauge("clora_ingest_lag", "Consumer lag, by topic and partition", ["topic", "partition"], registry=self.registry)
         self.pending_gauge = Gauge("clora_ingest_pending_feedback", "Feedback waiting for its interaction", registry=self.registry)
         self.dropped_counter = PromCounter(
@@ -84,6 +90,11 @@ class IngestMetrics:
         self.flush_seconds.observe(seconds)
         self.set_pending(pending)
 
+    def dead_letters_not_delivered(self, n: int) -> None:
+        """`n` dead letters of a batch (replayed ones included) were given up on by the dead-letter topic."""
+        self.not_delivered_counter.inc(n)
+        self.total["dead_letters_not_delivered"] += n
+
     def pending_dropped(self, reason: str, n: int) -> None:
         self.dropped_counter.labels(reason).inc(n)
         self.dropped[reason] += n
@@ -107,6 +118,8 @@ class IngestMetrics:
         self._last_log, self._last_messages = now, self.total["messages"]
         lag = ", ".join(f"{t}:{p}={n}" for (t, p), n in sorted(self.lag.items())) or "-"
         reasons = ", ".join(f"{r}={n}" for r, n in sorted(self.reasons.items())) or "none"
+        if undelivered := self.total["dead_letters_not_delivered"]:
+            reasons += f" ({undelivered} not delivered to the dead-letter topic)"
         dropped = ", ".join(f"{r}={n}" for r, n in sorted(self.dropped.items())) or "none"
         logger.info(
             "ingest: %.0f events/s; totals: %d messages, %d interactions, %d trajectories, %d feedback, "

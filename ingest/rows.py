@@ -168,8 +168,13 @@ def feedback_row(ev: FeedbackEvent, at: Origin, ingested_at: int) -> FeedbackRow
 
 
 def dead_letter_row(dl: DeadLetter, raw: bytes, at: Coords, ingested_at: int) -> DeadLetterRow:
+    """The row of a rejected message; every dead letter, whatever its reason, is built here. Its detail is
+    made encodable: it can quote a lone surrogate (a scorer's error text, say, about a string json.loads
+    made of "\\ud83d"), which neither Arrow's UTF-8 column nor the `clora.detail` Kafka header can hold, and
+    whose write would then fail again at every replay. Such a character is kept as its escape, `\\ud83d`."""
+    detail = dl.detail.encode("utf-8", "backslashreplace").decode("utf-8")
     return DeadLetterRow(
-        dl.tenant or UNKNOWN_TENANT, dl.reason, dl.detail, raw[:RAW_PREFIX_BYTES], at.topic, at.partition, at.offset, ingested_at
+        dl.tenant or UNKNOWN_TENANT, dl.reason, detail, raw[:RAW_PREFIX_BYTES], at.topic, at.partition, at.offset, ingested_at
     )
 
 

@@ -23,10 +23,14 @@ Elsewhere (another thread, or a process whose SIGALRM handler is someone else's)
 
 Ingest scores interactions with these; the learner's rollouts mode imports `build_scorer` too. `apply`
 runs a scorer and turns any failure into one `ScorerError` whose message is a traceback summary (ingest
-dead-letters that event with reason `scorer_error`). Checking what a python scorer returned cannot raise
-anything else either: an int past a float's range (10**400 made `math.isfinite` raise OverflowError, which
-stopped ingest) is converted with its overflow caught, and values are shown without a repr that could fail
-or run to thousands of digits. Nothing here does I/O beyond importing a python scorer.
+dead-letters that event with reason `scorer_error`). A MemoryError counts as a failure too: a scorer that
+asks numpy for an impossible array ("Unable to allocate 596 GiB") fails that one call, the allocation never
+made, and raising it on would stop ingest at that event again at every restart. KeyboardInterrupt alone
+goes up: Ctrl-C lands in whatever code runs (the learner's second Ctrl-C raises it from its signal handler),
+and nothing tells that apart from a scorer's own `raise KeyboardInterrupt`. Checking what a python scorer
+returned cannot raise anything else either: an int past a float's range (10**400 made `math.isfinite` raise
+OverflowError, which stopped ingest) is converted with its overflow caught, and values are shown without a
+repr that could fail or run to thousands of digits. Nothing here does I/O beyond importing a python scorer.
 """
 
 from __future__ import annotations
@@ -272,9 +276,9 @@ def apply(scorer: Scorer, completion: str, prompt: str) -> float:
     """Runs `scorer`; returns its reward as a float, or raises ScorerError with a traceback summary."""
     try:
         reward = scorer(completion, prompt)
-    except (KeyboardInterrupt, MemoryError):
+    except KeyboardInterrupt:  # Ctrl-C, as far as anyone can tell (see the module docstring)
         raise
-    except BaseException as e:  # a user's scorer may raise anything, sys.exit() too: it must not stop the consumer
+    except BaseException as e:  # a user's scorer may raise anything (sys.exit(), MemoryError): it must not stop the consumer
         summary = "".join(traceback.format_exception(e, limit=-3)).strip()
         raise ScorerError(f"scorer raised {type(e).__name__}: {exception_text(e)}\n{summary}"[:2000]) from e
     if type(reward) is float:  # what the built-in scorers return: no ABC check, and float() would return it

@@ -56,6 +56,20 @@ def counted_bad_scorer(completion, prompt):
     raise ZeroDivisionError("scorer bug")
 
 
+def allocating_scorer(completion, prompt):
+    """Asks numpy for an array no machine holds: numpy raises its MemoryError subclass at once."""
+    import numpy as np
+
+    return float(np.ones(2**62, dtype=np.uint8).sum())
+
+
+LONE_SURROGATE = json.loads('"\\ud83d oops"')  # JSON's escape of half an emoji: a str no UTF-8 encodes
+
+
+def surrogate_error_scorer(completion, prompt):
+    raise ValueError(f"no number: {LONE_SURROGATE}")
+
+
 class Harness:
     """Feeds records through Processor + write_output as consumer.py does, one call per batch."""
 
@@ -408,6 +422,27 @@ def test_scorer_failure_and_unknown_tenant_are_dead_letters(data_dir):
     assert h.table("interactions").column("id").to_pylist() == ["c"]
 
 
+def test_a_scorer_out_of_memory_is_a_dead_letter_and_ingest_goes_on(data_dir):
+    """numpy's "Unable to allocate" (a MemoryError) went up out of the batch: ingest stopped, and again at
+    every replay of it."""
+    h = Harness(data_dir, scorers={"big": f"python:{__name__}:allocating_scorer", "fb": "feedback"})
+    out = h.feed(inter("a", tenant="big"), inter("b"), fb("b", 0.5))
+    assert out.reasons == {"scorer_error": 1}
+    (detail,) = h.table("dead_letters").column("detail").to_pylist()
+    assert "MemoryError: Unable to allocate 4.00 EiB" in detail
+    assert h.rewards() == [("b", 0.5, "feedback")]
+
+
+def test_a_scorer_error_quoting_a_lone_surrogate_is_stored_escaped(data_dir):
+    """The error text went into the dead letter's detail as it was: Arrow refused to encode it, the batch's
+    write failed, and so did every replay of it."""
+    h = Harness(data_dir, scorers={"sur": f"python:{__name__}:surrogate_error_scorer", "fb": "feedback"})
+    h.feed(inter("a", tenant="sur"), inter("b"))
+    (detail,) = h.table("dead_letters").column("detail").to_pylist()
+    assert "ValueError: no number: \\ud83d oops" in detail
+    assert h.table("interactions").column("id").to_pylist() == ["b"]
+
+
 def test_a_replay_does_not_run_a_scorer_again_on_an_event_it_failed(data_dir):
     """A scorer that ran out of time would cost its whole limit again per event on every replay of the batch,
     which could keep a partition from ever being committed."""
@@ -690,3 +725,18 @@ def test_a_topic_made_again_numbers_its_offsets_anew_and_its_messages_are_not_ta
     # the same incarnation replayed after a restart: still each once
     h.restart(now_ms=NOW_MS + 120_000, topics_since={"i": NOW_MS + 60_000, "f": NOW_MS + 60_000})
     assert h.replay(h.log[1:]).rows == 0
+
+
+def test_another_message_rejected_at_a_stored_offset_of_a_topic_made_again_is_stored(data_dir):
+    """A topic made again numbers its offsets from 0: a new malformed message at the offset of a stored dead
+    letter, in a batch of the same range, got the stored file's name, so its write was taken as done already
+    and the row never stored. The same messages written again still land on the same name."""
+    h = Harness(data_dir, scorers={"dig": "digits"})
+    h.feed(b"not json")  # i:0:0, dead-lettered
+    h.restart(now_ms=NOW_MS + 60_000, topics_since={"i": NOW_MS + 60_000, "f": NOW_MS + 60_000})
+    h.offsets = {}  # the topic made again: offsets from 0
+    out = h.feed(b"other junk", now_ms=NOW_MS + 60_000)  # i:0:0 again, alone in its batch, as before
+    assert out.reasons == {"not_json": 1}
+    assert sorted(h.table("dead_letters").column("raw").to_pylist()) == [b"not json", b"other junk"]
+    write_output(h.root, h.store, out)  # the same batch's write, again: a no-op
+    assert h.table("dead_letters").num_rows == 2

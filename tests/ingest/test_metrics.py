@@ -14,19 +14,23 @@ from storage.layout import FILE_ID
 pytestmark = pytest.mark.unit
 
 
-def test_totals_and_prometheus_endpoint():
+def test_totals_and_prometheus_endpoint(caplog):
     port = free_port()
     metrics = IngestMetrics(port=port)
     try:
         out = Output(duplicates=2, reasons=Counter({"not_json": 3, "bad_field": 1}), pending_dropped=Counter({"over_cap": 5}))
         metrics.flushed(10, out, 0.05, pending=4)
         metrics.pending_dropped("expired", 2)
+        metrics.dead_letters_not_delivered(0)  # a batch whose dead letters all reached the topic
+        metrics.dead_letters_not_delivered(2)
         metrics.set_lag({("clora.interactions", 0): 120_000})
         metrics.set_lag({("clora.interactions", 1): 7})  # partition 0 revoked since: no longer reported
         assert metrics.total["messages"] == 10 and metrics.total["duplicates"] == 2
         assert metrics.reasons == {"not_json": 3, "bad_field": 1}
         assert metrics.dropped == {"over_cap": 5, "expired": 2}
-        metrics.log()
+        with caplog.at_level("INFO", logger="ingest.metrics"):
+            metrics.log()
+        assert "dead letters: bad_field=1, not_json=3 (2 not delivered to the dead-letter topic)" in caplog.text
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert 'clora_ingest_dead_letters_total{reason="not_json"} 3.0' in body
         assert 'clora_ingest_lag{partition="1",topic="clora.interactions"} 7.0' in body
@@ -35,6 +39,7 @@ def test_totals_and_prometheus_endpoint():
         assert 'clora_ingest_pending_feedback_dropped_total{reason="over_cap"} 5.0' in body
         assert 'clora_ingest_pending_feedback_dropped_total{reason="expired"} 2.0' in body
         assert "clora_ingest_messages_total 10.0" in body
+        assert "clora_ingest_dead_letters_not_delivered_total 2.0" in body
     finally:
         metrics.close()
 

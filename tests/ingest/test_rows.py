@@ -81,6 +81,16 @@ def test_feedback_and_dead_letter_rows():
     assert table.column("reason").to_pylist() == ["not_json"]
 
 
+@pytest.mark.parametrize("reason", ["bad_field", "scorer_error", "unknown_tenant"])
+def test_a_dead_letter_detail_holding_a_lone_surrogate_is_kept_escaped(reason):
+    """Whatever its reason, a detail quoting a lone surrogate could neither go into Arrow's UTF-8 column
+    (the batch's write failed, and every replay of it) nor into the dead-letter topic's header."""
+    dl = dead_letter_row(DeadLetter(reason, "no number: \ud83d oops, é"), b"{}", AT, 5)
+    assert dl.detail == "no number: \\ud83d oops, é"
+    assert to_table([dl], DeadLetterRow).column("detail").to_pylist() == [dl.detail]
+    assert dl.detail.encode() == b"no number: \\ud83d oops, \xc3\xa9"  # what the clora.detail header carries
+
+
 def test_write_rows_one_file_per_tenant_with_rows_in_arrival_order(tmp_path):
     def row(tenant, id_, offset):
         ev = InteractionEvent(id=id_, tenant=tenant, completion="c", prompt="p")

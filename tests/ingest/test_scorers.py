@@ -164,6 +164,22 @@ def test_apply_turns_any_returned_value_into_a_reward_or_scorer_error(returned, 
         apply(lambda c, p: returned, "c", "p")
 
 
+def test_a_scorer_out_of_memory_is_a_scorer_error_and_ctrl_c_still_goes_up():
+    """numpy's "Unable to allocate 596 GiB" (a MemoryError) went up out of apply and stopped ingest, at that
+    event again at every restart. The allocation was never made: the process is fine, the event is not."""
+    def allocate(completion, prompt):
+        raise MemoryError("Unable to allocate 596. GiB for an array with shape (640000000000,) and data type uint8")
+
+    with pytest.raises(ScorerError, match="scorer raised MemoryError: Unable to allocate 596. GiB"):
+        apply(allocate, "c", "p")
+
+    def interrupted(completion, prompt):
+        raise KeyboardInterrupt  # what Ctrl-C raises in whatever code runs: not to be told from a scorer's own
+
+    with pytest.raises(KeyboardInterrupt):
+        apply(interrupted, "c", "p")
+
+
 def test_apply_reports_a_scorer_exception_that_cannot_be_printed():
     def boom(completion, prompt):
         raise _Unprintable()
