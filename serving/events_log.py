@@ -10,18 +10,24 @@ seconds when the broker is away) and works the queue:
   fsynced) and the producer is closed, so it cannot deliver them behind our back;
 - broker unreachable, or the spool not empty: new messages are appended to the spool too (so they stay
   behind the older ones), and every `retry_seconds` the thread reconnects and sends the spool's
-  segments oldest first, deleting each segment only after all its messages were acknowledged. Before
-  each segment after the first it moves what was queued meanwhile to the spool, behind the backlog (so a
+  segments oldest first, each a batch at a time (cut as the queue is). After each batch it records how
+  far the segment is acknowledged (its acknowledged prefix: serving/spool.py's progress record), and the
+  next try starts after that prefix, not at the segment's start: a broker that is up but slow (that
+  acknowledges less than a segment, or a batch, per `ack_timeout`) drains the spool a piece per try
+  instead of being sent its first segment for ever. A segment is deleted once all its messages were
+  acknowledged. Before each segment after the first it moves what was queued meanwhile to the spool, behind the backlog (so a
   long backlog does not hold the queue in memory); after the last it leaves the queue where it is. Those
   messages are newer than every spooled one, so once the spool is empty they are sent straight, in
   order, and the thread is back to the first case. (Moving them too would leave the spool non-empty after
   every pass that saw one request: under steady traffic it would never empty again, and every event
   would cost a segment's fsync, create and delete.)
 
-Delivery is therefore at-least-once: a message whose acknowledgement was lost is sent again. It is
-exactly-once in storage because every event carries its idempotency key: ingest stores an event once
-per (tenant, id) however often it arrives (design.md, "Contracts"). Interaction ids are the response
-ids, unique per request.
+Delivery is therefore at-least-once: a message whose acknowledgement was lost is sent again. The prefix
+recorded ends at the first message not acknowledged (Kafka acknowledges each partition on its own), so a
+resend repeats only what was acknowledged behind that one, within one batch; a crash repeats at most the
+batch of a segment in flight. It is exactly-once in storage because every event carries its idempotency
+key: ingest stores an event once per (tenant, id) however often it arrives (design.md, "Contracts").
+Interaction ids are the response ids, unique per request.
 
 Messages Kafka refuses for good. A resend cannot fix a message larger than the producer's
 `max_request_size` (kafka-python refuses it in `send`) or than the broker's limit (the broker refuses it
@@ -32,15 +38,18 @@ spool directory's `dead/` file (serving/spool.py); the messages around it go on.
 message itself count: kafka-python marks other errors not `retriable` too (authorization, an unsupported
 version, an unknown server error, a closed producer), but those hold for every message and pass once the
 cluster is fixed, so those messages stay in the spool and are resent. A message of a spool segment is
-dead-lettered only when the rest of its segment got through, just before the segment is deleted; until
-then it stays in the segment. The reason "too_large" is the word ingest uses for messages over
-`ingest.max_message_bytes` (1 MB by default): an event that big would be dead-lettered by ingest anyway.
+dead-lettered only once every message before it in the segment got through, just before the segment's
+recorded progress moves past it; until then it stays in the segment. The reason "too_large" is the word
+ingest uses for messages over `ingest.max_message_bytes` (1 MB by default): an event that big would be
+dead-lettered by ingest anyway.
 
 Memory is bounded. `log` costs the request the event's encoding and an append to a deque under a lock,
 nothing else: it never touches the disk or Kafka (it runs on the server's event loop). Past `queue_bytes`
 of queued events (a broker that takes seconds per answer, a long backlog), the thread moves the whole
-queue to the spool (one append, one fsync: 0.24 s for 32 MiB), behind the batch in flight, and the queue
-starts empty again. It looks before taking each batch and between the slices of every wait for
+queue to the spool (one append, fsynced a spool segment at a time, so it makes several segments of at
+most 8 MiB, each drained on its own: 0.24 s for 32 MiB), behind the batch in flight, and the queue
+starts empty again. Should the spool fail part-way, the segments written stay spooled and only the rest
+goes back to the queue. It looks before taking each batch and between the slices of every wait for
 acknowledgements, so within ACK_SLICE even while Kafka is slow; it is the only one that takes messages
 off the queue, so nothing newer is sent or spooled before them. The batch in flight goes first because it
 is older: should its send fail, its own spooling would come behind the queue; it may then reach Kafka as
@@ -82,7 +91,7 @@ from typing import Any
 
 from ingest.events import Event, FeedbackEvent, InteractionEvent, encode
 from serving.metrics import ServingMetrics
-from serving.spool import Message, Refused, Spool, SpoolError
+from serving.spool import Claim, Message, Refused, Spool, SpoolError
 
 logger = logging.getLogger(__name__)
 
@@ -393,16 +402,19 @@ class EventLog:
 
     # --- the spool ------------------------------------------------------------------------------------------
     def _to_spool(self, messages: list[Message], *, wait: float) -> bool:
-        """Appends `messages` to the spool. If the spool refuses them (a full disk), they go back to the front
-        of the queue (they are older than anything queued), no spool write is tried for SPILL_RETRY seconds
-        (meanwhile they go straight back), and the thread waits up to `wait` seconds before it goes on; so
-        log()'s bound is what drops events, not this. Only at a stop are they lost."""
+        """Appends `messages` to the spool. If the spool refuses them (a full disk), they (those after the
+        segments it filled before failing) go back to the front of the queue (they are older than anything
+        queued), no spool write is tried for SPILL_RETRY seconds (meanwhile they go straight back), and the
+        thread waits up to `wait` seconds before it goes on; so log()'s bound is what drops events, not
+        this. Only at a stop are they lost."""
         refusing = time.monotonic() < self._spill_after
         try:
             if refusing:
                 raise SpoolError("the spool refused the last write; not tried again yet")
             self.spool.append(messages)
-        except SpoolError:
+        except SpoolError as e:
+            self._spooled_now(messages[:e.spooled])  # in the segments it filled before it failed
+            messages = messages[e.spooled:]
             if self._stopping:
                 logger.exception("could not spool %d events at the stop; they are lost", len(messages))
                 self._count(messages, "dropped")
@@ -417,10 +429,15 @@ class EventLog:
                 if wait > 0:
                     self._ready.wait_for(lambda: self._stopping, timeout=wait)
             return False
+        self._spooled_now(messages)
+        return True
+
+    def _spooled_now(self, messages: Sequence[Message], *, in_flight: int = 0) -> None:
+        """`messages` are in the spool now; they count as spooled, all but the first `in_flight` (of the batch
+        in flight, whose outcome is counted when it lands)."""
         self._spooled += len(messages)
         self.metrics.spool_events.set(self._spooled)
-        self._count(messages, "spooled")
-        return True
+        self._count(messages[in_flight:], "spooled")
 
     def _send_spool(self) -> None:
         """Sends the backlog, oldest segment first. What is queued meanwhile goes to the spool before each
@@ -434,16 +451,52 @@ class EventLog:
             with self.spool.claim(segment) as claim:
                 if claim is None:
                     continue
-                delivery = self._send(claim.messages) if claim.messages else Delivery()
-                if delivery.failed:
-                    return  # the segment stays; it is sent again, in full, next time
-                if delivery.refused and not self._dead_letter(delivery.refused):
-                    return  # nowhere to keep the refused ones: the segment stays
-                claim.done()
-                self._count(delivery.acked, "resent")
-                logger.info("sent %d spooled events from %s", len(delivery.acked), segment.name)
+                if not self._send_segment(claim):
+                    return  # the rest of the segment is sent next time, after its acknowledged prefix
         self._spooled = self.spool.pending()  # 0 unless something was spooled meanwhile: then another pass
         self.metrics.spool_events.set(self._spooled)
+
+    def _send_segment(self, claim: Claim) -> bool:
+        """Sends a claimed segment's messages a batch at a time, recording after each batch how far the
+        segment got through; deletes it once all of it did. False if a batch fell short (or a stop began):
+        the rest waits for the next try."""
+        messages, through = claim.messages, 0
+        while through < len(messages):
+            if through and self._deadline is not None:  # stopping: the rest waits for the next start
+                return False
+            batch = messages[through:_batch_end(messages, through)]
+            got = self._through(batch, self._send(batch))
+            through += got
+            self._spooled = max(0, self._spooled - got)
+            self.metrics.spool_events.set(self._spooled)
+            if got < len(batch):
+                logger.info("sent %d of the %d spooled events left in %s; the rest next time", through, len(messages),
+                            claim.path.name)
+                self._record_progress(claim, through)
+                return False
+            if through < len(messages):
+                self._record_progress(claim, through)
+        claim.done()
+        logger.info("sent %d spooled events from %s", len(messages), claim.path.name)
+        return True
+
+    def _through(self, batch: list[Message], delivery: Delivery) -> int:
+        """How many of a segment's `batch`, from its first, got through: acknowledged, or refused for good and
+        dead-lettered (the prefix ends at the first message that did neither, for a later try). Counts them."""
+        position = {id(m): i for i, m in enumerate(batch)}
+        through = position[id(delivery.failed[0])] if delivery.failed else len(batch)
+        refused = [r for r in delivery.refused if position[id(r.message)] < through]
+        if refused and not self._dead_letter(refused):
+            through = position[id(refused[0].message)]  # nowhere to keep the refused ones: they stay in the segment
+        self._count([m for m in delivery.acked if position[id(m)] < through], "resent")
+        return through
+
+    def _record_progress(self, claim: Claim, through: int) -> None:
+        """Records that the first `through` of the claim's messages got through; a failure costs duplicates only."""
+        try:
+            claim.acked(through)
+        except SpoolError:  # a full disk: the next try sends the acknowledged part again, nothing is lost
+            logger.exception("could not record the progress of spool segment %s", claim.path.name)
 
     def _queue_to_spool(self) -> None:
         """While the backlog is sent: what requests logged meanwhile goes to the spool, behind the backlog,
@@ -462,8 +515,8 @@ class EventLog:
     def _spill_if_full(self) -> None:
         """Past `queue_bytes` queued, the whole queue goes to the spool, behind the batch in flight. The
         queue is swapped out under the lock and written outside it, so log() goes on meanwhile; if the
-        spool refuses it, it goes back in front of what was queued since, and no spill is tried for
-        SPILL_RETRY seconds."""
+        spool refuses it, what it did not take (all of it, or what came after the segments it filled) goes
+        back in front of what was queued since, and no spill is tried for SPILL_RETRY seconds."""
         if self._queued_bytes <= self.queue_bytes or time.monotonic() < self._spill_after:  # read unlocked: a hint
             return
         with self._lock:
@@ -471,25 +524,26 @@ class EventLog:
             self._spilling_bytes, self._queued_bytes = self._queued_bytes, 0
         logger.warning("more than %d bytes of events queued (Kafka is slow); spooling %d of them", self.queue_bytes,
                        len(queued))
-        messages = [*self._in_flight, *queued]
+        in_flight = self._in_flight
+        messages = [*in_flight, *queued]
+        spooled = len(messages)
         try:
             self.spool.append(messages)
-        except Exception:  # SpoolError, or anything else: the queue must not be lost with it (at worst doubled)
-            logger.exception("could not spool %d queued events; they stay queued, the next try in %.0fs",
-                             len(queued), SPILL_RETRY)
+        except Exception as e:  # SpoolError, or anything else: the queue must not be lost with it (at worst doubled)
+            spooled = e.spooled if isinstance(e, SpoolError) else 0  # the segments filled before it failed
+            logger.exception("could not spool %d queued events (%d went in); the rest stay queued, the next try in "
+                             "%.0fs", len(queued), max(0, spooled - len(in_flight)), SPILL_RETRY)
             self._spill_after = time.monotonic() + SPILL_RETRY
-            with self._lock:
-                queued.extend(self._queue)  # what log() queued meanwhile is newer
-                self._queue = queued
-                self._queued_bytes += self._spilling_bytes
-                self._spilling_bytes = 0
-            return
+        self._in_flight = in_flight[spooled:]  # in the spool now, ahead of the rest: the next spill need not write it
+        taken = max(0, spooled - len(in_flight))  # of the queue
+        rest = deque(messages[len(in_flight) + taken:])
         with self._lock:
             self._spilling_bytes = 0
-        self._in_flight = []  # in the spool now, ahead of the rest: the next spill need not write it again
-        self._spooled += len(messages)
-        self.metrics.spool_events.set(self._spooled)
-        self._count(queued, "spooled")
+            if rest:
+                self._queued_bytes += sum(len(m.value) for m in rest)
+                rest.extend(self._queue)  # what log() queued meanwhile is newer
+                self._queue = rest
+        self._spooled_now(messages[:spooled], in_flight=len(in_flight))
 
     def _dead_letter(self, refused: list[Refused]) -> bool:
         """Records messages Kafka refused for good in the spool's dead-letter file; False if it could not."""
@@ -510,6 +564,16 @@ class EventLog:
         for m in messages:
             kind = "feedback" if m.topic == self.topics[FeedbackEvent] else "interaction"
             self.metrics.events.labels(kind, outcome).inc()
+
+
+def _batch_end(messages: Sequence[Message], start: int) -> int:
+    """Where a batch of `messages` from `start` ends: BATCH_MAX messages and about BATCH_BYTES, as `_take` cuts
+    the queue."""
+    end, size = start, 0
+    while end < len(messages) and end - start < BATCH_MAX and (end == start or size < BATCH_BYTES):
+        size += len(messages[end].value)
+        end += 1
+    return end
 
 
 def _event_id(message: Message) -> str:

@@ -11,18 +11,40 @@ Layout: one directory of segment files, one JSON object per line
     <stamp>-<pid>-<rand>.tmp     being created (ignored by everyone)
     <stamp>-<pid>-<rand>.open    the segment a live writer appends to; it holds an exclusive flock on it
     <stamp>-<pid>-<rand>.jsonl   sealed: complete, waiting to be sent
+    <stamp>-<pid>-<rand>.acked   a segment's progress: {"version": 1, "offset": <bytes>}, the length of its
+                                 prefix Kafka acknowledged (only while the segment is being drained)
+    <stamp>-<pid>-<rand>.acked-tmp   the next progress record, being written (then renamed over .acked)
 
 A sender `claim`s a segment by taking a non-blocking exclusive flock: a sealed segment, or an `.open`
 one whose writer died (its lock went with it). So several serving processes may share one spool
 directory, and the segments a crashed process left behind are sent by whichever process claims them
 first. The `.tmp` name exists because a file is locked only after it is created: no sender can claim a
 new segment before its writer holds the lock. A claimed segment is deleted once every message in it
-was acknowledged; if sending fails half-way the segment stays and is sent again in full later (the
-duplicates are harmless, see above). A line torn by a crash in the middle of a write is skipped with
-a warning: the batch it belonged to had not been reported as spooled. An append that fails (disk full,
-I/O error) is cut off again (the segment truncated to its size before the batch), so the next batch starts
-on a line of its own; if even that fails, the segment is sealed as it is (its torn last line is the failed
-batch's) and the next batch goes to a new one.
+was acknowledged. Before that, the sender records how far it got (`Claim.acked`): the byte length of the
+segment's acknowledged prefix, in the segment's `.acked` file, written whole to `.acked-tmp`, fsynced and
+renamed over it. A later claim (by any process, after any crash) yields only the messages after that
+prefix, so a broker that acknowledges less than a segment per try (up but slow) still drains the spool,
+a piece per try, instead of being sent the same segment from its start for ever. The record only ever
+names messages Kafka acknowledged (or that were dead-lettered), and a record lost in a crash, or one that
+does not fit its segment (not at a line's end, past its size, unreadable), only means the segment is sent
+from its start again: duplicates, harmless (see above), never a loss. Progress records whose segment is
+gone (the sender died between the two deletions, or a sender of a version before them drained the
+segment) are deleted by `segments()`. A spool written before progress records existed has none: its
+segments are sent from their start, as then; a sender of that version ignores the records (it sends
+segments in full and leaves the record, deleted later as above).
+
+A line torn by a crash in the middle of a write is skipped with a warning: the batch it belonged to had
+not been reported as spooled. An append that fails (disk full, I/O error) is cut off again (the segment
+truncated to its size before the batch), so the next batch starts on a line of its own; if even that
+fails, the segment is sealed as it is (its torn last line is the failed batch's) and the next batch goes
+to a new one.
+
+No segment grows past `segment_bytes` (a single message larger than that fills one of its own): an append
+that does not fit in what is left of the open segment seals it and goes on in a new one, a piece per
+segment, each piece written and fsynced before the next. So a large append (the event log moving its
+whole queue here) makes several segments, each drained and deleted on its own. Should a piece fail, the
+pieces before it stay in the spool, and `SpoolError.spooled` says how many messages (from the first) they
+hold.
 
 Names sort by creation time, so segments are sent in the order they were written.
 
@@ -57,11 +79,15 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 SEGMENT_BYTES = 8 << 20
+PROGRESS = ".acked"  # a segment's acknowledged prefix, beside it: <stem>.acked
+PROGRESS_TMP = ".acked-tmp"
+PROGRESS_VERSION = 1
 DEAD_DIR = "dead"
 DEAD_LETTER_VERSION = 1
 
@@ -100,7 +126,13 @@ class Refused:
 
 
 class SpoolError(OSError):
-    """The spool directory cannot be written."""
+    """The spool directory cannot be written.
+
+    `spooled`: of the messages given to the `append` that failed, how many (from the first) are in the
+    spool all the same, in the segments filled before the failing piece; 0 for any other failure.
+    """
+
+    spooled = 0
 
 
 class Spool:
@@ -125,9 +157,34 @@ class Spool:
             self._append(messages)
 
     def _append(self, messages: Sequence[Message]) -> None:
-        if self._file is None:
-            self._open_segment()
-        data = b"".join(m.to_line() for m in messages)
+        """Fills the open segment up to `segment_bytes`, then new ones: a piece per segment, each fsynced."""
+        lines = [m.to_line() for m in messages]
+        done = 0  # messages in the spool so far
+        try:
+            while done < len(lines):
+                if self._file is None:
+                    self._open_segment()
+                room, end, size = self.segment_bytes - self._size, done, 0
+                while end < len(lines) and (size + len(lines[end]) <= room or (end == done and self._size == 0)):
+                    size += len(lines[end])  # whole lines only; one alone may overfill an empty segment
+                    end += 1
+                if end == done:  # the next line does not fit: it starts a new segment
+                    self._seal()
+                    continue
+                self._write(b"".join(lines[done:end]), end - done)
+                done = end
+                if self._size >= self.segment_bytes:
+                    self._seal()
+        except SpoolError as e:
+            e.spooled = done
+            raise
+        except OSError as e:  # sealing a full segment failed: it stays `.open`, an orphan that a sender claims
+            error = SpoolError(f"cannot seal a full spool segment in {self.directory}: {e}")
+            error.spooled = done
+            raise error from e
+
+    def _write(self, data: bytes, count: int) -> None:
+        """Appends `data` (`count` whole lines) to the open segment, fsynced; cut off again if that fails."""
         fd, path, start = self._file.fileno(), self._path, self._size
         try:
             view = memoryview(data)
@@ -136,10 +193,8 @@ class Spool:
             os.fsync(fd)
         except OSError as e:
             self._cut(start)
-            raise SpoolError(f"cannot append {len(messages)} messages to {path}: {e}") from e
+            raise SpoolError(f"cannot append {count} messages to {path}: {e}") from e
         self._size = start + len(data)
-        if self._size >= self.segment_bytes:
-            self._seal()
 
     def _cut(self, size: int) -> None:
         """After a failed append: truncates the open segment back to `size` bytes, so no part of the failed
@@ -189,10 +244,18 @@ class Spool:
 
     # --- reading ------------------------------------------------------------------------------------------
     def segments(self) -> list[Path]:
-        """Segments that may be claimed (sealed ones, and open ones of other writers), oldest first."""
+        """Segments that may be claimed (sealed ones, and open ones of other writers), oldest first.
+
+        Deletes the progress records whose segment is gone (see the module docstring).
+        """
         with self._lock:
             own = self._path
-        found = [p for p in self.directory.iterdir() if p.suffix in (".jsonl", ".open") and p != own]
+        names = list(self.directory.iterdir())
+        found = [p for p in names if p.suffix in (".jsonl", ".open") and p != own]
+        stems = {p.stem for p in found} | ({own.stem} if own else set())
+        for p in names:
+            if p.suffix in (PROGRESS, PROGRESS_TMP) and p.stem not in stems:
+                p.unlink(missing_ok=True)  # its segment was deleted: nobody reads it again
         return sorted(found, key=lambda p: p.name)
 
     def pending(self) -> int:
@@ -208,14 +271,16 @@ class Spool:
                 with open(p, "rb") as f:
                     if p.suffix == ".open" and p != own and not _unlocked(f):
                         continue
-                    count += sum(1 for line in f if line.endswith(b"\n"))
+                    f.seek(_acked_offset(p, f))  # what Kafka acknowledged already is not pending
+                    count += sum(chunk.count(b"\n") for chunk in iter(partial(f.read, 1 << 20), b""))
             except FileNotFoundError:  # claimed and deleted meanwhile
                 continue
         return count
 
     @contextmanager
     def claim(self, segment: Path) -> Iterator[Claim | None]:
-        """Locks `segment` for sending; yields None if another process holds it (or it is gone)."""
+        """Locks `segment` for sending; yields None if another process holds it (or it is gone). The claim
+        holds the messages after the segment's recorded progress (all of them if none is recorded)."""
         try:
             file = open(segment, "rb")  # noqa: SIM115 (closed below)
         except FileNotFoundError:
@@ -230,7 +295,10 @@ class Spool:
             if os.fstat(file.fileno()).st_nlink == 0:  # deleted by a sender that held it before us
                 yield None
                 return
-            yield Claim(segment, _read_messages(segment, file.read()))
+            offset = _acked_offset(segment, file)
+            file.seek(offset)
+            messages, ends = _read_messages(segment, file.read(), offset)
+            yield Claim(segment, messages, ends)
         finally:
             file.close()
 
@@ -274,26 +342,81 @@ class Spool:
 
 @dataclass
 class Claim:
-    """A locked segment's messages; `done()` deletes the segment once they are all acknowledged."""
+    """A locked segment's messages not yet acknowledged, in order; `acked(n)` records that the first n of
+    them were, `done()` deletes the segment once they all are."""
 
     path: Path
     messages: list[Message]
+    ends: list[int]  # where each message's line ends in the segment (bytes from its start)
+
+    def acked(self, count: int) -> None:
+        """Records durably that the first `count` of `messages` were acknowledged (or dead-lettered): a later
+        claim of the segment starts after them. Call it only for messages Kafka acknowledged."""
+        if count <= 0:
+            return
+        path = self.path.with_suffix(PROGRESS)
+        tmp = self.path.with_suffix(PROGRESS_TMP)
+        data = json.dumps({"version": PROGRESS_VERSION, "offset": self.ends[count - 1]}).encode()
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(path)  # whole or not at all; a crash before the rename keeps the last record
+        except OSError as e:
+            raise SpoolError(f"cannot record the progress of {self.path.name} ({count} messages): {e}") from e
 
     def done(self) -> None:
         self.path.unlink(missing_ok=True)
+        # After the segment: a crash in between leaves a record without its segment (segments() deletes it),
+        # never a segment that lost its progress.
+        self.path.with_suffix(PROGRESS).unlink(missing_ok=True)
+        self.path.with_suffix(PROGRESS_TMP).unlink(missing_ok=True)
         _fsync_dir(self.path.parent)
 
 
-def _read_messages(path: Path, data: bytes) -> list[Message]:
-    messages = []
-    for number, line in enumerate(data.split(b"\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            messages.append(Message.from_line(line))
-        except (ValueError, KeyError, TypeError) as e:
-            logger.warning("spool segment %s line %d is torn or corrupt, skipped: %s", path.name, number, e)
-    return messages
+def _read_messages(path: Path, data: bytes, offset: int) -> tuple[list[Message], list[int]]:
+    """The messages of `data` (the segment from byte `offset` on), and where each one's line ends."""
+    messages, ends = [], []
+    start = 0
+    while start < len(data):
+        newline = data.find(b"\n", start)
+        end = len(data) if newline < 0 else newline + 1
+        line = data[start:end]
+        if line.strip():
+            try:
+                messages.append(Message.from_line(line))
+                ends.append(offset + end)
+            except (ValueError, KeyError, TypeError) as e:
+                logger.warning("spool segment %s: the line at byte %d is torn or corrupt, skipped: %s", path.name,
+                               offset + start, e)
+        start = end
+    return messages, ends
+
+
+def _acked_offset(segment: Path, file) -> int:
+    """The recorded length of `segment`'s acknowledged prefix (`file` is the segment, open); 0 if none is
+    recorded, or if the record does not fit the segment: then it is sent from its start (duplicates, no loss)."""
+    record = segment.with_suffix(PROGRESS)
+    try:
+        data = json.loads(record.read_bytes())
+        version, offset = data["version"], data["offset"]
+    except FileNotFoundError:
+        return 0
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.warning("spool progress record %s is unreadable (%s); %s is sent from its start", record.name, e,
+                       segment.name)
+        return 0
+    size = os.fstat(file.fileno()).st_size
+    fits = version == PROGRESS_VERSION and type(offset) is int and 0 <= offset <= size
+    if fits and 0 < offset < size:
+        file.seek(offset - 1)
+        fits = file.read(1) == b"\n"  # a prefix ends at a line's end
+    if not fits:
+        logger.warning("spool progress record %s (version %r, offset %r) does not fit %s (%d bytes); it is sent "
+                       "from its start", record.name, version, offset, segment.name, size)
+        return 0
+    return offset
 
 
 def _unlocked(file) -> bool:

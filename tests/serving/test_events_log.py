@@ -1,8 +1,9 @@
 """The event log's delivery logic with a fake Kafka producer: never blocks the caller, spools while the
 broker is away, resends the spool in order when it is back, and loses nothing on close; dead-letters what
 Kafka refuses for good and goes on; goes straight to Kafka again once a backlog is sent. Past `queue_bytes`
-the thread spools the queue (the caller never touches the disk), past twice that log() drops the newest,
-and a spool that fails costs the queue nothing.
+the thread spools the queue (the caller never touches the disk, and a spill makes segments of bounded
+size), past twice that log() drops the newest, and a spool that fails costs the queue nothing. A broker
+that is up but slow drains the spool a piece per try, each event sent once.
 
 (The real broker is in test_events_log_broker.py; a real outage of a serving process in
 test_server_outage.py.)
@@ -14,7 +15,7 @@ import time
 
 import pytest
 
-from ingest.events import FeedbackEvent, InteractionEvent
+from ingest.events import FeedbackEvent, InteractionEvent, encode
 from serving import events_log
 from serving.events_log import EventLog
 from serving.metrics import ServingMetrics
@@ -497,5 +498,165 @@ def test_a_full_disk_does_not_throttle_the_resend_of_a_backlog(tmp_path, monkeyp
         log.log(interaction(i))
     go.set()
     wait_for(lambda: len(broker.received) == 30, timeout=30)
+    log.close()
+    assert [r[2] for r in broker.received] == [f"i{i}" for i in range(30)]
+
+
+# --- a broker that is up but slow: the spool drains a piece at a time ---------------------------------------
+
+
+class TricklingProducer(FakeProducer):
+    """A broker that is up but slow: each wait for acknowledgements (`flush`) acknowledges the `per_await`
+    oldest messages still pending, in order, then (if any are left) waits out its timeout and gives up.
+    Ids in `held` are never acknowledged; a completion "BIG" is refused for good when its turn comes."""
+
+    def __init__(self, broker, per_await, held=()):
+        super().__init__(broker)
+        self.per_await = per_await
+        self.held = set(held)
+        self.pending = []
+
+    def send(self, topic, key, value):
+        future = FakeFuture(False)
+        future.is_done = False
+        event = json.loads(value)
+        self.pending.append((future, (topic, key.decode(), event["id"]), event.get("completion") == "BIG"))
+        return future
+
+    def flush(self, timeout=None):
+        from kafka.errors import MessageSizeTooLargeError
+
+        turn = [p for p in self.pending if p[1][2] not in self.held][:self.per_await]
+        for future, record, big in turn:
+            if big:
+                future.exception = MessageSizeTooLargeError("the broker's limit is 1048588 bytes")
+            else:
+                with self.broker.lock:
+                    self.broker.received.append(record)
+                future._ok = True
+            future.is_done = True
+        self.pending = [p for p in self.pending if not p[0].is_done]
+        if self.pending:
+            time.sleep(timeout)  # one flush per wait for acknowledgements
+            raise TimeoutError(f"{len(self.pending)} messages not acknowledged within {timeout}s")
+
+
+def spool_left_behind(tmp_path, events, **spool_settings):
+    """The spool an earlier run left: `events` in one append."""
+    spool = events_log.Spool(tmp_path / "spool", **spool_settings)
+    spool.append([events_log.Message("t.interactions", e.tenant, encode(e).decode()) for e in events])
+    spool.close()
+
+
+def slow_log(tmp_path, broker, producer_factory):
+    """An event log driven by hand (no thread): every `try_spool` reconnects and sends the spool once, as the
+    thread does every retry_seconds; a wait for acknowledgements is one flush of the producer."""
+    log = make_log(tmp_path, broker, producer_factory, start=False, ack_timeout=0.01)
+    log.retry_seconds = 0
+    return log
+
+
+def try_spool(log, tries):
+    """Sends the spool up to `tries` times; how many it took to empty it (None: not emptied)."""
+    for n in range(1, tries + 1):
+        if log._connect():
+            log._send_spool()
+        if log.spooled == 0:
+            return n
+    return None
+
+
+def test_a_slow_broker_drains_a_segment_a_piece_at_a_time_each_event_once(tmp_path):
+    """A broker acknowledging 50 messages per ack_timeout, a segment of 400: before, every try resent the
+    segment from its start, the same first 50 arrived again and again, and the spool never shrank."""
+    broker = FakeBroker()
+    spool_left_behind(tmp_path, [interaction(i) for i in range(400)])
+    log = slow_log(tmp_path, broker, lambda b: TricklingProducer(broker, per_await=50))
+    assert log.spooled == 400
+    assert try_spool(log, 20) == 400 // 50  # each try goes on where the last one's acknowledgements ended
+    assert [r[2] for r in broker.received] == [f"i{i}" for i in range(400)]  # each once, in order
+    assert list((tmp_path / "spool").iterdir()) == []  # the segment and its progress record are gone
+    assert log.metrics.events.labels("interaction", "resent")._value.get() == 400
+
+
+def test_the_progress_through_a_segment_survives_a_crash(tmp_path):
+    broker = FakeBroker()
+    spool_left_behind(tmp_path, [interaction(i) for i in range(400)])
+    crashing = slow_log(tmp_path, broker, lambda b: TricklingProducer(broker, per_await=150))
+    assert try_spool(crashing, 1) is None  # one try, 150 acknowledged; then the process dies (no close)
+    assert crashing.spooled == 250
+    again = slow_log(tmp_path, broker, broker.producer)  # the next process, the broker fast again
+    assert again.spooled == 250
+    assert try_spool(again, 1) == 1
+    assert [r[2] for r in broker.received] == [f"i{i}" for i in range(400)]  # none acknowledged twice
+
+
+def test_a_missing_acknowledgement_ends_the_prefix_so_nothing_behind_it_is_skipped(tmp_path):
+    """Kafka acknowledges partitions independently: i3 unacknowledged while i4.. are. The next try starts at
+    i3; what was acknowledged behind it comes again (bounded duplicates), what came before it does not."""
+    broker = FakeBroker()
+    spool_left_behind(tmp_path, [interaction(i) for i in range(10)])
+    producers = iter([TricklingProducer(broker, per_await=100, held={"i3"})])
+    log = slow_log(tmp_path, broker, lambda b: next(producers, None) or TricklingProducer(broker, per_await=100))
+    assert try_spool(log, 5) == 2
+    ids = [r[2] for r in broker.received]
+    assert ids == [f"i{i}" for i in [0, 1, 2, 4, 5, 6, 7, 8, 9, 3, 4, 5, 6, 7, 8, 9]]
+
+
+def test_a_refused_event_in_a_slowly_drained_segment_is_dead_lettered_once(tmp_path):
+    broker = FakeBroker()
+    big = InteractionEvent(id="big", tenant="acme", completion="BIG", prompt="p")
+    spool_left_behind(tmp_path, [interaction(0), big, *(interaction(i) for i in range(1, 10))])
+    log = slow_log(tmp_path, broker, lambda b: TricklingProducer(broker, per_await=3))
+    assert try_spool(log, 20) == 4  # 11 messages, 3 a try
+    assert [r[2] for r in broker.received] == [f"i{i}" for i in range(10)]
+    assert [json.loads(d["value"])["id"] for d in dead_letters(tmp_path)] == ["big"]
+    assert [p.name for p in (tmp_path / "spool").iterdir()] == ["dead"]
+
+
+def test_a_spill_larger_than_a_segment_makes_several_segments(tmp_path):
+    """The queue past its bound goes to the spool in one append; before, that made one segment of the whole
+    queue (32 MiB and more with the defaults), sent and resent only as a whole."""
+    broker = FakeBroker()
+    log = make_log(tmp_path, broker, start=False, queue_bytes=2000)
+    log.spool = events_log.Spool(tmp_path / "spool", segment_bytes=1000)
+    for i in range(30):  # 3,300 bytes of events: past the bound, below twice it
+        assert log.log(interaction(i))
+    log._spill_if_full()
+    assert not log._queue and log.spooled == 30
+    log.spool.seal()
+    sizes = [p.stat().st_size for p in log.spool.segments()]
+    assert len(sizes) >= 5 and max(sizes) <= 1000, sizes
+    assert try_spool(log, 1) == 1
+    assert [r[2] for r in broker.received] == [f"i{i}" for i in range(30)]
+
+
+def test_a_spill_that_fails_part_way_keeps_only_the_rest_queued(tmp_path, monkeypatch):
+    import os
+
+    import serving.spool as spool_module
+
+    broker = FakeBroker()
+    log = make_log(tmp_path, broker, start=False, queue_bytes=2000)
+    log.spool = events_log.Spool(tmp_path / "spool", segment_bytes=1000)
+    for i in range(30):
+        log.log(interaction(i))
+    real_write, writes = os.write, []
+
+    def write(fd, data):  # the disk fills at the spill's second segment
+        writes.append(len(data))
+        if len(writes) == 2:
+            raise OSError(28, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(spool_module.os, "write", write)
+    log._spill_if_full()
+    monkeypatch.undo()
+    spooled = log.spooled
+    assert 0 < spooled < 30 and len(log._queue) == 30 - spooled  # nothing written twice, nothing lost
+    assert [json.loads(m.value)["id"] for m in log._queue] == [f"i{i}" for i in range(spooled, 30)]
+    assert log._queued_bytes == sum(len(m.value) for m in log._queue)
+    log.start()
+    wait_for(lambda: len(broker.received) == 30 and log.spooled == 0)
     log.close()
     assert [r[2] for r in broker.received] == [f"i{i}" for i in range(30)]

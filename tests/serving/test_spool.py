@@ -1,4 +1,5 @@
-"""The on-disk spool: durable appends, claims that exclude live writers, deletion only when done."""
+"""The on-disk spool: durable appends, claims that exclude live writers, deletion only when done; progress
+through a segment that later claims start after; no segment past its size, however large the append."""
 
 import pytest
 
@@ -198,3 +199,98 @@ def test_dead_letters_are_kept_whole_with_their_reason_and_never_claimed(tmp_pat
     ]
     assert lines[0]["value"] == big.value and "1048576" in lines[0]["detail"]
     assert spool.segments() == [] and spool.pending() == 0
+
+
+# --- draining a segment a piece at a time, and segments of bounded size ------------------------------------
+
+
+def test_progress_is_recorded_and_a_later_claim_starts_after_it(tmp_path):
+    """A sender that got part of a segment through records it; the next claim (of any process) yields the rest."""
+    spool = Spool(tmp_path)
+    spool.append(msgs(10))
+    spool.seal()
+    [segment] = spool.segments()
+    with spool.claim(segment) as claim:
+        claim.acked(4)  # Kafka acknowledged i0..i3, then the try ended
+    assert spool.pending() == 6
+    again = Spool(tmp_path)  # another process, or this one after a crash
+    with again.claim(segment) as claim:
+        assert [m.value for m in claim.messages] == [f'{{"id":"i{i}"}}' for i in range(4, 10)]
+        claim.acked(3)  # counted from the first message it holds
+    with again.claim(segment) as claim:
+        assert [m.value for m in claim.messages] == [f'{{"id":"i{i}"}}' for i in range(7, 10)]
+        claim.done()
+    assert list(tmp_path.iterdir()) == []  # the segment and its progress record
+
+
+@pytest.mark.parametrize("record", [
+    b'{"version": 1, "offset": 7}',  # not at a line's end
+    b'{"version": 1, "offset": 100000}',  # past the segment's end
+    b'{"version": 2, "offset": 0}',  # a version this one does not know
+    b'{"version": 1, "off',  # unreadable
+])
+def test_a_progress_record_that_does_not_fit_its_segment_means_a_resend_from_the_start(tmp_path, record, caplog):
+    spool = Spool(tmp_path)
+    spool.append(msgs(3))
+    spool.seal()
+    [segment] = spool.segments()
+    segment.with_suffix(".acked").write_bytes(record)
+    with caplog.at_level("WARNING", logger="serving.spool"), spool.claim(segment) as claim:
+        assert len(claim.messages) == 3  # duplicates at worst, never a message skipped
+    assert segment.name in caplog.text
+
+
+def test_a_progress_record_whose_segment_is_gone_is_deleted(tmp_path):
+    """Left by a sender that died between deleting a segment and its record, or drained by an older version."""
+    spool = Spool(tmp_path)
+    spool.append(msgs(2))
+    spool.seal()
+    (tmp_path / "00000000000000000001-1-deadbeef.acked").write_bytes(b'{"version": 1, "offset": 10}')
+    (tmp_path / "00000000000000000001-1-deadbeef.acked-tmp").write_bytes(b"")
+    [segment] = spool.segments()
+    assert [p.name for p in tmp_path.iterdir()] == [segment.name]
+
+
+def test_an_append_larger_than_a_segment_makes_several_segments(tmp_path):
+    """One append (the event log moving its queue here) may be far larger than a segment; none grows past it."""
+    spool = Spool(tmp_path, segment_bytes=200)
+    spool.append(msgs(2))
+    spool.append(msgs(20, start=2))  # about 1,500 bytes
+    spool.seal()
+    segments = spool.segments()
+    assert len(segments) >= 6
+    assert all(p.stat().st_size <= 200 for p in segments), [p.stat().st_size for p in segments]
+    assert _values(spool) == [f'{{"id":"i{i}"}}' for i in range(22)]
+
+
+def test_a_message_larger_than_a_segment_fills_one_of_its_own(tmp_path):
+    spool = Spool(tmp_path, segment_bytes=200)
+    big = Message("clora.interactions", "acme", '{"id":"big","completion":"' + "x" * 500 + '"}')
+    spool.append([*msgs(1), big, *msgs(1, start=1)])
+    spool.seal()
+    assert [len(c.messages) for c in claimed(spool)] == [1, 1, 1]
+
+
+def test_an_append_that_fails_part_way_keeps_the_segments_it_filled_and_says_so(tmp_path, monkeypatch):
+    import os
+
+    import serving.spool as spool_module
+    from serving.spool import SpoolError
+
+    spool = Spool(tmp_path, segment_bytes=200)
+    per_segment = 200 // len(msgs(1)[0].to_line())  # 2 (73 bytes a line)
+    real_write, writes = os.write, []
+
+    def write(fd, data):  # the disk fills at the second piece
+        writes.append(len(data))
+        if len(writes) == 2:
+            raise OSError(28, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(spool_module.os, "write", write)
+    with pytest.raises(SpoolError, match="No space left") as failed:
+        spool.append(msgs(10))
+    assert failed.value.spooled == per_segment  # the first segment's; the second piece was cut off
+    monkeypatch.undo()
+    spool.append(msgs(1, start=20))
+    assert _values(spool) == [f'{{"id":"i{i}"}}' for i in [*range(per_segment), 20]]
