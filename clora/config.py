@@ -191,6 +191,11 @@ class ServingConfig(_Strict):
         1.0, ge=0, description="KV cache the engine reserves, GiB (small on CPU hosts); 0: vLLM sizes it from free memory."
     )
     registry_poll_seconds: float = Field(0.5, gt=0, description="How often the registry is checked for new versions.")
+    shutdown_grace_seconds: float = Field(
+        30.0, ge=0, description="On stop, how long generations still running may take to finish; those running past "
+        "it end with a 503 server_stopping (a stream: its last event) and can be sent again. `clora up` gives "
+        "serving this plus 30 s to stop (the last answers, the event log's drain, the engine's stop)."
+    )
 
 
 class IngestConfig(_Strict):

@@ -48,6 +48,9 @@ from clora.processes import die_with_parent, kill_group, terminate
 logger = logging.getLogger("clora.up")
 
 INGEST_DRAIN_EMBEDDED_S = 900.0  # how long a stopping ingest may drain the embedded broker's topics
+# How long a stopping serving may take beyond [serving] shutdown_grace_seconds: the last answers (503 for
+# generations still running), its event log's drain to Kafka or the spool (15 s at most), the engine's stop.
+SERVING_STOP_AFTER_GRACE_S = 30.0
 KILLED_WHILE_STOPPING = 3  # up's exit code when the stack ran but a child had to be killed while it stopped
 
 
@@ -397,7 +400,8 @@ def stack_specs(cfg, config_path: str | None, *, file_only: bool = False) -> tup
         the mark of an earlier one is removed before each start (storage.files.mark_ready writes it)."""
         return {"healthy": lambda pid: ready_pid(state, name) == pid, "ready_file": state / "ready" / f"{name}.json"}
 
-    specs.append(ChildSpec("serving", [*py, "serving", *conf], healthy=serving_healthy, start_timeout=300))
+    specs.append(ChildSpec("serving", [*py, "serving", *conf], healthy=serving_healthy, start_timeout=300,
+                           stop_timeout=cfg.serving.shutdown_grace_seconds + SERVING_STOP_AFTER_GRACE_S))
     # Ingest drains the topics when stopped. The embedded broker keeps them in memory only and stops right
     # after ingest, so what ingest has not stored by then is lost: it gets long to finish. An external
     # Kafka keeps what is left for the next start.

@@ -7,6 +7,9 @@ event log, and the HTTP app; then it serves until SIGINT/SIGTERM and stops them 
 event log drains to Kafka or its spool before the process exits). `/health` answers only once all of
 that is ready, which is what scripts and tests wait for. If the engine dies, the process stops with
 exit code 1 instead of answering 503 forever, so a supervisor (`clora up`, systemd, Kubernetes) restarts it.
+A stop lets running generations finish for `serving.shutdown_grace_seconds`; those still running then end
+with a 503 `server_stopping` (a stream: its last event), so a supervisor's stop timeout must exceed the grace
+period by the event log's drain and the engine's stop (`clora up` allows 30 s more).
 
 The engine's core runs in a child process started with "spawn", so everything here stays behind
 `if __name__ == "__main__"` (Python skips a package's `__main__` module in spawned children).
@@ -31,6 +34,9 @@ from pathlib import Path
 
 logger = logging.getLogger("serving")
 
+WATCH_SECONDS = 1.0  # how often the engine's death, and a stop, are looked for
+LAST_ANSWERS_SECONDS = 5.0  # after the grace period, for the 503s of the generations it ended to go out
+
 
 def listen(host: str, port: int) -> socket.socket:
     """The HTTP port, bound (not yet listening: clients are refused, not queued, until /health can answer).
@@ -44,6 +50,25 @@ def listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise SystemExit(f"serving: cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
+
+
+async def watch(server, engine, api, stop: asyncio.Event, *, grace: float) -> bool:
+    """Until `stop` is set: stops the HTTP server (uvicorn's) when the engine dies, and once the server is
+    stopping (a signal, or that) ends the generations still running `grace` seconds later
+    (`Api.stop_generations`: each gets its 503 while uvicorn still waits for it). True when the engine died."""
+    died = False
+    while not stop.is_set() and not engine.errored and not server.should_exit:
+        await asyncio.sleep(WATCH_SECONDS)
+    if engine.errored:
+        died = True
+        logger.error("the engine died; stopping the serving process")
+        server.should_exit = True
+    if not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=grace)
+        except asyncio.TimeoutError:
+            api.stop_generations()
+    return died
 
 
 async def serve(cfg, host: str, port: int) -> int:
@@ -132,9 +157,12 @@ async def serve(cfg, host: str, port: int) -> int:
             admin_key=s.admin_key.get_secret_value() if s.admin_key is not None else None,
         )
         watcher = asyncio.create_task(adapters.watch(s.registry_poll_seconds, stop))
+        # At a stop, uvicorn stops taking requests and waits for the running ones; past the grace period
+        # `watch` ends the generations left with a 503, and uvicorn's own deadline, later, leaves time for those
+        # answers to go out before it cancels whatever still runs.
         server = uvicorn.Server(
             uvicorn.Config(create_app(api), host=host, port=port, log_level="warning", access_log=False,
-                           timeout_graceful_shutdown=10)
+                           timeout_graceful_shutdown=s.shutdown_grace_seconds + WATCH_SECONDS + LAST_ANSWERS_SECONDS)
         )
         logger.info("serving %s with %d tenant(s) on http://%s:%d", model_path, len(tenants), host, port)
         # uvicorn handles SIGINT/SIGTERM itself, then re-raises the signal to the handler it found; make that
@@ -142,23 +170,15 @@ async def serve(cfg, host: str, port: int) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
 
-        async def watch_engine() -> None:
-            nonlocal engine_died
-            while not stop.is_set() and not engine.errored:
-                await asyncio.sleep(1.0)
-            if engine.errored:
-                engine_died = True
-                logger.error("the engine died; stopping the serving process")
-                server.should_exit = True
-
-        monitor = asyncio.create_task(watch_engine())
+        monitor = asyncio.create_task(watch(server, engine, api, stop, grace=s.shutdown_grace_seconds))
         await server.serve(sockets=[listener])
     finally:
         listener.close()
         stop.set()
-        for task in (watcher, monitor):
-            if task is not None:
-                await task
+        if watcher is not None:
+            await watcher
+        if monitor is not None:
+            engine_died = await monitor
         if events is not None:
             events.close()
         engine.shutdown()

@@ -11,6 +11,10 @@ every problem it finds and raises them together, so one refusal tells the whole 
 - `adapter_model.safetensors` exists and holds lora_A/lora_B pairs for modules of the base model, with
   shapes that fit those modules and the rank, and every value finite.
 
+An I/O error while reading either file (EIO, ESTALE, EACCES: anything but the file missing) says nothing
+about the adapter: it is raised as the `OSError` it is, never turned into a refusal, so the caller tries
+again later (serving/adapters.py backs off) instead of refusing a good adapter for good.
+
 What this module does not do: load anything into the engine or decide which version is current
 (serving/adapters.py does).
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,8 +191,12 @@ def _check_weights(
     import torch
 
     file = path / WEIGHTS_FILE
-    if not file.is_file():
-        problems.append(f"{WEIGHTS_FILE} is missing")
+    try:
+        regular = stat.S_ISREG(file.stat().st_mode)  # not is_file(): it hides the stat's own errors
+    except (FileNotFoundError, NotADirectoryError):
+        regular = None
+    if not regular:
+        problems.append(f"{WEIGHTS_FILE} is missing" if regular is None else f"{WEIGHTS_FILE} is not a file")
         return 0
     pairs: dict[str, dict[str, tuple[int, ...]]] = {}
     try:
@@ -206,7 +215,10 @@ def _check_weights(
                     problems.append(f"tensor {name!r} has {bad} non-finite values (NaN or inf)")
                 module = match["module"].removeprefix(_PEFT_PREFIX)
                 pairs.setdefault(module, {})[match["side"]] = tuple(tensor.shape)
-    except (SafetensorError, OSError, RuntimeError) as e:
+    except FileNotFoundError:  # removed since the stat
+        problems.append(f"{WEIGHTS_FILE} is missing")
+        return 0
+    except (SafetensorError, RuntimeError) as e:  # what the file holds is no safetensors file, or not whole
         problems.append(f"{WEIGHTS_FILE} cannot be read: {e}")
         return 0
     for module, sides in sorted(pairs.items()):

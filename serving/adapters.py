@@ -4,28 +4,34 @@
 when it moved, each configured tenant's newest published version. A version that differs from the
 tenant's current one is validated (serving/adapter_check.py, in a worker thread), loaded into the engine
 under a fresh int id, and only then made current. A version validation refuses (`AdapterRejected`) is
-refused for good: the reason is logged, `adapters_refused_total` counts it, and the tenant keeps the
-version it had (a refused version is not retried; publishing a new one is the fix). A failure that says
-nothing about the adapter (an I/O error while checking it, the engine failing the load) leaves the
-registry's change unseen, so a later poll tries again, backing off (RETRY_FIRST_S doubling up to
-RETRY_MAX_S: each try validates the adapter again); it is logged once, not on every try, and the tenant
-keeps its version meanwhile. A HEAD.json that cannot be read (edited by hand) leaves every tenant on what it
-serves until the registry's next change rebuilds it, logged once. `watch()` calls `refresh()` every
-`poll_seconds` until stopped.
+refused for good: the reason is logged, `adapters_refused_total` counts it, and it is not retried
+(publishing a new one is the fix). A failure that says nothing about the adapter (an I/O error while
+checking it, the engine failing the load) leaves the registry's change unseen, so a later poll tries again,
+backing off per version (RETRY_FIRST_S doubling up to RETRY_MAX_S: each try validates the adapter again);
+it is logged once, not on every try. While its newest published version cannot be served, a tenant is
+served its newest published version below that one that can be (`_fall_back`): the version it has, unless
+a newer one loads, but never one the registry no longer has as published (retired by an operator, or by
+`keep_versions`), which gives way to an older published version, or to the base model when none can be
+served. A server that starts then does the same, so a restart serves what a running server would. A
+HEAD.json that cannot be read (edited by hand) leaves every tenant on what it serves until the registry's
+next change rebuilds it, logged once. `watch()` calls `refresh()` every `poll_seconds` until stopped.
 
 A version is told apart by its number and its record's `created_at`: the registry never uses a number twice,
 but one edited by hand, or a data dir replaced under a running server, can show a number again with other
 files, and numbers alone would keep the old files serving under the new version's name. A version published
 under the number of the one a tenant serves, with another `created_at`, replaces it. As
 vLLM tells adapters apart by name (two with one name in a batch are one), the new one is loaded only once the
-old one has left the engine: the tenant is served the base model from the moment the change is seen until
-the requests still running on the old one end.
+old one has left the engine: from the moment the change is seen until the requests still running on the old
+one end, the tenant is served as while a newest version cannot be (an older published version, or the base
+model).
 
 Requests take a `Lease` (`acquire`) for the whole generation and give it back when the response is done
 (`release`): a generation never changes adapter mid-way, because the engine request carries its own
 `AdapterHandle`. Every loaded version counts its leases; a version that is no longer current leaves the
 engine when its last lease is released (or at once if it had none). Explicitly requested older
-versions (`<tenant>@<n>`) are loaded on demand the same way and leave when unused.
+versions (`<tenant>@<n>`) are loaded on demand the same way and leave when unused. A version asked for by
+name, the current one included, is served only while the registry had it published at its last read
+(`checked`, against `_seen`): retired, it is refused from the next poll on, even while it still serves.
 
 Each version is loaded from serving's own copy of its files (`stage_dir`, hard links where the file system
 allows, one directory per load), made before it is checked, so what is checked is what is loaded.
@@ -58,7 +64,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 from serving.adapter_check import AdapterRejected
 from serving.engine import AdapterHandle
@@ -72,6 +78,8 @@ RETRY_FIRST_S = 0.5  # a transient load failure is tried again after this, then 
 RETRY_MAX_S = 30.0
 IPC_PREFIX = "clora-vllm-ipc-"  # + host hash, pid and a random part: ipc_directory
 
+_Outcome = Literal["served", "refused", "failing"]  # of one version's swap: see AdapterSet._swap_in
+
 
 class AdapterEngine(Protocol):
     def new_handle(self, name: str, path: Path) -> AdapterHandle: ...
@@ -84,6 +92,7 @@ class VersionSource(Protocol):
 
     def generation(self) -> int: ...  # raises UnreadableRecord while HEAD.json cannot be read
     def published(self) -> dict: ...  # tenant -> AdapterVersion (newest published); UnreadableRecord as above
+    def unsettled(self, tenant: str) -> list: ...  # its published versions among others; UnreadableRecord
     def get(self, tenant: str, number: int): ...  # AdapterVersion; VersionNotFound (a KeyError), UnreadableRecord
 
 
@@ -99,13 +108,12 @@ class _Loaded:
     created: datetime | None = None  # the record's created_at: what tells it from another version of its number
     leases: int = 0
     current: bool = False
-    checked: int | None = None  # registry generation at which an explicit request last found it published
+    checked: int | None = None  # registry generation at which it was last found published (refresh, or a request)
 
 
 @dataclass
 class _Failing:
-    number: int  # the version whose swap failed
-    created: datetime | None
+    created: datetime | None  # of the version whose swap failed
     error: str
     tries: int
     retry_at: float  # monotonic seconds
@@ -157,7 +165,7 @@ class AdapterSet:
         self._loaded: dict[tuple[str, int], _Loaded] = {}
         self._current: dict[str, _Loaded] = {}
         self._refused: dict[tuple[str, int], tuple[str, datetime | None]] = {}  # -> (why, the version's created_at)
-        self._failing: dict[str, _Failing] = {}  # tenant -> the swap to try again, and when
+        self._failing: dict[tuple[str, int], _Failing] = {}  # version -> its swap to try again, and when
         self._loading: dict[tuple[str, int], asyncio.Future] = {}
         self._generation: int | None = None  # the registry generation every tenant's swap has settled at
         # The registry generation last read, settled or not (a swap backing off keeps _generation behind): what
@@ -165,6 +173,7 @@ class AdapterSet:
         # next poll on, whatever another tenant's swap is doing).
         self._seen: int | None = None
         self._unreadable: str | None = None  # why the registry's HEAD.json could not be read, logged once
+        self._unlisted: dict[str, str] = {}  # tenant -> why its versions could not be listed, logged once
         self._refresh_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
         for tenant in self.tenants:
@@ -190,15 +199,15 @@ class AdapterSet:
 
     async def acquire(self, tenant: str, version: int | None = None) -> Lease:
         """A lease on the tenant's current version (`version` None) or on version `version` of the tenant."""
-        if version is None or (tenant in self._current and self._current[tenant].number == version):
+        if version is None:
             loaded = self._current.get(tenant)
             if loaded is None:
                 return self.base_lease()
             return self._lease(loaded)
         loaded = self._loaded.get((tenant, version))
         if loaded is None or loaded.checked != self._seen:
-            # Loaded, but the registry changed since it was last found published (it may be retired now):
-            # ask the registry again, once per registry change.
+            # Loaded (the current version too), but the registry changed since it was last found published (it
+            # may be retired now): ask the registry again, once per registry change.
             loaded = await self._load_explicit(tenant, version)
         return self._lease(loaded)  # no await since the load: nothing can unload it in between
 
@@ -244,70 +253,142 @@ class AdapterSet:
             startup = self._generation is None  # versions published before this process: no swap latency
             settled = True
             for tenant in self.tenants:
-                version = published.get(tenant)
-                current = self._current.get(tenant)
-                if version is None:
-                    if current is not None:
-                        logger.info("tenant %s has no published adapter any more; serving the base model", tenant)
-                        self._set_current(tenant, None)
-                    continue
-                key, created = (tenant, version.number), _created(version)
-                if current is not None and current.number == version.number:
-                    if current.created == created:
-                        continue
-                    logger.warning("adapter %s was replaced in the registry (created %s, not %s: its number was "
-                                   "used again after a hand edit); tenant %s is served the base model until the old "
-                                   "one has left the engine", current.handle.name, created, current.created, tenant)
-                    self._set_current(tenant, None)
-                if key in self._refused and self._refused[key][1] == created:
-                    continue
-                old = self._loaded.get(key)
-                if old is not None and old.created != created:
-                    settled = False  # requests still run on the old one (a later poll tries): see the module notes
-                    continue
-                failing = self._failing.get(tenant)
-                if (failing is not None and (failing.number, failing.created) == (version.number, created)
-                        and self.monotonic() < failing.retry_at):
-                    settled = False  # backing off: a later poll tries it
-                    continue
-                settled &= await self._swap_in(tenant, version, startup=startup)
+                settled &= await self._follow(tenant, published.get(tenant), generation, startup=startup)
             if settled:  # a transient failure leaves the generation unseen, so the next poll tries again
                 self._generation = generation
 
-    async def _swap_in(self, tenant: str, version, *, startup: bool = False) -> bool:
-        """Validates, loads and makes current; False when it failed for a reason worth retrying."""
+    async def _follow(self, tenant: str, version, generation: int, *, startup: bool) -> bool:
+        """Serves the tenant its newest published version (`version`, None: it has none), or, while that one
+        cannot be served, what `_fall_back` finds; False while something is worth trying again."""
+        current = self._current.get(tenant)
+        if version is None:
+            if current is not None:
+                logger.info("tenant %s has no published adapter any more; serving the base model", tenant)
+                self._set_current(tenant, None)
+            self._forget_failures(tenant)
+            return True
+        key, created = (tenant, version.number), _created(version)
+        if current is not None and current.number == version.number:
+            if current.created == created:
+                current.checked = generation
+                return True
+            logger.warning("adapter %s was replaced in the registry (created %s, not %s: its number was "
+                           "used again after a hand edit); tenant %s is not served it again until the old "
+                           "one has left the engine", current.handle.name, created, current.created, tenant)
+            self._set_current(tenant, None)
+        refused = key in self._refused and self._refused[key][1] == created
+        if not refused:
+            if self._waiting(key, created):
+                outcome = "failing"
+            else:
+                outcome = await self._swap_in(tenant, version, generation, publish_lag=not startup)
+            if outcome == "served":
+                return True
+            refused = outcome == "refused"
+        settled = await self._fall_back(tenant, version.number, generation)
+        return settled and refused  # refused for good: nothing to try again; failing: tried again later
+
+    async def _fall_back(self, tenant: str, newest: int, generation: int) -> bool:
+        """The tenant's newest published version (number `newest`) cannot be served now (refused, or failing
+        to load): the tenant is served its newest published version below it that can be (its current one
+        stays, unless a newer one loads), or the base model when none can. Its current version is never kept
+        once the registry no longer has it published (retired by an operator or by retention). At most
+        REFUSED_KEPT - 1 versions are tried. False while a version newer than the one chosen is worth trying
+        again."""
+        from storage.registry import UnreadableRecord
+
+        try:
+            listed = await asyncio.to_thread(self.registry.unsettled, tenant)  # every published one, not the history
+        except UnreadableRecord as e:  # edited by hand: like an unreadable HEAD.json, logged once
+            if self._unlisted.get(tenant) != str(e):
+                logger.error("%s; tenant %s stays on %s until the registry's next change", e, tenant,
+                             self.current(tenant))
+                self._unlisted[tenant] = str(e)
+            return True
+        self._unlisted.pop(tenant, None)
+        below = sorted((v for v in listed if v.status == "published" and v.number < newest),
+                       key=lambda v: v.number, reverse=True)
+        settled = True
+        # Tried newest first, at most as many as the refusals remembered (with the newest), so that a long run of
+        # refused versions is not validated again at every registry change; the current one is kept below that.
+        for version in below[: REFUSED_KEPT - 1]:
+            key, created = (tenant, version.number), _created(version)
+            current = self._current.get(tenant)
+            if current is not None and (current.number, current.created) == (version.number, created):
+                break
+            if key in self._refused and self._refused[key][1] == created:
+                continue
+            if self._waiting(key, created):
+                settled = False
+                continue
+            outcome = await self._swap_in(tenant, version, generation, publish_lag=False)
+            if outcome == "served":
+                return settled
+            settled &= outcome == "refused"
+        current = self._current.get(tenant)
+        if current is None:
+            return settled
+        if any((v.number, _created(v)) == (current.number, current.created) for v in below):
+            current.checked = generation
+        else:
+            logger.warning("adapter %s is no longer published, and none of tenant %s's newest published versions "
+                           "can be served now; serving the base model", current.handle.name, tenant)
+            self._set_current(tenant, None)
+        return settled
+
+    def _waiting(self, key: tuple[str, int], created: datetime | None) -> bool:
+        """Whether version `key` (created `created`) must wait before it is tried: its swap is backing off,
+        or another version of its number is still in the engine (see the module notes)."""
+        old = self._loaded.get(key)
+        if old is not None and old.created != created:
+            return True
+        failing = self._failing.get(key)
+        return failing is not None and failing.created == created and self.monotonic() < failing.retry_at
+
+    def _forget_failures(self, tenant: str, up_to: int | None = None) -> None:
+        """Drops the back-off of the tenant's versions (numbered `up_to` or less): no longer wanted."""
+        for key in [k for k in self._failing if k[0] == tenant and (up_to is None or k[1] <= up_to)]:
+            del self._failing[key]
+
+    async def _swap_in(self, tenant: str, version, generation: int, *, publish_lag: bool) -> _Outcome:
+        """Validates, loads and makes current: "served"; "refused" when validation refused it (for good);
+        "failing" when it failed for a reason worth retrying (backing off). `publish_lag`: record the time from
+        its publish (not for a version published before this process, or an older one fallen back to)."""
         started = time.monotonic()
-        name, created = f"{tenant}@{version.number}", _created(version)
+        key, created = (tenant, version.number), _created(version)
+        name = f"{tenant}@{version.number}"
         try:
             loaded = await self._load(tenant, version.number, Path(version.path), created)
         except AdapterRejected as e:  # the adapter itself is bad: trying again cannot help
-            self._failing.pop(tenant, None)
+            self._failing.pop(key, None)
             self._refuse(tenant, version.number, created, str(e))
-            return True
+            return "refused"
         except Exception as e:  # an I/O error while checking, the engine's load errors (no common type): may pass
             error = f"{type(e).__name__}: {e}"
-            failing = self._failing.get(tenant)
-            same = failing is not None and (failing.number, failing.created) == (version.number, created)
+            failing = self._failing.get(key)
+            same = failing is not None and failing.created == created
             tries = failing.tries + 1 if same else 1
             delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (tries - 1))
             if not same or failing.error != error:  # once, not each try
-                logger.warning("adapter %s could not be loaded (tried again, backing off up to %.0fs); tenant %s "
-                               "stays on %s", name, RETRY_MAX_S, tenant, self.current(tenant), exc_info=True)
+                logger.warning("adapter %s could not be loaded (tried again, backing off up to %.0fs); meanwhile "
+                               "tenant %s is served its newest published version that can be", name, RETRY_MAX_S,
+                               tenant, exc_info=True)
             else:
                 logger.debug("adapter %s still could not be loaded (try %d, next in %.1fs): %s", name, tries, delay, error)
-            self._failing[tenant] = _Failing(version.number, created, error, tries, self.monotonic() + delay)
-            return False
-        self._failing.pop(tenant, None)
+            self._failing[key] = _Failing(created, error, tries, self.monotonic() + delay)
+            return "failing"
+        self._forget_failures(tenant, up_to=version.number)
+        loaded.checked = generation
         self._set_current(tenant, loaded)
         published_at = getattr(version, "published_at", None)
-        lag = None if startup or not isinstance(published_at, datetime) else self.clock() - published_at.timestamp()
+        lag = self.clock() - published_at.timestamp() if publish_lag and isinstance(published_at, datetime) else None
         self.metrics.swapped(tenant, version.number, time.monotonic() - started, lag)
         logger.info(
             "tenant %s now served by %s (swap %.3fs%s)",
             tenant, loaded.handle.name, time.monotonic() - started,
             f", {lag:.3f}s after publish" if lag is not None else "",
         )
-        return True
+        return "served"
 
     def _set_current(self, tenant: str, loaded: _Loaded | None) -> None:
         old = self._current.pop(tenant, None)
@@ -328,8 +409,7 @@ class AdapterSet:
         for n in mine[:-REFUSED_KEPT]:
             del self._refused[(tenant, n)]
         self.metrics.refused.labels(tenant).inc()
-        logger.error("adapter %s@%d refused; tenant %s stays on %s: %s", tenant, number, tenant,
-                     self.current(tenant), reason)
+        logger.error("adapter %s@%d refused (never served, not tried again): %s", tenant, number, reason)
 
     # --- loading and unloading ----------------------------------------------------------------------------
     async def _load(self, tenant: str, number: int, path: Path, created: datetime | None) -> _Loaded:

@@ -26,6 +26,9 @@ Every response carries `x-request-id`; completion responses also carry `x-clora-
 The `model` field of a response names the version that produced it. Refusals, unknown routes (404) and
 wrong methods (405) use OpenAI's error shape `{"error": {"message", "type", "param", "code"}}` with the
 status of serving/errors.py; a choice the engine fails (finish reason "error") is a 500 and logs no event.
+A stopping server ends the generations still running at the end of its grace period (`stop_generations`,
+called by serving/__main__.py) with a 503 `server_stopping`, a stream with its last event, before the HTTP
+server's own deadline would cut them off unanswered.
 
 The log-probabilities of the sampled tokens are always captured for the event (RL needs them); the
 response shows them only when the request asks (`logprobs`), as OpenAI does.
@@ -37,12 +40,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -67,6 +71,7 @@ from serving.errors import (
     ModelNotFound,
     RateLimited,
     RequestTooLarge,
+    ServerStopping,
     ServingError,
     Unauthenticated,
     UnknownRoute,
@@ -206,6 +211,7 @@ async def _chain_first(first, rest: AsyncIterator):
 
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client left (never sent: nobody reads it)
+STOPPING = "the server is stopping; send the request again"  # what stop_generations answers
 
 
 async def _unless_disconnected(request: Request, work) -> bool:
@@ -270,6 +276,22 @@ class Api:
         # yet waits in ingest's memory: a tenant's feedback is limited by rate instead.
         self.feedback_rate = RateLimit(max_feedback_per_second, burst=max(1, math.ceil(2 * max_feedback_per_second)))
         self.started = int(time.time())
+        self._stopped = False  # stop_generations was called
+        self._waiting: set[asyncio.Timeout] = set()  # a generation's wait for its engine's next output, each
+
+    def stop_generations(self) -> None:
+        """Ends every running generation with a 503 `server_stopping` (a stream already answering: its last
+        event, then [DONE]), and every one started from now on: the server is stopping and its grace period
+        is over. Left to the HTTP server's own deadline, streams were cut off with no error event (counted as
+        if the client had left) and non-streamed requests got no answer at all."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._waiting:
+            logger.warning("stopping: %d generation(s) still running end with 503 server_stopping", len(self._waiting))
+        now = asyncio.get_running_loop().time()
+        for waiting in self._waiting:
+            waiting.reschedule(now)  # cancels that wait: `_next_output` raises ServerStopping
 
     # --- generation ---------------------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
@@ -412,7 +434,7 @@ class Api:
             # then aborted before the caller releases the adapter's lease, not whenever the collector gets to it.
             async with contextlib.aclosing(self.engine.stream(p.ids, p.sampling, adapter, call.response_id,
                                                               cache_salt=call.tenant)) as deltas:
-                async for delta in deltas:
+                while (delta := await self._next_output(functools.partial(anext, deltas, None))) is not None:
                     yield delta
             return
         queue: asyncio.Queue = asyncio.Queue()
@@ -431,7 +453,7 @@ class Api:
         try:
             running = len(tasks)
             while running:
-                item = await queue.get()
+                item = await self._next_output(queue.get)
                 if item is end:
                     running -= 1
                 elif isinstance(item, Exception):
@@ -442,6 +464,24 @@ class Api:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _next_output(self, wait: Callable[[], Awaitable[Any]]) -> Any:
+        """`await wait()`: a generation's wait for what its engine gives next, which `stop_generations` ends
+        with `ServerStopping` (by cancelling it: the engine's request is then aborted, as when a client leaves).
+        Entered and left in the one task that awaits it, as a generator's body may run in several."""
+        if self._stopped:
+            raise ServerStopping(STOPPING)
+        try:
+            async with asyncio.timeout(None) as waiting:
+                self._waiting.add(waiting)
+                try:
+                    return await wait()
+                finally:
+                    self._waiting.discard(waiting)
+        except TimeoutError:
+            if not waiting.expired():  # a timeout of the engine's own
+                raise
+            raise ServerStopping(STOPPING) from None
 
     async def _stream(self, call: _Call) -> AsyncIterator[bytes]:
         body, chat = call.body, call.endpoint == "chat"
@@ -700,7 +740,9 @@ class RequestIdMiddleware:
 
 
 def create_app(api: Api) -> FastAPI:
-    app = FastAPI(title="clora serving", docs_url=None, redoc_url=None, openapi_url=None)
+    # No redirect of "/v1/chat/completions/" to the route without its slash: a 307 with an empty body, where
+    # OpenAI answers 404 in its error shape (and a client would have to send its body again).
+    app = FastAPI(title="clora serving", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])

@@ -101,6 +101,13 @@ class Unavailable(ServingError):
     code = "engine_unavailable"
 
 
+class ServerStopping(Unavailable):
+    """A generation still running when a stopping server's grace period ended (`serving.shutdown_grace_seconds`):
+    worth sending again, to the server that replaces this one."""
+
+    code = "server_stopping"
+
+
 class EventLogFull(ServingError):
     """Feedback the event log could not take (it holds twice `queue_bytes` already): worth sending again."""
 

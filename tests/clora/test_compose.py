@@ -130,6 +130,18 @@ def test_services_volumes_and_health():
     assert all(p.startswith("127.0.0.1:") for p in services["serving"]["ports"])
 
 
+def test_serving_is_given_the_time_its_stop_takes():
+    """compose kills a service 10 s after SIGTERM unless told otherwise: serving's running generations get
+    [serving] shutdown_grace_seconds, then its event log drains; `clora up` allows the same."""
+    from clora.config import Config
+    from clora.up import SERVING_STOP_AFTER_GRACE_S
+
+    needed = Config().serving.shutdown_grace_seconds + SERVING_STOP_AFTER_GRACE_S
+    for name in ("serving", "serving-cpu"):
+        period = _spec()["services"][name]["stop_grace_period"]
+        assert period.endswith("s") and float(period[:-1]) >= needed, (name, period)
+
+
 @pytest.mark.parametrize("name", [n for n in CLORA_SERVICES if SERVICE_COMMANDS[n][0] == "clora"])
 def test_a_services_clora_command_is_one_clora_accepts(name):
     """The stand-ins above only log the command: clora's own parser must take it (an option it does not

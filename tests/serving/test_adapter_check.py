@@ -1,6 +1,8 @@
 """Adapter validation against the tiny base model: a good adapter passes, a bad one lists every problem."""
 
+import errno
 import json
+import os
 
 import pytest
 import torch
@@ -118,3 +120,29 @@ def test_missing_or_unreadable_files(tmp_path, shapes):
         validate_adapter(broken, max_rank=16, base_shapes=shapes)
     assert len(e.value.problems) == 2
     assert "does not parse" in e.value.problems[0] and "cannot be read" in e.value.problems[1]
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.ESTALE, errno.EACCES])
+def test_an_io_error_reading_the_weights_is_raised_not_a_refusal(tmp_path, shapes, monkeypatch, code):
+    """A flaky disk or NFS says nothing about the adapter: the caller must be able to try again, so the
+    error is raised as the OSError it is, not turned into a refusal (which serving keeps for good)."""
+    import safetensors
+
+    adapter = write_adapter(tmp_path / "a", shapes)
+
+    def fake_safe_open_failing(filename, framework):
+        raise OSError(code, os.strerror(code), filename)
+
+    monkeypatch.setattr(safetensors, "safe_open", fake_safe_open_failing)
+    with pytest.raises(OSError) as e:
+        validate_adapter(adapter, max_rank=16, base_shapes=shapes)
+    assert e.value.errno == code and not isinstance(e.value, AdapterRejected)
+
+
+def test_weights_that_are_no_file_are_refused(tmp_path, shapes):
+    adapter = write_adapter(tmp_path / "a", shapes)
+    (adapter / "adapter_model.safetensors").unlink()
+    (adapter / "adapter_model.safetensors").mkdir()
+    with pytest.raises(AdapterRejected) as e:
+        validate_adapter(adapter, max_rank=16, base_shapes=shapes)
+    assert e.value.problems == ["adapter_model.safetensors is not a file"]

@@ -212,6 +212,151 @@ def test_a_retired_version_is_refused_while_another_tenants_swap_backs_off(world
     run(scenario())
 
 
+def test_a_retired_version_is_not_served_while_the_newest_is_refused(world):
+    """The newest published version refused, the current one retired (`clora adapters retire`): neither
+    "acme" nor "acme@1" may still get acme@1. Nothing else is published, so the base model serves."""
+    registry, engine, adapters, publish = world
+
+    async def scenario():
+        publish("acme", seed=1)
+        await adapters.refresh()
+        publish("acme", seed=2, corrupt=True)
+        await adapters.refresh()
+        assert adapters.current("acme") == "acme@1" and "acme@2" in adapters.refused()
+        registry.retire("acme", 1)
+        await adapters.refresh()
+        assert adapters.current("acme") == "base"
+        assert (await adapters.acquire("acme")).label == "base"
+        with pytest.raises(UnknownVersion, match="retired"):
+            await adapters.acquire("acme", 1)
+        await adapters.drain()
+        assert engine.loaded == {}
+        assert adapters.metrics.adapter_version.labels("acme")._value.get() == 0
+
+    run(scenario())
+
+
+def test_a_version_retention_retired_is_not_served_while_the_newer_ones_are_refused(tmp_path, tiny_model):
+    """keep_versions (the registry's keep_last) 2: publishing acme@3 retires acme@1, which serves while acme@2
+    and acme@3 are refused; it must not serve on."""
+    registry = Registry(tmp_path / "data", keep_last=2)
+    check = functools.partial(validate_adapter, max_rank=16, base_shapes=base_linear_shapes(tiny_model))
+    adapters = AdapterSet(FakeEngine(), registry, ["acme"], check, ServingMetrics())
+
+    def publish(seed, corrupt=False):
+        def write(d):
+            write_peft_adapter(tiny_model, d, seed=seed, rank=4)
+            if corrupt:
+                (d / "adapter_model.safetensors").write_bytes(b"not safetensors")
+        v = registry.create("acme", parent=None, write=write)
+        return registry.publish("acme", v.number)
+
+    async def scenario():
+        publish(seed=1)
+        await adapters.refresh()
+        publish(seed=2, corrupt=True)
+        await adapters.refresh()
+        assert adapters.current("acme") == "acme@1"
+        publish(seed=3, corrupt=True)
+        assert registry.get("acme", 1).status == "retired"
+        await adapters.refresh()
+        assert adapters.current("acme") == "base"
+        with pytest.raises(UnknownVersion, match="retired"):
+            await adapters.acquire("acme", 1)
+        await adapters.drain()
+
+    run(scenario())
+
+
+def test_a_retired_version_gives_way_to_the_newest_published_one_that_can_be_served(world):
+    """acme@3 refused, acme@2 (current) retired: acme@1, still published, serves; a server started now
+    serves the same."""
+    registry, engine, adapters, publish = world
+
+    async def scenario():
+        publish("acme", seed=1)
+        publish("acme", seed=2)
+        await adapters.refresh()
+        publish("acme", seed=3, corrupt=True)
+        await adapters.refresh()
+        assert adapters.current("acme") == "acme@2"
+        registry.retire("acme", 2)
+        await adapters.refresh()
+        assert adapters.current("acme") == "acme@1"
+        with pytest.raises(UnknownVersion, match="retired"):
+            await adapters.acquire("acme", 2)
+        await adapters.drain()
+        assert set(engine.loaded.values()) == {"acme@1"}
+
+        restarted = AdapterSet(FakeEngine(), registry, ["acme"], adapters.check, ServingMetrics())
+        await restarted.refresh()
+        assert restarted.current("acme") == "acme@1" and "acme@3" in restarted.refused()
+
+    run(scenario())
+
+
+def test_a_retired_version_is_not_served_while_the_newest_backs_off(world):
+    """The newest published version fails to load (transient: tried again, backing off) and the current one
+    is retired meanwhile: the base model serves until the newest loads."""
+    from serving.adapters import RETRY_FIRST_S
+
+    registry, engine, adapters, publish = world
+    now = [0.0]
+    adapters.monotonic = lambda: now[0]
+    load = engine.load_adapter
+    broken = {"acme@2"}
+
+    async def flaky_load(adapter):
+        if adapter.name in broken:
+            raise RuntimeError("engine busy")
+        await load(adapter)
+
+    engine.load_adapter = flaky_load
+
+    async def scenario():
+        publish("acme", seed=1)
+        await adapters.refresh()
+        publish("acme", seed=2)
+        await adapters.refresh()
+        assert adapters.current("acme") == "acme@1"  # still published: it serves while acme@2 backs off
+        registry.retire("acme", 1)
+        await adapters.refresh()  # acme@2 is still backing off
+        assert adapters.current("acme") == "base"
+        with pytest.raises(UnknownVersion, match="retired"):
+            await adapters.acquire("acme", 1)
+        broken.clear()
+        now[0] += RETRY_FIRST_S * 4
+        await adapters.refresh()
+        assert adapters.current("acme") == "acme@2" and not adapters._failing
+        await adapters.drain()
+        assert set(engine.loaded.values()) == {"acme@2"}
+
+    run(scenario())
+
+
+def test_the_current_version_asked_for_by_name_is_refused_once_retired_even_before_a_swap(world, caplog):
+    """Naming the current version ("acme@1") is checked against the registry like any other version: a record
+    edited by hand keeps the tenant's versions from being listed, so "acme" stays where it is until the
+    registry's next change, but "acme@1", retired, is 404 from the next poll on."""
+    registry, engine, adapters, publish = world
+
+    async def scenario():
+        publish("acme", seed=1)
+        await adapters.refresh()
+        publish("acme", seed=2, corrupt=True)
+        await adapters.refresh()
+        (registry.dd.registry / "acme" / "2.json").write_bytes(b"{")
+        registry.retire("acme", 1)
+        await adapters.refresh()
+        with pytest.raises(UnknownVersion, match="retired"):
+            await adapters.acquire("acme", 1)
+        await adapters.refresh()
+        loud = [r for r in caplog.records if "stays on" in r.getMessage()]
+        assert len(loud) == 1 and "2.json" in loud[0].getMessage(), "logged once, not at every poll"
+
+    run(scenario())
+
+
 def test_concurrent_requests_for_one_version_load_it_once(world):
     registry, engine, adapters, publish = world
 
@@ -284,6 +429,42 @@ def test_a_transient_failure_is_tried_again_backing_off_and_logged_once(world, c
     run(scenario())
 
 
+def test_an_io_error_reading_the_weights_is_tried_again_not_a_refusal(world, monkeypatch):
+    """The real check: an EIO (or ESTALE, EACCES) while reading adapter_model.safetensors refused a good
+    adapter for good. It is tried again after its back-off and then serves."""
+    import errno
+
+    import safetensors
+
+    from serving.adapters import RETRY_FIRST_S
+
+    registry, engine, adapters, publish = world
+    now = [0.0]
+    adapters.monotonic = lambda: now[0]
+    real_safe_open = safetensors.safe_open
+    failures = [1]
+
+    def fake_safe_open_eio_once(filename, framework, **kwargs):
+        if failures[0] and filename.endswith("adapter_model.safetensors"):
+            failures[0] -= 1
+            raise OSError(errno.EIO, "Input/output error", filename)
+        return real_safe_open(filename, framework=framework, **kwargs)
+
+    monkeypatch.setattr(safetensors, "safe_open", fake_safe_open_eio_once)
+
+    async def scenario():
+        publish("acme", seed=1)
+        await adapters.refresh()
+        assert adapters.current("acme") == "base" and adapters.refused() == {}
+        assert adapters.metrics.refused.labels("acme")._value.get() == 0
+        now[0] += RETRY_FIRST_S
+        await adapters.refresh()
+        assert adapters.current("acme") == "acme@1" and adapters.refused() == {}
+        await adapters.drain()
+
+    run(scenario())
+
+
 def test_the_back_off_is_per_version_and_capped(world):
     """A newer version published while one backs off is tried at once; the wait never exceeds RETRY_MAX_S."""
     from serving.adapters import RETRY_MAX_S
@@ -306,10 +487,10 @@ def test_the_back_off_is_per_version_and_capped(world):
         for _ in range(12):
             await adapters.refresh()
             now[0] += RETRY_MAX_S
-        assert adapters._failing["acme"].retry_at - now[0] <= RETRY_MAX_S
+        assert adapters._failing[("acme", 1)].retry_at - now[0] <= RETRY_MAX_S
         publish("acme", seed=2)
         await adapters.refresh()
-        assert adapters.current("acme") == "acme@2" and "acme" not in adapters._failing
+        assert adapters.current("acme") == "acme@2" and not adapters._failing
         await adapters.drain()
 
     run(scenario())

@@ -71,6 +71,8 @@ class FakeLLM:
         self.finish_reason: str | None = None  # forces every choice's finish reason
         self.fail: Exception | None = None  # raised when a request is added
         self.gate: asyncio.Event | None = None  # holds every request before its first token
+        self.hold: asyncio.Event | None = None  # holds every request after its first token
+        self.holding = asyncio.Event()  # set once a request is held there
         self.reply: list[int] | None = None  # the tokens every choice answers (None: the prompt's first three)
 
     def get_tokenizer(self):
@@ -109,6 +111,9 @@ class FakeLLM:
                                 logprobs=[{token: SimpleNamespace(logprob=-0.5, rank=1, decoded_token=text)}])
                 for i in range(params.n)
             ])
+            if self.hold is not None and not last:
+                self.holding.set()
+                await self.hold.wait()
 
 
 class FakeAdapterEngine:
@@ -690,6 +695,15 @@ def test_unknown_routes_and_methods_use_the_openai_error_shape():
     assert r.status_code == 405 and error(r)["code"] == "method_not_allowed" and "POST" in error(r)["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions/", "/v1/completions/", "/v1/feedback/"])
+def test_a_trailing_slash_is_an_unknown_url_not_a_redirect(path):
+    """OpenAI answers 404 in its error shape; a 307 with an empty body left clients with nothing to show."""
+    w = World()
+    r = w.post(path, chat())
+    assert r.status_code == 404 and f"Invalid URL (POST {path})" in error(r)["message"]
+    assert w.llm.calls == []
+
+
 def test_one_model_card_of_your_own_models():
     w = World()
     assert w.get(f"/v1/models/{BASE}").json()["id"] == BASE
@@ -975,6 +989,108 @@ def test_a_client_that_leaves_mid_stream_has_its_engine_request_closed_before_it
 
     assert asyncio.run(scenario()) == 2
     assert held_at_close == [1] and w.api.inflight.held("acme") == 0
+
+
+def test_a_stopping_server_ends_the_generations_left_after_its_grace_period_with_503():
+    """`stop_generations` (the grace period is over): a stream already answering gets an error event and
+    [DONE], a non-streamed request a 503, both counted as 503 (not as clients that left, 499) and aborted in
+    the engine before their slots go back; a request arriving later is a 503 before it reaches the engine."""
+    w = World()
+    w.llm.reply = [65, 66, 67]
+    w.llm.hold = asyncio.Event()  # never set: the generations run until the server stops them
+    closed = {}  # endpoint -> its tenant's slots held when its engine request was closed
+    w.llm.on_close = lambda request_id: closed.update(
+        {"chat": w.api.inflight.held("acme")} if request_id.startswith("chatcmpl") else
+        {"completions": w.api.inflight.held("globex")})
+
+    async def scenario(client):
+        streamed = asyncio.create_task(client.post("/v1/chat/completions", json=chat(stream=True)))
+        plain = asyncio.create_task(client.post("/v1/completions", json={"model": "globex", "prompt": "hi"},
+                                                headers={"Authorization": f"Bearer {KEYS['globex']}"}))
+        while len(w.llm.calls) < 2 or not w.llm.holding.is_set():
+            await asyncio.sleep(0.01)
+        w.api.stop_generations()
+        done = await asyncio.wait_for(asyncio.gather(streamed, plain), 5)
+        late = await client.post("/v1/chat/completions", json=chat())
+        return (*done, late)
+
+    streamed, plain, late = w.run(scenario)
+    events = sse_events(streamed)
+    assert streamed.status_code == 200 and events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "server_stopping" and events[-2]["error"]["type"] == "server_error"
+    assert any(e["choices"][0]["delta"].get("content") == "A" for e in events[:-2]), "it had begun answering"
+    for r in (plain, late):
+        assert r.status_code == 503 and error(r)["code"] == "server_stopping"
+    assert len(w.llm.calls) == 2, "the late request never reached the engine"
+    assert closed == {"chat": 1, "completions": 1}
+    assert w.api.inflight.held("acme") == w.api.inflight.held("globex") == 0
+    requests = w.api.metrics.requests
+    assert requests.labels("acme", "chat", "503")._value.get() == 2
+    assert requests.labels("globex", "completions", "503")._value.get() == 1
+    assert requests.labels("acme", "chat", "499")._value.get() == 0
+    assert w.events.logged == [], "nothing was answered whole"
+
+
+def test_a_stop_answers_the_running_stream_over_http_before_the_server_exits(monkeypatch):
+    """The same through uvicorn, as `python -m serving` runs it (`watch`, a grace period of 0): the stream
+    gets its error event and [DONE] long before uvicorn's own deadline would cut it off with neither (and
+    count it as a client that left), and the server then exits."""
+    import uvicorn
+
+    from serving import __main__ as process
+
+    monkeypatch.setattr(process, "WATCH_SECONDS", 0.01)
+    w = World()
+    w.llm.reply = [65, 66, 67]
+    w.llm.hold = asyncio.Event()  # never set: the generation runs until the server stops it
+
+    async def main():
+        listener = process.listen("127.0.0.1", 0)
+        port = listener.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(w.app, log_level="warning", access_log=False,
+                                               timeout_graceful_shutdown=60))
+        stop = asyncio.Event()
+        serving = asyncio.create_task(server.serve(sockets=[listener]))
+        monitor = asyncio.create_task(process.watch(server, w.engine, w.api, stop, grace=0))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", trust_env=False,
+                                     headers={"Authorization": f"Bearer {KEYS['acme']}"}) as client:
+            async with client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
+                await w.llm.holding.wait()
+                server.should_exit = True  # what uvicorn's SIGTERM handler does
+                body = await asyncio.wait_for(r.aread(), 30)
+        await asyncio.wait_for(serving, 30)
+        stop.set()
+        assert await monitor is False
+        return r.status_code, body.decode()
+
+    status, body = asyncio.run(main())
+    events = [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]" for line in body.split("\n\n") if line]
+    assert status == 200 and events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_stopping"
+    assert w.api.metrics.requests.labels("acme", "chat", "503")._value.get() == 1
+    assert w.api.metrics.requests.labels("acme", "chat", "499")._value.get() == 0
+    assert w.api.inflight.held("acme") == 0
+
+
+def test_clora_up_gives_serving_its_grace_period_and_the_time_its_stop_takes(tmp_path):
+    """uvicorn's own deadline and the event log's drain fit in the stop timeout `clora up` allows serving, so
+    a stop never kills serving while it still answers or drains its events."""
+    import inspect
+
+    from clora.config import Config
+    from clora.up import SERVING_STOP_AFTER_GRACE_S, stack_specs
+    from serving.__main__ import LAST_ANSWERS_SECONDS, WATCH_SECONDS
+    from serving.events_log import EventLog
+
+    for grace in (None, 120.0):
+        settings = {} if grace is None else {"shutdown_grace_seconds": grace}
+        cfg = Config.model_validate({"data_dir": str(tmp_path), "serving": settings})
+        grace = cfg.serving.shutdown_grace_seconds
+        (serving,) = [spec for spec in stack_specs(cfg, "clora.toml")[0] if spec.name == "serving"]
+        assert serving.stop_timeout == grace + SERVING_STOP_AFTER_GRACE_S
+        drain = inspect.signature(EventLog.close).parameters["timeout"].default
+        assert grace + WATCH_SECONDS + LAST_ANSWERS_SECONDS + drain < serving.stop_timeout
 
 
 def test_a_client_that_leaves_while_sending_its_body_is_a_quiet_499(caplog):
