@@ -276,7 +276,10 @@ def parse_ts(v: Any) -> datetime:
     """ISO-8601 text (naive means UTC) or epoch milliseconds -> aware UTC datetime, to the millisecond."""
     try:
         if isinstance(v, str):
-            ts = datetime.fromisoformat(v)
+            try:
+                ts = datetime.fromisoformat(v)
+            except ValueError:  # RFC 3339 allows a lower-case t and z, which Python does not read
+                ts = datetime.fromisoformat(v.upper())
             if ts.tzinfo is None:
                 ts = ts.replace(tzinfo=timezone.utc)
             elif ts.tzinfo is not timezone.utc:

@@ -78,6 +78,8 @@ def test_prompt_wins_over_messages_for_the_rendered_text():
 def test_naive_and_offset_timestamps_are_utc():
     assert decode(raw(interaction(ts="2025-03-01T12:30:15.123")), max_bytes=MAX).ts == TS
     assert decode(raw(interaction(ts="2025-03-01T14:30:15.123456+02:00")), max_bytes=MAX).ts == TS
+    # RFC 3339's lower-case t and z (some clients' formatters write them) were dead-lettered as bad_field
+    assert decode(raw(interaction(ts="2025-03-01t12:30:15.123z")), max_bytes=MAX).ts == TS
 
 
 def test_feedback():
