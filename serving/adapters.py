@@ -68,7 +68,7 @@ from typing import Literal, Protocol
 
 from serving.adapter_check import AdapterRejected
 from serving.engine import AdapterHandle
-from serving.errors import ModelNotFound, Unavailable
+from serving.errors import AdapterUnavailable, ModelNotFound, ServingError, Unavailable
 from serving.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
@@ -474,6 +474,12 @@ class AdapterSet:
         except AdapterRejected as e:
             self._refuse(tenant, number, created, str(e))
             raise UnknownVersion(f"model {name!r} cannot be served: {e}") from e
+        except ServingError:  # _load's own answer (a replaced version's old one still in the engine)
+            raise
+        except Exception as e:  # an I/O error, files a retire is deleting, the engine's load: may pass
+            logger.warning("model %r asked for could not be loaded: %s: %s", name, type(e).__name__, e)
+            raise AdapterUnavailable(f"model {name!r} cannot be loaded now; try again shortly",
+                                     headers={"Retry-After": "1"}) from e
 
     def _maybe_unload(self, loaded: _Loaded) -> None:
         if loaded.current or loaded.leases > 0:

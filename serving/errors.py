@@ -101,6 +101,14 @@ class Unavailable(ServingError):
     code = "engine_unavailable"
 
 
+class AdapterUnavailable(Unavailable):
+    """A published version asked for by name (`<tenant>@<n>`) that could not be loaded now for a reason that
+    says nothing about the adapter (an I/O error, its files deleted by a retire under way, the engine): worth
+    sending again; a version that is refused is a 404."""
+
+    code = "adapter_unavailable"
+
+
 class ServerStopping(Unavailable):
     """A generation still running when a stopping server's grace period ended (`serving.shutdown_grace_seconds`):
     worth sending again, to the server that replaces this one."""

@@ -161,6 +161,40 @@ def test_explicit_versions_load_on_demand_and_unknown_ones_are_404(world):
     run(scenario())
 
 
+def test_an_older_version_that_cannot_be_loaded_now_is_a_503_to_retry_not_a_500(world, monkeypatch):
+    """An explicit `acme@1` whose load failed for a reason that says nothing about the adapter (its files
+    deleted by a retire under way, an I/O error, the engine) was answered "internal error" (500)."""
+    from serving.errors import AdapterUnavailable
+
+    registry, engine, adapters, publish = world
+    load = engine.load_adapter
+    failing = []  # the next load fails while this holds an entry
+
+    async def load_failing_once(adapter):
+        if failing:
+            failing.pop()
+            raise RuntimeError("the engine could not load it")
+        await load(adapter)
+
+    monkeypatch.setattr(engine, "load_adapter", load_failing_once)
+
+    async def scenario():
+        publish("acme", seed=1)
+        publish("acme", seed=2)
+        await adapters.refresh()  # acme@2 current
+        failing.append(True)
+        with pytest.raises(AdapterUnavailable) as error:
+            await adapters.acquire("acme", 1)
+        assert error.value.status == 503 and error.value.headers == {"Retry-After": "1"}
+        assert adapters.refused() == {}, "not refused: asked again, it loads"
+        lease = await adapters.acquire("acme", 1)
+        assert lease.label == "acme@1"
+        lease.release()
+        await adapters.drain()
+
+    run(scenario())
+
+
 def test_a_retired_version_is_refused_even_while_a_request_still_holds_it(world):
     registry, engine, adapters, publish = world
 
