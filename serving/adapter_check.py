@@ -11,9 +11,11 @@ every problem it finds and raises them together, so one refusal tells the whole 
 - `adapter_model.safetensors` exists and holds lora_A/lora_B pairs for modules of the base model, with
   shapes that fit those modules and the rank, and every value finite.
 
-An I/O error while reading either file (EIO, ESTALE, EACCES: anything but the file missing) says nothing
-about the adapter: it is raised as the `OSError` it is, never turned into a refusal, so the caller tries
-again later (serving/adapters.py backs off) instead of refusing a good adapter for good.
+An I/O error while opening or reading either file (EIO, ESTALE, EACCES, EMFILE: anything but the file
+missing) says nothing about the adapter: it is raised as an `OSError`, never turned into a refusal, so the
+caller tries again later (serving/adapters.py backs off) instead of refusing a good adapter for good. The
+weights file is opened in Python before safetensors opens it, as safetensors reports every failure to open
+it as "No such file or directory"; its "no such file" for a file that is there is raised so too.
 
 What this module does not do: load anything into the engine or decide which version is current
 (serving/adapters.py does).
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import stat
 from dataclasses import dataclass
@@ -198,6 +201,11 @@ def _check_weights(
     if not regular:
         problems.append(f"{WEIGHTS_FILE} is missing" if regular is None else f"{WEIGHTS_FILE} is not a file")
         return 0
+    try:  # opened here first: safetensors reports any failure to open (EACCES, EMFILE) as "No such file"
+        os.close(os.open(file, os.O_RDONLY))
+    except FileNotFoundError:  # removed since the stat
+        problems.append(f"{WEIGHTS_FILE} is missing")
+        return 0
     pairs: dict[str, dict[str, tuple[int, ...]]] = {}
     try:
         with safe_open(str(file), framework="pt") as f:
@@ -215,9 +223,11 @@ def _check_weights(
                     problems.append(f"tensor {name!r} has {bad} non-finite values (NaN or inf)")
                 module = match["module"].removeprefix(_PEFT_PREFIX)
                 pairs.setdefault(module, {})[match["side"]] = tuple(tensor.shape)
-    except FileNotFoundError:  # removed since the stat
-        problems.append(f"{WEIGHTS_FILE} is missing")
-        return 0
+    except FileNotFoundError as e:  # safetensors' word for any failure to open: gone only if it is gone
+        if not os.path.lexists(file):
+            problems.append(f"{WEIGHTS_FILE} is missing")
+            return 0
+        raise OSError(f"{file} is there but could not be opened now: {e}") from e
     except (SafetensorError, RuntimeError) as e:  # what the file holds is no safetensors file, or not whole
         problems.append(f"{WEIGHTS_FILE} cannot be read: {e}")
         return 0

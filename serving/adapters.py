@@ -174,6 +174,9 @@ class AdapterSet:
         self._seen: int | None = None
         self._unreadable: str | None = None  # why the registry's HEAD.json could not be read, logged once
         self._unlisted: dict[str, str] = {}  # tenant -> why its versions could not be listed, logged once
+        # tenant -> the registry generation at which its fall-back (its newest version not servable) settled:
+        # not looked at again, nor its versions listed, until the registry changes
+        self._fell_back: dict[str, int] = {}
         self._refresh_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
         for tenant in self.tenants:
@@ -266,6 +269,7 @@ class AdapterSet:
                 logger.info("tenant %s has no published adapter any more; serving the base model", tenant)
                 self._set_current(tenant, None)
             self._forget_failures(tenant)
+            self._fell_back.pop(tenant, None)
             return True
         key, created = (tenant, version.number), _created(version)
         if current is not None and current.number == version.number:
@@ -283,9 +287,14 @@ class AdapterSet:
             else:
                 outcome = await self._swap_in(tenant, version, generation, publish_lag=not startup)
             if outcome == "served":
+                self._fell_back.pop(tenant, None)
                 return True
             refused = outcome == "refused"
+        if self._fell_back.get(tenant) == generation:  # settled at this registry state: nothing to list again
+            return refused
         settled = await self._fall_back(tenant, version.number, generation)
+        if settled:
+            self._fell_back[tenant] = generation
         return settled and refused  # refused for good: nothing to try again; failing: tried again later
 
     async def _fall_back(self, tenant: str, newest: int, generation: int) -> bool:
@@ -295,6 +304,7 @@ class AdapterSet:
         once the registry no longer has it published (retired by an operator or by retention). At most
         REFUSED_KEPT - 1 versions are tried. False while a version newer than the one chosen is worth trying
         again."""
+        from storage.layout import StorageError
         from storage.registry import UnreadableRecord
 
         try:
@@ -305,6 +315,12 @@ class AdapterSet:
                              self.current(tenant))
                 self._unlisted[tenant] = str(e)
             return True
+        except (OSError, StorageError) as e:  # the disk now (EIO, ESTALE): this tenant only, tried at the next poll
+            if self._unlisted.get(tenant) != str(e):
+                logger.error("tenant %s's adapter versions cannot be listed (%s: %s); it stays on %s, tried again",
+                             tenant, type(e).__name__, e, self.current(tenant))
+                self._unlisted[tenant] = str(e)
+            return False
         self._unlisted.pop(tenant, None)
         below = sorted((v for v in listed if v.status == "published" and v.number < newest),
                        key=lambda v: v.number, reverse=True)

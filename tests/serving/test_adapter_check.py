@@ -122,21 +122,40 @@ def test_missing_or_unreadable_files(tmp_path, shapes):
     assert "does not parse" in e.value.problems[0] and "cannot be read" in e.value.problems[1]
 
 
-@pytest.mark.parametrize("code", [errno.EIO, errno.ESTALE, errno.EACCES])
-def test_an_io_error_reading_the_weights_is_raised_not_a_refusal(tmp_path, shapes, monkeypatch, code):
-    """A flaky disk or NFS says nothing about the adapter: the caller must be able to try again, so the
-    error is raised as the OSError it is, not turned into a refusal (which serving keeps for good)."""
+@pytest.mark.parametrize("code", [errno.EIO, errno.ESTALE, errno.EACCES, errno.EMFILE])
+def test_an_error_opening_the_weights_is_raised_not_a_refusal(tmp_path, shapes, monkeypatch, code):
+    """A flaky disk, NFS or a process out of file descriptors says nothing about the adapter: the caller must
+    be able to try again, so the error is raised as the OSError it is, not turned into a refusal (which
+    serving keeps for good). The weights file is opened in Python first, where the real errno shows."""
+    adapter = write_adapter(tmp_path / "a", shapes)
+    weights = str(adapter / "adapter_model.safetensors")
+    real_open = os.open
+
+    def fake_os_open_failing_for_the_weights(path, flags, *args, **kwargs):
+        if str(path) == weights:
+            raise OSError(code, os.strerror(code), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", fake_os_open_failing_for_the_weights)
+    with pytest.raises(OSError) as e:
+        validate_adapter(adapter, max_rank=16, base_shapes=shapes)
+    assert e.value.errno == code and not isinstance(e.value, AdapterRejected)
+
+
+def test_safetensors_no_such_file_for_a_file_that_is_there_is_raised_not_a_refusal(tmp_path, shapes, monkeypatch):
+    """safetensors reports every failure to open its file (EACCES, EMFILE, seen with 0.8) as FileNotFoundError
+    "No such file or directory": taken at its word, a good adapter was refused for good as missing."""
     import safetensors
 
     adapter = write_adapter(tmp_path / "a", shapes)
 
-    def fake_safe_open_failing(filename, framework):
-        raise OSError(code, os.strerror(code), filename)
+    def fake_safe_open_as_safetensors_fails_to_open(filename, framework):
+        raise FileNotFoundError("No such file or directory (os error 2)")
 
-    monkeypatch.setattr(safetensors, "safe_open", fake_safe_open_failing)
-    with pytest.raises(OSError) as e:
+    monkeypatch.setattr(safetensors, "safe_open", fake_safe_open_as_safetensors_fails_to_open)
+    with pytest.raises(OSError, match="is there but could not be opened now") as e:
         validate_adapter(adapter, max_rank=16, base_shapes=shapes)
-    assert e.value.errno == code and not isinstance(e.value, AdapterRejected)
+    assert not isinstance(e.value, AdapterRejected)
 
 
 def test_weights_that_are_no_file_are_refused(tmp_path, shapes):

@@ -368,6 +368,70 @@ def test_a_retired_version_is_not_served_while_the_newest_backs_off(world):
     run(scenario())
 
 
+def test_tenants_falling_back_list_their_versions_once_per_registry_change_not_every_poll(world):
+    """While one tenant's newest version backs off, the registry change stays unsettled and every poll
+    follows every tenant: a tenant whose newest version is refused listed its versions at each poll."""
+    registry, engine, adapters, publish = world
+    now = [0.0]
+    adapters.monotonic = lambda: now[0]
+    load = engine.load_adapter
+
+    async def globex_busy(adapter):
+        if adapter.name.startswith("globex@"):
+            raise RuntimeError("engine busy")
+        await load(adapter)
+
+    engine.load_adapter = globex_busy
+    listings = []
+    unsettled = registry.unsettled
+    registry.unsettled = lambda tenant: listings.append(tenant) or unsettled(tenant)
+
+    async def scenario():
+        publish("acme", seed=1)
+        publish("acme", seed=2, corrupt=True)  # refused: acme falls back to acme@1
+        publish("globex", seed=3)  # backs off for ever
+        for _ in range(20):
+            await adapters.refresh()
+            now[0] += 0.5
+        assert adapters.current("acme") == "acme@1" and adapters.current("globex") == "base"
+        assert listings.count("acme") == 1, listings
+        registry.retire("acme", 1)  # a registry change: looked at again, once
+        for _ in range(5):
+            await adapters.refresh()
+            now[0] += 0.5
+        assert adapters.current("acme") == "base" and listings.count("acme") == 2
+        await adapters.drain()
+
+    run(scenario())
+
+
+def test_a_tenant_whose_versions_cannot_be_listed_does_not_stop_the_others(world):
+    """An OSError (EIO, ESTALE, EACCES) listing one tenant's versions ended the whole refresh: the tenants after
+    it were not swapped, and at start-up the server did not start."""
+    registry, engine, adapters, publish = world
+    unsettled = registry.unsettled
+
+    def acme_unlistable(tenant):
+        if tenant == "acme":
+            raise PermissionError(13, "Permission denied", "adapters/acme")
+        return unsettled(tenant)
+
+    registry.unsettled = acme_unlistable
+
+    async def scenario():
+        publish("acme", seed=1, corrupt=True)  # refused: acme falls back, and its listing fails
+        publish("globex", seed=2)
+        await adapters.refresh()
+        assert adapters.current("acme") == "base" and adapters.current("globex") == "globex@1"
+        registry.unsettled = unsettled  # the disk is back: tried again at the next poll
+        publish("acme", seed=3, corrupt=True)
+        await adapters.refresh()
+        assert adapters.current("acme") == "base" and adapters._fell_back.get("acme") is not None
+        await adapters.drain()
+
+    run(scenario())
+
+
 def test_the_current_version_asked_for_by_name_is_refused_once_retired_even_before_a_swap(world, caplog):
     """Naming the current version ("acme@1") is checked against the registry like any other version: a record
     edited by hand keeps the tenant's versions from being listed, so "acme" stays where it is until the
@@ -463,11 +527,9 @@ def test_a_transient_failure_is_tried_again_backing_off_and_logged_once(world, c
     run(scenario())
 
 
-def test_an_io_error_reading_the_weights_is_tried_again_not_a_refusal(world, monkeypatch):
-    """The real check: an EIO (or ESTALE, EACCES) while reading adapter_model.safetensors refused a good
-    adapter for good. It is tried again after its back-off and then serves."""
-    import errno
-
+def test_an_error_opening_the_weights_is_tried_again_not_a_refusal(world, monkeypatch):
+    """The real check: a failure to open adapter_model.safetensors (EACCES, EMFILE: safetensors calls every one
+    "No such file") refused a good adapter for good. It is tried again after its back-off and then serves."""
     import safetensors
 
     from serving.adapters import RETRY_FIRST_S
@@ -478,13 +540,13 @@ def test_an_io_error_reading_the_weights_is_tried_again_not_a_refusal(world, mon
     real_safe_open = safetensors.safe_open
     failures = [1]
 
-    def fake_safe_open_eio_once(filename, framework, **kwargs):
+    def fake_safe_open_failing_to_open_once(filename, framework, **kwargs):
         if failures[0] and filename.endswith("adapter_model.safetensors"):
-            failures[0] -= 1
-            raise OSError(errno.EIO, "Input/output error", filename)
+            failures[0] -= 1  # what safetensors raises for any failure to open the file (EACCES, EMFILE)
+            raise FileNotFoundError("No such file or directory (os error 2)")
         return real_safe_open(filename, framework=framework, **kwargs)
 
-    monkeypatch.setattr(safetensors, "safe_open", fake_safe_open_eio_once)
+    monkeypatch.setattr(safetensors, "safe_open", fake_safe_open_failing_to_open_once)
 
     async def scenario():
         publish("acme", seed=1)
