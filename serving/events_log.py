@@ -320,11 +320,13 @@ class EventLog:
         from kafka.errors import KafkaTimeoutError
 
         end = time.monotonic() + self.ack_timeout
+        looked = False
         while True:
             self._spill_if_full()  # a slow broker must not hold the queue past its bound
             wait = min(ACK_SLICE, end - time.monotonic(), self._ack_wait())
-            if wait <= 0:
+            if wait <= 0 and looked:  # the answers that came meanwhile are looked at once, however late
                 raise TimeoutError("not acknowledged in time")
+            wait, looked = max(wait, 0.0), True
             try:
                 producer.flush(timeout=wait)
                 return

@@ -660,3 +660,20 @@ def test_a_spill_that_fails_part_way_keeps_only_the_rest_queued(tmp_path, monkey
     wait_for(lambda: len(broker.received) == 30 and log.spooled == 0)
     log.close()
     assert [r[2] for r in broker.received] == [f"i{i}" for i in range(30)]
+
+
+def test_a_wait_for_acknowledgements_that_starts_late_still_looks_once(tmp_path):
+    """A thread held up (a busy machine) past the whole ack_timeout before its first look gave up without
+    looking: answers already there were taken for none, and the batch was sent again."""
+    broker = FakeBroker()
+    log = make_log(tmp_path, broker, start=False, ack_timeout=0.01)
+    looks = []
+
+    class FakeProducerCountingLooks(FakeProducer):
+        def flush(self, timeout=None):
+            looks.append(timeout)
+
+    log._spill_if_full = lambda: time.sleep(0.05)  # held up past ack_timeout before the first look
+    log._await_acks(FakeProducerCountingLooks(broker))  # every answer is in: no TimeoutError
+    assert looks == [0.0]
+    log.close()
