@@ -21,6 +21,7 @@ FORMATS = ("table", "csv", "json", "parquet")
 COMPACTED = ("interactions", "feedback", "trajectories", "dead_letters", "train_steps")
 PRUNED = ("interactions", "feedback", "trajectories", "dead_letters")
 MAX_CELL = 60  # characters of one cell in the readable table
+STDOUT_PATHS = ("/dev/stdout", "/dev/fd/1", "/proc/self/fd/1")  # `--out` naming stdout: written to it, not opened
 FROM_CONFIG = object()  # `compact --every` without SECONDS: [compaction] every_seconds
 
 
@@ -253,9 +254,10 @@ def _write_whole(out: str, write) -> None:
     """`write(f)` into a binary file, a hidden sibling of `out` that is renamed over it once complete, so a
     write that fails or is interrupted (Ctrl-C, a full disk) leaves no partial file and the previous one
     intact; the previous file's permissions carry over. A symbolic link is followed (the file it names is
-    replaced, the link stays). A device, a pipe, or anything reached through /dev or /proc (--out /dev/stdout,
-    which with stdout redirected resolves to that file) is written as it is: renaming over it would replace
-    the device's name itself. Python opens the file, so an OSError says why in `strerror`, without the
+    replaced, the link stays). `--out /dev/stdout` (STDOUT_PATHS) is written to this process's stdout as it
+    is open (opening the name again would truncate a file the shell opened with `>>`). Any other device,
+    pipe, or path in or through /dev or /proc is written as it is: renaming over it would replace the
+    device's name itself. Python opens the file, so an OSError says why in `strerror`, without the
     hidden file's name."""
     import os
     import stat
@@ -263,6 +265,11 @@ def _write_whole(out: str, write) -> None:
 
     from storage.files import tmp_name
 
+    if os.path.abspath(out) in STDOUT_PATHS:  # this process's stdout, as the shell opened it (`>>` appends)
+        sys.stdout.flush()
+        write(sys.stdout.buffer)
+        sys.stdout.buffer.flush()
+        return
     if _written_in_place(out):
         with open(out, "wb") as f:
             write(f)
@@ -621,7 +628,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def _prune(cfg, days: float, dataset: str | None, tenant: str | None, *, dry_run: bool, command: str) -> int:
     from storage.layout import UNKNOWN_TENANT, StorageError
-    from storage.retention import DAY_S, forget_trained, prune, prune_registry, prune_spool_dead
+    from storage.retention import DAY_S, PartlyDone, forget_trained, prune, prune_registry, prune_spool_dead
 
     older_than_s = days * DAY_S
     # Dead letters without a readable tenant (_unknown) have data files only: no adapters, no learner cursor.
@@ -636,7 +643,7 @@ def _prune(cfg, days: float, dataset: str | None, tenant: str | None, *, dry_run
         except (StorageError, ValueError, OSError) as e:
             print(f"clora {command}: {what}: {e}", file=sys.stderr, flush=True)
             failed.append(what)
-            return default
+            return e.done if isinstance(e, PartlyDone) else default  # what the other tenants' parts did
 
     kw = dict(older_than_s=older_than_s, dry_run=dry_run)
     results = step("data files", [], lambda: prune(cfg.data_dir, dataset=dataset, tenant=tenant, **kw))

@@ -150,33 +150,54 @@ def prune_spool_dead(root, *, older_than_s: float, dry_run: bool = False, now_s:
     return deleted
 
 
+class PartlyDone(StorageError):
+    """Some tenants' part of a retention step failed (each logged); `done` holds what the others did."""
+
+    def __init__(self, message: str, done: dict[str, int]):
+        super().__init__(message)
+        self.done = done
+
+
+def _per_tenant(what: str, tenants, run) -> dict[str, int]:
+    """`run(tenant)` for each tenant, each on its own: one that fails (a disk or permission error, a damaged
+    file) is logged and the others go on; PartlyDone at the end names the failed ones."""
+    done, failed = {}, []
+    for t in tenants:
+        try:
+            done[t] = run(t)
+        except (StorageError, OSError) as e:
+            logger.error("retention: %s of tenant %s failed: %s: %s", what, t, type(e).__name__, e)
+            failed.append(f"{t} ({type(e).__name__}: {e})")
+    if failed:
+        raise PartlyDone(f"{what} failed for {', '.join(failed)}", done)
+    return done
+
+
 def prune_registry(root, *, older_than_s: float, tenant: str | None = None, dry_run: bool = False,
                    now_s: float | None = None) -> dict[str, int]:
     """tenant -> how many settled adapter-version records (retired or rejected, files gone) last written
     before the cutoff were (or, with dry_run, would be) deleted (Registry.prune): a tenant's learner makes
-    one per step, tens of thousands a day in one directory."""
+    one per step, tens of thousands a day in one directory. A tenant that fails does not stop the others
+    (PartlyDone)."""
     from storage.registry import Registry
 
     before_s = _cutoff_s(older_than_s, now_s)
     registry = Registry(root)
-    return {t: registry.prune(t, before_s=before_s, dry_run=dry_run) for t in ([tenant] if tenant else registry.tenants())}
+    return _per_tenant("pruning adapter records", [tenant] if tenant else registry.tenants(),
+                       lambda t: registry.prune(t, before_s=before_s, dry_run=dry_run))
 
 
 def forget_trained(root, *, older_than_s: float, tenant: str | None = None, dry_run: bool = False,
                    now_s: float | None = None) -> dict[str, int]:
     """tenant -> how many trained ids its learner cursor forgot (or, with dry_run, would): the steps committed
-    before the cutoff, whose trajectories were all ingested before it (Cursors.forget)."""
+    before the cutoff, whose trajectories were all ingested before it (Cursors.forget). A tenant that fails
+    (an unreadable cursor, a disk error) does not stop the others (PartlyDone)."""
     from storage.cursors import Cursors
 
     cutoff_ms = round(_cutoff_s(older_than_s, now_s) * 1000)
     cursors = Cursors(root)
-    forgotten = {}
-    for t in [tenant] if tenant else cursors.tenants():
-        try:
-            forgotten[t] = cursors.forget(t, cutoff_ms, dry_run=dry_run)
-        except StorageError as e:  # one tenant's unreadable cursor must not stop the others' retention
-            logger.warning("retention: the cursor of %s was left as it is: %s", t, e)
-    return forgotten
+    return _per_tenant("forgetting trained ids", [tenant] if tenant else cursors.tenants(),
+                       lambda t: cursors.forget(t, cutoff_ms, dry_run=dry_run))
 
 
 def prune_partition(root, dataset: str, tenant: str, cutoff_ms: int, *, dry_run: bool = False) -> PruneResult:

@@ -225,6 +225,38 @@ def test_one_partition_that_fails_does_not_stop_the_others(data_dir, files, make
     assert results["trajectories/tenant=globex"].files == 1 and len(names(files)) == 5
 
 
+def test_one_tenant_whose_registry_fails_does_not_stop_the_others_records_pruning(
+        tmp_path, data_dir, peft_writer, monkeypatch, capsys):
+    from clora.cli import build_parser
+    from storage.registry import Registry
+
+    registry = Registry(data_dir, keep_last=1)
+    for tenant in ("acme", "globex"):
+        for _ in range(3):  # keep_last 1: the first is retired, and settled once a third is published
+            v = registry.create(tenant, parent=None, write=peft_writer)
+            registry.publish(tenant, v.number)
+    prune_records = Registry.prune
+
+    def disk_error_for_acme(self, tenant, **kw):
+        if tenant == "acme":
+            raise OSError(5, "Input/output error")
+        return prune_records(self, tenant, **kw)
+
+    monkeypatch.setattr(Registry, "prune", disk_error_for_acme)
+    config = tmp_path / "clora.toml"
+    config.write_text(f'data_dir = "{data_dir}"\n')
+    monkeypatch.delenv("CLORA_DATA_DIR", raising=False)
+    monkeypatch.setenv("CLORA_CONFIG", str(config))
+    args = build_parser(["storage.cli"]).parse_args(["prune", "--older-than-days", "30"])
+    future = time.time() + 60 * DAY_S
+    monkeypatch.setattr(time, "time", lambda: future)
+    assert args.func(args) == 1
+    out, err = capsys.readouterr()
+    assert "1 adapter version records" in out, out  # globex's
+    assert "pruning adapter records failed for acme (OSError" in err and "pruning failed for 1: adapter records" in err
+    assert Registry(data_dir).numbers("globex") == [2, 3] and Registry(data_dir).numbers("acme") == [1, 2, 3]
+
+
 def test_the_compactor_loop_of_a_dataset_never_pruned_says_so_once(tmp_path, data_dir, compactor_loop):
     config = tmp_path / "loop.toml"
     config.write_text(f'data_dir = "{data_dir}"\n[retention]\ndays = 30\n')

@@ -540,6 +540,25 @@ def test_an_out_file_reached_by_a_link_is_replaced_through_it_keeping_its_permis
     assert sorted(p.name for p in target.parent.iterdir()) == ["secret.csv"]  # no hidden file left
 
 
+def test_out_stdout_appends_where_the_shell_appends(tmp_path):
+    """`clora query ... --out /dev/stdout >> log` opened the name again, which truncated the log. (Run with
+    /dev/fd/1, the same stdout: code that renamed over the name could only fail there, not replace it.)"""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from storage.cli import STDOUT_PATHS
+
+    assert {"/dev/stdout", "/dev/fd/1", "/proc/self/fd/1"} <= set(STDOUT_PATHS)
+    log = tmp_path / "log.csv"
+    log.write_text("earlier\n")
+    code = ("import pyarrow as pa; from storage.cli import write_table; "
+            "write_table(pa.table({'x': [1]}), 'csv', '/dev/fd/1')")
+    with open(log, "ab") as out:
+        subprocess.run([sys.executable, "-c", code], stdout=out, check=True, cwd=Path(__file__).resolve().parents[2])
+    assert log.read_text().splitlines() == ["earlier", "x", "1"]
+
+
 def test_out_paths_in_or_through_dev_and_proc_are_written_in_place(tmp_path):
     """With stdout redirected to a file, /dev/stdout resolves to that file: renaming over it replaced the
     name /dev/stdout itself (as root), or failed to create a hidden file in /dev (as anyone else)."""
