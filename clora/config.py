@@ -79,15 +79,38 @@ def _bootstrap_entry_ok(entry: str) -> bool:
 # Sections
 
 
+TOPIC_NAME = r"^[A-Za-z0-9._-]{1,249}$"  # what Kafka accepts as a topic name
+LORA_RANK_SIZES = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank values (its kernels' sizes)
+
+
+def lora_rank_size(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds `rank`."""
+    for size in LORA_RANK_SIZES:
+        if size >= rank:
+            return size
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank, {LORA_RANK_SIZES[-1]}")
+
+
+def _home_expanded(v, field: str):
+    """A path field's "~/x" as the home's x, for every process (others pass through to the field's type)."""
+    try:
+        return Path(v).expanduser() if isinstance(v, (str, Path)) else v
+    except RuntimeError as e:  # "~nosuchuser/x", or no home directory to be found
+        raise ValueError(f"{field} {str(v)!r}: {e}") from None
+
+
 class KafkaConfig(_Strict):
     bootstrap: str = Field(
         "127.0.0.1:9092",
         description="Kafka bootstrap servers, comma separated host:port.",
         json_schema_extra=env("CLORA_KAFKA_BOOTSTRAP"),
     )
-    interactions_topic: str = Field("clora.interactions", description="Topic carrying interaction events.")
-    feedback_topic: str = Field("clora.feedback", description="Topic carrying feedback events.")
-    dead_letter_topic: str = Field("clora.dead-letter", description="Topic receiving rejected messages.")
+    interactions_topic: str = Field("clora.interactions", pattern=TOPIC_NAME, description="Topic carrying interaction events.")
+    feedback_topic: str = Field("clora.feedback", pattern=TOPIC_NAME, description="Topic carrying feedback events.")
+    dead_letter_topic: str = Field(
+        "clora.dead-letter", pattern=TOPIC_NAME,
+        description="Topic receiving rejected messages; not one of the two ingest reads."
+    )
     partitions: int = Field(4, ge=1, description="Partitions per topic when clora creates its topics.")
     group_id: str = Field("clora-ingest", description="Consumer group of the ingest processes.")
     session_timeout_ms: int = Field(
@@ -137,7 +160,9 @@ class ModelConfig(_Strict):
     @field_validator("path", mode="before")
     @classmethod
     def _empty_is_the_tiny_model(cls, v):
-        return None if isinstance(v, str) and not v.strip() else v  # Path("") would be the current directory
+        if isinstance(v, str) and not v.strip():
+            return None  # Path("") would be the current directory
+        return _home_expanded(v, "model.path")
 
 
 class ServingConfig(_Strict):
@@ -165,7 +190,10 @@ class ServingConfig(_Strict):
 
     max_loras: int = Field(8, ge=1, description="Adapters that may take part in one engine batch.")
     max_cpu_loras: int = Field(16, ge=1, description="Adapters kept loaded (warm) in the engine.")
-    max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank the engine accepts.")
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = Field(
+        16, description="Largest LoRA rank the engine accepts: one of vLLM's sizes, 1, 8, 16, 32, 64, 128, 256, "
+        "320 or 512 (its kernels are built for those)."
+    )
     max_model_len: int = Field(512, ge=16, description="Longest sequence (prompt + completion) in tokens.")
     max_num_seqs: int = Field(64, ge=1, description="Sequences decoded together in one engine step.")
     default_max_tokens: int | None = Field(
@@ -186,7 +214,9 @@ class ServingConfig(_Strict):
         64, ge=1, description="Completions (prompts x n) one tenant may have in the engine at once; beyond it, "
         "429 with Retry-After, so one tenant cannot take the whole engine."
     )
-    dtype: str = Field("auto", description="Engine dtype: auto, float32, bfloat16, float16.")
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = Field(
+        "auto", description="Engine dtype: auto, float32 (float), bfloat16, float16 (half)."
+    )
     kv_cache_gib: float = Field(
         1.0, ge=0, description="KV cache the engine reserves, GiB (small on CPU hosts); 0: vLLM sizes it from free memory."
     )
@@ -350,7 +380,10 @@ class LearnerConfig(_Strict):
     max_new_tokens: int = Field(32, ge=1, description="Completion length of rollouts and of the gate's probes.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient norm clip of every update.")
-    device: str = Field("auto", description="Device of the learner's model: auto (cuda if present), cpu, cuda, cuda:N.")
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+        description="Device of the learner's model: auto (cuda if present), cpu, cuda, cuda:N."
+    )
     processes: int = Field(
         1, ge=1, le=64, description="`clora up`: learner processes, each training its shard of the tenants "
         "(`clora learn --shard K/N`) with its own copy of the base model, so tenants train in parallel."
@@ -392,6 +425,11 @@ class TenantConfig(_Strict):
         None, gt=0, description="Publish gate: this tenant's largest mean per-token KL to the base model (nats); "
         "default learner.gate_max_kl. A tenant whose objective moves far from the base model needs more room."
     )
+
+    @field_validator("prompts_file", mode="before")
+    @classmethod
+    def _prompts_file_home(cls, v):
+        return _home_expanded(v, "prompts_file")
 
     @field_validator("name")
     @classmethod
@@ -447,10 +485,7 @@ class Config(_Strict):
             raise ValueError("data_dir must not be empty (it would be the current directory)")
         if isinstance(v, (str, Path)) and "\x00" in str(v):
             raise ValueError("data_dir must not contain a NUL character")
-        try:
-            return Path(v).expanduser() if isinstance(v, (str, Path)) else v  # "~/clora": the home, for every process
-        except RuntimeError as e:  # "~nosuchuser/x", or no home directory to be found
-            raise ValueError(f"data_dir {str(v)!r}: {e}") from None
+        return _home_expanded(v, "data_dir")
     kafka: KafkaConfig = Field(default_factory=KafkaConfig, description="Kafka connection and topics.")
     broker: BrokerConfig = Field(default_factory=BrokerConfig, description="The embedded broker.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The shared base model.")
@@ -564,6 +599,16 @@ def _between_fields(c: Any) -> list[tuple[tuple[str | int, ...], str]]:
             kafka.heartbeat_interval_ms >= kafka.session_timeout_ms:
         problems.append((("kafka", "heartbeat_interval_ms"), f"heartbeat_interval_ms ({kafka.heartbeat_interval_ms}) "
                          f"must be below session_timeout_ms ({kafka.session_timeout_ms})"))
+    topics = {"interactions_topic": kafka.interactions_topic, "feedback_topic": kafka.feedback_topic}
+    if _known(*topics.values()) and topics["interactions_topic"] == topics["feedback_topic"]:
+        problems.append((("kafka", "feedback_topic"), f"feedback_topic {kafka.feedback_topic!r} is also the "
+                         "interactions_topic: each needs a topic of its own"))
+    if _known(kafka.dead_letter_topic):
+        for field, topic in topics.items():
+            if _known(topic) and topic == kafka.dead_letter_topic:
+                problems.append((("kafka", "dead_letter_topic"), f"dead_letter_topic {topic!r} is also the "
+                                 f"{field}: ingest would read its own rejected messages back, and reject them again "
+                                 "for ever"))
     ingest = c.ingest
     if _known(ingest.metrics_port, ingest.processes) and ingest.metrics_port and \
             ingest.metrics_port + ingest.processes - 1 > 65535:

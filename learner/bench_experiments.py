@@ -65,6 +65,7 @@ from pathlib import Path
 
 from clora.argtypes import non_negative, non_negative_int, positive, positive_int, positive_int_list
 from clora.bench import machine
+from clora.config import lora_rank_size
 from clora.processes import terminate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -312,7 +313,7 @@ def write_config(path: Path, group: list[Experiment], settings: dict, *, data_di
             # every tenant plus the zero adapter that stands in for the base model (CPU)
             "max_loras": settings["max_loras"] or n + 1,
             "max_cpu_loras": 2 * n + 2,  # a tenant's outgoing version stays while its requests finish
-            "max_lora_rank": max(16, settings["rank"]),
+            "max_lora_rank": lora_rank_size(max(16, settings["rank"])),
             "max_model_len": 256,
             "max_num_seqs": settings["max_num_seqs"],
             "dtype": settings["dtype"],

@@ -97,13 +97,14 @@ async def timed(engine, jobs, sampling) -> float:
 
 
 async def measure(model_path: Path, counts: list[int], args, dtype: str) -> dict[str, dict[int, float]]:
+    from clora.config import lora_rank_size
     from serving.adapter_check import base_linear_shapes
     from serving.engine import Sampling, build_engine
 
     top = max(counts)
     sampling = Sampling(max_tokens=args.tokens, temperature=1.0, seed=0, ignore_eos=True)
     seconds: dict[str, dict[int, float]] = {mode: {} for mode in MODES}
-    common = dict(max_model_len=256, max_num_seqs=top * args.prompts, dtype=dtype, max_lora_rank=max(args.rank, 8))
+    common = dict(max_model_len=256, max_num_seqs=top * args.prompts, dtype=dtype, max_lora_rank=lora_rank_size(max(args.rank, 8)))
 
     with tempfile.TemporaryDirectory(prefix="clora-bench-serving-") as tmp:
         shapes = base_linear_shapes(model_path)

@@ -277,6 +277,48 @@ def test_a_data_dir_under_home_is_the_same_directory_for_every_process(tmp_path,
     assert cfg.model_path == tmp_path / "clora-data" / "models" / "tiny-0"
 
 
+def test_model_path_and_prompts_files_under_home_are_expanded_as_data_dir_is(tmp_path, monkeypatch):
+    """`path = "~/models/..."` was taken literally ("model.path ~/m does not exist") while data_dir's `~` was
+    the home."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    p = write_config(tmp_path, '[model]\npath = "~/m"\n[[tenants]]\nname = "a"\napi_key = "sk-aaaaaaaa"\n'
+                               'mode = "rollouts"\nprompts_file = "~/prompts.txt"\n')
+    cfg = load_config(p, environ={})
+    assert cfg.model.path == tmp_path / "m" and cfg.tenants[0].prompts_file == tmp_path / "prompts.txt"
+    assert load_config(p, environ={"CLORA_MODEL_PATH": "~/other"}).model.path == tmp_path / "other"
+
+
+@pytest.mark.parametrize("toml, field, message", [
+    # accepted, then every start of serving failed in vLLM (`clora up` tried three times)
+    ("[serving]\nmax_lora_rank = 12\n", "serving.max_lora_rank", "1, 8, 16, 32, 64, 128, 256, 320 or 512"),
+    ("[serving]\ndtype = \"fp16\"\n", "serving.dtype", "'bfloat16'"),
+    ("[learner]\ndevice = \"gpu\"\n", "learner.device", "auto|cpu|cuda"),
+    # ingest read its own dead letters back and rejected them again, for ever
+    ("[kafka]\ndead_letter_topic = \"clora.interactions\"\n", "kafka.dead_letter_topic", "reject them again for ever"),
+    ("[kafka]\nfeedback_topic = \"clora.interactions\"\n", "kafka.feedback_topic", "a topic of its own"),
+    ("[kafka]\ninteractions_topic = \"my topic\"\n", "kafka.interactions_topic", "A-Za-z0-9._-"),
+    ("[kafka]\nfeedback_topic = \"\"\n", "kafka.feedback_topic", "A-Za-z0-9._-"),
+])
+def test_values_the_engine_kafka_or_torch_would_refuse_are_config_errors(tmp_path, toml, field, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(write_config(tmp_path, toml), environ={})
+    (line,) = problems(e)
+    assert line.startswith(field) and message in line, line
+
+
+def test_the_max_lora_rank_sizes_are_vllms():
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    from clora.config import LORA_RANK_SIZES, ServingConfig, lora_rank_size
+
+    assert LORA_RANK_SIZES == get_args(MaxLoRARanks) == get_args(ServingConfig.model_fields["max_lora_rank"].annotation)
+    assert [lora_rank_size(r) for r in (1, 2, 8, 9, 17, 512)] == [1, 8, 8, 16, 32, 512]
+    with pytest.raises(ValueError, match="above vLLM's largest"):
+        lora_rank_size(513)
+
+
 def test_a_bad_path_field_beside_a_problem_between_fields_is_listed_not_a_crash(tmp_path):
     """pydantic could not rebuild a Path field's error type ("path_type"): a KeyError traceback, and a
     learner's config reload died instead of keeping the previous config."""
