@@ -1,6 +1,7 @@
 # clora — the commands a newcomer needs. `make demo` and `make test` set everything up themselves.
 #   make setup   create .venv, install clora with its CPU engine, broker and test extras, build the tiny model
 #   make demo    run the whole loop on the tiny model until every tenant has learned (8 min at most), report per tenant
+#                (options through ARGS, e.g. make demo ARGS='--minutes 4')
 #   make test    unit and integration tests (starts the real broker and the real vLLM engine itself)
 #   make bench   every benchmark; results land in bench-results/ (see BENCHMARKS.md)
 #   make clean   remove the venv, caches and local data
@@ -32,7 +33,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(CLORA) demo
+	$(CLORA) demo $(ARGS)
 
 test: setup
 	$(VENV)/bin/pytest

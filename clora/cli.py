@@ -33,12 +33,20 @@ COMMAND_MODULES = (
 )
 
 
+def _config_file(text: str) -> str:
+    """--config's value: not empty (`--config "$UNSET"` fell back to ./clora.toml or the built-in defaults)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (an unset variable?): name a TOML file, or leave --config out")
+    return text
+
+
 def common_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--config",
         dest="config_path",
         metavar="FILE",
+        type=_config_file,
         default=argparse.SUPPRESS,  # so a subcommand's parser does not reset a value given before it
         help="clora.toml to load (default: $CLORA_CONFIG, else ./clora.toml if present, else built-in defaults)",
     )

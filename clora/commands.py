@@ -41,7 +41,8 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p.add_argument("--full", action="store_true", help="send traffic for all of --minutes, learned or not")
     p.add_argument("--rate", type=positive, default=6.0, help="requests per second, all tenants together (default 6)")
     p.add_argument("--tenants", default="digits,upper,short",
-                   help="comma-separated preferences, one tenant each (so each once): digits, upper, short, json")
+                   help="comma-separated preferences, one tenant each (so each once): digits, upper, short, json "
+                   "(default digits,upper,short)")
     p.add_argument("--seed", type=int, default=0, help="seed of the simulated traffic (default 0)")
     p.add_argument("--out", default="demo.png",
                    help="where to write the reward plot, its format by its extension: .png, .svg, .pdf, ... "

@@ -22,6 +22,7 @@ from pathlib import Path
 DEMO_PREFERENCES = ["digits", "upper", "short"]
 IMPROVEMENT = 0.05  # the last window must beat the base model's answers by at least this much reward
 LEARNED = 0.5  # the traffic stops early once every tenant's last window is this far from its base reward to 1
+DEMO_LOCK = "demo.lock"  # in the data dir, held for the whole demo: one demo at a time per data dir
 PROGRESS_SECONDS = 10.0  # how often the demo prints the rewards and checks whether every tenant has learned
 
 
@@ -92,21 +93,43 @@ def learned(summary: dict[str, dict]) -> bool:
     )
 
 
-def run_demo(cfg, *, minutes: float, rate: float, preferences: list[str], seed: int, out_png: Path,
-             keep_data: bool = False, full: bool = False) -> int:
+def run_demo(cfg, **settings) -> int:
+    """The demo (`_run`), one at a time per data dir: a second one would delete the first's live data
+    (`<data_dir>/demo`) before anything else, so it holds `<data_dir>/demo.lock` and a second one exits 2."""
+    import contextlib
+
+    from clora.cli import data_dir_error, prepare_data_dir
+    from storage.files import FileLock, LockBusy
+
+    root = Path(cfg.data_dir).resolve()
+    try:
+        prepare_data_dir(root)
+    except OSError as e:
+        print(data_dir_error(root, e), file=sys.stderr)
+        return 2
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(FileLock(root / DEMO_LOCK, blocking=False))
+        except LockBusy:
+            print(f"clora demo: another clora demo is running on {root} (it holds {root / DEMO_LOCK}); wait for it "
+                  "to finish, or give this one another data_dir", file=sys.stderr)
+            return 2
+        return _run(cfg, root, **settings)
+
+
+def _run(cfg, root: Path, *, minutes: float, rate: float, preferences: list[str], seed: int, out_png: Path,
+         keep_data: bool = False, full: bool = False) -> int:
     """The demo; `minutes` is the most the simulated apps send traffic: it stops once every tenant has
     `learned` unless `full`. The verdict is the same either way."""
     from clora.config import load_config
     from clora.simulate import Simulator, records_to_json, summarise, tenants_from_config
     from clora.up import KILLED_WHILE_STOPPING, up
     from ingest.broker import free_ports
-    from clora.cli import base_model_dir, data_dir_error, prepare_data_dir
+    from clora.cli import base_model_dir, data_dir_error
 
-    root = Path(cfg.data_dir).resolve()
     demo_dir = root / "demo"
     config_path = demo_dir / "clora.toml"
     try:
-        prepare_data_dir(root)
         model = base_model_dir(cfg)  # the tiny model unless model.path names one (checked: one line if bad)
         if demo_dir.exists() and not keep_data:
             shutil.rmtree(demo_dir)

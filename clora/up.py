@@ -492,10 +492,25 @@ def embedded_broker_problem(cfg) -> str | None:
             "broker.embedded = false to use the Kafka at kafka.bootstrap")
 
 
+def config_line(cfg, config_path: str | None) -> str:
+    """Which config the stack runs on and how many tenants it has: a stack on the built-in defaults (no
+    --config, no $CLORA_CONFIG, no ./clora.toml) has none, and answers every tenant's key with 401."""
+    from clora.config import resolve_config_path
+
+    file = resolve_config_path(config_path)
+    source = str(file) if file is not None else "the built-in defaults (no --config, $CLORA_CONFIG or ./clora.toml)"
+    n = len(cfg.tenants)
+    return f"config {source}: {n} tenant{'s' if n != 1 else ''}, data in {cfg.data_dir}"
+
+
 def setup_warnings(cfg) -> list[str]:
-    """What works but wastes something, one line each: more ingest processes than the topics clora creates
-    have partitions (a consumer group gives each partition to one member, so the rest wait idle)."""
+    """What works but wastes something, one line each: no tenants (every request with an API key is a 401,
+    and nothing is trained); more ingest processes than the topics clora creates have partitions (a consumer
+    group gives each partition to one member, so the rest wait idle)."""
     warnings = []
+    if not cfg.tenants:
+        warnings.append("no tenants are configured: every API key gets 401 and nothing is trained; add a "
+                        "[[tenants]] table per adapter owner (see clora.example.toml)")
     processes, partitions = cfg.ingest.processes, cfg.kafka.partitions
     if processes > partitions:
         idle = processes - partitions
@@ -555,6 +570,7 @@ def up(cfg, config_path: str | None, *, until: Callable[[], bool] = lambda: Fals
         for problem in problems:
             sup.emit("up", f"error: {problem}")
         return 1
+    sup.emit("up", config_line(cfg, config_path))
     for warning in setup_warnings(cfg):
         sup.emit("up", f"warning: {warning}")
     # SIGHUP too: a closed terminal must stop the stack in order (ingest drains before the broker goes);

@@ -58,6 +58,21 @@ def run_demo(tmp_path, fake_up, monkeypatch):
     return demo.run_demo(cfg, minutes=1, rate=20, preferences=["digits"], seed=0, out_png=tmp_path / "demo.png")
 
 
+def test_a_second_demo_on_one_data_dir_exits_2_and_leaves_the_first_ones_data(tmp_path, monkeypatch, capsys):
+    """The second deleted <data_dir>/demo, the first one's live data, before anything else (each on free
+    ports, so neither saw the other)."""
+    from clora.demo import DEMO_LOCK
+    from storage.files import FileLock
+
+    live = tmp_path / "data" / "demo" / "data" / "trajectories"
+    live.mkdir(parents=True)
+    ups = []
+    with FileLock(tmp_path / "data" / DEMO_LOCK):  # the first demo, running
+        code = run_demo(tmp_path, lambda *a, **kw: ups.append(1) or 0, monkeypatch)
+    assert code == 2 and ups == [] and live.is_dir()
+    assert "another clora demo is running on" in capsys.readouterr().err
+
+
 def test_a_demo_interrupted_before_the_traffic_started_exits_130(tmp_path, monkeypatch, capsys):
     code = run_demo(tmp_path, lambda *a, on_stop, **kw: on_stop() or 0, monkeypatch)  # Ctrl-C while starting
     assert code == 130

@@ -444,6 +444,7 @@ def test_up_warns_of_ingest_processes_beyond_the_partitions_and_starts(tmp_path,
         return Config.model_validate({
             "data_dir": str(tmp_path), "broker": {"port": port}, "serving": {"port": free_port_but(port)},
             "kafka": {"bootstrap": f"127.0.0.1:{port}", "partitions": partitions}, "ingest": {"processes": processes},
+            "tenants": [{"name": "acme", "api_key": "sk-acme-key"}],
         })
 
     assert up_module.setup_warnings(config(4)) == []  # one partition each
@@ -852,3 +853,33 @@ def test_up_with_a_data_dir_it_cannot_use_says_so_in_one_line(tmp_path, monkeypa
     config.write_text(f'data_dir = "{data_dir}"\n[model]\npath = "{tmp_path / "model"}"\n')
     assert main(["up", "--config", str(config)]) == 2
     assert capsys.readouterr().err.strip() == f"clora: data_dir {data_dir}: Not a directory"
+
+
+def test_up_says_which_config_it_runs_on_and_warns_of_no_tenants(tmp_path, monkeypatch):
+    """`--config "$UNSET"`, or a shell in another directory, ran the stack on the built-in defaults: no
+    tenants, every request a 401, and nothing said so."""
+    from clora import up as up_module
+    from clora.config import Config
+    from ingest.broker import free_port
+
+    monkeypatch.chdir(tmp_path)  # no ./clora.toml here
+    monkeypatch.delenv("CLORA_CONFIG", raising=False)
+    port = free_port()
+    cfg = Config.model_validate({"data_dir": str(tmp_path / "d"), "broker": {"port": port},
+                                 "serving": {"port": free_port_but(port)}, "kafka": {"bootstrap": f"127.0.0.1:{port}"}})
+    monkeypatch.setattr(up_module, "stack_specs", lambda *_, **__: ([spec("a")], ["a"]))
+    lines, emit = collect()
+    assert up_module.up(cfg, None, until=lambda: True, emit=emit) == 0
+    said = [line for n, line in lines if n == "up"]
+    assert f"config the built-in defaults (no --config, $CLORA_CONFIG or ./clora.toml): 0 tenants, data in {tmp_path / 'd'}" in said
+    assert any(line.startswith("warning: no tenants are configured: every API key gets 401") for line in said)
+    (tmp_path / "mine.toml").write_text("")
+    assert up_module.config_line(cfg, "mine.toml").startswith("config mine.toml: 0 tenants")
+
+
+def test_an_empty_config_option_is_a_usage_error(capsys):
+    from clora.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["up", "--config", ""])
+    assert exit_.value.code == 2 and "argument --config: is empty (an unset variable?)" in capsys.readouterr().err
