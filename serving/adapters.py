@@ -392,6 +392,11 @@ class AdapterSet:
             else:
                 logger.debug("adapter %s still could not be loaded (try %d, next in %.1fs): %s", name, tries, delay, error)
             self._failing[key] = _Failing(created, error, tries, self.monotonic() + delay)
+            # the newest few per tenant, as refusals: versions that keep failing while newer ones are
+            # published (an engine that fails every load) must not pile up for the process's life
+            mine = sorted(n for t, n in self._failing if t == tenant)
+            for n in mine[:-REFUSED_KEPT]:
+                del self._failing[(tenant, n)]
             return "failing"
         self._forget_failures(tenant, up_to=version.number)
         loaded.checked = generation

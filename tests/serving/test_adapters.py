@@ -764,3 +764,26 @@ def test_the_ipc_directory_of_a_dead_process_of_this_host_is_removed_and_ours_is
     assert mine.parent == tmp_path and mine.name.startswith(f"{here}{os.getpid()}-") and list(mine.iterdir()) == []
     assert not gone.exists() and alive.exists() and elsewhere.exists()
     assert adapters.ipc_directory() != mine  # a second one is its own, never a clash with a leftover
+
+
+def test_versions_that_keep_failing_to_load_are_remembered_a_few_per_tenant(world):
+    """An engine that fails every load while the learner publishes a version per step: each version's
+    back-off was kept for the process's life."""
+    from serving.adapters import REFUSED_KEPT
+
+    registry, engine, adapters, publish = world
+
+    async def never_loads(adapter):
+        raise RuntimeError("engine busy")
+
+    engine.load_adapter = never_loads
+
+    async def scenario():
+        for seed in range(REFUSED_KEPT + 5):
+            publish("acme", seed=seed)
+            await adapters.refresh()
+        numbers = sorted(n for t, n in adapters._failing if t == "acme")
+        assert numbers == list(range(6, REFUSED_KEPT + 6)), numbers  # the newest REFUSED_KEPT
+        await adapters.drain()
+
+    run(scenario())
