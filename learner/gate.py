@@ -2,7 +2,9 @@
 
 A candidate passes only if every check holds:
   - rewards:  every reward in the batch is finite and |reward| <= `learner.gate_max_abs_reward` (a batch
-              with NaN or absurd rewards is poisoned: whatever it taught must not be served);
+              with NaN or absurd rewards is poisoned: whatever it taught must not be served; logs mode
+              leaves a finite reward beyond the limit out before training, logs_mode.within_reward_range,
+              so the rest of its batch is not lost with it);
   - loss:     the training loss and the gradient norm are finite;
   - weights:  every adapter weight is finite;
   - kl:       the mean KL to the base model (exact, over the whole vocabulary, at the batch's completion
@@ -27,8 +29,14 @@ alike, so the comparison is like for like; they are not guaranteed unseen by tra
 traffic repeats prompts), which is fine for what the check is for: catching a step that made the tenant
 worse at its own objective.
 
+A probe whose scorer fails (ScorerError: its dependency down, a timeout) has no reward to compare: it raises
+ProbeScoringFailed rather than counting 0. Counted 0, an outage during the candidate's probe read as a fall
+in reward (the candidate rejected, its batch committed as trained and lost), and one during the parent's
+was cached as the parent's rewards. The loop fails the step instead: nothing is committed or cached, and
+the tenant tries again after its back-off.
+
 `decide` is pure and lists every failed check (the reason recorded with `Registry.reject`).
-`probe_reward` runs the model. What happens after a failure (restore the parent, go on) is loop.py's.
+`probe_rewards` runs the model. What happens after a failure (restore the parent, go on) is loop.py's.
 """
 
 from __future__ import annotations
@@ -39,6 +47,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from learner.policy import Policy
+
+
+class ProbeScoringFailed(RuntimeError):
+    """The tenant's scorer failed on a probe completion: the probe has no reward to gate on."""
 
 
 @dataclass(frozen=True)
@@ -162,11 +174,11 @@ def probe_rewards(
     max_new_tokens: int,
 ) -> tuple[float, ...]:
     """The reward of the greedy completion of each of `prompts` under `tenant`'s adapter (None: the base
-    model), in order. A prompt whose completion the scorer fails on counts as reward 0."""
+    model), in order. Raises ProbeScoringFailed when the scorer fails on one (module note)."""
     if not prompts:
         return ()
     samples = policy.generate(tenant, list(prompts), n=1, max_new_tokens=max_new_tokens, greedy=True)
-    return _scored(prompts, samples, scorer)
+    return _scored(tenant, prompts, samples, scorer)
 
 
 def probe_rewards_grouped(
@@ -174,20 +186,31 @@ def probe_rewards_grouped(
     probes: Sequence[tuple[str, Sequence[str], Callable[[str, str], float]]],
     *,
     max_new_tokens: int,
-) -> list[tuple[float, ...]]:
+) -> list[tuple[float, ...] | ProbeScoringFailed]:
     """`probe_rewards` of several tenants' (tenant, prompts, scorer) probes, decoded together in one batch
-    (`Policy.generate_grouped`): what a round of the learner's steps probes."""
+    (`Policy.generate_grouped`): what a round of the learner's steps probes. A tenant whose scorer fails has
+    its ProbeScoringFailed in its place; the others' rewards stand (the decode was good)."""
     samples = policy.generate_grouped([(tenant, prompts) for tenant, prompts, _ in probes], max_new_tokens=max_new_tokens)
-    return [_scored(prompts, got, scorer) for (_, prompts, scorer), got in zip(probes, samples)]
+    out: list[tuple[float, ...] | ProbeScoringFailed] = []
+    for (tenant, prompts, scorer), got in zip(probes, samples):
+        try:
+            out.append(_scored(tenant, prompts, got, scorer))
+        except ProbeScoringFailed as e:
+            out.append(e)
+    return out
 
 
-def _scored(prompts: Sequence[str], samples, scorer: Callable[[str, str], float]) -> tuple[float, ...]:
+def _scored(tenant: str | None, prompts: Sequence[str], samples,
+            scorer: Callable[[str, str], float]) -> tuple[float, ...]:
     from ingest.scorers import ScorerError, apply
 
     rewards = []
-    for prompt, (sample,) in zip(prompts, samples):
+    for i, (prompt, (sample,)) in enumerate(zip(prompts, samples)):
         try:
             rewards.append(apply(scorer, sample.text, prompt))
-        except ScorerError:
-            rewards.append(0.0)
+        except ScorerError as e:
+            raise ProbeScoringFailed(
+                f"tenant {tenant!r}: the scorer failed on gate probe {i + 1} of {len(prompts)} ({prompt[-60:]!r}): "
+                f"{str(e).splitlines()[0]}"
+            ) from e
     return tuple(rewards)

@@ -10,8 +10,12 @@ fresh rows left published versions just as fast: it never caught up. A step then
      prompt sent to serving as token ids: its decoded text may re-tokenize to other ids, which the model
      never saw), else from the stored rendered `prompt` text (or, when a row has none, the chat template
      applied to `messages_json`); completion tokens from
-     `completion_token_ids` when present, else the tokenized `completion` text; behaviour log-probs from
-     `completion_logprobs` when they are present, finite and as many as the completion tokens, else none;
+     `completion_token_ids` when present, else the tokenized `completion` text with the end-of-sequence
+     token appended (unless its metadata says it was cut at the length limit: retokenised_completion);
+     behaviour log-probs from `completion_logprobs` when they are present, finite and as many as the
+     completion tokens (or as the text's tokens, the appended stop token's then unknown), else none;
+     and leaves out a row whose reward is beyond +-`learner.gate_max_abs_reward` (within_reward_range),
+     so the rest of the batch trains rather than the gate rejecting it whole;
   3. advantages: reward minus baseline, where the baseline is the mean reward of the other completions
      of the same prompt in the batch when there are some, else the mean reward of the rest of the batch
      (the tenant's running mean only in a batch of one; maths.baseline_advantages), then divided by the
@@ -34,8 +38,9 @@ the base model only in a row clora's serving tier logged (its metadata holds eve
 `served_by` among them; an app's metadata may have one of those names): a row without a version that an app produced to Kafka itself was made by the app's
 own model, which no published version replaces, and it never ages (select_fresh). What decides is the row,
 not the config: an app's tenant that ingest created and the operator later added to the config still
-learns from its app's rows. Dropped rows are still committed with the step (so they are never looked at
-again) and counted in the version's metrics as `n_dropped`.
+learns from its app's rows. Dropped rows (stale, foreign, unusable, or with a reward out of range) are
+still committed with the step (so they are never looked at again) and counted as `n_dropped`, in the
+version's metrics and in the step's `train_steps` row.
 
 Flat batches: a batch of two or more trajectories whose rewards are all equal (twenty answers without a
 single digit, when the user wants digits) tells better from worse nowhere: centred on the batch, its
@@ -227,10 +232,11 @@ def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None) -> tup
                 unusable[row["id"]] = "no prompt text or messages"
                 continue
             prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
+        eos_appended = False
         if row.get("completion_token_ids"):
             completion_ids = [int(t) for t in row["completion_token_ids"]]
         else:
-            completion_ids = tokenizer(row.get("completion") or "", add_special_tokens=False).input_ids
+            completion_ids, eos_appended = retokenised_completion(row, tokenizer)
         if not prompt_ids or not completion_ids:
             unusable[row["id"]] = "empty prompt or completion"
             continue
@@ -238,7 +244,11 @@ def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None) -> tup
             unusable[row["id"]] = f"completion token ids outside the model's vocabulary of {vocab_size}"
             continue
         behaviour = row.get("completion_logprobs")
-        if not behaviour or len(behaviour) != len(completion_ids) or not all(math.isfinite(x) for x in behaviour):
+        if not behaviour or not all(math.isfinite(x) for x in behaviour):
+            behaviour = None
+        elif eos_appended and len(behaviour) == len(completion_ids) - 1:
+            behaviour = [*behaviour, math.nan]  # the text's tokens': the appended stop token's is unknown (w = 1)
+        elif len(behaviour) != len(completion_ids):
             behaviour = None
         examples.append(
             Example(
@@ -251,6 +261,43 @@ def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None) -> tup
             )
         )
     return examples, unusable
+
+
+def retokenised_completion(row: dict, tokenizer) -> tuple[list[int], bool]:
+    """(token ids, whether the end-of-sequence token was appended) of a row without `completion_token_ids`
+    (an app producing to Kafka itself; serving's rows carry the ids it sampled): the completion's text
+    tokenized, and the tokenizer's end-of-sequence token appended. An app's logged answer is a whole answer,
+    which ended there; without the token the policy learns every token of a good answer but never to stop
+    after it, which serving's rows (their sampled ids end with it) and rollouts (`rollouts.completion_tokens`,
+    for a sample that finished) do teach. Not appended to an empty text (still no completion to train), to
+    text whose tokens already end with it, or when the row's metadata says the answer was cut at its length
+    limit (`finish_reason` "length", the OpenAI name, which serving logs too).
+
+    Log-probs logged without ids (`to_examples`) are the app's per token: one per token of the text (the
+    appended token's is then unknown: NaN, weight 1 there) or one more (the app logged its stop token's
+    too, as vLLM's `token_logprobs` have it)."""
+    ids = list(tokenizer(row.get("completion") or "", add_special_tokens=False).input_ids)
+    eos = tokenizer.eos_token_id
+    cut = row_metadata(row.get("metadata_json")).get("finish_reason") == "length"
+    if not ids or eos is None or ids[-1] == eos or cut:
+        return ids, False
+    return ids + [eos], True
+
+
+def within_reward_range(examples: Sequence[Example], max_abs: float) -> tuple[list[Example], dict[str, str]]:
+    """The examples whose reward is within +-`max_abs` (`learner.gate_max_abs_reward`), and id -> reason for
+    the others. Ingest takes any finite inline reward, and the gate rejects a batch holding one beyond the
+    limit: left in, one such row cost the whole batch a training pass and then the batch itself (a rejected
+    step's rows are committed as trained). Left out here, the rest of the batch trains. A non-finite reward
+    is no value ingest lets in (only a damaged or hand-written file holds one): it stays, for the gate to
+    reject the batch as poisoned."""
+    kept, dropped = [], {}
+    for e in examples:
+        if abs(e.reward) > max_abs:
+            dropped[e.id] = f"reward {e.reward:g} beyond +-{max_abs:g} (learner.gate_max_abs_reward)"
+        else:
+            kept.append(e)
+    return kept, dropped
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -562,7 +562,8 @@ class Learner:
     def _probe(self, requests: list[ProbeRequest]) -> list[ProbeAnswer | Exception]:
         """The answer to each request: all of them decoded in one grouped batch (one request alike, so a
         probe scores the same alone and in a round); if that fails, one at a time by `generate`, each
-        failure then going to its own step."""
+        failure then going to its own step. A tenant whose scorer failed on its probe gets that error
+        (gate.ProbeScoringFailed), which fails its step: a reward of 0 would read as a fall (gate.py)."""
         started = time.monotonic()
         try:
             rewards = gate.probe_rewards_grouped(self.policy, [(r.tenant, r.prompts, r.scorer) for r in requests],
@@ -572,7 +573,7 @@ class Learner:
                            ", ".join(r.tenant for r in requests), exc_info=True)
             return [self._probe_alone(r) for r in requests]
         share = (time.monotonic() - started) / len(requests)
-        return [ProbeAnswer(rewards=tuple(r), seconds=share) for r in rewards]
+        return [r if isinstance(r, Exception) else ProbeAnswer(rewards=tuple(r), seconds=share) for r in rewards]
 
     def _probe_alone(self, r: ProbeRequest) -> ProbeAnswer | Exception:
         started = time.monotonic()
@@ -837,6 +838,12 @@ class Learner:
         dropped = {**selection.dropped, **unusable}
         if dropped:
             logger.info("tenant %s: %d of %d trajectories not trained (%s)", rt.spec.name, len(dropped), rows.num_rows, next(iter(dropped.values())))
+        # Before training, not at the gate: there one such reward rejected the whole batch (logs_mode's note).
+        examples, out_of_range = logs_mode.within_reward_range(examples, self.limits.max_abs_reward)
+        if out_of_range:
+            logger.warning("tenant %s: %d of %d trajectories not trained: their reward is out of range (%s)",
+                           rt.spec.name, len(out_of_range), rows.num_rows, next(iter(out_of_range.values())))
+            dropped.update(out_of_range)
         return _Work(
             ids=tuple(rows.column("id").to_pylist()),
             prompts=tuple(e.group for e in examples),
@@ -1055,7 +1062,9 @@ class Learner:
         return answer.rewards
 
     def _parent_probe(self, rt: TenantRuntime, scorer) -> tuple[float, ...] | None:
-        """The current adapter's reward per probe prompt (cached per adapter state); None without a scorer."""
+        """The current adapter's reward per probe prompt (cached per adapter state); None without a scorer.
+        A probe whose scorer failed raises (gate.ProbeScoringFailed) and is not cached: the step fails before
+        it trains, and the next one probes again."""
         if scorer is None or not rt.probes:
             return None
         key = (rt.state_id, rt.probes)

@@ -258,7 +258,11 @@ class LocalSampler:
         return out
 
 
-RATE_LIMIT_WAIT_S = 120.0  # how long a rollout request waits out 429s before the step fails
+# How long a rollout request goes on asking through answers worth sending again (429, 503, a network error)
+# before its step fails; one deadline for the request, whatever mix of them it meets.
+RETRY_WAIT_S = 120.0
+RETRY_STATUSES = (429, 503)
+NETWORK_RETRY_S = 1.0  # the wait before asking again after a network error (there is no Retry-After to honour)
 
 
 def _retry_after(resp) -> float:
@@ -271,7 +275,9 @@ def _retry_after(resp) -> float:
 class ServingSampler:
     """Samples through the serving tier's `/v1/completions`, all of a call's requests concurrently, in threads
     of that call's own: a tenant whose requests wait out 429s (its in-flight limit) holds no thread another
-    tenant's rollouts need. The threads are daemons (`_in_thread`)."""
+    tenant's rollouts need. The threads are daemons (`_in_thread`). A request answered 429 or 503 (honouring
+    its Retry-After), or failing on the network, is sent again until RETRY_WAIT_S after its first try; any
+    other answer, or one still refused then, fails the call (SamplingError, naming the status)."""
 
     background = True
 
@@ -309,20 +315,40 @@ class ServingSampler:
             "return_token_ids": True,  # the tokens sampled, to train on exactly those
             "logprobs": 0,  # and their log-probabilities (no alternatives), the importance ratios' old ones
         }
-        deadline = time.monotonic() + RATE_LIMIT_WAIT_S
+        # Asked again, within one deadline, whatever says "not now": one failed request fails the whole step,
+        # throwing away its other requests' completions, and the tenant backs off for 5 s to 5 minutes.
+        #   429: the tenant has serving.max_inflight_per_tenant completions in the engine (a step's rollouts and
+        #        the next step's, sampled ahead, plus the tenant's own traffic): wait for room, as asked;
+        #   503: the version cannot be loaded now (`adapter_unavailable`, Retry-After 1) or the server is
+        #        stopping for a restart (`server_stopping`): wait as asked (1 s without a Retry-After);
+        #   a network error (refused, reset, timed out: the server restarting): wait NETWORK_RETRY_S.
+        # Any other answer fails at once: asking again would get the same.
+        deadline = time.monotonic() + RETRY_WAIT_S
+        network_errors = 0
         while True:
             try:
                 resp = self._client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {r.api_key}"})
-            except httpx.HTTPError as e:
+            except (httpx.NetworkError, httpx.TimeoutException, httpx.RemoteProtocolError) as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SamplingError(f"tenant {r.tenant!r}: rollout request to {self.base_url} failed: "
+                                        f"{type(e).__name__}: {e} (still failing after {RETRY_WAIT_S:g} s)") from e
+                if not network_errors:  # once per request: a restart's every second would flood the log
+                    logger.info("tenant %s: rollout request to %s failed (%s: %s); asking again for up to %g s",
+                                r.tenant, self.base_url, type(e).__name__, e, RETRY_WAIT_S)
+                network_errors += 1
+                time.sleep(min(NETWORK_RETRY_S, left))
+                continue
+            except httpx.HTTPError as e:  # a proxy's refusal, a malformed URL: asking again would not help
                 raise SamplingError(f"tenant {r.tenant!r}: rollout request to {self.base_url} failed: {e}") from e
-            # 429: the tenant has serving.max_inflight_per_tenant completions in the engine (a step's rollouts
-            # and the next step's, sampled ahead, plus the tenant's own traffic): wait for room, as asked.
-            if resp.status_code != 429 or time.monotonic() >= deadline:
+            if resp.status_code not in RETRY_STATUSES or time.monotonic() >= deadline:
                 break
             time.sleep(min(_retry_after(resp), max(0.0, deadline - time.monotonic())))
         if resp.status_code != 200:
+            still = f" (still after {RETRY_WAIT_S:g} s)" if resp.status_code in RETRY_STATUSES else ""
             raise SamplingError(
-                f"tenant {r.tenant!r}: {self.base_url}/v1/completions answered {resp.status_code}: {resp.text[:300]}"
+                f"tenant {r.tenant!r}: {self.base_url}/v1/completions answered {resp.status_code}{still}: "
+                f"{resp.text[:300]}"
             )
         label = resp.headers.get(VERSION_HEADER) or ""
         version = label if "@" in label else None  # "base" (the model's name): no adapter yet

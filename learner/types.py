@@ -145,7 +145,8 @@ class Example:
     """One completion to learn from: tokens, reward, and (logs mode) what the behaviour policy assigned.
 
     `behaviour_logprobs` has one entry per completion token, or is None when the trajectory carried none
-    that fit (the update then uses the current policy's detached log-probs: ratio 1, plain policy gradient).
+    that fit (the update then uses the current policy's detached log-probs: ratio 1, plain policy gradient);
+    an entry is NaN where that one token's is unknown (the same there: the stop token logs mode appends).
     `group` is what makes examples comparable (the prompt text): equal groups share a baseline.
     """
 

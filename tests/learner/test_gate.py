@@ -7,7 +7,17 @@ import math
 
 import pytest
 
-from learner.gate import GateInput, GateLimits, decide, paired_standard_error, update_probes
+from learner.gate import (
+    GateInput,
+    GateLimits,
+    ProbeScoringFailed,
+    decide,
+    paired_standard_error,
+    probe_rewards,
+    probe_rewards_grouped,
+    update_probes,
+)
+from learner.types import Sample
 
 pytestmark = pytest.mark.unit
 
@@ -99,3 +109,47 @@ def test_probe_set_is_the_k_smallest_hashes_and_stable():
     assert update_probes(probes, seen[:5], 4) == probes
     assert update_probes((), ["", "a"], 4) == ("a",)
     assert update_probes(probes, seen, 0) == ()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Probe rewards
+
+
+class FakePolicy:
+    """Greedy-decodes every prompt to its own text upper-cased (no model)."""
+
+    def generate(self, tenant, prompts, **kw):
+        return [[Sample(text=p.upper(), token_ids=None, finished=True)] for p in prompts]
+
+    def generate_grouped(self, groups, **kw):
+        return [self.generate(tenant, prompts) for tenant, prompts in groups]
+
+
+def fake_scorer_down_on(bad: str):
+    """A scorer whose service fails on completion `bad` (rewards 1 otherwise)."""
+
+    def score(completion: str, prompt: str) -> float:
+        if completion == bad:
+            raise ConnectionError("scoring service unavailable")
+        return 1.0
+
+    return score
+
+
+def test_a_probe_whose_scorer_fails_raises_rather_than_scoring_0():
+    """Counted 0, a scorer outage during the candidate's probe read as a fall in reward (the candidate
+    rejected, its batch lost), and one during the parent's was cached as its rewards."""
+    policy, scorer = FakePolicy(), fake_scorer_down_on("B")
+    assert probe_rewards(policy, "acme", ["a", "c"], scorer, max_new_tokens=4) == (1.0, 1.0)
+    with pytest.raises(ProbeScoringFailed, match=r"'acme'.*probe 2 of 3.*scoring service unavailable"):
+        probe_rewards(policy, "acme", ["a", "b", "c"], scorer, max_new_tokens=4)
+
+
+def test_in_a_grouped_probe_only_the_tenant_whose_scorer_failed_gets_the_error():
+    policy = FakePolicy()
+    acme, beta = probe_rewards_grouped(
+        policy, [("acme", ["a", "b"], fake_scorer_down_on("B")), ("beta", ["a", "b"], fake_scorer_down_on("Z"))],
+        max_new_tokens=4,
+    )
+    assert isinstance(acme, ProbeScoringFailed) and "'acme'" in str(acme)
+    assert beta == (1.0, 1.0)

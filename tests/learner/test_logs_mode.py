@@ -7,7 +7,16 @@ import math
 
 import pytest
 
-from learner.logs_mode import baseline_after, is_flat, select_fresh, stale_reason, to_examples, version_number
+from learner.logs_mode import (
+    baseline_after,
+    is_flat,
+    select_fresh,
+    stale_reason,
+    to_examples,
+    version_number,
+    within_reward_range,
+)
+from learner.types import Example
 
 from learner_support import chat_prompt, trajectories
 
@@ -52,6 +61,17 @@ def test_a_flat_batch_is_two_or_more_equal_finite_rewards():
     assert not is_flat([math.nan, math.nan])  # a poisoned batch goes to the gate, not around it
     assert baseline_after(None, [0.0, 0.0]) == 0.0
     assert baseline_after(0.5, [0.0, 0.0]) == pytest.approx(0.45)  # 0.9 * 0.5 + 0.1 * 0
+
+
+def test_rewards_beyond_the_gates_limit_are_left_out_naming_the_value_and_a_nan_stays_for_the_gate():
+    def example(i, reward):
+        return Example(id=i, group="p", prompt_ids=(1,), completion_ids=(2,), reward=reward)
+
+    batch = [example("in", 0.5), example("edge", -100.0), example("far", 100.5), example("huge", 1e12),
+             example("nan", math.nan)]
+    kept, dropped = within_reward_range(batch, 100.0)
+    assert [e.id for e in kept] == ["in", "edge", "nan"]  # a NaN is no value ingest lets in: the gate rejects it
+    assert set(dropped) == {"far", "huge"} and "reward 1e+12 beyond +-100" in dropped["huge"]
 
 
 def test_select_fresh_keeps_order_and_names_every_drop():
@@ -121,10 +141,48 @@ def test_rows_become_examples_with_token_ids_and_behaviour_logprobs_when_usable(
     assert [e.id for e in to_examples(rows, tok, vocab_size=len(tok))[0]] == ["a", "b", "c"]
     a, b, c = examples
     assert a.completion_ids == (40, 41, 2) and a.behaviour_logprobs == (-1.0, -2.0, -0.5)
-    assert b.completion_ids == tuple(tok("12 cats", add_special_tokens=False).input_ids) and b.behaviour_logprobs is None
+    assert b.completion_ids == (*tok("12 cats", add_special_tokens=False).input_ids, tok.eos_token_id)
+    assert b.behaviour_logprobs is None
     assert a.group == b.group == chat_prompt("q")
     assert c.prompt_ids == tuple(tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False).input_ids)
     assert c.group.endswith("<|im_start|>assistant\n")
+
+
+def test_a_completion_logged_as_text_is_trained_to_its_end_unless_cut_at_the_length_limit(tiny_model):
+    """Rows without completion ids (an app producing to Kafka itself) are tokenized from their text. The answer
+    ended there: the end-of-sequence token is appended, as serving's sampled ids and finished rollouts have it,
+    or the policy is never taught to stop. Log-probs logged for the text's tokens stay aligned."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    eos = tok.eos_token_id
+    text = tuple(tok("12 cats", add_special_tokens=False).input_ids)
+    assert len(text) == 4 and eos not in text
+    row = {"prompt": chat_prompt("q"), "completion": "12 cats", "reward": 1.0}
+    rows = trajectories("acme", [
+        {**row, "id": "ended"},
+        {**row, "id": "stop", "metadata": {"finish_reason": "stop"}},
+        {**row, "id": "cut", "metadata": {"finish_reason": "length"}},  # cut at max_tokens: it did not end
+        {**row, "id": "has_eos", "completion": "12 cats<|im_end|>"},  # ends with the token already: not twice
+        {**row, "id": "text_lp", "completion_logprobs": [-1.0, -2.0, -3.0, -4.0]},  # one per token of the text
+        {**row, "id": "stop_lp", "completion_logprobs": [-1.0, -2.0, -3.0, -4.0, -0.5]},  # and the stop token's
+        {**row, "id": "cut_lp", "completion_logprobs": [-1.0, -2.0, -3.0, -4.0], "metadata": {"finish_reason": "length"}},
+        {**row, "id": "odd_lp", "completion_logprobs": [-1.0, -2.0]},  # fits neither: left out
+        {**row, "id": "ids", "completion_token_ids": [19, 20], "completion_logprobs": [-1.0, -2.0]},  # as sampled
+        {**row, "id": "empty", "completion": ""},
+    ])
+    examples, unusable = to_examples(rows, tok, vocab_size=len(tok))
+    got = {e.id: e for e in examples}
+    assert set(unusable) == {"empty"}  # still nothing to train: a lone stop token is no logged answer
+    assert got["ended"].completion_ids == got["stop"].completion_ids == got["has_eos"].completion_ids == (*text, eos)
+    assert got["cut"].completion_ids == got["cut_lp"].completion_ids == text
+    assert got["ended"].behaviour_logprobs is None and got["odd_lp"].behaviour_logprobs is None
+    *known, unknown = got["text_lp"].behaviour_logprobs
+    assert got["text_lp"].completion_ids == (*text, eos) and known == [-1.0, -2.0, -3.0, -4.0]
+    assert math.isnan(unknown)  # the appended token's: weight 1 there (update.py)
+    assert got["stop_lp"].behaviour_logprobs == (-1.0, -2.0, -3.0, -4.0, -0.5)
+    assert got["cut_lp"].behaviour_logprobs == (-1.0, -2.0, -3.0, -4.0)
+    assert got["ids"].completion_ids == (19, 20) and got["ids"].behaviour_logprobs == (-1.0, -2.0)
 
 
 def test_a_prompt_sent_as_token_ids_is_trained_on_those_ids_not_on_its_text_re_tokenized(tiny_model):

@@ -94,7 +94,7 @@ def test_published_adapter_equals_the_learners_and_loads_in_peft(tiny_model, dat
     assert torch.allclose(theirs, ours, atol=1e-4)
 
 
-@pytest.mark.parametrize("poison", [math.nan, 1e12])
+@pytest.mark.parametrize("poison", [math.nan])  # a finite reward out of range is left out before training (below)
 def test_a_poisoned_batch_is_rejected_never_published_and_learning_continues_from_the_parent(tiny_model, data_dir, poison):
     write(data_dir, "acme", rows("good", 8), "b0", start=0)
     cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
@@ -126,6 +126,27 @@ def test_a_poisoned_batch_is_rejected_never_published_and_learning_continues_fro
     poisoned_row = next(r for r in read_dataset(data_dir, "train_steps").to_pylist() if r["step"] == 2)
     if math.isnan(poison):
         assert poisoned_row["loss"] is None  # NaN is stored as null
+
+
+def test_a_reward_out_of_range_is_left_out_before_training_and_the_rest_of_the_batch_trains(tiny_model, data_dir,
+                                                                                              caplog):
+    """Ingest takes any finite inline reward; the gate rejects a batch holding one beyond gate_max_abs_reward.
+    Left in, one such row cost the batch a training pass and then the batch itself (committed as trained)."""
+    batch = rows("a", 8)
+    batch[2]["reward"], batch[5]["reward"] = 1e12, -150.0
+    batch[6]["reward"] = 100.0  # the limit itself is in range
+    write(data_dir, "acme", batch, "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}], gate_max_abs_reward=100.0)
+    with caplog.at_level("WARNING", logger="learner.loop"):
+        learn(cfg, tiny_model)
+    (v,) = Registry(data_dir).versions("acme")
+    assert v.status == "published" and v.gate["reward_max"] == 100.0
+    assert v.metrics["n_trajectories"] == 6 and v.metrics["n_dropped"] == 2
+    (step,) = read_dataset(data_dir, "train_steps").to_pylist()
+    assert step["n_trajectories"] == 6 and step["n_dropped"] == 2
+    assert_each_id_once(data_dir, "acme", {f"a{i}" for i in range(8)})  # the two are committed, never retried
+    (warning,) = [r.getMessage() for r in caplog.records if "out of range" in r.getMessage()]
+    assert "2 of 8" in warning and "1e+12" in warning
 
 
 def test_a_tenants_own_gate_max_kl_overrides_the_learners(tiny_model, data_dir):
@@ -261,7 +282,10 @@ def test_a_catch_up_step_in_micro_batches_equals_one_step_on_the_whole_batch(tin
     assert whole.keys() == micro.keys()
     assert any(float(w.abs().max()) > 0 for k, w in whole.items() if "lora_B" in k)  # it did train
     for key in whole:
-        torch.testing.assert_close(micro[key], whole[key], rtol=1e-3, atol=1e-5)  # an Adam step is ~1e-3
+        # An Adam step here is lr = 1e-3 a weight, and leaving one example out moves weights by ~4e-3. Float
+        # rounding differs between batch shapes, and Adam's normalisation magnifies it where a gradient is
+        # near 0: up to ~5e-5 on this data and others like it (atol 1e-5 held for some draws of rows only).
+        torch.testing.assert_close(micro[key], whole[key], rtol=1e-3, atol=2e-4)
 
 
 def test_a_partial_logs_batch_waits_for_batch_size_or_batch_wait_seconds(tiny_model, data_dir):
@@ -781,6 +805,87 @@ def test_one_tenants_failure_does_not_stop_the_others(tiny_model, data_dir):
     status = json.loads((Path(data_dir) / "state" / "learner" / "status.json").read_text())
     assert status["broken"]["status"] == "error" and status["ok"]["status"] == "published"
     assert Cursors(data_dir).backlog()["broken"] == 8  # nothing of it was committed
+
+
+class FakeFlakyScorer:
+    """A programmatic scorer whose service can be taken down (`down`): while it is, every call fails."""
+
+    def __init__(self):
+        self.down = False
+
+    def __call__(self, completion: str, prompt: str) -> float:
+        if self.down:
+            raise ConnectionError("scoring service unavailable")
+        return 1.0
+
+
+@pytest.mark.parametrize("outage", ["parent probe", "candidate probe"])
+def test_a_scorer_outage_during_a_gate_probe_fails_the_step_and_costs_no_batch(tiny_model, data_dir, monkeypatch,
+                                                                                outage):
+    """Counted as reward 0, an outage during the candidate's probe read as a fall (the candidate rejected and
+    its batch committed as trained), and one during the parent's was cached as the parent's rewards. The
+    step fails instead: nothing committed, created or cached; once the scorer is back the batch trains."""
+    from learner import loop
+
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8, "scorer": "length:20"}],
+                      gate_prompts=2)
+    scorer = FakeFlakyScorer()
+    monkeypatch.setattr(loop, "tenant_scorer", lambda spec: scorer)
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    update = Learner._update
+
+    def training_then_outage(self, rt, work, tenant_scorer):
+        trained = update(self, rt, work, tenant_scorer)
+        scorer.down = outage == "candidate probe"  # the parent's probe is taken before training, the candidate's after
+        return trained
+
+    monkeypatch.setattr(Learner, "_update", training_then_outage)
+    scorer.down = outage == "parent probe"
+    assert learner.step_safely("acme") is None
+    rt = learner.tenants["acme"]
+    assert rt.status == "error" and "scoring service unavailable" in rt.error and "gate probe" in rt.error
+    assert Registry(data_dir).versions("acme") == [] and step_ids(data_dir, "acme") == []
+    assert Cursors(data_dir).backlog()["acme"] == 8
+    assert all(rewards == (1.0, 1.0) for rewards in rt.probe_cache.values())  # no outage's zeros cached
+
+    scorer.down = False
+    monkeypatch.setattr(Learner, "_update", update)
+    rt.retry_at = 0.0  # past its back-off
+    record = learner.step_safely("acme")
+    assert record is not None and record.decision == "published"
+    (v,) = Registry(data_dir).versions("acme")
+    assert v.gate["parent_probe_rewards"] == [1.0, 1.0] and v.gate["probe_rewards"] == [1.0, 1.0]
+    assert_each_id_once(data_dir, "acme", {f"a{i}" for i in range(8)})
+    learner.close()
+
+
+def test_in_a_round_a_scorer_outage_fails_only_its_own_tenants_step(tiny_model, data_dir, monkeypatch, caplog):
+    """The round's probes decode as one batch; the tenant whose scorer failed gets the error, the others
+    their rewards (no decode again one tenant at a time)."""
+    from learner import loop
+
+    for tenant in ("up", "down"):
+        write(data_dir, tenant, rows(tenant, 8), f"{tenant}0")
+    cfg = make_config(data_dir, tiny_model, [{"name": t, "batch_size": 8, "scorer": "length:20"} for t in ("up", "down")],
+                      gate_prompts=2, round_tenants=2)
+    scorers = {"up": FakeFlakyScorer(), "down": FakeFlakyScorer()}
+    monkeypatch.setattr(loop, "tenant_scorer", lambda spec: scorers[spec.name])
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    update = Learner._update
+
+    def training_then_outage(self, rt, work, tenant_scorer):
+        trained = update(self, rt, work, tenant_scorer)
+        scorers["down"].down = rt.spec.name == "down" or scorers["down"].down
+        return trained
+
+    monkeypatch.setattr(Learner, "_update", training_then_outage)
+    up, down = learner.step_round(["up", "down"])
+    assert up is not None and up.decision == "published" and down is None
+    assert "scoring service unavailable" in learner.tenants["down"].error
+    assert Registry(data_dir).versions("down") == [] and step_ids(data_dir, "down") == []
+    assert "probing them one at a time" not in caplog.text
+    learner.close()
 
 
 def test_one_tenants_unreadable_files_and_stray_folders_do_not_stop_the_others(tiny_model, data_dir):

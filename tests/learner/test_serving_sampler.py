@@ -1,4 +1,5 @@
-"""learner.rollouts.ServingSampler against a stand-in HTTP server (no engine): it waits out 429s."""
+"""learner.rollouts.ServingSampler against a stand-in HTTP server (no engine): it waits out 429s, 503s and
+network errors, within one deadline."""
 
 from __future__ import annotations
 
@@ -20,39 +21,48 @@ from learner.rollouts import SampleRequest, SamplingError, ServingSampler
 pytestmark = pytest.mark.unit
 
 
+DROP = "drop"  # the stand-in's answer that is none: it closes the connection
+
+
 @pytest.fixture
 def stand_in_server():
     """A stand-in for serving's /v1/completions (named apart from conftest's `server`, the real one)."""
-    class Answers(list):  # status codes to give, in order; then 200
+    class Answers(list):  # status codes to give, in order (DROP: no answer, the connection closed); then 200
         bodies: list  # the request bodies received
 
     answers = Answers()
     answers.bodies = bodies = []
     answers.token_ids = False  # whether the stand-in returns token ids and log-probs, as clora's serving does
-    # API key -> an Event: that key's requests are refused (429) until it is set, whatever `answers` holds
+    # API key -> an Event: that key's requests are refused (`refusal`, 429 unless changed) until it is set,
+    # whatever `answers` holds
     answers.refused_until = refused_until = {}
-    answers.refusals = refusals = collections.Counter()  # 429s given, by API key
+    answers.refusal = 429
+    answers.refusals = refusals = collections.Counter()  # refusals given (429, 503, DROP), by API key
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
             bodies.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
             key = self.headers["authorization"].removeprefix("Bearer ")
             if key in refused_until:
-                status = 200 if refused_until[key].is_set() else 429
+                status = 200 if refused_until[key].is_set() else answers.refusal
             else:
                 status = answers.pop(0) if answers else 200
-            if status == 429:
+            if status in (429, 503, DROP):
                 refusals[key] += 1
+            if status == DROP:  # the connection closes with no answer: the client's network error
+                self.close_connection = True
+                return
             choice = {"index": 0, "text": " 42", "finish_reason": "stop"}
             if bodies[-1].get("return_token_ids") and answers.token_ids:
                 choice.update(token_ids=[7, 8, 2], logprobs={"token_logprobs": [-0.5, None, -1.25]})
+            code = {429: "rate_limit_exceeded", 503: "adapter_unavailable"}.get(status, "internal_error")
             body = ({"id": "cmpl-1", "choices": [choice]} if status == 200
-                    else {"error": {"message": "too many", "type": "requests", "param": None, "code": "rate_limit_exceeded"}})
+                    else {"error": {"message": "not now", "type": "requests", "param": None, "code": code}})
             data = json.dumps(body).encode()
             self.send_response(status)
             self.send_header("content-type", "application/json")
             self.send_header("content-length", str(len(data)))
-            if status == 429:
+            if status in (429, 503):  # serving's adapter_unavailable says 1 s; a stand-in need not wait that long
                 self.send_header("retry-after", "0.1")
             if status == 200:
                 self.send_header("x-clora-adapter-version", "acme@3")
@@ -85,7 +95,7 @@ def test_a_rollout_refused_429_past_the_wait_fails_its_step(stand_in_server, mon
 
     url, answers = stand_in_server
     answers.refused_until["sk-acme-123"] = threading.Event()  # never set: always 429
-    monkeypatch.setattr(rollouts, "RATE_LIMIT_WAIT_S", 0.5)
+    monkeypatch.setattr(rollouts, "RETRY_WAIT_S", 0.5)
     with pytest.raises(SamplingError, match="answered 429"):
         ServingSampler(url).sample([request()])
     assert answers.refusals["sk-acme-123"] >= 2  # it waited (Retry-After 0.1 s) and asked again before giving up
@@ -119,11 +129,40 @@ def test_samples_carry_the_sampled_token_ids_and_log_probs_when_the_server_retur
     assert samples[0].logprobs[1] != samples[0].logprobs[1]  # a missing one is NaN (the current policy's is used)
 
 
-def test_other_errors_fail_the_request_at_once(stand_in_server):
+@pytest.mark.parametrize("refusals", [[503], [DROP], [503, DROP, 429, 503]], ids=["503", "network", "mixed"])
+def test_a_rollout_refused_503_or_cut_off_by_the_network_asks_again(stand_in_server, refusals):
+    """A 503 (`adapter_unavailable` while a version cannot be loaded, `server_stopping` during a restart) or
+    a dropped connection passes: failing the step would throw away its other requests' completions and
+    back the tenant off for 5 s to 5 minutes."""
     url, answers = stand_in_server
-    answers.append(503)
-    with pytest.raises(SamplingError, match="answered 503"):
+    answers.extend(refusals)
+    (samples,) = ServingSampler(url).sample([request()])
+    assert [s.text for s in samples] == [" 42"] and not answers
+    assert len(answers.bodies) == len(refusals) + 1  # the same request, asked again after each
+
+
+@pytest.mark.parametrize("refusal, named", [(503, "answered 503"), (DROP, "RemoteProtocolError")])
+def test_a_503_or_network_error_past_the_wait_fails_its_step_naming_it(stand_in_server, monkeypatch, refusal, named):
+    from learner import rollouts
+
+    url, answers = stand_in_server
+    answers.refused_until["sk-acme-123"] = threading.Event()  # never set: always refused
+    answers.refusal = refusal
+    monkeypatch.setattr(rollouts, "RETRY_WAIT_S", 0.5)
+    monkeypatch.setattr(rollouts, "NETWORK_RETRY_S", 0.1)
+    with pytest.raises(SamplingError, match=named) as failed:
         ServingSampler(url).sample([request()])
+    assert "0.5 s" in str(failed.value)  # says it was not a first refusal
+    assert answers.refusals["sk-acme-123"] >= 2  # it waited and asked again before giving up
+
+
+@pytest.mark.parametrize("status", [500, 400, 401])
+def test_other_errors_fail_the_request_at_once(stand_in_server, status):
+    url, answers = stand_in_server
+    answers.append(status)
+    with pytest.raises(SamplingError, match=f"answered {status}: "):
+        ServingSampler(url).sample([request()])
+    assert len(answers.bodies) == 1
 
 
 def test_a_tenant_waiting_out_429s_does_not_hold_back_another_tenants_rollouts(stand_in_server):
