@@ -407,11 +407,14 @@ class SampledBatch:
 
 class Prefetcher:
     """At most one sampling job in flight per tenant, run in background threads (serving sampler only), at
-    most `workers` at once. Its waits give up when the `stop` they are given is set (`Stopped`)."""
+    most `workers` at once when given. By default every tenant's job runs at once (a thread each, waiting on
+    HTTP): with a fixed number of threads, tenants whose requests wait out 429s and 503s (for up to
+    RETRY_WAIT_S) held them all, and every other tenant's rollouts waited behind them. Its waits give up when
+    the `stop` they are given is set (`Stopped`)."""
 
-    def __init__(self, sampler: Sampler, workers: int = 8):
+    def __init__(self, sampler: Sampler, workers: int | None = None):
         self.sampler = sampler
-        self._slots = threading.BoundedSemaphore(workers)
+        self._slots = threading.BoundedSemaphore(workers) if workers is not None else None
         self._jobs: dict[str, tuple[RolloutPlan, int, Future]] = {}
         # Discarded jobs that were already running (a future cannot be cancelled then): their requests
         # still hold the tenant's place in the serving tier, so the tenant's next job starts after them.

@@ -144,3 +144,17 @@ def test_sampling_now_starts_nothing_once_stopped_and_a_sample_it_gave_up_on_kee
     wait_until(lambda: not prefetcher.busy("acme"))
     prefetcher.start("acme", PLAN, REQUESTS, step=2)
     assert prefetcher.pending("acme")
+
+
+def test_every_tenants_job_runs_at_once_however_many_wait_on_the_serving_tier():
+    """Eight tenants waiting out 429s held the Prefetcher's eight threads, and a ninth tenant's rollouts did
+    not start until one of them ended (up to two minutes)."""
+    sampler = HeldSampler()
+    prefetcher = Prefetcher(sampler)
+    try:
+        for k in range(12):
+            prefetcher.start(f"t{k}", PLAN, REQUESTS)
+        wait_until(lambda: sampler.in_flight == 12)
+    finally:
+        sampler.release.set()
+        prefetcher.close()
