@@ -78,13 +78,15 @@ def config_from_args(args: argparse.Namespace, *, writes_data_dir: bool = False,
     a path that cannot be used is one line (`clora: data_dir X: <reason>`, exit 2), not a traceback later.
     `reads_data_dir`: the command only reads it: a data_dir that is not a directory is that same line, and
     one that does not exist a note on stderr (an empty answer from the wrong directory says nothing)."""
-    from clora.config import ConfigError, load_config
+    from clora.config import ConfigError, load_config, unknown_env_variables
 
     try:
         cfg = load_config(getattr(args, "config_path", None))
     except ConfigError as e:
         print(f"clora: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    for line in unknown_env_variables():
+        print(f"clora: warning: {line}", file=sys.stderr)
     setup_logging(cfg.log_level)
     if writes_data_dir:
         try:

@@ -724,6 +724,31 @@ def env_variables() -> dict[str, str]:
     return {var: ".".join(path) for path, var in _env_fields(Config)}
 
 
+# CLORA_* variables read elsewhere: the config's file, the CPU engine's switches, compose.yaml's own, and
+# the seed of the ingest SIGKILL test's kill times.
+OTHER_ENV = frozenset({CONFIG_ENV, "CLORA_CPU_LORA_OPS", "CLORA_CPU_LORA_COMPILE", "CLORA_ENGINE_WAIT",
+                       "CLORA_INSTALL", "CLORA_MODELS_DIR", "CLORA_TEST_SEED"})
+
+
+def unknown_env_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """One line per CLORA_* variable set that nothing reads (a typo, or a name from another tool: exported
+    CLORA_MODEL leaves the tiny model in place), with the nearest real name when there is one."""
+    import difflib
+
+    environ = os.environ if environ is None else environ
+    known = [*env_variables(), *OTHER_ENV]
+    lines = []
+    for name in sorted(n for n in environ if n.startswith("CLORA_") and n not in known):
+        # a known name's own ending first (CLORA_SERVING_PORT: CLORA_PORT), then the nearest in spelling
+        tails = {k.removeprefix("CLORA_"): k for k in known}
+        tail = name.removeprefix("CLORA_")
+        near = [k for t, k in tails.items() if tail.endswith("_" + t)][:1] or \
+            [tails[t] for t in difflib.get_close_matches(tail, tails, n=1, cutoff=0.6)]
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        lines.append(f"{name} is not a clora setting and is ignored{hint}; `clora config env` lists them")
+    return lines
+
+
 def _format_errors(e: ValidationError, source: str, from_env: dict[tuple[str, ...], str] | None = None) -> str:
     """One line per problem at its field; `from_env`: field path -> the variable that set it, named on its
     lines (the file is not where to look for those)."""

@@ -1,6 +1,7 @@
 """The typed config: loading, environment overrides, validation that lists every problem, the CLI surface."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -518,3 +519,28 @@ def test_config_env_lists_every_variable_clora_reads(capsys):
     assert main(["config", "env"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     assert listed == ["CLORA_CONFIG", *env_variables()]  # CLORA_CONFIG names the file; the others override fields
+
+
+def test_clora_variables_nothing_reads_are_named_with_the_nearest_real_one():
+    """An exported CLORA_MODEL (compose's .env name) or CLORA_SERVING_PORT was silently ignored: the tiny model,
+    port 8000, and nothing said why."""
+    from clora.config import unknown_env_variables
+
+    environ = {"CLORA_MODEL": "/m", "CLORA_SERVING_PORT": "9000", "CLORA_DATADIR": "d", "CLORA_FOO": "1",
+               "CLORA_PORT": "9000", "CLORA_CONFIG": "c.toml", "CLORA_CPU_LORA_OPS": "vllm", "OTHER": "x"}
+    assert unknown_env_variables(environ) == [
+        "CLORA_DATADIR is not a clora setting and is ignored (did you mean CLORA_DATA_DIR?); `clora config env` lists them",
+        "CLORA_FOO is not a clora setting and is ignored; `clora config env` lists them",
+        "CLORA_MODEL is not a clora setting and is ignored (did you mean CLORA_MODEL_PATH?); `clora config env` lists them",
+        "CLORA_SERVING_PORT is not a clora setting and is ignored (did you mean CLORA_PORT?); `clora config env` lists them",
+    ]
+
+
+def test_commands_warn_of_clora_variables_nothing_reads(tmp_path):
+    env = {**os.environ, "CLORA_SERVING_PORT": "9000", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env.pop("CLORA_CONFIG", None)
+    done = subprocess.run([sys.executable, "-m", "clora", "config", "show"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "clora: warning: CLORA_SERVING_PORT is not a clora setting and is ignored (did you mean CLORA_PORT?)" \
+        in done.stderr
