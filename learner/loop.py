@@ -163,6 +163,7 @@ class TenantRuntime:
     retry_at: float = 0.0
     partial_since: float | None = None  # logs mode: when a backlog below batch_size was first seen
     unscorable: tuple[tuple[str, ...], int] = ((), 0)  # rollouts: (prompts, tries) whose every sample failed scoring
+    probe_failures: int = 0  # steps in a row that failed because the scorer failed on a gate probe
     last: dict = field(default_factory=dict)  # the last train_steps row
     set_aside: list[str] = field(default_factory=list)  # damaged checkpoints this process set aside (status.json)
 
@@ -598,11 +599,12 @@ class Learner:
         except Exception as e:  # one tenant's failure must not stop the others; the traceback is logged
             logger.exception("tenant %s: step %d failed", name, rt.step + 1)
             self._back_off(rt, f"{type(e).__name__}: {e}")
+            rt.probe_failures = rt.probe_failures + 1 if isinstance(e, gate.ProbeScoringFailed) else 0
             if self.prefetcher is not None:
                 self.prefetcher.discard(name)
             record = None
         else:
-            rt.failures, rt.error, rt.retry_at = 0, None, 0.0
+            rt.failures, rt.error, rt.retry_at, rt.probe_failures = 0, None, 0.0, 0
         self.ledger = charge(self.ledger, name, max(0.0, time.monotonic() - started - rt.round_wait))
         self._report(rt)
         return record
@@ -1056,10 +1058,30 @@ class Learner:
         """The freshly trained adapter's reward per probe prompt, asked of the step's driver (a round decodes
         every tenant's together); the wait for the other tenants of the round is not the step's time."""
         asked = time.monotonic()
-        answer = yield ProbeRequest(tenant=rt.spec.name, prompts=rt.probes, scorer=scorer)
+        answer = yield ProbeRequest(tenant=rt.spec.name, prompts=rt.probes, scorer=self._probe_scorer(rt, scorer))
         clock.add("probe", answer.seconds)
         rt.round_wait += max(0.0, time.monotonic() - asked - answer.seconds)
         return answer.rewards
+
+    @staticmethod
+    def _probe_scorer(rt: TenantRuntime, scorer):
+        """The scorer a gate probe uses. After UNSCORABLE_TRIES - 1 steps in a row failed on a probe the scorer
+        could not score (across the back-offs, some 6 minutes: no outage that short, but a scorer that fails on
+        some greedy answer every time), a failure scores 0, logged as an error, so the tenant is not stopped
+        for good; the next step that succeeds goes back to failing the step on one."""
+        if rt.probe_failures + 1 < UNSCORABLE_TRIES:
+            return scorer
+        from ingest.scorers import ScorerError, apply
+
+        def failure_scores_0(completion: str, prompt: str) -> float:
+            try:
+                return apply(scorer, completion, prompt)
+            except ScorerError as e:
+                logger.error("tenant %s: the scorer failed on a gate probe again (%d steps in a row); scored 0 so "
+                             "the tenant goes on: %s", rt.spec.name, rt.probe_failures + 1, str(e).splitlines()[0])
+                return 0.0
+
+        return failure_scores_0
 
     def _parent_probe(self, rt: TenantRuntime, scorer) -> tuple[float, ...] | None:
         """The current adapter's reward per probe prompt (cached per adapter state); None without a scorer.
@@ -1069,7 +1091,8 @@ class Learner:
             return None
         key = (rt.state_id, rt.probes)
         if key not in rt.probe_cache:  # decoded as the candidate's is (`_probe`), so the two compare like for like
-            (answer,) = self._probe([ProbeRequest(tenant=rt.spec.name, prompts=rt.probes, scorer=scorer)])
+            (answer,) = self._probe([ProbeRequest(tenant=rt.spec.name, prompts=rt.probes,
+                                                  scorer=self._probe_scorer(rt, scorer))])
             if isinstance(answer, Exception):
                 raise answer
             rt.probe_cache = {key: answer.rewards}

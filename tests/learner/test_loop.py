@@ -860,6 +860,33 @@ def test_a_scorer_outage_during_a_gate_probe_fails_the_step_and_costs_no_batch(t
     learner.close()
 
 
+def test_a_scorer_that_always_fails_on_a_probe_stops_the_tenant_only_for_a_while(tiny_model, data_dir, monkeypatch,
+                                                                                 caplog):
+    """A scorer that fails on some greedy answer every time (not an outage) failed every step of its tenant,
+    for good: after the back-offs' worth of tries in a row, a probe it cannot score counts 0 again."""
+    from learner import loop
+
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8, "scorer": "length:20"}],
+                      gate_prompts=2)
+    scorer = FakeFlakyScorer()
+    scorer.down = True
+    monkeypatch.setattr(loop, "tenant_scorer", lambda spec: scorer)
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    for _ in range(loop.UNSCORABLE_TRIES - 1):
+        assert learner.step_safely("acme") is None
+        rt = learner.tenants["acme"]
+        assert rt.status == "error" and "gate probe" in rt.error
+        rt.retry_at = 0.0  # past its back-off
+    assert rt.probe_failures == loop.UNSCORABLE_TRIES - 1 and Registry(data_dir).versions("acme") == []
+    record = learner.step_safely("acme")
+    assert record is not None and rt.error is None and rt.probe_failures == 0
+    (v,) = Registry(data_dir).versions("acme")
+    assert v.gate["probe_rewards"] == [0.0, 0.0] and v.gate["parent_probe_rewards"] == [0.0, 0.0]
+    assert "scored 0 so the tenant goes on" in caplog.text
+    learner.close()
+
+
 def test_in_a_round_a_scorer_outage_fails_only_its_own_tenants_step(tiny_model, data_dir, monkeypatch, caplog):
     """The round's probes decode as one batch; the tenant whose scorer failed gets the error, the others
     their rewards (no decode again one tenant at a time)."""
