@@ -33,7 +33,10 @@ A probe whose scorer fails (ScorerError: its dependency down, a timeout) has no 
 ProbeScoringFailed rather than counting 0. Counted 0, an outage during the candidate's probe read as a fall
 in reward (the candidate rejected, its batch committed as trained and lost), and one during the parent's
 was cached as the parent's rewards. The loop fails the step instead: nothing is committed or cached, and
-the tenant tries again after its back-off.
+the tenant tries again after its back-off. A scorer that keeps failing on a probe (on some greedy answer,
+every time) would stop its tenant for good that way: after a while the loop probes with `LeaveUnscored`,
+and a prompt it cannot score is left out of the comparison on both sides (`probe_prompts_compared` in the
+checks), never counted 0.
 
 `decide` is pure and lists every failed check (the reason recorded with `Registry.reject`).
 `probe_rewards` runs the model. What happens after a failure (restore the parent, go on) is loop.py's.
@@ -51,6 +54,15 @@ from learner.policy import Policy
 
 class ProbeScoringFailed(RuntimeError):
     """The tenant's scorer failed on a probe completion: the probe has no reward to gate on."""
+
+
+@dataclass(frozen=True)
+class LeaveUnscored:
+    """A probe scorer whose failures leave that prompt's reward None instead of raising ProbeScoringFailed:
+    such a prompt is left out of the comparison on both sides (`decide`). The loop probes with it once its
+    tenant's steps have failed on probes for a while (loop.py, `_probe_scorer`)."""
+
+    scorer: Callable[[str, str], float]
 
 
 @dataclass(frozen=True)
@@ -102,16 +114,20 @@ def decide(inp: GateInput, limits: GateLimits) -> GateResult:
     if not math.isfinite(inp.kl) or inp.kl > limits.max_kl:
         failures.append(f"KL to the base model {inp.kl:.4g} exceeds gate_max_kl {limits.max_kl:g}")
     probe = parent = allowed = None
-    if inp.probe_rewards is not None and inp.parent_probe_rewards is not None:
-        probe, parent = mean(inp.probe_rewards), mean(inp.parent_probe_rewards)
-        se = paired_standard_error(inp.probe_rewards, inp.parent_probe_rewards)
+    # A prompt the scorer could not score on either side (None: LeaveUnscored) is left out of both.
+    pairs = [] if inp.probe_rewards is None or inp.parent_probe_rewards is None else [
+        (c, p) for c, p in zip(inp.probe_rewards, inp.parent_probe_rewards) if c is not None and p is not None]
+    if pairs:
+        scored, scored_parent = [c for c, _ in pairs], [p for _, p in pairs]
+        probe, parent = mean(scored), mean(scored_parent)
+        se = paired_standard_error(scored, scored_parent)
         se = se if math.isfinite(se) else 0.0  # a NaN allowance would pass anything
         allowed = limits.reward_tolerance + limits.reward_z * se
         if not math.isfinite(probe) or parent - probe > allowed:
             noise = f" + {limits.reward_z:g} x standard error {se:.3g}" if limits.reward_z and se else ""
             failures.append(
                 f"probe reward fell from {parent:.4g} to {probe:.4g} "
-                f"(more than tolerance {limits.reward_tolerance:g}{noise} over {len(inp.probe_rewards)} prompts)"
+                f"(more than tolerance {limits.reward_tolerance:g}{noise} over {len(pairs)} prompts)"
             )
     checks = {k: _json_number(v) for k, v in asdict(inp).items() if k not in ("rewards", "probe_rewards", "parent_probe_rewards")}
     checks["probe_reward"] = _json_number(probe)
@@ -121,6 +137,7 @@ def decide(inp: GateInput, limits: GateLimits) -> GateResult:
         None if inp.parent_probe_rewards is None else [_json_number(r) for r in inp.parent_probe_rewards]
     )
     checks["probe_drop_allowed"] = _json_number(allowed)
+    checks["probe_prompts_compared"] = len(pairs)
     checks["reward_min"] = _json_number(min(inp.rewards, default=math.nan))
     checks["reward_max"] = _json_number(max(inp.rewards, default=math.nan))
     checks.update({f"limit_{k}": v for k, v in asdict(limits).items()})
@@ -130,6 +147,12 @@ def decide(inp: GateInput, limits: GateLimits) -> GateResult:
 def mean(values: Sequence[float]) -> float:
     """The mean of `values`; NaN for none."""
     return math.fsum(values) / len(values) if values else math.nan
+
+
+def scored_mean(values: Sequence[float | None]) -> float | None:
+    """The mean of the probe rewards that were scored (None: left unscored, LeaveUnscored); None if none were."""
+    scored = [v for v in values if v is not None]
+    return mean(scored) if scored else None
 
 
 def paired_standard_error(candidate: Sequence[float], parent: Sequence[float]) -> float:
@@ -204,11 +227,16 @@ def _scored(tenant: str | None, prompts: Sequence[str], samples,
             scorer: Callable[[str, str], float]) -> tuple[float, ...]:
     from ingest.scorers import ScorerError, apply
 
+    leave_unscored = isinstance(scorer, LeaveUnscored)
+    scorer = scorer.scorer if leave_unscored else scorer
     rewards = []
     for i, (prompt, (sample,)) in enumerate(zip(prompts, samples)):
         try:
             rewards.append(apply(scorer, sample.text, prompt))
         except ScorerError as e:
+            if leave_unscored:
+                rewards.append(None)
+                continue
             raise ProbeScoringFailed(
                 f"tenant {tenant!r}: the scorer failed on gate probe {i + 1} of {len(prompts)} ({prompt[-60:]!r}): "
                 f"{str(e).splitlines()[0]}"

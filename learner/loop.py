@@ -164,6 +164,7 @@ class TenantRuntime:
     partial_since: float | None = None  # logs mode: when a backlog below batch_size was first seen
     unscorable: tuple[tuple[str, ...], int] = ((), 0)  # rollouts: (prompts, tries) whose every sample failed scoring
     probe_failures: int = 0  # steps in a row that failed because the scorer failed on a gate probe
+    probe_unscored: bool = False  # this step left a probe prompt unscored (gate.LeaveUnscored)
     last: dict = field(default_factory=dict)  # the last train_steps row
     set_aside: list[str] = field(default_factory=list)  # damaged checkpoints this process set aside (status.json)
 
@@ -588,6 +589,7 @@ class Learner:
         """`step_safely` as a step generator (see `ProbeRequest`)."""
         rt = self.tenants[name]
         rt.partial_since = None  # what arrives during this step waits for a batch of its own
+        rt.probe_unscored = False
         started = time.monotonic()
         try:
             record = yield from self._step(name)
@@ -604,7 +606,9 @@ class Learner:
                 self.prefetcher.discard(name)
             record = None
         else:
-            rt.failures, rt.error, rt.retry_at, rt.probe_failures = 0, None, 0.0, 0
+            rt.failures, rt.error, rt.retry_at = 0, None, 0.0
+            if not rt.probe_unscored:  # every probe scored: back to failing a step on one that does not
+                rt.probe_failures = 0
         self.ledger = charge(self.ledger, name, max(0.0, time.monotonic() - started - rt.round_wait))
         self._report(rt)
         return record
@@ -819,7 +823,7 @@ class Learner:
             rt.version, rt.state_id = meta["version"], rt.state_id + 1
             rt.served.append(meta["version"])
             self._trim_served(rt)
-            rt.probe_cache = {(rt.state_id, rt.probes): probe} if probe is not None else {}
+            rt.probe_cache = {(rt.state_id, rt.probes): probe} if probe is not None and None not in probe else {}
         return meta, work, trained
 
     # --- collecting work ------------------------------------------------------------------------------
@@ -1061,27 +1065,17 @@ class Learner:
         answer = yield ProbeRequest(tenant=rt.spec.name, prompts=rt.probes, scorer=self._probe_scorer(rt, scorer))
         clock.add("probe", answer.seconds)
         rt.round_wait += max(0.0, time.monotonic() - asked - answer.seconds)
+        rt.probe_unscored |= None in answer.rewards
         return answer.rewards
 
     @staticmethod
     def _probe_scorer(rt: TenantRuntime, scorer):
         """The scorer a gate probe uses. After UNSCORABLE_TRIES - 1 steps in a row failed on a probe the scorer
-        could not score (across the back-offs, some 6 minutes: no outage that short, but a scorer that fails on
-        some greedy answer every time), a failure scores 0, logged as an error, so the tenant is not stopped
-        for good; the next step that succeeds goes back to failing the step on one."""
-        if rt.probe_failures + 1 < UNSCORABLE_TRIES:
-            return scorer
-        from ingest.scorers import ScorerError, apply
-
-        def failure_scores_0(completion: str, prompt: str) -> float:
-            try:
-                return apply(scorer, completion, prompt)
-            except ScorerError as e:
-                logger.error("tenant %s: the scorer failed on a gate probe again (%d steps in a row); scored 0 so "
-                             "the tenant goes on: %s", rt.spec.name, rt.probe_failures + 1, str(e).splitlines()[0])
-                return 0.0
-
-        return failure_scores_0
+        could not score (across the back-offs, some 6 minutes: a scorer that fails on some greedy answer every
+        time, or a long outage), a prompt it cannot score is left out of the comparison on both sides
+        (gate.LeaveUnscored), so the tenant is not stopped for good; never counted 0. The first step whose
+        probes all scored goes back to failing the step on one."""
+        return scorer if rt.probe_failures + 1 < UNSCORABLE_TRIES else gate.LeaveUnscored(scorer)
 
     def _parent_probe(self, rt: TenantRuntime, scorer) -> tuple[float, ...] | None:
         """The current adapter's reward per probe prompt (cached per adapter state); None without a scorer.
@@ -1095,6 +1089,9 @@ class Learner:
                                                   scorer=self._probe_scorer(rt, scorer))])
             if isinstance(answer, Exception):
                 raise answer
+            if None in answer.rewards:  # a prompt left unscored: not cached, asked again next step
+                rt.probe_unscored = True
+                return answer.rewards
             rt.probe_cache = {key: answer.rewards}
         return rt.probe_cache[key]
 
@@ -1584,8 +1581,8 @@ def _metrics(trained: _Trained, step: int, mode: str, probe: tuple | None, paren
         "n_trajectories": trained.n_trained,
         "n_dropped": trained.n_dropped,
         "n_score_failed": trained.n_score_failed,
-        "probe_reward": None if probe is None else gate.mean(probe),
-        "parent_probe_reward": None if parent_probe is None else gate.mean(parent_probe),
+        "probe_reward": None if probe is None else gate.scored_mean(probe),
+        "parent_probe_reward": None if parent_probe is None else gate.scored_mean(parent_probe),
     }
     return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
 

@@ -10,6 +10,7 @@ import pytest
 from learner.gate import (
     GateInput,
     GateLimits,
+    LeaveUnscored,
     ProbeScoringFailed,
     decide,
     paired_standard_error,
@@ -153,3 +154,16 @@ def test_in_a_grouped_probe_only_the_tenant_whose_scorer_failed_gets_the_error()
     )
     assert isinstance(acme, ProbeScoringFailed) and "'acme'" in str(acme)
     assert beta == (1.0, 1.0)
+
+
+def test_a_prompt_left_unscored_is_left_out_of_the_comparison_on_both_sides():
+    """A scorer that keeps failing on one probe answer: its prompt is compared on neither side (never 0)."""
+    policy, scorer = FakePolicy(), fake_scorer_down_on("B")
+    assert probe_rewards(policy, "acme", ["a", "b", "c"], LeaveUnscored(scorer), max_new_tokens=4) == (1.0, None, 1.0)
+    # prompt 2 unscored on the candidate's side: only prompts 1 and 3 count, where nothing fell
+    r = decide(with_(probe_rewards=(1.0, None, 1.0), parent_probe_rewards=(1.0, 1.0, 1.0)), LIMITS)
+    assert r.passed and r.checks["probe_prompts_compared"] == 2 and r.checks["probe_reward"] == 1.0
+    r = decide(with_(probe_rewards=(0.0, None, 1.0), parent_probe_rewards=(1.0, 0.0, 1.0)), LIMITS)
+    assert not r.passed and "over 2 prompts" in r.failures[0]
+    r = decide(with_(probe_rewards=(None, None), parent_probe_rewards=(1.0, None)), LIMITS)
+    assert r.passed and r.checks["probe_prompts_compared"] == 0 and r.checks["probe_reward"] is None

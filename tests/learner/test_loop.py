@@ -860,10 +860,11 @@ def test_a_scorer_outage_during_a_gate_probe_fails_the_step_and_costs_no_batch(t
     learner.close()
 
 
-def test_a_scorer_that_always_fails_on_a_probe_stops_the_tenant_only_for_a_while(tiny_model, data_dir, monkeypatch,
-                                                                                 caplog):
+def test_a_scorer_that_keeps_failing_on_a_probe_leaves_it_out_after_a_while_never_scoring_it_0(
+        tiny_model, data_dir, monkeypatch):
     """A scorer that fails on some greedy answer every time (not an outage) failed every step of its tenant,
-    for good: after the back-offs' worth of tries in a row, a probe it cannot score counts 0 again."""
+    for good. After the back-offs' worth of tries in a row, a probe it cannot score is left out of the
+    comparison on both sides: not counted 0, not cached, and the tenant stays in that mode while it fails."""
     from learner import loop
 
     write(data_dir, "acme", rows("a", 8), "b0")
@@ -880,10 +881,18 @@ def test_a_scorer_that_always_fails_on_a_probe_stops_the_tenant_only_for_a_while
         rt.retry_at = 0.0  # past its back-off
     assert rt.probe_failures == loop.UNSCORABLE_TRIES - 1 and Registry(data_dir).versions("acme") == []
     record = learner.step_safely("acme")
-    assert record is not None and rt.error is None and rt.probe_failures == 0
+    assert record is not None and record.decision == "published" and rt.error is None
     (v,) = Registry(data_dir).versions("acme")
-    assert v.gate["probe_rewards"] == [0.0, 0.0] and v.gate["parent_probe_rewards"] == [0.0, 0.0]
-    assert "scored 0 so the tenant goes on" in caplog.text
+    assert v.gate["probe_rewards"] == [None, None] and v.gate["parent_probe_rewards"] == [None, None]
+    assert v.gate["probe_prompts_compared"] == 0 and v.gate["probe_reward"] is None
+    assert rt.probe_cache == {}, "no unscored probe is cached"
+    assert rt.probe_failures == loop.UNSCORABLE_TRIES - 1, "still failing: still left out"
+
+    scorer.down = False  # scored again: the next step compares, caches, and leaves the mode
+    write(data_dir, "acme", rows("b", 8, seed=1), "b1", start=100)
+    record = learner.step_safely("acme")
+    assert record is not None and rt.probe_failures == 0
+    assert Registry(data_dir).get("acme", 2).gate["probe_prompts_compared"] == 2
     learner.close()
 
 
