@@ -85,7 +85,7 @@ def config_from_args(args: argparse.Namespace, *, writes_data_dir: bool = False,
     except ConfigError as e:
         print(f"clora: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    for line in unknown_env_variables():
+    for line in unknown_env_variables().values():
         print(f"clora: warning: {line}", file=sys.stderr)
     setup_logging(cfg.log_level)
     if writes_data_dir:

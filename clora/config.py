@@ -79,7 +79,7 @@ def _bootstrap_entry_ok(entry: str) -> bool:
 # Sections
 
 
-TOPIC_NAME = r"^[A-Za-z0-9._-]{1,249}$"  # what Kafka accepts as a topic name
+TOPIC_NAME = r"^[A-Za-z0-9._-]{1,249}$"  # what Kafka accepts as a topic name (and not "." or "..": _topic)
 LORA_RANK_SIZES = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank values (its kernels' sizes)
 
 
@@ -119,6 +119,13 @@ class KafkaConfig(_Strict):
     heartbeat_interval_ms: int = Field(
         2000, ge=100, description="Consumer-group heartbeat interval; below session_timeout_ms."
     )
+
+    @field_validator("interactions_topic", "feedback_topic", "dead_letter_topic")
+    @classmethod
+    def _topic(cls, v: str) -> str:
+        if v in (".", ".."):
+            raise ValueError(f"{v!r} is not a topic name Kafka accepts")
+        return v
 
     @field_validator("bootstrap")
     @classmethod
@@ -381,8 +388,8 @@ class LearnerConfig(_Strict):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient norm clip of every update.")
     device: str = Field(
-        "auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
-        description="Device of the learner's model: auto (cuda if present), cpu, cuda, cuda:N."
+        "auto", pattern=r"^(auto|cpu|mps|(cuda|xpu)(:[0-9]+)?)$",
+        description="Device of the learner's model: auto (cuda if present), cpu, cuda, cuda:N (or mps, xpu[:N])."
     )
     processes: int = Field(
         1, ge=1, le=64, description="`clora up`: learner processes, each training its shard of the tenants "
@@ -730,14 +737,14 @@ OTHER_ENV = frozenset({CONFIG_ENV, "CLORA_CPU_LORA_OPS", "CLORA_CPU_LORA_COMPILE
                        "CLORA_INSTALL", "CLORA_MODELS_DIR", "CLORA_TEST_SEED"})
 
 
-def unknown_env_variables(environ: dict[str, str] | None = None) -> list[str]:
-    """One line per CLORA_* variable set that nothing reads (a typo, or a name from another tool: exported
-    CLORA_MODEL leaves the tiny model in place), with the nearest real name when there is one."""
+def unknown_env_variables(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Each CLORA_* variable set that nothing reads (a typo, or a name from another tool: exported
+    CLORA_MODEL leaves the tiny model in place) -> a line saying so, with the nearest real name if any."""
     import difflib
 
     environ = os.environ if environ is None else environ
     known = [*env_variables(), *OTHER_ENV]
-    lines = []
+    lines = {}
     for name in sorted(n for n in environ if n.startswith("CLORA_") and n not in known):
         # a known name's own ending first (CLORA_SERVING_PORT: CLORA_PORT), then the nearest in spelling
         tails = {k.removeprefix("CLORA_"): k for k in known}
@@ -745,7 +752,7 @@ def unknown_env_variables(environ: dict[str, str] | None = None) -> list[str]:
         near = [k for t, k in tails.items() if tail.endswith("_" + t)][:1] or \
             [tails[t] for t in difflib.get_close_matches(tail, tails, n=1, cutoff=0.6)]
         hint = f" (did you mean {near[0]}?)" if near else ""
-        lines.append(f"{name} is not a clora setting and is ignored{hint}; `clora config env` lists them")
+        lines[name] = f"{name} is not a clora setting and is ignored{hint}; `clora config env` lists them"
     return lines
 
 

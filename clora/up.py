@@ -432,11 +432,13 @@ def stack_specs(cfg, config_path: str | None, *, file_only: bool = False) -> tup
     if cfg.compaction.every_seconds > 0:  # any moment is a safe one to stop it (compact.py)
         specs.append(ChildSpec("compactor", [*py, "clora", "compact", "--every", f"{cfg.compaction.every_seconds:g}",
                                              *conf], **marked_ready("compactor"), stop_timeout=30))
-    if file_only:
-        from clora.config import CONFIG_ENV, env_variables
+    from clora.config import CONFIG_ENV, env_variables, unknown_env_variables
 
-        unset: dict[str, str | None] = dict.fromkeys([CONFIG_ENV, *env_variables()])
-        specs = [replace(spec, env={**unset, **spec.env}) for spec in specs]
+    # CLORA_* variables nothing reads: `up` warned of them once (config_from_args); not once per child again.
+    unset: dict[str, str | None] = dict.fromkeys(unknown_env_variables())
+    if file_only:
+        unset.update(dict.fromkeys([CONFIG_ENV, *env_variables()]))
+    specs = [replace(spec, env={**unset, **spec.env}) for spec in specs]
 
     def together(names: list[str]) -> list[str | tuple[str, ...]]:
         return [tuple(names)] if len(names) > 1 else list(names)

@@ -293,12 +293,13 @@ def test_model_path_and_prompts_files_under_home_are_expanded_as_data_dir_is(tmp
     # accepted, then every start of serving failed in vLLM (`clora up` tried three times)
     ("[serving]\nmax_lora_rank = 12\n", "serving.max_lora_rank", "1, 8, 16, 32, 64, 128, 256, 320 or 512"),
     ("[serving]\ndtype = \"fp16\"\n", "serving.dtype", "'bfloat16'"),
-    ("[learner]\ndevice = \"gpu\"\n", "learner.device", "auto|cpu|cuda"),
+    ("[learner]\ndevice = \"gpu\"\n", "learner.device", "auto|cpu|mps"),
     # ingest read its own dead letters back and rejected them again, for ever
     ("[kafka]\ndead_letter_topic = \"clora.interactions\"\n", "kafka.dead_letter_topic", "reject them again for ever"),
     ("[kafka]\nfeedback_topic = \"clora.interactions\"\n", "kafka.feedback_topic", "a topic of its own"),
     ("[kafka]\ninteractions_topic = \"my topic\"\n", "kafka.interactions_topic", "A-Za-z0-9._-"),
     ("[kafka]\nfeedback_topic = \"\"\n", "kafka.feedback_topic", "A-Za-z0-9._-"),
+    ("[kafka]\nfeedback_topic = \"..\"\n", "kafka.feedback_topic", "not a topic name Kafka accepts"),
 ])
 def test_values_the_engine_kafka_or_torch_would_refuse_are_config_errors(tmp_path, toml, field, message):
     with pytest.raises(ConfigError) as e:
@@ -528,12 +529,20 @@ def test_clora_variables_nothing_reads_are_named_with_the_nearest_real_one():
 
     environ = {"CLORA_MODEL": "/m", "CLORA_SERVING_PORT": "9000", "CLORA_DATADIR": "d", "CLORA_FOO": "1",
                "CLORA_PORT": "9000", "CLORA_CONFIG": "c.toml", "CLORA_CPU_LORA_OPS": "vllm", "OTHER": "x"}
-    assert unknown_env_variables(environ) == [
+    assert list(unknown_env_variables(environ).values()) == [
         "CLORA_DATADIR is not a clora setting and is ignored (did you mean CLORA_DATA_DIR?); `clora config env` lists them",
         "CLORA_FOO is not a clora setting and is ignored; `clora config env` lists them",
         "CLORA_MODEL is not a clora setting and is ignored (did you mean CLORA_MODEL_PATH?); `clora config env` lists them",
         "CLORA_SERVING_PORT is not a clora setting and is ignored (did you mean CLORA_PORT?); `clora config env` lists them",
     ]
+
+
+def test_up_warns_of_them_once_not_once_per_child(monkeypatch, tmp_path):
+    from clora.up import stack_specs
+
+    monkeypatch.setenv("CLORA_SERVING_PORT", "9000")
+    specs, _ = stack_specs(Config.model_validate({"data_dir": str(tmp_path)}), None)
+    assert specs and all(spec.env["CLORA_SERVING_PORT"] is None for spec in specs)  # unset in every child
 
 
 def test_commands_warn_of_clora_variables_nothing_reads(tmp_path):
