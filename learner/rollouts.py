@@ -319,9 +319,10 @@ class ServingSampler:
         # throwing away its other requests' completions, and the tenant backs off for 5 s to 5 minutes.
         #   429: the tenant has serving.max_inflight_per_tenant completions in the engine (a step's rollouts and
         #        the next step's, sampled ahead, plus the tenant's own traffic): wait for room, as asked;
-        #   503: the version cannot be loaded now (`adapter_unavailable`, Retry-After 1) or the server is
-        #        stopping for a restart (`server_stopping`): wait as asked (1 s without a Retry-After);
-        #   a network error (refused, reset, timed out: the server restarting): wait NETWORK_RETRY_S.
+        #   503: the server is stopping for a restart (`server_stopping`) or its engine is not answering
+        #        (`engine_unavailable`): wait as asked (1 s without a Retry-After);
+        #   a network error (refused, reset: the server restarting): wait NETWORK_RETRY_S. A read that times
+        #        out (the client's `timeout`, longer than RETRY_WAIT_S) has used up the deadline already.
         # Any other answer fails at once: asking again would get the same.
         deadline = time.monotonic() + RETRY_WAIT_S
         network_errors = 0
