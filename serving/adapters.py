@@ -272,6 +272,8 @@ class AdapterSet:
             self._fell_back.pop(tenant, None)
             return True
         key, created = (tenant, version.number), _created(version)
+        for above in [k for k in self._failing if k[0] == tenant and k[1] > version.number]:
+            del self._failing[above]  # retired or rejected since it failed: never tried again
         if current is not None and current.number == version.number:
             if current.created == created:
                 current.checked = generation

@@ -787,3 +787,29 @@ def test_versions_that_keep_failing_to_load_are_remembered_a_few_per_tenant(worl
         await adapters.drain()
 
     run(scenario())
+
+
+def test_the_back_off_of_a_version_retired_above_the_newest_is_forgotten(world):
+    """Versions retired while failing to load stayed in the back-off table, and counted toward the 16 kept
+    there, where they could push out the newest version's own back-off."""
+    registry, engine, adapters, publish = world
+    load = engine.load_adapter
+
+    async def acme_2_fails(adapter):
+        if adapter.name == "acme@2":
+            raise RuntimeError("engine busy")
+        await load(adapter)
+
+    engine.load_adapter = acme_2_fails
+
+    async def scenario():
+        publish("acme", seed=1)
+        publish("acme", seed=2)
+        await adapters.refresh()
+        assert ("acme", 2) in adapters._failing and adapters.current("acme") == "acme@1"
+        registry.retire("acme", 2)
+        await adapters.refresh()
+        assert ("acme", 2) not in adapters._failing and adapters.current("acme") == "acme@1"
+        await adapters.drain()
+
+    run(scenario())
