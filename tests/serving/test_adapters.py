@@ -20,11 +20,13 @@ pytestmark = pytest.mark.unit
 
 
 class FakeEngine:
-    """Records loads/unloads; ids are handed out like the real engine's."""
+    """Records loads/unloads; ids are handed out like the real engine's. A load of an adapter whose name
+    `fails(name)` says so raises, as the real engine's transient failures do."""
 
     def __init__(self):
         self.loaded: dict[int, str] = {}
         self.next_id = 1
+        self.fails = lambda name: False
 
     def new_handle(self, name, path):
         handle = AdapterHandle(name, self.next_id, path)
@@ -32,6 +34,8 @@ class FakeEngine:
         return handle
 
     async def load_adapter(self, adapter):
+        if self.fails(adapter.name):
+            raise RuntimeError(f"engine busy: {adapter.name} not loaded")
         self.loaded[adapter.lora_id] = adapter.name
 
     async def unload_adapter(self, adapter):
@@ -161,22 +165,14 @@ def test_explicit_versions_load_on_demand_and_unknown_ones_are_404(world):
     run(scenario())
 
 
-def test_an_older_version_that_cannot_be_loaded_now_is_a_503_to_retry_not_a_500(world, monkeypatch):
+def test_an_older_version_that_cannot_be_loaded_now_is_a_503_to_retry_not_a_500(world):
     """An explicit `acme@1` whose load failed for a reason that says nothing about the adapter (its files
     deleted by a retire under way, an I/O error, the engine) was answered "internal error" (500)."""
     from serving.errors import AdapterUnavailable
 
     registry, engine, adapters, publish = world
-    load = engine.load_adapter
     failing = []  # the next load fails while this holds an entry
-
-    async def load_failing_once(adapter):
-        if failing:
-            failing.pop()
-            raise RuntimeError("the engine could not load it")
-        await load(adapter)
-
-    monkeypatch.setattr(engine, "load_adapter", load_failing_once)
+    engine.fails = lambda name: bool(failing) and bool(failing.pop())
 
     async def scenario():
         publish("acme", seed=1)
@@ -337,15 +333,8 @@ def test_a_retired_version_is_not_served_while_the_newest_backs_off(world):
     registry, engine, adapters, publish = world
     now = [0.0]
     adapters.monotonic = lambda: now[0]
-    load = engine.load_adapter
     broken = {"acme@2"}
-
-    async def flaky_load(adapter):
-        if adapter.name in broken:
-            raise RuntimeError("engine busy")
-        await load(adapter)
-
-    engine.load_adapter = flaky_load
+    engine.fails = lambda name: name in broken
 
     async def scenario():
         publish("acme", seed=1)
@@ -374,14 +363,7 @@ def test_tenants_falling_back_list_their_versions_once_per_registry_change_not_e
     registry, engine, adapters, publish = world
     now = [0.0]
     adapters.monotonic = lambda: now[0]
-    load = engine.load_adapter
-
-    async def globex_busy(adapter):
-        if adapter.name.startswith("globex@"):
-            raise RuntimeError("engine busy")
-        await load(adapter)
-
-    engine.load_adapter = globex_busy
+    engine.fails = lambda name: name.startswith("globex@")
     listings = []
     unsettled = registry.unsettled
     registry.unsettled = lambda tenant: listings.append(tenant) or unsettled(tenant)
@@ -568,15 +550,8 @@ def test_the_back_off_is_per_version_and_capped(world):
     registry, engine, adapters, publish = world
     now = [0.0]
     adapters.monotonic = lambda: now[0]
-    load = engine.load_adapter
     broken = {"acme@1"}
-
-    async def flaky_load(adapter):
-        if adapter.name in broken:
-            raise RuntimeError("engine busy")
-        await load(adapter)
-
-    engine.load_adapter = flaky_load
+    engine.fails = lambda name: name in broken
 
     async def scenario():
         publish("acme", seed=1)
@@ -772,11 +747,7 @@ def test_versions_that_keep_failing_to_load_are_remembered_a_few_per_tenant(worl
     from serving.adapters import REFUSED_KEPT
 
     registry, engine, adapters, publish = world
-
-    async def never_loads(adapter):
-        raise RuntimeError("engine busy")
-
-    engine.load_adapter = never_loads
+    engine.fails = lambda name: True
 
     async def scenario():
         for seed in range(REFUSED_KEPT + 5):
@@ -793,14 +764,7 @@ def test_the_back_off_of_a_version_retired_above_the_newest_is_forgotten(world):
     """Versions retired while failing to load stayed in the back-off table, and counted toward the 16 kept
     there, where they could push out the newest version's own back-off."""
     registry, engine, adapters, publish = world
-    load = engine.load_adapter
-
-    async def acme_2_fails(adapter):
-        if adapter.name == "acme@2":
-            raise RuntimeError("engine busy")
-        await load(adapter)
-
-    engine.load_adapter = acme_2_fails
+    engine.fails = lambda name: name == "acme@2"
 
     async def scenario():
         publish("acme", seed=1)
