@@ -394,11 +394,9 @@ class AdapterSet:
             else:
                 logger.debug("adapter %s still could not be loaded (try %d, next in %.1fs): %s", name, tries, delay, error)
             self._failing[key] = _Failing(created, error, tries, self.monotonic() + delay)
-            # the newest few per tenant, as refusals: versions that keep failing while newer ones are
-            # published (an engine that fails every load) must not pile up for the process's life
-            mine = sorted(n for t, n in self._failing if t == tenant)
-            for n in mine[:-REFUSED_KEPT]:
-                del self._failing[(tenant, n)]
+            # versions that keep failing while newer ones are published (an engine that fails every load)
+            # must not pile up for the process's life
+            _keep_newest(self._failing, tenant)
             return "failing"
         self._forget_failures(tenant, up_to=version.number)
         loaded.checked = generation
@@ -428,9 +426,7 @@ class AdapterSet:
         self._refused[(tenant, number)] = (reason, created)
         # The newest few per tenant: under a systematic refusal (a rank above max_lora_rank) every step adds
         # one. An older one forgotten is only tried again if a request names it, and refused again.
-        mine = sorted(n for t, n in self._refused if t == tenant)
-        for n in mine[:-REFUSED_KEPT]:
-            del self._refused[(tenant, n)]
+        _keep_newest(self._refused, tenant)
         self.metrics.refused.labels(tenant).inc()
         logger.error("adapter %s@%d refused (never served, not tried again): %s", tenant, number, reason)
 
@@ -541,6 +537,12 @@ class AdapterSet:
             v.handle.name: {"lora_id": v.handle.lora_id, "leases": v.leases, "current": v.current}
             for v in self._loaded.values()
         }
+
+
+def _keep_newest(table: dict, tenant: str) -> None:
+    """Drops all but the tenant's newest REFUSED_KEPT versions from `table` (keyed by (tenant, number))."""
+    for n in sorted(n for t, n in table if t == tenant)[:-REFUSED_KEPT]:
+        del table[(tenant, n)]
 
 
 def _created(version) -> datetime | None:

@@ -267,11 +267,8 @@ class EventLog:
         with self._ready:
             if not self._queue and not self._stopping and block_seconds > 0:
                 self._ready.wait(block_seconds)
-            batch, size = [], 0
-            while self._queue and len(batch) < BATCH_MAX and (not batch or size < BATCH_BYTES):
-                batch.append(self._queue.popleft())  # by count and by bytes: events can be ~1 MB each
-                size += len(batch[-1].value)
-            self._queued_bytes -= size
+            batch = [self._queue.popleft() for _ in range(_batch_end(self._queue, 0))]
+            self._queued_bytes -= sum(len(m.value) for m in batch)
             stopping = self._stopping and not self._queue
         self._in_flight = batch
         return batch, stopping
@@ -569,8 +566,8 @@ class EventLog:
 
 
 def _batch_end(messages: Sequence[Message], start: int) -> int:
-    """Where a batch of `messages` from `start` ends: BATCH_MAX messages and about BATCH_BYTES, as `_take` cuts
-    the queue."""
+    """Where a batch of `messages` from `start` ends: BATCH_MAX messages and about BATCH_BYTES (by count and
+    by bytes: events can be ~1 MB each), for the queue (`_take`) and a spooled segment alike."""
     end, size = start, 0
     while end < len(messages) and end - start < BATCH_MAX and (end == start or size < BATCH_BYTES):
         size += len(messages[end].value)
