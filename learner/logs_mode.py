@@ -14,6 +14,10 @@ fresh rows left published versions just as fast: it never caught up. A step then
      token appended (unless its metadata says it was cut at the length limit: retokenised_completion);
      behaviour log-probs from `completion_logprobs` when they are present, finite and as many as the
      completion tokens (or as the text's tokens, the appended stop token's then unknown), else none;
+     except for a row clora's serving tier drew otherwise than at temperature 1 with nothing cut: it logs
+     vLLM's raw log-probs (temperature 1), not those of the distribution the token was drawn from, so the
+     step recomputes them from the drawing version's logits under the row's recorded temperature, top-k,
+     top-p, min-p and logit_bias (sampled_with, behaviour_logprobs); at temperature 0 they are 0;
      and leaves out a row whose reward is beyond +-`learner.gate_max_abs_reward` (within_reward_range),
      so the rest of the batch trains rather than the gate rejecting it whole;
   3. advantages: reward minus baseline, where the baseline is the mean reward of the other completions
@@ -59,17 +63,18 @@ import json
 import logging
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow as pa
 import torch
 
 from ingest.events import render_messages
 from learner import maths
-from learner.batch import pack, pad_values
+from learner.batch import TokenBatch, pack, pad_values
 from learner.policy import Policy
-from learner.types import Example
+from learner.types import Example, SampledWith
 from learner.update import UpdateResult, pg_update
 
 _VERSION = re.compile(r"^(?P<tenant>.+)@(?P<number>[0-9]+)$")
@@ -244,8 +249,9 @@ def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None) -> tup
             unusable[row["id"]] = f"completion token ids outside the model's vocabulary of {vocab_size}"
             continue
         behaviour = row.get("completion_logprobs")
-        if not behaviour or not all(math.isfinite(x) for x in behaviour):
-            behaviour = None
+        drawn = sampled_with(row)
+        if drawn is not None or not behaviour or not all(math.isfinite(x) for x in behaviour):
+            behaviour = None  # recomputed (SampledWith), unknown (a reason) or none logged
         elif eos_appended and len(behaviour) == len(completion_ids) - 1:
             behaviour = [*behaviour, math.nan]  # the text's tokens': the appended stop token's is unknown (w = 1)
         elif len(behaviour) != len(completion_ids):
@@ -258,9 +264,108 @@ def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None) -> tup
                 completion_ids=tuple(completion_ids),
                 reward=float(row["reward"]),
                 behaviour_logprobs=None if behaviour is None else tuple(float(x) for x in behaviour),
+                sampled_with=drawn if isinstance(drawn, SampledWith) else None,
             )
         )
     return examples, unusable
+
+
+# Settings vLLM applies before the temperature that depend on the tokens so far (the penalties count them;
+# min_tokens masks the stop tokens up to a position): a draw made with them is not recomputed.
+UNRECOMPUTED_SETTINGS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+
+
+def sampled_with(row: dict) -> SampledWith | str | None:
+    """How the serving engine drew a row's completion, when its logged log-probs are not the behaviour
+    policy's: serving logs vLLM's raw log-probs (temperature 1, before any cut), and records the request's
+    sampling in `metadata.sampling`. None when they are the behaviour's: a draw at temperature 1 with
+    nothing cut, or a row clora's serving tier did not log (an app's own log-probs are taken as its
+    behaviour's). A SampledWith (the drawing version and its temperature, top-k, top-p, min-p and
+    logit_bias) to recompute them from. A reason (str) when they cannot be recomputed here (penalties,
+    `min_tokens`, an unreadable record): the row then trains with weight 1, as one without log-probs."""
+    meta = row_metadata(row.get("metadata_json"))
+    if not all(key in meta for key in SERVING_KEYS):
+        return None
+    sampling = meta.get("sampling")
+    version = version_number(row.get("adapter_version"), row["tenant"])
+    if version is None:
+        return "made by another tenant's adapter"
+    try:
+        if not isinstance(sampling, dict):
+            raise TypeError("not an object")
+        unrecomputed = [name for name in UNRECOMPUTED_SETTINGS if name in sampling]
+        if unrecomputed:
+            return f"sampled with {', '.join(unrecomputed)}"
+        drawn = SampledWith(
+            version=version,
+            temperature=_number(sampling.get("temperature", 1.0)),
+            top_k=int(_number(sampling.get("top_k", 0))),
+            top_p=_number(sampling.get("top_p", 1.0)),
+            min_p=_number(sampling.get("min_p", 0.0)),
+            logit_bias=tuple(sorted((int(t), _number(b)) for t, b in (sampling.get("logit_bias") or {}).items())),
+        )
+    except (TypeError, ValueError, AttributeError) as e:
+        return f"unreadable sampling record: {e}"
+    plain = drawn.temperature == 1.0 and drawn.top_p >= 1.0 and drawn.top_k <= 0 and drawn.min_p <= 0.0
+    return None if plain and not drawn.logit_bias else drawn
+
+
+def _number(value) -> float:
+    """A sampling record's number (not a bool, finite)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{value!r} is not a finite number")
+    return float(value)
+
+
+def behaviour_logprobs(policy: Policy, tenant: str, examples: Sequence[Example], batch: TokenBatch, *,
+                       current_version: int, version_files: Callable[[int], Path | None] | None,
+                       rows_per_pass: int | None = None) -> torch.Tensor:
+    """The batch's behaviour log-probs [B, C], NaN where unknown (weight 1): among them the rows whose
+    version's adapter files are gone (retention pruned them), which cannot be recomputed.
+
+    A row's logged ones where it has them; for a row drawn otherwise than at temperature 1 (`sampled_with`),
+    the log-prob of each sampled token under the distribution the engine drew it from
+    (maths.processed_logprobs), from the logits of the version that drew it: the tenant's current adapter,
+    the base model (version 0), or an earlier version's files (`version_files(number)`), one no-grad pass
+    per version. A greedy row's are 0 (probability 1), with no pass."""
+    old = pad_values([None if e.sampled_with else e.behaviour_logprobs for e in examples], batch.completion_width)
+    by_version: dict[int, list[int]] = {}
+    for i, e in enumerate(examples):
+        drawn = e.sampled_with
+        if drawn is None:
+            continue
+        if drawn.temperature < maths.SAMPLING_EPS:
+            old[i, : len(e.completion_ids)] = 0.0
+        else:
+            by_version.setdefault(drawn.version, []).append(i)
+    for number, rows in sorted(by_version.items()):
+        drawn = [examples[i].sampled_with for i in rows]
+        settings = [torch.tensor([getattr(d, name) for d in drawn]) for name in ("temperature", "top_k", "top_p", "min_p")]
+        bias = None
+        if any(d.logit_bias for d in drawn):
+            bias = torch.zeros(len(rows), policy.vocab_size)
+            for j, d in enumerate(drawn):
+                for token, value in d.logit_bias:
+                    if token < policy.vocab_size:
+                        bias[j, token] += value
+
+        def process(logits, part, at, settings=settings, bias=bias):
+            return maths.processed_logprobs(logits, part.completion_ids, *(t[at].to(logits.device) for t in settings),
+                                            None if bias is None else bias[at].to(logits.device))
+
+        part = batch.rows(torch.tensor(rows))
+        if number in (current_version, 0):
+            logps = policy.processed_logprobs(part, tenant if number else None, process, rows_per_pass=rows_per_pass)
+        else:
+            directory = None if version_files is None else version_files(number)
+            if directory is None:
+                logger.info("tenant %s: version %d's adapter files are gone: %d rows it drew train with weight 1",
+                            tenant, number, len(rows))
+                continue
+            with policy.weights_of_version(tenant, directory):
+                logps = policy.processed_logprobs(part, tenant, process, rows_per_pass=rows_per_pass)
+        old[rows] = logps
+    return old
 
 
 def retokenised_completion(row: dict, tokenizer) -> tuple[list[int], bool]:
@@ -352,11 +457,15 @@ def train_step(
     max_grad_norm: float,
     max_len: int,
     micro_batch_size: int | None = None,
+    current_version: int = 0,
+    version_files: Callable[[int], Path | None] | None = None,
 ) -> LogsStep:
     """One off-policy update on `examples` (see the module note); `baseline` is the tenant's running mean
     reward so far (None before its first step). `micro_batch_size` bounds the examples in one forward pass
     (the gradient is the whole batch's either way), so a catch-up step of several batches needs one batch's
-    memory."""
+    memory. `current_version` (the version the tenant's adapter holds) and `version_files(number)` (an
+    earlier version's PEFT files, None once pruned) recompute the behaviour log-probs of rows the engine
+    drew otherwise than at temperature 1 (behaviour_logprobs)."""
     rewards = torch.tensor([e.reward for e in examples], dtype=torch.float64)
     start = maths.running_mean(None, rewards) if baseline is None else baseline
     advantages = maths.baseline_advantages(rewards, maths.group_ids([e.group for e in examples]), start)
@@ -365,7 +474,8 @@ def train_step(
     batch = pack(
         [e.prompt_ids for e in examples], [e.completion_ids for e in examples], pad_id=policy.pad_token_id, max_len=max_len
     )
-    old = pad_values([e.behaviour_logprobs for e in examples], batch.completion_width)
+    old = behaviour_logprobs(policy, tenant, examples, batch, current_version=current_version,
+                             version_files=version_files, rows_per_pass=micro_batch_size)
     result = pg_update(
         policy,
         tenant,

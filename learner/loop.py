@@ -1018,7 +1018,8 @@ class Learner:
                 return _Trained(None, rewards, sum(rewards) / len(rewards), 0, work.dropped, baseline)
             step = logs_mode.train_step(
                 self.policy, name, work.logs, baseline=rt.baseline, scale_advantages=self.settings.scale_advantages,
-                micro_batch_size=rt.spec.batch_size, **common
+                micro_batch_size=rt.spec.batch_size, current_version=rt.version,
+                version_files=lambda number: self._version_files(name, number), **common
             )
             return _Trained(step.update, rewards, step.reward_mean, len(work.logs), work.dropped, step.baseline)
         if not work.plan.prompts:

@@ -1,13 +1,13 @@
 """The learner's maths: advantages, importance ratios and weights, the clipped policy-gradient loss, KL
-estimators.
+estimators, and the serving engine's sampling distribution as a function of the logits.
 
 Every function here is tensor-in, tensor-out: no model, no tokenizer, no I/O, no config. Shapes follow one
 convention: per-sequence values are `[B]`, per-token values are `[B, T]` with a 0/1 `mask` of the same shape
 marking real completion tokens (padding is 0). Log-probabilities are natural logs of the probability of
 the token that was actually sampled.
 
-What is deliberately not here: how log-probs are computed (policy.py), where rewards come from (logs_mode.py,
-rollouts.py) and what a step does with the loss (update.py).
+What is deliberately not here: how logits and log-probs are computed (policy.py), where rewards come from
+(logs_mode.py, rollouts.py) and what a step does with the loss (update.py).
 
 References: the clipped surrogate is PPO's (Schulman et al. 2017); splitting it into a proximal policy (the
 clip's centre) and a behaviour policy (the one that sampled, corrected by an importance weight) is the
@@ -203,6 +203,54 @@ def entropy(logits: Tensor) -> Tensor:
     batches then all score alike and teach nothing."""
     logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The serving engine's sampling distribution
+
+SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy decoding
+
+
+def processed_logprobs(logits: Tensor, tokens: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                       min_p: Tensor, bias: Tensor | None = None) -> Tensor:
+    """log mu(token) under the distribution vLLM's sampler draws from (vllm/v1/sample/sampler.py), the
+    behaviour policy of a completion sampled with these settings: (logits + bias) / temperature, then min-p
+    (tokens less likely than min_p x the likeliest one are cut), then top-k, then top-p over what top-k kept
+    (the likeliest tokens whose probabilities first reach top_p), renormalised.
+
+    logits [B, C, V] (the model's, at temperature 1); tokens [B, C]; one setting per row [B]: top_k <= 0 or
+    >= V is off, top_p 1 is off, min_p 0 is off; bias [B, V] or None (a request's logit_bias). A greedy row
+    (temperature < SAMPLING_EPS) is 0 everywhere: its token was the argmax, drawn with probability 1. The
+    sampled token is never cut: the engine drew it, so it had passed the engine's masks, and a rounding
+    difference between two machines' logits at a mask's edge must not give it probability 0 (an unbounded
+    importance weight). Returns [B, C], float32."""
+    b, c, v = logits.shape
+    x = logits.float()
+    if bias is not None:
+        x = x + bias.float()[:, None, :]
+    greedy = temperature < SAMPLING_EPS
+    x = x / torch.where(greedy, torch.ones_like(temperature), temperature).float()[:, None, None]
+    x = x.reshape(b * c, v)
+    picked = tokens.reshape(b * c, 1)
+    sampled = x.gather(1, picked)
+    min_p, top_k, top_p = (t.repeat_interleave(c) for t in (min_p.float(), top_k.long(), top_p.float()))
+    if bool((min_p > 0).any()):
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < probs.amax(-1, keepdim=True) * min_p[:, None], -math.inf)
+    cut_k, cut_p = (top_k > 0) & (top_k < v), top_p < 1.0
+    if bool(cut_k.any()) or bool(cut_p.any()):
+        ascending, order = x.sort(dim=-1)
+        if bool(cut_k.any()):
+            kth = ascending.gather(1, (v - torch.where(cut_k, top_k, v)).unsqueeze(1))
+            ascending = ascending.masked_fill(ascending < kth, -math.inf)
+        if bool(cut_p.any()):
+            below = ascending.softmax(-1).cumsum(-1) <= (1.0 - top_p)[:, None]
+            below[:, -1] = False  # the likeliest token always stays
+            ascending = ascending.masked_fill(below, -math.inf)
+        x = torch.empty_like(x).scatter_(1, order, ascending)
+    x = x.scatter(1, picked, sampled)
+    out = torch.log_softmax(x, dim=-1).gather(1, picked).reshape(b, c)
+    return torch.where(greedy[:, None], torch.zeros_like(out), out)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -357,15 +357,36 @@ class Policy:
         current weights are put back afterwards; its optimizer is not touched."""
         if directory is None:
             return self.token_logprobs(batch, None, temperature=temperature)
+        with self.weights_of_version(tenant, directory):
+            return self.token_logprobs(batch, tenant, temperature=temperature)
+
+    @contextlib.contextmanager
+    def weights_of_version(self, tenant: str, directory: str | Path) -> Iterator[None]:
+        """Inside the block the tenant's adapter holds an earlier version's weights (its PEFT files in
+        `directory`); its current weights are put back afterwards, its optimizer is not touched."""
         self._require(tenant)
         current = {n: p.detach().clone() for n, p in self._params[tenant]}
         try:
             self.load_adapter(tenant, directory)
-            return self.token_logprobs(batch, tenant, temperature=temperature)
+            yield
         finally:
             with torch.no_grad():
                 for n, p in self._params[tenant]:
                     p.copy_(current[n])
+
+    def processed_logprobs(self, batch: TokenBatch, tenant: str | None,
+                           process: Callable[[Tensor, TokenBatch, slice], Tensor], *,
+                           rows_per_pass: int | None = None) -> Tensor:
+        """No-grad log-probs of the completion tokens [B, C] (float32, on the CPU) under a distribution that
+        `process(logits [b, C, V], part, rows)` makes from the logits of `tenant`'s adapter (None: the base
+        model) for `part`, the batch's `rows`: `rows_per_pass` rows at a time, so a catch-up step never
+        holds every row's logits at once. Logs mode's behaviour log-probs (maths.processed_logprobs)."""
+        batch = batch.to(self.device)
+        out = []
+        with self.adapter(tenant), torch.no_grad():
+            for rows, part in batch.chunks(rows_per_pass):
+                out.append(process(self._completion_logits(part), part, rows).to("cpu", torch.float32))
+        return torch.cat(out)
 
     def _completion_logits(self, batch: TokenBatch) -> Tensor:
         """[B, C, V] float32 logits at the positions that predict each completion token, with whatever

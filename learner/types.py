@@ -141,13 +141,31 @@ def learner_process_name(shard: Shard | None) -> str:
 
 
 @dataclass(frozen=True)
+class SampledWith:
+    """How the serving engine drew a logged completion when that was not the temperature-1 distribution its
+    logged log-probs (vLLM's raw ones) describe: the tenant's version that drew it (0: the base model) and
+    the settings that shaped the draw (temperature 0: greedy; top_k 0: off; top_p 1: off; min_p 0: off;
+    logit_bias as (token id, bias) pairs). Logs mode recomputes the behaviour log-probs from them
+    (logs_mode.behaviour_logprobs)."""
+
+    version: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Example:
     """One completion to learn from: tokens, reward, and (logs mode) what the behaviour policy assigned.
 
     `behaviour_logprobs` has one entry per completion token, or is None when the trajectory carried none
     that fit (the update then uses the current policy's detached log-probs: ratio 1, plain policy gradient);
     an entry is NaN where that one token's is unknown (the same there: the stop token logs mode appends).
-    `group` is what makes examples comparable (the prompt text): equal groups share a baseline.
+    `sampled_with` is set, and `behaviour_logprobs` None, when the behaviour log-probs are to be recomputed
+    from the version and settings that drew the completion. `group` is what makes examples comparable (the
+    prompt text): equal groups share a baseline.
     """
 
     id: str
@@ -156,6 +174,7 @@ class Example:
     completion_ids: tuple[int, ...]
     reward: float
     behaviour_logprobs: tuple[float, ...] | None = None
+    sampled_with: SampledWith | None = None
 
 
 @dataclass(frozen=True)

@@ -226,3 +226,61 @@ def test_entropy_is_log_v_for_uniform_logits_and_zero_for_one_sure_token():
     close(maths.entropy(torch.tensor([[0.0, -1e4, -1e4]])), [0.0])  # all the mass on one token
     # p = (1/2, 1/4, 1/4): -(1/2 log 1/2 + 2 x 1/4 log 1/4) = 1.5 log 2 = 1.0397
     close(maths.entropy(torch.log(torch.tensor([0.5, 0.25, 0.25]))), 1.5 * math.log(2))
+
+
+# --- the serving engine's sampling distribution ----------------------------------------------------------
+
+
+def _one(logits, token, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, bias=None):
+    """processed_logprobs of one token at one position, under one row's settings."""
+    return maths.processed_logprobs(
+        torch.tensor([[logits]]), torch.tensor([[token]]), torch.tensor([temperature]), torch.tensor([top_k]),
+        torch.tensor([top_p]), torch.tensor([min_p]), None if bias is None else torch.tensor([bias]),
+    ).item()
+
+
+def test_processed_logprobs_by_hand():
+    logits = [2.0, 1.0, 0.0, -1.0]
+    z = sum(math.exp(x) for x in logits)  # probabilities 0.644, 0.237, 0.087, 0.032
+    assert _one(logits, 1) == pytest.approx(1.0 - math.log(z), abs=1e-6)  # temperature 1, nothing cut: raw
+    z_half = sum(math.exp(2 * x) for x in logits)
+    assert _one(logits, 1, temperature=0.5) == pytest.approx(2.0 - math.log(z_half), abs=1e-6)
+    # top-k 2 keeps tokens 0 and 1, renormalised
+    assert _one(logits, 1, top_k=2) == pytest.approx(1.0 - math.log(math.exp(2) + math.exp(1)), abs=1e-6)
+    # top-p 0.7: 0.644 alone falls short, 0.644 + 0.237 reaches it; the same two tokens
+    assert _one(logits, 0, top_p=0.7) == pytest.approx(2.0 - math.log(math.exp(2) + math.exp(1)), abs=1e-6)
+    # min-p 0.1: a token below 0.1 x 0.644 is cut (token 3 at 0.032), token 2 (0.087) stays
+    assert _one(logits, 2, min_p=0.1) == pytest.approx(0.0 - math.log(math.exp(2) + math.exp(1) + 1), abs=1e-6)
+    # logit_bias is added before the temperature
+    assert _one(logits, 3, temperature=0.5, bias=[0.0, 0.0, 0.0, 3.0]) == pytest.approx(
+        4.0 - math.log(math.exp(4) + math.exp(2) + 1 + math.exp(4)), abs=1e-6)
+    # greedy: the argmax, drawn with probability 1
+    assert _one(logits, 0, temperature=0.0) == 0.0
+    # a token the masks cut (the engine's logits differed a little) keeps its own mass, never probability 0
+    cut = _one(logits, 3, top_k=2)
+    assert math.isfinite(cut) and cut == pytest.approx(-1.0 - math.log(math.exp(2) + math.exp(1) + math.exp(-1)), abs=1e-6)
+
+
+def test_processed_logprobs_are_vllms_sampling_distribution():
+    """The same settings through vLLM's own sampler pieces (temperature, its min-p processor's rule, its
+    top-k/top-p masking), per row of a mixed batch: the recomputed behaviour is the engine's."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    torch.manual_seed(0)
+    b, c, v = 5, 4, 64
+    logits = torch.randn(b, c, v) * 3
+    temperature = torch.tensor([0.7, 1.0, 1.3, 0.5, 1.0])
+    top_k = torch.tensor([0, 5, -1, 10, 0])
+    top_p = torch.tensor([0.9, 1.0, 0.8, 0.95, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.2])
+    x = (logits / temperature[:, None, None]).reshape(b * c, v)
+    rows_min_p = min_p.repeat_interleave(c)[:, None]
+    probs = x.softmax(-1)
+    x = x.masked_fill(probs < probs.amax(-1, keepdim=True) * rows_min_p, -math.inf)
+    k = torch.where(top_k > 0, top_k, v).repeat_interleave(c)
+    engine = torch.log_softmax(apply_top_k_top_p_pytorch(x, k, top_p.repeat_interleave(c)), -1)
+    tokens = torch.multinomial(engine.exp(), 1).reshape(b, c)  # what the engine would draw
+    expected = engine.gather(1, tokens.reshape(-1, 1)).reshape(b, c)
+    got = maths.processed_logprobs(logits, tokens, temperature, top_k, top_p, min_p)
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert not torch.allclose(got, torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1), atol=1e-2)
