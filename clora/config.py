@@ -378,6 +378,12 @@ class LearnerConfig(_Strict):
         "serving",
         description="Rollouts mode: sample through the serving tier's HTTP API, or with the learner's own model.",
     )
+    rollout_priority: int = Field(
+        1, ge=0, le=2**31 - 1, description="Rollouts through the serving tier: their place in the engine's queue "
+        "(the request's `priority`; production requests have 0, and smaller goes first), so an app's requests "
+        "do not wait behind the experiments' rollouts. 0: rollouts queue with production traffic, first come first "
+        "served."
+    )
     serving_url: str | None = Field(
         None,
         description="Where rollouts reach the serving tier, e.g. http://serving:8000 in another container. "
@@ -662,7 +668,7 @@ def _between_fields(c: Any) -> list[tuple[tuple[str | int, ...], str]]:
                              "in rollouts mode never learns (each sample's advantage is its reward minus its group's "
                              "mean, 0 in a group of one); use 2 or more"))
     if c.learner.rollout_sampler == "serving":  # rollouts are /v1/completions requests with n = group_size
-        from serving.protocol import GREEDY_BELOW, MAX_N
+        from serving.protocol import MAX_N, MIN_TEMPERATURE
 
         inflight, temperature = c.serving.max_inflight_per_tenant, c.learner.temperature
         sampled = []  # group sizes that sample, for the temperature check
@@ -677,11 +683,11 @@ def _between_fields(c: Any) -> list[tuple[tuple[str | int, ...], str]]:
                                  f"{t.group_size} is more than serving.max_inflight_per_tenant {inflight}"))
             if t.group_size > 1:
                 sampled.append(t.group_size)
-        if sampled and _known(temperature) and not GREEDY_BELOW <= temperature <= 2:
-            why = (f"a greedy group of {max(sampled)} samples is one answer repeated, every advantage 0"
-                   if temperature < GREEDY_BELOW else "serving samples at temperatures up to 2")
+        if sampled and _known(temperature) and not MIN_TEMPERATURE <= temperature <= 2:
+            why = (f"the engine samples at {MIN_TEMPERATURE:g} at least, and the learner would train another policy"
+                   if temperature < MIN_TEMPERATURE else "serving samples at temperatures up to 2")
             problems.append((("learner", "temperature"),
-                             f"learner.temperature {temperature:g} is outside {GREEDY_BELOW:g} to 2 ({why})"))
+                             f"learner.temperature {temperature:g} is outside {MIN_TEMPERATURE:g} to 2 ({why})"))
     days, every = c.retention.days, c.compaction.every_seconds
     if _known(days, every) and days > 0 and every == 0:
         problems.append((("retention", "days"),

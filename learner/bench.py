@@ -117,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         examples = synthetic_examples(vocab, args.batch_size, args.prompt_tokens, args.completion_tokens, rng)
         sync()
         t = time.perf_counter()
-        train_step(policy, name, examples, baseline=0.0, clip_eps=0.2, kl_coef=0.0, max_grad_norm=1.0, max_len=4096)
+        train_step(policy, name, examples, baseline=0.0, clip_eps=0.2, kl_coef=0.0, max_grad_norm=1.0, max_len=4096,
+                   current_version=0)
         sync()
         return time.perf_counter() - t
 

@@ -73,7 +73,7 @@ import torch
 from ingest.events import render_messages
 from learner import maths
 from learner.batch import TokenBatch, pack, pad_values
-from learner.policy import Policy
+from learner.policy import Policy, PolicyError
 from learner.types import Example, SampledWith
 from learner.update import UpdateResult, pg_update
 
@@ -282,7 +282,8 @@ def sampled_with(row: dict) -> SampledWith | str | None:
     nothing cut, or a row clora's serving tier did not log (an app's own log-probs are taken as its
     behaviour's). A SampledWith (the drawing version and its temperature, top-k, top-p, min-p and
     logit_bias) to recompute them from. A reason (str) when they cannot be recomputed here (penalties,
-    `min_tokens`, an unreadable record): the row then trains with weight 1, as one without log-probs."""
+    `min_tokens`, an unreadable record: values serving never writes, as a negative temperature or token id
+    or a fractional top_k): the row then trains with weight 1, as one without log-probs."""
     meta = row_metadata(row.get("metadata_json"))
     if not all(key in meta for key in SERVING_KEYS):
         return None
@@ -298,11 +299,11 @@ def sampled_with(row: dict) -> SampledWith | str | None:
             return f"sampled with {', '.join(unrecomputed)}"
         drawn = SampledWith(
             version=version,
-            temperature=_number(sampling.get("temperature", 1.0)),
-            top_k=int(_number(sampling.get("top_k", 0))),
-            top_p=_number(sampling.get("top_p", 1.0)),
-            min_p=_number(sampling.get("min_p", 0.0)),
-            logit_bias=tuple(sorted((int(t), _number(b)) for t, b in (sampling.get("logit_bias") or {}).items())),
+            temperature=_number(sampling.get("temperature", 1.0), low=0.0),
+            top_k=_whole(sampling.get("top_k", 0)),
+            top_p=_number(sampling.get("top_p", 1.0), low=0.0, high=1.0),
+            min_p=_number(sampling.get("min_p", 0.0), low=0.0, high=1.0),
+            logit_bias=tuple(sorted((_whole(int(t), low=0), _number(b)) for t, b in (sampling.get("logit_bias") or {}).items())),
         )
     except (TypeError, ValueError, AttributeError) as e:
         return f"unreadable sampling record: {e}"
@@ -310,11 +311,19 @@ def sampled_with(row: dict) -> SampledWith | str | None:
     return None if plain and not drawn.logit_bias else drawn
 
 
-def _number(value) -> float:
-    """A sampling record's number (not a bool, finite)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{value!r} is not a finite number")
+def _number(value, *, low: float = -math.inf, high: float = math.inf) -> float:
+    """A sampling record's number: not a bool, finite, within [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise ValueError(f"{value!r} is not a number in [{low:g}, {high:g}]")
     return float(value)
+
+
+def _whole(value, *, low: int = -1) -> int:
+    """A sampling record's whole number (top_k, a token id), at least `low`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{value!r} is not a whole number from {low}")
+    return value
 
 
 def behaviour_logprobs(policy: Policy, tenant: str, examples: Sequence[Example], batch: TokenBatch, *,
@@ -334,7 +343,7 @@ def behaviour_logprobs(policy: Policy, tenant: str, examples: Sequence[Example],
         drawn = e.sampled_with
         if drawn is None:
             continue
-        if drawn.temperature < maths.SAMPLING_EPS:
+        if drawn.temperature == 0:
             old[i, : len(e.completion_ids)] = 0.0
         else:
             by_version.setdefault(drawn.version, []).append(i)
@@ -351,7 +360,8 @@ def behaviour_logprobs(policy: Policy, tenant: str, examples: Sequence[Example],
 
         def process(logits, part, at, settings=settings, bias=bias):
             return maths.processed_logprobs(logits, part.completion_ids, *(t[at].to(logits.device) for t in settings),
-                                            None if bias is None else bias[at].to(logits.device))
+                                            None if bias is None else bias[at].to(logits.device),
+                                            mask=part.completion_mask)
 
         part = batch.rows(torch.tensor(rows))
         if number in (current_version, 0):
@@ -362,8 +372,13 @@ def behaviour_logprobs(policy: Policy, tenant: str, examples: Sequence[Example],
                 logger.info("tenant %s: version %d's adapter files are gone: %d rows it drew train with weight 1",
                             tenant, number, len(rows))
                 continue
-            with policy.weights_of_version(tenant, directory):
-                logps = policy.processed_logprobs(part, tenant, process, rows_per_pass=rows_per_pass)
+            try:
+                with policy.weights_of_version(tenant, directory):
+                    logps = policy.processed_logprobs(part, tenant, process, rows_per_pass=rows_per_pass)
+            except PolicyError as e:  # a damaged file: raised, the same rows would fail every step of the tenant
+                logger.warning("tenant %s: version %d's adapter files cannot be read (%s): %d rows it drew train "
+                               "with weight 1", tenant, number, e, len(rows))
+                continue
         old[rows] = logps
     return old
 
@@ -457,7 +472,7 @@ def train_step(
     max_grad_norm: float,
     max_len: int,
     micro_batch_size: int | None = None,
-    current_version: int = 0,
+    current_version: int,
     version_files: Callable[[int], Path | None] | None = None,
 ) -> LogsStep:
     """One off-policy update on `examples` (see the module note); `baseline` is the tenant's running mean

@@ -287,6 +287,8 @@ class Learner:
         before = getattr(self, "settings", None)
         self.settings = cfg.learner
         self.registry.keep_last = cfg.learner.keep_versions
+        if isinstance(self.sampler, ServingSampler):
+            self.sampler.priority = cfg.learner.rollout_priority  # from the next request
         if before is not None:
             if self.prefetcher is not None and (before.temperature, before.max_new_tokens) != (
                     cfg.learner.temperature, cfg.learner.max_new_tokens):

@@ -208,49 +208,66 @@ def entropy(logits: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------------------
 # The serving engine's sampling distribution
 
-SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy decoding
+MIN_TEMPERATURE = 0.01  # vLLM's SamplingParams raises any temperature in (0, 0.01) to this; only 0 is greedy
+PROCESSED_CHUNK = 2**25  # logits processed at once by processed_logprobs (128 MiB of float32)
 
 
 def processed_logprobs(logits: Tensor, tokens: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
-                       min_p: Tensor, bias: Tensor | None = None) -> Tensor:
+                       min_p: Tensor, bias: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
     """log mu(token) under the distribution vLLM's sampler draws from (vllm/v1/sample/sampler.py), the
-    behaviour policy of a completion sampled with these settings: (logits + bias) / temperature, then min-p
-    (tokens less likely than min_p x the likeliest one are cut), then top-k, then top-p over what top-k kept
-    (the likeliest tokens whose probabilities first reach top_p), renormalised.
+    behaviour policy of a completion sampled with these settings: (logits + bias) / temperature (raised to
+    MIN_TEMPERATURE as vLLM raises it), then min-p (tokens less likely than min_p x the likeliest one are
+    cut), then top-k, then top-p over what top-k kept (the likeliest tokens whose probabilities first reach
+    top_p), renormalised.
 
     logits [B, C, V] (the model's, at temperature 1); tokens [B, C]; one setting per row [B]: top_k <= 0 or
-    >= V is off, top_p 1 is off, min_p 0 is off; bias [B, V] or None (a request's logit_bias). A greedy row
-    (temperature < SAMPLING_EPS) is 0 everywhere: its token was the argmax, drawn with probability 1. The
-    sampled token is never cut: the engine drew it, so it had passed the engine's masks, and a rounding
-    difference between two machines' logits at a mask's edge must not give it probability 0 (an unbounded
-    importance weight). Returns [B, C], float32."""
+    >= V is off, top_p 1 is off, min_p 0 is off; bias [B, V] or None (a request's logit_bias); mask [B, C]
+    or None: the positions to compute (the others are 0), so padding costs nothing. A greedy row
+    (temperature 0) is 0 everywhere: its token was the argmax, drawn with probability 1. The sampled token
+    is never cut: the engine drew it, so it had passed the engine's masks, and a rounding difference between
+    two machines' logits at a mask's edge must not give it probability 0 (an unbounded importance weight).
+    Works through PROCESSED_CHUNK logits at a time: the masks need several vocabulary-wide copies of what
+    they work on. Returns [B, C], float32."""
     b, c, v = logits.shape
-    x = logits.float()
-    if bias is not None:
-        x = x + bias.float()[:, None, :]
-    greedy = temperature < SAMPLING_EPS
-    x = x / torch.where(greedy, torch.ones_like(temperature), temperature).float()[:, None, None]
-    x = x.reshape(b * c, v)
-    picked = tokens.reshape(b * c, 1)
+    out = torch.zeros(b, c, dtype=torch.float32, device=logits.device)
+    wanted = (temperature[:, None] > 0).expand(b, c)
+    if mask is not None:
+        wanted = wanted & mask.bool()
+    rows, cols = wanted.nonzero(as_tuple=True)
+    step = max(1, PROCESSED_CHUNK // v)
+    for start in range(0, rows.numel(), step):
+        r, col = rows[start : start + step], cols[start : start + step]
+        x = logits[r, col].float()  # [n, V]: one position each
+        if bias is not None:
+            x = x + bias[r].float()
+        x = x / temperature[r].float().clamp(min=MIN_TEMPERATURE)[:, None]
+        out[r, col] = _processed(x, tokens[r, col].unsqueeze(1), top_k[r].long(), top_p[r].float(), min_p[r].float())
+    return out
+
+
+def _processed(x: Tensor, picked: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
+    """processed_logprobs for tempered logits x [n, V], one position per row: the picked tokens' [n]."""
+    v = x.shape[-1]
     sampled = x.gather(1, picked)
-    min_p, top_k, top_p = (t.repeat_interleave(c) for t in (min_p.float(), top_k.long(), top_p.float()))
     if bool((min_p > 0).any()):
         probs = x.softmax(-1)
         x = x.masked_fill(probs < probs.amax(-1, keepdim=True) * min_p[:, None], -math.inf)
+        del probs
     cut_k, cut_p = (top_k > 0) & (top_k < v), top_p < 1.0
     if bool(cut_k.any()) or bool(cut_p.any()):
         ascending, order = x.sort(dim=-1)
         if bool(cut_k.any()):
             kth = ascending.gather(1, (v - torch.where(cut_k, top_k, v)).unsqueeze(1))
-            ascending = ascending.masked_fill(ascending < kth, -math.inf)
+            ascending.masked_fill_(ascending < kth, -math.inf)
         if bool(cut_p.any()):
-            below = ascending.softmax(-1).cumsum(-1) <= (1.0 - top_p)[:, None]
+            below = ascending.softmax(-1).cumsum_(-1) <= (1.0 - top_p)[:, None]
             below[:, -1] = False  # the likeliest token always stays
-            ascending = ascending.masked_fill(below, -math.inf)
-        x = torch.empty_like(x).scatter_(1, order, ascending)
-    x = x.scatter(1, picked, sampled)
-    out = torch.log_softmax(x, dim=-1).gather(1, picked).reshape(b, c)
-    return torch.where(greedy[:, None], torch.zeros_like(out), out)
+            ascending.masked_fill_(below, -math.inf)
+            del below
+        x = x.scatter_(1, order, ascending)
+        del ascending, order
+    x = x.scatter_(1, picked, sampled)
+    return torch.log_softmax(x, dim=-1).gather(1, picked).squeeze(1)
 
 
 # ---------------------------------------------------------------------------------------------------------

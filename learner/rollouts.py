@@ -10,7 +10,8 @@ A step for a tenant:
          the one engine. Requests for all rollouts tenants are in flight at once (`Prefetcher`): while the
          learner trains tenant A, tenants B, C, ... are being sampled; with `learner.sample_ahead`, A's
          next batch too (loop.py). Requests carry
-         `metadata: {"source": "rollout"}` so the interactions the serving tier logs can be told apart;
+         `metadata: {"source": "rollout"}` so the interactions the serving tier logs can be told apart, and
+         `priority: learner.rollout_priority` (1) so the engine starts production requests (0) first;
        - `LocalSampler` (`"local"`): the learner's own model (`Policy.generate`); no serving tier needed,
          exactly on-policy, but sampling then takes the learner's time;
   3. rewards from the tenant's programmatic scorer (ingest.scorers.build_scorer; a sample whose scorer
@@ -281,10 +282,11 @@ class ServingSampler:
 
     background = True
 
-    def __init__(self, base_url: str, *, timeout: float = 300.0, concurrency: int = 32):
+    def __init__(self, base_url: str, *, timeout: float = 300.0, concurrency: int = 32, priority: int = 1):
         import httpx
 
         self.base_url = base_url.rstrip("/")
+        self.priority = priority  # the requests' place in the engine's queue (learner.rollout_priority)
         # No cap on connections: concurrent calls (the prefetcher samples several tenants at once) must not
         # wait for one another's connections; each call caps its own threads.
         self._client = httpx.Client(base_url=self.base_url, timeout=timeout, trust_env=trust_env(self.base_url),
@@ -314,6 +316,7 @@ class ServingSampler:
             "metadata": {"source": ROLLOUT_SOURCE},
             "return_token_ids": True,  # the tokens sampled, to train on exactly those
             "logprobs": 0,  # and their log-probabilities (no alternatives), the importance ratios' old ones
+            "priority": self.priority,  # behind production requests (0) in the engine's queue
         }
         # Asked again, within one deadline, whatever says "not now": one failed request fails the whole step,
         # throwing away its other requests' completions, and the tenant backs off for 5 s to 5 minutes.

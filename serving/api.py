@@ -433,7 +433,7 @@ class Api:
             # Closed with this generator (the caller's aclose when the client leaves): the engine's request is
             # then aborted before the caller releases the adapter's lease, not whenever the collector gets to it.
             async with contextlib.aclosing(self.engine.stream(p.ids, p.sampling, adapter, call.response_id,
-                                                              cache_salt=call.tenant)) as deltas:
+                                                              cache_salt=call.tenant, priority=call.body.priority)) as deltas:
                 while (delta := await self._next_output(functools.partial(anext, deltas, None))) is not None:
                     yield delta
             return
@@ -443,7 +443,7 @@ class Api:
         async def pump(i: int, p: _Prompt) -> None:
             try:
                 async for delta in self.engine.stream(p.ids, p.sampling, adapter, f"{call.response_id}-p{i}",
-                                                      cache_salt=call.tenant):
+                                                      cache_salt=call.tenant, priority=call.body.priority):
                     queue.put_nowait(replace(delta, index=i * n + delta.index))
                 queue.put_nowait(end)
             except Exception as e:  # handed to the reader, which raises it

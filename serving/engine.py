@@ -84,7 +84,7 @@ ZERO_ADAPTER_NAME = "_zero"  # never a tenant version name ("<tenant>@<n>")
 # renderer makes the same bound from its tokenizer; no real tokenizer averages more than a few characters).
 MAX_CHARS_PER_TOKEN = 16
 MESSAGE_FRAMING_CHARS = 16  # what a chat template adds around each message, at least (counted with its role)
-GREEDY_BELOW = 1e-5  # vLLM decodes greedily below this temperature, and then runs n = 1 only
+MIN_TEMPERATURE = 0.01  # vLLM samples a temperature in (0, 0.01) at 0.01: only 0 is greedy (and runs n = 1 only)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -220,6 +220,7 @@ def build_engine(
         seed=seed,
         disable_log_stats=True,
         enable_prefix_caching=True,
+        scheduling_policy="priority",  # a request's `priority` orders the queue (protocol.py); all 0: first come
         use_tqdm_on_load=sys.stderr.isatty(),  # its weight-loading bar garbles logs (`clora up`'s prefixed output)
         **chunking,
         **lora_args,
@@ -433,12 +434,13 @@ class Engine:
 
     async def stream(
         self, prompt_ids: list[int], sampling: Sampling, adapter: AdapterHandle | None, request_id: str,
-        *, cache_salt: str | None = None,
+        *, cache_salt: str | None = None, priority: int = 0,
     ) -> AsyncIterator[Delta]:
         """Deltas of every choice as the engine produces them; the last delta of a choice has its finish reason.
 
         Leaving the iteration early (client gone, task cancelled) aborts the request in the engine.
-        `cache_salt` (the tenant) keeps this request's prefix-cache blocks apart from other salts'.
+        `cache_salt` (the tenant) keeps this request's prefix-cache blocks apart from other salts'. `priority`:
+        its place in the engine's queue (smaller first, then by arrival; 0 for production traffic).
 
         A token's `text_offset` counts the characters its choice's earlier tokens decode to, text still held
         back for a stop string included. A stop string is cut from the text only once its last token comes,
@@ -461,7 +463,8 @@ class Engine:
             # Closed (which aborts the request in the engine) as soon as this loop ends, however it ends: left
             # to the garbage collector, the abort came a few event-loop passes after the caller released the
             # adapter, which could then be unloaded, its files deleted, under a request still running on it.
-            async with contextlib.aclosing(self.llm.generate(prompt, params, request_id, lora_request=lora)) as outputs:
+            async with contextlib.aclosing(self.llm.generate(prompt, params, request_id, lora_request=lora,
+                                                                      priority=priority)) as outputs:
                 async for output in outputs:
                     for out in output.outputs:
                         if out.finish_reason == "error":  # vLLM: a request-level internal error, always a 500
@@ -494,12 +497,12 @@ class Engine:
 
     async def generate(
         self, prompt_ids: list[int], sampling: Sampling, adapter: AdapterHandle | None, request_id: str,
-        *, cache_salt: str | None = None,
+        *, cache_salt: str | None = None, priority: int = 0,
     ) -> list[Choice]:
         """Runs the request to the end; one `Choice` per `sampling.n`, ordered by index."""
         choices = {i: Choice(i) for i in range(sampling.n)}
-        async with contextlib.aclosing(self.stream(prompt_ids, sampling, adapter, request_id,
-                                                   cache_salt=cache_salt)) as deltas:  # closed (aborted) on any exit
+        async with contextlib.aclosing(self.stream(prompt_ids, sampling, adapter, request_id, cache_salt=cache_salt,
+                                                   priority=priority)) as deltas:  # closed (aborted) on any exit
             async for delta in deltas:
                 choices[delta.index].add(delta)
         return [choices[i] for i in range(sampling.n)]
@@ -560,7 +563,7 @@ def _sampling_params(sampling: Sampling):
 
 
 def _greedy(sampling: Sampling) -> bool:
-    return sampling.temperature < GREEDY_BELOW
+    return sampling.temperature == 0
 
 
 def _too_long(max_model_len: int, tokens: int, param: str) -> ContextLengthExceeded:

@@ -41,7 +41,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
-from serving.engine import GREEDY_BELOW as GREEDY_BELOW  # the engine's; clora's config check reads it here
+from serving.engine import MIN_TEMPERATURE as MIN_TEMPERATURE  # the engine's; clora's config check reads it here
 from serving.engine import Choice, Delta, Sampling, TokenLogprob
 from serving.errors import BadRequest, UnsupportedParameter
 
@@ -79,7 +79,7 @@ NOT_IMPLEMENTED: dict[str, tuple[str, Any]] = {
     **_refused("not implemented", "prompt_logprobs", "logprob_token_ids", "repetition_detection", "vllm_xargs",
                use_beam_search=False, length_penalty=1.0, skip_special_tokens=True,
                spaces_between_special_tokens=True, return_tokens_as_token_ids=False, return_token_offsets=False,
-               return_prompt_text=False, watermarking=False, stream_interval=1, priority=0),
+               return_prompt_text=False, watermarking=False, stream_interval=1),
     **_refused("the server sets it (request ids, prefix-cache salts, transfers)", "request_id", "cache_salt",
                "kv_transfer_params", "ec_transfer_params", "session_id", routed_experts_prompt_start=0),
 }
@@ -153,6 +153,11 @@ class _Request(BaseModel):
     stop_token_ids: list[Annotated[int, Strict(), Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = Field(False, strict=True)
     ignore_eos: bool = Field(False, strict=True)
+    # vLLM's extension: the request's place in the engine's queue. Waiting requests go in ascending order
+    # (then by arrival), and when memory runs short the largest number is preempted first. 0 (every request's
+    # default) goes first, so a caller may only put its own request behind others (the learner's rollouts,
+    # batch jobs), never ahead of production traffic.
+    priority: int = _count(0, ge=0, le=2**31 - 1)
 
     @model_validator(mode="before")
     @classmethod

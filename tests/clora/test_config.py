@@ -160,7 +160,7 @@ api_key = "sk-aaaaaaaa"
 
 
 def test_each_problem_between_fields_is_a_line_at_its_field(tmp_path):
-    from serving.protocol import GREEDY_BELOW
+    from serving.protocol import MIN_TEMPERATURE
 
     p = write_config(tmp_path, """
 [serving]
@@ -185,8 +185,8 @@ group_size = 32
         "serving.admin_key: serving.admin_key is also a tenant's api_key (tenants.1)",
         "tenants.0.lora.rank: tenant 'a': lora.rank 64 exceeds serving.max_lora_rank 16",
         "tenants.1.group_size: tenant 'base': group_size 32 is more than the 16 completions a serving request may ask for (n)",
-        f"learner.temperature: learner.temperature 1e-06 is outside {GREEDY_BELOW:g} to 2 (a greedy group of 32 "
-        f"samples is one answer repeated, every advantage 0)",
+        f"learner.temperature: learner.temperature 1e-06 is outside {MIN_TEMPERATURE:g} to 2 (the engine samples "
+        f"at {MIN_TEMPERATURE:g} at least, and the learner would train another policy)",
     ]
     assert str(e.value).splitlines()[0].endswith("5 problem(s)")
 

@@ -53,6 +53,9 @@ def test_serving_records_the_settings_that_shaped_the_draw_and_logs_mode_reads_t
     assert "unreadable" in sampled_with(_served("warm"))
     assert "unreadable" in sampled_with(_served({"temperature": "0.5"}))
     assert "unreadable" in sampled_with(_served({"temperature": True}))
+    for bad in ({"temperature": -0.5}, {"top_k": 2.5}, {"top_p": 1.5}, {"logit_bias": {"-1": 5.0}},
+                {"logit_bias": {"x": 5.0}}, {"min_p": float("nan")}):
+        assert "unreadable" in sampled_with(_served({"temperature": 0.5, **bad})), bad
     assert "another tenant" in sampled_with(_served({"temperature": 0.5}, version="beta@2"))
 
 
@@ -181,3 +184,19 @@ def test_a_step_weighs_each_token_against_the_distribution_it_was_drawn_from(pol
     assert got.pg_loss == pytest.approx(step(logged(recomputed)).pg_loss, rel=1e-4, abs=1e-7)
     # weighed against the raw log-probs the step would be the on-policy one (every weight 1), which it is not
     assert not math.isclose(got.pg_loss, step(logged(raw)).pg_loss, rel_tol=1e-3, abs_tol=1e-6)
+
+
+def test_a_version_whose_files_cannot_be_read_trains_its_rows_with_weight_1_not_failing_every_step(policy, tmp_path):
+    drawn = SampledWith(version=1, temperature=0.5, top_k=0, top_p=1.0, min_p=0.0)
+    examples = _examples(policy, 2, [drawn, drawn])
+    batch = pack([e.prompt_ids for e in examples], [e.completion_ids for e in examples],
+                 pad_id=policy.pad_token_id, max_len=256)
+    damaged = tmp_path / "v1"
+    damaged.mkdir()
+    policy.save_adapter("acme", damaged)
+    weights = damaged / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # cut short
+    before = {n: p.detach().clone() for n, p in policy._params["acme"]}
+    old = behaviour_logprobs(policy, "acme", examples, batch, current_version=3, version_files={1: damaged}.get)
+    assert torch.isnan(old).all()
+    assert all(torch.equal(p, before[n]) for n, p in policy._params["acme"])

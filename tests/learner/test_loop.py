@@ -276,7 +276,7 @@ def test_a_catch_up_step_in_micro_batches_equals_one_step_on_the_whole_batch(tin
         assert len(examples) == 12 and not unusable
         for _ in range(2):  # the second step moves lora_A too (lora_B starts at 0, so A's first gradient is 0)
             logs_mode.train_step(policy, "acme", examples, baseline=None, clip_eps=0.2, kl_coef=0.0,
-                                 max_grad_norm=1.0, max_len=256, micro_batch_size=micro)
+                                 max_grad_norm=1.0, max_len=256, micro_batch_size=micro, current_version=0)
         after.append(policy.snapshot("acme").weights)
     whole, micro = after
     assert whole.keys() == micro.keys()

@@ -254,26 +254,31 @@ def test_processed_logprobs_by_hand():
     # logit_bias is added before the temperature
     assert _one(logits, 3, temperature=0.5, bias=[0.0, 0.0, 0.0, 3.0]) == pytest.approx(
         4.0 - math.log(math.exp(4) + math.exp(2) + 1 + math.exp(4)), abs=1e-6)
-    # greedy: the argmax, drawn with probability 1
+    # greedy: the argmax, drawn with probability 1; a temperature in (0, 0.01) is drawn at 0.01, as vLLM does
     assert _one(logits, 0, temperature=0.0) == 0.0
+    assert _one(logits, 1, temperature=1e-6) == pytest.approx(_one(logits, 1, temperature=0.01)) == pytest.approx(
+        -100.0, abs=1e-3)
     # a token the masks cut (the engine's logits differed a little) keeps its own mass, never probability 0
     cut = _one(logits, 3, top_k=2)
     assert math.isfinite(cut) and cut == pytest.approx(-1.0 - math.log(math.exp(2) + math.exp(1) + math.exp(-1)), abs=1e-6)
 
 
-def test_processed_logprobs_are_vllms_sampling_distribution():
-    """The same settings through vLLM's own sampler pieces (temperature, its min-p processor's rule, its
-    top-k/top-p masking), per row of a mixed batch: the recomputed behaviour is the engine's."""
+def test_processed_logprobs_are_vllms_sampling_distribution(monkeypatch):
+    """The same settings through vLLM's own pieces (SamplingParams' temperature, its min-p processor's rule,
+    its top-k/top-p masking), per row of a mixed batch: the recomputed behaviour is the engine's; and the
+    same in chunks of a few positions, padding left out."""
+    from vllm import SamplingParams
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
     torch.manual_seed(0)
-    b, c, v = 5, 4, 64
+    b, c, v = 6, 4, 64
     logits = torch.randn(b, c, v) * 3
-    temperature = torch.tensor([0.7, 1.0, 1.3, 0.5, 1.0])
-    top_k = torch.tensor([0, 5, -1, 10, 0])
-    top_p = torch.tensor([0.9, 1.0, 0.8, 0.95, 1.0])
-    min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.2])
-    x = (logits / temperature[:, None, None]).reshape(b * c, v)
+    temperature = torch.tensor([0.7, 1.0, 1.3, 0.5, 1.0, 0.004])
+    top_k = torch.tensor([0, 5, -1, 10, 0, 0])
+    top_p = torch.tensor([0.9, 1.0, 0.8, 0.95, 1.0, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.2, 0.0])
+    engine_temperature = torch.tensor([SamplingParams(temperature=float(t)).temperature for t in temperature])
+    x = (logits / engine_temperature[:, None, None]).reshape(b * c, v)
     rows_min_p = min_p.repeat_interleave(c)[:, None]
     probs = x.softmax(-1)
     x = x.masked_fill(probs < probs.amax(-1, keepdim=True) * rows_min_p, -math.inf)
@@ -283,4 +288,9 @@ def test_processed_logprobs_are_vllms_sampling_distribution():
     expected = engine.gather(1, tokens.reshape(-1, 1)).reshape(b, c)
     got = maths.processed_logprobs(logits, tokens, temperature, top_k, top_p, min_p)
     assert torch.allclose(got, expected, atol=1e-5)
+    monkeypatch.setattr(maths, "PROCESSED_CHUNK", 3 * v)  # three positions at a time
+    mask = torch.ones(b, c)
+    mask[:, -1] = 0  # padding
+    chunked = maths.processed_logprobs(logits, tokens, temperature, top_k, top_p, min_p, mask=mask)
+    assert torch.allclose(chunked[:, :-1], expected[:, :-1], atol=1e-5) and (chunked[:, -1] == 0).all()
     assert not torch.allclose(got, torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1), atol=1e-2)

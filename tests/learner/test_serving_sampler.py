@@ -117,6 +117,15 @@ def test_the_prompt_goes_as_the_token_ids_the_learner_trains_on(stand_in_server)
     assert sorted(str(b["prompt"]) for b in answers.bodies) == ["2+2=", "[17, 4, 99]"]
 
 
+def test_rollouts_queue_behind_production_requests_at_the_priority_the_config_gives(stand_in_server):
+    url, answers = stand_in_server
+    sampler = ServingSampler(url)
+    sampler.sample([request()])
+    sampler.priority = 0  # learner.rollout_priority changed in the config: from the next request
+    sampler.sample([request()])
+    assert [b["priority"] for b in answers.bodies] == [1, 0]
+
+
 def test_samples_carry_the_sampled_token_ids_and_log_probs_when_the_server_returns_them(stand_in_server):
     url, answers = stand_in_server
     (old,) = ServingSampler(url).sample([request()])

@@ -81,8 +81,8 @@ class FakeLLM:
     def shutdown(self):
         pass
 
-    async def generate(self, prompt, params, request_id, lora_request=None):
-        self.calls.append(SimpleNamespace(prompt=prompt, params=params, request_id=request_id))
+    async def generate(self, prompt, params, request_id, lora_request=None, priority=0):
+        self.calls.append(SimpleNamespace(prompt=prompt, params=params, request_id=request_id, priority=priority))
         if self.fail is not None:
             raise self.fail
         try:
@@ -489,6 +489,15 @@ def test_penalties_and_vllm_sampling_extensions_reach_the_engine():
     assert p.logit_bias == {104: 5.0, 7: -100.0}
     sampling = w.events.logged[0].metadata["sampling"]
     assert sampling["presence_penalty"] == 0.5 and sampling["logit_bias"] == {"104": 5.0, "7": -100.0}
+
+
+def test_a_requests_priority_reaches_the_engine_for_each_of_its_prompts():
+    w = World()
+    assert w.post("/v1/chat/completions", chat()).status_code == 200
+    assert w.post("/v1/completions", {"model": "acme", "prompt": "hi", "priority": 4}).status_code == 200
+    assert w.post("/v1/completions", {"model": "acme", "prompt": ["a", "b"], "priority": 2}).status_code == 200
+    assert [c.priority for c in w.llm.calls] == [0, 4, 2, 2]
+    assert w.post("/v1/completions", {"model": "acme", "prompt": "hi", "priority": -1}).status_code == 400
 
 
 def test_greedy_with_n_choices_runs_once_and_answers_n_times_streamed_or_not():

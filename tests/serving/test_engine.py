@@ -159,7 +159,7 @@ class FakeDetokenizingLLM:
     def shutdown(self):
         pass
 
-    async def generate(self, prompt, params, request_id, lora_request=None):
+    async def generate(self, prompt, params, request_id, lora_request=None, priority=0):
         from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
         request = SimpleNamespace(request_id=request_id, sampling_params=params, prompt_embeds=None,

@@ -161,7 +161,7 @@ def test_completion_fields_clora_does_not_implement(extra, param):
     ("bad_words", ["x"]), ("prompt_logprobs", 1), ("truncate_prompt_tokens", 8), ("modalities", ["text", "audio"]),
     ("audio", {"voice": "alloy"}), ("web_search_options", {}), ("prediction", {"type": "content", "content": "x"}),
     ("reasoning_effort", "low"), ("use_beam_search", True), ("skip_special_tokens", False), ("cache_salt", "s"),
-    ("request_id", "mine"), ("priority", 1), ("return_tokens_as_token_ids", True),
+    ("request_id", "mine"), ("return_tokens_as_token_ids", True),
 ])
 def test_fields_clora_does_not_implement_are_refused_not_dropped(field, value):
     for model, body in ((protocol.ChatRequest, {"messages": [{"role": "user", "content": "x"}]}),
@@ -192,7 +192,7 @@ def test_what_clora_does_anyway_metadata_and_unknown_fields_are_taken():
             "bad_words": [], "guided_json": None, "user": "u", "store": False, "service_tier": "auto",
             "parallel_tool_calls": True, "safety_identifier": "s", "prompt_cache_key": "k", "some_future_field": 1}
     assert protocol.parse(protocol.ChatRequest, json.dumps(chat).encode()).model == "m"
-    completion = {"model": "m", "prompt": "x", "add_special_tokens": True, "priority": 0}
+    completion = {"model": "m", "prompt": "x", "add_special_tokens": True}
     assert protocol.parse(protocol.CompletionRequest, json.dumps(completion).encode()).model == "m"
     with pytest.raises(UnsupportedParameter):  # `true` asks for more than 1, and 1 more than `true`
         protocol.parse(protocol.ChatRequest, json.dumps({**chat, "add_generation_prompt": 1}).encode())
@@ -207,6 +207,19 @@ def test_vllms_stopping_fields_reach_the_sampling():
         with pytest.raises(BadRequest) as e:
             protocol.parse(protocol.CompletionRequest, json.dumps({**body, **bad}).encode())
         assert e.value.param == next(iter(bad))
+
+
+def test_a_request_may_queue_behind_others_but_never_ahead_of_production_traffic():
+    body = {"model": "m", "prompt": "x"}
+    assert protocol.parse(protocol.CompletionRequest, json.dumps(body).encode()).priority == 0
+    for priority in (0, 1, 7, 2**31 - 1):
+        assert protocol.parse(protocol.CompletionRequest, json.dumps({**body, "priority": priority}).encode()).priority == priority
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "priority": 3}
+    assert protocol.parse(protocol.ChatRequest, json.dumps(chat).encode()).priority == 3
+    for bad in (-1, 2**31, 1.5, "1", True):
+        with pytest.raises(BadRequest) as e:
+            protocol.parse(protocol.CompletionRequest, json.dumps({**body, "priority": bad}).encode())
+        assert e.value.param == "priority"
 
 
 def test_null_is_the_default_but_required_fields_stay_required():

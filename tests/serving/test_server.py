@@ -190,6 +190,45 @@ def test_openai_fields_reach_the_real_engine(server):
     assert lost.status_code == 404 and set(lost.json()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_a_production_request_is_started_before_waiting_requests_of_a_lower_priority(server):
+    """The engine's queue is ordered by `priority`: a full engine (one request of 16 choices fills the test
+    server's 16 sequences) with 16 more choices of priority 5 waiting takes a priority-0 request that came
+    after them as soon as the running ones end. First come first served, it would wait for all 16."""
+    long = {"model": "base", "prompt": "1 2 3", "n": 16, "max_tokens": 200, "ignore_eos": True, "temperature": 1.0,
+            "priority": 5}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http:
+            def post(tenant, body):
+                return http.post("/v1/completions", json=body,
+                                 headers={"Authorization": f"Bearer {server.keys[tenant]}"})
+
+            finished = {}
+
+            async def timed(name, tenant, body):
+                response = await post(tenant, body)
+                assert response.status_code == 200, response.text
+                finished[name] = time.monotonic()
+
+            async with http.stream("POST", "/v1/completions", json={**long, "stream": True},
+                                   headers={"Authorization": f"Bearer {server.keys['initech']}"}) as running:
+                lines = running.aiter_lines()
+                while not (await anext(lines)).startswith("data: "):  # the first token: it is decoding
+                    pass
+                waiting = asyncio.create_task(timed("waiting", "initech", long))
+                await asyncio.sleep(0.5)  # in the engine's queue, behind the running request
+                urgent = asyncio.create_task(timed("urgent", "globex", {"model": "base", "prompt": "4 5", "max_tokens": 8,
+                                                                        "ignore_eos": True}))
+                async for _ in lines:
+                    pass
+                running_done = time.monotonic()
+            await asyncio.gather(waiting, urgent)
+            return finished, running_done
+
+    finished, running_done = asyncio.run(run())
+    assert finished["urgent"] < finished["waiting"], (finished, running_done)
+
+
 def test_hot_swap_under_streaming_load(server, tiny_model):
     tenant = "umbrella"
     first = publish_adapter(server.data_dir, tenant, tiny_model, seed=21)
