@@ -381,8 +381,9 @@ class LearnerConfig(_Strict):
     rollout_priority: int = Field(
         1, ge=0, le=2**31 - 1, description="Rollouts through the serving tier: their place in the engine's queue "
         "(the request's `priority`; production requests have 0, and smaller goes first), so an app's requests "
-        "do not wait behind the experiments' rollouts. 0: rollouts queue with production traffic, first come first "
-        "served."
+        "do not wait behind the experiments' rollouts. The queue has no aging: under sustained production load "
+        "rollouts wait, and their step fails and is retried. 0: rollouts queue with production traffic, by "
+        "arrival."
     )
     serving_url: str | None = Field(
         None,

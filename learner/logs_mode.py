@@ -17,7 +17,8 @@ fresh rows left published versions just as fast: it never caught up. A step then
      except for a row clora's serving tier drew otherwise than at temperature 1 with nothing cut: it logs
      vLLM's raw log-probs (temperature 1), not those of the distribution the token was drawn from, so the
      step recomputes them from the drawing version's logits under the row's recorded temperature, top-k,
-     top-p, min-p and logit_bias (sampled_with, behaviour_logprobs); at temperature 0 they are 0;
+     top-p, min-p, logit_bias, penalties and min_tokens (sampled_with, behaviour_logprobs); at
+     temperature 0 they are 0;
      and leaves out a row whose reward is beyond +-`learner.gate_max_abs_reward` (within_reward_range),
      so the rest of the batch trains rather than the gate rejecting it whole;
   3. advantages: reward minus baseline, where the baseline is the mean reward of the other completions
@@ -64,7 +65,7 @@ import logging
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pyarrow as pa
@@ -270,20 +271,16 @@ def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None) -> tup
     return examples, unusable
 
 
-# Settings vLLM applies before the temperature that depend on the tokens so far (the penalties count them;
-# min_tokens masks the stop tokens up to a position): a draw made with them is not recomputed.
-UNRECOMPUTED_SETTINGS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
-
-
 def sampled_with(row: dict) -> SampledWith | str | None:
     """How the serving engine drew a row's completion, when its logged log-probs are not the behaviour
     policy's: serving logs vLLM's raw log-probs (temperature 1, before any cut), and records the request's
     sampling in `metadata.sampling`. None when they are the behaviour's: a draw at temperature 1 with
     nothing cut, or a row clora's serving tier did not log (an app's own log-probs are taken as its
-    behaviour's). A SampledWith (the drawing version and its temperature, top-k, top-p, min-p and
-    logit_bias) to recompute them from. A reason (str) when they cannot be recomputed here (penalties,
-    `min_tokens`, an unreadable record: values serving never writes, as a negative temperature or token id
-    or a fractional top_k): the row then trains with weight 1, as one without log-probs."""
+    behaviour's). A SampledWith (the drawing version and its temperature, top-k, top-p, min-p,
+    logit_bias, penalties, min_tokens and stop_token_ids) to recompute them from. A reason (str) when they
+    cannot be recomputed here (another tenant's version, an unreadable record: values serving never writes,
+    as a negative temperature or token id or a fractional top_k): the row then trains with weight 1, as one
+    without log-probs."""
     meta = row_metadata(row.get("metadata_json"))
     if not all(key in meta for key in SERVING_KEYS):
         return None
@@ -294,9 +291,6 @@ def sampled_with(row: dict) -> SampledWith | str | None:
     try:
         if not isinstance(sampling, dict):
             raise TypeError("not an object")
-        unrecomputed = [name for name in UNRECOMPUTED_SETTINGS if name in sampling]
-        if unrecomputed:
-            return f"sampled with {', '.join(unrecomputed)}"
         drawn = SampledWith(
             version=version,
             temperature=_number(sampling.get("temperature", 1.0), low=0.0),
@@ -304,11 +298,18 @@ def sampled_with(row: dict) -> SampledWith | str | None:
             top_p=_number(sampling.get("top_p", 1.0), low=0.0, high=1.0),
             min_p=_number(sampling.get("min_p", 0.0), low=0.0, high=1.0),
             logit_bias=tuple(sorted((_whole(int(t), low=0), _number(b)) for t, b in (sampling.get("logit_bias") or {}).items())),
+            presence_penalty=_number(sampling.get("presence_penalty", 0.0), low=-2.0, high=2.0),
+            frequency_penalty=_number(sampling.get("frequency_penalty", 0.0), low=-2.0, high=2.0),
+            repetition_penalty=_number(sampling.get("repetition_penalty", 1.0), low=0.0),
+            min_tokens=_whole(sampling.get("min_tokens", 0), low=0),
+            stop_token_ids=tuple(_whole(t, low=0) for t in sampling.get("stop_token_ids") or ()),
         )
+        if drawn.repetition_penalty == 0:
+            raise ValueError("repetition_penalty 0 (it must be above 0)")
     except (TypeError, ValueError, AttributeError) as e:
         return f"unreadable sampling record: {e}"
     plain = drawn.temperature == 1.0 and drawn.top_p >= 1.0 and drawn.top_k <= 0 and drawn.min_p <= 0.0
-    return None if plain and not drawn.logit_bias else drawn
+    return None if plain and not drawn.logit_bias and not drawn.has_history else drawn
 
 
 def _number(value, *, low: float = -math.inf, high: float = math.inf) -> float:
@@ -358,10 +359,15 @@ def behaviour_logprobs(policy: Policy, tenant: str, examples: Sequence[Example],
                     if token < policy.vocab_size:
                         bias[j, token] += value
 
-        def process(logits, part, at, settings=settings, bias=bias):
+        history = None
+        if any(d.has_history for d in drawn):
+            history = _history([examples[i] for i in rows], policy.stop_token_ids, policy.vocab_size)
+
+        def process(logits, part, at, settings=settings, bias=bias, history=history):
             return maths.processed_logprobs(logits, part.completion_ids, *(t[at].to(logits.device) for t in settings),
                                             None if bias is None else bias[at].to(logits.device),
-                                            mask=part.completion_mask)
+                                            mask=part.completion_mask,
+                                            history=None if history is None else _rows_of(history, at, logits.device))
 
         part = batch.rows(torch.tensor(rows))
         if number in (current_version, 0):
@@ -455,6 +461,38 @@ class LogsStep:
     update: UpdateResult
     reward_mean: float
     baseline: float  # the running mean after this batch
+
+
+def _history(examples: Sequence[Example], model_stops: Sequence[int], vocab_size: int) -> maths.History:
+    """The penalties and min_tokens of examples drawn with them, as maths.processed_logprobs takes them: each
+    row's whole prompt (before any truncation to max_len, as the engine saw it) and its stop tokens, the
+    request's stop_token_ids with the model's `model_stops` (its EOS and generation config's, which vLLM's
+    min_tokens cuts whether or not the request ignored EOS). Ids beyond the vocabulary are left out, as
+    logit_bias's are: no logit to act on."""
+    drawn = [e.sampled_with for e in examples]
+    stops = [dict.fromkeys([*model_stops, *d.stop_token_ids]) for d in drawn]
+    return maths.History(
+        prompt_ids=_padded([e.prompt_ids for e in examples], vocab_size),
+        stops=_padded(stops, vocab_size),
+        min_tokens=torch.tensor([d.min_tokens for d in drawn]),
+        presence=torch.tensor([d.presence_penalty for d in drawn]),
+        frequency=torch.tensor([d.frequency_penalty for d in drawn]),
+        repetition=torch.tensor([d.repetition_penalty for d in drawn]),
+    )
+
+
+def _padded(ids: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
+    """Token id lists as one [n, longest] tensor, -1 after each list's end; ids >= vocab_size left out."""
+    kept = [[t for t in x if t < vocab_size] for x in ids]
+    out = torch.full((len(kept), max(1, max(len(x) for x in kept))), -1, dtype=torch.long)
+    for i, x in enumerate(kept):
+        out[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+    return out
+
+
+def _rows_of(history: maths.History, at: torch.Tensor, device: torch.device) -> maths.History:
+    """The History of the rows `at` of `history`, on `device` (the logits')."""
+    return maths.History(*(getattr(history, f.name)[at].to(device) for f in fields(history)))
 
 
 def train_step(

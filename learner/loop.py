@@ -264,7 +264,8 @@ class Learner:
             if cfg.learner.rollout_sampler == "local":
                 sampler = LocalSampler(self.policy)
             else:
-                sampler = ServingSampler(cfg.learner.serving_url or cfg.serving.local_url)
+                sampler = ServingSampler(cfg.learner.serving_url or cfg.serving.local_url,
+                                         priority=cfg.learner.rollout_priority)
         self.sampler = sampler
         self.prefetcher = Prefetcher(sampler) if sampler.background else None
         self.stop = threading.Event()  # set: a wait for samples gives up, its step committing nothing (`run` sets it)

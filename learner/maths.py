@@ -20,6 +20,7 @@ GRPO's (Shao et al. 2024, DeepSeekMath); the k1/k2/k3 KL estimators are from Sch
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -212,10 +213,29 @@ MIN_TEMPERATURE = 0.01  # vLLM's SamplingParams raises any temperature in (0, 0.
 PROCESSED_CHUNK = 2**25  # logits processed at once by processed_logprobs (128 MiB of float32)
 
 
+@dataclass(frozen=True)
+class History:
+    """What vLLM applies from the tokens so far, one row each: `min_tokens` [B] (the `stops` [B, S] cannot
+    be drawn before that many completion tokens; -1 pads a row's stops), and the penalties, from the
+    prompt's tokens `prompt_ids` [B, P] (-1 pads) and the completion's up to the position: `repetition`
+    [B] divides a positive logit of a token seen in either (multiplies a negative one), `frequency` [B]
+    is subtracted once per occurrence in the completion so far, `presence` [B] once if it occurred. On the
+    logits' device; token ids below the vocabulary size."""
+
+    prompt_ids: Tensor
+    stops: Tensor
+    min_tokens: Tensor
+    presence: Tensor
+    frequency: Tensor
+    repetition: Tensor
+
+
 def processed_logprobs(logits: Tensor, tokens: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
-                       min_p: Tensor, bias: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
+                       min_p: Tensor, bias: Tensor | None = None, mask: Tensor | None = None,
+                       history: History | None = None) -> Tensor:
     """log mu(token) under the distribution vLLM's sampler draws from (vllm/v1/sample/sampler.py), the
-    behaviour policy of a completion sampled with these settings: (logits + bias) / temperature (raised to
+    behaviour policy of a completion sampled with these settings: logits + bias, the stop tokens cut before
+    min_tokens and the penalties applied (`history`, None: none of them), then / temperature (raised to
     MIN_TEMPERATURE as vLLM raises it), then min-p (tokens less likely than min_p x the likeliest one are
     cut), then top-k, then top-p over what top-k kept (the likeliest tokens whose probabilities first reach
     top_p), renormalised.
@@ -234,15 +254,51 @@ def processed_logprobs(logits: Tensor, tokens: Tensor, temperature: Tensor, top_
     if mask is not None:
         wanted = wanted & mask.bool()
     rows, cols = wanted.nonzero(as_tuple=True)
-    step = max(1, PROCESSED_CHUNK // v)
+    step = max(1, PROCESSED_CHUNK // (v + (c if history is not None else 0)))
+    prompt_seen = None
+    if history is not None and bool((history.repetition != 1).any()):
+        prompt_seen = _present(history.prompt_ids.to(logits.device), v)  # [B, V], once: not per position
     for start in range(0, rows.numel(), step):
         r, col = rows[start : start + step], cols[start : start + step]
         x = logits[r, col].float()  # [n, V]: one position each
         if bias is not None:
             x = x + bias[r].float()
+        if history is not None:
+            x = _with_history(x, tokens, r, col, history, None if prompt_seen is None else prompt_seen[r])
         x = x / temperature[r].float().clamp(min=MIN_TEMPERATURE)[:, None]
         out[r, col] = _processed(x, tokens[r, col].unsqueeze(1), top_k[r].long(), top_p[r].float(), min_p[r].float())
     return out
+
+
+def _with_history(x: Tensor, tokens: Tensor, r: Tensor, col: Tensor, h: History,
+                  prompt_seen: Tensor | None) -> Tensor:
+    """x [n, V], the logits of row r[i] at completion position col[i], after min_tokens and the penalties
+    (vLLM's MinTokensLogitsProcessor, then apply_penalties); prompt_seen [n, V]: the tokens of each row's
+    prompt (None when no row has a repetition penalty). The sampled token is not cut by min_tokens, for the
+    reason processed_logprobs gives."""
+    n, v = x.shape
+    early = col < h.min_tokens[r]
+    if bool(early.any()):
+        cut = _present(h.stops[r], v) & early[:, None]
+        cut.scatter_(1, tokens[r, col].unsqueeze(1), False)
+        x = x.masked_fill(cut, -math.inf)
+    presence, frequency, repetition = (t[r].float()[:, None] for t in (h.presence, h.frequency, h.repetition))
+    if not bool(((presence != 0) | (frequency != 0) | (repetition != 1)).any()):
+        return x
+    so_far = tokens[r].masked_fill(torch.arange(tokens.shape[1], device=col.device)[None, :] >= col[:, None], -1)
+    counts = torch.zeros(n, v + 1, device=x.device).scatter_add_(
+        1, so_far.masked_fill(so_far < 0, v), torch.ones(so_far.shape, device=x.device))[:, :v]
+    occurred = counts > 0
+    seen = occurred if prompt_seen is None else occurred | prompt_seen
+    factor = torch.where(seen, repetition, torch.ones_like(x))
+    x = x * torch.where(x > 0, 1.0 / factor, factor)
+    return x - frequency * counts - presence * occurred.float()
+
+
+def _present(ids: Tensor, v: int) -> Tensor:
+    """[n, V] bool: which of the V tokens each row of ids [n, K] holds (-1 pads)."""
+    at = ids.long().masked_fill(ids < 0, v)
+    return torch.zeros(ids.shape[0], v + 1, dtype=torch.bool, device=ids.device).scatter_(1, at, True)[:, :v]
 
 
 def _processed(x: Tensor, picked: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:

@@ -145,8 +145,9 @@ class SampledWith:
     """How the serving engine drew a logged completion when that was not the temperature-1 distribution its
     logged log-probs (vLLM's raw ones) describe: the tenant's version that drew it (0: the base model) and
     the settings that shaped the draw (temperature 0: greedy; top_k 0: off; top_p 1: off; min_p 0: off;
-    logit_bias as (token id, bias) pairs). Logs mode recomputes the behaviour log-probs from them
-    (logs_mode.behaviour_logprobs)."""
+    logit_bias as (token id, bias) pairs; the penalties, 0, 0 and 1 when off; min_tokens, with the request's
+    own stop_token_ids, which it cuts besides the model's). Logs mode recomputes the behaviour log-probs
+    from them (logs_mode.behaviour_logprobs)."""
 
     version: int
     temperature: float
@@ -154,6 +155,16 @@ class SampledWith:
     top_p: float
     min_p: float
     logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def has_history(self) -> bool:
+        """Whether the draw depended on the tokens so far (penalties, min_tokens)."""
+        return (self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.min_tokens) != (0, 0, 1, 0)
 
 
 @dataclass(frozen=True)

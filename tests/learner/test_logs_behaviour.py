@@ -2,7 +2,8 @@
 (tiny model, CPU).
 
 Serving logs vLLM's raw log-probs (temperature 1, before any cut) and the request's sampling settings. For
-a completion drawn at another temperature, or with top-k, top-p, min-p or a logit bias, the raw ones are
+a completion drawn at another temperature, or with top-k, top-p, min-p, a logit bias, penalties or
+min_tokens, the raw ones are
 not the behaviour policy's: the step recomputes them from the drawing version's logits under those
 settings (maths.processed_logprobs), instead of weighing its tokens against the wrong distribution.
 """
@@ -47,14 +48,23 @@ def test_serving_records_the_settings_that_shaped_the_draw_and_logs_mode_reads_t
     # an app's own row: its log-probs are its own model's, taken as they are
     assert sampled_with({"tenant": "acme", "adapter_version": None,
                          "metadata_json": json.dumps({"sampling": {"temperature": 0.2}})}) is None
+    # the settings that read the tokens so far: recomputed too, at temperature 1 as well
+    record = _sampling_metadata(Sampling(temperature=0.5, repetition_penalty=1.2, presence_penalty=-0.5,
+                                         frequency_penalty=0.3, min_tokens=3, stop_token_ids=(7, 9)))
+    assert sampled_with(_served(record)) == SampledWith(
+        version=3, temperature=0.5, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=-0.5, frequency_penalty=0.3,
+        repetition_penalty=1.2, min_tokens=3, stop_token_ids=(7, 9))
+    assert sampled_with(_served(_sampling_metadata(Sampling(min_tokens=3)))) == SampledWith(
+        version=3, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, min_tokens=3)
+    assert sampled_with(_served(_sampling_metadata(Sampling(stop_token_ids=(7,))))) is None  # changes no draw alone
     # what cannot be recomputed here: said why (the row then trains with weight 1)
-    assert "repetition_penalty" in sampled_with(_served(_sampling_metadata(Sampling(temperature=0.5, repetition_penalty=1.2))))
-    assert "min_tokens" in sampled_with(_served(_sampling_metadata(Sampling(min_tokens=3))))
     assert "unreadable" in sampled_with(_served("warm"))
     assert "unreadable" in sampled_with(_served({"temperature": "0.5"}))
     assert "unreadable" in sampled_with(_served({"temperature": True}))
     for bad in ({"temperature": -0.5}, {"top_k": 2.5}, {"top_p": 1.5}, {"logit_bias": {"-1": 5.0}},
-                {"logit_bias": {"x": 5.0}}, {"min_p": float("nan")}):
+                {"logit_bias": {"x": 5.0}}, {"min_p": float("nan")}, {"repetition_penalty": 0},
+                {"presence_penalty": 2.5}, {"frequency_penalty": "1"}, {"min_tokens": -1}, {"min_tokens": 1.5},
+                {"stop_token_ids": [1.5]}, {"stop_token_ids": "ab"}):
         assert "unreadable" in sampled_with(_served({"temperature": 0.5, **bad})), bad
     assert "another tenant" in sampled_with(_served({"temperature": 0.5}, version="beta@2"))
 
@@ -80,7 +90,8 @@ def test_rows_drawn_otherwise_carry_how_and_not_their_logged_log_probs(tiny_mode
     by_id = {e.id: e for e in examples}
     assert by_id["hot"].sampled_with == SampledWith(3, 0.7, 0, 0.9, 0.0) and by_id["hot"].behaviour_logprobs is None
     assert by_id["plain"].sampled_with is None and by_id["plain"].behaviour_logprobs == (-0.5,) * len(ids)
-    assert by_id["penalised"].sampled_with is None and by_id["penalised"].behaviour_logprobs is None
+    assert by_id["penalised"].sampled_with == SampledWith(3, 0.7, 0, 1.0, 0.0, presence_penalty=1.0)
+    assert by_id["penalised"].behaviour_logprobs is None
     assert by_id["apps"].sampled_with is None and by_id["apps"].behaviour_logprobs == (-0.5,) * len(ids)
 
 
@@ -104,7 +115,7 @@ def _examples(policy, n: int, settings: list[SampledWith | None]) -> list[Exampl
             for i, (s, drawn) in enumerate(zip(group, settings))]
 
 
-def _expected(policy, batch, adapter, drawn: SampledWith) -> torch.Tensor:
+def _expected(policy, batch, adapter, drawn: SampledWith, history: maths.History | None = None) -> torch.Tensor:
     with policy.adapter(adapter), torch.no_grad():
         logits = policy._completion_logits(batch)
     n = batch.size
@@ -115,7 +126,7 @@ def _expected(policy, batch, adapter, drawn: SampledWith) -> torch.Tensor:
             bias[:, token] = value
     return maths.processed_logprobs(logits, batch.completion_ids, torch.full((n,), drawn.temperature),
                                     torch.full((n,), drawn.top_k), torch.full((n,), drawn.top_p),
-                                    torch.full((n,), drawn.min_p), bias)
+                                    torch.full((n,), drawn.min_p), bias, history=history)
 
 
 def test_behaviour_log_probs_are_recomputed_from_the_version_that_drew_each_row(policy, tmp_path):
@@ -200,3 +211,42 @@ def test_a_version_whose_files_cannot_be_read_trains_its_rows_with_weight_1_not_
     old = behaviour_logprobs(policy, "acme", examples, batch, current_version=3, version_files={1: damaged}.get)
     assert torch.isnan(old).all()
     assert all(torch.equal(p, before[n]) for n, p in policy._params["acme"])
+
+
+def test_penalties_and_min_tokens_are_recomputed_from_the_whole_prompt_and_the_models_and_requests_stops(policy):
+    """A row drawn with penalties and min_tokens: each position's distribution counts the completion's
+    tokens before it and the whole prompt's (also when the batch cut the prompt to max_len, as the engine
+    did not), and cuts the model's stop tokens and the request's own before min_tokens."""
+    drawn = SampledWith(version=3, temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.7,
+                        frequency_penalty=0.4, repetition_penalty=1.5, min_tokens=4, stop_token_ids=(11,))
+    examples = _examples(policy, 3, [drawn, drawn, None])
+    batch = pack([e.prompt_ids for e in examples], [e.completion_ids for e in examples],
+                 pad_id=policy.pad_token_id, max_len=256)
+    old = behaviour_logprobs(policy, "acme", examples, batch, current_version=3, version_files=None)
+    prompt = torch.tensor([list(e.prompt_ids) for e in examples])
+    stops = torch.tensor([[*policy.stop_token_ids, 11]] * 3)
+    history = maths.History(prompt_ids=prompt, stops=stops, min_tokens=torch.full((3,), 4),
+                            presence=torch.full((3,), 0.7), frequency=torch.full((3,), 0.4),
+                            repetition=torch.full((3,), 1.5))
+    want = _expected(policy, batch, "acme", drawn, history)
+    plain = _expected(policy, batch, "acme", drawn)
+    mask = batch.completion_mask.bool()
+    for row in (0, 1):
+        assert torch.allclose(old[row][mask[row]], want[row][mask[row]], atol=1e-5)
+        assert not torch.allclose(old[row][mask[row]], plain[row][mask[row]], atol=1e-3)  # not the plain draw
+    assert (old[2][mask[2]] == -1.0).all()
+    # the batch cut to the completion and a little of the prompt: the prompt's penalties still count all of it
+    width = max(len(e.completion_ids) for e in examples)
+    short = pack([e.prompt_ids for e in examples], [e.completion_ids for e in examples],
+                 pad_id=policy.pad_token_id, max_len=width + 2)
+    assert short.prompt_width < prompt.shape[1]
+    cut = behaviour_logprobs(policy, "acme", examples, short, current_version=3, version_files=None)
+    cut_history = replace(history, prompt_ids=short.input_ids[:, : short.prompt_width].masked_fill(
+        short.attention_mask[:, : short.prompt_width] == 0, -1))
+    assert torch.allclose(cut[:2], _expected(policy, short, "acme", drawn, history)[:2], atol=1e-5)
+    assert not torch.allclose(cut[:2], _expected(policy, short, "acme", drawn, cut_history)[:2], atol=1e-4)
+    # a stop id beyond the vocabulary (another model's) has no logit to cut: left out, as logit_bias's are
+    beyond = replace(drawn, stop_token_ids=(11, policy.vocab_size + 5))
+    examples = _examples(policy, 3, [beyond, beyond, None])
+    far = behaviour_logprobs(policy, "acme", examples, batch, current_version=3, version_files=None)
+    assert torch.allclose(far[:2], old[:2], atol=1e-6)

@@ -294,3 +294,61 @@ def test_processed_logprobs_are_vllms_sampling_distribution(monkeypatch):
     chunked = maths.processed_logprobs(logits, tokens, temperature, top_k, top_p, min_p, mask=mask)
     assert torch.allclose(chunked[:, :-1], expected[:, :-1], atol=1e-5) and (chunked[:, -1] == 0).all()
     assert not torch.allclose(got, torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1), atol=1e-2)
+
+
+def test_processed_logprobs_apply_min_tokens_and_the_penalties_as_vllm_does(monkeypatch):
+    """Penalties and min_tokens depend on the tokens so far: each position's distribution through vLLM's own
+    apply_penalties (prompt and completion-so-far counts) and its min-tokens rule (the stop tokens cut before
+    min_tokens), with a logit bias, then the temperature and top-k/top-p, against processed_logprobs over the
+    whole completion at once; tokens drawn position by position from that distribution, as the engine would."""
+    from vllm.model_executor.layers.utils import apply_penalties
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    torch.manual_seed(1)
+    b, c, v = 5, 7, 40
+    logits = torch.randn(b, c, v) * 2
+    prompts = [[1, 2, 3], [4, 4, 9, 30, 31], [7], [0, 5, 6, 7, 8, 9], [12, 13]]
+    prompt_ids = torch.full((b, 6), -1)
+    for i, p in enumerate(prompts):
+        prompt_ids[i, : len(p)] = torch.tensor(p)
+    stops = torch.tensor([[2, -1], [2, 17], [2, -1], [2, 3], [2, -1]])
+    history = maths.History(prompt_ids=prompt_ids, stops=stops, min_tokens=torch.tensor([0, 3, 7, 2, 0]),
+                            presence=torch.tensor([0.5, 0.0, -0.4, 1.5, 0.0]),
+                            frequency=torch.tensor([0.0, 0.8, 0.3, -1.0, 0.0]),
+                            repetition=torch.tensor([1.0, 1.3, 0.7, 2.0, 1.0]))
+    temperature = torch.tensor([0.8, 1.0, 1.2, 0.6, 1.0])
+    top_k = torch.tensor([0, 10, 0, 0, 0])
+    top_p = torch.tensor([1.0, 1.0, 0.9, 1.0, 1.0])
+    bias = torch.zeros(b, v)
+    bias[:, 5] = 2.0
+    tokens = torch.zeros(b, c, dtype=torch.long)
+    expected = torch.zeros(b, c)
+    for j in range(c):  # the engine's step j: every row's logits through vLLM's pieces, then a draw
+        x = logits[:, j] + bias
+        for i in range(b):
+            if j < history.min_tokens[i]:
+                x[i, [s for s in stops[i].tolist() if s >= 0]] = -math.inf
+        x = apply_penalties(x, prompt_ids.masked_fill(prompt_ids < 0, v), tokens[:, :j], history.presence,
+                            history.frequency, history.repetition)
+        engine = torch.log_softmax(apply_top_k_top_p_pytorch(x / temperature[:, None], torch.where(top_k > 0, top_k, v),
+                                                             top_p), -1)
+        tokens[:, j] = torch.multinomial(engine.exp(), 1).squeeze(1)
+        expected[:, j] = engine.gather(1, tokens[:, j : j + 1]).squeeze(1)
+    zeros = torch.zeros(b)
+    got = maths.processed_logprobs(logits, tokens, temperature, top_k, top_p, zeros, bias, history=history)
+    assert torch.allclose(got, expected, atol=1e-5)
+    # the stop tokens were cut before min_tokens: none drawn there, and a stop had mass where it was not cut
+    assert not any(tokens[i, j] in stops[i] for i in range(b) for j in range(int(history.min_tokens[i])))
+    plain = maths.processed_logprobs(logits, tokens, temperature, top_k, top_p, zeros, bias)
+    for i in range(4):  # the rows with penalties or min_tokens are not the plain distribution; the last is
+        assert not torch.allclose(got[i], plain[i], atol=1e-3), i
+    assert torch.allclose(got[4], plain[4], atol=1e-6)
+    monkeypatch.setattr(maths, "PROCESSED_CHUNK", 3 * v)  # a few positions at a time, from different rows
+    chunked = maths.processed_logprobs(logits, tokens, temperature, top_k, top_p, zeros, bias, history=history)
+    assert torch.allclose(chunked, expected, atol=1e-5)
+    # a stop token sampled before min_tokens (the engine's logits differ by a rounding) is not given
+    # probability 0: the engine drew it, so it had passed the cut
+    early_stop = tokens.clone()
+    early_stop[1, 0] = 17
+    got = maths.processed_logprobs(logits, early_stop, temperature, top_k, top_p, zeros, bias, history=history)
+    assert torch.isfinite(got).all() and got[1, 0] < 0
