@@ -17,7 +17,8 @@ fresh rows left published versions just as fast: it never caught up. A step then
      except for a row clora's serving tier drew otherwise than at temperature 1 with nothing cut: it logs
      vLLM's raw log-probs (temperature 1), not those of the distribution the token was drawn from, so the
      step recomputes them from the drawing version's logits under the row's recorded temperature, top-k,
-     top-p, min-p, logit_bias, penalties and min_tokens (sampled_with, behaviour_logprobs); at
+     top-p, min-p, logit_bias, penalties and min_tokens (sampled_with, behaviour_logprobs; for the
+     current adapter's rows from the update's first pass, pg_update's behaviour_from_logits); at
      temperature 0 they are 0;
      and leaves out a row whose reward is beyond +-`learner.gate_max_abs_reward` (within_reward_range),
      so the rest of the batch trains rather than the gate rejecting it whole;
@@ -329,15 +330,19 @@ def _whole(value, *, low: int = -1) -> int:
 
 def behaviour_logprobs(policy: Policy, tenant: str, examples: Sequence[Example], batch: TokenBatch, *,
                        current_version: int, version_files: Callable[[int], Path | None] | None,
-                       rows_per_pass: int | None = None) -> torch.Tensor:
+                       rows_per_pass: int | None = None) -> tuple[torch.Tensor, BehaviourFromLogits | None]:
     """The batch's behaviour log-probs [B, C], NaN where unknown (weight 1): among them the rows whose
-    version's adapter files are gone (retention pruned them), which cannot be recomputed.
+    version's adapter files are gone (retention pruned them), which cannot be recomputed. And, when rows
+    were drawn by the tenant's current adapter otherwise than at temperature 1, the function that makes
+    theirs from the current adapter's logits (pg_update's `behaviour_from_logits`, which calls it with its
+    first pass's logits: no pass of their own); those rows are NaN in the tensor.
 
     A row's logged ones where it has them; for a row drawn otherwise than at temperature 1 (`sampled_with`),
     the log-prob of each sampled token under the distribution the engine drew it from
-    (maths.processed_logprobs), from the logits of the version that drew it: the tenant's current adapter,
-    the base model (version 0), or an earlier version's files (`version_files(number)`), one no-grad pass
-    per version. A greedy row's are 0 (probability 1), with no pass."""
+    (maths.processed_logprobs), from the logits of the version that drew it: the tenant's current adapter
+    (the function above), the base model (version 0), or an earlier version's files
+    (`version_files(number)`), one no-grad pass per version. A greedy row's are 0 (probability 1), with no
+    pass."""
     old = pad_values([None if e.sampled_with else e.behaviour_logprobs for e in examples], batch.completion_width)
     by_version: dict[int, list[int]] = {}
     for i, e in enumerate(examples):
@@ -348,6 +353,7 @@ def behaviour_logprobs(policy: Policy, tenant: str, examples: Sequence[Example],
             old[i, : len(e.completion_ids)] = 0.0
         else:
             by_version.setdefault(drawn.version, []).append(i)
+    current = None
     for number, rows in sorted(by_version.items()):
         drawn = [examples[i].sampled_with for i in rows]
         settings = [torch.tensor([getattr(d, name) for d in drawn]) for name in ("temperature", "top_k", "top_p", "min_p")]
@@ -369,6 +375,9 @@ def behaviour_logprobs(policy: Policy, tenant: str, examples: Sequence[Example],
                                             mask=part.completion_mask,
                                             history=None if history is None else _rows_of(history, at, logits.device))
 
+        if number == current_version and number != 0:
+            current = BehaviourFromLogits(rows, process)
+            continue
         part = batch.rows(torch.tensor(rows))
         if number in (current_version, 0):
             logps = policy.processed_logprobs(part, tenant if number else None, process, rows_per_pass=rows_per_pass)
@@ -386,7 +395,28 @@ def behaviour_logprobs(policy: Policy, tenant: str, examples: Sequence[Example],
                                "with weight 1", tenant, number, e, len(rows))
                 continue
         old[rows] = logps
-    return old
+    return old, current
+
+
+class BehaviourFromLogits:
+    """The behaviour log-probs of the batch rows `rows`, all drawn by one version, from that version's logits:
+    called as `(logits [b, C, V], part, at)` for `part`, the batch's rows `at` (a slice), it returns [b, C]
+    on the logits' device, NaN in the rows that are not its own. `process(logits, part, at)` computes them
+    for a part of its own rows, `at` indexing `rows`."""
+
+    def __init__(self, rows: Sequence[int], process: Callable[[torch.Tensor, TokenBatch, torch.Tensor], torch.Tensor]):
+        self.position = {row: j for j, row in enumerate(rows)}
+        self.process = process
+
+    def __call__(self, logits: torch.Tensor, part: TokenBatch, at: slice) -> torch.Tensor:
+        out = torch.full(part.completion_ids.shape, math.nan, dtype=torch.float32, device=logits.device)
+        batch_rows = range(at.start, at.stop)
+        mine = [k for k, row in enumerate(batch_rows) if row in self.position]
+        if mine:
+            k = torch.tensor(mine)
+            own = torch.tensor([self.position[batch_rows[m]] for m in mine])
+            out[k.to(logits.device)] = self.process(logits[k.to(logits.device)], part.rows(k).to(logits.device), own)
+        return out
 
 
 def retokenised_completion(row: dict, tokenizer) -> tuple[list[int], bool]:
@@ -527,8 +557,8 @@ def train_step(
     batch = pack(
         [e.prompt_ids for e in examples], [e.completion_ids for e in examples], pad_id=policy.pad_token_id, max_len=max_len
     )
-    old = behaviour_logprobs(policy, tenant, examples, batch, current_version=current_version,
-                             version_files=version_files, rows_per_pass=micro_batch_size)
+    old, current = behaviour_logprobs(policy, tenant, examples, batch, current_version=current_version,
+                                      version_files=version_files, rows_per_pass=micro_batch_size)
     result = pg_update(
         policy,
         tenant,
@@ -542,5 +572,6 @@ def train_step(
         entropy_coef=entropy_coef,
         max_grad_norm=max_grad_norm,
         micro_batch_size=micro_batch_size,
+        behaviour_from_logits=current,
     )
     return LogsStep(update=result, reward_mean=float(rewards.mean()), baseline=maths.running_mean(baseline, rewards))

@@ -325,27 +325,35 @@ class Policy:
 
     # --- log-probs and the optimizer ------------------------------------------------------------------
     def token_logprobs(self, batch: TokenBatch, tenant: str | None, *, grad: bool = False,
-                       temperature: float = 1.0) -> Tensor:
+                       temperature: float = 1.0, on_logits: Callable[[Tensor], None] | None = None) -> Tensor:
         """log pi(completion token | prefix) for every completion position, [B, C] (float32), of the policy
         that samples at `temperature` (softmax(logits / temperature)). Positions past a completion's end
-        hold values of padding tokens: mask them with batch.completion_mask."""
+        hold values of padding tokens: mask them with batch.completion_mask. `on_logits`: see
+        token_logprobs_and_entropy."""
         return self.token_logprobs_and_entropy(batch, tenant, grad=grad, temperature=temperature,
-                                               with_entropy=False)[0]
+                                               with_entropy=False, on_logits=on_logits)[0]
 
     def token_logprobs_and_entropy(self, batch: TokenBatch, tenant: str | None, *, grad: bool = False,
-                                   temperature: float = 1.0, with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+                                   temperature: float = 1.0, with_entropy: bool = True,
+                                   on_logits: Callable[[Tensor], None] | None = None) -> tuple[Tensor, Tensor | None]:
         """`token_logprobs` and, when `with_entropy`, the entropy of the policy's next-token distribution at
-        every completion position, [B, C] (float32), from the same logits (one forward pass)."""
+        every completion position, [B, C] (float32), from the same logits (one forward pass). `on_logits`,
+        when given, is called with the pass's logits [B, C, V] (temperature 1, detached, no gradient), so a
+        caller that needs something else of them does not run the model again."""
         batch = batch.to(self.device)
         with self.adapter(tenant), torch.set_grad_enabled(grad):
             train = grad and self._has_dropout  # train mode would change nothing else (it walks every module)
             if train:
                 self.model.train(True)
             try:
-                logits = _tempered(self._completion_logits(batch), temperature)
+                logits = self._completion_logits(batch)
             finally:
                 if train:
                     self.model.train(False)
+            if on_logits is not None:
+                with torch.no_grad():
+                    on_logits(logits.detach())
+            logits = _tempered(logits, temperature)
             return (_gather_logprobs(logits, batch.completion_ids),
                     maths.entropy(logits) if with_entropy else None)
 

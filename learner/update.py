@@ -54,6 +54,7 @@ come from (logs_mode.py, rollouts.py). Nothing here decides whether the result i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -96,12 +97,19 @@ def pg_update(
     micro_batch_size: int | None = None,
     temperature: float = 1.0,
     epochs: int = 1,
+    behaviour_from_logits: Callable[[Tensor, TokenBatch, slice], Tensor] | None = None,
 ) -> UpdateResult:
     """See the module note. `advantages` is [B]; `old_logprobs` is [B, C] with NaN where unknown, or None,
     under the policy at `temperature`, the one trained (rollouts sampled at that temperature). `epochs`
     optimizer steps on the batch (fewer if a gradient is not finite: the last epoch run reports it); loss,
     pg_loss and clip_frac are the epochs' means, grad_norm the largest, kl_before the first epoch's (the
-    parent's)."""
+    parent's).
+
+    `behaviour_from_logits(logits, part, rows)`, when given, makes behaviour log-probs [b, C] (NaN where it
+    has none; they take the place of `old_logprobs` elsewhere) for the micro-batch `part`, the batch's
+    `rows`, from the logits [b, C, V] (temperature 1) of the adapter as the step starts: those of the
+    first epoch's pass, so a row the current adapter drew costs no pass of its own (logs mode's rows drawn
+    at another temperature, logs_mode.behaviour_logprobs)."""
     if epochs < 1:
         raise ValueError(f"epochs must be at least 1, got {epochs}")
     device = policy.device
@@ -121,18 +129,24 @@ def pg_update(
         policy.zero_grad(tenant)
         for i, (rows, part) in enumerate(batch.chunks(micro_batch_size)):
             mb_mask = mask[rows]
+            made: list[Tensor] = []  # behaviour_from_logits' log-probs for this micro-batch, in the first epoch
+            take = None
+            if epoch == 0 and behaviour_from_logits is not None:
+                def take(logits: Tensor, part: TokenBatch = part, rows: slice = rows) -> None:
+                    made.append(behaviour_from_logits(logits, part, rows).to(device, torch.float32))
             logp, entropy = policy.token_logprobs_and_entropy(part, tenant, grad=True, temperature=temperature,
-                                                              with_entropy=bool(entropy_coef))
+                                                              with_entropy=bool(entropy_coef),
+                                                              on_logits=None if policy.has_dropout else take)
             if epoch == 0:  # the adapter as the step starts
                 proximal = logp.detach()
                 if policy.has_dropout:
                     # The gradient pass runs in train mode, its dropout in `logp`; the adapter as it samples
                     # (and as the behaviour log-probs were taken) has none, so π_prox comes from a pass without.
-                    proximal = policy.token_logprobs(part, tenant, temperature=temperature)
-                behaviour = proximal
-                if old_logprobs is not None:
-                    known = old_logprobs[rows].to(device)
-                    behaviour = torch.where(torch.isnan(known), proximal, known)
+                    proximal = policy.token_logprobs(part, tenant, temperature=temperature, on_logits=take)
+                known = None if old_logprobs is None else old_logprobs[rows].to(device)
+                if made:
+                    known = made[0] if known is None else torch.where(torch.isnan(made[0]), known, made[0])
+                behaviour = proximal if known is None else torch.where(torch.isnan(known), proximal, known)
                 start.append((proximal, *maths.behaviour_weights(proximal, behaviour, behaviour_weight_cap)))
             proximal, weight, truncated = start[i]
             pg, clipped = maths.clipped_pg_loss(logp, proximal, advantages[rows], clip_eps)

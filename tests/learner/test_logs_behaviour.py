@@ -115,6 +115,17 @@ def _examples(policy, n: int, settings: list[SampledWith | None]) -> list[Exampl
             for i, (s, drawn) in enumerate(zip(group, settings))]
 
 
+def _behaviour(policy, examples, batch, **kw) -> torch.Tensor:
+    """behaviour_logprobs with the current adapter's rows filled in by a pass of their own, where a step
+    takes them from its first pass (pg_update's behaviour_from_logits)."""
+    old, current = behaviour_logprobs(policy, "acme", examples, batch, **kw)
+    if current is not None:
+        assert torch.isnan(old[list(current.position)]).all()
+        made = policy.processed_logprobs(batch, "acme", current, rows_per_pass=kw.get("rows_per_pass"))
+        old = torch.where(torch.isnan(made), old, made)
+    return old
+
+
 def _expected(policy, batch, adapter, drawn: SampledWith, history: maths.History | None = None) -> torch.Tensor:
     with policy.adapter(adapter), torch.no_grad():
         logits = policy._completion_logits(batch)
@@ -151,8 +162,7 @@ def test_behaviour_log_probs_are_recomputed_from_the_version_that_drew_each_row(
         for n, p in policy._params["acme"]:
             p.copy_(weights[n])
 
-    old = behaviour_logprobs(policy, "acme", examples, batch, current_version=3, version_files={1: one}.get,
-                             rows_per_pass=2)
+    old = _behaviour(policy, examples, batch, current_version=3, version_files={1: one}.get, rows_per_pass=2)
     mask = batch.completion_mask.bool()
 
     def same(row, expected):
@@ -170,25 +180,28 @@ def test_behaviour_log_probs_are_recomputed_from_the_version_that_drew_each_row(
     assert all(torch.equal(p, weights[n]) for n, p in policy._params["acme"])  # the current weights are back
 
 
-def test_a_step_weighs_each_token_against_the_distribution_it_was_drawn_from(policy):
+@pytest.mark.parametrize("micro_batch_size", [None, 3])
+def test_a_step_weighs_each_token_against_the_distribution_it_was_drawn_from(policy, micro_batch_size):
+    """The current adapter's rows get their behaviour log-probs from the step's own first pass (micro-batch
+    by micro-batch, one of them holding rows of two sorts): the same as a pass of their own gives."""
     drawn = SampledWith(version=3, temperature=0.5, top_k=0, top_p=0.9, min_p=0.0)
-    examples = _examples(policy, 4, [drawn] * 4)
+    examples = _examples(policy, 6, [drawn] * 4 + [None, drawn])
     batch = pack([e.prompt_ids for e in examples], [e.completion_ids for e in examples],
                  pad_id=policy.pad_token_id, max_len=256)
-    recomputed = behaviour_logprobs(policy, "acme", examples, batch, current_version=3, version_files=None)
+    recomputed = _behaviour(policy, examples, batch, current_version=3, version_files=None)
     raw = policy.token_logprobs(batch, "acme")  # what serving logged for them
 
     def step(examples):
         snapshot = policy.snapshot("acme")
         try:
             return train_step(policy, "acme", examples, baseline=None, clip_eps=0.2, kl_coef=0.0, max_grad_norm=1.0,
-                              max_len=256, current_version=3).update
+                              max_len=256, current_version=3, micro_batch_size=micro_batch_size).update
         finally:
             policy.restore("acme", snapshot)
 
     def logged(values):
         return [replace(e, sampled_with=None, behaviour_logprobs=tuple(values[i, : len(e.completion_ids)].tolist()))
-                for i, e in enumerate(examples)]
+                if e.sampled_with else e for i, e in enumerate(examples)]
 
     got = step(examples)
     assert got.grad_norm == pytest.approx(step(logged(recomputed)).grad_norm, rel=1e-4)
@@ -208,7 +221,7 @@ def test_a_version_whose_files_cannot_be_read_trains_its_rows_with_weight_1_not_
     weights = damaged / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # cut short
     before = {n: p.detach().clone() for n, p in policy._params["acme"]}
-    old = behaviour_logprobs(policy, "acme", examples, batch, current_version=3, version_files={1: damaged}.get)
+    old = _behaviour(policy, examples, batch, current_version=3, version_files={1: damaged}.get)
     assert torch.isnan(old).all()
     assert all(torch.equal(p, before[n]) for n, p in policy._params["acme"])
 
@@ -222,7 +235,7 @@ def test_penalties_and_min_tokens_are_recomputed_from_the_whole_prompt_and_the_m
     examples = _examples(policy, 3, [drawn, drawn, None])
     batch = pack([e.prompt_ids for e in examples], [e.completion_ids for e in examples],
                  pad_id=policy.pad_token_id, max_len=256)
-    old = behaviour_logprobs(policy, "acme", examples, batch, current_version=3, version_files=None)
+    old = _behaviour(policy, examples, batch, current_version=3, version_files=None)
     prompt = torch.tensor([list(e.prompt_ids) for e in examples])
     stops = torch.tensor([[*policy.stop_token_ids, 11]] * 3)
     history = maths.History(prompt_ids=prompt, stops=stops, min_tokens=torch.full((3,), 4),
@@ -240,7 +253,7 @@ def test_penalties_and_min_tokens_are_recomputed_from_the_whole_prompt_and_the_m
     short = pack([e.prompt_ids for e in examples], [e.completion_ids for e in examples],
                  pad_id=policy.pad_token_id, max_len=width + 2)
     assert short.prompt_width < prompt.shape[1]
-    cut = behaviour_logprobs(policy, "acme", examples, short, current_version=3, version_files=None)
+    cut = _behaviour(policy, examples, short, current_version=3, version_files=None)
     cut_history = replace(history, prompt_ids=short.input_ids[:, : short.prompt_width].masked_fill(
         short.attention_mask[:, : short.prompt_width] == 0, -1))
     assert torch.allclose(cut[:2], _expected(policy, short, "acme", drawn, history)[:2], atol=1e-5)
@@ -248,5 +261,5 @@ def test_penalties_and_min_tokens_are_recomputed_from_the_whole_prompt_and_the_m
     # a stop id beyond the vocabulary (another model's) has no logit to cut: left out, as logit_bias's are
     beyond = replace(drawn, stop_token_ids=(11, policy.vocab_size + 5))
     examples = _examples(policy, 3, [beyond, beyond, None])
-    far = behaviour_logprobs(policy, "acme", examples, batch, current_version=3, version_files=None)
+    far = _behaviour(policy, examples, batch, current_version=3, version_files=None)
     assert torch.allclose(far[:2], old[:2], atol=1e-6)

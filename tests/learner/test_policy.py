@@ -464,6 +464,19 @@ def test_with_dropout_the_steps_starting_policy_is_the_adapter_without_it(tiny_m
     mask = batch.completion_mask.bool()
     assert torch.allclose(proximal[mask], on_policy[mask]) and torch.allclose(behaviour[mask], on_policy[mask])
     assert result.finite  # (the clip is centred there too: dropout's own noise can now reach it)
+    # behaviour log-probs made from the first pass's logits (logs mode's current-version rows) are made from
+    # those of the pass without dropout too
+    handed = []
+
+    def from_logits(logits, part, rows):
+        handed.append(logits)
+        return torch.full(part.completion_ids.shape, math.nan)
+
+    with policy.adapter("b"), torch.no_grad():
+        clean = policy._completion_logits(batch)
+    pg_update(policy, "b", batch, torch.tensor([1.0, -1.0, 0.5]), clip_eps=0.2, behaviour_from_logits=from_logits)
+    (logits,) = handed
+    assert torch.allclose(logits, clean) and not logits.requires_grad
 
 
 def test_a_removed_tenant_frees_its_adapter_and_leaves_the_others_as_they_were(tiny_model):
