@@ -221,6 +221,15 @@ class ServingConfig(_Strict):
         64, ge=1, description="Completions (prompts x n) one tenant may have in the engine at once; beyond it, "
         "429 with Retry-After, so one tenant cannot take the whole engine."
     )
+    idempotency_ttl_seconds: float = Field(
+        3600.0, ge=0, description="How long the answer of a completion request sent with an Idempotency-Key header "
+        "is kept: the same request sent again with that key within it gets that answer again, with nothing "
+        "generated or logged twice. 0: the header is ignored."
+    )
+    idempotency_cache_mib: float = Field(
+        64.0, gt=0, description="Memory the kept answers of Idempotency-Key requests take at most, MiB; past it the "
+        "oldest leave first."
+    )
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = Field(
         "auto", description="Engine dtype: auto, float32 (float), bfloat16, float16 (half)."
     )

@@ -62,6 +62,7 @@ import logging
 import math
 import threading
 import time
+import uuid
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -278,7 +279,8 @@ class ServingSampler:
     of that call's own: a tenant whose requests wait out 429s (its in-flight limit) holds no thread another
     tenant's rollouts need. The threads are daemons (`_in_thread`). A request answered 429 or 503 (honouring
     its Retry-After), or failing on the network, is sent again until RETRY_WAIT_S after its first try; any
-    other answer, or one still refused then, fails the call (SamplingError, naming the status)."""
+    other answer, or one still refused then, fails the call (SamplingError, naming the status). Every try of
+    a request carries the request's Idempotency-Key, so serving runs it once (serving/idempotency.py)."""
 
     background = True
 
@@ -327,11 +329,14 @@ class ServingSampler:
         #   a network error (refused, reset: the server restarting): wait NETWORK_RETRY_S. A read that times
         #        out (the client's `timeout`, longer than RETRY_WAIT_S) has used up the deadline already.
         # Any other answer fails at once: asking again would get the same.
+        # One Idempotency-Key for every try: a request whose answer the network lost after serving generated
+        # it gets that answer again, not a second generation and a second interaction event.
+        headers = {"Authorization": f"Bearer {r.api_key}", "Idempotency-Key": f"rollout-{uuid.uuid4().hex}"}
         deadline = time.monotonic() + RETRY_WAIT_S
         network_errors = 0
         while True:
             try:
-                resp = self._client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {r.api_key}"})
+                resp = self._client.post("/v1/completions", json=body, headers=headers)
             except (httpx.NetworkError, httpx.TimeoutException, httpx.RemoteProtocolError) as e:
                 left = deadline - time.monotonic()
                 if left <= 0:

@@ -155,6 +155,8 @@ async def serve(cfg, host: str, port: int) -> int:
             max_inflight_per_tenant=s.max_inflight_per_tenant,
             max_feedback_per_second=s.max_feedback_per_second,
             admin_key=s.admin_key.get_secret_value() if s.admin_key is not None else None,
+            idempotency_ttl_s=s.idempotency_ttl_seconds,
+            idempotency_max_bytes=int(s.idempotency_cache_mib * (1 << 20)),
         )
         watcher = asyncio.create_task(adapters.watch(s.registry_poll_seconds, stop))
         # At a stop, uvicorn stops taking requests and waits for the running ones; past the grace period

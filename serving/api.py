@@ -7,9 +7,11 @@ Routes: `POST /v1/chat/completions`, `POST /v1/completions` (both stream as serv
 One generation request, top to bottom (`_generate`): authenticate the bearer key (auth.py) -> read the
 body (at most `max_request_bytes`, else 413; 400 `context_length_exceeded` when that limit is room for
 any prompt the context fits and the body is no batch of several prompts, see `_too_large`) and parse it
-(protocol.py) -> resolve `model` to the tenant's adapter or the base model -> take the tenant's in-flight
-slots (`InflightLimit`: 429 beyond `max_inflight_per_tenant` completions) -> render and tokenize the prompt
-(the engine's prompt thread, off the event loop), check it fits and check the sampling with the engine ->
+(protocol.py) -> with an `Idempotency-Key` header, claim the key (idempotency.py: a key already answered
+gets that answer again, and nothing below runs) -> resolve `model` to the tenant's adapter or the base
+model -> take the tenant's in-flight slots (`InflightLimit`: 429 beyond `max_inflight_per_tenant`
+completions) -> render and tokenize the prompt (the engine's prompt thread, off the event loop), check it
+fits and check the sampling with the engine ->
 lease the adapter version (adapters.py; held until the last token, so a hot-swap never changes weights
 mid-generation) -> run it on the engine, salted with the tenant (no prefix-cache sharing between tenants)
 -> answer -> log one interaction event per choice (events_log.py; never blocks) -> count it (metrics.py).
@@ -57,7 +59,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ingest.events import FeedbackEvent, InteractionEvent, utc_now
-from serving import protocol
+from serving import idempotency, protocol
 from serving.adapters import AdapterSet, Lease
 from serving.auth import Authenticator, is_admin, resolve_model
 from serving.engine import MAX_CHARS_PER_TOKEN, Choice, Delta, Engine, Sampling
@@ -131,6 +133,11 @@ class _Call:
     release: Callable[[], None]  # gives back the lease and the in-flight slots; idempotent
     arrived: float  # monotonic seconds, for latency
     arrived_at: datetime  # wall clock, the event's ts
+    ticket: idempotency.Ticket | None = None  # the request's Idempotency-Key, when it is the key's first
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {REQUEST_ID: self.response_id, ADAPTER_VERSION: self.lease.label}
 
     @property
     def choices(self) -> int:
@@ -257,9 +264,13 @@ class Api:
         max_inflight_per_tenant: int = 64,
         max_feedback_per_second: float = 100.0,
         admin_key: str | None = None,
+        idempotency_ttl_s: float = 3600.0,
+        idempotency_max_bytes: int = 64 << 20,
     ) -> None:
         """`default_max_tokens`: the completion length of a request that sets none (None: for chat the room
-        its context leaves, for /v1/completions 16, as OpenAI and vLLM do)."""
+        its context leaves, for /v1/completions 16, as OpenAI and vLLM do). `idempotency_*`: how long, and in
+        how many bytes in all, the answers of requests sent with an Idempotency-Key are kept (idempotency.py;
+        a ttl of 0 ignores the header)."""
         self.engine = engine
         self.adapters = adapters
         self.auth = authenticator
@@ -272,6 +283,7 @@ class Api:
         self.max_request_bytes = max_request_bytes
         self.inflight = InflightLimit(max_inflight_per_tenant)
         self.admin_key = admin_key  # None: /metrics and /health's details are open (a local deployment)
+        self.keys = idempotency.Keys(idempotency_ttl_s, idempotency_max_bytes)
         # Feedback costs no engine time, but every event is stored, and feedback for an interaction not seen
         # yet waits in ingest's memory: a tenant's feedback is limited by rate instead.
         self.feedback_rate = RateLimit(max_feedback_per_second, burst=max(1, math.ceil(2 * max_feedback_per_second)))
@@ -304,7 +316,45 @@ class Api:
         arrived, arrived_at = time.monotonic(), utc_now()
         tenant = self.auth.tenant(request.headers.get("authorization"))
         request.state.tenant = tenant
-        body = protocol.parse(model, await self._body(request, "messages" if endpoint == "chat" else "prompt"))
+        raw = await self._body(request, "messages" if endpoint == "chat" else "prompt")
+        body = protocol.parse(model, raw)
+        key = request.headers.get(idempotency.HEADER)
+        if key is None or not self.keys.enabled:
+            return await self._run(request, endpoint, tenant, body, arrived, arrived_at, None)
+
+        async def wait(first_done: asyncio.Event) -> None:
+            if not await _unless_disconnected(request, first_done.wait()):
+                raise ClientClosedRequest("the client left while its request waited for the first one with its "
+                                          "Idempotency-Key")
+
+        claimed = await self.keys.claim(tenant, idempotency.check_key(key), idempotency.fingerprint(endpoint, raw), wait)
+        if isinstance(claimed, idempotency.Answer):
+            return self._replay(tenant, endpoint, claimed)
+        try:
+            response = await self._run(request, endpoint, tenant, body, arrived, arrived_at, claimed)
+        except BaseException:
+            claimed.abandon()
+            raise
+        if not isinstance(response, StreamingResponse):  # a stream settles the key as it ends (`_stream`)
+            claimed.abandon()  # does nothing if the answer was kept; a 499's was not
+        return response
+
+    def _replay(self, tenant: str, endpoint: str, answer: idempotency.Answer) -> Response:
+        """The kept answer of a request's Idempotency-Key, sent again: nothing generated, nothing logged."""
+        self.metrics.replayed(tenant, endpoint)
+        headers = {**answer.headers, idempotency.REPLAYED: "true"}
+        if not answer.stream:
+            return Response(answer.chunks[0], status_code=answer.status, media_type=answer.media_type, headers=headers)
+
+        async def again() -> AsyncIterator[bytes]:
+            for chunk in answer.chunks:
+                yield chunk
+
+        return StreamingResponse(again(), status_code=answer.status, media_type=answer.media_type, headers=headers)
+
+    async def _run(self, request: Request, endpoint: str, tenant: str, body: Any, arrived: float,
+                   arrived_at: datetime, ticket: idempotency.Ticket | None) -> Response:
+        """A parsed generation request, from its model to its answer (the module note's steps after parsing)."""
         choice = resolve_model(body.model, tenant=tenant, tenants=self.tenants, base_name=self.base_name)
         sampling = body.sampling(self.default_max_tokens)
         given = [None] if endpoint == "chat" else body.prompts()
@@ -336,8 +386,8 @@ class Api:
 
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         call = _Call(endpoint, tenant, f"{prefix}-{request.state.request_id}", body, messages, prompts, lease,
-                     release, arrived, arrived_at)
-        headers = {REQUEST_ID: call.response_id, ADAPTER_VERSION: lease.label}
+                     release, arrived, arrived_at, ticket)
+        headers = call.headers
         if body.stream:
             chunks = self._stream(call)
             # Started here, the generator owns the lease: its `finally` releases it even if the client leaves
@@ -372,9 +422,12 @@ class Api:
         self._finished(call, done)
         build = protocol.chat_response if endpoint == "chat" else protocol.completion_response
         with_logprobs = bool(body.logprobs) if endpoint == "chat" else body.logprobs is not None
-        return JSONResponse(build(call.response_id, lease.label, done, call.prompt_tokens, with_logprobs,
-                                  token_ids=body.return_token_ids),
-                            headers=headers)
+        response = JSONResponse(build(call.response_id, lease.label, done, call.prompt_tokens, with_logprobs,
+                                      token_ids=body.return_token_ids),
+                                headers=headers)
+        if ticket is not None:
+            ticket.keep(response.status_code, headers, response.media_type, [response.body], stream=False)
+        return response
 
     def _prompt(self, rendered: tuple[str, list[int]], sampling: Sampling, param: str, *,
                 log_ids: bool = False) -> _Prompt:
@@ -484,12 +537,22 @@ class Api:
             raise ServerStopping(STOPPING) from None
 
     async def _stream(self, call: _Call) -> AsyncIterator[bytes]:
+        """The answer's server-sent events. With an Idempotency-Key, a copy of every event is kept, and once
+        the stream is whole (even if its client leaves during the last events) the key's answer is that copy."""
         body, chat = call.body, call.endpoint == "chat"
         created = int(time.time())
         label = call.lease.label
         choices = {i: Choice(i) for i in range(call.choices)}
         finished = sent = False
         deltas = self._deltas(call)
+        kept: list[bytes] | None = None if call.ticket is None else []
+
+        def event(chunk: Any) -> bytes:
+            data = protocol.sse(chunk)
+            if kept is not None:
+                kept.append(data)
+            return data
+
         try:
             # The first delta before any byte: an engine that fails the request (a dead engine, a refusal)
             # then gets its own status, for chat too, whose role chunks come first.
@@ -497,7 +560,7 @@ class Api:
             if chat:
                 for i in choices:
                     sent = True
-                    yield protocol.sse(protocol.chat_chunk(call.response_id, label, created, None, index=i, role=True))
+                    yield event(protocol.chat_chunk(call.response_id, label, created, None, index=i, role=True))
             async for delta in _chain_first(first, deltas):
                 choices[delta.index].add(delta)
                 if chat:
@@ -511,14 +574,17 @@ class Api:
                         token_ids=body.return_token_ids,
                     )
                 sent = True
-                yield protocol.sse(chunk)
+                yield event(chunk)
             finished = True  # the completion is whole: it is logged even if the client leaves now
+            tail = []
             if body.include_usage:
                 done = protocol.chat_chunk if chat else protocol.completion_chunk
                 last = done(call.response_id, label, created, None)
                 last["usage"] = protocol.usage(call.prompt_tokens, sum(len(c.token_ids) for c in choices.values()))
-                yield protocol.sse(last)
-            yield protocol.sse("[DONE]")
+                tail.append(event(last))
+            tail.append(event("[DONE]"))
+            for data in tail:
+                yield data
         except ServingError as e:
             if not sent:
                 raise  # nothing answered yet: the app's handler gives it its own status
@@ -542,6 +608,11 @@ class Api:
             call.release()
             if finished:
                 self._finished(call, [choices[i] for i in range(call.choices)])
+            if call.ticket is not None:
+                if finished:
+                    call.ticket.keep(200, call.headers, "text/event-stream", kept, stream=True)
+                else:  # refused, failed or left: nothing was logged, so the request sent again runs
+                    call.ticket.abandon()
 
     def _finished(self, call: _Call, choices: list[Choice]) -> None:
         """Logs one interaction event per choice and counts the request."""

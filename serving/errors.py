@@ -1,7 +1,7 @@
 """The errors the serving tier answers with, each knowing its HTTP status and OpenAI error `type`/`code`.
 
 OpenAI clients parse `{"error": {"message", "type", "param", "code"}}` and pick an exception class by
-status (400 BadRequestError, 401, 403, 404, 413, 429 RateLimitError, 5xx), so every refusal is one of
+status (400 BadRequestError, 401, 403, 404, 413, 422, 429 RateLimitError, 5xx), so every refusal is one of
 these; serving/api.py turns any of them into a response without knowing the cases. `param` names the
 request field at fault (null when none), as OpenAI's own errors do. Raised by auth.py (who may use what),
 adapters.py (which versions exist), engine.py (what the engine refuses) and api.py and protocol.py
@@ -77,6 +77,13 @@ class MethodNotAllowed(ServingError):
 class RequestTooLarge(ServingError):
     status = 413
     code = "request_too_large"
+
+
+class IdempotencyKeyReused(ServingError):
+    """An Idempotency-Key sent again with another request than its first (serving/idempotency.py)."""
+
+    status = 422
+    code = "idempotency_key_reused"
 
 
 class RateLimited(ServingError):

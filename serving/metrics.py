@@ -67,6 +67,10 @@ class ServingMetrics:
         self.events = Counter(
             "clora_serving_events", "Events produced, by outcome.", ["kind", "outcome"], registry=r
         )
+        self.replays = Counter(
+            "clora_serving_idempotent_replays", "Completion requests answered with the kept answer of their "
+            "Idempotency-Key (nothing generated or logged).", ["tenant", "endpoint"], registry=r
+        )
         self.spool_events = Gauge("clora_serving_spool_events", "Events waiting in the on-disk spool.", registry=r)
 
     def request_done(
@@ -80,6 +84,11 @@ class ServingMetrics:
     def request_answered(self, tenant: str, endpoint: str, status: int) -> None:
         """A request that generated nothing: refused, failed, abandoned, or a models or feedback answer."""
         self.requests.labels(tenant, endpoint, str(status)).inc()
+
+    def replayed(self, tenant: str, endpoint: str) -> None:
+        """A request answered again from its Idempotency-Key's kept answer (counted as a 200 too)."""
+        self.requests.labels(tenant, endpoint, "200").inc()
+        self.replays.labels(tenant, endpoint).inc()
 
     def swapped(self, tenant: str, version: int, seconds: float, publish_to_live: float | None) -> None:
         self.adapter_version.labels(tenant).set(version)

@@ -114,6 +114,31 @@ def _tail(path: Path, lines: int = 60) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def count_events(bootstrap: str, topic: str, ids: set[str], until: str, timeout: float = 30.0) -> dict[str, int]:
+    """How many events on `topic` carry each of these ids, read from the beginning until the event `until`
+    (one logged after them by the same tenant, so on the same partition after theirs)."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=500)
+    try:
+        partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+        consumer.assign(partitions)
+        consumer.seek_to_beginning(*partitions)
+        counts = dict.fromkeys(ids, 0)
+        seen_until = False
+        deadline = time.monotonic() + timeout
+        while not seen_until and time.monotonic() < deadline:
+            for message in consumer:
+                event_id = json.loads(message.value)["id"]
+                if event_id in counts:
+                    counts[event_id] += 1
+                seen_until = seen_until or event_id == until
+        assert seen_until, f"event {until} not found on {topic} within {timeout} s"
+        return counts
+    finally:
+        consumer.close()
+
+
 def read_events(bootstrap: str, topic: str, ids: set[str], timeout: float = 30.0) -> dict[str, dict]:
     """The events with these ids on `topic` (read from the beginning, no consumer group); each message's
     key must be its event's tenant."""

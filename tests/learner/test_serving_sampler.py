@@ -32,6 +32,7 @@ def stand_in_server():
 
     answers = Answers()
     answers.bodies = bodies = []
+    answers.keys = keys = []  # each request's Idempotency-Key header
     answers.token_ids = False  # whether the stand-in returns token ids and log-probs, as clora's serving does
     # API key -> an Event: that key's requests are refused (`refusal`, 429 unless changed) until it is set,
     # whatever `answers` holds
@@ -42,6 +43,7 @@ def stand_in_server():
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
             bodies.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
+            keys.append(self.headers.get("idempotency-key"))
             key = self.headers["authorization"].removeprefix("Bearer ")
             if key in refused_until:
                 status = 200 if refused_until[key].is_set() else answers.refusal
@@ -148,6 +150,10 @@ def test_a_rollout_refused_503_or_cut_off_by_the_network_asks_again(stand_in_ser
     (samples,) = ServingSampler(url).sample([request()])
     assert [s.text for s in samples] == [" 42"] and not answers
     assert len(answers.bodies) == len(refusals) + 1  # the same request, asked again after each
+    # every try under one Idempotency-Key: serving answers a try whose first got through from that one
+    assert len(set(answers.keys)) == 1 and answers.keys[0].startswith("rollout-")
+    ServingSampler(url).sample([request(), request()])
+    assert len(set(answers.keys)) == 3, "each request has its own key"
 
 
 @pytest.mark.parametrize("refusal, named", [(503, "answered 503"), (DROP, "RemoteProtocolError")])

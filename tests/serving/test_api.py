@@ -1330,3 +1330,156 @@ def test_a_request_the_engine_fails_to_take_is_aborted_there():
     assert r.status_code == 500
     assert w.llm.aborted == [call.request_id for call in w.llm.calls] and len(w.llm.aborted) == 1
     assert w.api.inflight.held("acme") == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# F. Requests sent again with an Idempotency-Key
+
+
+def keyed(key="k-1", **headers):
+    return {"Idempotency-Key": key, **headers}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_sent_again_with_its_idempotency_key_gets_the_first_answer_and_runs_once(stream):
+    w = World()
+    path, body = "/v1/completions", {"model": "acme", "prompt": "hello", "n": 2, "temperature": 1, "stream": stream}
+    w.llm.reply = [ord("o"), ord("k")]
+    first = w.post(path, body, headers=keyed())
+    w.llm.reply = [ord("n"), ord("o")]  # a second generation would answer otherwise
+    again = w.post(path, body, headers=keyed())
+    assert first.status_code == again.status_code == 200
+    assert again.content == first.content and ('"text":"k"' if stream else '"text":"ok"') in first.text
+    assert again.headers["x-request-id"] == first.headers["x-request-id"]
+    assert again.headers["x-clora-adapter-version"] == first.headers["x-clora-adapter-version"]
+    assert again.headers["content-type"] == first.headers["content-type"]
+    assert again.headers["idempotent-replayed"] == "true" and "idempotent-replayed" not in first.headers
+    assert len(w.llm.calls) == 1, "generated once"
+    assert [e.id for e in w.events.logged] == [f"{first.headers['x-request-id']}-{i}" for i in (0, 1)], "logged once"
+    metrics = w.api.metrics.render().decode()
+    assert 'clora_serving_idempotent_replays_total{endpoint="completions",tenant="acme"} 1.0' in metrics
+    assert 'clora_serving_requests_total{endpoint="completions",status="200",tenant="acme"} 2.0' in metrics
+    # another key, no key, or another tenant's same key: each runs
+    w.post(path, body, headers=keyed("k-2"))
+    w.post(path, body)
+    w.post(path, {**body, "model": BASE}, tenant="globex", headers=keyed())
+    assert len(w.llm.calls) == 4
+
+
+def test_an_idempotency_key_sent_with_another_request_is_a_422_and_a_bad_key_a_400():
+    w = World()
+    assert w.post("/v1/chat/completions", chat(), headers=keyed()).status_code == 200
+    for path, body in (("/v1/chat/completions", chat(temperature=0.5)), ("/v1/completions", {"model": "acme", "prompt": "hi"})):
+        r = w.post(path, body, headers=keyed())
+        assert r.status_code == 422, r.text
+        assert error(r)["code"] == "idempotency_key_reused" and error(r)["param"] == "Idempotency-Key"
+    for bad in ("", "x" * 256, "a key", "ключ"):
+        r = w.post("/v1/chat/completions", chat(), headers={"Idempotency-Key": bad} if bad.isascii() else
+                   [("Idempotency-Key", bad.encode())])
+        assert r.status_code == 400 and error(r)["param"] == "Idempotency-Key", bad
+    assert len(w.llm.calls) == 1
+    # a malformed body is its own 400 first, key or not
+    r = w.post("/v1/chat/completions", {"model": "acme"}, headers=keyed("k-new"))
+    assert r.status_code == 400 and error(r)["param"] == "messages"
+
+
+def test_a_request_sent_again_while_its_first_runs_waits_for_that_answer():
+    w = World()
+    w.llm.gate = asyncio.Event()
+
+    async def scenario(c):
+        first = asyncio.create_task(c.post("/v1/chat/completions", json=chat(), headers=keyed()))
+        while not w.llm.calls:
+            await asyncio.sleep(0.01)
+        again = asyncio.create_task(c.post("/v1/chat/completions", json=chat(), headers=keyed()))
+        other = await c.post("/v1/chat/completions", json=chat(stream=True), headers=keyed())  # another body
+        await asyncio.sleep(0.05)
+        assert not again.done()
+        w.llm.gate.set()
+        return await first, await again, other
+
+    first, again, other = w.run(scenario)
+    assert first.status_code == again.status_code == 200 and again.content == first.content
+    assert again.headers["idempotent-replayed"] == "true"
+    assert other.status_code == 422
+    assert len(w.llm.calls) == 1 and len(w.events.logged) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_first_request_that_failed_or_was_refused_leaves_its_key_free(stream):
+    w = World(max_inflight_per_tenant=1)
+    body = chat(stream=stream)
+    w.llm.finish_reason = "error"  # the engine fails the generation: nothing logged
+    failed = w.post("/v1/chat/completions", body, headers=keyed())
+    assert failed.status_code == 500 if not stream else "generation_failed" in failed.text
+    w.llm.finish_reason = None
+    over = w.post("/v1/chat/completions", chat(n=2, temperature=1, stream=stream), headers=keyed("k-n2"))
+    assert over.status_code == 400  # n=2 never fits a limit of 1
+    ran = w.post("/v1/chat/completions", body, headers=keyed())
+    assert ran.status_code == 200 and "idempotent-replayed" not in ran.headers
+    assert w.post("/v1/chat/completions", chat(stream=stream), headers=keyed("k-n2")).status_code == 200
+    assert len(w.llm.calls) == 3 and len(w.events.logged) == 2
+
+
+def test_a_first_request_whose_client_left_leaves_its_key_free():
+    w = World()
+    w.llm.gate = asyncio.Event()
+    body = json.dumps(chat()).encode()
+
+    async def scenario():
+        left = asyncio.Event()
+        sent = []
+
+        async def receive():
+            if not sent:
+                sent.append(1)
+                return {"type": "http.request", "body": body, "more_body": False}
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = chat_scope(body)
+        scope["headers"] = [*scope["headers"], (b"idempotency-key", b"k-1")]
+        handler = asyncio.create_task(w.app(scope, receive, send))
+        while not w.llm.calls:
+            await asyncio.sleep(0.01)
+        left.set()
+        await asyncio.wait_for(handler, 5)
+        w.llm.gate.set()
+        async with w.client() as c:
+            return await c.post("/v1/chat/completions", content=body, headers=keyed())
+
+    again = asyncio.run(scenario())
+    assert again.status_code == 200 and "idempotent-replayed" not in again.headers
+    assert len(w.llm.calls) == 2 and len(w.events.logged) == 1
+
+
+def test_kept_answers_expire_and_stay_within_their_bytes():
+    from serving.idempotency import Answer, Keys
+
+    now = [0.0]
+    keys = Keys(ttl_s=10.0, max_bytes=3000, clock=lambda: now[0])
+
+    async def claim(key, body=b"{}"):
+        async def never(_):
+            raise AssertionError("nothing is running")
+        return await keys.claim("acme", key, body, never)
+
+    async def scenario():
+        first = await claim("a")
+        first.keep(200, {}, "application/json", [b"x" * 1000], stream=False)
+        assert isinstance(await claim("a"), Answer)
+        now[0] = 5.0
+        (await claim("b")).keep(200, {}, "application/json", [b"y" * 1000], stream=False)
+        (await claim("c")).keep(200, {}, "application/json", [b"z" * 1000], stream=False)  # over 3000: "a" leaves
+        assert not isinstance(await claim("a"), Answer) and isinstance(await claim("b"), Answer)
+        big = await claim("d")
+        big.keep(200, {}, "application/json", [b"w" * 5000], stream=False)  # larger than all: not kept
+        assert not isinstance(await claim("d"), Answer)
+        now[0] = 15.5  # "b" and "c" were kept at 5.0: gone
+        assert not isinstance(await claim("b"), Answer) and not isinstance(await claim("c"), Answer)
+        return keys.kept_bytes
+
+    assert asyncio.run(scenario()) == 0

@@ -17,7 +17,7 @@ import pytest
 import safetensors.torch
 
 from make_adapter import publish_adapter, write_peft_adapter
-from serving_process import read_events
+from serving_process import count_events, read_events
 from storage.registry import Registry
 
 pytestmark = pytest.mark.integration
@@ -105,6 +105,23 @@ def test_models_logprobs_completions_and_feedback(server):
 
     metrics = urllib.request.urlopen(server.base_url + "/metrics").read().decode()
     assert 'clora_serving_requests_total{endpoint="chat",status="200",tenant="initech"}' in metrics
+
+
+def test_a_request_sent_again_with_its_idempotency_key_is_answered_from_the_first(server):
+    """What a client retrying after a lost answer gets: the first answer again, one generation, one event."""
+    key = {"Idempotency-Key": f"retry-{time.time_ns()}"}
+    first = client(server, "initech").completions.with_raw_response.create(
+        model="base", prompt="1 2 3", max_tokens=8, temperature=1.0, n=2, extra_headers=key)
+    again = client(server, "initech").completions.with_raw_response.create(
+        model="base", prompt="1 2 3", max_tokens=8, temperature=1.0, n=2, extra_headers=key)
+    assert again.headers["idempotent-replayed"] == "true" and "idempotent-replayed" not in first.headers
+    assert again.parse().model_dump() == first.parse().model_dump()
+    refused = httpx.post(server.base_url + "/v1/completions", headers={**key, "Authorization": f"Bearer {server.keys['initech']}"},
+                         json={"model": "base", "prompt": "4 5 6", "max_tokens": 8})
+    assert refused.status_code == 422 and refused.json()["error"]["code"] == "idempotency_key_reused"
+    after = client(server, "initech").completions.create(model="base", prompt="after", max_tokens=2)
+    ids = {f"{first.parse().id}-{i}" for i in (0, 1)}
+    assert count_events(server.bootstrap, "clora.interactions", ids, until=after.id) == dict.fromkeys(ids, 1)
 
 
 def test_refusals_use_the_openai_error_shape(server):

@@ -1,0 +1,167 @@
+"""Retries that are safe: a completion request sent with an `Idempotency-Key` header runs once.
+
+A client that loses the answer to a completion (the connection reset after serving finished, a proxy's
+timeout) and sends the request again would, without a key, get a second generation and log a second
+interaction event: a second trajectory row for one request, and feedback for the one the client saw
+leaving the other unscored (or scored twice, by a programmatic scorer). With a key, the first request
+with that key runs; one sent again with the same key and the same body gets the first one's answer
+(status 200, the same body and `x-request-id`, plus `idempotent-replayed: true`), streamed or not, and
+nothing else is generated or logged. A request sent again while the first is still running waits for it.
+
+Keys are per tenant (two tenants' keys never meet) and kept `ttl_s` after the answer (config
+`serving.idempotency_ttl_seconds`; 0 turns keys off), and answers kept take at most `max_bytes` in all
+(`serving.idempotency_cache_mib`), the oldest leaving first; an answer larger than that is not kept. A
+key sent with another body (or to the other completion route) is a 422 `idempotency_key_reused`, as the
+IETF's Idempotency-Key draft says. Only a whole answer is kept: a refusal, a generation that failed, a
+client that left or a stream that ended in an error leaves the key free, so the request sent again runs
+(none of those logged an interaction). The keys live in the serving process's memory: a request sent
+again after serving restarted runs again.
+
+Runs on the event loop only, like the rest of the API: no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from serving.errors import BadRequest, IdempotencyKeyReused
+
+logger = logging.getLogger(__name__)
+
+HEADER = "idempotency-key"
+REPLAYED = "idempotent-replayed"  # on a response that is a kept answer given again
+MAX_KEY_CHARS = 255
+
+
+def fingerprint(route: str, body: bytes) -> bytes:
+    """What a key is bound to: the route and the request body, byte for byte."""
+    return hashlib.blake2b(route.encode() + b"\0" + body, digest_size=16).digest()
+
+
+def check_key(key: str) -> str:
+    """The header's value if it is a usable key: 1 to 255 visible ASCII characters; else a 400."""
+    if not 0 < len(key) <= MAX_KEY_CHARS or not all("!" <= c <= "~" for c in key):
+        raise BadRequest(f"the Idempotency-Key header must be 1 to {MAX_KEY_CHARS} visible ASCII characters "
+                         "(a UUID, say)", param="Idempotency-Key")
+    return key
+
+
+@dataclass
+class Answer:
+    """A kept answer: what is sent again for the key."""
+
+    status: int
+    headers: dict[str, str]
+    media_type: str
+    chunks: list[bytes]  # the body: one chunk, or a stream's events in order
+    stream: bool
+    kept_at: float
+
+    @property
+    def size(self) -> int:
+        return sum(len(c) for c in self.chunks) + sum(len(k) + len(v) for k, v in self.headers.items()) + 256
+
+
+@dataclass(eq=False)
+class Ticket:
+    """The first request of a key, running: it `keep`s its answer or `abandon`s the key (whichever first;
+    later calls do nothing). Either wakes the requests waiting for it."""
+
+    keys: Keys
+    slot: tuple[str, str]
+    fingerprint: bytes
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def keep(self, status: int, headers: dict[str, str], media_type: str, chunks: list[bytes], *, stream: bool) -> None:
+        if self.done.is_set():
+            return
+        self.done.set()
+        self.keys._settle(self, Answer(status, dict(headers), media_type, list(chunks), stream, self.keys.clock()))
+
+    def abandon(self) -> None:
+        if self.done.is_set():
+            return
+        self.done.set()
+        self.keys._settle(self, None)
+
+
+class Keys:
+    """The idempotency keys of one serving process: running first requests, and kept answers."""
+
+    def __init__(self, ttl_s: float, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s, self.max_bytes, self.clock = ttl_s, max_bytes, clock
+        self._running: dict[tuple[str, str], Ticket] = {}
+        self._kept: dict[tuple[str, str], tuple[bytes, Answer]] = {}  # oldest first
+        self._bytes = 0
+        self.replayed = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.ttl_s > 0
+
+    @property
+    def kept_bytes(self) -> int:
+        return self._bytes
+
+    async def claim(self, tenant: str, key: str, fingerprint: bytes,
+                    wait: Callable[[asyncio.Event], object]) -> Ticket | Answer:
+        """A Ticket when this request is the key's first (or the first's answer was not kept), else the kept
+        Answer. A request whose key's first is running waits for it through `await wait(event)` (which
+        may raise: its own client leaving). 422 when the key was used with another fingerprint."""
+        slot = (tenant, key)
+        while True:
+            self._expire()
+            running = self._running.get(slot)
+            if running is None:
+                break
+            if running.fingerprint != fingerprint:
+                raise _reused(key)
+            await wait(running.done)
+        kept = self._kept.get(slot)
+        if kept is not None:
+            bound, answer = kept
+            if bound != fingerprint:
+                raise _reused(key)
+            self.replayed += 1
+            return answer
+        ticket = Ticket(self, slot, fingerprint)
+        self._running[slot] = ticket
+        return ticket
+
+    def _settle(self, ticket: Ticket, answer: Answer | None) -> None:
+        if self._running.get(ticket.slot) is ticket:
+            del self._running[ticket.slot]
+        if answer is None:
+            return
+        if answer.size > self.max_bytes:
+            logger.info("an answer of %d bytes is over serving.idempotency_cache_mib: its key (tenant %s) is not "
+                        "kept, and the request sent again would run again", answer.size, ticket.slot[0])
+            return
+        if ticket.slot in self._kept:
+            self._drop(ticket.slot)
+        self._kept[ticket.slot] = (ticket.fingerprint, answer)
+        self._bytes += answer.size
+        while self._bytes > self.max_bytes:
+            self._drop(next(iter(self._kept)))
+
+    def _expire(self) -> None:
+        oldest = self.clock() - self.ttl_s
+        while self._kept:
+            slot = next(iter(self._kept))
+            if self._kept[slot][1].kept_at > oldest:
+                return
+            self._drop(slot)
+
+    def _drop(self, slot: tuple[str, str]) -> None:
+        _, answer = self._kept.pop(slot)
+        self._bytes -= answer.size
+
+
+def _reused(key: str) -> IdempotencyKeyReused:
+    return IdempotencyKeyReused(f"the Idempotency-Key {key!r} was used for another request (a different body or "
+                                "route); use a new key for a new request", param="Idempotency-Key")
