@@ -71,6 +71,7 @@ from typing import NamedTuple
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.coordinator.assignors.range import RangePartitionAssignor
+from kafka import errors as kafka_errors
 from kafka.errors import CommitFailedError, KafkaError, KafkaTimeoutError
 from kafka.producer.future import FutureRecordMetadata
 from kafka.structs import OffsetAndMetadata
@@ -361,9 +362,10 @@ class Ingest:
             resources.callback(self.writer.shutdown, wait=True)
             self.consumer.subscribe(self.topics, listener=_Rebalance(self))
             logger.info("ingest: consuming %s as group %r", ", ".join(self.topics), self.group_id)
-            self._loop(stop, once, deadline, drain or threading.Event())
-            # Reached only on a clean stop: a failed write propagates without committing anything.
-            self.flush()
+            with _group_errors(self.group_id, self.session_timeout_ms):
+                self._loop(stop, once, deadline, drain or threading.Event())
+                # Reached only on a clean stop: a failed write propagates without committing anything.
+                self.flush()
             self.metrics.set_lag(self.lag())
             self.metrics.log()
 
@@ -713,6 +715,32 @@ def _bootstrap_errors(bootstrap: str) -> Iterator[None]:
         yield
     except KafkaTimeoutError as e:  # kafka-python 3: "Unable to bootstrap from ..."
         raise BrokerError(f"cannot reach Kafka at {bootstrap} (kafka.bootstrap): {e}") from e
+
+
+@contextlib.contextmanager
+def _group_errors(group_id: str, session_timeout_ms: int) -> Iterator[None]:
+    """What the broker refuses for good when the consumer joins its group or reads (kafka-python raises them
+    from `poll`; none is retried) is a BrokerError naming the setting to change, not a kafka-python traceback.
+    Nothing is lost: what was read and not committed is read again by the next run."""
+    try:
+        yield
+    except kafka_errors.InvalidSessionTimeoutError as e:
+        raise BrokerError(f"the broker refused kafka.session_timeout_ms {session_timeout_ms}: it must lie between the "
+                          "broker's group.min.session.timeout.ms and group.max.session.timeout.ms (Kafka's defaults: "
+                          "6000 and 1800000); change the setting or the broker's limits") from e
+    except kafka_errors.InconsistentGroupProtocolError as e:
+        raise BrokerError(f"consumer group {group_id!r} (kafka.group_id) has members of another application (another "
+                          "partition assignment protocol): give clora ingest a group of its own") from e
+    except kafka_errors.InvalidGroupIdError as e:
+        raise BrokerError(f"the broker refused the consumer group id {group_id!r} (kafka.group_id)") from e
+    except kafka_errors.GroupMaxSizeReachedError as e:
+        raise BrokerError(f"consumer group {group_id!r} (kafka.group_id) is full (the broker's group.max.size): run "
+                          "fewer ingest processes in it, or raise the limit") from e
+    except kafka_errors.GroupAuthorizationFailedError as e:
+        raise BrokerError(f"not authorised to use consumer group {group_id!r} (kafka.group_id): grant this client "
+                          "access to the group") from e
+    except kafka_errors.TopicAuthorizationFailedError as e:
+        raise BrokerError(f"not authorised to read or write a topic: {e}; grant this client access to the topics") from e
 
 
 def _names(partitions: list[TopicPartition]) -> str:

@@ -67,3 +67,50 @@ def test_the_signal_handler_takes_no_lock(tmp_path, monkeypatch, drain_on_stop):
     with handlers_restored():
         assert process_module.run(Config(data_dir=tmp_path), drain_on_stop=drain_on_stop) == 2
     assert lock_calls == []
+
+
+@pytest.mark.parametrize("refusal, named", [
+    ("InvalidSessionTimeoutError", "kafka.session_timeout_ms 10000: it must lie between the broker's "
+                                   "group.min.session.timeout.ms and group.max.session.timeout.ms"),
+    ("InconsistentGroupProtocolError", "consumer group 'clora-ingest' (kafka.group_id) has members of another"),
+    ("GroupAuthorizationFailedError", "not authorised to use consumer group 'clora-ingest'"),
+])
+def test_a_group_the_broker_refuses_for_good_ends_ingest_naming_the_setting(tmp_path, monkeypatch, caplog, refusal, named):
+    """kafka-python raises these from `poll` and never retries them: the process ends with status 2 and a
+    message that says what to change, not a traceback. (The embedded broker enforces none of them, so the
+    clients are stand-ins here.)"""
+    import kafka.errors
+
+    import ingest.consumer as consumer_module
+    import ingest.process as process_module
+    from kafka_fakes import FakeConsumer
+
+    class Refused(FakeConsumer):
+        def __init__(self, **settings):
+            super().__init__()
+            self.settings = settings
+
+        def subscribe(self, topics, listener=None):
+            pass
+
+        def poll(self, timeout_ms=0, max_records=None):
+            raise getattr(kafka.errors, refusal)()
+
+    class Producer:
+        def __init__(self, **settings):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(consumer_module, "KafkaConsumer", Refused)
+    monkeypatch.setattr(consumer_module, "KafkaProducer", Producer)
+    monkeypatch.setattr(process_module, "wait_until_reachable", lambda *args: None)
+    monkeypatch.setattr(process_module, "tune_runtime", lambda: None)
+    cfg = Config(data_dir=tmp_path, kafka={"session_timeout_ms": 10000, "group_id": "clora-ingest"})
+    from signal_support import handlers_restored
+
+    with handlers_restored(), caplog.at_level("ERROR"):
+        assert process_module.run(cfg) == 2
+    assert any(named in r.getMessage() and r.getMessage().startswith("clora ingest: ") for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
