@@ -18,7 +18,8 @@ fresh rows left published versions just as fast: it never caught up. A step then
      vLLM's raw log-probs (temperature 1), not those of the distribution the token was drawn from, so the
      step recomputes them from the drawing version's logits under the row's recorded temperature, top-k,
      top-p, min-p, logit_bias, penalties and min_tokens (sampled_with, behaviour_logprobs; for the
-     current adapter's rows from the update's first pass, pg_update's behaviour_from_logits); at
+     current adapter's and the base model's rows from the update's first and reference passes,
+     pg_update's behaviour_from_logits and behaviour_from_base_logits); at
      temperature 0 they are 0;
      and leaves out a row whose reward is beyond +-`learner.gate_max_abs_reward` (within_reward_range),
      so the rest of the batch trains rather than the gate rejecting it whole;
@@ -330,18 +331,19 @@ def _whole(value, *, low: int = -1) -> int:
 
 def behaviour_logprobs(policy: Policy, tenant: str, examples: Sequence[Example], batch: TokenBatch, *,
                        current_version: int, version_files: Callable[[int], Path | None] | None,
-                       rows_per_pass: int | None = None) -> tuple[torch.Tensor, BehaviourFromLogits | None]:
+                       rows_per_pass: int | None = None) -> Behaviour:
     """The batch's behaviour log-probs [B, C], NaN where unknown (weight 1): among them the rows whose
-    version's adapter files are gone (retention pruned them), which cannot be recomputed. And, when rows
-    were drawn by the tenant's current adapter otherwise than at temperature 1, the function that makes
-    theirs from the current adapter's logits (pg_update's `behaviour_from_logits`, which calls it with its
-    first pass's logits: no pass of their own); those rows are NaN in the tensor.
+    version's adapter files are gone (retention pruned them), which cannot be recomputed. And, for rows
+    drawn otherwise than at temperature 1 by the tenant's current adapter or by the base model, the
+    functions that make theirs from that model's logits, which pg_update calls with the logits of passes
+    it runs anyway (`behaviour_from_logits`: its first pass; `behaviour_from_base_logits`: its base model
+    reference pass): no pass of their own. Those rows are NaN in the tensor.
 
     A row's logged ones where it has them; for a row drawn otherwise than at temperature 1 (`sampled_with`),
     the log-prob of each sampled token under the distribution the engine drew it from
     (maths.processed_logprobs), from the logits of the version that drew it: the tenant's current adapter
-    (the function above), the base model (version 0), or an earlier version's files
-    (`version_files(number)`), one no-grad pass per version. A greedy row's are 0 (probability 1), with no
+    or the base model (version 0) (the functions above), or an earlier version's files
+    (`version_files(number)`, one no-grad pass per version). A greedy row's are 0 (probability 1), with no
     pass."""
     old = pad_values([None if e.sampled_with else e.behaviour_logprobs for e in examples], batch.completion_width)
     by_version: dict[int, list[int]] = {}
@@ -353,7 +355,7 @@ def behaviour_logprobs(policy: Policy, tenant: str, examples: Sequence[Example],
             old[i, : len(e.completion_ids)] = 0.0
         else:
             by_version.setdefault(drawn.version, []).append(i)
-    current = None
+    behaviour = Behaviour(old)
     for number, rows in sorted(by_version.items()):
         drawn = [examples[i].sampled_with for i in rows]
         settings = [torch.tensor([getattr(d, name) for d in drawn]) for name in ("temperature", "top_k", "top_p", "min_p")]
@@ -375,27 +377,37 @@ def behaviour_logprobs(policy: Policy, tenant: str, examples: Sequence[Example],
                                             mask=part.completion_mask,
                                             history=None if history is None else _rows_of(history, at, logits.device))
 
-        if number == current_version and number != 0:
-            current = BehaviourFromLogits(rows, process)
+        if number == 0:  # the base model's, also while it is the tenant's current version
+            behaviour.from_base = BehaviourFromLogits(rows, process)
+            continue
+        if number == current_version:
+            behaviour.from_adapter = BehaviourFromLogits(rows, process)
             continue
         part = batch.rows(torch.tensor(rows))
-        if number in (current_version, 0):
-            logps = policy.processed_logprobs(part, tenant if number else None, process, rows_per_pass=rows_per_pass)
-        else:
-            directory = None if version_files is None else version_files(number)
-            if directory is None:
-                logger.info("tenant %s: version %d's adapter files are gone: %d rows it drew train with weight 1",
-                            tenant, number, len(rows))
-                continue
-            try:
-                with policy.weights_of_version(tenant, directory):
-                    logps = policy.processed_logprobs(part, tenant, process, rows_per_pass=rows_per_pass)
-            except PolicyError as e:  # a damaged file: raised, the same rows would fail every step of the tenant
-                logger.warning("tenant %s: version %d's adapter files cannot be read (%s): %d rows it drew train "
-                               "with weight 1", tenant, number, e, len(rows))
-                continue
+        directory = None if version_files is None else version_files(number)
+        if directory is None:
+            logger.info("tenant %s: version %d's adapter files are gone: %d rows it drew train with weight 1",
+                        tenant, number, len(rows))
+            continue
+        try:
+            with policy.weights_of_version(tenant, directory):
+                logps = policy.processed_logprobs(part, tenant, process, rows_per_pass=rows_per_pass)
+        except PolicyError as e:  # a damaged file: raised, the same rows would fail every step of the tenant
+            logger.warning("tenant %s: version %d's adapter files cannot be read (%s): %d rows it drew train "
+                           "with weight 1", tenant, number, e, len(rows))
+            continue
         old[rows] = logps
-    return old, current
+    return behaviour
+
+
+@dataclass
+class Behaviour:
+    """What `behaviour_logprobs` gives pg_update: `old` (its `old_logprobs`), and the functions that make
+    the rest from the logits of passes it runs anyway (None when no row needs them)."""
+
+    old: torch.Tensor
+    from_adapter: BehaviourFromLogits | None = None  # pg_update's behaviour_from_logits
+    from_base: BehaviourFromLogits | None = None  # pg_update's behaviour_from_base_logits
 
 
 class BehaviourFromLogits:
@@ -557,14 +569,14 @@ def train_step(
     batch = pack(
         [e.prompt_ids for e in examples], [e.completion_ids for e in examples], pad_id=policy.pad_token_id, max_len=max_len
     )
-    old, current = behaviour_logprobs(policy, tenant, examples, batch, current_version=current_version,
-                                      version_files=version_files, rows_per_pass=micro_batch_size)
+    behaviour = behaviour_logprobs(policy, tenant, examples, batch, current_version=current_version,
+                                   version_files=version_files, rows_per_pass=micro_batch_size)
     result = pg_update(
         policy,
         tenant,
         batch,
         advantages.float(),
-        old_logprobs=old,
+        old_logprobs=behaviour.old,
         clip_eps=clip_eps,
         behaviour_weight_cap=behaviour_weight_cap,
         epochs=epochs,
@@ -572,6 +584,7 @@ def train_step(
         entropy_coef=entropy_coef,
         max_grad_norm=max_grad_norm,
         micro_batch_size=micro_batch_size,
-        behaviour_from_logits=current,
+        behaviour_from_logits=behaviour.from_adapter,
+        behaviour_from_base_logits=behaviour.from_base,
     )
     return LogsStep(update=result, reward_mean=float(rewards.mean()), baseline=maths.running_mean(baseline, rewards))

@@ -451,18 +451,22 @@ class Policy:
         return torch.cat([first_token, rest.logits], dim=1).float()
 
     def base_reference(self, batch: TokenBatch, *, keep_bytes: int = KEEP_BASE_BYTES,
-                       temperature: float = 1.0, rows_per_pass: int | None = None) -> tuple[Tensor, Tensor | None]:
+                       temperature: float = 1.0, rows_per_pass: int | None = None,
+                       on_logits: Callable[[Tensor, TokenBatch, slice], None] | None = None) -> tuple[Tensor, Tensor | None]:
         """A no-grad pass of the base model: its log-probs of the completion tokens [B, C] at
         `temperature` (the KL penalty's reference, beside a policy trained at that temperature), and its
         whole log-distributions at those positions [B, C, V] at temperature 1 (the exact KL the gate reads)
         when they fit in `keep_bytes` (else None), for `kl_to_base` to reuse instead of running the base
         model again. `rows_per_pass` rows at a time (None: all), so a batch trained in micro-batches holds
-        one micro-batch's logits at once here too."""
+        one micro-batch's logits at once here too. `on_logits(logits, part, rows)`, when given, is called with
+        each pass's logits [b, C, V] (temperature 1) for `part`, the batch's `rows`."""
         batch = batch.to(self.device)
         picked, kept, keep = [], [], None
         with self.adapter(None), torch.no_grad():
-            for _, part in batch.chunks(rows_per_pass):
+            for rows, part in batch.chunks(rows_per_pass):
                 logits = self._completion_logits(part)
+                if on_logits is not None:
+                    on_logits(logits, part, rows)
                 if keep is None:  # every row's [C, V] is the same size (rows keep the batch's widths)
                     keep = logits[0].numel() * logits.element_size() * batch.size <= keep_bytes
                 if keep:

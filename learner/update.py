@@ -98,6 +98,7 @@ def pg_update(
     temperature: float = 1.0,
     epochs: int = 1,
     behaviour_from_logits: Callable[[Tensor, TokenBatch, slice], Tensor] | None = None,
+    behaviour_from_base_logits: Callable[[Tensor, TokenBatch, slice], Tensor] | None = None,
 ) -> UpdateResult:
     """See the module note. `advantages` is [B]; `old_logprobs` is [B, C] with NaN where unknown, or None,
     under the policy at `temperature`, the one trained (rollouts sampled at that temperature). `epochs`
@@ -109,7 +110,8 @@ def pg_update(
     has none; they take the place of `old_logprobs` elsewhere) for the micro-batch `part`, the batch's
     `rows`, from the logits [b, C, V] (temperature 1) of the adapter as the step starts: those of the
     first epoch's pass, so a row the current adapter drew costs no pass of its own (logs mode's rows drawn
-    at another temperature, logs_mode.behaviour_logprobs)."""
+    at another temperature, logs_mode.behaviour_logprobs). `behaviour_from_base_logits` likewise, from the
+    base model's logits of the reference pass (step 1), for rows the base model drew."""
     if epochs < 1:
         raise ValueError(f"epochs must be at least 1, got {epochs}")
     device = policy.device
@@ -120,7 +122,16 @@ def pg_update(
     if old_logprobs is not None and old_logprobs.shape != mask.shape:
         raise ValueError(f"old_logprobs have shape {tuple(old_logprobs.shape)}, expected {tuple(mask.shape)}")
 
-    ref, base_logps = policy.base_reference(batch, temperature=temperature, rows_per_pass=micro_batch_size)
+    from_base: list[Tensor] = []
+    take_base = None
+    if behaviour_from_base_logits is not None:
+        def take_base(logits: Tensor, part: TokenBatch, rows: slice) -> None:
+            from_base.append(behaviour_from_base_logits(logits, part, rows).to(device, torch.float32))
+    ref, base_logps = policy.base_reference(batch, temperature=temperature, rows_per_pass=micro_batch_size,
+                                            on_logits=take_base)
+    if from_base:
+        made = torch.cat(from_base)
+        old_logprobs = made if old_logprobs is None else torch.where(torch.isnan(made), old_logprobs.to(device), made)
     total_tokens = mask.sum().clamp(min=1)
     start: list[tuple[Tensor, Tensor, Tensor]] = []  # per micro-batch, from the first epoch: pi_prox, w, the cap's cuts
     loss_sum = pg_sum = clipped_sum = kl_before_sum = entropy_sum = 0.0

@@ -116,13 +116,16 @@ def _examples(policy, n: int, settings: list[SampledWith | None]) -> list[Exampl
 
 
 def _behaviour(policy, examples, batch, **kw) -> torch.Tensor:
-    """behaviour_logprobs with the current adapter's rows filled in by a pass of their own, where a step
-    takes them from its first pass (pg_update's behaviour_from_logits)."""
-    old, current = behaviour_logprobs(policy, "acme", examples, batch, **kw)
-    if current is not None:
-        assert torch.isnan(old[list(current.position)]).all()
-        made = policy.processed_logprobs(batch, "acme", current, rows_per_pass=kw.get("rows_per_pass"))
-        old = torch.where(torch.isnan(made), old, made)
+    """behaviour_logprobs with the current adapter's and the base model's rows filled in by passes of their
+    own, where a step takes them from passes it runs anyway (pg_update's behaviour_from_logits and
+    behaviour_from_base_logits)."""
+    behaviour = behaviour_logprobs(policy, "acme", examples, batch, **kw)
+    old = behaviour.old
+    for adapter, made_by in (("acme", behaviour.from_adapter), (None, behaviour.from_base)):
+        if made_by is not None:
+            assert torch.isnan(old[list(made_by.position)]).all()
+            made = policy.processed_logprobs(batch, adapter, made_by, rows_per_pass=kw.get("rows_per_pass"))
+            old = torch.where(torch.isnan(made), old, made)
     return old
 
 
@@ -181,21 +184,25 @@ def test_behaviour_log_probs_are_recomputed_from_the_version_that_drew_each_row(
 
 
 @pytest.mark.parametrize("micro_batch_size", [None, 3])
-def test_a_step_weighs_each_token_against_the_distribution_it_was_drawn_from(policy, micro_batch_size):
-    """The current adapter's rows get their behaviour log-probs from the step's own first pass (micro-batch
-    by micro-batch, one of them holding rows of two sorts): the same as a pass of their own gives."""
-    drawn = SampledWith(version=3, temperature=0.5, top_k=0, top_p=0.9, min_p=0.0)
-    examples = _examples(policy, 6, [drawn] * 4 + [None, drawn])
+@pytest.mark.parametrize("current_version", [3, 0])
+def test_a_step_weighs_each_token_against_the_distribution_it_was_drawn_from(policy, micro_batch_size, current_version):
+    """The current adapter's rows get their behaviour log-probs from the step's own first pass, the base
+    model's from its reference pass (micro-batch by micro-batch, some holding rows of several sorts): the
+    same as passes of their own give. Before the tenant's first version, the base model is its current one."""
+    drawn = SampledWith(version=current_version, temperature=0.5, top_k=0, top_p=0.9, min_p=0.0)
+    base = SampledWith(version=0, temperature=0.7, top_k=5, top_p=1.0, min_p=0.0)
+    examples = _examples(policy, 6, [drawn, drawn, base, base, None, drawn])
     batch = pack([e.prompt_ids for e in examples], [e.completion_ids for e in examples],
                  pad_id=policy.pad_token_id, max_len=256)
-    recomputed = _behaviour(policy, examples, batch, current_version=3, version_files=None)
+    recomputed = _behaviour(policy, examples, batch, current_version=current_version, version_files=None)
     raw = policy.token_logprobs(batch, "acme")  # what serving logged for them
 
     def step(examples):
         snapshot = policy.snapshot("acme")
         try:
             return train_step(policy, "acme", examples, baseline=None, clip_eps=0.2, kl_coef=0.0, max_grad_norm=1.0,
-                              max_len=256, current_version=3, micro_batch_size=micro_batch_size).update
+                              max_len=256, current_version=current_version,
+                              micro_batch_size=micro_batch_size).update
         finally:
             policy.restore("acme", snapshot)
 
