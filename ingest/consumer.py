@@ -80,7 +80,7 @@ from ingest.batch import Output, Processor, Record, Rejected, offset_ranges
 from ingest.broker import BrokerError
 from ingest.events import utc_now
 from ingest.metrics import IngestMetrics
-from ingest.pending import MAX_PENDING, MAX_PENDING_PER_TENANT, PendingStore
+from ingest.pending import MAX_PENDING, MAX_PENDING_PER_TENANT, OwnedPartitions, PendingStore
 from ingest.rows import FEEDBACK_KEY, DeadLetterRow, FeedbackRow, InteractionRow, TrajectoryRow, epoch_ms, to_table
 from storage.files import FileLock, atomic_write_bytes, mark_ready
 from storage.layout import as_datadir
@@ -625,11 +625,21 @@ class Ingest:
         self.store = PendingStore.load(
             self.root, expiry_ms=self.expiry_ms, now_ms=now_ms(), max_pending_per_tenant=self.max_pending_per_tenant,
             max_pending=self.max_pending, function_scored=self.processor.functions,
-            topics_since=self._topics_since(),
+            topics_since=self._topics_since(), owned=self._owned_feedback(),
         )
         self.metrics.set_pending(len(self.store.pending))
         if self.assigned_at is None:
             self._mark_ready()
+
+    def _owned_feedback(self) -> OwnedPartitions | None:
+        """The feedback topic's partitions assigned to this process, whose pending feedback it loads; None
+        (all of it) while the topic's partitions are not known."""
+        topic = self.topics[1]
+        count = None if self.consumer is None else self.consumer.partitions_for_topic(topic)
+        if not count:
+            return None
+        mine = frozenset(tp.partition for tp in self.consumer.assignment() if tp.topic == topic)
+        return OwnedPartitions(mine, max(count) + 1)
 
     def _topics_since(self) -> dict[str, int]:
         """topic -> since when (epoch ms) ingest has read the topic as it is now, for the topics whose id the

@@ -16,7 +16,7 @@ see below):
   dead_letters    KeyIndex (topic, partition, offset): rejected messages already stored
   pending         PendingFeedback (tenant, id) -> the first unjoined FeedbackRows of the id, in stream order
                   (at most MAX_WAITING_PER_ID), ingested within the expiry, at most `max_pending_per_tenant`
-                  rows per tenant
+                  rows per tenant; of the feedback partitions this process reads (OwnedPartitions)
   tenants_on_disk frozenset: tenants with a partition in interactions/, feedback/ or trajectories/ at load
                   (batch.py counts the tenants created on the fly from it)
 
@@ -93,6 +93,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
 
@@ -287,6 +288,26 @@ class PendingFeedback:
         return dropped
 
 
+@dataclass(frozen=True)
+class OwnedPartitions:
+    """The feedback topic's partitions one ingest process reads (`partitions`, of `count`): with several
+    processes in a group, the pending feedback it loads is that of those partitions only, which is the
+    feedback that reaches it live (the rest waits in the processes that read it). A row stored with no
+    partition, or one beyond `count` (the topic made again with fewer), is loaded by the reader of
+    partition 0, so every row is loaded by exactly one process."""
+
+    partitions: frozenset[int]
+    count: int
+
+    def mask(self, partition: pa.ChunkedArray) -> pa.ChunkedArray:
+        """Which rows of a `kafka_partition` column this process loads."""
+        own = pc.is_in(partition, value_set=pa.array(sorted(self.partitions), pa.int32()))
+        if 0 not in self.partitions:
+            return pc.fill_null(own, False)
+        stray = pc.fill_null(pc.or_(pc.less(partition, 0), pc.greater_equal(partition, self.count)), True)
+        return pc.or_(pc.fill_null(own, False), stray)
+
+
 class PendingStore:
     """In-memory view of the stored datasets; see the module docstring. Build it with `load`."""
 
@@ -313,10 +334,12 @@ class PendingStore:
     def load(
         cls, root: str | Path, *, expiry_ms: int, now_ms: int, max_pending_per_tenant: int = MAX_PENDING_PER_TENANT,
         max_pending: int | None = MAX_PENDING, function_scored: Iterable[str] = (),
-        topics_since: dict[str, int] | None = None,
+        topics_since: dict[str, int] | None = None, owned: OwnedPartitions | None = None,
     ) -> PendingStore:
         """`function_scored`: the tenants the config scores with a function (batch.Processor.functions), whose
         feedback scores nothing, so none of it is loaded to wait (batch.py never adds it live either).
+        `owned`: the feedback partitions this process reads, whose unjoined feedback it loads to wait (None:
+        all of it).
         `topics_since`: topic -> epoch ms since when its offsets name the messages they name now (a topic
         made again numbers them from 0 again); dead letters ingested before then are left out of the index
         of stored offsets, which would take new messages at those offsets for replays."""
@@ -326,7 +349,7 @@ class PendingStore:
         for dataset, columns in KEY_COLUMNS.items():
             setattr(store, dataset, retry_vanished(lambda: store._load_index(dataset, columns), f"loading {dataset} keys"))
         left_out = frozenset(function_scored)
-        retry_vanished(lambda: store._load_pending(now_ms, left_out), "loading pending feedback")
+        retry_vanished(lambda: store._load_pending(now_ms, left_out, owned), "loading pending feedback")
         retry_vanished(store._report_unreadable_compacted, "listing unreadable files")
         store.tenants_on_disk = frozenset(
             t for dataset in TENANT_DATASETS for t in partition_tenants(store.root, dataset) if t != UNKNOWN_TENANT
@@ -371,13 +394,14 @@ class PendingStore:
         all_hashes = _concat(hashes, np.int64)
         return KeyIndex.from_hashes(all_hashes, np.zeros(len(all_hashes), dtype=np.int32))
 
-    def _load_pending(self, now_ms: int, function_scored: frozenset[str]) -> None:
+    def _load_pending(self, now_ms: int, function_scored: frozenset[str], owned: OwnedPartitions | None = None) -> None:
         """Per tenant, the first MAX_WAITING_PER_ID unjoined rows of each id among what was ingested within
         the expiry, for the ids whose first feedback came last, up to the cap of rows (as if the cap had
         dropped the oldest while they came in). Chosen in Arrow, one tenant at a time, so only the rows
         kept become Python objects. Tenants in `function_scored` are skipped: their feedback would only take
         memory and room under the caps. The config decides at each load, so a tenant moved from a function
-        to feedback scoring finds its unjoined feedback of the expiry waiting after the restart."""
+        to feedback scoring finds its unjoined feedback of the expiry waiting after the restart. With `owned`,
+        only the rows of those feedback partitions (OwnedPartitions)."""
         self.pending = PendingFeedback(self.pending.cap, self.pending.total)
         cutoff = now_ms - self.expiry_ms
         for tenant in partition_tenants(self.root, "feedback"):
@@ -389,7 +413,10 @@ class PendingStore:
                 if t is None:
                     continue
                 t = conform(t, FEEDBACK, strict=False)
-                recent.append(t.filter(pc.greater_equal(t.column("ingested_at").cast(pa.int64()), cutoff)))
+                keep = pc.greater_equal(t.column("ingested_at").cast(pa.int64()), cutoff)
+                if owned is not None:
+                    keep = pc.and_(keep, owned.mask(t.column("kafka_partition")))
+                recent.append(t.filter(keep))
             table = pa.concat_tables(recent) if recent else None
             if table is None or not table.num_rows:
                 continue

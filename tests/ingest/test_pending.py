@@ -201,3 +201,33 @@ def test_a_tenant_moved_from_a_function_to_feedback_joins_its_stored_feedback_af
     t = read_dataset(data_dir, "trajectories")
     assert sorted(zip(t.column("id").to_pylist(), t.column("reward_source").to_pylist())) == [
         ("a", "digits"), ("b", "feedback")]
+
+
+def test_each_process_loads_the_pending_feedback_of_its_own_partitions_and_every_row_loads_once(data_dir):
+    """Several ingest processes in a group: each loaded every tenant's pending feedback, though only its own
+    partitions' feedback reaches it live; the rest took its memory and room under its caps (the total's
+    cut here would leave out its own tenants' rows). A row of no partition, or of one past the topic's
+    count, is loaded by partition 0's reader."""
+    import pyarrow as pa
+
+    from ingest.pending import OwnedPartitions
+
+    processor = Processor({"fa": "feedback", "fb": "feedback"}, unknown_tenant="reject", max_message_bytes=10_000)
+    store = PendingStore.load(data_dir, expiry_ms=EXPIRY_MS, now_ms=NOW_MS)
+    placed = {"p0": 0, "p1": 1, "p1b": 1, "p2": 2, "p7": 7}  # 7: beyond the topic's 3 partitions now
+    records = [Record("f", partition, k, encode(fb(id_, tenant="fa" if k % 2 else "fb")))
+               for k, (id_, partition) in enumerate(placed.items())]
+    write_output(str(data_dir), store, processor.process(records, store, NOW_MS))
+
+    def loaded(*partitions, total=None):
+        owned = OwnedPartitions(frozenset(partitions), 3)
+        again = PendingStore.load(data_dir, expiry_ms=EXPIRY_MS, now_ms=NOW_MS, owned=owned, max_pending=total)
+        return sorted(id_ for _, id_ in again.pending)
+
+    assert loaded(1) == ["p1", "p1b"] and loaded(2) == ["p2"] and loaded(0) == ["p0", "p7"]
+    assert loaded(0, 1, 2) == sorted(placed) == sorted(id_ for _, id_ in store.pending)
+    assert loaded(1, total=2) == ["p1", "p1b"], "the other partitions' rows take no room under the total"
+
+    column = pa.chunked_array([pa.array([0, 1, 2, None, 7, -1], pa.int32())])
+    assert OwnedPartitions(frozenset({1}), 3).mask(column).to_pylist() == [False, True, False, False, False, False]
+    assert OwnedPartitions(frozenset({0, 2}), 3).mask(column).to_pylist() == [True, False, True, True, True, True]
