@@ -48,7 +48,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -402,7 +402,7 @@ class Api:
             if not await _unless_disconnected(request, first_chunk()):
                 await chunks.aclose()  # aborts the engine's request, gives the slots back (and counts the 499)
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
-            return StreamingResponse(_prepend(got[0], chunks), media_type="text/event-stream", headers=headers)
+            return _ClosingStream(_prepend(got[0], chunks), chunks, media_type="text/event-stream", headers=headers)
         choices = {k: Choice(k) for k in range(call.choices)}
 
         async def collect() -> None:
@@ -773,6 +773,24 @@ async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[by
     yield first
     async for chunk in rest:
         yield chunk
+
+
+class _ClosingStream(StreamingResponse):
+    """A StreamingResponse that closes `generator` (the stream's, started: it holds the engine's request,
+    the lease, the tenant's in-flight slots and an Idempotency-Key until its `finally`) however the
+    response ends. Starlette leaves it suspended when sending fails (the client gone while the server waited
+    to write, or before the first byte), and its `finally` then ran only when the garbage collector got to
+    it, or never while a traceback held it."""
+
+    def __init__(self, content: AsyncIterator[bytes], generator: AsyncGenerator[bytes, None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.generator = generator
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.generator.aclose()
 
 
 def _model_card(model_id: str, created: int, parent: str | None = None) -> dict[str, Any]:

@@ -132,8 +132,8 @@ class EventLogFull(ServingError):
 
 
 class ClientClosedRequest(ServingError):
-    """The client left while its body was being read: counted (499, nginx's status), never sent, not logged as a
-    failure of the server's."""
+    """The client left while its body was being read, or while its request waited for the first one with its
+    Idempotency-Key: counted (499, nginx's status), never sent, not logged as a failure of the server's."""
 
     status = 499
     type = "invalid_request_error"

@@ -10,12 +10,13 @@ nothing else is generated or logged. A request sent again while the first is sti
 
 Keys are per tenant (two tenants' keys never meet) and kept `ttl_s` after the answer (config
 `serving.idempotency_ttl_seconds`; 0 turns keys off), and answers kept take at most `max_bytes` in all
-(`serving.idempotency_cache_mib`), the oldest leaving first; an answer larger than that is not kept. A
-key sent with another body (or to the other completion route) is a 422 `idempotency_key_reused`, as the
-IETF's Idempotency-Key draft says. Only a whole answer is kept: a refusal, a generation that failed, a
-client that left or a stream that ended in an error leaves the key free, so the request sent again runs
-(none of those logged an interaction). The keys live in the serving process's memory: a request sent
-again after serving restarted runs again.
+(`serving.idempotency_cache_mib`), the oldest leaving first; an answer larger than that is kept for
+the tries already waiting only. A key sent with another body (or to the other completion route) is a 422
+`idempotency_key_reused`, as the IETF's Idempotency-Key draft says. Only a whole answer is kept (a
+stream whose client left after its last token is whole, and logged): a refusal, a generation that failed,
+a client that left before the end, or a stream that ended in an error leaves the key free, so the request
+sent again runs (none of those logged an interaction). The keys live in the serving process's memory: a
+request sent again after serving restarted runs again.
 
 Runs on the event loop only, like the rest of the API: no lock.
 """
@@ -46,8 +47,9 @@ def fingerprint(route: str, body: bytes) -> bytes:
 def check_key(key: str) -> str:
     """The header's value if it is a usable key: 1 to 255 visible ASCII characters; else a 400."""
     if not 0 < len(key) <= MAX_KEY_CHARS or not all("!" <= c <= "~" for c in key):
+        shown = repr(key) if len(key) <= 64 else f"{len(key)} characters long"
         raise BadRequest(f"the Idempotency-Key header must be 1 to {MAX_KEY_CHARS} visible ASCII characters "
-                         "(a UUID, say)", param="Idempotency-Key")
+                         f"(a UUID, say); this one is {shown}", param="Idempotency-Key")
     return key
 
 
@@ -76,12 +78,14 @@ class Ticket:
     slot: tuple[str, str]
     fingerprint: bytes
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    answer: Answer | None = None  # once kept: what the requests that waited get, kept for later ones or not
 
     def keep(self, status: int, headers: dict[str, str], media_type: str, chunks: list[bytes], *, stream: bool) -> None:
         if self.done.is_set():
             return
         self.done.set()
-        self.keys._settle(self, Answer(status, dict(headers), media_type, list(chunks), stream, self.keys.clock()))
+        self.answer = Answer(status, dict(headers), media_type, list(chunks), stream, self.keys.clock())
+        self.keys._settle(self, self.answer)
 
     def abandon(self) -> None:
         if self.done.is_set():
@@ -122,6 +126,9 @@ class Keys:
             if running.fingerprint != fingerprint:
                 raise _reused(key)
             await wait(running.done)
+            if running.answer is not None:  # even if it is too large to keep for later tries
+                self.replayed += 1
+                return running.answer
         kept = self._kept.get(slot)
         if kept is not None:
             bound, answer = kept

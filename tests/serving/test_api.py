@@ -1483,3 +1483,63 @@ def test_kept_answers_expire_and_stay_within_their_bytes():
         return keys.kept_bytes
 
     assert asyncio.run(scenario()) == 0
+
+
+@pytest.mark.parametrize("fails_at", ["http.response.start", "http.response.body"])
+def test_a_stream_whose_sending_fails_gives_back_its_key_and_slots_at_once(fails_at):
+    """Starlette leaves a response's generator suspended when sending fails; the stream's `finally`, which
+    gives back the tenant's slots and the Idempotency-Key, ran only when the garbage collector got to it
+    (never while a traceback held the generator): a retry with the key waited for it."""
+    import gc
+
+    w = World()
+    w.llm.reply = [1, 2, 3, 4, 5, 6]
+    body = json.dumps(chat(stream=True, max_tokens=6)).encode()
+
+    async def scenario():
+        messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+        gone = asyncio.Event()
+
+        async def receive():
+            with contextlib.suppress(StopIteration):
+                return next(messages)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == fails_at and (fails_at == "http.response.start" or message.get("body")):
+                gone.set()
+                raise OSError("connection reset by peer")
+
+        scope = chat_scope(body)
+        scope["headers"] = [*scope["headers"], (b"idempotency-key", b"k-1")]
+        with contextlib.suppress(OSError):
+            await asyncio.wait_for(w.app(scope, receive, send), 5)
+        return dict(w.api.keys._running), w.api.inflight.held("acme")
+
+    gc.disable()
+    try:
+        running, held = asyncio.run(scenario())
+    finally:
+        gc.enable()
+    assert running == {} and held == 0
+
+
+def test_the_tries_that_waited_get_an_answer_too_large_to_keep():
+    w = World(idempotency_max_bytes=10)
+    w.llm.gate = asyncio.Event()
+
+    async def scenario(c):
+        first = asyncio.create_task(c.post("/v1/chat/completions", json=chat(), headers=keyed()))
+        while not w.llm.calls:
+            await asyncio.sleep(0.01)
+        again = asyncio.create_task(c.post("/v1/chat/completions", json=chat(), headers=keyed()))
+        await asyncio.sleep(0.05)
+        w.llm.gate.set()
+        first, again = await first, await again
+        later = await c.post("/v1/chat/completions", json=chat(), headers=keyed())
+        return first, again, later
+
+    first, again, later = w.run(scenario)
+    assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
+    assert len(w.llm.calls) == 2 and "idempotent-replayed" not in later.headers  # not kept: the later try ran
