@@ -109,18 +109,21 @@ def run_demo(cfg, **settings) -> int:
         return 2
     with contextlib.ExitStack() as held:
         try:
-            held.enter_context(FileLock(root / DEMO_LOCK, blocking=False))
+            lock = held.enter_context(FileLock(root / DEMO_LOCK, blocking=False))
         except LockBusy:
-            print(f"clora demo: another clora demo is running on {root} (it holds {root / DEMO_LOCK}); wait for it "
-                  "to finish, or give this one another data_dir", file=sys.stderr)
+            print(f"clora demo: another clora demo is running on {root} (it holds {root / DEMO_LOCK}), or the "
+                  "processes of one that was killed are still stopping; wait for it to finish, or give this one "
+                  "another data_dir", file=sys.stderr)
             return 2
-        return _run(cfg, root, **settings)
+        return _run(cfg, root, lock=lock, **settings)
 
 
-def _run(cfg, root: Path, *, minutes: float, rate: float, preferences: list[str], seed: int, out_png: Path,
-         keep_data: bool = False, full: bool = False) -> int:
+def _run(cfg, root: Path, *, lock: int, minutes: float, rate: float, preferences: list[str], seed: int,
+         out_png: Path, keep_data: bool = False, full: bool = False) -> int:
     """The demo; `minutes` is the most the simulated apps send traffic: it stops once every tenant has
-    `learned` unless `full`. The verdict is the same either way."""
+    `learned` unless `full`. The verdict is the same either way. `lock`: the descriptor holding the demo's
+    lock, which the stack's processes hold too: a demo killed outright (SIGKILL) leaves them stopping on
+    its death (draining, writing), and the next demo must not delete their data under them meanwhile."""
     from clora.config import load_config
     from clora.simulate import Simulator, records_to_json, summarise, tenants_from_config
     from clora.up import KILLED_WHILE_STOPPING, up
@@ -189,7 +192,7 @@ def _run(cfg, root: Path, *, minutes: float, rate: float, preferences: list[str]
 
     # The children read the demo's own file only, as demo_cfg was: CLORA_DATA_DIR or CLORA_KAFKA_BOOTSTRAP set
     # for a real deployment must not send the demo's processes into its data or its Kafka group.
-    code = up(demo_cfg, str(config_path), until=done.is_set, on_stop=stop_traffic, file_only=True)
+    code = up(demo_cfg, str(config_path), until=done.is_set, on_stop=stop_traffic, file_only=True, keep_fds=(lock,))
     finished = outcome.get("finished", done.is_set())
     if code not in (0, KILLED_WHILE_STOPPING):  # a child killed while stopping: the figures are in memory all the same
         print("demo: the stack failed; see the log above")

@@ -66,6 +66,8 @@ class ChildSpec:
     # Where the child marks itself ready (storage.files.mark_ready), removed before each start: an earlier
     # process's mark must not pass for this one's (its pid may have been reused).
     ready_file: Path | None = None
+    # Descriptors the child keeps (subprocess's pass_fds): a lock given so stays held while the child lives.
+    keep_fds: tuple[int, ...] = ()
 
 
 class ChildExited(RuntimeError):
@@ -95,6 +97,7 @@ class Child:
             # holds what it forks, killed with it (kill_group)
             start_new_session=True,
             preexec_fn=die_with_parent(),
+            pass_fds=self.spec.keep_fds,
             text=True,
             errors="replace",
             bufsize=1,
@@ -561,11 +564,13 @@ def _can_bind(host: str, port: int) -> bool:
 
 def up(cfg, config_path: str | None, *, until: Callable[[], bool] = lambda: False,
        emit: Callable[[str, str], None] | None = None, on_stop: Callable[[], None] = lambda: None,
-       file_only: bool = False) -> int:
+       file_only: bool = False, keep_fds: tuple[int, ...] = ()) -> int:
     """Runs the stack until Ctrl-C/SIGTERM (or `until()`); returns an exit code. `on_stop` is called once the
     stop is decided, before the children are stopped (which can take minutes: ingest drains). `file_only`:
-    as for `stack_specs`."""
+    as for `stack_specs`. `keep_fds`: descriptors every child keeps (a lock that must outlive a `up`
+    killed outright, until its children, stopping on its death, are gone)."""
     specs, order = stack_specs(cfg, config_path, file_only=file_only)
+    specs = [replace(s, keep_fds=keep_fds) for s in specs]
     sup = Supervisor(specs, order, emit=emit)
     problems = setup_problems(cfg)
     if problems:

@@ -202,13 +202,15 @@ def _locked_fd(path: Path, *, blocking: bool) -> int | None:
 
 
 @contextlib.contextmanager
-def FileLock(path: Path, *, blocking: bool = True) -> Iterator[None]:  # noqa: N802 (reads like a class)
-    """An exclusive advisory lock on `path` (created if needed), held for the `with` block."""
+def FileLock(path: Path, *, blocking: bool = True) -> Iterator[int]:  # noqa: N802 (reads like a class)
+    """An exclusive advisory lock on `path` (created if needed), held for the `with` block, which gets the
+    descriptor holding it: a child process given it (subprocess's `pass_fds`) holds the lock too, until
+    the last holder closes it or exits."""
     fd = _locked_fd(path, blocking=blocking)
     if fd is None:
         raise LockBusy(f"{path} is held by another process")
     try:
-        yield
+        yield fd
     finally:
         os.close(fd)  # closing the descriptor releases the lock
 

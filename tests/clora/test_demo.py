@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
 import threading
 import time
@@ -109,7 +110,7 @@ def test_a_demo_interrupted_during_the_traffic_reports_partial_figures_and_exits
 
     after_stop = {}
 
-    def fake_interrupted_up(cfg, config_path, *, until, on_stop, file_only):
+    def fake_interrupted_up(cfg, config_path, *, until, on_stop, file_only, keep_fds):
         """Serves until the simulated traffic has begun, then stops as `up` does after Ctrl-C: on_stop, then
         the children's stop, which takes a while (and outlasts the simulation's own end here)."""
         assert file_only, "the demo's children must read its own file only"
@@ -188,8 +189,20 @@ class FakeLearningServing(BaseHTTPRequestHandler):
         pass
 
 
-def fake_learning_up(cfg, config_path, *, until, on_stop, file_only):
-    """Serves (FakeLearningServing) until the demo's traffic has ended, then stops as `up` does."""
+def fake_learning_up(cfg, config_path, *, until, on_stop, file_only, keep_fds):
+    """Serves (FakeLearningServing) until the demo's traffic has ended, then stops as `up` does. The stack's
+    processes are given the descriptor of the demo's lock, held (a demo killed outright leaves it held until
+    they are gone)."""
+    import fcntl
+
+    (lock,) = keep_fds
+    assert os.readlink(f"/proc/self/fd/{lock}").endswith("/demo.lock")
+    other = os.open(f"/proc/self/fd/{lock}", os.O_RDONLY)  # the same file, another open file
+    try:
+        with pytest.raises(BlockingIOError):  # held: by the demo, through the descriptor given
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(other)
     server = ThreadingHTTPServer((cfg.serving.host, cfg.serving.port), FakeLearningServing)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:

@@ -180,6 +180,57 @@ def test_children_get_sigterm_when_up_itself_dies(tmp_path):
                 pass
 
 
+def test_a_lock_given_to_the_children_stays_held_until_the_last_of_them_is_gone(tmp_path):
+    """What `clora demo` relies on: killed outright, its stack's processes still stop on its death for a
+    while (ingest drains, writing to the data dir); its lock, which they hold too, keeps the next demo from
+    deleting that data under them until they are gone."""
+    from storage.files import FileLock, LockBusy
+
+    lock, ready = tmp_path / "demo.lock", tmp_path / "stops-slowly"
+    child = tmp_path / "child.py"  # stops 2 s after its SIGTERM, as ingest drains
+    child.write_text("import signal, sys, time\n"
+                     "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(2), sys.exit(0)))\n"
+                     f"open({str(ready)!r}, 'w').close()\n"
+                     "time.sleep(600)\n")
+    supervisor = tmp_path / "supervisor.py"
+    supervisor.write_text("import sys, time\n"
+                          "from pathlib import Path\n"
+                          "from clora.up import ChildSpec, Supervisor\n"
+                          "from storage.files import FileLock\n"
+                          f"with FileLock(Path({str(lock)!r})) as fd:\n"
+                          f"    spec = ChildSpec('slow', [sys.executable, {str(child)!r}], healthy=lambda _pid: True,\n"
+                          "                     keep_fds=(fd,))\n"
+                          "    sup = Supervisor([spec], stop_order=[], emit=lambda *a: None)\n"
+                          "    sup.start_all()\n"
+                          "    print(sup.children['slow'].proc.pid, flush=True)\n"
+                          "    time.sleep(600)\n")
+    up = subprocess.Popen([sys.executable, str(supervisor)], stdout=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    pid = None
+    try:
+        pid = int(up.stdout.readline())
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:  # its SIGTERM handler is in place
+            time.sleep(0.05)
+        up.kill()
+        up.wait()
+        with pytest.raises(LockBusy):  # the supervisor is gone; its child, stopping, still holds the lock
+            with FileLock(lock, blocking=False):
+                pass
+        assert gone(pid), "the child outlived the SIGKILLed supervisor"
+        with FileLock(lock, blocking=False):  # the last holder gone: free
+            pass
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_a_restarted_embedded_broker_says_what_was_lost(tmp_path):
     """The embedded broker keeps topics in memory: its restart loses what ingest had not stored yet."""
     import dataclasses
