@@ -71,8 +71,17 @@ from typing import NamedTuple
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.coordinator.assignors.range import RangePartitionAssignor
-from kafka import errors as kafka_errors
-from kafka.errors import CommitFailedError, KafkaError, KafkaTimeoutError
+from kafka.errors import (
+    CommitFailedError,
+    GroupAuthorizationFailedError,
+    GroupMaxSizeReachedError,
+    InconsistentGroupProtocolError,
+    InvalidGroupIdError,
+    InvalidSessionTimeoutError,
+    KafkaError,
+    KafkaTimeoutError,
+    TopicAuthorizationFailedError,
+)
 from kafka.producer.future import FutureRecordMetadata
 from kafka.structs import OffsetAndMetadata
 
@@ -633,9 +642,11 @@ class Ingest:
 
     def _owned_feedback(self) -> OwnedPartitions | None:
         """The feedback topic's partitions assigned to this process, whose pending feedback it loads; None
-        (all of it) while the topic's partitions are not known."""
+        (all of it) while the topic's partitions are not in the client's metadata. The metadata is read as
+        it is: KafkaConsumer.partitions_for_topic would ask the broker for it and wait without a limit."""
         topic = self.topics[1]
-        count = None if self.consumer is None else self.consumer.partitions_for_topic(topic)
+        cluster = getattr(getattr(self.consumer, "_client", None), "cluster", None)  # kafka-python's metadata
+        count = None if cluster is None else cluster.partitions_for_topic(topic)
         if not count:
             return None
         mine = frozenset(tp.partition for tp in self.consumer.assignment() if tp.topic == topic)
@@ -734,23 +745,24 @@ def _group_errors(group_id: str, session_timeout_ms: int) -> Iterator[None]:
     Nothing is lost: what was read and not committed is read again by the next run."""
     try:
         yield
-    except kafka_errors.InvalidSessionTimeoutError as e:
+    except InvalidSessionTimeoutError as e:
         raise BrokerError(f"the broker refused kafka.session_timeout_ms {session_timeout_ms}: it must lie between the "
                           "broker's group.min.session.timeout.ms and group.max.session.timeout.ms (Kafka's defaults: "
                           "6000 and 1800000); change the setting or the broker's limits") from e
-    except kafka_errors.InconsistentGroupProtocolError as e:
+    except InconsistentGroupProtocolError as e:
         raise BrokerError(f"consumer group {group_id!r} (kafka.group_id) has members of another application (another "
                           "partition assignment protocol): give clora ingest a group of its own") from e
-    except kafka_errors.InvalidGroupIdError as e:
+    except InvalidGroupIdError as e:
         raise BrokerError(f"the broker refused the consumer group id {group_id!r} (kafka.group_id)") from e
-    except kafka_errors.GroupMaxSizeReachedError as e:
+    except GroupMaxSizeReachedError as e:
         raise BrokerError(f"consumer group {group_id!r} (kafka.group_id) is full (the broker's group.max.size): run "
                           "fewer ingest processes in it, or raise the limit") from e
-    except kafka_errors.GroupAuthorizationFailedError as e:
+    except GroupAuthorizationFailedError as e:
         raise BrokerError(f"not authorised to use consumer group {group_id!r} (kafka.group_id): grant this client "
                           "access to the group") from e
-    except kafka_errors.TopicAuthorizationFailedError as e:
-        raise BrokerError(f"not authorised to read or write a topic: {e}; grant this client access to the topics") from e
+    except TopicAuthorizationFailedError as e:
+        raise BrokerError(f"not authorised to read or write a topic ({e}): grant this client access to the topics "
+                          "kafka.interactions_topic, kafka.feedback_topic and kafka.dead_letter_topic name") from e
 
 
 def _names(partitions: list[TopicPartition]) -> str:

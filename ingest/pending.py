@@ -29,7 +29,8 @@ Pending feedback is capped per tenant (config `ingest.max_pending_feedback_per_t
 (`ingest.max_pending_feedback`; past it, room is made in the tenant holding the most). Feedback may name
 any id (the serving tier's POST /v1/feedback takes whatever id a tenant's key sends), so without a cap a
 flood of ids that never arrive would hold ~0.5 KB per event (measured: 460 bytes with 41-character ids,
-plus 48 for the tuple holding an id's rows) for the whole expiry, in the one process every tenant shares.
+plus 48 for the tuple holding an id's rows) for the whole expiry, in the process every tenant of its
+partitions shares (the caps are per process).
 Beyond the cap the tenant's oldest waiting entry leaves memory: it is still in `feedback/` (every feedback
 event is written before the join is decided), but an interaction arriving after that is not scored by it (a
 later feedback event for the same id waits again). Only feedback without its interaction is ever pending:
@@ -294,7 +295,10 @@ class OwnedPartitions:
     processes in a group, the pending feedback it loads is that of those partitions only, which is the
     feedback that reaches it live (the rest waits in the processes that read it). A row stored with no
     partition, or one beyond `count` (the topic made again with fewer), is loaded by the reader of
-    partition 0, so every row is loaded by exactly one process."""
+    partition 0, so every row is loaded by one process, where every process knows the topic's count (one
+    that does not loads all). Rows are told apart by partition number only, not topic: a feedback event
+    sent to the interactions topic counts as one on the feedback topic's partition of that number, which is
+    where it lives when both topics have the same partitions, as the contract asks."""
 
     partitions: frozenset[int]
     count: int

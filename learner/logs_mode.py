@@ -424,9 +424,13 @@ class BehaviourFromLogits:
         out = torch.full(part.completion_ids.shape, math.nan, dtype=torch.float32, device=logits.device)
         batch_rows = range(at.start, at.stop)
         mine = [k for k, row in enumerate(batch_rows) if row in self.position]
-        if mine:
+        if not mine:
+            return out
+        own = torch.tensor([self.position[batch_rows[m]] for m in mine])
+        if len(mine) == len(batch_rows):  # every row its own: the logits as they are, not a copy of them
+            out[:] = self.process(logits, part.to(logits.device), own)
+        else:
             k = torch.tensor(mine)
-            own = torch.tensor([self.position[batch_rows[m]] for m in mine])
             out[k.to(logits.device)] = self.process(logits[k.to(logits.device)], part.rows(k).to(logits.device), own)
         return out
 

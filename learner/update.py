@@ -130,8 +130,9 @@ def pg_update(
     ref, base_logps = policy.base_reference(batch, temperature=temperature, rows_per_pass=micro_batch_size,
                                             on_logits=take_base)
     if from_base:
-        made = torch.cat(from_base)
-        old_logprobs = made if old_logprobs is None else torch.where(torch.isnan(made), old_logprobs.to(device), made)
+        base_made = torch.cat(from_base)
+        old_logprobs = (base_made if old_logprobs is None
+                        else torch.where(torch.isnan(base_made), old_logprobs.to(device), base_made))
     total_tokens = mask.sum().clamp(min=1)
     start: list[tuple[Tensor, Tensor, Tensor]] = []  # per micro-batch, from the first epoch: pi_prox, w, the cap's cuts
     loss_sum = pg_sum = clipped_sum = kl_before_sum = entropy_sum = 0.0

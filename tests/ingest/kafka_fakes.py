@@ -49,11 +49,5 @@ class FakeConsumer:
 
     def highwater(self, tp):
         return None
-
-    def partitions_for_topic(self, topic):
-        """The topic's partitions, as the broker's metadata gives them: those of it assigned here (None, as
-        when the metadata has not come yet, if none is)."""
-        return {tp.partition for tp in self.assigned if tp.topic == topic} or None
-
     def close(self, autocommit=True):
         self.closed = True

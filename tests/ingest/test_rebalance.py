@@ -281,3 +281,26 @@ def test_a_store_loaded_after_a_restart_holds_no_feedback_of_tenants_a_function_
     assert sorted(read_dataset(str(data_dir), "feedback").column("tenant").to_pylist()) == ["acme", "dig"]
     ingest.load_store()
     assert sorted(ingest.store.pending) == [("acme", "i0")]
+
+
+def test_the_store_view_after_an_assignment_waits_the_feedback_of_the_feedback_partitions_assigned(ingest, data_dir):
+    """Each process in the group loads the pending feedback of its own feedback partitions only (pending.py,
+    OwnedPartitions), whichever partitions of the interactions topic it has, as the client's metadata gives
+    the topic's count; without that metadata, all of it."""
+    from types import SimpleNamespace
+
+    ingest.buffer = [Record("t.f", partition, k, encode(FeedbackEvent(id=f"p{partition}-{k}", tenant="acme", score=0.5)))
+                     for k, partition in enumerate([0, 1, 2, 1])]
+    ingest.flush()
+
+    def waiting():
+        ingest.load_store()
+        return sorted(id_ for _, id_ in ingest.store.pending)
+
+    assert waiting() == ["p0-0", "p1-1", "p1-3", "p2-2"]  # no metadata: all of it
+    topics = {"t.i": {0, 1, 2}, "t.f": {0, 1, 2}}
+    ingest.consumer._client = SimpleNamespace(cluster=SimpleNamespace(partitions_for_topic=topics.get))
+    ingest.consumer.assigned = {TopicPartition("t.i", 1), TopicPartition("t.f", 1)}
+    assert waiting() == ["p1-1", "p1-3"]
+    ingest.consumer.assigned = {TopicPartition("t.i", 0), TopicPartition("t.i", 2), TopicPartition("t.f", 2)}
+    assert waiting() == ["p2-2"], "the interactions topic's partitions say nothing of the feedback's"
