@@ -149,6 +149,18 @@ def test_crashed_child_is_restarted_with_backoff(tmp_path):
     assert starts.read_text() == "x" * 6
 
 
+def _kill(up: subprocess.Popen, child: int | None) -> None:
+    """What a test of a killed supervisor leaves running, killed: the supervisor and its child."""
+    if up.poll() is None:
+        up.kill()
+        up.wait()
+    if child is not None:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_children_get_sigterm_when_up_itself_dies(tmp_path):
     """A `clora up` killed outright (SIGKILL, the OOM killer) runs no stop: its children must go all the same
     (parent-death signal), or they would hold the ports the next `clora up` needs."""
@@ -170,14 +182,7 @@ def test_children_get_sigterm_when_up_itself_dies(tmp_path):
         up.wait()
         assert gone(pid), "the child outlived the SIGKILLed supervisor"
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        if pid is not None:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill(up, pid)
 
 
 def test_a_lock_given_to_the_children_stays_held_until_the_last_of_them_is_gone(tmp_path):
@@ -221,14 +226,7 @@ def test_a_lock_given_to_the_children_stays_held_until_the_last_of_them_is_gone(
         with FileLock(lock, blocking=False):  # the last holder gone: free
             pass
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        if pid is not None:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill(up, pid)
 
 
 def test_a_restarted_embedded_broker_says_what_was_lost(tmp_path):

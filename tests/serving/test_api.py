@@ -220,6 +220,32 @@ def chat_scope(body: bytes, tenant: str = "acme") -> dict:
                         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
 
 
+async def leave_once_generating(w, body: bytes, *, headers=(), at_engine=lambda: None) -> None:
+    """POSTs `body` to /v1/chat/completions straight to the app, as a client that leaves (disconnects) once
+    the engine has the request (after `at_engine()`), and returns when the handler has ended."""
+    left = asyncio.Event()
+    sent = []
+
+    async def receive():
+        if not sent:
+            sent.append(1)
+            return {"type": "http.request", "body": body, "more_body": False}
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = chat_scope(body)
+    scope["headers"] = [*scope["headers"], *headers]
+    handler = asyncio.create_task(w.app(scope, receive, send))
+    while not w.llm.calls:
+        await asyncio.sleep(0.01)
+    at_engine()
+    left.set()  # the client goes away
+    await asyncio.wait_for(handler, 5)
+
+
 def error(response) -> dict:
     body = response.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
@@ -931,31 +957,14 @@ def test_a_client_that_leaves_before_the_answer_gives_its_slots_back_at_once(str
     w.llm.on_close = lambda request_id: held_at_close.append(w.api.inflight.held("acme"))
     body = json.dumps(chat(n=4, temperature=1, stream=stream)).encode()
 
+    held_at_engine = []
+
     async def scenario():
-        left = asyncio.Event()
-        sent = []
-
-        async def receive():
-            if not sent:
-                sent.append(1)
-                return {"type": "http.request", "body": body, "more_body": False}
-            await left.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message):
-            sent.append(message)
-
-        scope = chat_scope(body)
-        handler = asyncio.create_task(w.app(scope, receive, send))
-        while not w.llm.calls:
-            await asyncio.sleep(0.01)
-        assert w.api.inflight.held("acme") == 4
-        left.set()  # the client goes away
-        await asyncio.wait_for(handler, 5)
+        await leave_once_generating(w, body, at_engine=lambda: held_at_engine.append(w.api.inflight.held("acme")))
         return w.api.inflight.held("acme")
 
     assert asyncio.run(scenario()) == 0
-    assert held_at_close == [4]
+    assert held_at_engine == held_at_close == [4]
     assert w.events.logged == [], "nothing was answered, so no interaction is logged"
     assert w.api.metrics.requests.labels("acme", "chat", "499")._value.get() == 1, "the aborted request is counted"
 
@@ -1383,8 +1392,10 @@ def test_an_idempotency_key_sent_with_another_request_is_a_422_and_a_bad_key_a_4
     assert r.status_code == 400 and error(r)["param"] == "messages"
 
 
-def test_a_request_sent_again_while_its_first_runs_waits_for_that_answer():
-    w = World()
+@pytest.mark.parametrize("kept", [True, False], ids=["kept", "too-large-to-keep"])
+def test_a_request_sent_again_while_its_first_runs_waits_for_that_answer(kept):
+    """Even an answer too large to keep for later tries goes to the tries that waited for it."""
+    w = World() if kept else World(idempotency_max_bytes=10)
     w.llm.gate = asyncio.Event()
 
     async def scenario(c):
@@ -1396,13 +1407,15 @@ def test_a_request_sent_again_while_its_first_runs_waits_for_that_answer():
         await asyncio.sleep(0.05)
         assert not again.done()
         w.llm.gate.set()
-        return await first, await again, other
+        first, again = await first, await again
+        return first, again, other, await c.post("/v1/chat/completions", json=chat(), headers=keyed())
 
-    first, again, other = w.run(scenario)
+    first, again, other, later = w.run(scenario)
     assert first.status_code == again.status_code == 200 and again.content == first.content
     assert again.headers["idempotent-replayed"] == "true"
     assert other.status_code == 422
-    assert len(w.llm.calls) == 1 and len(w.events.logged) == 1
+    assert len(w.events.logged) == 1 + (not kept) and len(w.llm.calls) == 1 + (not kept)
+    assert ("idempotent-replayed" in later.headers) == kept  # not kept: the later try ran
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -1427,26 +1440,7 @@ def test_a_first_request_whose_client_left_leaves_its_key_free():
     body = json.dumps(chat()).encode()
 
     async def scenario():
-        left = asyncio.Event()
-        sent = []
-
-        async def receive():
-            if not sent:
-                sent.append(1)
-                return {"type": "http.request", "body": body, "more_body": False}
-            await left.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message):
-            sent.append(message)
-
-        scope = chat_scope(body)
-        scope["headers"] = [*scope["headers"], (b"idempotency-key", b"k-1")]
-        handler = asyncio.create_task(w.app(scope, receive, send))
-        while not w.llm.calls:
-            await asyncio.sleep(0.01)
-        left.set()
-        await asyncio.wait_for(handler, 5)
+        await leave_once_generating(w, body, headers=[(b"idempotency-key", b"k-1")])
         w.llm.gate.set()
         async with w.client() as c:
             return await c.post("/v1/chat/completions", content=body, headers=keyed())
@@ -1523,23 +1517,3 @@ def test_a_stream_whose_sending_fails_gives_back_its_key_and_slots_at_once(fails
     finally:
         gc.enable()
     assert running == {} and held == 0
-
-
-def test_the_tries_that_waited_get_an_answer_too_large_to_keep():
-    w = World(idempotency_max_bytes=10)
-    w.llm.gate = asyncio.Event()
-
-    async def scenario(c):
-        first = asyncio.create_task(c.post("/v1/chat/completions", json=chat(), headers=keyed()))
-        while not w.llm.calls:
-            await asyncio.sleep(0.01)
-        again = asyncio.create_task(c.post("/v1/chat/completions", json=chat(), headers=keyed()))
-        await asyncio.sleep(0.05)
-        w.llm.gate.set()
-        first, again = await first, await again
-        later = await c.post("/v1/chat/completions", json=chat(), headers=keyed())
-        return first, again, later
-
-    first, again, later = w.run(scenario)
-    assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
-    assert len(w.llm.calls) == 2 and "idempotent-replayed" not in later.headers  # not kept: the later try ran
