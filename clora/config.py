@@ -81,6 +81,7 @@ def _bootstrap_entry_ok(entry: str) -> bool:
 
 TOPIC_NAME = r"^[A-Za-z0-9._-]{1,249}$"  # what Kafka accepts as a topic name (and not "." or "..": _topic)
 LORA_RANK_SIZES = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank values (its kernels' sizes)
+MIN_POLL_SECONDS = 0.01  # the shortest poll or flush interval: shorter is a busy loop that takes a core
 
 
 def lora_rank_size(rank: int) -> int:
@@ -236,7 +237,10 @@ class ServingConfig(_Strict):
     kv_cache_gib: float = Field(
         1.0, ge=0, description="KV cache the engine reserves, GiB (small on CPU hosts); 0: vLLM sizes it from free memory."
     )
-    registry_poll_seconds: float = Field(0.5, gt=0, description="How often the registry is checked for new versions.")
+    registry_poll_seconds: float = Field(
+        0.5, ge=MIN_POLL_SECONDS, description="How often the registry is checked for new versions (at least 0.01 s: "
+        "shorter is a busy loop)."
+    )
     shutdown_grace_seconds: float = Field(
         30.0, ge=0, description="On stop, how long generations still running may take to finish; those running past "
         "it end with a 503 server_stopping (a stream: its last event) and can be sent again. `clora up` gives "
@@ -246,7 +250,9 @@ class ServingConfig(_Strict):
 
 class IngestConfig(_Strict):
     flush_rows: int = Field(5000, ge=1, description="Write Parquet once this many events are buffered.")
-    flush_seconds: float = Field(1.0, gt=0, description="Write Parquet at least this often (freshness bound).")
+    flush_seconds: float = Field(
+        1.0, ge=MIN_POLL_SECONDS, description="Write Parquet at least this often (freshness bound; at least 0.01 s)."
+    )
     max_message_bytes: int = Field(1_000_000, ge=64, description="Larger messages are dead-lettered.")
     max_batch_scoring_seconds: float = Field(
         30.0, gt=0, description="A batch whose scorer functions have run this long ends before its next scorer call: "
@@ -306,7 +312,9 @@ class LearnerConfig(_Strict):
     scheduler: Literal["round_robin", "most_backlog", "fair_share"] = Field(
         "round_robin", description="How the next tenant is chosen."
     )
-    poll_seconds: float = Field(1.0, gt=0, description="Sleep when no tenant has new trajectories.")
+    poll_seconds: float = Field(
+        1.0, ge=MIN_POLL_SECONDS, description="Sleep when no tenant has new trajectories (at least 0.01 s)."
+    )
     clip_eps: float = Field(
         0.2, gt=0, description="PPO clip range of the ratio to the adapter as a step starts (the proximal policy): "
         "the trust region of update_epochs > 1. With one optimizer step per batch that ratio stays 1 and the clip "

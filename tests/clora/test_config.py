@@ -300,6 +300,10 @@ def test_model_path_and_prompts_files_under_home_are_expanded_as_data_dir_is(tmp
     ("[kafka]\ninteractions_topic = \"my topic\"\n", "kafka.interactions_topic", "A-Za-z0-9._-"),
     ("[kafka]\nfeedback_topic = \"\"\n", "kafka.feedback_topic", "A-Za-z0-9._-"),
     ("[kafka]\nfeedback_topic = \"..\"\n", "kafka.feedback_topic", "not a topic name Kafka accepts"),
+    # intervals that make a poll or a compaction a busy loop taking a core
+    ("[serving]\nregistry_poll_seconds = 1e-9\n", "serving.registry_poll_seconds", "0.01"),
+    ("[ingest]\nflush_seconds = 0.001\n", "ingest.flush_seconds", "0.01"),
+    ("[learner]\npoll_seconds = 1e-6\n", "learner.poll_seconds", "0.01"),
 ])
 def test_values_the_engine_kafka_or_torch_would_refuse_are_config_errors(tmp_path, toml, field, message):
     with pytest.raises(ConfigError) as e:
