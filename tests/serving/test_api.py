@@ -1517,3 +1517,37 @@ def test_a_stream_whose_sending_fails_gives_back_its_key_and_slots_at_once(fails
     finally:
         gc.enable()
     assert running == {} and held == 0
+
+
+def test_the_openai_sdks_own_retries_carry_one_key_and_a_lost_answer_is_given_again():
+    """The README's recipe: with `_idempotency_header` set, the openai SDK sends one key on every try of a
+    call; an answer lost on the way back (the connection reset after serving finished) is sent again."""
+    import openai
+
+    w = World()
+
+    class LosesTheFirstAnswer(httpx.AsyncBaseTransport):
+        def __init__(self):
+            self.inner, self.keys = httpx.ASGITransport(app=w.app), []
+
+        async def handle_async_request(self, request):
+            self.keys.append(request.headers.get("idempotency-key"))
+            response = await self.inner.handle_async_request(request)
+            if len(self.keys) == 1:
+                await response.aread()
+                raise httpx.ReadError("connection reset by peer", request=request)
+            return response
+
+    async def scenario():
+        transport = LosesTheFirstAnswer()
+        async with httpx.AsyncClient(transport=transport) as http:
+            client = openai.AsyncOpenAI(api_key=KEYS["acme"], base_url="http://clora/v1", http_client=http,
+                                        max_retries=2)
+            client._idempotency_header = "Idempotency-Key"
+            raw = await client.chat.completions.with_raw_response.create(model="acme", messages=MESSAGES)
+            return transport.keys, raw
+
+    keys, raw = asyncio.run(scenario())
+    assert len(keys) == 2 and keys[0] == keys[1] and keys[0]
+    assert raw.headers["idempotent-replayed"] == "true" and raw.parse().id == w.events.logged[0].id
+    assert len(w.llm.calls) == 1 and len(w.events.logged) == 1
