@@ -412,17 +412,17 @@ class Behaviour:
 
 class BehaviourFromLogits:
     """The behaviour log-probs of the batch rows `rows`, all drawn by one version, from that version's logits:
-    called as `(logits [b, C, V], part, at)` for `part`, the batch's rows `at` (a slice), it returns [b, C]
-    on the logits' device, NaN in the rows that are not its own. `process(logits, part, at)` computes them
-    for a part of its own rows, `at` indexing `rows`."""
+    called as `(logits [b, C, V], part, span)` for `part`, the batch's rows `span` (a slice), it returns
+    [b, C] on the logits' device, NaN in the rows that are not its own. `process(logits, part, at)` computes
+    them for a part of its own rows, `at` indexing `rows`."""
 
     def __init__(self, rows: Sequence[int], process: Callable[[torch.Tensor, TokenBatch, torch.Tensor], torch.Tensor]):
         self.position = {row: j for j, row in enumerate(rows)}
         self.process = process
 
-    def __call__(self, logits: torch.Tensor, part: TokenBatch, at: slice) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, part: TokenBatch, span: slice) -> torch.Tensor:
         out = torch.full(part.completion_ids.shape, math.nan, dtype=torch.float32, device=logits.device)
-        batch_rows = range(at.start, at.stop)
+        batch_rows = range(span.start, span.stop)
         mine = [k for k, row in enumerate(batch_rows) if row in self.position]
         if not mine:
             return out

@@ -779,8 +779,8 @@ class _ClosingStream(StreamingResponse):
     """A StreamingResponse that closes `generator` (the stream's, started: it holds the engine's request,
     the lease, the tenant's in-flight slots and an Idempotency-Key until its `finally`) however the
     response ends. Starlette leaves it suspended when sending fails (the client gone while the server waited
-    to write, or before the first byte), and its `finally` then ran only when the garbage collector got to
-    it, or never while a traceback held it."""
+    to write, or before the first byte); left so, its `finally` would run only when the garbage collector
+    got to it, or never while a traceback held it."""
 
     def __init__(self, content: AsyncIterator[bytes], generator: AsyncGenerator[bytes, None], **kwargs: Any) -> None:
         super().__init__(content, **kwargs)

@@ -6,17 +6,19 @@ interaction event: a second trajectory row for one request, and feedback for the
 leaving the other unscored (or scored twice, by a programmatic scorer). With a key, the first request
 with that key runs; one sent again with the same key and the same body gets the first one's answer
 (status 200, the same body and `x-request-id`, plus `idempotent-replayed: true`), streamed or not, and
-nothing else is generated or logged. A request sent again while the first is still running waits for it.
+nothing else is generated or logged. A request sent again while the first is still running waits for it
+(the IETF draft answers it 409 instead; a client retrying after a lost connection would then have to try
+again until the first ends), and a streamed one then gets every event at once.
 
 Keys are per tenant (two tenants' keys never meet) and kept `ttl_s` after the answer (config
 `serving.idempotency_ttl_seconds`; 0 turns keys off), and answers kept take at most `max_bytes` in all
 (`serving.idempotency_cache_mib`), the oldest leaving first; an answer larger than that is kept for
 the tries already waiting only. A key sent with another body (or to the other completion route) is a 422
-`idempotency_key_reused`, as the IETF's Idempotency-Key draft says. Only a whole answer is kept (a
+`idempotency_key_reused`, as the IETF's Idempotency-Key draft says; bodies are compared byte for byte. Only a whole answer is kept (a
 stream whose client left after its last token is whole, and logged): a refusal, a generation that failed,
 a client that left before the end, or a stream that ended in an error leaves the key free, so the request
 sent again runs (none of those logged an interaction). The keys live in the serving process's memory: a
-request sent again after serving restarted runs again.
+request sent again to another serving replica, or after serving restarted, runs again.
 
 Runs on the event loop only, like the rest of the API: no lock.
 """
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 HEADER = "idempotency-key"
 REPLAYED = "idempotent-replayed"  # on a response that is a kept answer given again
 MAX_KEY_CHARS = 255
+ENTRY_BYTES = 256  # what a kept answer costs beyond its body and headers (its objects, its place in the dict)
 
 
 def fingerprint(route: str, body: bytes) -> bytes:
@@ -66,7 +69,7 @@ class Answer:
 
     @property
     def size(self) -> int:
-        return sum(len(c) for c in self.chunks) + sum(len(k) + len(v) for k, v in self.headers.items()) + 256
+        return sum(len(c) for c in self.chunks) + sum(len(k) + len(v) for k, v in self.headers.items()) + ENTRY_BYTES
 
 
 @dataclass(eq=False)
@@ -85,13 +88,13 @@ class Ticket:
             return
         self.done.set()
         self.answer = Answer(status, dict(headers), media_type, list(chunks), stream, self.keys.clock())
-        self.keys._settle(self, self.answer)
+        self.keys.settle(self, self.answer)
 
     def abandon(self) -> None:
         if self.done.is_set():
             return
         self.done.set()
-        self.keys._settle(self, None)
+        self.keys.settle(self, None)
 
 
 class Keys:
@@ -102,7 +105,6 @@ class Keys:
         self._running: dict[tuple[str, str], Ticket] = {}
         self._kept: dict[tuple[str, str], tuple[bytes, Answer]] = {}  # oldest first
         self._bytes = 0
-        self.replayed = 0
 
     @property
     def enabled(self) -> bool:
@@ -127,20 +129,19 @@ class Keys:
                 raise _reused(key)
             await wait(running.done)
             if running.answer is not None:  # even if it is too large to keep for later tries
-                self.replayed += 1
                 return running.answer
         kept = self._kept.get(slot)
         if kept is not None:
             bound, answer = kept
             if bound != fingerprint:
                 raise _reused(key)
-            self.replayed += 1
             return answer
         ticket = Ticket(self, slot, fingerprint)
         self._running[slot] = ticket
         return ticket
 
-    def _settle(self, ticket: Ticket, answer: Answer | None) -> None:
+    def settle(self, ticket: Ticket, answer: Answer | None) -> None:
+        """Ends `ticket`'s run: its key is free again, or (with `answer`) kept, as room allows."""
         if self._running.get(ticket.slot) is ticket:
             del self._running[ticket.slot]
         if answer is None:

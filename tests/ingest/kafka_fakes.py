@@ -49,5 +49,6 @@ class FakeConsumer:
 
     def highwater(self, tp):
         return None
+
     def close(self, autocommit=True):
         self.closed = True

@@ -204,8 +204,8 @@ def test_a_tenant_moved_from_a_function_to_feedback_joins_its_stored_feedback_af
 
 
 def test_each_process_loads_the_pending_feedback_of_its_own_partitions_and_every_row_loads_once(data_dir):
-    """Several ingest processes in a group: each loaded every tenant's pending feedback, though only its own
-    partitions' feedback reaches it live; the rest took its memory and room under its caps (the total's
+    """Several ingest processes in a group: each loads the pending feedback of its own partitions, the
+    feedback that reaches it live; the others' would take its memory and room under its caps (the total's
     cut here would leave out its own tenants' rows). A row of no partition, or of one past the topic's
     count, is loaded by partition 0's reader."""
     import pyarrow as pa

@@ -1482,8 +1482,9 @@ def test_kept_answers_expire_and_stay_within_their_bytes():
 @pytest.mark.parametrize("fails_at", ["http.response.start", "http.response.body"])
 def test_a_stream_whose_sending_fails_gives_back_its_key_and_slots_at_once(fails_at):
     """Starlette leaves a response's generator suspended when sending fails; the stream's `finally`, which
-    gives back the tenant's slots and the Idempotency-Key, ran only when the garbage collector got to it
-    (never while a traceback held the generator): a retry with the key waited for it."""
+    gives back the tenant's slots and the Idempotency-Key, must run when the response ends, not when the
+    garbage collector gets to it (never, while a traceback holds the generator): a retry with the key would
+    wait for it."""
     import gc
 
     w = World()
