@@ -742,6 +742,9 @@ class Api:
     async def prometheus(self, request: Request) -> Response:
         if self.admin_key is not None and not is_admin(request.headers.get("authorization"), self.admin_key):
             raise Unauthenticated("/metrics needs the admin key: 'Authorization: Bearer <serving.admin_key>'")
+        for state, count in self.keys.counts().items():
+            self.metrics.idempotency_keys.labels(state).set(count)
+        self.metrics.idempotency_bytes.set(self.keys.kept_bytes)
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
 

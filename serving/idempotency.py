@@ -114,6 +114,11 @@ class Keys:
     def kept_bytes(self) -> int:
         return self._bytes
 
+    def counts(self) -> dict[str, int]:
+        """Keys whose first request is running, and keys whose answer is kept (expired ones left out)."""
+        self._expire()
+        return {"running": len(self._running), "kept": len(self._kept)}
+
     async def claim(self, tenant: str, key: str, fingerprint: bytes,
                     wait: Callable[[asyncio.Event], object]) -> Ticket | Answer:
         """A Ticket when this request is the key's first (or the first's answer was not kept), else the kept

@@ -72,6 +72,14 @@ class ServingMetrics:
             "Idempotency-Key (nothing generated or logged).", ["tenant", "endpoint"], registry=r
         )
         self.spool_events = Gauge("clora_serving_spool_events", "Events waiting in the on-disk spool.", registry=r)
+        self.idempotency_bytes = Gauge(
+            "clora_serving_idempotency_kept_bytes", "Memory the kept answers of Idempotency-Key requests take "
+            "(at most serving.idempotency_cache_mib).", registry=r
+        )
+        self.idempotency_keys = Gauge(
+            "clora_serving_idempotency_keys", "Idempotency keys held: their first request running, or its answer kept.",
+            ["state"], registry=r
+        )
 
     def request_done(
         self, tenant: str, endpoint: str, status: int, seconds: float, prompt_tokens: int, completion_tokens: int

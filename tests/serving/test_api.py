@@ -1365,9 +1365,13 @@ def test_a_request_sent_again_with_its_idempotency_key_gets_the_first_answer_and
     assert again.headers["idempotent-replayed"] == "true" and "idempotent-replayed" not in first.headers
     assert len(w.llm.calls) == 1, "generated once"
     assert [e.id for e in w.events.logged] == [f"{first.headers['x-request-id']}-{i}" for i in (0, 1)], "logged once"
-    metrics = w.api.metrics.render().decode()
+    metrics = w.get("/metrics").text
     assert 'clora_serving_idempotent_replays_total{endpoint="completions",tenant="acme"} 1.0' in metrics
     assert 'clora_serving_requests_total{endpoint="completions",status="200",tenant="acme"} 2.0' in metrics
+    assert 'clora_serving_idempotency_keys{state="kept"} 1.0' in metrics
+    assert 'clora_serving_idempotency_keys{state="running"} 0.0' in metrics
+    assert f"clora_serving_idempotency_kept_bytes {float(w.api.keys.kept_bytes)}" in metrics
+    assert w.api.keys.kept_bytes > len(first.content)
     # another key, no key, or another tenant's same key: each runs
     w.post(path, body, headers=keyed("k-2"))
     w.post(path, body)
