@@ -76,7 +76,7 @@ import torch
 from clora.loopback import trust_env
 from learner import maths
 from learner.batch import pack, pad_values
-from learner.logs_mode import prompt_text, row_metadata, stale_reason, version_number
+from learner.logs_mode import BehaviourFromLogits, prompt_text, row_metadata, stale_reason, version_number
 from learner.policy import Policy
 from learner.types import Sample
 from learner.update import UpdateResult, pg_update
@@ -590,18 +590,29 @@ def _no_behaviour(number: int, current: int, version_files: Callable[[int], Path
 
 
 def _recomputed_behaviour(policy: Policy, tenant: str, batch, made_by: Sequence[int], current: int,
-                          version_files: Callable[[int], Path | None] | None, temperature: float) -> torch.Tensor:
+                          version_files: Callable[[int], Path | None] | None,
+                          temperature: float) -> tuple[torch.Tensor, BehaviourFromLogits | None]:
     """[B, C] log-probs at `temperature` of each row's sampling version (NaN for the current version's
-    rows: the ratio is 1 there), one pass per earlier version."""
+    rows: the ratio is 1 there), one pass over its own rows per earlier version; and, when the base model
+    (version 0) drew rows, the function that makes theirs from the update's base-model reference pass
+    (pg_update's behaviour_from_base_logits), those rows NaN in the tensor."""
     old = torch.full(batch.completion_ids.shape, math.nan, dtype=torch.float32)
+    from_base = None
     for number in sorted(set(made_by) - {current}):
-        rows = torch.tensor([v == number for v in made_by])
-        directory = None if number == 0 else version_files(number)
-        if number != 0 and directory is None:
+        rows = [i for i, v in enumerate(made_by) if v == number]
+        if number == 0:
+            def tempered(logits, part, at):
+                scaled = torch.log_softmax(logits.float() / temperature, dim=-1)
+                return scaled.gather(-1, part.completion_ids.unsqueeze(-1)).squeeze(-1)
+
+            from_base = BehaviourFromLogits(rows, tempered)
+            continue
+        directory = version_files(number)
+        if directory is None:
             raise NoUsableSamples(f"version {number}'s adapter files went away during the step")
-        logps = policy.logprobs_of_version(batch, tenant, directory, temperature=temperature).to("cpu", torch.float32)
-        old[rows] = logps[rows]
-    return old
+        part = batch.rows(torch.tensor(rows))
+        old[rows] = policy.logprobs_of_version(part, tenant, directory, temperature=temperature).to("cpu", torch.float32)
+    return old, from_base
 
 
 def completion_tokens(policy: Policy, sample: Sample) -> tuple[list[int], tuple[float, ...] | None]:
@@ -693,8 +704,10 @@ def train_step(
         return RolloutStep(update=None, reward_mean=reward_mean, rewards=tuple(rewards), **counts)
     batch = pack(prompt_ids, completion_ids, pad_id=policy.pad_token_id, max_len=max_len)
     old = pad_values(behaviour, batch.completion_width) if any(b is not None for b in behaviour) else None
+    from_base = None
     if tempered and any(v != current_version for v in made_by):
-        old = _recomputed_behaviour(policy, tenant, batch, made_by, current_version, version_files, temperature)
+        old, from_base = _recomputed_behaviour(policy, tenant, batch, made_by, current_version, version_files,
+                                               temperature)
     result = pg_update(
         policy,
         tenant,
@@ -708,5 +721,6 @@ def train_step(
         entropy_coef=entropy_coef,
         max_grad_norm=max_grad_norm,
         temperature=temperature,
+        behaviour_from_base_logits=from_base,
     )
     return RolloutStep(update=result, reward_mean=reward_mean, rewards=tuple(rewards), **counts)

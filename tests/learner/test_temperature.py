@@ -37,10 +37,10 @@ def _batch(policy, prompt, samples):
     return pack([p_ids] * len(samples), [list(s.token_ids) for s in samples], pad_id=policy.pad_token_id, max_len=256)
 
 
-def _step(policy, prompt, samples, *, current, version_files=None, temperature=T):
+def _step(policy, prompt, samples, *, current, version_files=None, temperature=T, scorer=lambda c, p: float(len(c) % 3)):
     snapshot = policy.snapshot("acme")
     try:
-        return train_step(policy, "acme", [prompt], [samples], lambda c, p: float(len(c) % 3),
+        return train_step(policy, "acme", [prompt], [samples], scorer,
                           current_version=current, max_staleness=4, clip_eps=0.2, kl_coef=0.0, max_grad_norm=1.0,
                           max_len=256, temperature=temperature, version_files=version_files)
     finally:
@@ -111,12 +111,44 @@ def test_an_earlier_versions_samples_get_that_versions_log_probs_recomputed(poli
     assert _step(policy, prompt, samples, current=2, version_files=lambda number: None, temperature=1.0).update
 
 
-def test_the_base_models_samples_are_recomputed_without_files(policy):
+def test_the_base_models_samples_are_recomputed_without_files(policy, monkeypatch):
+    """From the update's own base-model reference pass: no pass of their own, and the same update as
+    one given the base model's tempered log-probs for them (the current version's rows on-policy)."""
+    from learner import maths
+    from learner.update import pg_update
+
+    with torch.no_grad():  # the current version away from the base model
+        for _, p in policy._params["acme"]:
+            p.add_(torch.randn_like(p) * 0.5)
     prompt = render_user_prompt(policy.tokenizer, "hello")
     (group,) = LocalSampler(policy).sample([SampleRequest("acme", "", prompt, 4, 8, T)])
-    samples = [replace(s, version=None) for s in group]  # made before the tenant's first version
-    result = _step(policy, prompt, samples, current=1, version_files=lambda number: None)
-    assert result.update is not None
+    # two made before the tenant's first version, two by the current one
+    samples = [replace(s, version=None if i < 2 else "acme@1") for i, s in enumerate(group)]
+    batch = _batch(policy, prompt, samples)
+    base = policy.token_logprobs(batch, None, temperature=T)
+    old = torch.full(base.shape, float("nan"))
+    old[:2] = base[:2]
+    def scorer(completion, _prompt):
+        return (len(completion) % 3) - 1.0
+
+    rewards = torch.tensor([scorer(s.text, prompt) for s in samples], dtype=torch.float64)
+    assert len(set(rewards.tolist())) > 1, "the group needs different rewards to train"
+    snapshot = policy.snapshot("acme")
+    try:
+        expected = pg_update(policy, "acme", batch, maths.grpo_advantages(rewards, torch.zeros(4, dtype=torch.long)).float(),
+                             old_logprobs=old, clip_eps=0.2, kl_coef=0.0, max_grad_norm=1.0, temperature=T)
+    finally:
+        policy.restore("acme", snapshot)
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("the base model's rows need no pass of their own")
+
+    monkeypatch.setattr(policy, "logprobs_of_version", no_pass)
+    result = _step(policy, prompt, samples, current=1, version_files=lambda number: None, scorer=scorer)
+    assert result.update.grad_norm == pytest.approx(expected.grad_norm, rel=1e-4)
+    assert result.update.pg_loss == pytest.approx(expected.pg_loss, rel=1e-4, abs=1e-7)
+    on_policy = _step(policy, prompt, [replace(s, version="acme@1") for s in samples], current=1, scorer=scorer)
+    assert result.update.grad_norm != pytest.approx(on_policy.update.grad_norm, rel=1e-4)
 
 
 def test_a_batch_whose_every_sample_train_step_would_leave_out_counts_as_all_stale():
