@@ -640,12 +640,17 @@ class Ingest:
         if self.assigned_at is None:
             self._mark_ready()
 
+    def _metadata(self):
+        """kafka-python's cluster metadata as the client holds it (a private attribute; None without a client):
+        read without asking the broker."""
+        return getattr(getattr(self.consumer, "_client", None), "cluster", None)
+
     def _owned_feedback(self) -> OwnedPartitions | None:
         """The feedback topic's partitions assigned to this process, whose pending feedback it loads; None
         (all of it) while the topic's partitions are not in the client's metadata. The metadata is read as
         it is: KafkaConsumer.partitions_for_topic would ask the broker for it and wait without a limit."""
         topic = self.topics[1]
-        cluster = getattr(getattr(self.consumer, "_client", None), "cluster", None)  # kafka-python's metadata
+        cluster = self._metadata()
         count = None if cluster is None else cluster.partitions_for_topic(topic)
         if not count:
             return None
@@ -657,7 +662,7 @@ class Ingest:
         broker gives (TOPICS_FILE). A topic deleted and made again, as the embedded broker's are at each
         start (it keeps them in memory), has a new id and numbers its offsets from 0 again: the dead letters
         stored at the old topic's offsets are then other messages than the new ones there."""
-        cluster = getattr(getattr(self.consumer, "_client", None), "cluster", None)  # kafka-python's metadata
+        cluster = self._metadata()
         ids = {}
         for topic in self.topics:
             topic_id = cluster.topic_id(topic) if cluster is not None and hasattr(cluster, "topic_id") else None

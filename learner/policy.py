@@ -474,7 +474,7 @@ class Policy:
                 if keep and temperature == 1.0:
                     picked.append(kept[-1].gather(-1, part.completion_ids.unsqueeze(-1)).squeeze(-1))
                 else:
-                    picked.append(_gather_logprobs(_tempered(logits, temperature), part.completion_ids))
+                    picked.append(picked_logprobs(logits, part.completion_ids, temperature))
         return torch.cat(picked), torch.cat(kept) if keep else None
 
     def kl_to_base(
@@ -839,6 +839,11 @@ def _peft_keys(model, name: str) -> list[str]:
 
 def _tempered(logits: Tensor, temperature: float) -> Tensor:
     return logits if temperature == 1.0 else logits / temperature
+
+
+def picked_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / temperature)[token] at every position, [..., C]."""
+    return _gather_logprobs(_tempered(logits, temperature), tokens)
 
 
 def _gather_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:

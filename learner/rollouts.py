@@ -77,7 +77,7 @@ from clora.loopback import trust_env
 from learner import maths
 from learner.batch import pack, pad_values
 from learner.logs_mode import BehaviourFromLogits, prompt_text, row_metadata, stale_reason, version_number
-from learner.policy import Policy
+from learner.policy import Policy, picked_logprobs
 from learner.types import Sample
 from learner.update import UpdateResult, pg_update
 
@@ -601,11 +601,8 @@ def _recomputed_behaviour(policy: Policy, tenant: str, batch, made_by: Sequence[
     for number in sorted(set(made_by) - {current}):
         rows = [i for i, v in enumerate(made_by) if v == number]
         if number == 0:
-            def tempered(logits, part, at):
-                scaled = torch.log_softmax(logits.float() / temperature, dim=-1)
-                return scaled.gather(-1, part.completion_ids.unsqueeze(-1)).squeeze(-1)
-
-            from_base = BehaviourFromLogits(rows, tempered)
+            from_base = BehaviourFromLogits(rows, lambda logits, part, _at: picked_logprobs(
+                logits, part.completion_ids, temperature))
             continue
         directory = version_files(number)
         if directory is None:

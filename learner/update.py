@@ -130,9 +130,7 @@ def pg_update(
     ref, base_logps = policy.base_reference(batch, temperature=temperature, rows_per_pass=micro_batch_size,
                                             on_logits=take_base)
     if from_base:
-        base_made = torch.cat(from_base)
-        old_logprobs = (base_made if old_logprobs is None
-                        else torch.where(torch.isnan(base_made), old_logprobs.to(device), base_made))
+        old_logprobs = _over(torch.cat(from_base), None if old_logprobs is None else old_logprobs.to(device))
     total_tokens = mask.sum().clamp(min=1)
     start: list[tuple[Tensor, Tensor, Tensor]] = []  # per micro-batch, from the first epoch: pi_prox, w, the cap's cuts
     loss_sum = pg_sum = clipped_sum = kl_before_sum = entropy_sum = 0.0
@@ -156,9 +154,7 @@ def pg_update(
                     # (and as the behaviour log-probs were taken) has none, so π_prox comes from a pass without.
                     proximal = policy.token_logprobs(part, tenant, temperature=temperature, on_logits=take)
                 known = None if old_logprobs is None else old_logprobs[rows].to(device)
-                if made:
-                    known = made[0] if known is None else torch.where(torch.isnan(made[0]), known, made[0])
-                behaviour = proximal if known is None else torch.where(torch.isnan(known), proximal, known)
+                behaviour = _over(_over(made[0] if made else None, known), proximal)
                 start.append((proximal, *maths.behaviour_weights(proximal, behaviour, behaviour_weight_cap)))
             proximal, weight, truncated = start[i]
             pg, clipped = maths.clipped_pg_loss(logp, proximal, advantages[rows], clip_eps)
@@ -199,3 +195,10 @@ def pg_update(
         tokens=batch.n_tokens,
         entropy=entropy_sum / n if entropy_coef else math.nan,
     )
+
+
+def _over(values: Tensor | None, under: Tensor | None) -> Tensor | None:
+    """`values` where they are known, `under` where they are NaN (either may be None: the other)."""
+    if values is None or under is None:
+        return under if values is None else values
+    return torch.where(torch.isnan(values), under, values)

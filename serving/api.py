@@ -344,13 +344,13 @@ class Api:
         self.metrics.replayed(tenant, endpoint)
         headers = {**answer.headers, idempotency.REPLAYED: "true"}
         if not answer.stream:
-            return Response(answer.chunks[0], status_code=answer.status, media_type=answer.media_type, headers=headers)
+            return Response(answer.chunks[0], media_type=answer.media_type, headers=headers)
 
         async def again() -> AsyncIterator[bytes]:
             for chunk in answer.chunks:
                 yield chunk
 
-        return StreamingResponse(again(), status_code=answer.status, media_type=answer.media_type, headers=headers)
+        return StreamingResponse(again(), media_type=answer.media_type, headers=headers)
 
     async def _run(self, request: Request, endpoint: str, tenant: str, body: Any, arrived: float,
                    arrived_at: datetime, ticket: idempotency.Ticket | None) -> Response:
@@ -426,7 +426,7 @@ class Api:
                                       token_ids=body.return_token_ids),
                                 headers=headers)
         if ticket is not None:
-            ticket.keep(response.status_code, headers, response.media_type, [response.body], stream=False)
+            ticket.keep(headers, [response.body], stream=False)
         return response
 
     def _prompt(self, rendered: tuple[str, list[int]], sampling: Sampling, param: str, *,
@@ -610,7 +610,7 @@ class Api:
                 self._finished(call, [choices[i] for i in range(call.choices)])
             if call.ticket is not None:
                 if finished:
-                    call.ticket.keep(200, call.headers, "text/event-stream", kept, stream=True)
+                    call.ticket.keep(call.headers, kept, stream=True)
                 else:  # refused, failed or left: nothing was logged, so the request sent again runs
                     call.ticket.abandon()
 

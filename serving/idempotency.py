@@ -58,18 +58,20 @@ def check_key(key: str) -> str:
 
 @dataclass
 class Answer:
-    """A kept answer: what is sent again for the key."""
+    """A kept answer (always a 200: nothing else is kept): what is sent again for the key."""
 
-    status: int
     headers: dict[str, str]
-    media_type: str
-    chunks: list[bytes]  # the body: one chunk, or a stream's events in order
+    chunks: list[bytes]  # the body: one JSON document, or a stream's server-sent events in order
     stream: bool
     kept_at: float
+    size: int = field(init=False)  # what it takes under `max_bytes`
+
+    def __post_init__(self) -> None:
+        self.size = sum(map(len, self.chunks)) + sum(len(k) + len(v) for k, v in self.headers.items()) + ENTRY_BYTES
 
     @property
-    def size(self) -> int:
-        return sum(len(c) for c in self.chunks) + sum(len(k) + len(v) for k, v in self.headers.items()) + ENTRY_BYTES
+    def media_type(self) -> str:
+        return "text/event-stream" if self.stream else "application/json"
 
 
 @dataclass(eq=False)
@@ -83,18 +85,20 @@ class Ticket:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     answer: Answer | None = None  # once kept: what the requests that waited get, kept for later ones or not
 
-    def keep(self, status: int, headers: dict[str, str], media_type: str, chunks: list[bytes], *, stream: bool) -> None:
-        if self.done.is_set():
-            return
-        self.done.set()
-        self.answer = Answer(status, dict(headers), media_type, list(chunks), stream, self.keys.clock())
-        self.keys.settle(self, self.answer)
+    def keep(self, headers: dict[str, str], chunks: list[bytes], *, stream: bool) -> None:
+        """The run's whole answer (a 200): kept for the key."""
+        self._end(Answer(headers, chunks, stream, self.keys.clock()))
 
     def abandon(self) -> None:
+        """The run gave no whole answer: the key is free again."""
+        self._end(None)
+
+    def _end(self, answer: Answer | None) -> None:
         if self.done.is_set():
             return
         self.done.set()
-        self.keys.settle(self, None)
+        self.answer = answer
+        self.keys.settle(self, answer)
 
 
 class Keys:

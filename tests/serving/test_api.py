@@ -1467,14 +1467,14 @@ def test_kept_answers_expire_and_stay_within_their_bytes():
 
     async def scenario():
         first = await claim("a")
-        first.keep(200, {}, "application/json", [b"x" * 1000], stream=False)
+        first.keep({}, [b"x" * 1000], stream=False)
         assert isinstance(await claim("a"), Answer)
         now[0] = 5.0
-        (await claim("b")).keep(200, {}, "application/json", [b"y" * 1000], stream=False)
-        (await claim("c")).keep(200, {}, "application/json", [b"z" * 1000], stream=False)  # over 3000: "a" leaves
+        (await claim("b")).keep({}, [b"y" * 1000], stream=False)
+        (await claim("c")).keep({}, [b"z" * 1000], stream=False)  # over 3000: "a" leaves
         assert not isinstance(await claim("a"), Answer) and isinstance(await claim("b"), Answer)
         big = await claim("d")
-        big.keep(200, {}, "application/json", [b"w" * 5000], stream=False)  # larger than all: not kept
+        big.keep({}, [b"w" * 5000], stream=False)  # larger than all: not kept
         assert not isinstance(await claim("d"), Answer)
         now[0] = 15.5  # "b" and "c" were kept at 5.0: gone
         assert not isinstance(await claim("b"), Answer) and not isinstance(await claim("c"), Answer)
