@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,9 +115,9 @@ def _tail(path: Path, lines: int = 60) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def count_events(bootstrap: str, topic: str, ids: set[str], until: str, timeout: float = 30.0) -> dict[str, int]:
-    """How many events on `topic` carry each of these ids, read from the beginning until the event `until`
-    (one logged after them by the same tenant, so on the same partition after theirs)."""
+def _from_the_beginning(bootstrap: str, topic: str, timeout: float, done: Callable[[], bool]):
+    """(message, event) of every message on `topic`, from its beginning (no consumer group), until `done()`
+    (asked whenever the topic has nothing more for half a second) or `timeout` seconds."""
     from kafka import KafkaConsumer, TopicPartition
 
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=500)
@@ -124,39 +125,34 @@ def count_events(bootstrap: str, topic: str, ids: set[str], until: str, timeout:
         partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
         consumer.assign(partitions)
         consumer.seek_to_beginning(*partitions)
-        counts = dict.fromkeys(ids, 0)
-        seen_until = False
         deadline = time.monotonic() + timeout
-        while not seen_until and time.monotonic() < deadline:
+        while not done() and time.monotonic() < deadline:
             for message in consumer:
-                event_id = json.loads(message.value)["id"]
-                if event_id in counts:
-                    counts[event_id] += 1
-                seen_until = seen_until or event_id == until
-        assert seen_until, f"event {until} not found on {topic} within {timeout} s"
-        return counts
+                yield message, json.loads(message.value)
     finally:
         consumer.close()
+
+
+def count_events(bootstrap: str, topic: str, ids: set[str], until: str, timeout: float = 30.0) -> dict[str, int]:
+    """How many events on `topic` carry each of these ids, read from the beginning until the event `until`
+    (one logged after them by the same tenant, so on the same partition after theirs)."""
+    counts = dict.fromkeys(ids, 0)
+    seen = set()
+    for _, event in _from_the_beginning(bootstrap, topic, timeout, done=lambda: until in seen):
+        if event["id"] in counts:
+            counts[event["id"]] += 1
+        if event["id"] == until:
+            seen.add(until)
+    assert until in seen, f"event {until} not found on {topic} within {timeout} s"
+    return counts
 
 
 def read_events(bootstrap: str, topic: str, ids: set[str], timeout: float = 30.0) -> dict[str, dict]:
     """The events with these ids on `topic` (read from the beginning, no consumer group); each message's
     key must be its event's tenant."""
-    from kafka import KafkaConsumer, TopicPartition
-
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=500)
-    try:
-        partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
-        consumer.assign(partitions)
-        consumer.seek_to_beginning(*partitions)
-        found: dict[str, dict] = {}
-        deadline = time.monotonic() + timeout
-        while set(ids) - set(found) and time.monotonic() < deadline:
-            for message in consumer:
-                event = json.loads(message.value)
-                if event["id"] in ids:
-                    assert message.key.decode() == event["tenant"], message
-                    found[event["id"]] = event
-        return found
-    finally:
-        consumer.close()
+    found: dict[str, dict] = {}
+    for message, event in _from_the_beginning(bootstrap, topic, timeout, done=lambda: not set(ids) - set(found)):
+        if event["id"] in ids:
+            assert message.key.decode() == event["tenant"], message
+            found[event["id"]] = event
+    return found
