@@ -71,6 +71,16 @@ async def watch(server, engine, api, stop: asyncio.Event, *, grace: float) -> bo
     return died
 
 
+async def ended(task: asyncio.Task, what: str, *, failed=None):
+    """The task's result once it ends, or `failed` where it raised (logged with its traceback): the stop
+    goes on whatever a helper task did, so the event log still drains and the engine still stops."""
+    try:
+        return await task
+    except Exception:
+        logger.exception("%s failed; stopping anyway", what)
+        return failed
+
+
 async def serve(cfg, host: str, port: int) -> int:
     """Runs until stopped; 0 after a requested stop, 1 when the engine died (a supervisor restarts us)."""
     import uvicorn
@@ -178,9 +188,9 @@ async def serve(cfg, host: str, port: int) -> int:
         listener.close()
         stop.set()
         if watcher is not None:
-            await watcher
+            await ended(watcher, "the adapter watcher")
         if monitor is not None:
-            engine_died = await monitor
+            engine_died = await ended(monitor, "the engine monitor", failed=True)
         if events is not None:
             events.close()
         engine.shutdown()

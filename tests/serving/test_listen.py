@@ -35,3 +35,24 @@ def test_listen_binds_without_accepting_yet():
             socket.create_connection(("127.0.0.1", port), timeout=2)
     finally:
         sock.close()
+
+
+def test_a_helper_task_that_failed_does_not_stop_the_shutdown(caplog):
+    """The stop awaits the adapter watcher and the engine monitor before the event log drains: one that
+    raised is logged and stands for `failed`, so what follows it still runs."""
+    import asyncio
+
+    from serving.__main__ import ended
+
+    async def broken():
+        raise RuntimeError("monitor broke")
+
+    async def fine():
+        return False
+
+    async def both():
+        return (await ended(asyncio.create_task(broken()), "the engine monitor", failed=True),
+                await ended(asyncio.create_task(fine()), "the adapter watcher", failed=True))
+
+    assert asyncio.run(both()) == (True, False)
+    assert "the engine monitor failed; stopping anyway" in caplog.text and "monitor broke" in caplog.text
