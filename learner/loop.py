@@ -153,7 +153,7 @@ class TenantRuntime:
     state_id: int = 0  # bumped whenever the adapter weights change (keys the probe-reward cache)
     baseline: float | None = None  # running mean reward (logs mode)
     probes: tuple[str, ...] = ()
-    probe_cache: dict = field(default_factory=dict)  # (state_id, probes) -> reward per probe prompt
+    probe_cache: dict = field(default_factory=dict)  # Learner._probe_key -> reward per probe prompt
     round_wait: float = 0.0  # seconds the step in progress waited for the other tenants of its round
     unfinished: dict | None = None  # learner.json of a committed step whose publish/row is not done yet
     rollout_ids: dict = field(default_factory=dict)  # ids of logged rollout interactions not seen in storage yet (ordered)
@@ -826,7 +826,7 @@ class Learner:
             rt.version, rt.state_id = meta["version"], rt.state_id + 1
             rt.served.append(meta["version"])
             self._trim_served(rt)
-            rt.probe_cache = {(rt.state_id, rt.probes): probe} if probe is not None and None not in probe else {}
+            rt.probe_cache = {self._probe_key(rt): probe} if probe is not None and None not in probe else {}
         return meta, work, trained
 
     # --- collecting work ------------------------------------------------------------------------------
@@ -1087,7 +1087,7 @@ class Learner:
         it trains, and the next one probes again."""
         if scorer is None or not rt.probes:
             return None
-        key = (rt.state_id, rt.probes)
+        key = self._probe_key(rt)
         if key not in rt.probe_cache:  # decoded as the candidate's is (`_probe`), so the two compare like for like
             (answer,) = self._probe([ProbeRequest(tenant=rt.spec.name, prompts=rt.probes,
                                                   scorer=self._probe_scorer(rt, scorer))])
@@ -1098,6 +1098,12 @@ class Learner:
                 return answer.rewards
             rt.probe_cache = {key: answer.rewards}
         return rt.probe_cache[key]
+
+    def _probe_key(self, rt: TenantRuntime) -> tuple:
+        """What a probe's rewards depend on: the adapter state, the prompts, the scorer and the decode length.
+        A config re-read that changes the scorer or `max_new_tokens` then probes the parent again, so the gate
+        compares both sides under the same ones (a cached probe of the old scorer would fail every step)."""
+        return rt.state_id, rt.probes, rt.spec.scorer, self.settings.max_new_tokens
 
     # --- loading, recovery, following the registry ----------------------------------------------------
     def recover(self) -> None:

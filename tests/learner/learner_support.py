@@ -101,6 +101,16 @@ def picky_scorer(completion: str, prompt: str) -> float:
     return min(1.0, len(completion) / 20)
 
 
+def full_marks(completion: str, prompt: str) -> float:
+    """A python scorer (`python:learner_support:full_marks`) that rates every completion 1."""
+    return 1.0
+
+
+def no_marks(completion: str, prompt: str) -> float:
+    """A python scorer (`python:learner_support:no_marks`) that rates every completion 0."""
+    return 0.0
+
+
 # Learner settings of every test config. Tests write their batches whole, so a partial one is trained at
 # once (test_loop tests the wait), and count steps of batch_size (test_loop tests catch-up steps).
 TEST_LEARNER = {"poll_seconds": 0.1, "gate_prompts": 0, "batch_wait_seconds": 0, "catch_up": 1}

@@ -860,6 +860,38 @@ def test_a_scorer_outage_during_a_gate_probe_fails_the_step_and_costs_no_batch(t
     learner.close()
 
 
+@pytest.mark.parametrize("change", ["scorer", "max_new_tokens"])
+def test_a_config_change_of_what_the_probe_depends_on_probes_the_parent_again(tiny_model, data_dir, change):
+    """The parent's probe rewards are cached per adapter state. A config re-read that changes the tenant's
+    scorer (or the probe's decode length) must not compare the candidate, probed under the new one, with
+    the parent's rewards under the old: that rejected every step of the tenant, for good."""
+    tenant = {"name": "acme", "batch_size": 8, "scorer": "python:learner_support:full_marks"}
+    write(data_dir, "acme", rows("a", 8), "b0")
+    learner = Learner(make_config(data_dir, tiny_model, [tenant], gate_prompts=2), model_path=tiny_model,
+                      progress=False)
+    assert learner.step_safely("acme").decision == "published"
+    if change == "scorer":
+        learner.apply_config(make_config(data_dir, tiny_model, [{**tenant, "scorer": "python:learner_support:no_marks"}],
+                                         gate_prompts=2))
+    else:  # under a length scorer, shorter probes score lower
+        tenant["scorer"] = "length:400"
+        learner.apply_config(make_config(data_dir, tiny_model, [tenant], gate_prompts=2))
+        write(data_dir, "acme", rows("b", 8, seed=1), "b1", start=100)
+        second = learner.step_safely("acme")  # probes of up to 32 tokens, cached for the next step's parent
+        gate2 = Registry(data_dir).get("acme", int(second.version.split("@")[1])).gate
+        long_probes = gate2["probe_rewards" if second.decision == "published" else "parent_probe_rewards"]
+        learner.apply_config(make_config(data_dir, tiny_model, [tenant], gate_prompts=2, max_new_tokens=2))
+    write(data_dir, "acme", rows("c", 8, seed=2), "b2", start=200)
+    record = learner.step_safely("acme")
+    gate = Registry(data_dir).get("acme", int(record.version.split("@")[1])).gate
+    if change == "scorer":
+        assert gate["parent_probe_rewards"] == [0.0, 0.0] and gate["probe_rewards"] == [0.0, 0.0]
+        assert record.decision == "published"
+    else:  # the parent's probes decoded 2 tokens, as the candidate's did: shorter than the cached 32-token ones
+        assert all(short < long for short, long in zip(gate["parent_probe_rewards"], long_probes, strict=True))
+    learner.close()
+
+
 def test_a_scorer_that_keeps_failing_on_a_probe_leaves_it_out_after_a_while_never_scoring_it_0(
         tiny_model, data_dir, monkeypatch):
     """A scorer that fails on some greedy answer every time (not an outage) failed every step of its tenant,
