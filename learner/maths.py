@@ -183,10 +183,15 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return 0.5 * (logprobs - ref_logprobs) ** 2
 
 
-def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = None) -> Tensor:
     """k3 = (r - 1) - log r with r = ref(x) / pi(x): unbiased for KL(pi || ref), low variance, never negative.
     As a loss term (the penalty, as DeepSeekMath and TRL use it) its expected gradient is that of
-    KL(ref || pi), not of KL(pi || ref): its value estimates the one, its gradient follows the other."""
+    KL(ref || pi), not of KL(pi || ref): its value estimates the one, its gradient follows the other.
+    Where `mask` is 0 (padding) the reference is the policy itself: 0 with a zero gradient. A masked sum
+    alone keeps such a position out of the value, not out of the backward pass, where a gap over ~88 nats
+    (float32's exp overflows) would make 0 x inf = NaN of the whole batch's gradient."""
+    if mask is not None:
+        ref_logprobs = torch.where(mask.bool(), ref_logprobs, logprobs.detach())
     log_r = ref_logprobs - logprobs
     return torch.expm1(log_r) - log_r
 

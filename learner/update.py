@@ -160,7 +160,7 @@ def pg_update(
             pg, clipped = maths.clipped_pg_loss(logp, proximal, advantages[rows], clip_eps)
             pg = weight * pg
             clipped = clipped | truncated
-            kl_tok = maths.kl_k3(logp, ref[rows])
+            kl_tok = maths.kl_k3(logp, ref[rows], mb_mask)
             per_token = pg + kl_coef * kl_tok if kl_coef else pg
             if entropy_coef:
                 per_token = per_token - entropy_coef * entropy

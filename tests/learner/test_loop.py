@@ -491,15 +491,18 @@ def test_a_commit_that_raised_after_its_commit_point_and_could_not_be_checked_is
     learner.close()
 
 
+@pytest.mark.parametrize("first", [False, True], ids=["after a step", "the first step"])
 def test_a_commit_that_failed_before_its_commit_point_and_could_not_be_checked_leaves_no_candidate(
-        tiny_model, data_dir, monkeypatch):
+        tiny_model, data_dir, monkeypatch, first):
     """The other outcome of the same doubt: the commit had failed before its commit point. The reload that
-    follows rejects that attempt's candidate, which nothing references, and the versions served are re-read."""
+    follows rejects that attempt's candidate, which nothing references, and the versions served are re-read;
+    also at the tenant's first step, where the reload has no checkpoint to resume from."""
     write(data_dir, "acme", rows("a", 24), "b0")
     cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
     learner = Learner(cfg, model_path=tiny_model, progress=False)
     learner.pending(hold_partial=False)
-    assert learner.step_safely("acme").version == "acme@1"
+    if not first:
+        assert learner.step_safely("acme").version == "acme@1"
     fail_check = latest_step_fails_after(monkeypatch)
 
     def full(self, name, directory, meta):
@@ -511,10 +514,15 @@ def test_a_commit_that_failed_before_its_commit_point_and_could_not_be_checked_l
     monkeypatch.undo()
     learner.tenants["acme"].retry_at = 0
     record = learner.step_safely("acme")
-    assert (record.step, record.version) == (2, "acme@3")
-    assert [(v.number, v.status) for v in Registry(data_dir).versions("acme")] == [
-        (1, "published"), (2, "rejected"), (3, "published")]
-    assert learner.tenants["acme"].served[-2:] == [1, 3]
+    versions = [(v.number, v.status) for v in Registry(data_dir).versions("acme")]
+    if first:
+        assert (record.step, record.version) == (1, "acme@2")
+        assert versions == [(1, "rejected"), (2, "published")], "the failed attempt's candidate was left"
+        assert learner.tenants["acme"].served[-1:] == [2]
+    else:
+        assert (record.step, record.version) == (2, "acme@3")
+        assert versions == [(1, "published"), (2, "rejected"), (3, "published")]
+        assert learner.tenants["acme"].served[-2:] == [1, 3]
     learner.close()
 
 

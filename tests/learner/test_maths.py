@@ -195,6 +195,22 @@ def test_exact_kl_over_the_vocabulary_by_hand():
     close(maths.kl_k3(pi[1:], ref[1:]), [492.785], tol=1e-2)
 
 
+def test_k3_at_a_padded_position_puts_no_nan_in_the_gradient():
+    # a padded position (mask 0) where the reference is 200 nats above the policy: exp overflows there
+    logp = torch.tensor([[-1.0, -200.0]], requires_grad=True)
+    ref, mask = torch.tensor([[-0.5, 0.0]]), torch.tensor([[1, 0]])
+    loss = maths.masked_mean(maths.kl_k3(logp, ref), mask)
+    loss.backward()
+    assert logp.grad[0, 1].isnan(), "the masked sum alone keeps the overflow out of the value, not the gradient"
+    logp.grad = None
+    k3 = maths.kl_k3(logp, ref, mask)
+    assert k3[0, 1] == 0.0
+    close(k3[0, :1], [math.expm1(0.5) - 0.5])
+    maths.masked_mean(k3, mask).backward()
+    assert logp.grad.isfinite().all() and logp.grad[0, 1] == 0.0
+    close(logp.grad[0, :1], [1 - math.exp(0.5)])  # d/dlogp (e^(ref - logp) - 1 - (ref - logp))
+
+
 def test_token_mean_and_seq_mean_differ_as_expected():
     # seq 0 has tokens 1, 2, 3 ; seq 1 has token 10 (then padding, which must not count)
     # token-mean = (1 + 2 + 3 + 10) / 4 = 4.0
