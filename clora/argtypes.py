@@ -83,3 +83,13 @@ def non_negative(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text} must be a number of 0 or more")
     return value
+
+
+def retention_days(text: str) -> float:
+    """A retention in days: above 0, at most MAX_RETENTION_DAYS (a cutoff further back overflows)."""
+    from clora.config import MAX_RETENTION_DAYS
+
+    value = positive(text)
+    if value > MAX_RETENTION_DAYS:
+        raise argparse.ArgumentTypeError(f"{text} days is more than {MAX_RETENTION_DAYS:,.0f} (some 270 years)")
+    return value

@@ -30,9 +30,11 @@ CONFIG_ENV = "CLORA_CONFIG"
 DEFAULT_CONFIG_FILE = "clora.toml"
 
 # A tenant name becomes a directory name: a letter or digit first, no trailing "." (Windows drops it), at
-# most 64 characters, and \Z, not $, at the end ($ also matches before a final newline).
-TENANT_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,62}[A-Za-z0-9_-])?\Z")
-TENANT_NAME_RULE = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit, not ending with '.'"
+# most 64 characters, and \Z, not $, at the end ($ also matches before a final newline). Not "HEAD.json" in
+# any case: registry/<tenant>/ would be the registry's own registry/HEAD.json.
+TENANT_NAME = re.compile(r"^(?!(?i:head\.json)\Z)[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,62}[A-Za-z0-9_-])?\Z")
+TENANT_NAME_RULE = ("1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit, not ending with '.', "
+                    "and not 'HEAD.json'")
 
 # Scorer specs are "kind" or "kind:argument"; the implementations live in ingest/scorers.py.
 SCORER_KINDS = ("feedback", "inline", "contains", "regex", "length", "json_valid", "digits", "uppercase", "python")
@@ -289,9 +291,12 @@ class IngestConfig(_Strict):
     )
 
 
+MAX_RETENTION_DAYS = 100_000.0  # some 270 years; beyond it the cutoff overflows a timestamp
+
+
 class RetentionConfig(_Strict):
     days: float = Field(
-        0.0, ge=0, description="Delete stored interactions, feedback, trajectories and dead letters once every row "
+        0.0, ge=0, le=MAX_RETENTION_DAYS, description="Delete stored interactions, feedback, trajectories and dead letters once every row "
         "of their file is older than this (`clora prune`; `clora up`'s compactor does it on each run). 0: keep "
         "everything. Keep it above the Kafka topics' retention (an event older than it that Kafka delivered again "
         "would be stored again) and at least ingest.pending_expiry_hours."

@@ -13,7 +13,7 @@ import math
 import re
 import sys
 
-from clora.argtypes import positive
+from clora.argtypes import positive, retention_days
 
 FORMATS = ("table", "csv", "json", "parquet")
 # --dataset's choices, written out so that `clora --help` imports no pyarrow: storage.layout.DATASETS and
@@ -100,7 +100,7 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     )
     p.add_argument(
         "--older-than-days",
-        type=positive,
+        type=retention_days,
         default=None,
         metavar="DAYS",
         help="delete files whose rows were all ingested more than DAYS ago (default: [retention] days)",

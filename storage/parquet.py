@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TypeVar
 
@@ -526,6 +526,8 @@ def newest_in(pf: pq.ParquetFile, column: str, path: str) -> tuple[int | None, i
 
 def _epoch_ms(value) -> int:
     if isinstance(value, datetime):
+        if value.tzinfo is None:  # a timestamp without a zone (a file clora did not write) is UTC, not local time
+            value = value.replace(tzinfo=timezone.utc)
         return round(value.timestamp() * 1000)
     return int(value)  # the physical value: clora's timestamps are milliseconds (schema.TS)
 

@@ -809,8 +809,10 @@ class Registry:
                 latest = self.latest_published(t)
             except UnreadableRecord as e:
                 kept = (old_published or {}).get(t)
+                if kept is not None and not self._still_published(kept):
+                    kept = None  # retired since (its files go next): HEAD must never name deleted files
                 self._log_unreadable(e, (f"HEAD.json keeps {kept.name} for {t}" if kept is not None
-                                         else f"HEAD.json names no version of {t} (the old one had none readable)")
+                                         else f"HEAD.json names no version of {t} (the old one had none readable, or it was retired)")
                                      + " until it is fixed or removed; the other tenants are unaffected")
                 if kept is not None:
                     published[t] = kept.to_json()
@@ -823,6 +825,15 @@ class Registry:
         head = {"format": FORMAT, "generation": generation, "published": published}
         atomic_write_bytes(self._head, _dumps(head))
         self._generation_seen = generation
+
+    def _still_published(self, v: AdapterVersion) -> bool:
+        """Whether the version's own record still says published (True where that record cannot be read)."""
+        try:
+            return self.get(v.tenant, v.number).status == "published"
+        except VersionNotFound:
+            return False
+        except UnreadableRecord:
+            return True
 
     def _read_head(self) -> dict | None:
         """HEAD.json checked (format, generation, published), or None when there is none yet."""

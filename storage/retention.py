@@ -37,6 +37,7 @@ UTC day is older than the cutoff. Not here: train_steps/ (a row per step, small)
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -89,8 +90,8 @@ def newest_ms(root, path: str) -> tuple[int | None, int]:
 
 
 def _cutoff_s(older_than_s: float, now_s: float | None) -> float:
-    if older_than_s <= 0:
-        raise ValueError(f"older_than_s must be > 0, got {older_than_s}")
+    if not 0 < older_than_s < math.inf:
+        raise ValueError(f"older_than_s must be a finite number above 0, got {older_than_s}")
     return (time.time() if now_s is None else now_s) - older_than_s
 
 
@@ -165,7 +166,7 @@ def _per_tenant(what: str, tenants, run) -> dict[str, int]:
     for t in tenants:
         try:
             done[t] = run(t)
-        except (StorageError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - a damaged file raises pyarrow's own errors, not only OSError
             logger.error("retention: %s of tenant %s failed: %s: %s", what, t, type(e).__name__, e)
             failed.append(f"{t} ({type(e).__name__}: {e})")
     if failed:

@@ -422,6 +422,17 @@ def test_tenant_names_that_would_share_a_directory_are_refused(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(p, environ={})
     assert "'globex.'" in str(e.value) and "not ending with '.'" in str(e.value)
+    # the registry's own file is registry/HEAD.json: a tenant of that name would break every tenant's publishes
+    for name in ("HEAD.json", "head.JSON"):
+        p.write_text(f'[[tenants]]\nname = "{name}"\napi_key = "key-four-123"\n')
+        with pytest.raises(ConfigError) as e:
+            load_config(p, environ={})
+        assert f"{name!r}" in str(e.value) and "not 'HEAD.json'" in str(e.value)
+    from storage.layout import InvalidName, check_tenant
+
+    with pytest.raises(InvalidName):  # nor through ingest's unknown_tenant = "create"
+        check_tenant("HEAD.json")
+    assert check_tenant("HEAD.json2") == "HEAD.json2" and check_tenant("HEAD") == "HEAD"
 
 
 def test_a_tenant_spec_never_shows_its_api_key():

@@ -663,6 +663,19 @@ def test_an_unreadable_record_of_one_tenant_stops_no_other(data_dir, peft_writer
     assert reg.repair("acme") is False
 
 
+def test_retiring_the_served_version_while_an_older_record_is_unreadable_leaves_head_naming_no_deleted_files(
+        data_dir, peft_writer):
+    """HEAD.json keeps a tenant's old entry while one of its records cannot be read; not when that entry is
+    the version just retired, whose files are deleted: serving would be told to load them."""
+    reg = Registry(data_dir)
+    reg.publish("acme", _new(reg, peft_writer).number)
+    reg.publish("acme", _new(reg, peft_writer, parent="acme@1").number)
+    (data_dir / "registry" / "acme" / "1.json").write_bytes(b"{bad")
+    v = reg.retire("acme", 2)
+    assert v.status == "retired" and not v.path.exists()
+    assert "acme" not in Registry(data_dir).published()
+
+
 def test_a_record_naming_another_version_cannot_be_read(data_dir, peft_writer):
     reg = Registry(data_dir)
     _new(reg, peft_writer)

@@ -76,6 +76,27 @@ def test_a_partition_a_compaction_holds_is_skipped(data_dir, files):
     assert prune(data_dir, older_than_s=75, now_s=T0.timestamp() + 100)[0].files == 3
 
 
+def test_a_timestamp_without_a_zone_is_dated_as_utc_whatever_the_local_zone(data_dir, files, make_trajectories,
+                                                                         monkeypatch):
+    """A file another writer put there may hold naive timestamps: the footer's statistics were read in the
+    machine's local zone (five hours off in New York), the column itself (without statistics) as UTC."""
+    import pyarrow.parquet as pq
+
+    table = make_trajectories([f"n-{k}" for k in range(3)], start=40)  # T0 + 40..42 s
+    at = table.schema.get_field_index("ingested_at")
+    naive = table.set_column(at, pa.field("ingested_at", pa.timestamp("ms")), table.column(at).cast(pa.timestamp("ms")))
+    pq.write_table(naive, files / "naive.parquet")
+    pq.write_table(naive, files / "naive-nostats.parquet", write_statistics=False)
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        for name in ("naive.parquet", "naive-nostats.parquet"):
+            assert newest_ms(data_dir, str(files / name)) == (round(T0.timestamp() * 1000) + 42_000, 3)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
 def test_files_without_statistics_or_rows_are_read_and_an_unreadable_one_is_left_alone(data_dir, files, make_trajectories):
     import pyarrow.parquet as pq
 
@@ -136,8 +157,9 @@ def test_retention_keeps_rows_at_most_a_day_beyond_the_cutoff(data_dir):
 def test_only_the_datasets_fed_from_kafka_are_pruned(data_dir):
     with pytest.raises(ValueError, match="train_steps is not pruned"):
         prune(data_dir, older_than_s=10, dataset="train_steps")
-    with pytest.raises(ValueError, match="must be > 0"):
-        prune(data_dir, older_than_s=0)
+    for bad in (0, float("inf")):
+        with pytest.raises(ValueError, match="must be a finite number above 0"):
+            prune(data_dir, older_than_s=bad)
 
 
 def test_prune_command(tmp_path, data_dir, files, monkeypatch, capsys):
@@ -320,3 +342,23 @@ def test_a_superseded_input_that_cannot_be_read_goes_with_its_compacted_file(dat
     (r,) = prune(data_dir, older_than_s=10, now_s=T0.timestamp() + 100)
     assert (r.files, r.rows, r.unreadable) == (1, 20, 0)
     assert names(files) == [] and live_files(data_dir, "trajectories") == []
+
+
+def test_a_damaged_cursor_snapshot_of_one_tenant_does_not_stop_forgetting_the_others(data_dir, caplog):
+    """pyarrow's error for a truncated snapshot (a ValueError) went past the per-tenant guard: the tenants
+    after it were never forgotten, and the message named neither tenant nor file."""
+    from storage.retention import PartlyDone, forget_trained
+
+    cursors = Cursors(data_dir)
+    for tenant in ("aaa", "bbb"):
+        for step in (1, 2, 3):
+            cursors.commit(tenant, step=step, ids=[f"{tenant}-{step}-{i}" for i in range(5)],
+                           checkpoint=lambda d: (d / "weights").write_bytes(b"w"))
+        cursors.compact(tenant)
+    (snapshot,) = (data_dir / "cursors" / "aaa").glob("trained-*.parquet")
+    with snapshot.open("r+b") as f:
+        f.truncate(10)
+    with pytest.raises(PartlyDone, match=r"forgetting trained ids failed for aaa \(") as e:
+        forget_trained(data_dir, older_than_s=1, now_s=time.time() + 10 * DAY_S)
+    assert e.value.done == {"bbb": 15} and cursors.trained_ids("bbb") == set()
+    assert "forgetting trained ids of tenant aaa failed" in caplog.text

@@ -406,6 +406,21 @@ def test_prune_older_than_days_must_be_above_0(clora, data_dir, capsys, days):
     assert f"argument --older-than-days: {days} must be a number above 0" in capsys.readouterr().err
 
 
+def test_prune_older_than_days_past_what_a_timestamp_holds_is_a_usage_error(clora, data_dir, capsys, tmp_path):
+    """1e305 days put the cutoff at minus infinity: a raw OverflowError from the command, and "pruning failed"
+    on every compactor run when it came from the config."""
+    with pytest.raises(SystemExit) as exit_:
+        clora("prune", "--older-than-days=1e305", "--dry-run")
+    assert exit_.value.code == 2
+    assert "argument --older-than-days: 1e305 days is more than 100,000" in capsys.readouterr().err
+    from clora.config import ConfigError, load_config
+
+    config = tmp_path / "clora.toml"
+    config.write_text("[retention]\ndays = 1e305\n")
+    with pytest.raises(ConfigError, match="retention.days"):
+        load_config(config, environ={})
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--every", "nan"], "argument --every: nan must be a number above 0"),  # compacted in a busy loop
     (["--every", "inf"], "argument --every: inf must be a number above 0"),  # an OverflowError after a run
