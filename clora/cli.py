@@ -140,11 +140,16 @@ def model_path_problem(path: Path) -> str | None:
     return None
 
 
-def prepare_data_dir(path: Path) -> None:
+def prepare_data_dir(path: Path, *, create: bool = True) -> Path:
     """Creates the data directory if needed and checks that clora can write there (by writing a file: the
     permission bits do not tell a read-only or full file system); raises OSError otherwise (before any child
-    of `clora up` starts: each would fail on it, and be restarted, over and over)."""
+    of `clora up` starts: each would fail on it, and be restarted, over and over). With create=False (a
+    check) nothing is created: a data dir not there yet is checked by writing in the nearest folder above it
+    that is. Returns the folder written in."""
     path = Path(path)
+    if not create:
+        while not path.exists() and path.parent != path:
+            path = path.parent
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
     path.mkdir(parents=True, exist_ok=True)
@@ -157,6 +162,7 @@ def prepare_data_dir(path: Path) -> None:
     finally:
         os.close(fd)
         os.unlink(probe)
+    return path
 
 
 def data_dir_error(data_dir: Path, e: OSError) -> str:

@@ -103,8 +103,9 @@ def config_check(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     results: list[tuple[str, str | None]] = []  # (what, problem or None)
     try:
-        prepare_data_dir(cfg.data_dir)
-        results.append((f"data_dir {cfg.data_dir} is writable", None))
+        written = prepare_data_dir(cfg.data_dir, create=False)  # a check creates nothing (a mistyped path stays absent)
+        results.append((f"data_dir {cfg.data_dir} is writable" if written == cfg.data_dir else
+                        f"data_dir {cfg.data_dir} does not exist yet; clora creates it ({written} is writable)", None))
     except OSError as e:
         results.append(("data_dir", data_dir_error(cfg.data_dir, e).removeprefix("clora: ")))
     if cfg.model.path is None:
@@ -130,7 +131,12 @@ def config_check(args: argparse.Namespace) -> int:
         results.append(("kafka.bootstrap", problem))
     results += [("ports", problem) for problem in port_clashes(cfg)]
     why = unreachable(cfg.kafka.bootstrap)
-    if why is None:
+    if why is None and cfg.broker.embedded:
+        results.append(("kafka.bootstrap", f"Kafka already answers at {cfg.kafka.bootstrap}, where `clora up` starts "
+                        "the embedded broker (broker.embedded = true), which it refuses to do while the port is "
+                        "held: stop that broker (perhaps an earlier clora still running), or set broker.embedded = "
+                        "false to use it"))
+    elif why is None:
         results.append((f"Kafka answers at {cfg.kafka.bootstrap}", None))
     elif cfg.broker.embedded:
         results.append((f"Kafka: not running at {cfg.kafka.bootstrap}; `clora up` starts the embedded broker there",

@@ -39,6 +39,7 @@ TENANT_NAME_RULE = ("1 to 64 letters, digits, '_', '.' or '-', starting with a l
 # Scorer specs are "kind" or "kind:argument"; the implementations live in ingest/scorers.py.
 SCORER_KINDS = ("feedback", "inline", "contains", "regex", "length", "json_valid", "digits", "uppercase", "python")
 SCORERS_WITH_ARGUMENT = ("contains", "regex", "length", "python")
+EVENT_SCORERS = ("feedback", "inline")  # rewards that come with the events: no function to score a sample
 
 
 class ConfigError(ValueError):
@@ -484,11 +485,13 @@ class TenantConfig(_Strict):
     @field_validator("scorer")
     @classmethod
     def _scorer(cls, v: str) -> str:
-        kind, _, arg = v.partition(":")
+        kind, sep, arg = v.partition(":")
         if kind not in SCORER_KINDS:
             raise ValueError(f"unknown scorer kind {kind!r}; expected one of {', '.join(SCORER_KINDS)}")
         if kind in SCORERS_WITH_ARGUMENT and not arg:
             raise ValueError(f"scorer {kind!r} needs an argument, e.g. {kind}:...")
+        if kind not in SCORERS_WITH_ARGUMENT and sep:
+            raise ValueError(f"scorer {kind!r} takes no argument, got {v!r}")
         if kind == "length" and not (arg.isdigit() and int(arg) > 0):
             raise ValueError(f"scorer 'length' needs a positive integer target, got {arg!r}")
         if kind == "regex":
@@ -496,7 +499,7 @@ class TenantConfig(_Strict):
                 re.compile(arg)
             except re.error as e:
                 raise ValueError(f"scorer regex {arg!r} does not compile: {e}") from e
-        if kind == "python" and arg.count(":") != 1:
+        if kind == "python" and (arg.count(":") != 1 or not all(arg.split(":"))):
             raise ValueError(f"scorer 'python' needs module:function, got {arg!r}")
         return v
 
@@ -686,6 +689,10 @@ def _between_fields(c: Any) -> list[tuple[tuple[str | int, ...], str]]:
             problems.append((("tenants", i, "lora", "rank"),
                              f"tenant {_shown(t.name, i)}: lora.rank {rank} exceeds serving.max_lora_rank {max_rank}"))
     for i, t in enumerate(tenants):
+        if t.mode == "rollouts" and _known(t.scorer) and t.scorer.partition(":")[0] in EVENT_SCORERS:
+            problems.append((("tenants", i, "scorer"), f"tenant {_shown(t.name, i)}: rollouts mode needs a "
+                             f"programmatic scorer to score its own samples, but scorer is {t.scorer!r} (rewards "
+                             "from events): e.g. contains:..., regex:..., length:N or python:module:function"))
         if t.mode == "rollouts" and _known(t.group_size) and t.group_size < 2:
             problems.append((("tenants", i, "group_size"), f"tenant {_shown(t.name, i)}: group_size {t.group_size} "
                              "in rollouts mode never learns (each sample's advantage is its reward minus its group's "

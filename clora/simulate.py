@@ -222,11 +222,17 @@ class Simulator:
                 else:
                     self.not_sent += 1
                 i += 1
-                if progress and time.monotonic() >= next_progress:
-                    progress(self)
-                    next_progress += self.progress_seconds
-                # pace by the schedule, not by the last request, so slow answers do not lower the rate
-                self.stop.wait(max(0.0, t0 + i * interval - time.monotonic()))
+                # Paced by the schedule, not by the last request, so slow answers do not lower the rate; the
+                # wait ends at the run's end, and progress is reported on time, however low the rate.
+                due = min(t0 + i * interval, t0 + self.duration)
+                while not self.stop.is_set():
+                    now = time.monotonic()
+                    if progress and now >= next_progress:
+                        progress(self)
+                        next_progress += self.progress_seconds
+                    if now >= due:
+                        break
+                    self.stop.wait(min(due, next_progress) - now if progress else due - now)
             self._await_answers(slots, timeout=None)
         except KeyboardInterrupt:
             self.stop.set()

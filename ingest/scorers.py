@@ -46,12 +46,13 @@ import threading
 import traceback
 from collections.abc import Callable
 
+from clora.config import EVENT_SCORERS
 from ingest.events import exception_text, shown
 
 Scorer = Callable[[str, str], float]  # (completion, prompt) -> reward in [-1, 1]
 
 # Kinds whose reward comes from events rather than from a function.
-EVENT_REWARDS = ("feedback", "inline")
+EVENT_REWARDS = EVENT_SCORERS
 # Kinds whose time the completion's length does not bound: they get a time limit per call.
 UNBOUNDED_KINDS = ("regex", "python")
 DEFAULT_TIME_LIMIT_S = 1.0

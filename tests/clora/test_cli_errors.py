@@ -291,7 +291,8 @@ prompts_file = "{tmp_path / 'prompts.txt'}"
     assert problems[1].startswith("tenant acme: scorer python: cannot import module 'no_such_module_here'")
     assert problems[2].startswith(f"tenant lab: cannot read prompts_file {tmp_path / 'prompts.txt'}")
     assert problems[3].startswith("Kafka is not reachable at 127.0.0.1:") and "Connection refused" in problems[3]
-    assert f"  ok       data_dir {tmp_path / 'data'} is writable" in out
+    assert f"  ok       data_dir {tmp_path / 'data'} does not exist yet; clora creates it ({tmp_path} is writable)" in out
+    assert not (tmp_path / "data").exists(), "a check creates nothing: a mistyped data_dir would stay made"
 
     (tmp_path / "prompts.txt").write_text("one\ntwo\n")
     fixed = config.read_text().replace("python:no_such_module_here:f", "digits").replace(
@@ -312,6 +313,22 @@ def test_config_check_finds_an_embedded_broker_kafka_bootstrap_does_not_name(tmp
     assert problems == [f"kafka.bootstrap is '127.0.0.1:9092' but the embedded broker listens on 127.0.0.1:{port} "
                         "(broker.host, broker.port): set kafka.bootstrap to it, or broker.embedded = false to use "
                         "the Kafka at kafka.bootstrap"]
+
+
+def test_config_check_finds_the_embedded_brokers_port_held_by_a_running_kafka(tmp_path, capsys):
+    """`clora up` refuses to start the embedded broker on a port another process holds; the check passed it."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        (tmp_path / "data").mkdir()
+        config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[broker]\nport = {port}\n'
+                                        f'[kafka]\nbootstrap = "127.0.0.1:{port}"\n')
+        assert main(["config", "check", "--config", str(config)]) == 1
+    out = capsys.readouterr().out
+    problems = [line.split("PROBLEM", 1)[1].strip() for line in out.splitlines() if "PROBLEM" in line]
+    assert len(problems) == 1 and problems[0].startswith(f"Kafka already answers at 127.0.0.1:{port}, where `clora up`")
+    assert f"data_dir {tmp_path / 'data'} is writable" in out
 
 
 def test_config_check_finds_serving_on_the_embedded_brokers_port(tmp_path, capsys):

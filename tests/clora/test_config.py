@@ -283,7 +283,7 @@ def test_model_path_and_prompts_files_under_home_are_expanded_as_data_dir_is(tmp
     the home."""
     monkeypatch.setenv("HOME", str(tmp_path))
     p = write_config(tmp_path, '[model]\npath = "~/m"\n[[tenants]]\nname = "a"\napi_key = "sk-aaaaaaaa"\n'
-                               'mode = "rollouts"\nprompts_file = "~/prompts.txt"\n')
+                               'mode = "rollouts"\nscorer = "digits"\nprompts_file = "~/prompts.txt"\n')
     cfg = load_config(p, environ={})
     assert cfg.model.path == tmp_path / "m" and cfg.tenants[0].prompts_file == tmp_path / "prompts.txt"
     assert load_config(p, environ={"CLORA_MODEL_PATH": "~/other"}).model.path == tmp_path / "other"
@@ -360,6 +360,36 @@ def test_a_length_scorer_needs_a_target_above_zero(tmp_path):
     p = write_config(tmp_path, '[[tenants]]\nname = "a"\napi_key = "long-enough-key"\nscorer = "length:0"\n')
     with pytest.raises(ConfigError, match="positive integer target"):  # ingest's scorer refused it at start
         load_config(p, environ={})
+
+
+@pytest.mark.parametrize("scorer, message", [
+    ("digits:strict", "scorer 'digits' takes no argument"),
+    ("json_valid:", "scorer 'json_valid' takes no argument"),
+    ("feedback:app", "scorer 'feedback' takes no argument"),
+    ("python:os:", "scorer 'python' needs module:function"),
+    ("python::f", "scorer 'python' needs module:function"),
+])
+def test_a_scorer_spec_ingest_would_refuse_at_start_is_refused_by_the_config(tmp_path, scorer, message):
+    """Accepted here, they stopped ingest at start (exit 2), after `clora up` had waited for serving."""
+    from ingest.scorers import ScorerSpecError, build_scorer
+
+    p = write_config(tmp_path, f'[[tenants]]\nname = "a"\napi_key = "long-enough-key"\nscorer = "{scorer}"\n')
+    with pytest.raises(ConfigError, match=message):
+        load_config(p, environ={})
+    if not scorer.startswith("feedback"):
+        with pytest.raises(ScorerSpecError):  # what ingest says of it
+            build_scorer(scorer)
+
+
+def test_a_rollouts_tenant_needs_a_programmatic_scorer():
+    """With the default scorer (feedback) a rollouts tenant passed every check, then failed every step."""
+    for scorer in ("feedback", "inline"):
+        with pytest.raises(ConfigError, match=f"tenant 'lab': rollouts mode needs a programmatic scorer.*'{scorer}'"):
+            Config_of(tenants=[{"name": "lab", "api_key": "long-enough-key", "mode": "rollouts", "scorer": scorer}])
+    with pytest.raises(ConfigError, match="rollouts mode needs a programmatic scorer"):  # the default
+        Config_of(tenants=[{"name": "lab", "api_key": "long-enough-key", "mode": "rollouts"}])
+    assert Config_of(tenants=[{"name": "lab", "api_key": "long-enough-key", "mode": "rollouts",
+                               "scorer": "contains:a"}]).tenants[0].mode == "rollouts"
 
 
 def test_show_masks_keys():

@@ -252,3 +252,19 @@ def test_simulate_against_this_machine_ignores_the_environments_proxy(tmp_path, 
     out = capsys.readouterr().out
     assert code == 0, out
     assert re.search(r"digits-app: [1-9][0-9]* requests, 0 failed", out), out
+
+
+def test_a_low_rate_ends_at_the_runs_end_and_reports_progress_on_time():
+    """The loop slept until the next tick: 5.7 s for --seconds 1 --rate 0.2, a traceback for --rate 1e-10
+    (a wait past what a timeout can hold), and progress only at ticks."""
+    from clora.simulate import Simulator
+
+    with stand_in_serving(delay=0.0) as url:
+        for rate in (0.2, 1e-10):
+            reports = []
+            sim = Simulator(url, [SimTenant("a", "k" * 8, "digits")], rate=rate, duration=1.0, progress_seconds=0.25)
+            started = time.monotonic()
+            records = sim.run(progress=lambda s: reports.append(time.monotonic() - started))
+            assert time.monotonic() - started < 3.0
+            assert sim.sent == 1 and len(records) == 1 and records[0].ok
+            assert len(reports) >= 3, reports  # every 0.25 s of the second, not once per tick
