@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import importlib.abc
+import importlib.machinery
 import logging
 import os
 import select
@@ -188,7 +190,7 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    _search_the_current_directory()
+    search_the_current_directory()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -207,16 +209,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
-def _search_the_current_directory() -> None:
-    """A module in the current directory (a `python:` scorer's) imports however clora was started: `python -m`
-    (as `clora up` starts its processes) puts that directory first on sys.path, the `clora` script does not.
-    Added last, it never shadows an installed module."""
+class CurrentDirectoryFinder(importlib.abc.MetaPathFinder):
+    """Finds top-level modules in one directory, after every other finder (the last on sys.meta_path)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def find_spec(self, fullname, path=None, target=None):
+        if path is not None:  # a submodule: its package's own __path__ finds it
+            return None
+        return importlib.machinery.PathFinder.find_spec(fullname, [self.directory])
+
+
+def search_the_current_directory() -> None:
+    """Every clora process imports a module in the current directory (a `python:` scorer's) after everything
+    else: a user's `ingest.py` or `storage.py` there never shadows clora's own packages, nor any installed
+    module. `python -m` puts that directory first on sys.path, and a directory on sys.path comes before an
+    editable install's finder, so it is taken off sys.path and searched by a finder of its own, the last one.
+    `clora up` starts its processes with `python -P -m` so that the directory is not first even for the
+    package the process runs."""
     try:
         cwd = os.getcwd()
     except OSError:  # the directory was deleted: nothing there to import
         return
-    if "" not in sys.path and cwd not in sys.path:
-        sys.path.append(cwd)
+    sys.path[:] = [p for p in sys.path if p not in ("", cwd)]
+    if not any(isinstance(f, CurrentDirectoryFinder) for f in sys.meta_path):
+        sys.meta_path.append(CurrentDirectoryFinder(cwd))
 
 
 def _stdout_reader_gone() -> bool:

@@ -366,7 +366,7 @@ def stack_specs(cfg, config_path: str | None, *, file_only: bool = False) -> tup
     from storage.files import ready_pid
     from storage.layout import DataDir
 
-    py = [sys.executable, "-m"]
+    py = [sys.executable, "-P", "-m"]  # -P: a module in the current directory never shadows clora (cli.py)
     conf = ["--config", config_path] if config_path else []
     specs = []
     if cfg.broker.embedded:

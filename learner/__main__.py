@@ -61,8 +61,10 @@ def main_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from clora.cli import common_parser
+    from clora.cli import common_parser, search_the_current_directory
     from learner.cli import add_learn_arguments
+
+    search_the_current_directory()  # a python: scorer's module, never before clora's own packages
 
     parser = argparse.ArgumentParser(
         prog="python -m learner", parents=[common_parser()], description="The clora learner process (same as `clora learn`)."

@@ -72,6 +72,35 @@ def test_the_clora_script_imports_a_python_scorer_from_the_current_directory(tmp
     assert "ok       tenant acme: scorer python:clora_cwd_scorer:f builds" in result.stdout, result.stdout + result.stderr
 
 
+def test_a_module_in_the_current_directory_named_as_a_clora_package_shadows_nothing(tmp_path):
+    """A user's `ingest.py` (or `storage.py`, ...) beside clora.toml was imported instead of clora's own package:
+    by `clora up`'s children (`python -m` puts the directory first) and by the `clora` script (a directory on
+    sys.path comes before an editable install's finder). Its scorer modules there still import."""
+    for name in ("clora", "ingest", "learner", "serving", "storage"):
+        (tmp_path / f"{name}.py").write_text(f"raise SystemExit('the user\\'s {name}.py was imported')\n")
+    (tmp_path / "clora_cwd_scorer.py").write_text("def f(completion, prompt):\n    return 0.25\n")
+    (tmp_path / "clora.toml").write_text(
+        f'data_dir = "{tmp_path / "data"}"\n[[tenants]]\nname = "acme"\napi_key = "sk-acme-0001"\n'
+        'scorer = "python:clora_cwd_scorer:f"\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CLORA_CONFIG", "CLORA_DATA_DIR")}
+    script = Path(sys.executable).with_name("clora")
+    from clora.up import stack_specs
+    from clora.config import load_config
+
+    (spec, *_), _ = stack_specs(load_config(tmp_path / "clora.toml", environ={}), str(tmp_path / "clora.toml"))
+    child = spec.argv[: spec.argv.index("-m") + 1]  # how `clora up` starts its processes
+    assert child == [sys.executable, "-P", "-m"]
+    for argv in ([str(script), "config", "check"], [*child, "clora", "config", "check"]):
+        result = subprocess.run([*argv, "--config", "clora.toml"], cwd=tmp_path, env=env, capture_output=True,
+                                text=True, timeout=120)
+        assert "was imported" not in result.stdout + result.stderr
+        assert "ok       tenant acme: scorer python:clora_cwd_scorer:f builds" in result.stdout, result.stdout + result.stderr
+    for package in ("ingest", "learner", "serving"):
+        result = subprocess.run([*child, package, "--help"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 0 and f"python -m {package}" in result.stdout, result.stderr
+
+
 def test_the_data_dir_check_writes_a_file_and_leaves_none(tmp_path):
     from clora.cli import prepare_data_dir
 
