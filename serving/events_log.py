@@ -9,7 +9,8 @@ seconds when the broker is away) and works the queue:
 - a send fails or times out: the unacknowledged messages go to the spool (serving/spool.py, on disk,
   fsynced) and the producer is closed, so it cannot deliver them behind our back;
 - broker unreachable, or the spool not empty: new messages are appended to the spool too (so they stay
-  behind the older ones), and every `retry_seconds` the thread reconnects and sends the spool's
+  behind the older ones; with the broker unreachable, the whole queue each time, so what a kill would lose
+  is what came since), and `retry_seconds` after each failed attempt the thread reconnects and sends the spool's
   segments oldest first, each a batch at a time (cut as the queue is). After each batch it records how
   far the segment is acknowledged (its acknowledged prefix: serving/spool.py's progress record), and the
   next try starts after that prefix, not at the segment's start: a broker that is up but slow (that
@@ -21,6 +22,9 @@ seconds when the broker is away) and works the queue:
   order, and the thread is back to the first case. (Moving them too would leave the spool non-empty after
   every pass that saw one request: under steady traffic it would never empty again, and every event
   would cost a segment's fsync, create and delete.)
+
+While its own spool is empty, the thread also looks every `retry_seconds` for segments another serving
+process sharing the spool directory left behind (it died, or stopped while Kafka was away), and sends them.
 
 Delivery is therefore at-least-once: a message whose acknowledgement was lost is sent again. The prefix
 recorded ends at the first message not acknowledged (Kafka acknowledges each partition on its own), so a
@@ -128,6 +132,26 @@ def kafka_producer(bootstrap: str, *, max_request_size: int = MAX_REQUEST_BYTES)
     )
 
 
+def close_producer(producer: Any, timeout: float) -> None:
+    """Closes a kafka-python producer within about `timeout` seconds, whatever its broker does. Its own close()
+    flushes first and, where messages are still unacknowledged at the timeout, raises before it stops its I/O
+    thread: that thread would go on resending them behind the spool's back, holding its sockets, for ever (one
+    more per such close). So the thread is then stopped here (its unsent messages fail), and close() ends."""
+    try:
+        producer.close(timeout=timeout)
+        return
+    except Exception:  # noqa: BLE001 - a broker gone or hanging: the producer must stop all the same
+        logger.debug("closing the Kafka producer raised; stopping its I/O thread", exc_info=True)
+    sender = getattr(producer, "_sender", None)  # kafka-python's I/O thread: no public way to stop it
+    if sender is not None:
+        sender.force_close()
+        sender.join(1.0)
+    try:
+        producer.close(timeout=0)
+    except Exception:  # noqa: BLE001 - stopped above: what is left to close holds nothing
+        logger.debug("closing the Kafka producer after stopping its I/O thread raised", exc_info=True)
+
+
 def refusal_reason(error: BaseException | None) -> str | None:
     """The dead-letter reason for an error about the message itself, which no resend fixes; None for any
     other error (a resend, perhaps after the cluster is fixed, may get the message through)."""
@@ -185,6 +209,7 @@ class EventLog:
         self._spill_after = 0.0  # after a failed spill: not before then
         self._producer: Any = None
         self._next_connect = 0.0
+        self._next_look = 0.0  # when to look for segments other processes left (_look_for_left_segments)
         self._deadline: float | None = None  # set by close(): sends end by then, the rest is spooled
         self._spooled = self.spool.pending()  # left by an earlier run (or another process)
         self.metrics.spool_events.set(self._spooled)
@@ -256,6 +281,8 @@ class EventLog:
                     self._handle(batch)
                 if self._spooled and self._deadline is None and self._connect():
                     self._send_spool()
+                elif not self._spooled and self._producer is not None and self._deadline is None:
+                    self._look_for_left_segments()
             except Exception:  # the thread must survive anything; a lost batch would be logged below
                 logger.exception("event log iteration failed")
         self._shutdown()
@@ -287,7 +314,9 @@ class EventLog:
             if self._spooled or not connected:
                 # Should the spool refuse it: with Kafka away, wait until the next connection attempt; with
                 # Kafka back, the backlog's resend (right after this) frees the disk: only pause against spinning.
-                self._to_spool(batch, wait=self.retry_seconds if not connected else REQUEUE_PAUSE)
+                spooled = self._to_spool(batch, wait=self.retry_seconds if not connected else REQUEUE_PAUSE)
+                if spooled and not connected:
+                    self._queue_to_spool()  # Kafka away: all that is queued goes to disk now, not a batch per attempt
                 return
             delivery = self._send(batch)
             self._count(delivery.acked, "sent")
@@ -340,13 +369,14 @@ class EventLog:
     def _connect(self) -> bool:
         if self._producer is not None:
             return True
-        now = time.monotonic()
-        if now < self._next_connect:
-            return False
-        self._next_connect = now + self.retry_seconds
+        if time.monotonic() < self._next_connect or self._deadline is not None:
+            return False  # stopping: a connection attempt (seconds, Kafka away) would eat the stop's time
         try:
             self._producer = self.producer_factory(self.bootstrap)
         except Exception as e:  # kafka-python raises NoBrokersAvailable, KafkaError or OSError here
+            # Counted from the failure, not the attempt: a failed attempt takes about as long as
+            # retry_seconds itself, and the thread must get to spool between attempts.
+            self._next_connect = time.monotonic() + self.retry_seconds
             logger.warning("Kafka at %s unreachable (%s); events go to the spool at %s", self.bootstrap, e,
                            self.spool.directory)
             return False
@@ -357,10 +387,7 @@ class EventLog:
         producer, self._producer = self._producer, None
         if producer is None:
             return
-        try:
-            producer.close(timeout=self._ack_wait() if flush else 0)
-        except Exception:  # closing a producer whose broker is gone may raise; it is gone either way
-            logger.debug("closing the Kafka producer raised", exc_info=True)
+        close_producer(producer, self._ack_wait() if flush else 0)
 
     def _send(self, messages: Sequence[Message]) -> Delivery:
         """Sends and waits for the acknowledgements; says which messages were acknowledged, which may be
@@ -451,9 +478,25 @@ class EventLog:
                 if claim is None:
                     continue
                 if not self._send_segment(claim):
-                    return  # the rest of the segment is sent next time, after its acknowledged prefix
-        self._spooled = self.spool.pending()  # 0 unless something was spooled meanwhile: then another pass
+                    break  # the rest of the segment is sent next time, after its acknowledged prefix
+        # 0 unless something was spooled meanwhile or a segment fell short: then another pass. Counted again,
+        # not kept by subtraction: segments left by other processes were sent too, and counted nowhere.
+        self._spooled = self.spool.pending()
         self.metrics.spool_events.set(self._spooled)
+        self._next_look = time.monotonic() + self.retry_seconds
+
+    def _look_for_left_segments(self) -> None:
+        """Every `retry_seconds` while this process's spool is empty: whether another process sharing the
+        spool directory left segments (it died, or stopped while Kafka was away), for the next pass to send.
+        A directory listing; a segment's lines are read only when there is one."""
+        if time.monotonic() < self._next_look:
+            return
+        self._next_look = time.monotonic() + self.retry_seconds
+        self._spooled = self.spool.pending()
+        if self._spooled:
+            logger.info("%d events another serving process left in the spool at %s: sending them", self._spooled,
+                        self.spool.directory)
+            self.metrics.spool_events.set(self._spooled)
 
     def _send_segment(self, claim: Claim) -> bool:
         """Sends a claimed segment's messages a batch at a time, recording after each batch how far the

@@ -161,6 +161,56 @@ def test_close_with_the_broker_away_keeps_everything_on_disk(tmp_path):
     assert sorted(r[2] for r in broker.received) == [f"i{i}" for i in range(5)]
 
 
+def test_with_kafka_away_events_reach_the_disk_between_connection_attempts_not_a_batch_per_attempt(tmp_path):
+    """A connection attempt to a broker that is away takes about as long as retry_seconds (kafka-python's
+    bootstrap timeout): the next was due as soon as one failed, so the thread connected back to back and
+    spooled one batch per attempt; the rest of the queue waited in memory, lost to a kill."""
+    attempts = []
+
+    def slow_failure(bootstrap):
+        attempts.append(time.monotonic())
+        time.sleep(0.3)
+        raise ConnectionError(f"no broker at {bootstrap}")
+
+    log = make_log(tmp_path, FakeBroker(), slow_failure, start=False)
+    log.retry_seconds = 0.3
+    log.start()
+    try:
+        log.log(interaction(0))
+        wait_for(lambda: attempts)
+        logged = 1
+        for _ in range(12):  # 0.06 s apart: a couple of attempts meanwhile
+            for _ in range(600):  # more than a batch each time
+                log.log(interaction(logged))
+                logged += 1
+            time.sleep(0.06)
+        # within the attempt under way and the spooling after it (one batch per attempt: some 4 s)
+        wait_for(lambda: log.spooled == logged, timeout=1.0)
+        gaps = [b - a for a, b in zip(attempts, attempts[1:], strict=False)]
+        assert gaps and min(gaps) >= 0.55, f"attempts back to back: {gaps}"  # 0.3 s failing, then 0.3 s spooling
+    finally:
+        started = time.monotonic()
+        log.close(timeout=2.0)
+        assert time.monotonic() - started < 1.0, "a stop started connection attempts with Kafka away"
+    assert events_log.Spool(tmp_path / "spool").pending() == logged
+
+
+def test_segments_another_process_left_in_a_shared_spool_are_sent_by_a_live_one(tmp_path):
+    """A process whose own spool is empty never looked again: another's segments, left when it died (or
+    stopped while Kafka was away), waited for some process to restart."""
+    broker = FakeBroker()
+    log = make_log(tmp_path, broker)
+    log.log(interaction(0))
+    wait_for(lambda: len(broker.received) == 1)
+    peer = events_log.Spool(tmp_path / "spool")  # another serving process on the same directory
+    peer.append([events_log.Message("t.interactions", "acme", encode(interaction(i)).decode()) for i in (1, 2, 3)])
+    peer.close()  # it stopped (or died): its segment is sealed, or open and unlocked
+    wait_for(lambda: len(broker.received) == 4)
+    log.close()
+    assert sorted(r[2] for r in broker.received) == ["i0", "i1", "i2", "i3"]
+    assert events_log.Spool(tmp_path / "spool").pending() == 0
+
+
 class HangingProducer(FakeProducer):
     """A broker that takes messages but never acknowledges them: flush waits out its whole timeout."""
 

@@ -75,3 +75,39 @@ def test_an_oversized_event_is_dead_lettered_and_the_events_after_it_reach_kafka
     assert all("MessageSizeTooLargeError" in d["detail"] and d["version"] == 1 for d in dead)
     assert len(json.loads(dead[0]["value"])["completion"]) == BIG  # the whole event is kept
     assert not [p for p in (tmp_path / "spool").iterdir() if p.name != "dead"]  # nothing else left
+
+
+def test_closing_a_producer_whose_broker_hangs_stops_its_io_thread():
+    """kafka-python's close() flushes first and, with a message unacknowledged at its timeout, raises before
+    it stops its I/O thread, which then resends for ever with its sockets: one more thread per such close
+    (the event log closes its producer after every failed send). close_producer stops it."""
+    import os
+    import signal
+
+    from kafka.errors import KafkaTimeoutError
+
+    from ingest.broker import EmbeddedBroker, free_port
+    from serving.events_log import close_producer
+
+    hung = EmbeddedBroker("127.0.0.1", free_port()).start(["t.hang"])  # its own: this test freezes it
+    producers = []
+    try:
+        for _ in range(2):
+            producers.append(kafka_producer(hung.bootstrap))
+            producers[-1].send("t.hang", b"x").get(timeout=30)  # connected, the topic's metadata known
+        os.kill(hung.process.pid, signal.SIGSTOP)
+        try:
+            plain, ours = producers
+            for producer in producers:
+                producer.send("t.hang", b"never acknowledged")
+            with pytest.raises(KafkaTimeoutError):
+                plain.close(timeout=0)
+            assert plain._sender.is_alive(), "kafka-python's own close() left its I/O thread running"
+            close_producer(ours, 0)
+            assert not ours._sender.is_alive()
+        finally:
+            os.kill(hung.process.pid, signal.SIGCONT)
+    finally:
+        for producer in producers:
+            close_producer(producer, 0)
+        hung.stop()
