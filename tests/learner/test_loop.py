@@ -804,12 +804,14 @@ def test_a_tenant_ingest_created_keeps_learning_from_its_apps_rows_once_added_to
 def test_one_tenants_failure_does_not_stop_the_others(tiny_model, data_dir):
     write(data_dir, "ok", rows("a", 8), "b0")
     write(data_dir, "broken", rows("b", 8), "b0")
-    # rollouts mode with a feedback scorer cannot work: the step raises, the tenant is marked and backed off
-    cfg = make_config(data_dir, tiny_model, [{"name": "ok", "batch_size": 8}, {"name": "broken", "mode": "rollouts", "scorer": "feedback"}], rollout_sampler="local")
+    # a scorer whose module cannot be imported: the step raises, the tenant is marked and backed off
+    cfg = make_config(data_dir, tiny_model, [{"name": "ok", "batch_size": 8},
+                                             {"name": "broken", "mode": "rollouts", "scorer": "python:no_such_module_here:f"}],
+                      rollout_sampler="local")
     learner = learn(cfg, tiny_model)
     assert Registry(data_dir).latest_published("ok").number == 1
     broken = learner.tenants["broken"]
-    assert broken.status == "error" and "programmatic scorer" in broken.error and broken.retry_at > 0
+    assert broken.status == "error" and "cannot import module 'no_such_module_here'" in broken.error and broken.retry_at > 0
     status = json.loads((Path(data_dir) / "state" / "learner" / "status.json").read_text())
     assert status["broken"]["status"] == "error" and status["ok"]["status"] == "published"
     assert Cursors(data_dir).backlog()["broken"] == 8  # nothing of it was committed
