@@ -59,7 +59,7 @@ from typing import Literal, NamedTuple
 
 from ingest.events import DeadLetter, FeedbackEvent, InteractionEvent, decode, key_mismatch
 from ingest.index import key_hash
-from ingest.pending import Key, PendingStore
+from ingest.pending import SCORER_ERROR, SCORER_FAILED, Key, PendingStore
 from ingest.rows import (
     Coords,
     DeadLetterRow,
@@ -286,11 +286,12 @@ class Processor:
                 row = interaction_row(ev, rec, now_ms)
                 reward = None
                 if function is not None and key not in scored:
-                    if not stored and (rec.topic, rec.partition, rec.offset) in store.dead_letters:
+                    if not stored and store.dead_letters.get((rec.topic, rec.partition, rec.offset)) == SCORER_FAILED:
                         # Its scorer failed at this offset before (a replay): not run again. A scorer that
                         # ran out of time would cost its whole limit again per event, for every replay of
-                        # the batch; the stored dead letter has the first run's detail.
-                        reject(DeadLetter("scorer_error", f"scorer {spec!r} failed on this event before; not run "
+                        # the batch; the stored dead letter has the first run's detail. (An offset rejected
+                        # for another reason, an unknown tenant since configured, say, is scored.)
+                        reject(DeadLetter(SCORER_ERROR, f"scorer {spec!r} failed on this event before; not run "
                                           "again on a replay (dead_letters/ holds the first failure)", ev.tenant,
                                           ev.id), raw, rec)
                         continue
@@ -300,7 +301,7 @@ class Processor:
                     try:
                         reward = apply(function, row.completion, row.prompt)
                     except ScorerError as e:
-                        reject(DeadLetter("scorer_error", f"scorer {spec!r}: {e}", ev.tenant, ev.id), raw, rec)
+                        reject(DeadLetter(SCORER_ERROR, f"scorer {spec!r}: {e}", ev.tenant, ev.id), raw, rec)
                         continue
                 if stored:
                     out.duplicates += 1

@@ -166,10 +166,10 @@ def batch_datasets(out: Output) -> list[DatasetRows]:
     of its own, where the stored file's name would be taken as written already (storage.parquet), while a
     replay of the same messages still lands on the same name. Rows of the other datasets are keyed by what
     they hold ((tenant, id), feedback's content): the same key is the same event, whichever topic carried it."""
-    datasets = [
+    datasets = [  # trajectories before interactions: see BatchWrite
+        DatasetRows("trajectories", TrajectoryRow, out.trajectories, list(map(_TENANT_ID, out.trajectories))),
         DatasetRows("interactions", InteractionRow, out.interactions, list(map(_TENANT_ID, out.interactions))),
         DatasetRows("feedback", FeedbackRow, out.feedback, list(map(FEEDBACK_KEY, out.feedback))),
-        DatasetRows("trajectories", TrajectoryRow, out.trajectories, list(map(_TENANT_ID, out.trajectories))),
         DatasetRows("dead_letters", DeadLetterRow, [d.row for d in out.dead_letters], [tuple(d.at) for d in out.dead_letters],
                     [(*d.at, hashlib.blake2b(d.raw, digest_size=8).hexdigest()) for d in out.dead_letters]),
     ]
@@ -187,6 +187,14 @@ def write_rows(root: str, part: DatasetRows, ranges: dict[tuple[str, int], tuple
     return write_dataset(root, part.dataset, to_table(by_tenant, part.row_type), file_id=file_id)
 
 
+def _write_after(first: Future | None, root: str, part: DatasetRows,
+                 ranges: dict[tuple[str, int], tuple[int, int]]) -> list[Path]:
+    """write_rows once `first` (a write submitted before this one) is durable; nothing if it failed."""
+    if first is not None:
+        first.result()
+    return write_rows(root, part, ranges)
+
+
 def _tell_store(store: PendingStore, part: DatasetRows) -> None:
     """The store view learns of one dataset's rows (interactions: see writing_interactions)."""
     if part.dataset == "interactions":
@@ -196,7 +204,7 @@ def _tell_store(store: PendingStore, part: DatasetRows) -> None:
     elif part.dataset == "trajectories":
         store.stored_trajectories(part.keys)
     else:
-        store.stored_dead_letters(part.keys)
+        store.stored_dead_letters(part.keys, [row.reason for row in part.rows])
 
 
 def write_output(root: str, store: PendingStore, out: Output) -> None:
@@ -217,13 +225,23 @@ class BatchWrite:
 
     The store view is told of the rows when the write starts, so the next batch can be decided against
     it meanwhile, and where the interactions landed once `wait` returns (pending.py).
+
+    One order holds: the interactions file is written only once the trajectories file is durable. A stored
+    interaction counts as decided when it is read again (a replay after a crash, the batch not committed):
+    a trajectory on disk is its score, none means it waits for feedback. Left on disk without the trajectory
+    this batch decided for it (a crash between the two files), its replay could no longer be scored as it
+    was: its inline reward is not in the interactions file, feedback read before it joins as if it were the
+    first, and feedback that waited past the expiry is gone. The other files may land in any order.
     """
 
     def __init__(self, root: str, store: PendingStore, out: Output, executor: Executor) -> None:
         self.out = out
         self.store = store
-        parts = batch_datasets(out)
-        self.futures = {part.dataset: executor.submit(write_rows, root, part, out.ranges) for part in parts}
+        parts = batch_datasets(out)  # trajectories first: submitted before the interactions task waits on them
+        self.futures: dict[str, Future] = {}
+        for part in parts:
+            after = self.futures.get("trajectories") if part.dataset == "interactions" else None
+            self.futures[part.dataset] = executor.submit(_write_after, after, root, part, out.ranges)
         for part in parts:
             _tell_store(store, part)
 
@@ -549,6 +567,10 @@ class Ingest:
             # The group moved on (this process was too slow or a rebalance began). The rows are durable; the
             # next owner replays these offsets and the key indexes skip them.
             logger.warning("ingest: offset commit failed after a durable write (%s); the replay will be deduplicated", e)
+            return False
+        except KafkaTimeoutError as e:  # the broker did not answer within the request timeout: as above
+            logger.warning("ingest: offset commit timed out after a durable write (%s); the replay will be "
+                           "deduplicated", e)
             return False
         return True
 

@@ -13,7 +13,8 @@ see below):
   trajectories    KeyIndex (tenant, id): already scored (the first score wins)
   feedback        KeyIndex (tenant, id, ts, score, source): feedback events already stored (rows.FEEDBACK_KEY;
                   a resent event comes at a new offset, so offsets would not recognise it)
-  dead_letters    KeyIndex (topic, partition, offset): rejected messages already stored
+  dead_letters    KeyIndex (topic, partition, offset): rejected messages already stored; the value is
+                  SCORER_FAILED where the reason was scorer_error (a replay does not run that scorer again)
   pending         PendingFeedback (tenant, id) -> the first unjoined FeedbackRows of the id, in stream order
                   (at most MAX_WAITING_PER_ID), ingested within the expiry, at most `max_pending_per_tenant`
                   rows per tenant; of the feedback partitions this process reads (OwnedPartitions)
@@ -132,6 +133,8 @@ KEY_COLUMNS = {
     "feedback": list(FEEDBACK_KEY_COLUMNS),
     "dead_letters": ["kafka_topic", "kafka_partition", "kafka_offset"],
 }
+SCORER_ERROR = "scorer_error"  # the dead-letter reason of an event whose scorer raised or gave a bad value
+SCORER_FAILED = 1  # the dead_letters index's value for an offset whose scorer failed (0: any other reason)
 MAX_PENDING_PER_TENANT = 100_000  # the default of ingest.max_pending_feedback_per_tenant
 MAX_PENDING = 1_000_000  # the default of ingest.max_pending_feedback (every tenant together)
 MAX_WAITING_PER_ID = 8  # feedback rows kept for one id whose interaction has not arrived (see the docstring)
@@ -383,8 +386,10 @@ class PendingStore:
         """One file at a time, so loading holds one file's Python objects, not the dataset's."""
         hashes = []
         since = self.topics_since if dataset == "dead_letters" else {}
+        reasons = dataset == "dead_letters"  # the index's value: whether a scorer failed there
+        values = []
         for path in live_files(self.root, dataset):
-            t = self._read_or_skip(path, [*columns, "ingested_at"] if since else columns)
+            t = self._read_or_skip(path, [*columns, *(["ingested_at"] if since else []), *(["reason"] if reasons else [])])
             if t is None:
                 continue
             for topic, since_ms in since.items():  # an earlier incarnation's offsets: other messages
@@ -392,11 +397,15 @@ class PendingStore:
                                 pc.less(t.column("ingested_at").cast(pa.int64()), since_ms))
                 t = t.filter(pc.invert(pc.fill_null(older, False)))
             # Timestamps as epoch ms, as the rows have them (to_pylist would give datetimes).
-            values = [(t.column(c).cast(pa.int64()) if pa.types.is_timestamp(t.schema.field(c).type) else t.column(c)).to_pylist()
-                      for c in columns]
-            hashes.append(KeyIndex.hash_keys(values))
+            keys = [(t.column(c).cast(pa.int64()) if pa.types.is_timestamp(t.schema.field(c).type) else t.column(c)).to_pylist()
+                    for c in columns]
+            hashes.append(KeyIndex.hash_keys(keys))
+            if reasons:
+                failed = pc.fill_null(pc.equal(t.column("reason"), SCORER_ERROR), False)
+                values.append(failed.to_numpy(zero_copy_only=False).astype(np.int32) * SCORER_FAILED)
         all_hashes = _concat(hashes, np.int64)
-        return KeyIndex.from_hashes(all_hashes, np.zeros(len(all_hashes), dtype=np.int32))
+        return KeyIndex.from_hashes(all_hashes, _concat(values, np.int32) if reasons else
+                                    np.zeros(len(all_hashes), dtype=np.int32))
 
     def _load_pending(self, now_ms: int, function_scored: frozenset[str], owned: OwnedPartitions | None = None) -> None:
         """Per tenant, the first MAX_WAITING_PER_ID unjoined rows of each id among what was ingested within
@@ -647,8 +656,8 @@ class PendingStore:
     def stored_feedback(self, keys: list[tuple]) -> None:
         self.feedback.add_many(keys)
 
-    def stored_dead_letters(self, offsets: list[tuple[str, int, int]]) -> None:
-        self.dead_letters.add_many(offsets)
+    def stored_dead_letters(self, offsets: list[tuple[str, int, int]], reasons: list[str]) -> None:
+        self.dead_letters.add_many(offsets, [SCORER_FAILED if r == SCORER_ERROR else 0 for r in reasons])
 
     def expire(self, now_ms: int) -> int:
         """Drops pending feedback ingested more than the expiry ago; returns how many went."""

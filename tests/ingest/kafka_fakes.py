@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from kafka import TopicPartition
-from kafka.errors import CommitFailedError
+from kafka.errors import CommitFailedError, KafkaTimeoutError
 
 
 class FakeConsumerRecord(NamedTuple):  # what the loop reads of a kafka-python ConsumerRecord
@@ -21,8 +21,9 @@ class FakeConsumerRecord(NamedTuple):  # what the loop reads of a kafka-python C
 
 class FakeConsumer:
     """Stands in for KafkaConsumer: records commits and seeks; `refuse` makes the next commits fail as a
-    group that has moved on does; `in_callback` makes them fail as kafka-python does inside a rebalance
-    callback; `assigned` is what `assignment` answers and what seek accepts."""
+    group that has moved on does (with refuse = "timeout": as a broker that does not answer in time);
+    `in_callback` makes them fail as kafka-python does inside a rebalance callback; `assigned` is what
+    `assignment` answers and what seek accepts."""
 
     def __init__(self, assigned=()):
         self.assigned: set[TopicPartition] = set(assigned)
@@ -35,6 +36,8 @@ class FakeConsumer:
     def commit(self, offsets):
         if self.in_callback:  # kafka-python 3 runs rebalance callbacks on its network thread, where this raises
             raise RuntimeError("Cannot block on net.run() from the IO thread itself.")
+        if self.refuse == "timeout":
+            raise KafkaTimeoutError("Timeout waiting for future")
         if self.refuse:
             raise CommitFailedError("the group has already rebalanced")
         self.commits.append({tp: meta.offset for tp, meta in offsets.items()})

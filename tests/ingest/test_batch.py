@@ -459,6 +459,21 @@ def test_a_replay_does_not_run_a_scorer_again_on_an_event_it_failed(data_dir):
     assert h.table("dead_letters").num_rows == 1 and "ZeroDivisionError" in h.table("dead_letters").column("detail")[0].as_py()
 
 
+@pytest.mark.parametrize("restart", [False, True], ids=["same process", "after a restart"])
+def test_an_offset_dead_lettered_for_another_reason_is_scored_when_read_again(data_dir, restart):
+    """Every stored dead letter at an offset was taken for "its scorer failed here": an event of a tenant
+    not configured then, read again once the tenant was (offsets reset, or a replay), was dead-lettered as a
+    scorer_error its scorer never ran on."""
+    h = Harness(data_dir, scorers={"fb": "feedback"}, unknown_tenant="reject")
+    assert h.feed(inter("a", tenant="newco", completion="12")).reasons == {"unknown_tenant": 1}
+    h.processor = Processor({"fb": "feedback", "newco": "digits"}, unknown_tenant="reject", max_message_bytes=10_000)
+    if restart:
+        h.restart()
+    again = h.replay(h.log)
+    assert again.dead_letters == [] and again.replayed_dead_letters == []
+    assert h.rewards() == [("a", 1.0, "digits")]
+
+
 def test_feedback_for_a_stored_interaction_outside_its_expiry_is_not_pending_after_a_restart(h):
     h.feed(inter("a"))
     h.feed(fb("a", 0.9, ts=T0 + timedelta(days=10)))  # outside the 72 h expiry: joins nothing
@@ -651,6 +666,41 @@ def test_a_batch_decided_while_the_previous_one_is_written_decides_the_same(h):
     assert h.table("interactions").num_rows == 3 and h.table("feedback").num_rows == 2
     h.restart()  # the view rebuilt from disk agrees: a replay of everything writes nothing
     assert h.replay(h.log).rows == 0
+
+
+@pytest.mark.parametrize("variant", ["earlier feedback", "inline reward"])
+def test_a_crash_between_a_batchs_files_never_leaves_an_interaction_without_its_trajectory(h, monkeypatch, variant):
+    """The datasets' files were written concurrently, in no order: a crash could leave a batch's interaction
+    on disk without the trajectory decided for it, and its replay (the batch was not committed) was scored
+    otherwise: by feedback read before it instead of the feedback that had waited, or by feedback instead
+    of its inline reward. The interactions file is now written only once the trajectories file is durable."""
+    from ingest import consumer
+
+    real = consumer.write_rows
+
+    def killed_before_the_trajectories_landed(root, part, ranges):
+        if part.dataset == "trajectories":
+            time.sleep(0.2)  # the other files have every chance to land first
+            raise OSError("killed")
+        return real(root, part, ranges)
+
+    if variant == "earlier feedback":
+        h.feed(fb("x", -1.0))  # a committed batch: it waits for its interaction
+        batch, later, expected = [h.record(inter("x"))], fb("x", 0.5), [("x", -1.0, "feedback")]
+    else:
+        batch, later, expected = [h.record(inter("x", tenant="inl", reward=0.1))], fb("x", -1.0, tenant="inl"), [
+            ("x", 0.1, "inline")]
+    out = h.processor.process(batch, h.store, NOW_MS)
+    assert len(out.trajectories) == 1
+    monkeypatch.setattr(consumer, "write_rows", killed_before_the_trajectories_landed)
+    with ThreadPoolExecutor(max_workers=4) as executor, pytest.raises(OSError, match="killed"):
+        BatchWrite(h.root, h.store, out, executor).wait()
+    monkeypatch.undo()
+    assert h.table("interactions").num_rows == 0, "the interaction landed without its trajectory"
+    h.restart(now_ms=NOW_MS + 1000)  # nothing was committed: the batch is read again, after later feedback
+    h.feed(later, now_ms=NOW_MS + 2000)
+    h.replay(batch, now_ms=NOW_MS + 3000)
+    assert h.rewards() == expected
 
 
 def test_a_failed_batch_write_raises_when_waited_for(data_dir):

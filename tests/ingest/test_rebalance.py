@@ -51,11 +51,14 @@ def stored_ids(data_dir):
     return sorted(read_dataset(str(data_dir), "interactions").column("id").to_pylist())
 
 
-def test_a_refused_commit_stops_writing_and_seeks_back_to_what_it_dropped(ingest, data_dir):
+@pytest.mark.parametrize("refusal", [True, "timeout"], ids=["group moved on", "broker did not answer"])
+def test_a_refused_commit_stops_writing_and_seeks_back_to_what_it_dropped(ingest, data_dir, refusal):
+    """A commit the broker did not answer within its timeout ended ingest with a traceback: it is a commit
+    not made, as one the group refused."""
     ingest.buffer = records(0, 0, 3)
     ingest._start_flush()  # batch 1 is being written
     ingest.buffer = records(0, 3, 2) + records(1, 10, 2)
-    ingest.consumer.refuse = True
+    ingest.consumer.refuse = refusal
     ingest._start_flush()  # batch 2 is decided, then batch 1's commit is refused: batch 2 must not be written
     assert ingest.writing is None and ingest.buffer == [] and ingest.store is None
     assert stored_ids(data_dir) == ["p0-0", "p0-1", "p0-2"]  # batch 1 is durable (its replay is deduplicated)
