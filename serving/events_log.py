@@ -281,7 +281,7 @@ class EventLog:
                     self._handle(batch)
                 if self._spooled and self._deadline is None and self._connect():
                     self._send_spool()
-                elif not self._spooled and self._producer is not None and self._deadline is None:
+                elif not self._spooled and self._deadline is None:
                     self._look_for_left_segments()
             except Exception:  # the thread must survive anything; a lost batch would be logged below
                 logger.exception("event log iteration failed")
@@ -488,13 +488,15 @@ class EventLog:
     def _look_for_left_segments(self) -> None:
         """Every `retry_seconds` while this process's spool is empty: whether another process sharing the
         spool directory left segments (it died, or stopped while Kafka was away), for the next pass to send.
-        A directory listing; a segment's lines are read only when there is one."""
+        A directory listing; a segment's lines are read only when its writer is gone. The segments of a
+        live process are left to it (it sends them in its order), and so is one it is draining."""
         if time.monotonic() < self._next_look:
             return
         self._next_look = time.monotonic() + self.retry_seconds
-        self._spooled = self.spool.pending()
-        if self._spooled:
-            logger.info("%d events another serving process left in the spool at %s: sending them", self._spooled,
+        left = self.spool.left_behind()
+        if left:
+            self._spooled = self.spool.pending()
+            logger.info("%d events another serving process left in the spool at %s: sending them", left,
                         self.spool.directory)
             self.metrics.spool_events.set(self._spooled)
 

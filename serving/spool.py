@@ -261,15 +261,26 @@ class Spool:
     def pending(self) -> int:
         """Messages this process should send: in its own segment, in sealed ones, in orphaned open ones.
 
-        Segments another live writer still appends to are that writer's business and not counted.
+        Segments another live process holds (a writer appending to its open one, a sender draining one) are
+        that process's business and not counted.
         """
         with self._lock:
             own = self._path
+        return self._count([*self.segments(), *([own] if own else [])], own)
+
+    def left_behind(self) -> int:
+        """`pending`'s messages in the segments whose writer has gone: its process (named in the segment's
+        name) no longer runs on this host. A live writer sends its own segments, in its own order."""
+        with self._lock:
+            own = self._path
+        return self._count([p for p in self.segments() if not _running(_writer_pid(p))], own)
+
+    def _count(self, paths: list[Path], own: Path | None) -> int:
         count = 0
-        for p in [*self.segments(), *([own] if own else [])]:
+        for p in paths:
             try:
                 with open(p, "rb") as f:
-                    if p.suffix == ".open" and p != own and not _unlocked(f):
+                    if p != own and not _unlocked(f):
                         continue
                     f.seek(_acked_offset(p, f))  # what Kafka acknowledged already is not pending
                     count += sum(chunk.count(b"\n") for chunk in iter(partial(f.read, 1 << 20), b""))
@@ -417,6 +428,27 @@ def _acked_offset(segment: Path, file) -> int:
                        "from its start", record.name, version, offset, segment.name, size)
         return 0
     return offset
+
+
+def _writer_pid(segment: Path) -> int | None:
+    """The process id in a segment's name (<stamp>-<pid>-<rand>), None if it holds none."""
+    try:
+        return int(segment.name.split("-")[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _running(pid: int | None) -> bool:
+    """Whether a process of that id runs on this host (this process included)."""
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _unlocked(file) -> bool:

@@ -10,6 +10,7 @@ test_server_outage.py.)
 """
 
 import json
+import os
 import threading
 import time
 
@@ -195,20 +196,63 @@ def test_with_kafka_away_events_reach_the_disk_between_connection_attempts_not_a
     assert events_log.Spool(tmp_path / "spool").pending() == logged
 
 
-def test_segments_another_process_left_in_a_shared_spool_are_sent_by_a_live_one(tmp_path):
+def dead_pid() -> int:
+    """The id of a process that has ended (and was reaped)."""
+    import subprocess
+
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def peer_segment(tmp_path, ids, *, pid):
+    """Another serving process's sealed spool segment holding interactions `ids`, named by process `pid`."""
+    peer = events_log.Spool(tmp_path / "spool")
+    before = set((tmp_path / "spool").iterdir())
+    peer.append([events_log.Message("t.interactions", "acme", encode(interaction(i)).decode()) for i in ids])
+    peer.close()
+    (segment,) = [p for p in set((tmp_path / "spool").iterdir()) - before if p.suffix == ".jsonl"]
+    stamp, _, rest = segment.name.split("-", 2)
+    return segment.rename(segment.with_name(f"{stamp}-{pid}-{rest}"))
+
+
+@pytest.mark.parametrize("idle", [False, True], ids=["after traffic", "idle since its start"])
+def test_segments_another_process_left_in_a_shared_spool_are_sent_by_a_live_one(tmp_path, idle):
     """A process whose own spool is empty never looked again: another's segments, left when it died (or
     stopped while Kafka was away), waited for some process to restart."""
     broker = FakeBroker()
     log = make_log(tmp_path, broker)
-    log.log(interaction(0))
-    wait_for(lambda: len(broker.received) == 1)
-    peer = events_log.Spool(tmp_path / "spool")  # another serving process on the same directory
-    peer.append([events_log.Message("t.interactions", "acme", encode(interaction(i)).decode()) for i in (1, 2, 3)])
-    peer.close()  # it stopped (or died): its segment is sealed, or open and unlocked
-    wait_for(lambda: len(broker.received) == 4)
+    if not idle:
+        log.log(interaction(0))
+        wait_for(lambda: len(broker.received) == 1)
+    peer_segment(tmp_path, (1, 2, 3), pid=dead_pid())
+    wait_for(lambda: len(broker.received) == (3 if idle else 4))
     log.close()
-    assert sorted(r[2] for r in broker.received) == ["i0", "i1", "i2", "i3"]
+    assert sorted(r[2] for r in broker.received) == (["i1", "i2", "i3"] if idle else ["i0", "i1", "i2", "i3"])
     assert events_log.Spool(tmp_path / "spool").pending() == 0
+
+
+def test_a_live_peers_segments_are_left_to_it_and_traffic_goes_straight_to_kafka(tmp_path):
+    """The look for left segments took a live peer's too, even one it was draining (locked): the process then
+    spooled all its own traffic for as long as the peer drained, and sent the peer's events out of its order."""
+    import fcntl
+
+    broker = FakeBroker()
+    log = make_log(tmp_path, broker)
+    waiting = peer_segment(tmp_path, (1, 2), pid=os.getpid())  # a live writer's sealed segment
+    draining = peer_segment(tmp_path, (3, 4), pid=dead_pid())  # one a live peer claimed and is sending
+    with draining.open("rb") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        spool = events_log.Spool(tmp_path / "spool")
+        assert spool.pending() == 2 and spool.left_behind() == 0
+        for i in range(10, 20):
+            log.log(interaction(i))
+        wait_for(lambda: len(broker.received) == 10)
+        time.sleep(0.3)  # several looks (retry_seconds 0.05)
+        assert log.spooled == 0 and log.metrics.events.labels("interaction", "spooled")._value.get() == 0
+    log.close()
+    assert sorted(r[2] for r in broker.received) == [f"i{i}" for i in range(10, 20)]
+    assert waiting.exists() and draining.exists()
 
 
 class HangingProducer(FakeProducer):
