@@ -113,7 +113,7 @@ WRITING_POLL_MS = 10  # while a write is in flight: poll briefly, so its commit 
 # In the state dir: per topic, the broker's id for it and since when ingest reads that incarnation
 # (`_topics_since`).
 TOPICS_FILE = "ingest-topics.json"
-WRITER_THREADS = 3  # a batch's files at once (its interactions after its trajectories: BatchWrite) and the next batch's
+WRITER_THREADS = 3  # a batch's files at once: the small datasets beside its trajectories, then its interactions (BatchWrite)
 EXPIRE_EVERY_S = 60.0  # how often pending feedback is checked for expiry (a pass over all of it)
 
 
