@@ -165,35 +165,38 @@ def test_close_with_the_broker_away_keeps_everything_on_disk(tmp_path):
 def test_with_kafka_away_events_reach_the_disk_between_connection_attempts_not_a_batch_per_attempt(tmp_path):
     """A connection attempt to a broker that is away takes about as long as retry_seconds (kafka-python's
     bootstrap timeout): the next was due as soon as one failed, so the thread connected back to back and
-    spooled one batch per attempt; the rest of the queue waited in memory, lost to a kill."""
-    attempts = []
+    spooled one batch per attempt; the rest of the queue waited in memory, lost to a kill. Now everything
+    logged before an attempt failed is on disk before the next attempt starts, and a stop starts none."""
+    logged, failed_with, found_spooled, stopping = [0], [], [], threading.Event()
+    attempts_after_stop = []
 
     def slow_failure(bootstrap):
-        attempts.append(time.monotonic())
-        time.sleep(0.3)
+        if stopping.is_set():
+            attempts_after_stop.append(bootstrap)
+        found_spooled.append(log.spooled)  # what reached the disk before this attempt
+        time.sleep(0.2)
+        failed_with.append(logged[0])  # what had been logged when this attempt failed
         raise ConnectionError(f"no broker at {bootstrap}")
 
     log = make_log(tmp_path, FakeBroker(), slow_failure, start=False)
-    log.retry_seconds = 0.3
+    log.retry_seconds = 0.2
     log.start()
     try:
-        log.log(interaction(0))
-        wait_for(lambda: attempts)
-        logged = 1
-        for _ in range(12):  # 0.06 s apart: a couple of attempts meanwhile
-            for _ in range(600):  # more than a batch each time
-                log.log(interaction(logged))
-                logged += 1
-            time.sleep(0.06)
-        # within the attempt under way and the spooling after it (one batch per attempt: some 4 s)
-        wait_for(lambda: log.spooled == logged, timeout=1.0)
-        gaps = [b - a for a, b in zip(attempts, attempts[1:], strict=False)]
-        assert gaps and min(gaps) >= 0.55, f"attempts back to back: {gaps}"  # 0.3 s failing, then 0.3 s spooling
+        while len(failed_with) < 4:  # more than a batch per attempt, all the while
+            for _ in range(100):
+                log.log(interaction(logged[0]))
+                logged[0] += 1
+            time.sleep(0.01)
     finally:
-        started = time.monotonic()
-        log.close(timeout=2.0)
-        assert time.monotonic() - started < 1.0, "a stop started connection attempts with Kafka away"
-    assert events_log.Spool(tmp_path / "spool").pending() == logged
+        stopping.set()
+        log.close(timeout=10.0)
+    assert not attempts_after_stop, "a stop started a connection attempt with Kafka away"
+    assert failed_with[0] > events_log.BATCH_MAX, "the test logged less than a batch per attempt"
+    for k in range(1, len(failed_with)):
+        assert found_spooled[k] >= failed_with[k - 1], (
+            f"attempt {k + 1} began with {found_spooled[k]} events on disk of the {failed_with[k - 1]} logged "
+            "before the previous attempt failed")
+    assert events_log.Spool(tmp_path / "spool").pending() == logged[0]
 
 
 def dead_pid() -> int:
