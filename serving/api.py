@@ -745,6 +745,8 @@ class Api:
         for state, count in self.keys.counts().items():
             self.metrics.idempotency_keys.labels(state).set(count)
         self.metrics.idempotency_bytes.set(self.keys.kept_bytes)
+        for tenant in self.tenants:
+            self.metrics.inflight.labels(tenant).set(self.inflight.held(tenant))
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
 

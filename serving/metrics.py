@@ -13,6 +13,7 @@ several without clashing in the global one). Names start with `clora_serving_`:
     adapters_refused_total{tenant}              versions refused (corrupt or unfit adapters)
     events_total{kind,outcome}                  interaction/feedback events: sent, spooled, resent, dropped, dead
     spool_events                                events waiting in the on-disk spool
+    inflight_sequences{tenant}                  completions a tenant has in the engine, running or queued
 
 What this module does not do: decide when to count (the callers do) or serve HTTP (api.py does).
 """
@@ -72,6 +73,10 @@ class ServingMetrics:
             "Idempotency-Key (nothing generated or logged).", ["tenant", "endpoint"], registry=r
         )
         self.spool_events = Gauge("clora_serving_spool_events", "Events waiting in the on-disk spool.", registry=r)
+        self.inflight = Gauge(
+            "clora_serving_inflight_sequences", "Completions (prompts x n) each tenant has in the engine, running or "
+            "queued (at most serving.max_inflight_per_tenant).", ["tenant"], registry=r
+        )
         self.idempotency_bytes = Gauge(
             "clora_serving_idempotency_kept_bytes", "Memory the kept answers of Idempotency-Key requests take "
             "(at most serving.idempotency_cache_mib).", registry=r

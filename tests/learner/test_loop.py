@@ -1592,16 +1592,20 @@ def test_a_failing_step_in_a_round_leaves_the_other_tenants_steps_to_finish(tiny
 
     def failing_for_b(self, rt, work, scorer):
         if rt.spec.name == "b":
+            with torch.no_grad():  # part-way through: the weights moved, then it failed
+                for _, p in self.policy._params["b"]:
+                    p.add_(1.0)
             raise RuntimeError("b's update failed")
         return real(self, rt, work, scorer)
 
     monkeypatch.setattr(Learner, "_update", failing_for_b)
-    before = {t: learner.policy.snapshot(t) if learner.policy.has(t) else None for t in "abc"}
+    learner._ensure_loaded(learner.tenants["b"])  # its adapter exists before the round, to compare after
+    before = learner.policy.snapshot("b")
     records = learner.step_round(["a", "b", "c"])
     assert [r is not None for r in records] == [True, False, True]
     assert learner.tenants["b"].status == "error" and "b's update failed" in learner.tenants["b"].error
     assert learner.tenants["b"].step == 0 and learner.tenants["a"].step == learner.tenants["c"].step == 1
-    assert before["b"] is None or all(torch.equal(p, before["b"].weights[n]) for n, p in learner.policy._params["b"])
+    assert all(torch.equal(p, before.weights[n]) for n, p in learner.policy._params["b"]), "b's failed update stayed"
     learner.close()
 
 

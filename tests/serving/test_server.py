@@ -233,7 +233,14 @@ def test_a_production_request_is_started_before_waiting_requests_of_a_lower_prio
                 while not (await anext(lines)).startswith("data: "):  # the first token: it is decoding
                     pass
                 waiting = asyncio.create_task(timed("waiting", "initech", long))
-                await asyncio.sleep(0.5)  # in the engine's queue, behind the running request
+                deadline = time.monotonic() + 60
+                while True:  # in the engine's queue, behind the running request: initech holds 32 sequences
+                    text = (await http.get("/metrics")).text
+                    if 'clora_serving_inflight_sequences{tenant="initech"} 32.0' in text:
+                        break
+                    assert not waiting.done() and time.monotonic() < deadline, "the waiting request never queued"
+                    await asyncio.sleep(0.02)
+                await asyncio.sleep(0.2)  # from its slots taken to the engine's queue: its prompt's tokens only
                 urgent = asyncio.create_task(timed("urgent", "globex", {"model": "base", "prompt": "4 5", "max_tokens": 8,
                                                                         "ignore_eos": True}))
                 async for _ in lines:
