@@ -91,7 +91,7 @@ scorer = "telepathy"
     for fragment in ("bogus", "serving.port", "tenants.0.name", "tenants.0.api_key", "tenants.0.scorer",
                      "tenants.1.scorer", "telepathy"):
         assert fragment in msg, fragment
-    assert "5 problem" in msg or "6 problem" in msg
+    assert "6 problem(s)" in msg and msg.count("\n  - ") == 6
 
 
 def test_cross_field_problems(tmp_path):

@@ -14,7 +14,7 @@ from learner_support import make_config, rows, write
 from storage.cursors import Cursors
 from storage.registry import Registry
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.unit  # the tiny model in this process: no broker, no engine
 
 
 def learn(cfg, model, **kw):
