@@ -87,3 +87,89 @@ def terminate(process: subprocess.Popen, timeout: float, *, on_kill: Callable[[]
     if group and ours:  # what it left behind (its pid, and so its group id, is not free until reaped here)
         kill_group(process.pid)
     return process.returncode
+
+
+# The watchdog of `outlived_by_none`: run as `python -c`, it reads its stdin to the end. Anything read first
+# means it was let go (`close_watchdog`); nothing means the process that started it is gone: it then stops
+# each process it was given that is still the same one (same start time: a pid reused since is another
+# process), SIGTERM, up to 10 s, SIGKILL.
+_WATCHDOG = """
+import os, signal, sys, time
+given = [tuple(arg.split(":")) for arg in sys.argv[1:]]
+if sys.stdin.buffer.read():
+    sys.exit(0)
+def same(pid, started):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19] == started
+    except (OSError, IndexError):
+        return False
+for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+    live = [(p, s) for p, s in given if same(p, s)]
+    for pid, _ in live:
+        try:
+            os.kill(int(pid), sig)
+        except OSError:
+            pass
+    deadline = time.monotonic() + wait
+    while live and time.monotonic() < deadline:
+        time.sleep(0.1)
+        live = [(p, s) for p, s in live if same(p, s)]
+"""
+
+
+def descendants(pid: int | None = None) -> list[int]:
+    """The processes `pid` (this one by default) started, and theirs, as /proc lists them now (Linux)."""
+    out, todo = [], [os.getpid() if pid is None else pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            threads = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in threads:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            out += children
+            todo += children
+    return out
+
+
+def _started(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def outlived_by_none(pids: list[int]) -> subprocess.Popen | None:
+    """A watchdog process that stops `pids` (SIGTERM, 10 s, SIGKILL) once this process is gone, however it
+    went (SIGKILL included, where nothing of ours runs): for children that would outlive it otherwise, as
+    vLLM's engine core outlives serving (it watches nothing of its parent) and would hold its memory, and a
+    GPU's, for good. `close_watchdog` lets it go at a normal stop, where the caller stops them its own way.
+    None off Linux, or with nothing to watch."""
+    watched = [f"{pid}:{started}" for pid in pids if (started := _started(pid)) is not None]
+    if not watched:
+        return None
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", _WATCHDOG, *watched], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def close_watchdog(watchdog: subprocess.Popen | None, timeout: float = 5.0) -> None:
+    """Lets an `outlived_by_none` watchdog go: it exits and stops nothing."""
+    if watchdog is None:
+        return
+    try:
+        watchdog.stdin.write(b"let go")
+        watchdog.stdin.close()
+        watchdog.wait(timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        watchdog.kill()
+        watchdog.wait()
+

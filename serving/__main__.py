@@ -86,6 +86,7 @@ async def serve(cfg, host: str, port: int) -> int:
     import uvicorn
 
     from clora.cli import base_model_dir
+    from clora.processes import close_watchdog, descendants, outlived_by_none
     from ingest.broker import ensure_topics, unreachable
     from serving.adapter_check import base_linear_shapes, validate_adapter
     from serving.adapters import AdapterSet, ipc_directory, stage_directory
@@ -119,8 +120,12 @@ async def serve(cfg, host: str, port: int) -> int:
     stop = asyncio.Event()
     watcher = monitor = stage = None
     engine_died = False
+    watchdog = None
     try:
         await engine.start()
+        # vLLM's engine core (and its workers) would outlive this process killed with SIGKILL, holding the
+        # model's memory: a watchdog stops them then (clora up also kills serving's process group).
+        watchdog = outlived_by_none(descendants())
         registry = Registry(cfg.data_dir, keep_last=cfg.learner.keep_versions)
         tenants = [t.name for t in cfg.tenants]
         check = functools.partial(
@@ -194,6 +199,7 @@ async def serve(cfg, host: str, port: int) -> int:
         if events is not None:
             events.close()
         engine.shutdown()
+        close_watchdog(watchdog)
         for mine in (stage, ipc):
             if mine is not None:
                 shutil.rmtree(mine, ignore_errors=True)
