@@ -110,6 +110,8 @@ class Policy:
         self.model = base  # becomes a PeftModel with the first tenant
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
+        if self.tokenizer.pad_token_id is None:  # Llama 3's and Mistral's have none: padding a batch would refuse
+            self.tokenizer.pad_token_id = self.pad_token_id
         # Generation stops at any of the model's end tokens (the tiny model: <|im_end|> and <|endoftext|>),
         # as vLLM does with the same generation_config.
         configured = base.generation_config.eos_token_id if base.generation_config is not None else None

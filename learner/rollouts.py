@@ -124,7 +124,7 @@ def render_user_prompt(tokenizer, text: str) -> str:
 def read_prompts_file(path: Path) -> list[str]:
     try:
         lines = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()]
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise SamplingError(f"cannot read prompts_file {path}: {e}") from e
     prompts = [line for line in lines if line]
     if not prompts:
@@ -361,19 +361,23 @@ class ServingSampler:
             )
         label = resp.headers.get(VERSION_HEADER) or ""
         version = label if "@" in label else None  # "base" (the model's name): no adapter yet
-        body = resp.json()
-        choices = sorted(body.get("choices", []), key=lambda c: c.get("index", 0))
-        return [
-            Sample(
-                text=c.get("text") or "",
-                token_ids=_token_ids(c),
-                finished=c.get("finish_reason") == "stop",
-                version=version,
-                interaction_id=interaction_id(body.get("id"), c.get("index", 0), len(choices)),
-                logprobs=_sampled_logprobs(c),
-            )
-            for c in choices
-        ]
+        try:
+            body = resp.json()
+            choices = sorted(body.get("choices", []), key=lambda c: c.get("index", 0))
+            return [
+                Sample(
+                    text=c.get("text") or "",
+                    token_ids=_token_ids(c),
+                    finished=c.get("finish_reason") == "stop",
+                    version=version,
+                    interaction_id=interaction_id(body.get("id"), c.get("index", 0), len(choices)),
+                    logprobs=_sampled_logprobs(c),
+                )
+                for c in choices
+            ]
+        except (ValueError, TypeError, AttributeError) as e:  # not JSON, or not the completions answer's shape
+            raise SamplingError(f"tenant {r.tenant!r}: {self.base_url}/v1/completions answered 200 with a body that "
+                                f"is not a completions answer ({type(e).__name__}: {e}): {resp.text[:300]}") from e
 
     def close(self) -> None:
         self._client.close()

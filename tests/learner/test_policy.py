@@ -622,3 +622,24 @@ def test_decoding_matches_transformers_generate_on_models_with_other_caches(tiny
     width = enc["input_ids"].shape[1]
     theirs = [p._sample(row[width:].tolist(), None).token_ids for row in out]
     assert [g[0].token_ids for g in p.generate(None, prompts, max_new_tokens=12, greedy=True)] == theirs
+
+
+def test_a_base_model_whose_tokenizer_has_no_pad_token_generates(tiny_model, tmp_path):
+    """Llama 3's and Mistral's tokenizers have none: the policy pads with EOS, but the tokenizer refused to pad
+    a batch, so every gate probe and every local sample failed, for every tenant."""
+    import json
+    import shutil
+
+    model = tmp_path / "no-pad"
+    shutil.copytree(tiny_model, model)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        config = json.loads((model / name).read_text())
+        config.pop("pad_token", None)
+        (model / name).write_text(json.dumps(config))
+    p = Policy(model, device="cpu")
+    assert p.pad_token_id == p.eos_token_id
+    p.add_tenant(spec("acme", rank=8))
+    prompts = ["hello", "a longer question than that"]
+    plain = p.generate("acme", prompts, greedy=True, max_new_tokens=4)
+    assert p.generate_grouped([("acme", prompts)], max_new_tokens=4) == [plain]
+    assert [len(group) for group in p.generate("acme", prompts, n=2, max_new_tokens=4)] == [2, 2]

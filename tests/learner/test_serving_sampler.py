@@ -39,6 +39,7 @@ def stand_in_server():
     answers.refused_until = refused_until = {}
     answers.refusal = 429
     answers.refusals = refusals = collections.Counter()  # refusals given (429, 503, DROP), by API key
+    answers.raw = None  # with bytes here, a 200's body is those bytes
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
@@ -60,7 +61,7 @@ def stand_in_server():
             code = {429: "rate_limit_exceeded", 503: "adapter_unavailable"}.get(status, "internal_error")
             body = ({"id": "cmpl-1", "choices": [choice]} if status == 200
                     else {"error": {"message": "not now", "type": "requests", "param": None, "code": code}})
-            data = json.dumps(body).encode()
+            data = answers.raw if status == 200 and answers.raw is not None else json.dumps(body).encode()
             self.send_response(status)
             self.send_header("content-type", "application/json")
             self.send_header("content-length", str(len(data)))
@@ -178,6 +179,26 @@ def test_other_errors_fail_the_request_at_once(stand_in_server, status):
     with pytest.raises(SamplingError, match=f"answered {status}: "):
         ServingSampler(url).sample([request()])
     assert len(answers.bodies) == 1
+
+
+@pytest.mark.parametrize("raw", [b"<html>a proxy's page</html>", b'{"choices": null}', b"[1, 2]"])
+def test_a_200_whose_body_is_not_a_completions_answer_fails_the_request_naming_serving(stand_in_server, raw):
+    """It raised the JSON parser's or a TypeError from deep in the parsing: the step's error said nothing of
+    serving."""
+    url, answers = stand_in_server
+    answers.raw = raw
+    with pytest.raises(SamplingError, match="answered 200 with a body that is not a completions answer") as failed:
+        ServingSampler(url).sample([request()])
+    assert url in str(failed.value) and raw.decode()[:10] in str(failed.value)
+
+
+def test_a_prompts_file_that_is_not_utf8_is_a_sampling_error_naming_it(tmp_path):
+    from learner.rollouts import read_prompts_file
+
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(b"\xff\xfeW\x00r\x00")  # UTF-16, as some editors save
+    with pytest.raises(SamplingError, match=f"cannot read prompts_file {path}: 'utf-8' codec can't decode"):
+        read_prompts_file(path)
 
 
 def test_a_tenant_waiting_out_429s_does_not_hold_back_another_tenants_rollouts(stand_in_server):
