@@ -642,7 +642,7 @@ class Api:
                         "finish_reason": c.finish_reason,
                         "latency_ms": round(seconds * 1000, 1),
                         "usage": protocol.usage(len(prompt.ids), len(c.token_ids)),
-                        "sampling": _sampling_metadata(sampling),
+                        "sampling": _sampling_metadata(sampling, c.index % sampling.n),
                         "logprobs": "raw",
                         "stream": bool(call.body.stream),
                     },
@@ -750,8 +750,10 @@ class Api:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
 
-def _sampling_metadata(sampling: Sampling) -> dict[str, Any]:
-    """The interaction event's record of how it was sampled (penalties only when set)."""
+def _sampling_metadata(sampling: Sampling, sample: int = 0) -> dict[str, Any]:
+    """The interaction event's record of how its choice, the request's `sample`-th of each prompt's n, was
+    sampled (penalties only when set). Its seed is the one vLLM drew it with: seed + sample with n > 1 (vLLM
+    seeds each of the n samples apart; a greedy request runs once), none for -1 (vLLM's "unseeded")."""
     out: dict[str, Any] = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -769,8 +771,8 @@ def _sampling_metadata(sampling: Sampling) -> dict[str, Any]:
         out["stop"] = list(sampling.stop)
     if sampling.stop_token_ids:
         out["stop_token_ids"] = list(sampling.stop_token_ids)
-    if sampling.seed is not None:
-        out["seed"] = sampling.seed
+    if sampling.seed is not None and sampling.seed != -1:
+        out["seed"] = sampling.seed + (sample if sampling.n > 1 and sampling.temperature > 0 else 0)
     return out
 
 

@@ -56,6 +56,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import re
 import shutil
 import sys
@@ -588,11 +589,21 @@ def _token_logprobs(
     out = []
     for position, token_id in enumerate(token_ids):
         entries = logprobs[position]
-        best = sorted(entries.items(), key=lambda item: -item[1].logprob)[:top_k]
-        top = tuple((tid, token_bytes(tid), float(lp.logprob)) for tid, lp in best)
-        out.append(TokenLogprob(token_id=token_id, raw=token_bytes(token_id), logprob=float(entries[token_id].logprob),
+        best = sorted(entries.items(), key=lambda item: -_finite(item[1].logprob))[:top_k]
+        top = tuple((tid, token_bytes(tid), _finite(lp.logprob)) for tid, lp in best)
+        out.append(TokenLogprob(token_id=token_id, raw=token_bytes(token_id), logprob=_finite(entries[token_id].logprob),
                                 top=top, text_offset=offsets[position]))
     return out
+
+
+LOWEST_LOGPROB = -9999.0  # what a log-prob of -inf (or NaN) is answered as, as vLLM's own server does
+
+
+def _finite(logprob: float) -> float:
+    """A log-prob JSON can carry: -inf (a token the logits ruled out) and NaN are LOWEST_LOGPROB. Else the
+    answer would fail to encode (a 500 after its interaction was logged) and a stream would carry -Infinity."""
+    value = float(logprob)
+    return value if math.isfinite(value) and value >= LOWEST_LOGPROB else LOWEST_LOGPROB
 
 
 def _text_offsets(raws: Sequence[bytes], start: int, decoder: Any) -> tuple[list[int], int]:

@@ -303,11 +303,10 @@ class ChatMessage(BaseModel):
 
 
 def _uses(tools: list[Any] | None, choice: Any) -> bool:
-    """Whether the request asks for tool calls: tools it may call, or a choice that demands one ("required",
-    a named function), which without tools OpenAI refuses too."""
-    if choice in (None, "none", "auto"):
-        return bool(tools) and choice != "none"
-    return True
+    """Whether the request asks for tools: definitions (even with a choice of "none", under which OpenAI's
+    model still sees them, in its prompt, where this server would leave them out), or a choice that demands
+    a call ("required", a named function), which without tools OpenAI refuses too."""
+    return bool(tools) or choice not in (None, "none", "auto")
 
 
 class ChatRequest(_Request):
@@ -325,11 +324,12 @@ class ChatRequest(_Request):
     def _no_tool_calling(self):
         if _uses(self.tools, self.tool_choice):
             raise UnsupportedParameter(
-                "tool calling is not supported by this server; send no tools, or tool_choice \"none\"", param="tools")
+                "tool calling is not supported by this server, nor tool definitions (the model would not see them, "
+                "whatever tool_choice says); send no tools", param="tools")
         if _uses(self.functions, self.function_call):
             raise UnsupportedParameter(
-                "function calling is not supported by this server; send no functions, or function_call \"none\"",
-                param="functions")
+                "function calling is not supported by this server, nor function definitions (the model would not "
+                "see them, whatever function_call says); send no functions", param="functions")
         return self
 
     @model_validator(mode="after")

@@ -312,6 +312,9 @@ def test_an_unknown_role_is_a_400_before_any_work_and_tool_roles_stay_unsupporte
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function"}}, "tools"),
     ({"functions": [{"name": "f"}]}, "functions"),
+    # definitions with a choice of "none": OpenAI's model still sees them; this server's would not
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, "tools"),
+    ({"functions": [{"name": "f"}], "function_call": "none"}, "functions"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
 ])
@@ -323,9 +326,9 @@ def test_tool_calling_and_structured_outputs_are_refused_not_dropped(extra, para
 
 
 @pytest.mark.parametrize("extra", [
-    {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"},
+    {"tools": [], "tool_choice": "none"},
     {"tools": [], "tool_choice": None},
-    {"functions": [{"name": "f"}], "function_call": "none"},
+    {"functions": [], "function_call": "none"},
     {"response_format": {"type": "text"}},
     {"parallel_tool_calls": False},
 ])
@@ -1144,6 +1147,17 @@ def test_the_event_records_stop_and_seed():
     first, second = (e.metadata["sampling"] for e in w.events.logged)
     assert first["stop"] == ["\n", "END"] and first["seed"] == 7
     assert "stop" not in second and "seed" not in second
+
+
+def test_each_choices_event_records_the_seed_vllm_drew_it_with():
+    """vLLM seeds the n samples of a request seed, seed + 1, ...; and -1 is its "unseeded". The events said
+    seed for every choice, and -1."""
+    w = World()
+    w.post("/v1/chat/completions", chat(n=3, seed=7))
+    w.post("/v1/chat/completions", chat(n=2, seed=7, temperature=0))  # greedy: one run, its answer n times
+    w.post("/v1/chat/completions", chat(seed=-1))
+    seeds = [e.metadata["sampling"].get("seed") for e in w.events.logged]
+    assert seeds == [7, 8, 9, 7, 7, None]
 
 
 @pytest.mark.parametrize("score", [False, True, "0.5", "1"])

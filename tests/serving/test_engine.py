@@ -46,6 +46,18 @@ def test_sampled_token_logprob_and_top_alternatives():
     assert only_sampled[0].raw == b"<3>" and only_sampled[0].top == ()
 
 
+def test_a_log_prob_json_cannot_carry_is_answered_as_vllms_lowest():
+    """-inf (a token the logits ruled out) made the answer fail to encode, a 500 after its interaction was
+    logged, and a stream carry -Infinity, which strict JSON parsers refuse."""
+    import json
+
+    positions = [{7: FakeLogprob(float("-inf")), 8: FakeLogprob(-1.0), 9: FakeLogprob(float("nan"))}]
+    (out,) = _token_logprobs([7], positions, 3, token_bytes=lambda t: b"<%d>" % t, offsets=[0])
+    assert out.logprob == -9999.0
+    assert out.top == ((8, b"<8>", -1.0), (7, b"<7>", -9999.0), (9, b"<9>", -9999.0))
+    json.dumps([out.logprob, out.top[1][2]], allow_nan=False)
+
+
 def test_a_byte_level_vocabularys_tokens_are_their_bytes_not_their_text(tiny_model):
     """The tiny model's tokenizer (byte-level BPE, as Qwen's) splits "你" and "😊" into tokens of one byte
     each, which decode to U+FFFD: their bytes come from the vocabulary, and joined they are the text."""
