@@ -139,6 +139,10 @@ class _Call:
     def headers(self) -> dict[str, str]:
         return {REQUEST_ID: self.response_id, ADAPTER_VERSION: self.lease.label}
 
+    def prompt_ids(self, choice: int) -> list[int]:
+        """The token ids the engine was given for the prompt of choice number `choice`."""
+        return list(self.prompts[choice // self.body.n].ids)
+
     @property
     def choices(self) -> int:
         return len(self.prompts) * self.body.n
@@ -423,7 +427,7 @@ class Api:
         build = protocol.chat_response if endpoint == "chat" else protocol.completion_response
         with_logprobs = bool(body.logprobs) if endpoint == "chat" else body.logprobs is not None
         response = JSONResponse(build(call.response_id, lease.label, done, call.prompt_tokens, with_logprobs,
-                                      token_ids=body.return_token_ids),
+                                      token_ids=body.return_token_ids, prompt_token_ids=call.prompt_ids),
                                 headers=headers)
         if ticket is not None:
             ticket.keep(headers, [response.body], stream=False)
@@ -560,7 +564,10 @@ class Api:
             if chat:
                 for i in choices:
                     sent = True
-                    yield event(protocol.chat_chunk(call.response_id, label, created, None, index=i, role=True))
+                    yield event(protocol.chat_chunk(call.response_id, label, created, None, index=i, role=True,
+                                                    token_ids=body.return_token_ids,
+                                                    prompt_token_ids=None if i else call.prompt_ids(0)))
+            started: set[int] = set()  # completions: the choices whose first chunk went (it has the prompt's ids)
             async for delta in _chain_first(first, deltas):
                 choices[delta.index].add(delta)
                 if chat:
@@ -572,7 +579,9 @@ class Api:
                     chunk = protocol.completion_chunk(
                         call.response_id, label, created, delta, with_logprobs=body.logprobs is not None,
                         token_ids=body.return_token_ids,
+                        prompt_token_ids=None if delta.index in started else call.prompt_ids(delta.index),
                     )
+                    started.add(delta.index)
                 sent = True
                 yield event(chunk)
             finished = True  # the completion is whole: it is logged even if the client leaves now

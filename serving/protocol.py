@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
@@ -554,17 +555,22 @@ def completion_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
-def _with_token_ids(choice: dict[str, Any], token_ids: list[int], wanted: bool) -> dict[str, Any]:
+def _with_token_ids(choice: dict[str, Any], token_ids: list[int], wanted: bool,
+                    prompt_token_ids: list[int] | None = None) -> dict[str, Any]:
     if wanted:
+        if prompt_token_ids is not None:
+            choice["prompt_token_ids"] = list(prompt_token_ids)
         choice["token_ids"] = list(token_ids)
     return choice
 
 
 def chat_response(
     response_id: str, model: str, choices: list[Choice], prompt_tokens: int, with_logprobs: bool,
-    token_ids: bool = False,
+    token_ids: bool = False, prompt_token_ids: Callable[[int], list[int]] | None = None,
 ) -> dict[str, Any]:
+    """`prompt_token_ids(choice index)`: with `token_ids`, the prompt's ids, as vLLM answers them (top level)."""
     return {
+        **({"prompt_token_ids": list(prompt_token_ids(0))} if token_ids and prompt_token_ids else {}),
         "id": response_id,
         "object": "chat.completion",
         "created": int(time.time()),
@@ -584,8 +590,9 @@ def chat_response(
 
 def completion_response(
     response_id: str, model: str, choices: list[Choice], prompt_tokens: int, with_logprobs: bool,
-    token_ids: bool = False,
+    token_ids: bool = False, prompt_token_ids: Callable[[int], list[int]] | None = None,
 ) -> dict[str, Any]:
+    """`prompt_token_ids(choice index)`: with `token_ids`, each choice's prompt's ids, as vLLM answers them."""
     return {
         "id": response_id,
         "object": "text_completion",
@@ -597,7 +604,7 @@ def completion_response(
                 "text": c.text,
                 "logprobs": completion_logprobs(c.logprobs) if with_logprobs else None,
                 "finish_reason": c.finish_reason,
-            }, c.token_ids, token_ids)
+            }, c.token_ids, token_ids, prompt_token_ids and prompt_token_ids(c.index))
             for c in choices
         ],
         "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
@@ -606,9 +613,10 @@ def completion_response(
 
 def chat_chunk(
     response_id: str, model: str, created: int, delta: Delta | None, *, index: int = 0, role: bool = False,
-    with_logprobs: bool = False, token_ids: bool = False,
+    with_logprobs: bool = False, token_ids: bool = False, prompt_token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
-    """One `chat.completion.chunk`: the opening one (`role`), a content delta, or (delta None) usage only."""
+    """One `chat.completion.chunk`: the opening one (`role`), a content delta, or (delta None) usage only.
+    `prompt_token_ids` (the stream's first chunk, with `token_ids`): the prompt's ids, as vLLM sends them."""
     if delta is None and not role:
         choices = []
     else:
@@ -621,13 +629,17 @@ def chat_chunk(
                 "finish_reason": None if delta is None else delta.finish_reason,
             }, [] if delta is None else delta.token_ids, token_ids and not role)
         ]
-    return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    chunk = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    if token_ids and prompt_token_ids is not None:
+        chunk["prompt_token_ids"] = list(prompt_token_ids)
+    return chunk
 
 
 def completion_chunk(
     response_id: str, model: str, created: int, delta: Delta | None, *, with_logprobs: bool = False,
-    token_ids: bool = False,
+    token_ids: bool = False, prompt_token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
+    """`prompt_token_ids` (each choice's first chunk, with `token_ids`): its prompt's ids, as vLLM sends them."""
     choices = []
     if delta is not None:
         choices = [
@@ -636,7 +648,7 @@ def completion_chunk(
                 "text": delta.text,
                 "logprobs": completion_logprobs(delta.logprobs) if with_logprobs else None,
                 "finish_reason": delta.finish_reason,
-            }, delta.token_ids, token_ids)
+            }, delta.token_ids, token_ids, prompt_token_ids)
         ]
     return {"id": response_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
 

@@ -398,6 +398,30 @@ def test_return_token_ids_gives_each_choice_its_sampled_tokens_streamed_or_not()
     assert [t for e in chat_events[1:-1] for c in e["choices"] for t in c["token_ids"]] == [ord(c) for c in "<us"]
 
 
+def test_return_token_ids_gives_the_prompts_ids_as_vllm_does_streamed_or_not():
+    """Chat: at the top level (the first chunk of a stream); completions: on each choice (its first chunk).
+    Only the server knows a chat prompt's ids (its template's), which a trainer needs."""
+    w = World()
+    rendered = [ord(c) for c in "<user>hi<assistant>"]
+    batch = {"model": "acme", "prompt": ["hey", "yo"], "n": 2, "return_token_ids": True}
+    r = w.post("/v1/completions", batch).json()
+    assert [c["prompt_token_ids"] for c in r["choices"]] == [[104, 101, 121]] * 2 + [[121, 111]] * 2
+    events = sse_events(w.post("/v1/completions", {**batch, "stream": True}))
+    firsts = {}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            firsts.setdefault(c["index"], c.get("prompt_token_ids"))
+            assert c["index"] in firsts
+    assert firsts == {0: [104, 101, 121], 1: [104, 101, 121], 2: [121, 111], 3: [121, 111]}
+    assert sum("prompt_token_ids" in c for e in events[:-1] for c in e["choices"]) == 4  # each choice's first only
+    assert w.post("/v1/chat/completions", chat(return_token_ids=True)).json()["prompt_token_ids"] == rendered
+    chat_events = sse_events(w.post("/v1/chat/completions", chat(stream=True, return_token_ids=True)))
+    assert chat_events[0]["prompt_token_ids"] == rendered and all("prompt_token_ids" not in e for e in chat_events[1:-1])
+    plain = w.post("/v1/completions", {"model": "acme", "prompt": "hey"}).json()
+    assert "prompt_token_ids" not in plain and "prompt_token_ids" not in plain["choices"][0]
+    assert "prompt_token_ids" not in w.post("/v1/chat/completions", chat()).json()
+
+
 class FakeByteTokenizer(FakeTokenizer):
     """A byte-level vocabulary, as Qwen's: one token per UTF-8 byte, each spelt as GPT-2's alphabet spells it."""
 
