@@ -89,35 +89,6 @@ def terminate(process: subprocess.Popen, timeout: float, *, on_kill: Callable[[]
     return process.returncode
 
 
-# The watchdog of `outlived_by_none`: run as `python -c`, it reads its stdin to the end. Anything read first
-# means it was let go (`close_watchdog`); nothing means the process that started it is gone: it then stops
-# each process it was given that is still the same one (same start time: a pid reused since is another
-# process), SIGTERM, up to 10 s, SIGKILL.
-_WATCHDOG = """
-import os, signal, sys, time
-given = [tuple(arg.split(":")) for arg in sys.argv[1:]]
-if sys.stdin.buffer.read():
-    sys.exit(0)
-def same(pid, started):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19] == started
-    except (OSError, IndexError):
-        return False
-for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
-    live = [(p, s) for p, s in given if same(p, s)]
-    for pid, _ in live:
-        try:
-            os.kill(int(pid), sig)
-        except OSError:
-            pass
-    deadline = time.monotonic() + wait
-    while live and time.monotonic() < deadline:
-        time.sleep(0.1)
-        live = [(p, s) for p, s in live if same(p, s)]
-"""
-
-
 def descendants(pid: int | None = None) -> list[int]:
     """The processes `pid` (this one by default) started, and theirs, as /proc lists them now (Linux)."""
     out, todo = [], [os.getpid() if pid is None else pid]
@@ -138,12 +109,49 @@ def descendants(pid: int | None = None) -> list[int]:
     return out
 
 
+def running(pid: int | None) -> bool:
+    """Whether a process of that id runs on this host (another user's included)."""
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def _started(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot), which tells it from a later one given its id."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return None
+
+
+def _watch_over(watched: list[str]) -> None:
+    """The watchdog's body (`outlived_by_none`): reads its stdin to the end. Anything read means it was let
+    go (`close_watchdog`); nothing means the process that started it is gone: it then stops each process
+    `pid:start time` of `watched` that is still the same one (a pid reused since is another process):
+    SIGTERM, up to 10 s, SIGKILL."""
+    import sys
+
+    if sys.stdin.buffer.read():
+        return
+    given = [(int(pid), started) for pid, started in (w.split(":") for w in watched)]
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+        live = [(pid, started) for pid, started in given if _started(pid) == started]
+        for pid, _ in live:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + wait
+        while live and time.monotonic() < deadline:
+            time.sleep(0.1)
+            live = [(pid, started) for pid, started in live if _started(pid) == started]
 
 
 def outlived_by_none(pids: list[int]) -> subprocess.Popen | None:
@@ -157,8 +165,10 @@ def outlived_by_none(pids: list[int]) -> subprocess.Popen | None:
         return None
     import sys
 
-    return subprocess.Popen([sys.executable, "-c", _WATCHDOG, *watched], stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # -P: a module in the current directory never stands in for clora (clora.cli.search_the_current_directory)
+    return subprocess.Popen([sys.executable, "-P", "-c", "import sys; from clora.processes import _watch_over; "
+                             "_watch_over(sys.argv[1:])", *watched],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def close_watchdog(watchdog: subprocess.Popen | None, timeout: float = 5.0) -> None:
@@ -172,4 +182,3 @@ def close_watchdog(watchdog: subprocess.Popen | None, timeout: float = 5.0) -> N
     except (OSError, subprocess.TimeoutExpired):
         watchdog.kill()
         watchdog.wait()
-

@@ -66,6 +66,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Literal, Protocol
 
+from clora.processes import running
 from serving.adapter_check import AdapterRejected
 from serving.engine import AdapterHandle
 from serving.errors import AdapterUnavailable, ModelNotFound, ServingError, Unavailable
@@ -591,22 +592,12 @@ def _remove_dead(root: Path, prefix: str, *, tail: bool = False) -> None:
         pid = d.name[len(prefix):]
         if tail:
             pid = pid.partition("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not running(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
 
 
 def _host_tag() -> str:
     return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def _stage(source: Path, target: Path) -> None:

@@ -493,10 +493,9 @@ class EventLog:
         if time.monotonic() < self._next_look:
             return
         self._next_look = time.monotonic() + self.retry_seconds
-        left = self.spool.left_behind()
-        if left:
-            self._spooled = self.spool.pending()
-            logger.info("%d events another serving process left in the spool at %s: sending them", left,
+        self._spooled = self.spool.left_behind()  # the pass that sends them counts the whole spool again
+        if self._spooled:
+            logger.info("%d events another serving process left in the spool at %s: sending them", self._spooled,
                         self.spool.directory)
             self.metrics.spool_events.set(self._spooled)
 

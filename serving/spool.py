@@ -82,6 +82,8 @@ from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 
+from clora.processes import running
+
 logger = logging.getLogger(__name__)
 
 SEGMENT_BYTES = 8 << 20
@@ -273,7 +275,7 @@ class Spool:
         name) no longer runs on this host. A live writer sends its own segments, in its own order."""
         with self._lock:
             own = self._path
-        return self._count([p for p in self.segments() if not _running(_writer_pid(p))], own)
+        return self._count([p for p in self.segments() if not running(_writer_pid(p))], own)
 
     def _count(self, paths: list[Path], own: Path | None) -> int:
         count = 0
@@ -436,19 +438,6 @@ def _writer_pid(segment: Path) -> int | None:
         return int(segment.name.split("-")[1])
     except (IndexError, ValueError):
         return None
-
-
-def _running(pid: int | None) -> bool:
-    """Whether a process of that id runs on this host (this process included)."""
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
 
 
 def _unlocked(file) -> bool:
