@@ -1210,14 +1210,15 @@ class Learner:
         rt.state_id += 1
         rt.probe_cache = {}
         rt.loaded = True
-        # As at a take-over (_recover): a reload after a commit whose outcome could not be read leaves that
-        # attempt's candidate if the commit had in fact failed (at the first step too, with no checkpoint to
-        # resume), and the versions served since moved. At a start, after _recover, this finds nothing to do.
-        rt.served_read = False  # until done: a failure here leaves it to the next step (_step)
-        if rt.unfinished is not None:
-            self._finish(rt, rt.unfinished)
-        self._reject_abandoned(name)
-        self._load_served(rt)
+        if rt.unfinished is not None or rt.state_id > 1:  # a step to finish, or a reload (not the first load)
+            # As at a take-over (_recover, which a first load follows): a reload after a commit whose outcome
+            # could not be read leaves that attempt's candidate if the commit had in fact failed (at the first
+            # step too, with no checkpoint to resume), and the versions served since moved.
+            rt.served_read = False  # until done: a failure here leaves it to the next step (_step)
+            if rt.unfinished is not None:
+                self._finish(rt, rt.unfinished)
+            self._reject_abandoned(name)
+            self._load_served(rt)
 
     def _load_published(self, rt: TenantRuntime, published) -> None:
         """Loads the served version `published` into the tenant's adapter. Refused, the adapter left as it was,
