@@ -48,7 +48,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -62,7 +62,7 @@ from ingest.events import FeedbackEvent, InteractionEvent, utc_now
 from serving import idempotency, protocol
 from serving.adapters import AdapterSet, Lease
 from serving.auth import Authenticator, is_admin, resolve_model
-from serving.engine import MAX_CHARS_PER_TOKEN, Choice, Delta, Engine, Sampling
+from serving.engine import MAX_CHARS_PER_TOKEN, Choice, Delta, Engine, Sampling, greedy
 from serving.errors import (
     BadRequest,
     ClientClosedRequest,
@@ -139,9 +139,9 @@ class _Call:
     def headers(self) -> dict[str, str]:
         return {REQUEST_ID: self.response_id, ADAPTER_VERSION: self.lease.label}
 
-    def prompt_ids(self, choice: int) -> list[int]:
+    def prompt_ids(self, choice: int) -> Sequence[int]:
         """The token ids the engine was given for the prompt of choice number `choice`."""
-        return list(self.prompts[choice // self.body.n].ids)
+        return self.prompts[choice // self.body.n].ids
 
     @property
     def choices(self) -> int:
@@ -565,9 +565,10 @@ class Api:
                 for i in choices:
                     sent = True
                     yield event(protocol.chat_chunk(call.response_id, label, created, None, index=i, role=True,
-                                                    token_ids=body.return_token_ids,
-                                                    prompt_token_ids=None if i else call.prompt_ids(0)))
-            started: set[int] = set()  # completions: the choices whose first chunk went (it has the prompt's ids)
+                                                    token_ids=body.return_token_ids, prompt_token_ids=None if i else
+                                                    call.prompt_ids(0)))
+            # completions with return_token_ids: the choices whose first chunk (the one with the prompt's ids) went
+            started: set[int] = set() if body.return_token_ids and not chat else set(choices)
             async for delta in _chain_first(first, deltas):
                 choices[delta.index].add(delta)
                 if chat:
@@ -781,7 +782,7 @@ def _sampling_metadata(sampling: Sampling, sample: int = 0) -> dict[str, Any]:
     if sampling.stop_token_ids:
         out["stop_token_ids"] = list(sampling.stop_token_ids)
     if sampling.seed is not None and sampling.seed != -1:
-        out["seed"] = sampling.seed + (sample if sampling.n > 1 and sampling.temperature > 0 else 0)
+        out["seed"] = sampling.seed + (0 if greedy(sampling) else sample)
     return out
 
 

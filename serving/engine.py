@@ -453,7 +453,7 @@ class Engine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         sampling = self.check_prompt(prompt_ids, sampling)
-        copies = sampling.n if _greedy(sampling) else 1  # greedy runs once (n = 1); each choice gets its answer
+        copies = sampling.n if greedy(sampling) else 1  # greedy runs once (n = 1); each choice gets its answer
         adapter = adapter or self.zero_adapter
         lora = _lora_request(adapter) if adapter is not None else None
         chars: dict[int, int] = {}  # choice -> characters its tokens decode to so far
@@ -540,7 +540,7 @@ def _sampling_params(sampling: Sampling):
 
     try:
         return SamplingParams(
-            n=1 if _greedy(sampling) else sampling.n,  # vLLM refuses greedy with n > 1: stream() copies its answer
+            n=1 if greedy(sampling) else sampling.n,  # vLLM refuses greedy with n > 1: stream() copies its answer
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -563,7 +563,8 @@ def _sampling_params(sampling: Sampling):
         raise BadRequest(str(e), param=e.parameter) from e
 
 
-def _greedy(sampling: Sampling) -> bool:
+def greedy(sampling: Sampling) -> bool:
+    """Temperature 0: one answer, which vLLM runs once (n = 1) and `stream` copies to every choice."""
     return sampling.temperature == 0
 
 
