@@ -54,6 +54,12 @@ MAX_METADATA_KEYS = 16  # OpenAI's limits on a request's `metadata`
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range of a logit_bias value
+# Bounds on what every choice's interaction event copies from the request (its sampling record): without
+# them one request of 128 one-token choices made events of ~60 MiB from a body of 1 MiB.
+MAX_STOP_CHARS = 1024  # of each stop sequence
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key: past any vocabulary (int() of a key of 4,300 digits raises)
 
 
 NOTHING = object()  # no value of the field asks for what clora does
@@ -151,7 +157,7 @@ class _Request(BaseModel):
     # trainer gets exactly the tokens the model produced, not a re-tokenization of the text
     return_token_ids: bool = Field(False, strict=True)
     min_tokens: int = _count(0, ge=0)  # EOS and stop_token_ids are masked before this many tokens
-    stop_token_ids: list[Annotated[int, Strict(), Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Strict(), Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = Field(False, strict=True)
     ignore_eos: bool = Field(False, strict=True)
     # vLLM's extension: the request's place in the engine's queue. Waiting requests go in ascending order
@@ -201,15 +207,21 @@ class _Request(BaseModel):
             raise ValueError(f"at most 4 stop sequences, got {len(v)}")
         if v == "" or (isinstance(v, list) and "" in v):
             raise ValueError("stop sequences must not be empty")
+        if any(len(stop) > MAX_STOP_CHARS for stop in ([v] if isinstance(v, str) else v or [])):
+            raise ValueError(f"a stop sequence may be at most {MAX_STOP_CHARS} characters")
         return v
 
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         """Keys are token ids (OpenAI's JSON carries them as strings), values in [-100, 100]."""
+        if v is not None and len(v) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} logit_bias entries, got {len(v)}")
         for key, bias in (v or {}).items():
-            if not key.isascii() or not key.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+            if not key.isascii() or not key.isdigit() or len(key) > MAX_TOKEN_ID_DIGITS:
+                shown = key if len(key) <= 24 else key[:24] + "..."
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers of at most "
+                                 f"{MAX_TOKEN_ID_DIGITS} digits), got {shown!r}")
             if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:  # NaN fails this too
                 raise ValueError(f"logit_bias[{key}] must be in [-100, 100], got {bias}")
         return v
@@ -412,6 +424,8 @@ class FeedbackRequest(BaseModel):
 _strict_loads = msgspec.json.Decoder().decode
 # After json.loads a surrogate left in a string is unpaired: it combines an escaped pair into one character.
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# What in a body's text can become one: a surrogate's escape, or a surrogate itself (decoded with surrogatepass).
+_SURROGATE_IN_TEXT = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|[\ud800-\udfff]")
 
 
 def _loads(raw: bytes) -> Any:
@@ -424,12 +438,16 @@ def _loads(raw: bytes) -> Any:
     except (msgspec.DecodeError, RecursionError):
         pass  # the standard library's parser decides what is wrong (and takes NaN, a BOM, UTF-16, as before)
     try:
-        data = json.loads(raw)
+        # As json.loads(bytes) reads them: UTF-8, -16 or -32 by the first bytes, surrogates passed through.
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+        data = json.loads(text)
     except RecursionError:  # "[" * 100000: Python's parser recurses per level
         raise BadRequest("the request body is nested too deeply to parse") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise BadRequest(f"the request body is not JSON: {e}") from e
-    found = _lone_surrogate(data)
+    # Walked only when the text can hold one (an escaped or an encoded surrogate): any body msgspec refuses
+    # (a NaN in a field serving ignores will do) would otherwise cost a walk of its every value.
+    found = _lone_surrogate(data) if _SURROGATE_IN_TEXT.search(text) else None
     if found is not None:
         path, text = found
         where = ".".join(str(p) if isinstance(p, int) else _shown(p) for p in path) or "body"
@@ -448,20 +466,36 @@ def _shown(key: str) -> str:
 def _lone_surrogate(value: Any) -> tuple[tuple[str | int, ...], str] | None:
     """(its path, the string) of a string or key holding a surrogate (a dict's keys are looked at before its
     values); None when there is none. Iterative: a value as deep as json.loads allows would overflow a
-    recursive walk."""
-    stack: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
+    recursive walk. Each value is kept with the index of its step (its parent's index and its key) in
+    `steps`, and a path is put together only for the one found: copying every value's path would cost the
+    body's size times its depth."""
+    steps: list[tuple[int, str | int]] = []
+
+    def path(at: int) -> tuple[str | int, ...]:
+        keys = []
+        while at >= 0:
+            at, key = steps[at]
+            keys.append(key)
+        return tuple(reversed(keys))
+
+    stack: list[tuple[int, Any]] = [(-1, value)]
     while stack:
-        path, v = stack.pop()
+        at, v = stack.pop()
         if isinstance(v, str):
             if _SURROGATE.search(v):
-                return path, v
+                return path(at), v
         elif isinstance(v, dict):
             for key in v:
                 if _SURROGATE.search(key):
-                    return (*path, key), key
-            stack.extend(((*path, k), item) for k, item in reversed(v.items()))
+                    steps.append((at, key))
+                    return path(len(steps) - 1), key
+            for key, item in reversed(v.items()):
+                steps.append((at, key))
+                stack.append((len(steps) - 1, item))
         elif isinstance(v, list):
-            stack.extend(((*path, i), item) for i, item in reversed(list(enumerate(v))))
+            for i in range(len(v) - 1, -1, -1):
+                steps.append((at, i))
+                stack.append((len(steps) - 1, v[i]))
     return None
 
 

@@ -610,6 +610,12 @@ def test_a_field_clora_does_not_implement_is_refused_before_any_work():
     ({"logit_bias": {"-1": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"300": 1}}, "logit_bias"),  # outside the vocabulary (256): vLLM's own check, made up front
+    ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),  # int() of it raised: a 500 and a traceback in the log
+    # Bounds on what each choice's event copies from the request
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ({"stop": "x" * 1025}, "stop"),
+    ({"stop": ["ok", "x" * 1025]}, "stop"),
+    ({"stop_token_ids": [1] * 1025}, "stop_token_ids"),
     ({"top_k": -2}, "top_k"),
     ({"min_p": 1.5}, "min_p"),
     ({"repetition_penalty": 0}, "repetition_penalty"),

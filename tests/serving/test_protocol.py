@@ -304,3 +304,29 @@ def test_stream_options_clora_does_not_implement_are_refused_and_the_ones_it_tak
                            ({"continuous_usage_stats": False}, False), ({"include_usage": None}, False)]:
         body = protocol.parse(protocol.ChatRequest, json.dumps({**base, "stream_options": options}).encode())
         assert body.include_usage is usage
+
+
+def test_a_body_only_the_standard_parser_takes_is_walked_for_surrogates_only_when_it_can_hold_one(monkeypatch):
+    """A NaN anywhere (msgspec refuses it, json.loads takes it) used to walk every value of the body, copying
+    each one's path: a 1 MiB body nested 900 deep held the event loop for seconds. A surrogate can only come
+    from an escape or from bytes that decode to one, so a body with neither is not walked at all."""
+    deep = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "x": ' + b"[" * 500 + b"NaN" + b"]" * 500 + b"}"
+    walked = []
+    real = protocol._lone_surrogate
+    monkeypatch.setattr(protocol, "_lone_surrogate", lambda value: walked.append(1) or real(value))
+    assert protocol.parse(protocol.ChatRequest, deep).model == "m"
+    assert walked == []
+    # One that does hold one is walked, and the path of the string is named, however deep it is.
+    held = deep.replace(b"NaN", b'NaN, "\\udc00"')
+    with pytest.raises(BadRequest, match=r"x(\.0){499}\.1: the string holds an unpaired UTF-16 surrogate") as e:
+        protocol.parse(protocol.ChatRequest, held)
+    assert e.value.param == "x" and walked == [1]
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-16-le", "utf-16", "utf-32"])
+def test_a_surrogate_as_encoded_text_is_refused_in_every_encoding_the_parser_takes(encoding):
+    body = '{"model": "m", "messages": [{"role": "user", "content": "hi \udc00"}]}'.encode(encoding, "surrogatepass")
+    with pytest.raises(BadRequest, match="messages.0.content: the string holds an unpaired UTF-16 surrogate"):
+        protocol.parse(protocol.ChatRequest, body)
+    fine = '{"model": "m", "messages": [{"role": "user", "content": "hi \U0001F600"}]}'.encode(encoding)
+    assert protocol.parse(protocol.ChatRequest, fine).messages[0].content == "hi \U0001F600"
