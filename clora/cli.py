@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
-import importlib.abc
-import importlib.machinery
 import logging
 import os
 import select
@@ -190,7 +188,7 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    search_the_current_directory()
+    keep_the_current_directory_off_the_path()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -209,32 +207,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
-class CurrentDirectoryFinder(importlib.abc.MetaPathFinder):
-    """Finds top-level modules in one directory, after every other finder (the last on sys.meta_path)."""
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-
-    def find_spec(self, fullname, path=None, target=None):
-        if path is not None:  # a submodule: its package's own __path__ finds it
-            return None
-        return importlib.machinery.PathFinder.find_spec(fullname, [self.directory])
-
-
-def search_the_current_directory() -> None:
-    """Every clora process imports a module in the current directory (a `python:` scorer's) after everything
-    else: a user's `ingest.py` or `storage.py` there never shadows clora's own packages, nor any installed
-    module. `python -m` puts that directory first on sys.path, and a directory on sys.path comes before an
-    editable install's finder, so it is taken off sys.path and searched by a finder of its own, the last one.
-    `clora up` starts its processes with `python -P -m` so that the directory is not first even for the
-    package the process runs."""
+def keep_the_current_directory_off_the_path() -> None:
+    """No module in the current directory stands in for an installed one: a user's `ingest.py` or `storage.py`
+    there never shadows clora's own packages, nor a `snappy.py` the optional import of a library (kafka-python
+    probes for several). `python -m` puts that directory first on sys.path, and a directory on sys.path comes
+    before an editable install's finder, so it is taken off. A `python:` scorer's module there is still
+    imported: ingest/scorers.py searches the directory for it, last, while it loads. `clora up` starts its
+    processes with `python -P -m` so that the directory is not first even for the package the process runs."""
     try:
         cwd = os.getcwd()
     except OSError:  # the directory was deleted: nothing there to import
         return
     sys.path[:] = [p for p in sys.path if p not in ("", cwd)]
-    if not any(isinstance(f, CurrentDirectoryFinder) for f in sys.meta_path):
-        sys.meta_path.append(CurrentDirectoryFinder(cwd))
 
 
 def _stdout_reader_gone() -> bool:

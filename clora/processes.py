@@ -165,7 +165,7 @@ def outlived_by_none(pids: list[int]) -> subprocess.Popen | None:
         return None
     import sys
 
-    # -P: a module in the current directory never stands in for clora (clora.cli.search_the_current_directory)
+    # -P: a module in the current directory never stands in for clora (clora.cli.keep_the_current_directory_off_the_path)
     return subprocess.Popen([sys.executable, "-P", "-c", "import sys; from clora.processes import _watch_over; "
                              "_watch_over(sys.argv[1:])", *watched],
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -145,10 +145,10 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from clora.cli import common_parser, search_the_current_directory
+    from clora.cli import common_parser, keep_the_current_directory_off_the_path
     from ingest.cli import add_ingest_arguments
 
-    search_the_current_directory()  # a python: scorer's module, never before clora's own packages
+    keep_the_current_directory_off_the_path()  # nothing there shadows clora or an installed module
 
     parser = argparse.ArgumentParser(
         prog="python -m ingest",

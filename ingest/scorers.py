@@ -30,21 +30,27 @@ goes up: Ctrl-C lands in whatever code runs (the learner's second Ctrl-C raises 
 and nothing tells that apart from a scorer's own `raise KeyboardInterrupt`. Checking what a python scorer
 returned cannot raise anything else either: an int past a float's range (10**400 made `math.isfinite` raise
 OverflowError, which stopped ingest) is converted with its overflow caught, and values are shown without a
-repr that could fail or run to thousands of digits. Nothing here does I/O beyond importing a python scorer.
+repr that could fail or run to thousands of digits. Nothing here does I/O beyond importing a python scorer
+(from the current directory too, searched last: `_current_directory_searched_last`).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import json
 import math
 import numbers
+import os
 import re
 import signal
 import string
+import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from clora.config import EVENT_SCORERS
 from ingest.events import exception_text, shown
@@ -156,7 +162,8 @@ def python(target: str) -> Scorer:
     if not module_name or not func_name:
         raise ScorerSpecError(f"scorer python needs module:function, got {target!r}")
     try:
-        module = importlib.import_module(module_name)
+        with _current_directory_searched_last():
+            module = importlib.import_module(module_name)
     except ImportError as e:
         raise ScorerSpecError(f"scorer python: cannot import module {module_name!r}: {e}") from e
     except (Exception, SystemExit) as e:  # noqa: BLE001 - the module's own code failed as it loaded
@@ -165,6 +172,37 @@ def python(target: str) -> Scorer:
     if not callable(fn):
         raise ScorerSpecError(f"scorer python: {module_name!r} has no callable {func_name!r}")
     return fn
+
+
+class _DirectoryFinder(importlib.abc.MetaPathFinder):
+    """Finds top-level modules in one directory."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def find_spec(self, fullname, path=None, target=None):
+        if path is not None:  # a submodule: its package's own __path__ finds it
+            return None
+        return importlib.machinery.PathFinder.find_spec(fullname, [self.directory])
+
+
+@contextmanager
+def _current_directory_searched_last() -> Iterator[None]:
+    """While a python scorer's module loads, a top-level module no other finder knows is looked for in the
+    current directory (so a `MODULE.py` beside clora.toml imports, and so do the modules it imports as it
+    loads), after every installed one (so it never shadows clora or a library). Only then: every process
+    keeps that directory off sys.path (clora.cli.keep_the_current_directory_off_the_path), or a library's
+    probe for an optional module (kafka-python's `snappy`, `lz4`) would run a file of that name there."""
+    try:
+        finder = _DirectoryFinder(os.getcwd())
+    except OSError:  # the directory was deleted: nothing there to import
+        yield
+        return
+    sys.meta_path.append(finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
 
 
 # kind -> builder taking the spec's argument; kinds without an argument map to the scorer itself.

@@ -61,10 +61,10 @@ def main_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from clora.cli import common_parser, search_the_current_directory
+    from clora.cli import common_parser, keep_the_current_directory_off_the_path
     from learner.cli import add_learn_arguments
 
-    search_the_current_directory()  # a python: scorer's module, never before clora's own packages
+    keep_the_current_directory_off_the_path()  # nothing there shadows clora or an installed module
 
     parser = argparse.ArgumentParser(
         prog="python -m learner", parents=[common_parser()], description="The clora learner process (same as `clora learn`)."

@@ -214,10 +214,10 @@ def run(cfg, host: str | None = None, port: int | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from clora.cli import common_parser, search_the_current_directory, config_from_args
+    from clora.cli import common_parser, keep_the_current_directory_off_the_path, config_from_args
     from serving.cli import add_arguments
 
-    search_the_current_directory()  # a python: scorer's module, never before clora's own packages
+    keep_the_current_directory_off_the_path()  # nothing there shadows clora or an installed module
 
     parser = argparse.ArgumentParser(prog="python -m serving", parents=[common_parser()],
                                      description="Run the clora serving process.")
