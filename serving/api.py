@@ -68,7 +68,6 @@ from serving.errors import (
     ClientClosedRequest,
     ContextLengthExceeded,
     EventLogFull,
-    Forbidden,
     MethodNotAllowed,
     ModelNotFound,
     RateLimited,
@@ -359,7 +358,7 @@ class Api:
     async def _run(self, request: Request, endpoint: str, tenant: str, body: Any, arrived: float,
                    arrived_at: datetime, ticket: idempotency.Ticket | None) -> Response:
         """A parsed generation request, from its model to its answer (the module note's steps after parsing)."""
-        choice = resolve_model(body.model, tenant=tenant, tenants=self.tenants, base_name=self.base_name)
+        choice = resolve_model(body.model, tenant=tenant, base_name=self.base_name)
         sampling = body.sampling(self.default_max_tokens)
         given = [None] if endpoint == "chat" else body.prompts()
         give_back = self.inflight.take(tenant, len(given) * body.n)  # before the prompt work, which costs too
@@ -701,10 +700,7 @@ class Api:
         tenant = self.auth.tenant(request.headers.get("authorization"))
         request.state.tenant = tenant
         model_id = request.path_params["model_id"]
-        try:
-            choice = resolve_model(model_id, tenant=tenant, tenants=self.tenants, base_name=self.base_name)
-        except Forbidden:
-            raise ModelNotFound(f"model {model_id!r} does not exist", param="model") from None
+        choice = resolve_model(model_id, tenant=tenant, base_name=self.base_name)
         if not choice.adapter:
             card = _model_card(self.base_name, self.started)
         elif choice.version is None:

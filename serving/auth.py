@@ -7,9 +7,10 @@ The `model` field of a request then chooses among what that tenant may use:
 - the tenant's own name: its newest published adapter version (the base model while none is published);
 - `<tenant>@<n>`: version n of the tenant's own adapter.
 
-Naming another tenant (or another tenant's version) is 403; a name that is no tenant and not the base is
-404. Whether version n exists is for the adapter set to say (serving/adapters.py, also a 404). The
-errors are serving/errors.py's, which know their HTTP status and OpenAI error shape.
+A name that is another tenant's (or another tenant's version) and one that is no tenant nor the base get
+the same 404, word for word: a key learns nothing of which other tenants exist. Whether version n exists
+is for the adapter set to say (serving/adapters.py, also a 404). The errors are serving/errors.py's,
+which know their HTTP status and OpenAI error shape.
 
 Pure logic: no HTTP, no registry, no engine.
 """
@@ -21,7 +22,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from serving.errors import Forbidden, ModelNotFound, Unauthenticated
+from serving.errors import ModelNotFound, Unauthenticated
 
 
 @dataclass(frozen=True)
@@ -68,16 +69,14 @@ def is_admin(authorization: str | None, admin_key: str | None) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), admin_key.encode())
 
 
-def resolve_model(model: str, *, tenant: str, tenants: Iterable[str], base_name: str) -> ModelChoice:
-    """Maps a request's `model` to a `ModelChoice` for `tenant`, or raises Forbidden / ModelNotFound."""
-    known = set(tenants)
+def resolve_model(model: str, *, tenant: str, base_name: str) -> ModelChoice:
+    """Maps a request's `model` to a `ModelChoice` for `tenant`, or raises ModelNotFound."""
     if model == base_name:
         return ModelChoice(tenant, adapter=False)
     name, at, version_text = model.partition("@")
-    if name not in known:
-        raise ModelNotFound(f"model {model!r} does not exist; use {base_name!r}, {tenant!r} or '{tenant}@<version>'")
-    if name != tenant:
-        raise Forbidden(f"model {model!r} belongs to another tenant; your key may use {tenant!r} and {base_name!r}")
+    if name != tenant:  # no tenant, or another's: one answer for both
+        raise ModelNotFound(f"model {model!r} does not exist or your key may not use it; use {base_name!r}, "
+                            f"{tenant!r} or '{tenant}@<version>'")
     if not at:
         return ModelChoice(tenant, adapter=True)
     if not re.fullmatch(r"[1-9][0-9]{0,17}", version_text):  # ASCII digits ("²".isdigit() is true)

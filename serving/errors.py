@@ -1,7 +1,7 @@
 """The errors the serving tier answers with, each knowing its HTTP status and OpenAI error `type`/`code`.
 
 OpenAI clients parse `{"error": {"message", "type", "param", "code"}}` and pick an exception class by
-status (400 BadRequestError, 401, 403, 404, 413, 422, 429 RateLimitError, 5xx), so every refusal is one of
+status (400 BadRequestError, 401, 404, 413, 422, 429 RateLimitError, 5xx), so every refusal is one of
 these; serving/api.py turns any of them into a response without knowing the cases. `param` names the
 request field at fault (null when none), as OpenAI's own errors do. Raised by auth.py (who may use what),
 adapters.py (which versions exist), engine.py (what the engine refuses) and api.py and protocol.py
@@ -49,12 +49,6 @@ class Unauthenticated(ServingError):
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
-
-
-class Forbidden(ServingError):
-    status = 403
-    type = "permission_error"
-    code = "model_not_permitted"
 
 
 class ModelNotFound(ServingError):

@@ -868,7 +868,7 @@ def test_every_error_names_its_param_or_null():
     r = w.post("/v1/chat/completions", chat(temperature=9))
     assert error(r)["param"] == "temperature"
     r = w.post("/v1/chat/completions", chat(model="globex"))
-    assert r.status_code == 403 and error(r)["param"] is None
+    assert r.status_code == 404 and error(r)["param"] is None
 
 
 # ---------------------------------------------------------------------------------------------------------

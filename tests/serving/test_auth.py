@@ -3,11 +3,10 @@
 import pytest
 
 from serving.auth import Authenticator, ModelChoice, resolve_model
-from serving.errors import Forbidden, ModelNotFound, Unauthenticated
+from serving.errors import ModelNotFound, Unauthenticated
 
 pytestmark = pytest.mark.unit
 
-TENANTS = ("acme", "globex")
 KEYS = [("acme", "acme-secret-1"), ("globex", "globex-secret-2")]
 
 
@@ -28,7 +27,7 @@ def test_missing_or_unknown_key_is_401(header):
 
 
 def resolve(model, tenant="acme"):
-    return resolve_model(model, tenant=tenant, tenants=TENANTS, base_name="base")
+    return resolve_model(model, tenant=tenant, base_name="base")
 
 
 def test_model_names():
@@ -39,11 +38,15 @@ def test_model_names():
 
 
 @pytest.mark.parametrize("model", ["globex", "globex@1", "globex@999"])
-def test_another_tenants_adapter_is_403(model):
-    with pytest.raises(Forbidden) as e:
+def test_another_tenants_adapter_is_the_same_404_as_a_name_no_tenant_has(model):
+    """A 403 "belongs to another tenant" told any key which other tenants exist."""
+    with pytest.raises(ModelNotFound) as e:
         resolve(model)
-    assert e.value.status == 403
-    assert model in e.value.message
+    with pytest.raises(ModelNotFound) as unknown:
+        resolve(model.replace("globex", "nosuch"))
+    assert e.value.status == 404
+    assert e.value.body() == {"error": {**unknown.value.body()["error"],
+                                        "message": unknown.value.message.replace("nosuch", "globex")}}
 
 
 @pytest.mark.parametrize("model", ["nope", "nope@1", "acme@0", "acme@x", "acme@", "acme@-1", "base@1", "acme@²",
