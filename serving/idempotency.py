@@ -12,7 +12,8 @@ again until the first ends), and a streamed one then gets every event at once.
 
 Keys are per tenant (two tenants' keys never meet) and kept `ttl_s` after the answer (config
 `serving.idempotency_ttl_seconds`; 0 turns keys off), and answers kept take at most `max_bytes` in all
-(`serving.idempotency_cache_mib`), the oldest leaving first; an answer larger than that is kept for
+(`serving.idempotency_cache_mib`); past it the oldest answer of the tenant keeping the most bytes leaves
+first, so one tenant's flood of large answers pushes out its own, not another tenant's; an answer larger than that is kept for
 the tries already waiting only. A key sent with another body (or to the other completion route) is a 422
 `idempotency_key_reused`, as the IETF's Idempotency-Key draft says; bodies are compared byte for byte. Only a whole answer is kept (a
 stream whose client left after its last token is whole, and logged): a refusal, a generation that failed,
@@ -29,6 +30,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -109,6 +111,8 @@ class Keys:
         self._running: dict[tuple[str, str], Ticket] = {}
         self._kept: dict[tuple[str, str], tuple[bytes, Answer]] = {}  # oldest first
         self._bytes = 0
+        self._tenants: dict[str, dict[tuple[str, str], None]] = {}  # each tenant's kept slots, oldest first
+        self._tenant_bytes: Counter[str] = Counter()
 
     @property
     def enabled(self) -> bool:
@@ -161,10 +165,16 @@ class Keys:
             return
         if ticket.slot in self._kept:
             self._drop(ticket.slot)
+        tenant = ticket.slot[0]
         self._kept[ticket.slot] = (ticket.fingerprint, answer)
+        self._tenants.setdefault(tenant, {})[ticket.slot] = None
         self._bytes += answer.size
+        self._tenant_bytes[tenant] += answer.size
         while self._bytes > self.max_bytes:
-            self._drop(next(iter(self._kept)))
+            # The oldest answer of the tenant keeping the most bytes leaves: a tenant's flood of large
+            # answers pushes out its own, never the few of a tenant keeping less.
+            largest = max(self._tenant_bytes, key=self._tenant_bytes.__getitem__)
+            self._drop(next(iter(self._tenants[largest])))
 
     def _expire(self) -> None:
         oldest = self.clock() - self.ttl_s
@@ -176,7 +186,12 @@ class Keys:
 
     def _drop(self, slot: tuple[str, str]) -> None:
         _, answer = self._kept.pop(slot)
+        tenant = slot[0]
         self._bytes -= answer.size
+        self._tenant_bytes[tenant] -= answer.size
+        del self._tenants[tenant][slot]
+        if not self._tenants[tenant]:
+            del self._tenants[tenant], self._tenant_bytes[tenant]
 
 
 def _reused(key: str) -> IdempotencyKeyReused:

@@ -1527,6 +1527,31 @@ def test_kept_answers_expire_and_stay_within_their_bytes():
     assert asyncio.run(scenario()) == 0
 
 
+def test_one_tenants_flood_of_answers_pushes_out_its_own_not_another_tenants():
+    """The bytes for kept answers are shared, and the oldest answer used to leave whoever kept it: a tenant
+    sending large answers under fresh keys pushed out every other tenant's, whose retries then ran again."""
+    from serving.idempotency import Answer, Keys
+
+    keys = Keys(ttl_s=3600.0, max_bytes=10_000)
+
+    async def claim(tenant, key):
+        async def never(_):
+            raise AssertionError("nothing is running")
+        return await keys.claim(tenant, key, b"{}", never)
+
+    async def scenario():
+        (await claim("acme", "a")).keep({}, [b"x" * 1000], stream=False)
+        for i in range(9):
+            (await claim("globex", f"g{i}")).keep({}, [b"y" * 2500], stream=False)
+            assert keys.kept_bytes <= 10_000
+        kept = [isinstance(await claim("globex", f"g{i}"), Answer) for i in range(9)]
+        return isinstance(await claim("acme", "a"), Answer), kept
+
+    acme_kept, globex_kept = asyncio.run(scenario())
+    assert acme_kept
+    assert globex_kept == [False] * 6 + [True] * 3  # its newest three (7,500 bytes) beside acme's 1,000
+
+
 @pytest.mark.parametrize("fails_at", ["http.response.start", "http.response.body"])
 def test_a_stream_whose_sending_fails_gives_back_its_key_and_slots_at_once(fails_at):
     """Starlette leaves a response's generator suspended when sending fails; the stream's `finally`, which
