@@ -53,6 +53,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -425,9 +426,16 @@ class Api:
         self._finished(call, done)
         build = protocol.chat_response if endpoint == "chat" else protocol.completion_response
         with_logprobs = bool(body.logprobs) if endpoint == "chat" else body.logprobs is not None
-        response = JSONResponse(build(call.response_id, lease.label, done, call.prompt_tokens, with_logprobs,
-                                      token_ids=body.return_token_ids, prompt_token_ids=call.prompt_ids),
-                                headers=headers)
+
+        def answer() -> bytes:
+            return msgspec.json.encode(build(call.response_id, lease.label, done, call.prompt_tokens, with_logprobs,
+                                             token_ids=body.return_token_ids, prompt_token_ids=call.prompt_ids))
+
+        # With log-probs an answer runs to tens of MiB (128 choices, every token's 20 alternatives): ~3 s of
+        # building on the event loop, which every other tenant's requests would wait out. On a thread the
+        # loop goes on between the interpreter's switches.
+        content = await asyncio.to_thread(answer) if with_logprobs else answer()
+        response = Response(content, media_type="application/json", headers=headers)
         if ticket is not None:
             ticket.keep(headers, [response.body], stream=False)
         return response

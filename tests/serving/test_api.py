@@ -1362,6 +1362,43 @@ def test_a_500_carries_its_request_id_and_the_error_shape(caplog):
     assert 'clora_serving_requests_total{endpoint="models",status="500",tenant="acme"} 2.0' in metrics, metrics
 
 
+def test_an_answer_with_logprobs_is_built_while_the_server_goes_on_answering(monkeypatch):
+    """A non-streamed answer with log-probs runs to tens of MiB and took seconds to build on the event loop,
+    which every other request waited out. Here the builder holds until another request has been answered:
+    built on the loop, it would wait in vain (that request could not run) and see it unanswered."""
+    import threading
+
+    w = World()
+    answered = threading.Event()
+    seen = []
+    from serving import protocol
+
+    real = protocol.chat_response
+
+    building = threading.Event()
+
+    def slow_build(*args, **kwargs):
+        building.set()
+        seen.append(answered.wait(timeout=10))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(protocol, "chat_response", slow_build)
+
+    async def scenario(c):
+        async with w.client("globex") as another:
+            answer = asyncio.create_task(c.post("/v1/chat/completions", json=chat(logprobs=True, top_logprobs=5)))
+            while not building.is_set() and not answer.done():
+                await asyncio.sleep(0.01)
+            other = await another.get("/v1/models")
+            answered.set()
+            return await answer, other
+
+    answer, other = w.run(scenario)
+    assert other.status_code == 200 and answer.status_code == 200, answer.text
+    assert seen == [True]
+    assert answer.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+
+
 def test_a_request_the_engine_fails_to_take_is_aborted_there():
     """vLLM registers a request before sending it to its engine core and never aborts one whose sending
     failed: its state stayed in the engine, one per such request."""
