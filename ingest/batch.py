@@ -182,6 +182,10 @@ class Processor:
         if self.unknown_tenant == "reject":
             return f'tenant {tenant!r} is not configured (ingest.unknown_tenant = "reject")'
         if tenant not in self.auto:
+            twin = self._case_twin(tenant)
+            if twin is not None:
+                return (f"tenant {tenant!r} is not configured, and differs from tenant {twin!r} only in case (one "
+                        "directory on a case-insensitive disk, as the config refuses for its tenants)")
             if len(self.auto) >= self.max_auto_tenants:
                 if not self._cap_logged:  # once: each refused event is counted as an unknown_tenant dead letter
                     self._cap_logged = True
@@ -197,6 +201,11 @@ class Processor:
                     "ingest.max_auto_tenants = %d)", tenant, DEFAULT_SCORER, len(self.auto), self.max_auto_tenants)
         self.specs[tenant] = DEFAULT_SCORER
         return None
+
+    def _case_twin(self, tenant: str) -> str | None:
+        """A configured or existing tenant whose name differs from `tenant`'s only in case, if any."""
+        folded = tenant.casefold()
+        return next((t for t in (*self.configured, *self.auto) if t.casefold() == folded), None)
 
     def _known(self, tenant: str) -> bool:
         """Whether `tenant` has (or may have) partitions of its own: configured, or created on the fly."""

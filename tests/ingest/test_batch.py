@@ -555,6 +555,22 @@ def test_unknown_tenant_created_with_feedback_scoring(h):
     assert h.rewards() == [("a", 0.5, "feedback")]
 
 
+def test_a_tenant_differing_from_another_only_in_case_is_not_created(data_dir):
+    """The config refuses tenants whose names differ only in case (one directory on a case-insensitive disk);
+    a tenant created on the fly went unchecked, and would have shared its twin's partitions and adapter."""
+    h = Harness(data_dir)
+    out = h.feed(inter("a", tenant="FB"), inter("b", tenant="newcomer"), inter("c", tenant="NewComer"),
+                 inter("d", tenant="newcomer"))
+    assert out.reasons == {"unknown_tenant": 2}
+    details = sorted(d.row.detail for d in out.dead_letters)
+    assert "'FB'" in details[0] and "differs from tenant 'fb' only in case" in details[0]
+    assert "'NewComer'" in details[1] and "differs from tenant 'newcomer' only in case" in details[1]
+    again = Harness(data_dir)  # a new process finds `newcomer` on disk
+    again.offsets = dict(h.offsets)
+    assert again.feed(inter("e", tenant="NEWCOMER")).reasons == {"unknown_tenant": 1}
+    assert again.feed(inter("f", tenant="newcomer")).reasons == {}
+
+
 def test_tenants_created_on_the_fly_are_capped_also_across_a_restart(data_dir):
     h = Harness(data_dir, max_auto_tenants=2)
     out = h.feed(inter("a", tenant="new1"), fb("a", 0.5, tenant="new2"), inter("b", tenant="new3"), inter("c"),
