@@ -190,7 +190,9 @@ def setup_logging(level: str = "INFO") -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     keep_the_current_directory_off_the_path()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's own parser, whose usage shows the options it does take
+        _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 0 if args.command is None else 2
@@ -205,6 +207,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         # stdout at /dev/null so that the interpreter's flush at exit does not fail on the pipe again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command `args` chose, the innermost one."""
+    while True:
+        chooser = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        chosen = None if chooser is None else chooser.choices.get(getattr(args, chooser.dest, None))
+        if chosen is None:
+            return parser
+        parser = chosen
 
 
 def keep_the_current_directory_off_the_path() -> None:

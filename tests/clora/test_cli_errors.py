@@ -422,3 +422,18 @@ def test_a_broken_pipe_other_than_stdout_is_not_taken_for_a_reader_done(monkeypa
     monkeypatch.setattr(cli, "build_parser", lambda: parser)
     with pytest.raises(BrokenPipeError):  # stdout (pytest's capture) is fine: the pipe was another
         cli.main([])
+
+
+@pytest.mark.parametrize("argv, usage, unknown", [
+    (["query", "select 1", "--fromat", "csv"], "usage: clora query ", "--fromat csv"),
+    (["adapters", "list", "--tenat", "x"], "usage: clora adapters list ", "--tenat x"),
+    (["compact", "--dry-run"], "usage: clora compact ", "--dry-run"),
+    (["--bogus"], "usage: clora ", "--bogus"),
+])
+def test_a_mistyped_option_is_refused_with_the_usage_of_the_command_it_was_given_to(capsys, argv, usage, unknown):
+    """The top-level usage (`clora [-h] [--config FILE] COMMAND ...`) showed none of the options there are."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage) and err.rstrip().endswith(f"error: unrecognized arguments: {unknown}"), err
