@@ -56,6 +56,18 @@ def port_in_use(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def cannot_listen(host: str, port: int) -> str | None:
+    """Why a server could not listen on host:port (an address not on this machine, a port below 1024 for a
+    user without the right), or None when it could."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: a closed connection's TIME_WAIT is no obstacle
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on now, for a service started a little later (tests, the demo, benchmarks).
 
@@ -196,6 +208,9 @@ class EmbeddedBroker:
             raise BrokerError(
                 f"port {self.port} on {self.host} is already in use; stop what holds it or pick another with --port"
             )
+        why = cannot_listen(self.host, self.port)
+        if why is not None:  # the broker would exit at once, and its own words go nowhere without a log file
+            raise BrokerError(f"cannot listen on {self.host}:{self.port}: {why}")
         url = f"tcp://{self.host}:{self.port}"
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115 (closed with the child)
         try:

@@ -111,6 +111,12 @@ def test_port_taken_is_a_clear_error():
             EmbeddedBroker("127.0.0.1", port).start()
 
 
+def test_an_address_it_cannot_listen_on_is_a_clear_error():
+    """The broker exited at once, and `clora broker` said only "exited with code 0 at start"."""
+    with pytest.raises(BrokerError, match=r"^cannot listen on 192\.0\.2\.1:\d+: Cannot assign requested address$"):
+        EmbeddedBroker("192.0.2.1", free_port()).start()  # an address of no machine (TEST-NET-1)
+
+
 def test_clora_broker_command_says_it_is_ready_and_stops_on_sigterm(tmp_path):
     port = free_port()
     proc, line, output = start_clora_broker(tmp_path, port)
