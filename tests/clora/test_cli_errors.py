@@ -418,7 +418,7 @@ def test_a_broken_pipe_other_than_stdout_is_not_taken_for_a_reader_done(monkeypa
     def breaks(args):
         raise BrokenPipeError(32, "Broken pipe")
 
-    parser = SimpleNamespace(parse_args=lambda argv: argparse.Namespace(func=breaks, command="query"))
+    parser = SimpleNamespace(parse_known_args=lambda argv: (argparse.Namespace(func=breaks, command="query"), []))
     monkeypatch.setattr(cli, "build_parser", lambda: parser)
     with pytest.raises(BrokenPipeError):  # stdout (pytest's capture) is fine: the pipe was another
         cli.main([])
