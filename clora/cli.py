@@ -97,13 +97,18 @@ def config_from_args(args: argparse.Namespace, *, writes_data_dir: bool = False,
     elif reads_data_dir:
         data_dir = Path(cfg.data_dir)
         if not data_dir.exists():
-            print(f"clora: note: data_dir {data_dir} does not exist: nothing is stored there yet (is it the data "
-                  "directory you meant? --config, CLORA_DATA_DIR)", file=sys.stderr)
+            print(missing_data_dir_note(data_dir), file=sys.stderr)
         elif not data_dir.is_dir():
             print(data_dir_error(data_dir, NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))),
                   file=sys.stderr)
             raise SystemExit(2)
     return cfg
+
+
+def missing_data_dir_note(data_dir: Path) -> str:
+    """What a command that finds no data dir says (an empty answer from the wrong directory says nothing)."""
+    return (f"clora: note: data_dir {data_dir} does not exist: nothing is stored there yet (is it the data "
+            "directory you meant? --config, CLORA_DATA_DIR)")
 
 
 def base_model_dir(cfg) -> Path:

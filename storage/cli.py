@@ -42,20 +42,20 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p = sub.add_parser("adapters", parents=[common], help="list, inspect, roll back or retire adapter versions")
     actions = p.add_subparsers(dest="adapters_command", metavar="ACTION", required=True)
     a = actions.add_parser("list", parents=[common], help="one line per version that can still change (--all: every one)")
-    a.add_argument("--tenant", default=None, help="only this tenant's versions")
+    a.add_argument("--tenant", type=_tenant, default=None, help="only this tenant's versions")
     a.add_argument("--all", action="store_true",
                    help="the whole history, retired and settled rejects too (a learner adds a version per step)")
     a.set_defaults(func=cmd_adapters_list)
     a = actions.add_parser("show", parents=[common], help="every field of one version, as JSON")
-    a.add_argument("version", help="tenant@n")
+    a.add_argument("version", type=_version, help="tenant@n")
     a.set_defaults(func=cmd_adapters_show)
     a = actions.add_parser(
         "rollback", parents=[common], help="serve an older version again (republished as a new newest version)"
     )
-    a.add_argument("version", help="tenant@n to roll back to")
+    a.add_argument("version", type=_version, help="tenant@n to roll back to")
     a.set_defaults(func=cmd_adapters_rollback)
     a = actions.add_parser("retire", parents=[common], help="delete a version's files (its record stays)")
-    a.add_argument("version", help="tenant@n")
+    a.add_argument("version", type=_version, help="tenant@n")
     a.set_defaults(func=cmd_adapters_retire)
 
     p = sub.add_parser(
@@ -68,7 +68,7 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     )
     p.add_argument("--dataset", choices=COMPACTED, default=None,
                    help="only this dataset (default: all, and the learner cursors)")
-    p.add_argument("--tenant", default=None, help="only this tenant")
+    p.add_argument("--tenant", type=_data_tenant, default=None, help="only this tenant")
     p.add_argument(
         "--grace",
         type=_seconds,
@@ -106,7 +106,7 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         help="delete files whose rows were all ingested more than DAYS ago (default: [retention] days)",
     )
     p.add_argument("--dataset", choices=PRUNED, default=None, help="only this dataset (default: all of these)")
-    p.add_argument("--tenant", default=None, help="only this tenant")
+    p.add_argument("--tenant", type=_data_tenant, default=None, help="only this tenant")
     p.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
     p.set_defaults(func=cmd_prune)
 
@@ -121,6 +121,68 @@ def _seconds(text: str) -> float:
     if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"{text} must be a number of seconds, 0 or more")
     return value
+
+
+def _version(text: str) -> tuple[str, int]:
+    """A version argument, tenant@n, as (tenant, n): a malformed one is a usage error (exit 2), found before
+    anything touches the data dir."""
+    from storage.layout import StorageError
+    from storage.registry import parse_version
+
+    try:
+        return parse_version(text)
+    except StorageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _tenant(text: str) -> str:
+    """--tenant of `adapters list`: a name that can be a tenant's (a path such as ../x is a usage error)."""
+    from storage.layout import StorageError, check_tenant
+
+    try:
+        return check_tenant(text)
+    except StorageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _data_tenant(text: str) -> str:
+    """--tenant of `compact` and `prune`: a tenant's name, or `_unknown` (dead letters of no readable tenant)."""
+    from storage.layout import StorageError, check_tenant
+
+    try:
+        return check_tenant(text, allow_unknown=True)
+    except StorageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _config(args: argparse.Namespace, *, writes: bool = False):
+    """The config, with the data dir checked as the command will use it.
+
+    A data dir that does not exist gets the note every reading command prints (config_from_args's) and is
+    not created, even by a command that writes: nothing is stored there, so a write has nothing to act on
+    (no version to roll back or retire, no file to compact or prune), and a typo in --config or
+    CLORA_DATA_DIR must not leave an empty data dir behind. One that cannot be listed, or, for a command that
+    writes, written in or made (a file on its path), is one line, `clora: data_dir <path>: <reason>`, exit 2,
+    as config_from_args makes a data_dir that is a file: not a failure of every part of the command."""
+    import os
+    from pathlib import Path
+
+    from clora.cli import config_from_args, data_dir_error, missing_data_dir_note, prepare_data_dir
+
+    cfg = config_from_args(args, reads_data_dir=not writes)
+    data_dir = Path(cfg.data_dir)
+    if not writes and not data_dir.exists():  # config_from_args printed the note
+        return cfg
+    try:
+        os.listdir(data_dir)
+        if writes:
+            prepare_data_dir(data_dir, create=False)
+    except FileNotFoundError:  # listdir's: missing, where a folder could be made (a reading command returned above)
+        print(missing_data_dir_note(data_dir), file=sys.stderr)
+    except OSError as e:
+        print(data_dir_error(data_dir, e), file=sys.stderr)
+        raise SystemExit(2) from None
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -395,10 +457,9 @@ def _finite(v):
 
 
 def _registry(args: argparse.Namespace, *, writes: bool = False):
-    from clora.cli import config_from_args
     from storage.registry import Registry
 
-    cfg = config_from_args(args, writes_data_dir=writes, reads_data_dir=not writes)
+    cfg = _config(args, writes=writes)
     return Registry(cfg.data_dir, keep_last=cfg.learner.keep_versions)
 
 
@@ -408,11 +469,15 @@ UNREADABLE = (OSError, ValueError, KeyError, TypeError)
 
 
 def _fail(command: str, e: Exception, context: str = "a registry record cannot be read") -> int:
-    """Prints why `command` failed; `context` says what went wrong for an exception not the registry's own."""
+    """Prints why `command` failed; `context` says what went wrong for a damaged record (a value the
+    registry did not expect). An OSError is the file or directory it names and the system's reason: a
+    registry/ folder that cannot be listed is not a damaged record."""
     from storage.layout import StorageError
 
     if isinstance(e, StorageError):
         print(f"clora adapters {command}: {e}", file=sys.stderr)
+    elif isinstance(e, OSError) and e.filename and e.strerror:
+        print(f"clora adapters {command}: {e.filename}: {e.strerror}", file=sys.stderr)
     else:
         print(f"clora adapters {command}: {context} ({type(e).__name__}: {e})", file=sys.stderr)
     return 1
@@ -420,13 +485,13 @@ def _fail(command: str, e: Exception, context: str = "a registry record cannot b
 
 def cmd_adapters_list(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
-    from storage.layout import StorageError, check_tenant
+    from storage.layout import StorageError
     from storage.query import adapters_table
     from storage.registry import UnreadableRecord
 
     registry = _registry(args)
     try:
-        if args.tenant is not None and check_tenant(args.tenant) not in registry.tenants():
+        if args.tenant is not None and args.tenant not in registry.tenants():
             # No versions: a tenant of the config that has not published yet, or a typo (which must not look
             # like a tenant without versions).
             if config_from_args(args).tenant(args.tenant) is None:
@@ -466,37 +531,41 @@ def cmd_adapters_show(args: argparse.Namespace) -> int:
 
     from storage.layout import StorageError
 
+    tenant, number = args.version
     registry = _registry(args)
     try:
-        v = registry.get_name(args.version)
+        v = registry.get(tenant, number)
     except (StorageError, *UNREADABLE) as e:
-        return _fail("show", e, f"the registry record of {args.version} cannot be read")
+        return _fail("show", e, f"the registry record of {tenant}@{number} cannot be read")
     print(json.dumps({**v.to_json(), "path": str(v.path), "files_present": v.path.is_dir()}, indent=2))
     return 0
 
 
 def cmd_adapters_rollback(args: argparse.Namespace) -> int:
     from storage.layout import StorageError
-    from storage.registry import parse_version
 
+    tenant, number = args.version
     registry = _registry(args, writes=True)
     try:
-        v = registry.rollback(*parse_version(args.version))
+        v = registry.rollback(tenant, number)  # looks the version up before it writes anything
     except (StorageError, *UNREADABLE) as e:
-        return _fail("rollback", e, f"rolling back to {args.version} failed")
+        return _fail("rollback", e, f"rolling back to {tenant}@{number} failed")
     print(f"{v.name} published (a copy of {v.parent}); serving picks it up at its next registry poll")
     return 0
 
 
 def cmd_adapters_retire(args: argparse.Namespace) -> int:
     from storage.layout import StorageError
-    from storage.registry import parse_version
 
+    tenant, number = args.version
     registry = _registry(args, writes=True)
     try:
-        v = registry.retire(*parse_version(args.version))
+        # Looked up first: retire takes the registry's lock, and a version that does not exist must not
+        # leave a lock file (or a data dir) behind.
+        registry.get(tenant, number)
+        v = registry.retire(tenant, number)
     except (StorageError, *UNREADABLE) as e:
-        return _fail("retire", e, f"retiring {args.version} failed")
+        return _fail("retire", e, f"retiring {tenant}@{number} failed")
     print(f"{v.name} retired; its files are deleted")
     return 0
 
@@ -508,7 +577,9 @@ def cmd_adapters_retire(args: argparse.Namespace) -> int:
 def cmd_compact(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
 
-    cfg = config_from_args(args, writes_data_dir=True)
+    # The loop is a service beside ingest and the learner (`clora up`): it marks itself ready under the data
+    # dir, and a data dir not there yet fills up as they run. A single run on a missing one has nothing to do.
+    cfg = _config(args, writes=True) if args.every is None else config_from_args(args, writes_data_dir=True)
     grace = cfg.compaction.grace_seconds if args.grace is None else args.grace
     if not_a_tenant := _not_a_tenant(cfg, args.tenant):
         print(f"clora compact: {not_a_tenant}", file=sys.stderr)
@@ -529,18 +600,16 @@ def _not_a_tenant(cfg, tenant: str | None) -> str | None:
     (a typo, which must not look like a tenant with nothing to do, as in `adapters list`). `_unknown`, the
     dead letters of no readable tenant, is one."""
     from storage.cursors import Cursors
-    from storage.layout import DATASETS, UNKNOWN_TENANT, StorageError, check_tenant
+    from storage.layout import DATASETS, UNKNOWN_TENANT, StorageError
     from storage.parquet import partition_tenants
     from storage.registry import Registry
 
-    if tenant is None or tenant == UNKNOWN_TENANT:
+    if tenant is None or tenant == UNKNOWN_TENANT or cfg.tenant(tenant) is not None:
         return None
     try:
-        if cfg.tenant(check_tenant(tenant)) is not None:
-            return None
         on_disk = {t for dataset in DATASETS for t in partition_tenants(cfg.data_dir, dataset)}
         on_disk |= {*Registry(cfg.data_dir).tenants(), *Cursors(cfg.data_dir).tenants()}
-    except (StorageError, OSError) as e:  # an invalid name; a data dir that cannot be listed
+    except (StorageError, OSError) as e:  # a part of the data dir that cannot be listed
         return str(e)
     if tenant in on_disk:  # no longer configured, or created on the fly (ingest.unknown_tenant = "create")
         return None
@@ -549,17 +618,24 @@ def _not_a_tenant(cfg, tenant: str | None) -> str | None:
 
 
 def _compact_once(cfg, args: argparse.Namespace, grace: float) -> int:
+    """One run; a partition's, dataset's or cursor's failure is its line on stderr (compact() logs its
+    traceback at DEBUG only), what went well a line on stdout."""
+    from pathlib import Path
+
     from storage.compact import compact
     from storage.layout import StorageError
 
-    try:
-        results = compact(cfg.data_dir, args.dataset, args.tenant, grace_s=grace)
-    except (StorageError, OSError) as e:  # compact() reports its partitions' own; this is what is left
-        print(f"clora compact: {e}", file=sys.stderr)
-        return 1
+    if not Path(cfg.data_dir).exists():  # nothing stored (_config said so); a named tenant's lock would create it
+        results = []
+    else:
+        try:
+            results = compact(cfg.data_dir, args.dataset, args.tenant, grace_s=grace)
+        except (StorageError, OSError) as e:  # compact() reports its partitions' own; this is what is left
+            print(f"clora compact: {e}", file=sys.stderr)
+            return 1
     for r in results:
         if r.inputs or r.removed or r.waiting or r.skipped or r.left_out or r.error:
-            print(r, flush=True)
+            print(r, file=sys.stderr if r.error else sys.stdout, flush=True)
     merged = sum(r.inputs for r in results)
     print(f"compacted {merged} files in {sum(1 for r in results if r.outputs)} partition(s)", flush=True)
     failed = [r.where for r in results if r.error]
@@ -609,9 +685,7 @@ def _compact_every(cfg, args: argparse.Namespace, grace: float) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from clora.cli import config_from_args
-
-    cfg = config_from_args(args, writes_data_dir=not args.dry_run, reads_data_dir=args.dry_run)
+    cfg = _config(args, writes=not args.dry_run)
     days = cfg.retention.days if args.older_than_days is None else args.older_than_days
     if days <= 0:
         print("clora prune: no retention: give --older-than-days DAYS, or set [retention] days in the config",
@@ -627,6 +701,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def _prune(cfg, days: float, dataset: str | None, tenant: str | None, *, dry_run: bool, command: str) -> int:
+    """Prunes each part on its own; a failure is its line on stderr (the storage functions log its traceback
+    at DEBUG only), what went well a line on stdout."""
+    from pathlib import Path
+
     from storage.layout import UNKNOWN_TENANT, StorageError
     from storage.retention import DAY_S, PartlyDone, forget_trained, prune, prune_registry, prune_spool_dead
 
@@ -646,13 +724,19 @@ def _prune(cfg, days: float, dataset: str | None, tenant: str | None, *, dry_run
             return e.done if isinstance(e, PartlyDone) else default  # what the other tenants' parts did
 
     kw = dict(older_than_s=older_than_s, dry_run=dry_run)
-    results = step("data files", [], lambda: prune(cfg.data_dir, dataset=dataset, tenant=tenant, **kw))
-    records = {} if data_only else step("adapter records", {}, lambda: prune_registry(cfg.data_dir, tenant=tenant, **kw))
-    forgotten = {} if data_only else step("trained ids", {}, lambda: forget_trained(cfg.data_dir, tenant=tenant, **kw))
-    spooled = 0 if data_only or tenant else step("serving dead letters", 0, lambda: prune_spool_dead(cfg.data_dir, **kw))
+    if not Path(cfg.data_dir).exists():  # nothing stored (_config said so); a named tenant's locks would create it
+        results, records, forgotten, spooled = [], {}, {}, 0
+    else:
+        results = step("data files", [], lambda: prune(cfg.data_dir, dataset=dataset, tenant=tenant, **kw))
+        records = {} if data_only else step("adapter records", {},
+                                            lambda: prune_registry(cfg.data_dir, tenant=tenant, **kw))
+        forgotten = {} if data_only else step("trained ids", {},
+                                              lambda: forget_trained(cfg.data_dir, tenant=tenant, **kw))
+        spooled = 0 if data_only or tenant else step("serving dead letters", 0,
+                                                     lambda: prune_spool_dead(cfg.data_dir, **kw))
     for r in results:
         if r.files or r.skipped or r.unreadable or r.error:
-            print(r, flush=True)
+            print(r, file=sys.stderr if r.error else sys.stdout, flush=True)
     failed += [r.where for r in results if r.error]
     verb = "would delete" if dry_run else "deleted"
     print(f"pruned (older than {days:g} days): {verb} {sum(r.files for r in results)} files, "

@@ -70,8 +70,10 @@ folds each tenant's learner cursor into a snapshot (cursors.Cursors.compact). No
 data (retention) or re-sorting rows.
 
 Each partition and each cursor is a unit of its own: one that fails (a full disk, a file deleted by hand)
-is logged, its result carries the `error` (`clora compact` exits 1), and the others are compacted all the
-same; so is a dataset whose directory cannot be listed (a file in its place, EACCES, EIO). A partition's
+has its result carry the `error`, which the caller reports (`clora compact`: a line on stderr, exit 1), and
+the others are compacted all the same; so is a dataset whose directory cannot be listed (a file in its
+place, EACCES, EIO). The traceback is logged at DEBUG only: the error names what failed, and a traceback
+per dataset buried that line (the `--every` loop printed them at every run). A partition's
 run deletes what earlier runs merged before it merges anything, so on a full disk it still frees their
 inputs. An input whose footer reads but whose rows do not (damaged pages) fails only its
 own part: the batch is merged without it, and later runs of the process leave it out (remembered by name,
@@ -127,7 +129,7 @@ class CompactionResult:
     waiting: int = 0  # superseded files kept until their grace period is over
     left_out: int = 0  # live files this run would not merge (logged with their reason)
     skipped: str | None = None
-    error: str | None = None  # why the run failed here (logged with its traceback); the others went on
+    error: str | None = None  # why the run failed here (its traceback logged at DEBUG); the others went on
 
     @property
     def where(self) -> str:
@@ -157,17 +159,17 @@ def compact(
     grace_s: float = GRACE_S,
 ) -> list[CompactionResult]:
     """Compacts every partition (of one dataset / one tenant if given) and the learner cursors. A partition or
-    cursor that fails (a full disk, a file that will not read) is logged and has its `error` set in the
-    results (a cursor as dataset "cursors"); the others are compacted all the same. So is a dataset (or the
-    cursors) whose tenants cannot be listed (a file in the directory's place, EACCES, EIO): its result has
-    the tenant ""."""
+    cursor that fails (a full disk, a file that will not read) has its `error` set in the results (a cursor
+    as dataset "cursors"), for the caller to report; the others are compacted all the same. So is a dataset
+    (or the cursors) whose tenants cannot be listed (a file in the directory's place, EACCES, EIO): its
+    result has the tenant "". Tracebacks are logged at DEBUG only (see the module note)."""
     dd = as_datadir(root)
     results = []
     for ds in [check_dataset(dataset)] if dataset else DATASETS:
         try:
             tenants = [tenant] if tenant else partition_tenants(dd, ds)
         except OSError as e:  # one dataset's directory must not stop the others' compaction
-            logger.exception("listing the tenants of %s failed", ds)
+            logger.debug("listing the tenants of %s failed", ds, exc_info=True)
             results.append(CompactionResult(ds, "", error=f"{type(e).__name__}: {e}"))
             continue
         for t in tenants:
@@ -179,14 +181,14 @@ def compact(
         try:
             tenants = [tenant] if tenant else cursors.tenants()
         except OSError as e:
-            logger.exception("listing the tenants of the cursors failed")
+            logger.debug("listing the tenants of the cursors failed", exc_info=True)
             results.append(CompactionResult("cursors", "", error=f"{type(e).__name__}: {e}"))
             tenants = []
         for t in tenants:
             try:
                 folded = cursors.compact(t)
             except Exception as e:  # noqa: BLE001 (one tenant's cursor must not stop the others' folding)
-                logger.exception("folding the cursor of %s failed", t)
+                logger.debug("folding the cursor of %s failed", t, exc_info=True)
                 results.append(CompactionResult("cursors", t, error=f"{type(e).__name__}: {e}"))
                 continue
             if folded:
@@ -209,7 +211,8 @@ def compact_partition(
     grace_s: float = GRACE_S,
 ) -> CompactionResult:
     """Merges one partition's small files and deletes what earlier runs merged once its grace is over. A
-    failure is logged and set as the result's `error`, not raised: what was done before it stands."""
+    failure is set as the result's `error` for the caller to report (its traceback logged at DEBUG), not
+    raised: what was done before it stands."""
     dd = as_datadir(root)
     result = CompactionResult(dataset, tenant)
     directory = dd.partition(dataset, tenant)
@@ -229,9 +232,10 @@ def compact_partition(
     except LockBusy:
         result.skipped = "another compaction holds this partition"
     except Exception as e:  # noqa: BLE001 (one partition's failure must not stop the others' compaction)
-        logger.exception("compaction of %s/tenant=%s failed", dataset, tenant)
+        logger.debug("compaction of %s/tenant=%s failed", dataset, tenant, exc_info=True)
         result.error = f"{type(e).__name__}: {e}"
-    loud = result.inputs or result.removed or result.skipped or result.left_out or result.error
+    # A failed one is the caller's to report: logged here too, it was the same line twice on stderr.
+    loud = (result.inputs or result.removed or result.skipped or result.left_out) and not result.error
     logger.log(logging.INFO if loud else logging.DEBUG, "%s", result)
     return result
 

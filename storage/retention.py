@@ -32,6 +32,10 @@ cutoff (16 bytes each in every learner, and a cold start's read), and leave traj
 it out of the backlog (storage.cursors, `Cursors.forget`). `prune_spool_dead` deletes the serving tier's
 dead-letter files (`state/serving-spool/dead/<YYYY-MM-DD>.jsonl`, events Kafka refused for good) whose whole
 UTC day is older than the cutoff. Not here: train_steps/ (a row per step, small).
+
+A part that fails (a partition, a dataset that cannot be listed, a tenant's registry records or cursor) is
+the caller's to report, from the result's `error` or the PartlyDone raised (`clora prune`: a line on
+stderr); its traceback is logged at DEBUG only, as in compaction.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ class PruneResult:
     bytes: int = 0
     unreadable: int = 0  # files whose footer or time column could not be read (left alone, logged)
     skipped: str | None = None
-    error: str | None = None  # why pruning failed here (logged with its traceback); the others went on
+    error: str | None = None  # why pruning failed here (its traceback logged at DEBUG); the others went on
 
     @property
     def where(self) -> str:
@@ -107,8 +111,8 @@ def prune(
     """Deletes every file whose rows were all ingested more than `older_than_s` ago, in each partition of
     the pruned datasets (one dataset / one tenant if given); see the module note. A partition that fails (a
     disk or permission error), or a dataset whose tenants cannot be listed (a file in its directory's place),
-    is logged and has its result's `error` set (the tenant "" for a dataset); the others are pruned all the
-    same, as in compaction: one bad directory must not turn retention off for every tenant."""
+    has its result's `error` set (the tenant "" for a dataset) for the caller to report; the others are
+    pruned all the same, as in compaction: one bad directory must not turn retention off for every tenant."""
     cutoff_ms = round(_cutoff_s(older_than_s, now_s) * 1000)
     dd = as_datadir(root)
     if dataset is not None and check_dataset(dataset) not in PRUNED_DATASETS:
@@ -118,7 +122,7 @@ def prune(
         try:
             tenants = [tenant] if tenant else partition_tenants(dd, ds)
         except OSError as e:
-            logger.exception("retention: listing the tenants of %s failed", ds)
+            logger.debug("retention: listing the tenants of %s failed", ds, exc_info=True)
             results.append(PruneResult(ds, "", error=f"{type(e).__name__}: {e}"))
             continue
         for t in tenants:
@@ -161,13 +165,13 @@ class PartlyDone(StorageError):
 
 def _per_tenant(what: str, tenants, run) -> dict[str, int]:
     """`run(tenant)` for each tenant, each on its own: one that fails (a disk or permission error, a damaged
-    file) is logged and the others go on; PartlyDone at the end names the failed ones."""
+    file) does not stop the others; PartlyDone at the end names the failed ones, with their errors."""
     done, failed = {}, []
     for t in tenants:
         try:
             done[t] = run(t)
         except Exception as e:  # noqa: BLE001 - a damaged file raises pyarrow's own errors, not only OSError
-            logger.error("retention: %s of tenant %s failed: %s: %s", what, t, type(e).__name__, e)
+            logger.debug("retention: %s of tenant %s failed", what, t, exc_info=True)
             failed.append(f"{t} ({type(e).__name__}: {e})")
     if failed:
         raise PartlyDone(f"{what} failed for {', '.join(failed)}", done)
@@ -247,7 +251,7 @@ def prune_partition(root, dataset: str, tenant: str, cutoff_ms: int, *, dry_run:
     except LockBusy:
         result.skipped = "a compaction holds this partition"
     except Exception as e:  # noqa: BLE001 (one partition must not stop the others' retention; what went stands)
-        logger.exception("retention: pruning %s/tenant=%s failed", dataset, tenant)
+        logger.debug("retention: pruning %s/tenant=%s failed", dataset, tenant, exc_info=True)
         result.error = f"{type(e).__name__}: {e}"
     if not result.error:
         logger.log(logging.INFO if result.files or result.skipped or result.unreadable else logging.DEBUG, "pruned %s", result)

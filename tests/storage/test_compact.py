@@ -589,3 +589,30 @@ def test_the_grace_period_counts_from_when_the_merged_file_appeared_not_from_its
     monkeypatch.undo()
     later = compact_partition(data_dir, "trajectories", "acme", grace_s=60)
     assert (later.removed, later.waiting) == (0, 3), "readers that listed before it appeared keep their files"
+
+
+def test_failures_are_the_callers_to_report_with_their_tracebacks_logged_at_debug(
+        data_dir, make_trajectories, monkeypatch, caplog):
+    """`clora compact` prints each failed result on stderr; an ERROR log with a traceback above it (each run
+    of the compactor loop) buried that line, and logging the result too said it twice."""
+    from storage import compact as compact_module
+    from storage.cursors import Cursors
+
+    (data_dir / "interactions").write_text("not a directory")
+    _write_files(data_dir, make_trajectories, 2)
+    cursors = Cursors(data_dir, keep_checkpoints=1)
+    for s in (1, 2):
+        cursors.commit("acme", step=s, ids=[f"acme{s}"], checkpoint=lambda d: (d / "w").write_text("x"))
+
+    def no_space(*_args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(compact_module, "_merge", no_space)
+    monkeypatch.setattr(Cursors, "compact", no_space)
+    caplog.set_level("DEBUG", logger="storage.compact")
+    failed = [r.where for r in compact(data_dir, grace_s=0) if r.error]
+    assert failed == ["interactions", "trajectories/tenant=acme", "cursors/tenant=acme"]
+    with_traceback = [r.getMessage() for r in caplog.records if r.exc_info]
+    assert with_traceback == ["listing the tenants of interactions failed",
+                              "compaction of trajectories/tenant=acme failed", "folding the cursor of acme failed"]
+    assert all(r.levelname == "DEBUG" for r in caplog.records if r.exc_info or "failed" in r.getMessage())

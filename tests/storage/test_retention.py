@@ -222,8 +222,9 @@ def test_one_dataset_that_cannot_be_listed_does_not_turn_retention_off_for_the_r
     assert args.func(args) == 1
     out, err = capsys.readouterr()
     assert names(files) == [] and not (dead / "2025-01-01.jsonl").exists()  # the others were pruned
-    assert "feedback: failed: NotADirectoryError" in out and "deleted 5 files, 20 rows" in out
-    assert "pruning failed for 1: feedback" in err
+    assert "deleted 5 files, 20 rows" in out and "failed" not in out  # failures are on stderr
+    failure, summary = err.splitlines()
+    assert failure.startswith("feedback: failed: NotADirectoryError") and "pruning failed for 1: feedback" in summary
 
     results = prune(data_dir, older_than_s=30 * DAY_S)
     assert [(r.where, r.error is not None) for r in results if r.error] == [("feedback", True)]
@@ -346,7 +347,9 @@ def test_a_superseded_input_that_cannot_be_read_goes_with_its_compacted_file(dat
 
 def test_a_damaged_cursor_snapshot_of_one_tenant_does_not_stop_forgetting_the_others(data_dir, caplog):
     """pyarrow's error for a truncated snapshot (a ValueError) went past the per-tenant guard: the tenants
-    after it were never forgotten, and the message named neither tenant nor file."""
+    after it were never forgotten, and the message named neither tenant nor file. The failure is PartlyDone's
+    to report (`clora prune` prints it): the log has its traceback at DEBUG, and no line of its own above."""
+    caplog.set_level("DEBUG", logger="storage.retention")
     from storage.retention import PartlyDone, forget_trained
 
     cursors = Cursors(data_dir)
@@ -361,4 +364,26 @@ def test_a_damaged_cursor_snapshot_of_one_tenant_does_not_stop_forgetting_the_ot
     with pytest.raises(PartlyDone, match=r"forgetting trained ids failed for aaa \(") as e:
         forget_trained(data_dir, older_than_s=1, now_s=time.time() + 10 * DAY_S)
     assert e.value.done == {"bbb": 15} and cursors.trained_ids("bbb") == set()
-    assert "forgetting trained ids of tenant aaa failed" in caplog.text
+    (logged,) = [r for r in caplog.records if "forgetting trained ids of tenant aaa failed" in r.getMessage()]
+    assert logged.levelname == "DEBUG" and logged.exc_info is not None
+
+
+def test_failures_are_the_callers_to_report_with_their_tracebacks_logged_at_debug(
+        data_dir, files, monkeypatch, caplog):
+    """`clora prune` prints each failed result on stderr; an ERROR log with a traceback above it buried
+    that line."""
+    from storage import retention
+
+    (data_dir / "interactions").write_text("not a directory")
+
+    def disk_error(dd, dataset, tenant):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(retention, "partition_listing", disk_error)
+    caplog.set_level("DEBUG", logger="storage.retention")
+    failed = [r.where for r in prune(data_dir, older_than_s=30 * DAY_S) if r.error]
+    assert failed == ["interactions", "trajectories/tenant=acme"]
+    with_traceback = [r.getMessage() for r in caplog.records if r.exc_info]
+    assert with_traceback == ["retention: listing the tenants of interactions failed",
+                              "retention: pruning trajectories/tenant=acme failed"]
+    assert all(r.levelname == "DEBUG" for r in caplog.records if r.exc_info or "failed" in r.getMessage())
