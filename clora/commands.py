@@ -55,9 +55,11 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         help="simulated apps: chat requests and user feedback for the configured tenants",
         description="Sends chat requests with each configured tenant's key through the openai client and "
         "feedback scores through /v1/feedback according to a hidden per-tenant preference. Exits with 1 when "
-        "some tenant had no request succeed.",
+        "some tenant had no request succeed, or sooner when serving cannot be reached (its first requests all "
+        "fail to connect, or, after it answered, none connects for a minute); 2 for a bad option.",
     )
-    p.add_argument("--url", default=None, help="serving base URL (default: from the config)")
+    p.add_argument("--url", default=None,
+                   help="serving base URL, http:// or https:// (default: from the config, serving.host and .port)")
     p.add_argument("--rate", type=positive, default=4.0, help="requests per second, all tenants together (default 4)")
     p.add_argument("--seconds", type=positive, default=60.0, help="how long to run (default 60)")
     p.add_argument("--preferences", default=None,
@@ -80,7 +82,8 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         "check", parents=[common],
         help="check the set-up the config names: data_dir writable, model.path a model, every scorer builds (python "
         "ones import), every prompts_file readable, kafka.bootstrap names the embedded broker, no two of `clora "
-        "up`'s processes on one port, Kafka reachable; exit 1 on any problem",
+        "up`'s processes on one port, Kafka reachable; exit 1 on any problem. Names the config file first, and lists "
+        "what `clora up` warns of (no tenants, more ingest processes than partitions) as warnings, which pass",
     )
     check.set_defaults(func=config_check)
 
@@ -88,19 +91,25 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
 def config_show(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
     from clora.config import show_config
+    from clora.up import config_line
 
-    print(show_config(config_from_args(args)))
+    cfg = config_from_args(args)
+    print(f"clora: {config_line(cfg, getattr(args, 'config_path', None))}", file=sys.stderr)  # stdout is the config
+    print(show_config(cfg))
     return 0
 
 
 def config_check(args: argparse.Namespace) -> int:
-    """What the config alone cannot tell: whether what it names is there. One line per check."""
+    """What the config alone cannot tell: whether what it names is there. One line per check, after the line
+    naming the config file (or the defaults); then what `clora up` warns of, as warnings that pass."""
     from clora.cli import config_from_args, data_dir_error, model_path_problem, prepare_data_dir
+    from clora.up import config_line, embedded_broker_problem, port_clashes, setup_warnings
     from ingest.broker import unreachable
     from ingest.scorers import ScorerSpecError, build_scorer, is_function
     from learner.rollouts import SamplingError, read_prompts_file
 
     cfg = config_from_args(args)
+    print(config_line(cfg, getattr(args, "config_path", None)))
     results: list[tuple[str, str | None]] = []  # (what, problem or None)
     try:
         written = prepare_data_dir(cfg.data_dir, create=False)  # a check creates nothing (a mistyped path stays absent)
@@ -125,8 +134,6 @@ def config_check(args: argparse.Namespace) -> int:
                 results.append((f"tenant {t.name}: prompts_file {t.prompts_file} has {n} prompts", None))
             except SamplingError as e:
                 results.append((f"tenant {t.name}", f"tenant {t.name}: {e}"))
-    from clora.up import embedded_broker_problem, port_clashes
-
     if (problem := embedded_broker_problem(cfg)) is not None:
         results.append(("kafka.bootstrap", problem))
     results += [("ports", problem) for problem in port_clashes(cfg)]
@@ -146,6 +153,9 @@ def config_check(args: argparse.Namespace) -> int:
                         f"broker.embedded = false): {why}"))
     for what, problem in results:
         print(f"  ok       {what}" if problem is None else f"  PROBLEM  {problem}")
+    warnings = setup_warnings(cfg)  # what `clora up` warns of: it works, but wastes something
+    for warning in warnings:
+        print(f"  warning  {warning}")
     problems = sum(problem is not None for _, problem in results)
     print(f"{problems} problem(s)" if problems else "all checks passed")
     return 1 if problems else 0
@@ -201,24 +211,37 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from urllib.parse import urlsplit
+
     from clora.cli import config_from_args
     from clora.simulate import PREFERENCES, Simulator, summarise, summary_lines, tenants_from_config
 
     cfg = config_from_args(args)
     prefs = [p.strip() for p in args.preferences.split(",") if p.strip()] if args.preferences else None
-    if prefs and any(p not in PREFERENCES for p in prefs):
-        print(f"clora simulate: preferences must be among {', '.join(PREFERENCES)}", file=sys.stderr)
+    if unknown := [p for p in prefs or [] if p not in PREFERENCES]:
+        print(f"clora simulate: unknown preference(s) {', '.join(unknown)} in --preferences; choose from "
+              f"{', '.join(PREFERENCES)}", file=sys.stderr)
         return 2
     tenants = tenants_from_config(cfg, prefs)
     if not tenants:
         print("clora simulate: the config has no tenants", file=sys.stderr)
         return 2
     url = args.url or cfg.serving.local_url
+    try:
+        parts = urlsplit(url)
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # an unclosed "[", a port that is no number or above 65535
+        usable = False
+    if not usable:
+        print(f"clora simulate: --url {url!r} is not an http:// or https:// URL with a host (e.g. "
+              "http://127.0.0.1:8000)", file=sys.stderr)
+        return 2
     sim = Simulator(url, tenants, rate=args.rate, duration=args.seconds, seed=args.seed, max_tokens=args.max_tokens)
     try:
         sim.run()
     except KeyboardInterrupt:  # run() waited a moment for the answers in flight: the partial figures
-        print(f"clora simulate: interrupted after {time.monotonic() - sim.started:.1f}s: {sim.traffic_line()}")
+        print(f"clora simulate: interrupted after {time.monotonic() - sim.started:.1f}s: {sim.traffic_line()}",
+              file=sys.stderr)
         for line in summary_lines(sim.summary()):
             print(line)
         return 130
@@ -226,6 +249,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(f"clora simulate: {sim.traffic_line()}")
     for line in summary_lines(summary):
         print(line)
+    if sim.unreachable is not None:  # stopped early: one line for what every failed request had in common
+        print(f"clora simulate: {sim.unreachable}", file=sys.stderr)
+        return 1
     none_ok = [name for name, s in summary.items() if s["requests"] > 0 and s["requests"] == s["failed"]]
     if none_ok:
         errors = list(dict.fromkeys(r.error for r in sim.records if not r.ok and r.tenant in none_ok))

@@ -20,7 +20,7 @@ import socket
 import tomllib
 from pathlib import Path
 from functools import lru_cache
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import (BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, ValidationError, field_validator,
                       model_validator)
@@ -799,10 +799,59 @@ def _format_errors(e: ValidationError, source: str, from_env: dict[tuple[str, ..
     for err in e.errors():
         loc = tuple(err["loc"])
         where = ".".join(str(p) for p in loc) or "(top level)"
-        msg = err["msg"].removeprefix("Value error, ")
+        msg = _in_clora_words(err["type"], loc, err["input"]) or err["msg"].removeprefix("Value error, ")
         var = next((v for keys, v in (from_env or {}).items() if loc[:len(keys)] == keys), None)
         lines.append(f"  - {where}: {msg}" + (f" (from ${var})" if var else ""))
     return "\n".join(lines)
+
+
+def _in_clora_words(kind: str, loc: tuple[str | int, ...], value: Any) -> str | None:
+    """The problem for the pydantic errors whose own words name its internals ("Extra inputs are not permitted",
+    "instance of ServingConfig", "<class 'pathlib.Path'>") rather than what to write in the TOML; None for the
+    others, whose messages say it already."""
+    if kind == "extra_forbidden":
+        return _unknown_setting(loc, value)
+    if kind == "model_type":  # `serving = 5`: a section, or a [[tenants]] entry, that is no table
+        return "must be a table"
+    if kind == "path_type":
+        return "must be a path (a string)"
+    if kind == "list_type":
+        return "must be an array of tables ([[tenants]])" if loc == ("tenants",) else "must be an array"
+    return None
+
+
+def _unknown_setting(loc: tuple[str | int, ...], value: Any) -> str:
+    """`unknown setting; did you mean serving.port?`: the nearest name in its own table, else the same name in
+    another table (`port` at the top level: serving.port)."""
+    import difflib
+
+    *table, name = loc
+    what = "unknown table" if isinstance(value, dict) else "unknown setting"
+    model = _model_at(table)
+    prefix = "".join(f"{part}." for part in table)
+    near = [prefix + n for n in difflib.get_close_matches(str(name), list(model.model_fields) if model else [], n=1)]
+    if not near:
+        near = [f"{section}.{name}" for section, field in Config.model_fields.items()
+                if _is_model(field.annotation) and name in field.annotation.model_fields and section not in table]
+    return f"{what}; did you mean {' or '.join(near)}?" if near else f"{what} (clora.example.toml names every setting)"
+
+
+def _model_at(table: list[str | int]) -> type[BaseModel] | None:
+    """The section model a location in the config names (tenants.0.lora: LoraConfig), or None."""
+    model: type[BaseModel] = Config
+    for part in table:
+        if isinstance(part, int):  # an entry of an array of tables: the model is the array's
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        annotation = field.annotation
+        if get_origin(annotation) is list and get_args(annotation):
+            annotation = get_args(annotation)[0]
+        if not _is_model(annotation):
+            return None
+        model = annotation
+    return model
 
 
 def resolve_config_path(path: str | Path | None, environ: dict[str, str] | None = None) -> Path | None:

@@ -125,7 +125,7 @@ def _run(cfg, root: Path, *, lock: int, minutes: float, rate: float, preferences
     lock, which the stack's processes hold too: a demo killed outright (SIGKILL) leaves them stopping on
     its death (draining, writing), and the next demo must not delete their data under them meanwhile."""
     from clora.config import load_config
-    from clora.simulate import Simulator, records_to_json, summarise, tenants_from_config
+    from clora.simulate import MAX_ANSWER_SECONDS, Simulator, records_to_json, summarise, tenants_from_config
     from clora.up import KILLED_WHILE_STOPPING, up
     from ingest.broker import free_ports
     from clora.cli import base_model_dir, data_dir_error
@@ -147,8 +147,10 @@ def _run(cfg, root: Path, *, lock: int, minutes: float, rate: float, preferences
     demo_cfg = load_config(config_path, environ={})
     sim_tenants = tenants_from_config(demo_cfg, preferences)
     base_url = demo_cfg.serving.local_url
+    # answer_grace: on a CPU the engine shares its cores with training, and an answer that comes late still
+    # counts towards the verdict (the demo is not held to an end time, as `clora simulate --seconds` is).
     sim = Simulator(base_url, sim_tenants, rate=rate, duration=minutes * 60, seed=seed,
-                    progress_seconds=PROGRESS_SECONDS)
+                    progress_seconds=PROGRESS_SECONDS, answer_grace=MAX_ANSWER_SECONDS)
     done = threading.Event()
     started = {}
 

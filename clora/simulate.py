@@ -13,6 +13,12 @@ Open loop, like a load generator: a request goes out every 1/rate seconds whatev
 sent (a slow server is not buried under a backlog, and nothing sent late makes up for it). Ctrl-C stops at
 once: the requests still awaiting answers get INTERRUPT_GRACE seconds, then the partial figures are printed.
 Calls to a serving tier on this machine bypass the environment's proxy (clora/loopback.py).
+
+Ends on time whatever serving does: a request waits for its answer at most until the run's end plus
+`answer_grace` (and never more than MAX_ANSWER_SECONDS). Stops early, with `unreachable` saying why, when
+serving cannot be reached: its first `unreachable_after` requests all failing to connect (nothing listens at
+the URL, a name that does not resolve), or, once it has answered, none connecting for `outage_seconds` (long
+enough for `clora up` to restart a crashed serving tier). A slow answer is not "unreachable": it only times out.
 """
 
 from __future__ import annotations
@@ -30,7 +36,11 @@ from clora.loopback import trust_env
 
 logger = logging.getLogger("clora.simulate")
 
-INTERRUPT_GRACE = 2.0  # seconds Ctrl-C leaves the requests in flight to finish (each may take up to 120 s)
+INTERRUPT_GRACE = 2.0  # seconds Ctrl-C leaves the requests in flight to finish
+ANSWER_GRACE = 5.0  # seconds past the run's end that a request sent before it may still wait for its answer
+MAX_ANSWER_SECONDS = 120.0  # the longest one request waits for its answer (a long run's early requests)
+UNREACHABLE_AFTER = 3  # consecutive failures to connect, before serving ever answered, that end the run
+OUTAGE_SECONDS = 60.0  # how long serving, once it answered, may stay unreachable (a restart) before the run ends
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -128,6 +138,9 @@ class Simulator:
         max_tokens: int = 24,
         concurrency: int = 8,
         progress_seconds: float = 10.0,
+        answer_grace: float = ANSWER_GRACE,
+        unreachable_after: int = UNREACHABLE_AFTER,
+        outage_seconds: float = OUTAGE_SECONDS,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.tenants = tenants
@@ -137,13 +150,19 @@ class Simulator:
         self.max_tokens = max_tokens
         self.concurrency = concurrency
         self.progress_seconds = progress_seconds  # how often run() calls its progress callback
+        self.answer_grace = answer_grace
+        self.unreachable_after = unreachable_after
+        self.outage_seconds = outage_seconds
         self.records: list[Record] = []  # one per finished exchange, answered or failed
         self.sent = 0  # requests sent
         self.not_sent = 0  # ticks that found `concurrency` requests awaiting answers
         self.stop = threading.Event()
         self.started: float | None = None  # monotonic time run() began
+        self.unreachable: str | None = None  # why the run stopped early: serving could not be reached
         self._lock = threading.Lock()
         self._unexpected_logged = False
+        self._answered = False  # serving has answered a request (any HTTP status)
+        self._outage: tuple[float, int] | None = None  # since when requests fail to connect, and how many
 
     def _one(self, t0: float, tenant: SimTenant, prompt: str, seed: int, slot: threading.BoundedSemaphore) -> None:
         """One exchange in its own thread; its slot is given back once its Record is in `records`."""
@@ -164,15 +183,22 @@ class Simulator:
         with self._lock:
             self.records.append(rec)
 
+    def _time_left(self, t0: float) -> float:
+        """How long a call may wait now: until the run's end plus answer_grace, at most MAX_ANSWER_SECONDS (at
+        least 1 s, for the feedback of an answer that came at the last moment)."""
+        left = t0 + self.duration + self.answer_grace - time.monotonic()
+        return min(MAX_ANSWER_SECONDS, max(1.0, left))
+
     def _exchange(self, t0: float, tenant: SimTenant, prompt: str, seed: int) -> Record:
         """One request and its feedback, as the app sees it; a failure the API answers is a failed Record."""
         import httpx
         import openai
 
+        timeout = self._time_left(t0)
         # Not through the environment's proxy to a serving tier on this machine: it cannot reach our loopback.
-        with httpx.Client(trust_env=trust_env(self.base_url), timeout=120) as http:
+        with httpx.Client(trust_env=trust_env(self.base_url), timeout=timeout) as http:
             client = openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=tenant.api_key, max_retries=0,
-                                   timeout=120, http_client=http)
+                                   timeout=timeout, http_client=http)
             try:
                 raw = client.chat.completions.with_raw_response.create(
                     model=tenant.name,
@@ -185,18 +211,56 @@ class Simulator:
                 text = resp.choices[0].message.content or ""
                 version = raw.headers.get("x-clora-adapter-version", "?")
                 score = PREFERENCES[tenant.preference](text)
+                timeout = min(30.0, self._time_left(t0))
                 fb = http.post(
                     f"{self.base_url}/v1/feedback",
                     json={"id": resp.id, "score": score},
                     headers={"Authorization": f"Bearer {tenant.api_key}"},
-                    timeout=30,
+                    timeout=timeout,
                 )
                 fb.raise_for_status()
+                self._reached()
                 return Record(time.monotonic() - t0, tenant.name, resp.id, version, score, text, True)
-            except (openai.OpenAIError, httpx.HTTPError) as e:
-                if not self.stop.is_set():  # after a stop, nothing more: the process may be exiting
-                    logger.warning("request for %s failed: %s", tenant.name, e)
-                return Record(time.monotonic() - t0, tenant.name, "", "", 0.0, "", False, str(e)[:200])
+            except (openai.APITimeoutError, httpx.TimeoutException):
+                # slow, or never answers: not unreachable (it connected)
+                error, warn = f"no answer within {timeout:.1f}s from {self.base_url}", True
+            except (openai.APIConnectionError, httpx.TransportError) as e:
+                error, warn = f"cannot reach serving at {self.base_url}: {transport_cause(e)}", False
+                self._not_reached(error)  # says it once per outage, or stops the run with it
+            except (openai.OpenAIError, httpx.HTTPError) as e:  # an HTTP error status: serving is there
+                self._reached()
+                error, warn = str(e), True
+            if warn and not self.stop.is_set():  # after a stop, nothing more: the process may be exiting
+                logger.warning("request for %s failed: %s", tenant.name, error)
+            return Record(time.monotonic() - t0, tenant.name, "", "", 0.0, "", False, error[:200])
+
+    def _reached(self) -> None:
+        """Serving answered a request: an outage, if any, is over."""
+        with self._lock:
+            outage, self._outage, self._answered = self._outage, None, True
+        if outage is not None and not self.stop.is_set():
+            since, failed = outage
+            logger.info("serving at %s answers again, after %.0fs (%d request(s) failed to connect)",
+                        self.base_url, time.monotonic() - since, failed)
+
+    def _not_reached(self, error: str) -> None:
+        """A request failed to connect: logged once per outage (a line per request said the same thing hundreds
+        of times); the run stops when serving was never reached, or has been gone for outage_seconds."""
+        with self._lock:
+            now = time.monotonic()
+            since, failed = self._outage or (now, 0)
+            self._outage = (since, failed + 1)
+            if self.unreachable is not None or self.stop.is_set():
+                return
+            if not self._answered:  # not logged: the caller reports `unreachable` once the run has stopped
+                if failed + 1 >= self.unreachable_after:
+                    self.unreachable = f"{error} (stopped: no request could connect)"
+                    self.stop.set()
+            elif failed == 0:
+                logger.warning("%s; retrying for up to %gs", error, self.outage_seconds)
+            elif now - since >= self.outage_seconds:
+                self.unreachable = f"{error} (stopped: none could connect for {now - since:.0f}s after serving had answered)"
+                self.stop.set()
 
     def run(self, progress: Callable[[Simulator], None] | None = None) -> list[Record]:
         """Sends the traffic for `duration` seconds (or until `stop` is set), then waits for the answers.
@@ -233,7 +297,9 @@ class Simulator:
                     if now >= due:
                         break
                     self.stop.wait(min(due, next_progress) - now if progress else due - now)
-            self._await_answers(slots, timeout=None)
+            # Each request ends by the run's end plus answer_grace; a moment more for its thread to record it.
+            self._await_answers(slots, timeout=max(0.0, t0 + self.duration + self.answer_grace - time.monotonic())
+                                + 2.0)
         except KeyboardInterrupt:
             self.stop.set()
             try:
@@ -295,9 +361,25 @@ def summarise(records: list[Record], tenants: list[SimTenant], window: float = 0
 
 
 def summary_lines(summary: dict[str, dict]) -> list[str]:
-    """One line per tenant of a `summarise` result, as `clora simulate` prints them."""
-    return [f"{name}: {s['requests']} requests, {s['failed']} failed, reward {s['reward_base']:.3f} -> "
-            f"{s['reward_last']:.3f}, versions {', '.join(s['versions_seen'])}" for name, s in summary.items()]
+    """One line per tenant of a `summarise` result, as `clora simulate` prints them; a tenant without an answer
+    says so (its rewards are NaN, its versions none)."""
+    lines = []
+    for name, s in summary.items():
+        line = f"{name}: {s['requests']} requests, {s['failed']} failed, "
+        if s["versions_seen"]:
+            line += (f"reward {s['reward_base']:.3f} -> {s['reward_last']:.3f}, "
+                     f"versions {', '.join(s['versions_seen'])}")
+        else:
+            line += "no answers"
+        lines.append(line)
+    return lines
+
+
+def transport_cause(e: BaseException) -> str:
+    """Why a request could not reach the server, in the transport's words: openai's APIConnectionError says only
+    "Connection error."; its __cause__ (httpx's error) says e.g. "[Errno 111] Connection refused"."""
+    cause = e.__cause__ if e.__cause__ is not None and str(e.__cause__) else e
+    return str(cause) or type(cause).__name__
 
 
 def is_base_model(version: str) -> bool:

@@ -295,7 +295,8 @@ def test_output_cut_short_by_its_reader_is_not_an_error(tmp_path):
                               stdout=w, stderr=subprocess.PIPE, text=True, timeout=120)
     finally:
         os.close(w)
-    assert done.returncode == 0 and done.stderr == ""
+    assert done.returncode == 0
+    assert done.stderr == f"clora: config {config}: 0 tenants, data in {tmp_path / 'data'}\n"  # which file, no more
 
 
 def test_model_tiny_force_replaces_only_a_model_clora_built(tmp_path, capsys):
@@ -353,6 +354,41 @@ prompts_file = "{tmp_path / 'prompts.txt'}"
     assert main(["config", "check", "--config", str(config)]) == 0
     out = capsys.readouterr().out
     assert "prompts_file" in out and "has 2 prompts" in out and out.rstrip().endswith("all checks passed")
+
+
+def test_config_check_warns_of_what_clora_up_warns_of_and_names_its_file(tmp_path, capsys):
+    """`clora up` warns of a config without tenants (every API key gets 401) and of ingest processes beyond the
+    partitions; `clora config check` passed it without a word, and never said which file it had read."""
+    from clora.config import load_config
+    from clora.up import setup_warnings
+
+    port = closed_port()
+    config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[broker]\nport = {port}\n'
+                                    f'[kafka]\nbootstrap = "127.0.0.1:{port}"\npartitions = 2\n[ingest]\nprocesses = 3\n')
+    assert main(["config", "check", "--config", str(config)]) == 0  # warnings, not problems
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"config {config}: 0 tenants, data in {tmp_path / 'data'}"
+    warnings = setup_warnings(load_config(config, environ={}))
+    assert len(warnings) == 2 and warnings[0].startswith("no tenants are configured: every API key gets 401")
+    assert [line for line in out if line.startswith("  warning  ")] == [f"  warning  {w}" for w in warnings]
+    assert "PROBLEM" not in "\n".join(out) and out[-1] == "all checks passed"
+
+
+def test_config_show_names_its_file_on_stderr_and_prints_only_the_config_on_stdout(tmp_path, capsys, monkeypatch):
+    import json
+
+    config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[[tenants]]\nname = "acme"\n'
+                                    'api_key = "sk-acme-key-1"\n')
+    assert main(["config", "show", "--config", str(config)]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["tenants"][0]["name"] == "acme"  # stdout stays the config alone
+    assert err == f"clora: config {config}: 1 tenant, data in {tmp_path / 'data'}\n"
+    monkeypatch.chdir(tmp_path / "..")  # no ./clora.toml here
+    monkeypatch.delenv("CLORA_CONFIG", raising=False)
+    monkeypatch.setenv("CLORA_DATA_DIR", str(tmp_path / "data"))
+    assert main(["config", "show"]) == 0
+    assert capsys.readouterr().err == ("clora: config the built-in defaults (no --config, $CLORA_CONFIG or "
+                                       f"./clora.toml): 0 tenants, data in {tmp_path / 'data'}\n")
 
 
 def test_config_check_finds_an_embedded_broker_kafka_bootstrap_does_not_name(tmp_path, capsys):

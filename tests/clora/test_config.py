@@ -334,6 +334,37 @@ def test_a_bad_path_field_beside_a_problem_between_fields_is_listed_not_a_crash(
     assert "model.path" in str(e.value) and "heartbeat_interval_ms" in str(e.value)
 
 
+@pytest.mark.parametrize("toml, line", [
+    ("[serving]\nprot = 8000\n", "serving.prot: unknown setting; did you mean serving.port?"),
+    ("port = 8000\n", "port: unknown setting; did you mean broker.port or serving.port?"),  # in no table
+    ("[servng]\nport = 8000\n", "servng: unknown table; did you mean serving?"),
+    ('[[tenants]]\nname = "a"\napi_key = "sk-a-00000"\nscorr = "digits"\n',
+     "tenants.0.scorr: unknown setting; did you mean tenants.0.scorer?"),
+    ('[[tenants]]\nname = "a"\napi_key = "sk-a-00000"\n[tenants.lora]\nrnak = 4\n',
+     "tenants.0.lora.rnak: unknown setting; did you mean tenants.0.lora.rank?"),
+    ("bogus = 1\n", "bogus: unknown setting (clora.example.toml names every setting)"),
+    ("serving = 5\n", "serving: must be a table"),
+    ("tenants = [5]\n", "tenants.0: must be a table"),
+    ("tenants = 5\n", "tenants: must be an array of tables ([[tenants]])"),
+    ("data_dir = 5\n", "data_dir: must be a path (a string)"),
+    ("[model]\npath = 5\n", "model.path: must be a path (a string)"),
+])
+def test_problems_pydantic_words_in_its_own_terms_read_as_what_to_write(tmp_path, toml, line):
+    """`serving.prot: Extra inputs are not permitted` (no word of serving.port), `serving: Input should be a valid
+    dictionary or instance of ServingConfig`, `data_dir: Input is not a valid path for <class 'pathlib.Path'>`."""
+    with pytest.raises(ConfigError) as e:
+        load_config(write_config(tmp_path, toml), environ={})
+    assert str(e.value).splitlines()[1:] == [f"  - {line}"]
+
+
+def test_pydantics_words_are_replaced_beside_a_problem_between_fields_too(tmp_path):
+    """Beside a problem between fields, the fields' own errors are rebuilt (Config._whole_config): by type."""
+    p = write_config(tmp_path, "[serving]\nprot = 8000\n[kafka]\nheartbeat_interval_ms = 9000\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, environ={})
+    assert "  - serving.prot: unknown setting; did you mean serving.port?" in str(e.value).splitlines()
+
+
 def test_a_data_dir_whose_home_cannot_be_found_is_a_config_error():
     with pytest.raises(ConfigError, match="data_dir"):
         load_config(None, environ={"CLORA_DATA_DIR": "~no-such-user-clora/x"})

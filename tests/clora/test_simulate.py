@@ -94,14 +94,63 @@ def simulate_config(tmp_path):
 
 
 def test_simulate_exits_1_when_a_tenant_had_no_request_succeed(tmp_path, capsys):
+    """Serving answers, but never with success (a key it does not know): exit 1, naming the tenant and why."""
+    from clora.cli import main
+
+    with stand_in_serving(status=401) as url:
+        code = main(["simulate", "--config", simulate_config(tmp_path), "--url", url, "--seconds", "0.3",
+                     "--rate", "10"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "no request succeeded for digits-app (e.g. Error code: 401" in err
+
+
+def test_simulate_stops_at_once_when_nothing_listens_naming_the_url_and_the_cause(tmp_path, capsys, caplog):
+    """Nothing listening at the URL: it ran all of --seconds (60 s by default), logging `request for acme failed:
+    Connection error.` four times a second, then exited 1; no line named the URL or the cause."""
     from clora.cli import main
     from ingest.broker import free_port
 
-    code = main(["simulate", "--config", simulate_config(tmp_path), "--url", f"http://127.0.0.1:{free_port()}",
-                 "--seconds", "0.3", "--rate", "10"])  # nothing listens there
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="clora.simulate"):
+        code = main(["simulate", "--config", simulate_config(tmp_path), "--url", url, "--rate", "10"])
     assert code == 1
-    err = capsys.readouterr().err
-    assert "no request succeeded for digits-app" in err
+    assert time.monotonic() - started < 10, "ran on after serving could not be reached"
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [f"clora simulate: cannot reach serving at {url}: [Errno 111] Connection "
+                                        "refused (stopped: no request could connect)"]
+    assert re.search(r"digits-app: (\d+) requests, \1 failed, no answers", out), out  # no NaN, no empty versions
+    assert not [r for r in caplog.records if r.name == "clora.simulate"]  # that one line says it all
+
+
+@pytest.mark.parametrize("url", ["notaurl", "localhost:8000", "ftp://127.0.0.1:8000", "http://", "http://x:port"])
+def test_a_url_that_is_not_http_is_a_usage_error(tmp_path, capsys, url):
+    """`--url notaurl` failed every request for --seconds with "Connection error.", then exited 1."""
+    from clora.cli import main
+
+    assert main(["simulate", "--config", simulate_config(tmp_path), "--url", url, "--seconds", "30"]) == 2
+    assert capsys.readouterr().err.strip() == (f"clora simulate: --url {url!r} is not an http:// or https:// URL "
+                                               "with a host (e.g. http://127.0.0.1:8000)")
+
+
+def test_an_unknown_preference_is_named(tmp_path, capsys):
+    from clora.cli import main
+
+    assert main(["simulate", "--config", simulate_config(tmp_path), "--preferences", "digits,foo"]) == 2
+    assert capsys.readouterr().err.strip() == ("clora simulate: unknown preference(s) foo in --preferences; choose "
+                                               "from digits, upper, short, json")
+
+
+def test_a_tenant_without_answers_is_summarised_without_nan():
+    from clora.simulate import summary_lines
+
+    t = SimTenant("acme", "k" * 8, "digits")
+    failed = [Record(i, "acme", "", "", 0.0, "", False, "boom") for i in range(8)]
+    answered = [Record(0, "acme", "r0", "base", 0.5, "", True)]
+    assert summary_lines(summarise(failed, [t])) == ["acme: 8 requests, 8 failed, no answers"]
+    assert summary_lines(summarise([], [t])) == ["acme: 0 requests, 0 failed, no answers"]
+    assert summary_lines(summarise(answered, [t])) == ["acme: 1 requests, 0 failed, reward 0.500 -> 0.500, versions base"]
 
 
 def test_simulate_does_not_fail_for_a_tenant_that_got_no_request(tmp_path, monkeypatch, capsys):
@@ -137,22 +186,24 @@ def test_simulate_refuses_a_rate_or_duration_that_is_not_above_0(tmp_path, capsy
 
 
 @contextmanager
-def stand_in_serving(delay: float = 0.0):
+def stand_in_serving(delay: float = 0.0, status: int = 200):
     """An HTTP server on loopback answering chat completions (after `delay` seconds) and feedback as serving
-    does; yields its base URL."""
+    does, or every request with an error `status`; yields its base URL."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            if self.path == "/v1/chat/completions":
+            if status != 200:
+                status_, body = status, {"error": {"message": "no", "type": "invalid_request_error"}}
+            elif self.path == "/v1/chat/completions":
                 time.sleep(delay)
-                status, body = 200, {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "m",
-                                     "choices": [{"index": 0, "finish_reason": "stop",
-                                                  "message": {"role": "assistant", "content": "42"}}]}
+                status_, body = 200, {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "m",
+                                      "choices": [{"index": 0, "finish_reason": "stop",
+                                                   "message": {"role": "assistant", "content": "42"}}]}
             else:  # /v1/feedback
-                status, body = 202, {"status": "accepted"}
+                status_, body = 202, {"status": "accepted"}
             body = json.dumps(body).encode()
-            self.send_response(status)
+            self.send_response(status_)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.send_header("x-clora-adapter-version", "base")
@@ -223,10 +274,10 @@ def test_ctrl_c_stops_simulate_at_once_with_the_partial_figures(tmp_path):
                 proc.kill()
                 proc.communicate()
     assert proc.returncode == 130, err[-2000:]
-    assert "clora simulate: interrupted after" in out
-    assert "8 requests sent, 0 finished (0 failed), 8 unanswered" in out
-    assert "were awaiting answers, the most at once" in out  # the ticks not sent
-    assert "digits-app: 0 requests, 0 failed" in out
+    assert "clora simulate: interrupted after" in err and "interrupted" not in out  # on stderr, as for `clora query`
+    assert "8 requests sent, 0 finished (0 failed), 8 unanswered" in err
+    assert "were awaiting answers, the most at once" in err  # the ticks not sent
+    assert "digits-app: 0 requests, 0 failed, no answers" in out
 
 
 def test_a_tick_that_finds_every_slot_awaiting_an_answer_sends_nothing():
@@ -268,3 +319,46 @@ def test_a_low_rate_ends_at_the_runs_end_and_reports_progress_on_time():
             assert time.monotonic() - started < 4.5  # it ran 5 s (the tick after the end) or raised
             assert sim.sent == 1 and len(records) == 1 and records[0].ok
             assert len(reports) >= 3, reports  # every 0.25 s of the second, not once per tick
+
+
+def test_a_server_that_never_answers_cannot_hold_the_run_past_its_end():
+    """Against a listener that accepts and never answers, `--seconds 2` took 2 minutes (each request waited 120 s,
+    and the run for every one of them): a request now waits until the run's end plus answer_grace."""
+    from clora.simulate import Simulator
+
+    with silent_listener() as (url, accepted):
+        sim = Simulator(url, [SimTenant("a", "k" * 8, "digits")], rate=10, duration=0.5, answer_grace=0.5)
+        started = time.monotonic()
+        records = sim.run()
+        took = time.monotonic() - started
+    assert took < 4, f"the run took {took:.1f}s"
+    assert len(accepted) > 0 and sim.sent == len(records) > 0
+    assert all(not r.ok and r.error.startswith("no answer within") for r in records)
+    assert sim.unreachable is None  # slow is not unreachable: it connected
+
+
+def test_serving_that_goes_away_mid_run_is_retried_for_a_while_then_the_run_stops(caplog):
+    """Once serving has answered, failures to connect are an outage (`clora up` restarting it): one warning, retries
+    for outage_seconds, then the run stops with the reason in `unreachable`."""
+    from contextlib import ExitStack
+
+    from clora.simulate import Simulator
+
+    stack = ExitStack()
+    url = stack.enter_context(stand_in_serving())
+
+    def take_serving_away(sim):
+        if any(r.ok for r in sim.records):
+            stack.close()  # shuts the server and closes its socket: connections are refused from now on
+
+    sim = Simulator(url, [SimTenant("a", "k" * 8, "digits")], rate=20, duration=30, progress_seconds=0.2,
+                    outage_seconds=0.5)
+    started = time.monotonic()
+    with stack, caplog.at_level("INFO", logger="clora.simulate"):
+        sim.run(progress=take_serving_away)
+    assert time.monotonic() - started < 10, "ran on with serving gone"
+    assert any(r.ok for r in sim.records) and not sim.records[-1].ok
+    assert sim.unreachable is not None and sim.unreachable.startswith(f"cannot reach serving at {url}: ")
+    assert "after serving had answered" in sim.unreachable
+    logged = [r.getMessage() for r in caplog.records if r.name == "clora.simulate"]
+    assert len(logged) == 1 and "retrying for up to 0.5s" in logged[0], logged  # one line, not one per request
