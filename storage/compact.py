@@ -234,9 +234,7 @@ def compact_partition(
     except Exception as e:  # noqa: BLE001 (one partition's failure must not stop the others' compaction)
         logger.debug("compaction of %s/tenant=%s failed", dataset, tenant, exc_info=True)
         result.error = f"{type(e).__name__}: {e}"
-    # A failed one is the caller's to report: logged here too, it was the same line twice on stderr.
-    loud = (result.inputs or result.removed or result.skipped or result.left_out) and not result.error
-    logger.log(logging.INFO if loud else logging.DEBUG, "%s", result)
+    logger.debug("%s", result)  # the caller reports it (`clora compact` prints each result that did something)
     return result
 
 
