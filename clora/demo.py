@@ -206,6 +206,8 @@ def _run(cfg, root: Path, *, lock: int, minutes: float, rate: float, preferences
             return 130
         interrupted_after = outcome.get("stopped_at", time.time()) - started["t"]
 
+    if sim.unreachable is not None:  # the verdict below is of a run cut short: say why
+        print(f"demo: the simulated apps stopped early: {sim.unreachable}", flush=True)
     (demo_dir / "records.json").write_text(records_to_json(sim.records))
     summary = summarise(sim.records, sim_tenants)
     stats = _store_stats(demo_cfg.data_dir)
