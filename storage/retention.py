@@ -87,6 +87,13 @@ class PruneResult:
         return f"{where}: {self.files} files, {self.rows} rows, {self.bytes / 1e6:.1f} MB{bad}"
 
 
+# partition directory -> {(name, size, mtime_ns): newest_ms} of its files at its last prune in this process. A
+# name is written once, so the key tells a file apart; each prune replaces its partition's entry whole. The
+# compactor's loop prunes every run: without this it read every stored file's footer every time, which
+# costs a partition's whole history (a compacted file's footer lists every name it supersedes).
+_dated: dict[str, dict[tuple[str, int, int], tuple[int | None, int]]] = {}
+
+
 def newest_ms(root, path: str) -> tuple[int | None, int]:
     """(the newest `ingested_at` in a file as epoch ms, its row count), from the footer's statistics; the
     column is read only when a row group has none. (None, 0) for a file without rows."""
@@ -214,9 +221,13 @@ def prune_partition(root, dataset: str, tenant: str, cutoff_ms: int, *, dry_run:
             listing = partition_listing(dd, dataset, tenant)
             superseded = listing.superseded
             doomed, unreadable = [], []
+            partition = str(dd.partition(dataset, tenant))
+            known, dated = _dated.get(partition, {}), {}
+            _dated[partition] = dated  # a run that fails midway keeps what it dated
             for info in listing.on_disk:
+                key = (info.base_name, info.size, info.mtime_ns)
                 try:
-                    newest, rows = newest_ms(dd, info.path)
+                    newest, rows = dated[key] = known[key] if key in known else newest_ms(dd, info.path)
                 except FileNotFoundError:
                     continue
                 except Exception as e:  # noqa: BLE001 (one unreadable file must not stop the partition's retention)

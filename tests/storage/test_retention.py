@@ -52,6 +52,24 @@ def test_files_whose_rows_are_all_older_than_the_cutoff_go_and_the_others_stay(d
     assert newest_ms(data_dir, str(files / "f3.parquet")) == (round(T0.timestamp() * 1000) + 33_000, 4)
 
 
+def test_a_process_reads_each_files_date_once_across_its_prunes(data_dir, files, make_trajectories, monkeypatch):
+    """The compactor's loop prunes at every run, and read every stored file's footer each time: the whole
+    history's, a compacted file's footer listing every name it supersedes."""
+    import storage.parquet as parquet
+
+    reads = []
+    real = parquet.newest_ms
+    monkeypatch.setattr(parquet, "newest_ms", lambda *a: reads.append(a[1]) or real(*a))
+    now = T0.timestamp() + 100
+    first = prune(data_dir, older_than_s=75, now_s=now, dry_run=True)
+    assert len(reads) == 5
+    assert prune(data_dir, older_than_s=75, now_s=now, dry_run=True) == first and len(reads) == 5
+    (files / "f3.parquet").unlink()  # a file of the same name but not the same one is dated again
+    write_dataset(data_dir, "trajectories", make_trajectories([f"g-{k}" for k in range(9)], start=0), file_id="f3")
+    (again,) = prune(data_dir, older_than_s=75, now_s=now, dry_run=True)
+    assert reads[5:] == [str(files / "f3.parquet")] and (again.files, again.rows) == (4, 21)
+
+
 def test_superseded_inputs_go_with_or_before_their_compacted_file_and_never_come_back(data_dir, files):
     compact(data_dir, "trajectories", grace_s=3600)  # one compacted file; its inputs wait on disk for the grace
     assert len(names(files)) == 6 and len(live_files(data_dir, "trajectories")) == 1
