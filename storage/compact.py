@@ -54,8 +54,8 @@ Plain glob readers (DuckDB/Spark/pandas pointed at the tree, not `clora query`) 
 inputs twice until they are deleted; run `clora compact --grace 0` before handing the tree to such a tool.
 
 The superseded-name lists are kept for ever: together, a partition's compacted files name every file ever
-written there (~60 bytes each in the footers). A name could be dropped only once no writer can write it
-again, and nothing here can tell when that is. Ingest writes a name again when it replays the same offset
+written there (~30 bytes a name, in the Parquet footer's key-value metadata only, not again in the Arrow
+schema stored beside it). A name could be dropped only once no writer can write it again, and nothing here can tell when that is. Ingest writes a name again when it replays the same offset
 ranges without knowing their rows (its key indexes drop rows it knows, and fewer rows make another name):
 the new owner of a partition whose previous owner's last write landed after the new owner loaded its view.
 Committed offsets usually close that window within seconds, but nothing bounds it (the new owner may stall
@@ -400,15 +400,20 @@ def _merge(dd, dataset: str, directory: Path, batch: list) -> tuple[str, int]:
             raise _InputUnreadable(info, e) from e
         # Not strict: an old file lacks the columns added since (nulls); _groups kept out any it would drop.
         tables.append(conform(table, schema, strict=False))
-    merged = pa.concat_tables(tables)
-    merged = merged.replace_schema_metadata({**schema.metadata, SUPERSEDES_KEY: json.dumps(sorted(names)).encode()})
+    merged = pa.concat_tables(tables).replace_schema_metadata(schema.metadata)
     now_ns = time.time_ns()  # names sort by creation time (parquet._SupersededIndex relies on it)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now_ns // 10**9)) + f".{now_ns % 10**9:09d}"
     name = f"{COMPACTED_PREFIX}{stamp}-{uuid.uuid4().hex[:8]}.parquet"
-    write_new_file(
-        directory / name,
-        lambda tmp: pq.write_table(merged, tmp, **parquet_options(merged.schema), row_group_size=ROW_GROUP_ROWS),
-    )
+
+    def write(tmp: Path) -> None:
+        with pq.ParquetWriter(tmp, merged.schema, **parquet_options(merged.schema)) as writer:
+            writer.write_table(merged, row_group_size=ROW_GROUP_ROWS)
+            # In the Parquet footer's key-value metadata only: put in the table's schema metadata, the list
+            # was written twice, once more inside the serialized Arrow schema (base64), and every reader of the
+            # footer parsed both.
+            writer.add_key_value_metadata({SUPERSEDES_KEY: json.dumps(sorted(names)).encode()})
+
+    write_new_file(directory / name, write)
     logger.debug("%s: merged %d files (%d rows) into %s", directory, len(batch), merged.num_rows, name)
     return name, merged.num_rows
 
