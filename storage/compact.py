@@ -55,8 +55,9 @@ inputs twice until they are deleted; run `clora compact --grace 0` before handin
 
 The superseded-name lists are kept for ever: together, a partition's compacted files name every file ever
 written there (~30 bytes a name, in the Parquet footer's key-value metadata only, not again in the Arrow
-schema stored beside it). A name could be dropped only once no writer can write it again, and nothing here can tell when that is. Ingest writes a name again when it replays the same offset
-ranges without knowing their rows (its key indexes drop rows it knows, and fewer rows make another name):
+schema stored beside it). A name could be dropped only once no writer can write it again, and nothing
+here can tell when that is. Ingest writes a name again when it replays the same offset ranges without
+knowing their rows (its key indexes drop rows it knows, and fewer rows make another name):
 the new owner of a partition whose previous owner's last write landed after the new owner loaded its view.
 Committed offsets usually close that window within seconds, but nothing bounds it (the new owner may stall
 for any time between loading and writing), and storage sees neither the consumer group's offsets, nor the
