@@ -24,7 +24,8 @@ seconds when the broker is away) and works the queue:
   would cost a segment's fsync, create and delete.)
 
 While its own spool is empty, the thread also looks every `retry_seconds` for segments another serving
-process sharing the spool directory left behind (it died, or stopped while Kafka was away), and sends them.
+process sharing the spool directory left behind (it died, or stopped while Kafka was away: the lock on its
+writer file is free, spool.py), and sends them.
 
 Delivery is therefore at-least-once: a message whose acknowledgement was lost is sent again. The prefix
 recorded ends at the first message not acknowledged (Kafka acknowledges each partition on its own), so a

@@ -14,6 +14,12 @@ Layout: one directory of segment files, one JSON object per line
     <stamp>-<pid>-<rand>.acked   a segment's progress: {"version": 1, "offset": <bytes>}, the length of its
                                  prefix Kafka acknowledged (only while the segment is being drained)
     <stamp>-<pid>-<rand>.acked-tmp   the next progress record, being written (then renamed over .acked)
+    <pid>-<rand>.writer          a writer's liveness: the Spool whose segments carry <rand> holds an exclusive
+                                 flock on it while it has segments (made as <pid>-<rand>.writer-tmp, locked,
+                                 then renamed); free, its writer is gone, however it ended, and a live peer
+                                 sends what it left (`left_behind`). Deleted once the writer is gone and none
+                                 of its segments is left (a process id cannot tell: replicas in containers
+                                 may all be pid 1, and ids are reused)
 
 A sender `claim`s a segment by taking a non-blocking exclusive flock: a sealed segment, or an `.open`
 one whose writer died (its lock went with it). So several serving processes may share one spool
@@ -82,7 +88,7 @@ from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 
-from clora.processes import running
+from storage.files import ensure_dir
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +96,8 @@ SEGMENT_BYTES = 8 << 20
 PROGRESS = ".acked"  # a segment's acknowledged prefix, beside it: <stem>.acked
 PROGRESS_TMP = ".acked-tmp"
 PROGRESS_VERSION = 1
+WRITER = ".writer"  # <pid>-<writer id>.writer: locked for as long as the Spool that writes that id's segments lives
+WRITER_TMP = ".writer-tmp"
 DEAD_DIR = "dead"
 DEAD_LETTER_VERSION = 1
 
@@ -145,8 +153,11 @@ class Spool:
         self._path: Path | None = None
         self._size = 0  # bytes of whole batches in the open segment
         self._lock = threading.Lock()  # the open segment's state, shared by the threads that append
+        self.id = uuid.uuid4().hex[:8]  # in the name of every segment this Spool writes
+        self._writer = None  # its <pid>-<id>.writer file, locked, while it has segments
+        self._writer_path: Path | None = None
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            ensure_dir(self.directory)  # its entry made durable too: a fsynced segment in a lost directory is lost
         except OSError as e:
             raise SpoolError(f"cannot create the spool directory {self.directory}: {e}") from e
 
@@ -232,9 +243,11 @@ class Spool:
             file.close()  # releases the lock only after the rename
 
     def _open_segment(self) -> None:
-        stem = f"{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        stem = f"{time.time_ns():020d}-{os.getpid()}-{self.id}"
         tmp = self.directory / f"{stem}.tmp"
         try:
+            if self._writer is None:
+                self._writer = self._announce()
             file = open(tmp, "ab", buffering=0)  # noqa: SIM115 (kept open: it holds the segment's lock)
             fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             path = tmp.with_suffix(".open")
@@ -244,20 +257,41 @@ class Spool:
             raise SpoolError(f"cannot open a spool segment in {self.directory}: {e}") from e
         self._file, self._path, self._size = file, path, 0
 
+    def _announce(self):
+        """Creates this Spool's writer file and holds its lock, which goes when the process does (however it
+        ends): how a peer tells that this writer's segments are left behind. Locked before it gets its name,
+        as a segment is, so no peer finds it unlocked while this process lives."""
+        name = f"{os.getpid()}-{self.id}"
+        tmp = self.directory / f"{name}{WRITER_TMP}"
+        file = open(tmp, "ab", buffering=0)  # noqa: SIM115 (kept open: it holds the lock)
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._writer_path = tmp.rename(tmp.with_suffix(WRITER))
+        except OSError:
+            file.close()
+            raise
+        return file
+
     # --- reading ------------------------------------------------------------------------------------------
     def segments(self) -> list[Path]:
         """Segments that may be claimed (sealed ones, and open ones of other writers), oldest first.
 
-        Deletes the progress records whose segment is gone (see the module docstring).
+        Deletes the progress records whose segment is gone (see the module docstring), and the writer files
+        of writers that are gone and left no segment.
         """
         with self._lock:
             own = self._path
-        names = list(self.directory.iterdir())
-        found = [p for p in names if p.suffix in (".jsonl", ".open") and p != own]
+            names = list(self.directory.iterdir())
+            found = [p for p in names if p.suffix in (".jsonl", ".open") and p != own]
+            if own is None and self.id not in {_writer_id(p) for p in found}:
+                self._let_writer_go()  # its segments are all sent: nothing for a peer to tell about it
         stems = {p.stem for p in found} | ({own.stem} if own else set())
+        writers = {_writer_id(p) for p in found} | {self.id}
         for p in names:
             if p.suffix in (PROGRESS, PROGRESS_TMP) and p.stem not in stems:
                 p.unlink(missing_ok=True)  # its segment was deleted: nobody reads it again
+            elif p.suffix in (WRITER, WRITER_TMP) and _writer_id(p) not in writers:
+                _remove_if_unlocked(p)  # its writer is gone (or going), and so are its segments
         return sorted(found, key=lambda p: p.name)
 
     def pending(self) -> int:
@@ -271,11 +305,24 @@ class Spool:
         return self._count([*self.segments(), *([own] if own else [])], own)
 
     def left_behind(self) -> int:
-        """`pending`'s messages in the segments whose writer has gone: its process (named in the segment's
-        name) no longer runs on this host. A live writer sends its own segments, in its own order."""
+        """`pending`'s messages in the segments whose writer has gone: the lock on its writer file is free
+        (its process ended, however: a process id says nothing across containers, where every serving may
+        be pid 1), or there is no such file (a writer makes it before its first segment, and it is deleted
+        only once the writer is gone and so are its segments). A live writer sends its own segments, in its
+        own order. A segment of a version before writer files has none: it counts as left behind."""
         with self._lock:
             own = self._path
-        return self._count([p for p in self.segments() if not running(_writer_pid(p))], own)
+        return self._count([p for p in self.segments() if not self._writer_lives(p)], own)
+
+    def _writer_lives(self, segment: Path) -> bool:
+        writer_id = _writer_id(segment)
+        if writer_id == self.id:
+            return True
+        try:
+            with open(self.directory / f"{_writer_pid(segment)}-{writer_id}{WRITER}", "rb") as f:
+                return not _unlocked(f)
+        except FileNotFoundError:
+            return False
 
     def _count(self, paths: list[Path], own: Path | None) -> int:
         count = 0
@@ -316,7 +363,26 @@ class Spool:
             file.close()
 
     def close(self) -> None:
+        """Seals the open segment and lets the writer file go: deleted when none of this writer's segments
+        is left, else left unlocked, so that a peer sends them (and the next look at the spool after they
+        are gone deletes it)."""
         self.seal()
+        try:
+            self.segments()  # deletes the writer file if none of its segments is left
+        except OSError:  # the spool cannot be listed: the file stays, for a later look to delete
+            pass
+        with self._lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+
+    def _let_writer_go(self) -> None:
+        """Deletes this Spool's writer file (under self._lock, with no segment of its own left); the next
+        segment makes a new one."""
+        if self._writer is not None:
+            self._writer_path.unlink(missing_ok=True)
+            self._writer.close()
+            self._writer = None
 
     # --- dead letters -------------------------------------------------------------------------------------
     def dead_letter(self, refused: Sequence[Refused]) -> Path:
@@ -329,7 +395,7 @@ class Spool:
         path = directory / f"{at:%Y-%m-%d}.jsonl"
         data = b"".join(r.to_line(at) for r in refused)
         try:
-            directory.mkdir(exist_ok=True)
+            ensure_dir(directory)
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as e:
             raise SpoolError(f"cannot open the dead-letter file {path}: {e}") from e
@@ -430,6 +496,21 @@ def _acked_offset(segment: Path, file) -> int:
                        "from its start", record.name, version, offset, segment.name, size)
         return 0
     return offset
+
+
+def _writer_id(path: Path) -> str | None:
+    """The writer id in a segment's or writer file's name (<stamp>-<pid>-<id>, <pid>-<id>), None if none."""
+    parts = path.stem.split("-")
+    return parts[-1] if len(parts) >= 2 else None
+
+
+def _remove_if_unlocked(path: Path) -> None:
+    try:
+        with open(path, "rb") as f:
+            if _unlocked(f):
+                path.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
 
 
 def _writer_pid(segment: Path) -> int | None:

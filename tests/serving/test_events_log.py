@@ -208,15 +208,23 @@ def dead_pid() -> int:
     return child.pid
 
 
-def peer_segment(tmp_path, ids, *, pid):
-    """Another serving process's sealed spool segment holding interactions `ids`, named by process `pid`."""
+def peer_segment(tmp_path, ids, *, alive, pid=None):
+    """Another serving process's sealed spool segment holding interactions `ids`, and that process's Spool:
+    `alive`, its writer file stays locked; else its writer is gone (its lock goes with a process however it
+    ends, as at this close). `pid`: the process id its names carry (another container's may be any, ours too)."""
     peer = events_log.Spool(tmp_path / "spool")
     before = set((tmp_path / "spool").iterdir())
     peer.append([events_log.Message("t.interactions", "acme", encode(interaction(i)).decode()) for i in ids])
-    peer.close()
+    peer.seal()
+    if not alive:
+        peer.close()
     (segment,) = [p for p in set((tmp_path / "spool").iterdir()) - before if p.suffix == ".jsonl"]
-    stamp, _, rest = segment.name.split("-", 2)
-    return segment.rename(segment.with_name(f"{stamp}-{pid}-{rest}"))
+    if pid is not None:
+        writer = tmp_path / "spool" / f"{os.getpid()}-{peer.id}.writer"
+        writer.rename(writer.with_name(f"{pid}-{peer.id}.writer"))
+        stamp, _, rest = segment.name.split("-", 2)
+        segment = segment.rename(segment.with_name(f"{stamp}-{pid}-{rest}"))
+    return segment, peer
 
 
 @pytest.mark.parametrize("idle", [False, True], ids=["after traffic", "idle since its start"])
@@ -228,7 +236,7 @@ def test_segments_another_process_left_in_a_shared_spool_are_sent_by_a_live_one(
     if not idle:
         log.log(interaction(0))
         wait_for(lambda: len(broker.received) == 1)
-    peer_segment(tmp_path, (1, 2, 3), pid=dead_pid())
+    peer_segment(tmp_path, (1, 2, 3), alive=False)
     wait_for(lambda: len(broker.received) == (3 if idle else 4))
     log.close()
     assert sorted(r[2] for r in broker.received) == (["i1", "i2", "i3"] if idle else ["i0", "i1", "i2", "i3"])
@@ -242,8 +250,8 @@ def test_a_live_peers_segments_are_left_to_it_and_traffic_goes_straight_to_kafka
 
     broker = FakeBroker()
     log = make_log(tmp_path, broker)
-    waiting = peer_segment(tmp_path, (1, 2), pid=os.getpid())  # a live writer's sealed segment
-    draining = peer_segment(tmp_path, (3, 4), pid=dead_pid())  # one a live peer claimed and is sending
+    waiting, writer = peer_segment(tmp_path, (1, 2), alive=True)  # a live writer's sealed segment
+    draining, _ = peer_segment(tmp_path, (3, 4), alive=False)  # one a live peer claimed and is sending
     with draining.open("rb") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         spool = events_log.Spool(tmp_path / "spool")
@@ -256,6 +264,24 @@ def test_a_live_peers_segments_are_left_to_it_and_traffic_goes_straight_to_kafka
     log.close()
     assert sorted(r[2] for r in broker.received) == [f"i{i}" for i in range(10, 20)]
     assert waiting.exists() and draining.exists()
+    writer.close()
+
+
+@pytest.mark.parametrize("pid", ["ours", "a dead one's"])
+def test_a_gone_writers_segments_are_sent_whatever_process_id_they_carry(tmp_path, pid):
+    """A writer counted as gone only when no process of its id ran on this host: replicas in containers
+    sharing a spool are each pid 1 (and a pid is reused), so a dead replica's events stayed on disk, unsent,
+    for as long as the live one ran."""
+    broker = FakeBroker()
+    log = make_log(tmp_path, broker)
+    log.log(interaction(0))
+    wait_for(lambda: len(broker.received) == 1)
+    peer_segment(tmp_path, (1, 2, 3), alive=False, pid=os.getpid() if pid == "ours" else dead_pid())
+    wait_for(lambda: len(broker.received) == 4)
+    log.close()
+    assert sorted(r[2] for r in broker.received) == ["i0", "i1", "i2", "i3"]
+    assert events_log.Spool(tmp_path / "spool").pending() == 0
+    assert not list((tmp_path / "spool").glob("*.writer")), "a gone writer's file goes with its last segment"
 
 
 class HangingProducer(FakeProducer):
