@@ -1324,6 +1324,10 @@ class Learner:
         (an operator's rollback since: the version's parent is no longer served)."""
         name, created = rt.spec.name, meta.get("created")
         decision = meta["decision"]
+        # The step is committed on disk, but maybe not durably: its commit may have raised after the rename
+        # (its directory's fsync failed). Published on that, a power loss would leave the version served and
+        # the step gone, and the batch trained again on top of the version.
+        self.cursors.make_durable(name)
         try:
             v = self.registry.get(name, created) if created is not None else None
         except VersionNotFound:  # settled long ago and pruned by retention (prune_registry keeps no settled record)

@@ -403,6 +403,12 @@ class Cursors:
                 logger.warning("tenant %s: step %d committed, but pruning old checkpoints failed: %s", tenant, step, e)
         return final / "checkpoint"
 
+    def make_durable(self, tenant: str) -> None:
+        """fsyncs the tenant's cursor directory: its committed steps survive a power loss once this returns.
+        `commit` does it too, at its commit point; what follows a commit that raised there (the rename done,
+        its directory's fsync failed) must not rely on the step until this has succeeded."""
+        fsync_dir(self.dd.tenant_cursors(check_tenant(tenant)))
+
     def forget(self, tenant: str, before_ms: int, *, dry_run: bool = False) -> int:
         """Retention: forgets the snapshots of the cursor's chain whose steps were all committed more than
         FORGET_MARGIN_MS before `before_ms`, and from then on leaves every trajectory ingested before

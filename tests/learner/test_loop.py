@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import threading
 import time
@@ -369,6 +370,38 @@ def test_a_commit_that_fails_after_its_commit_point_counts_as_committed(tiny_mod
     assert learner.tenants["acme"].step == 2 and learner.tenants["acme"].error is None
     assert read_dataset(data_dir, "train_steps").column("step").to_pylist() == [1, 2]
     assert_each_id_once(data_dir, "acme", {f"a{i}" for i in range(16)})
+
+
+def test_a_step_whose_commit_may_not_be_durable_is_published_only_once_its_directory_is_synced(
+        tiny_model, data_dir, monkeypatch):
+    """The commit's rename done and its directory's fsync failed, the step was taken as committed and its
+    version published at once: after a power loss the version would be served and the step gone, and the
+    batch trained again on top of it. Now the version waits until the cursor directory syncs."""
+    import storage.cursors as cursors_module
+
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    learner.pending(hold_partial=False)
+
+    def failing_fsync(directory):
+        raise OSError(5, "Input/output error")
+
+    def rename_then_fail(staging, final):
+        os.rename(staging, final)
+        failing_fsync(final.parent)
+
+    monkeypatch.setattr(cursors_module, "publish_dir", rename_then_fail)
+    monkeypatch.setattr(cursors_module, "fsync_dir", failing_fsync)
+    assert learner.step_safely("acme") is None
+    reg = Registry(data_dir)
+    assert reg.get("acme", 1).status == "candidate" and "Input/output error" in learner.tenants["acme"].error
+    monkeypatch.undo()  # the disk is well again
+    learner.tenants["acme"].retry_at = 0
+    learner.step_safely("acme")
+    assert [(v.number, v.status) for v in reg.versions("acme")] == [(1, "published")]
+    assert read_dataset(data_dir, "train_steps").column("step").to_pylist() == [1]
+    learner.close()
 
 
 def test_a_version_whose_create_raised_after_its_record_is_rejected_not_left_a_candidate(tiny_model, data_dir,
