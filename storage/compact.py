@@ -24,7 +24,8 @@ its partition and name; it stays live and readable, and a compactor of its versi
 
 Each merged file holds one UTC day: files of different days are never merged, the day of a file being that
 of its newest `ingested_at` (from its footer's statistics, parquet.newest_ms); one day's files are batched
-by size, in name order. This is what bounds retention, which deletes a whole file once its newest row is
+by size, in name order, and a batch's largest file is merged only once the others come to half its size
+(`_worth_merging`: sizes grow by tiers, so a large file is not rewritten whole for a little new data). This is what bounds retention, which deletes a whole file once its newest row is
 older than the cutoff: were days merged, a quiet partition's merged file (under the target size) would be
 merged again at every run with whatever arrived, always hold a recent row, and never be deleted. A closed
 day gets no new files (ingest dates a row when it stores it), so its files are never merged again, and each
@@ -226,7 +227,7 @@ def compact_partition(
             candidates = _not_in_unreadable(listing, [i for i in listing.live() if i.size < target_bytes], result)
             for day in _groups(dd, dataset, tenant, candidates, result):
                 for batch in _batches(day, target_bytes):
-                    _merge_batch(dd, dataset, directory, batch, min_files, result)
+                    _merge_batch(dd, dataset, directory, _worth_merging(batch), min_files, result)
             if result.outputs:  # this run's inputs, due now with no grace
                 removed, result.waiting = _remove_superseded(dd, dataset, tenant, grace_s)
                 result.removed += removed
@@ -362,6 +363,18 @@ def _footer_of(dd, dataset: str, info) -> _Footer:
             return _Footer(None, left_out)
         newest, _ = newest_in(pf, INGESTED_AT, info.path)
     return _Footer(None if newest is None else newest // DAY_MS, None)
+
+
+def _worth_merging(batch: list) -> list:
+    """`batch` (in name order) less its largest files for as long as the others come to under half the
+    largest's size. Merged with a little new data, a large file is rewritten whole for little: a busy day's
+    merged file, and train_steps' (undated, so never closed), were rewritten at every run, a partition's
+    history a run. Left as it is, it is merged once the files beside it come to half its size: sizes grow
+    by tiers, a row is rewritten about log2(target / a flush's size) times, and a day keeps a file per tier."""
+    files = sorted(batch, key=lambda i: i.size)
+    while len(files) > 1 and 2 * sum(i.size for i in files[:-1]) < files[-1].size:
+        files.pop()
+    return sorted(files, key=lambda i: i.base_name)
 
 
 def _batches(infos: list, target_bytes: int) -> list[list]:

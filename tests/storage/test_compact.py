@@ -88,6 +88,31 @@ def test_a_compacted_footer_lists_its_superseded_names_once_and_in_the_parquet_m
     assert read_dataset(data_dir, "trajectories").num_rows == 20
 
 
+def test_a_large_merged_file_waits_until_the_files_beside_it_come_to_half_its_size(data_dir, make_trajectories):
+    """Merged with whatever arrived since, a day's merged file (and train_steps', never closed) was rewritten
+    whole at every run: a partition's history a run. Files now merge by tiers of size."""
+    from types import SimpleNamespace
+
+    from storage.compact import _worth_merging
+
+    def files(*sizes):
+        return [SimpleNamespace(base_name=f"f{i}", size=size) for i, size in enumerate(sizes)]
+
+    assert [i.base_name for i in _worth_merging(files(1000, 10, 10))] == ["f1", "f2"]
+    assert [i.base_name for i in _worth_merging(files(1000, 300, 200))] == ["f0", "f1", "f2"]
+    assert [i.base_name for i in _worth_merging(files(1000, 100, 10, 10))] == ["f2", "f3"]  # tier by tier
+    assert [i.base_name for i in _worth_merging(files(10, 12, 9))] == ["f0", "f1", "f2"]
+
+    big = [f"big-{k}" for k in range(5000)]
+    write_dataset(data_dir, "trajectories", make_trajectories(big), file_id="big")
+    _write_files(data_dir, make_trajectories, 2, prefix="a")
+    compact(data_dir, "trajectories", grace_s=0)
+    merged = {r.dataset: r for r in compact(data_dir, "trajectories", grace_s=0)}
+    assert "big.parquet" in _files_on_disk(data_dir) and len(_files_on_disk(data_dir)) == 2
+    assert merged["trajectories"].inputs == 0  # nothing new: the two files stay as they are
+    assert read_dataset(data_dir, "trajectories").num_rows == 5000 + 8
+
+
 def test_inputs_stay_for_the_grace_period_but_are_not_read(data_dir, make_trajectories):
     _write_files(data_dir, make_trajectories, 4)
     first = compact_partition(data_dir, "trajectories", "acme", grace_s=3600)
