@@ -125,9 +125,10 @@ def write_new_file(path: Path, write: Callable[[Path], None]) -> bool:
         except OSError as e:  # file systems without hard links
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
                 raise
-            if path.exists():
+            if path.exists():  # as for a link that found it: the other creator's entry made durable too
+                fsync_dir(path.parent)
                 return False
-            os.rename(tmp, path)
+            os.rename(tmp, path)  # (a creator racing this one between the check and the rename is replaced)
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
