@@ -539,6 +539,9 @@ class Registry:
         tenant_dir = self.dd.adapters / tenant
         ensure_dir(tenant_dir)
         remove_stale_hidden(tenant_dir, older_than_s=STALE_STAGING_S)
+        # The temp files of record and head writes a crash left (nothing else ever looks at them).
+        for records in (self.dd.registry / tenant, self.dd.registry):
+            remove_stale_hidden(records, older_than_s=STALE_STAGING_S)
 
         # The slow part (saving weights) happens outside the lock, in a hidden directory.
         staging = tenant_dir / f".staging-{uuid.uuid4().hex}"

@@ -218,6 +218,24 @@ def test_a_rollback_to_old_files_survives_a_concurrent_creates_cleanup(data_dir,
     assert removed == [0] and (back.path / "adapter_model.safetensors").read_bytes() == b"weights-1"
 
 
+def test_temp_files_a_crashed_record_or_head_write_left_are_swept_by_a_later_create(data_dir, peft_writer):
+    """A SIGKILL inside a record's or HEAD.json's atomic write left its hidden temp file for good."""
+    from storage.files import tmp_name
+
+    reg = Registry(data_dir, keep_last=5)
+    _new(reg, peft_writer)
+    old = [tmp_name(data_dir / "registry" / "acme" / "2.json"), tmp_name(data_dir / "registry" / "HEAD.json")]
+    fresh = tmp_name(data_dir / "registry" / "acme" / "3.json")  # a writer still at it
+    two_hours_ago = time.time() - 7200
+    for f in [*old, fresh]:
+        f.write_bytes(b"{")
+    for f in old:
+        os.utime(f, (two_hours_ago, two_hours_ago))
+    _new(reg, peft_writer)
+    assert not any(f.exists() for f in old) and fresh.exists()
+    assert [v.number for v in reg.versions("acme")] == [1, 2]
+
+
 def test_a_folder_left_by_hand_under_registry_is_no_tenant(data_dir, peft_writer):
     reg = Registry(data_dir, keep_last=5)
     _new(reg, peft_writer)
