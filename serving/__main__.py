@@ -92,7 +92,7 @@ async def serve(cfg, host: str, port: int) -> int:
     from serving.adapters import AdapterSet, ipc_directory, stage_directory
     from serving.api import Api, create_app, default_request_bytes
     from serving.auth import Authenticator
-    from serving.engine import build_engine
+    from serving.engine import ZERO_ADAPTER_NAME, build_engine
     from serving.events_log import MAX_REQUEST_BYTES, EventLog, kafka_producer
     from serving.metrics import ServingMetrics
     from storage.layout import DataDir
@@ -106,6 +106,9 @@ async def serve(cfg, host: str, port: int) -> int:
     if "VLLM_RPC_BASE_PATH" not in os.environ:  # a path the user chose stays theirs
         ipc = ipc_directory()
         os.environ["VLLM_RPC_BASE_PATH"] = str(ipc)  # unset again at stop
+    # This process's folder for adapter copies, and the CPU engine's zero adapter: a start after a crash
+    # removes a gone process's (a temporary folder of its own was left for good by every SIGKILL).
+    stage = stage_directory(DataDir(cfg.data_dir).serving_adapters)
     engine = build_engine(
         model_path,
         max_loras=s.max_loras,
@@ -115,10 +118,11 @@ async def serve(cfg, host: str, port: int) -> int:
         max_num_seqs=s.max_num_seqs,
         dtype=s.dtype,
         kv_cache_bytes=int(s.kv_cache_gib * 2**30) or None,
+        zero_adapter_dir=stage / ZERO_ADAPTER_NAME,
     )
     events = None
     stop = asyncio.Event()
-    watcher = monitor = stage = None
+    watcher = monitor = None
     engine_died = False
     watchdog = None
     try:
@@ -131,7 +135,6 @@ async def serve(cfg, host: str, port: int) -> int:
         check = functools.partial(
             validate_adapter, max_rank=s.max_lora_rank, base_shapes=base_linear_shapes(model_path)
         )
-        stage = stage_directory(DataDir(cfg.data_dir).serving_adapters)
         adapters = AdapterSet(engine, registry, tenants, check, metrics, base_name=cfg.model.name, stage_dir=stage)
         await adapters.refresh()
         # An unreachable broker must not keep serving down (events spool meanwhile): a TCP check first, as

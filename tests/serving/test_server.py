@@ -107,6 +107,15 @@ def test_models_logprobs_completions_and_feedback(server):
     assert 'clora_serving_requests_total{endpoint="chat",status="200",tenant="initech"}' in metrics
 
 
+def test_the_cpu_engines_zero_adapter_lives_in_the_process_own_stage_folder(server):
+    """It was a temporary folder of its own, deleted only at a normal stop: each SIGKILL left one in /tmp. In
+    the stage folder, the next start on this host removes a gone process's."""
+    import socket
+
+    stage = server.data_dir / "state" / "serving-adapters" / f"{socket.gethostname()}-{server.process.pid}"
+    assert (stage / "_zero" / "adapter_model.safetensors").is_file()
+
+
 def test_a_request_sent_again_with_its_idempotency_key_is_answered_from_the_first(server):
     """What a client retrying after a lost answer gets: the first answer again, one generation, one event."""
     key = {"Idempotency-Key": f"retry-{time.time_ns()}"}
