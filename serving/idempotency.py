@@ -172,9 +172,12 @@ class Keys:
         self._tenant_bytes[tenant] += answer.size
         while self._bytes > self.max_bytes:
             # The oldest answer of the tenant keeping the most bytes leaves: a tenant's flood of large
-            # answers pushes out its own, never the few of a tenant keeping less.
-            largest = max(self._tenant_bytes, key=self._tenant_bytes.__getitem__)
-            self._drop(next(iter(self._tenants[largest])))
+            # answers pushes out its own, never the few of a tenant keeping less. Never the answer just kept
+            # (it fits alone): one large answer would otherwise leave at once whenever another tenant held
+            # the rest.
+            self._drop(next(slot for tenant in sorted(self._tenant_bytes, key=self._tenant_bytes.__getitem__,
+                                                      reverse=True)
+                            for slot in self._tenants[tenant] if slot != ticket.slot))
 
     def _expire(self) -> None:
         oldest = self.clock() - self.ttl_s

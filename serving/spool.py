@@ -17,9 +17,10 @@ Layout: one directory of segment files, one JSON object per line
     <pid>-<rand>.writer          a writer's liveness: the Spool whose segments carry <rand> holds an exclusive
                                  flock on it while it has segments (made as <pid>-<rand>.writer-tmp, locked,
                                  then renamed); free, its writer is gone, however it ended, and a live peer
-                                 sends what it left (`left_behind`). Deleted once the writer is gone and none
-                                 of its segments is left (a process id cannot tell: replicas in containers
-                                 may all be pid 1, and ids are reused)
+                                 sends what it left (`left_behind`). Deleted once none of its writer's
+                                 segments is left: by the writer itself, or by anyone once the writer is
+                                 gone (a process id cannot tell that: replicas in containers may all be
+                                 pid 1, and ids are reused)
 
 A sender `claim`s a segment by taking a non-blocking exclusive flock: a sealed segment, or an `.open`
 one whose writer died (its lock went with it). So several serving processes may share one spool
@@ -98,6 +99,7 @@ PROGRESS_TMP = ".acked-tmp"
 PROGRESS_VERSION = 1
 WRITER = ".writer"  # <pid>-<writer id>.writer: locked for as long as the Spool that writes that id's segments lives
 WRITER_TMP = ".writer-tmp"
+STALE_WRITER_TMP_S = 60.0
 DEAD_DIR = "dead"
 DEAD_LETTER_VERSION = 1
 
@@ -290,8 +292,10 @@ class Spool:
         for p in names:
             if p.suffix in (PROGRESS, PROGRESS_TMP) and p.stem not in stems:
                 p.unlink(missing_ok=True)  # its segment was deleted: nobody reads it again
-            elif p.suffix in (WRITER, WRITER_TMP) and _writer_id(p) not in writers:
-                _remove_if_unlocked(p)  # its writer is gone (or going), and so are its segments
+            elif p.suffix == WRITER and _writer_id(p) not in writers:
+                _remove_if_unlocked(p)  # its writer is gone, and so are its segments
+            elif p.suffix == WRITER_TMP and _writer_id(p) not in writers and _older_than(p, STALE_WRITER_TMP_S):
+                _remove_if_unlocked(p)  # a writer that died making it (a new one is unlocked for a moment)
         return sorted(found, key=lambda p: p.name)
 
     def pending(self) -> int:
@@ -502,6 +506,13 @@ def _writer_id(path: Path) -> str | None:
     """The writer id in a segment's or writer file's name (<stamp>-<pid>-<id>, <pid>-<id>), None if none."""
     parts = path.stem.split("-")
     return parts[-1] if len(parts) >= 2 else None
+
+
+def _older_than(path: Path, seconds: float) -> bool:
+    try:
+        return time.time() - path.stat().st_mtime > seconds
+    except FileNotFoundError:
+        return False
 
 
 def _remove_if_unlocked(path: Path) -> None:

@@ -91,6 +91,8 @@ def ensure_dir(directory: Path) -> None:
     while not d.exists():
         missing.append(d)
         d = d.parent
+    if not d.is_dir():  # a file where a folder of the path should be
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(d))
     for d in reversed(missing):
         try:
             d.mkdir()

@@ -1588,6 +1588,16 @@ def test_one_tenants_flood_of_answers_pushes_out_its_own_not_another_tenants():
     assert acme_kept
     assert globex_kept == [False] * 6 + [True] * 3  # its newest three (7,500 bytes) beside acme's 1,000
 
+    async def one_large_answer():
+        """globex keeps more bytes than acme once its answer is in: acme's leave, not the answer just kept."""
+        for i in range(6):
+            (await claim("acme", f"small{i}")).keep({}, [b"x" * 1000], stream=False)
+        (await claim("globex", "large")).keep({}, [b"y" * 6500], stream=False)
+        return isinstance(await claim("globex", "large"), Answer), keys.kept_bytes
+
+    keys = Keys(ttl_s=3600.0, max_bytes=10_000)
+    assert asyncio.run(one_large_answer())[0]
+
 
 @pytest.mark.parametrize("fails_at", ["http.response.start", "http.response.body"])
 def test_a_stream_whose_sending_fails_gives_back_its_key_and_slots_at_once(fails_at):

@@ -297,3 +297,30 @@ def test_an_append_that_fails_part_way_keeps_the_segments_it_filled_and_says_so(
     monkeypatch.undo()
     spool.append(msgs(1, start=20))
     assert _values(spool) == [f'{{"id":"i{i}"}}' for i in [*range(per_segment), 20]]
+
+
+def test_a_writer_file_being_made_is_left_to_its_writer_and_a_dead_ones_goes(tmp_path):
+    """A new writer's file is unlocked for a moment before it is renamed: a peer's look at the spool deleted it
+    then, and the writer's first segment failed to open."""
+    import time
+
+    peer = Spool(tmp_path)
+    making = tmp_path / f"{os.getpid()}-0000aaaa.writer-tmp"
+    left = tmp_path / f"{os.getpid()}-0000bbbb.writer-tmp"
+    for f in (making, left):
+        f.write_bytes(b"")
+    an_hour_ago = time.time() - 3600
+    os.utime(left, (an_hour_ago, an_hour_ago))
+    peer.segments()
+    assert making.exists() and not left.exists()
+
+
+def test_a_spool_path_that_is_a_file_is_refused_at_start(tmp_path):
+    """Taken at start, such a spool failed only at its first append: when Kafka is away and it is needed."""
+    from serving.spool import SpoolError
+
+    (tmp_path / "spool").write_text("")
+    with pytest.raises(SpoolError, match="cannot create the spool directory"):
+        Spool(tmp_path / "spool")
+    with pytest.raises(SpoolError, match="cannot create the spool directory"):
+        Spool(tmp_path / "spool" / "below")
