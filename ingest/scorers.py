@@ -31,11 +31,12 @@ and nothing tells that apart from a scorer's own `raise KeyboardInterrupt`. Chec
 returned cannot raise anything else either: an int past a float's range (10**400 made `math.isfinite` raise
 OverflowError, which stopped ingest) is converted with its overflow caught, and values are shown without a
 repr that could fail or run to thousands of digits. Nothing here does I/O beyond importing a python scorer
-(from the current directory too, searched last: `_current_directory_searched_last`).
+(from the current directory too, searched last: `_searched_last`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -162,7 +163,11 @@ def python(target: str) -> Scorer:
     if not module_name or not func_name:
         raise ScorerSpecError(f"scorer python needs module:function, got {target!r}")
     try:
-        with _current_directory_searched_last():
+        directory = os.getcwd()
+    except OSError:  # the directory was deleted: nothing there to import
+        directory = None
+    try:
+        with _searched_last(directory):
             module = importlib.import_module(module_name)
     except ImportError as e:
         raise ScorerSpecError(f"scorer python: cannot import module {module_name!r}: {e}") from e
@@ -171,7 +176,13 @@ def python(target: str) -> Scorer:
     fn = getattr(module, func_name, None)
     if not callable(fn):
         raise ScorerSpecError(f"scorer python: {module_name!r} has no callable {func_name!r}")
-    return fn
+
+    @functools.wraps(fn)
+    def score(completion: str, prompt: str) -> float:
+        with _searched_last(directory):  # what it imports as it runs, beside it too
+            return fn(completion, prompt)
+
+    return score
 
 
 class _DirectoryFinder(importlib.abc.MetaPathFinder):
@@ -187,17 +198,17 @@ class _DirectoryFinder(importlib.abc.MetaPathFinder):
 
 
 @contextmanager
-def _current_directory_searched_last() -> Iterator[None]:
-    """While a python scorer's module loads, a top-level module no other finder knows is looked for in the
-    current directory (so a `MODULE.py` beside clora.toml imports, and so do the modules it imports as it
-    loads), after every installed one (so it never shadows clora or a library). Only then: every process
-    keeps that directory off sys.path (clora.cli.keep_the_current_directory_off_the_path), or a library's
-    probe for an optional module (kafka-python's `snappy`, `lz4`) would run a file of that name there."""
-    try:
-        finder = _DirectoryFinder(os.getcwd())
-    except OSError:  # the directory was deleted: nothing there to import
+def _searched_last(directory: str | None) -> Iterator[None]:
+    """While a python scorer's module loads, and while the scorer runs, a top-level module no other finder
+    knows is looked for in `directory`, the one clora started in (so a `MODULE.py` beside clora.toml imports,
+    and so do the modules it imports, as it loads or later), after every installed one (so it never shadows
+    clora or a library). Only then: every process keeps that directory off sys.path
+    (clora.cli.keep_the_current_directory_off_the_path), or a library's probe for an optional module
+    (kafka-python's `snappy`, `lz4`) would run a file of that name there."""
+    if directory is None:
         yield
         return
+    finder = _DirectoryFinder(directory)
     sys.meta_path.append(finder)
     try:
         yield

@@ -104,11 +104,13 @@ def test_a_module_in_the_current_directory_named_as_a_clora_package_shadows_noth
 def test_only_a_python_scorers_module_is_imported_from_the_current_directory(tmp_path):
     """The current directory used to be searched (last) for every module any import asked for, so kafka-python's
     probe for an optional `snappy` ran a `snappy.py` there. Now it is searched only while a python scorer's
-    module loads, which still finds its own imports beside it."""
+    module loads or the scorer runs, which still finds the modules beside it it imports then."""
     (tmp_path / "snappy.py").write_text("raise SystemExit('the snappy.py in the current directory was imported')\n")
     (tmp_path / "clora_cwd_helper.py").write_text("SCORE = 0.25\n")
+    (tmp_path / "clora_cwd_later.py").write_text("SCORE = 0.5\n")
     (tmp_path / "clora_cwd_scorer.py").write_text(
-        "import clora_cwd_helper\n\ndef f(completion, prompt):\n    return clora_cwd_helper.SCORE\n")
+        "import clora_cwd_helper\n\ndef f(completion, prompt):\n    import clora_cwd_later\n"
+        "    return clora_cwd_helper.SCORE + clora_cwd_later.SCORE\n")
     program = ("from clora.cli import keep_the_current_directory_off_the_path as keep\n"
                "keep()\n"
                "import kafka.codec\n"
@@ -121,7 +123,7 @@ def test_only_a_python_scorers_module_is_imported_from_the_current_directory(tmp
     result = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split("\n")[:2] == ["0.25", "None"], result.stdout
+    assert result.stdout.split("\n")[:2] == ["0.75", "None"], result.stdout
 
 
 def test_the_data_dir_check_writes_a_file_and_leaves_none(tmp_path):
