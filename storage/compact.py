@@ -114,7 +114,11 @@ from storage.schema import INGESTED_AT, SCHEMAS, conform, conform_loses
 
 logger = logging.getLogger(__name__)
 
-TARGET_BYTES = 64 * 1024 * 1024  # files at least this large are left alone; merged files aim at this size
+TARGET_BYTES = 64 * 1024 * 1024  # a merge writes at most about this much
+# Files of at least this share of the target are left alone: beside one larger, the other files of a batch
+# (at most the target in all) could never come to half its size (`_worth_merging`), and it would be read
+# as a candidate at every run for nothing.
+FINISHED_SHARE = 2 / 3
 STALE_TMP_S = 3600.0  # hidden temp files older than this belong to crashed writers
 GRACE_S = 60.0  # superseded inputs are deleted once the file superseding them is this old
 DAY_MS = 86_400_000
@@ -224,7 +228,8 @@ def compact_partition(
             result.removed, result.waiting = _remove_superseded(dd, dataset, tenant, grace_s)
             result.removed += remove_stale_hidden(directory, older_than_s=STALE_TMP_S)
             listing = partition_listing(dd, dataset, tenant)
-            candidates = _not_in_unreadable(listing, [i for i in listing.live() if i.size < target_bytes], result)
+            finished = target_bytes * FINISHED_SHARE
+            candidates = _not_in_unreadable(listing, [i for i in listing.live() if i.size < finished], result)
             for day in _groups(dd, dataset, tenant, candidates, result):
                 for batch in _batches(day, target_bytes):
                     _merge_batch(dd, dataset, directory, _worth_merging(batch), min_files, result)

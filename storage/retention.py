@@ -264,6 +264,5 @@ def prune_partition(root, dataset: str, tenant: str, cutoff_ms: int, *, dry_run:
     except Exception as e:  # noqa: BLE001 (one partition must not stop the others' retention; what went stands)
         logger.debug("retention: pruning %s/tenant=%s failed", dataset, tenant, exc_info=True)
         result.error = f"{type(e).__name__}: {e}"
-    if not result.error:
-        logger.log(logging.INFO if result.files or result.skipped or result.unreadable else logging.DEBUG, "pruned %s", result)
+    logger.debug("pruned %s", result)  # the caller reports it (`clora prune` prints each result that did something)
     return result

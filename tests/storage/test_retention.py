@@ -4,6 +4,7 @@ consistent, and `clora prune` / the compactor loop apply it."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from datetime import datetime, timedelta, timezone
 
@@ -180,7 +181,7 @@ def test_only_the_datasets_fed_from_kafka_are_pruned(data_dir):
             prune(data_dir, older_than_s=bad)
 
 
-def test_prune_command(tmp_path, data_dir, files, monkeypatch, capsys):
+def test_prune_command(tmp_path, data_dir, files, monkeypatch, capsys, caplog):
     from clora.cli import build_parser
 
     config = tmp_path / "clora.toml"
@@ -211,8 +212,11 @@ def test_prune_command(tmp_path, data_dir, files, monkeypatch, capsys):
     assert sorted(p.relative_to(data_dir) for p in data_dir.rglob("*")) == before  # a dry run writes nothing, locks included
     assert "0 adapter version records, 0 serving dead-letter day files; 3 trained ids forgotten" in out
     assert cursors.trained_ids("acme") == {"f0-0", "f0-1", "f0-2"}
-    code, out, _ = run("prune", "--older-than-days", "30")
+    with caplog.at_level("INFO", logger="storage.retention"):
+        code, out, _ = run("prune", "--older-than-days", "30")
     assert code == 0 and "deleted 5 files, 20 rows" in out and names(files) == []
+    printed = [line for line in out.splitlines() if line.startswith("trajectories/")]
+    assert printed and not [r for r in caplog.records if r.levelno >= logging.INFO and "pruned" in r.getMessage()]
     assert "3 trained ids forgotten" in out and cursors.trained_ids("acme") == set() and cursors.latest_step("acme") == 2
 
     config.write_text(f'data_dir = "{data_dir}"\n[retention]\ndays = 2\n')  # refused when loaded
