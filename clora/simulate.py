@@ -221,9 +221,13 @@ class Simulator:
                 fb.raise_for_status()
                 self._reached()
                 return Record(time.monotonic() - t0, tenant.name, resp.id, version, score, text, True)
-            except (openai.APITimeoutError, httpx.TimeoutException):
-                # slow, or never answers: not unreachable (it connected)
-                error, warn = f"no answer within {timeout:.1f}s from {self.base_url}", True
+            except (openai.APITimeoutError, httpx.TimeoutException) as e:
+                if any(type(x).__name__ == "ConnectTimeout" for x in (e, e.__cause__)):  # httpx's, or openai's httpx2's
+                    # no connection at all within the time (an address that drops packets): unreachable
+                    error, warn = f"cannot reach serving at {self.base_url}: connecting timed out", False
+                    self._not_reached(error)
+                else:  # slow, or never answers: not unreachable (it connected)
+                    error, warn = f"no answer within {timeout:.1f}s from {self.base_url}", True
             except (openai.APIConnectionError, httpx.TransportError) as e:
                 error, warn = f"cannot reach serving at {self.base_url}: {transport_cause(e)}", False
                 self._not_reached(error)  # says it once per outage, or stops the run with it
