@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import math
 import re
 import sys
@@ -123,36 +124,36 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _version(text: str) -> tuple[str, int]:
-    """A version argument, tenant@n, as (tenant, n): a malformed one is a usage error (exit 2), found before
+def _usage_error_of(check):
+    """`check(text)` as an argparse type: the StorageError it raises is a usage error (exit 2), found before
     anything touches the data dir."""
-    from storage.layout import StorageError
+    def argument(text: str):
+        from storage.layout import StorageError
+
+        try:
+            return check(text)
+        except StorageError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return argument
+
+
+def _parse_version(text: str) -> tuple[str, int]:  # imported when used: `clora --help` stays light
     from storage.registry import parse_version
 
-    try:
-        return parse_version(text)
-    except StorageError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return parse_version(text)
 
 
-def _tenant(text: str) -> str:
-    """--tenant of `adapters list`: a name that can be a tenant's (a path such as ../x is a usage error)."""
-    from storage.layout import StorageError, check_tenant
+def _check_tenant(text: str, allow_unknown: bool = False) -> str:
+    from storage.layout import check_tenant
 
-    try:
-        return check_tenant(text)
-    except StorageError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return check_tenant(text, allow_unknown=allow_unknown)
 
 
-def _data_tenant(text: str) -> str:
-    """--tenant of `compact` and `prune`: a tenant's name, or `_unknown` (dead letters of no readable tenant)."""
-    from storage.layout import StorageError, check_tenant
-
-    try:
-        return check_tenant(text, allow_unknown=True)
-    except StorageError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+_version = _usage_error_of(_parse_version)  # tenant@n, as (tenant, n)
+_tenant = _usage_error_of(_check_tenant)  # --tenant of `adapters list` (a path such as ../x is a usage error)
+# --tenant of `compact` and `prune`: a tenant's name, or `_unknown` (dead letters of no readable tenant)
+_data_tenant = _usage_error_of(functools.partial(_check_tenant, allow_unknown=True))
 
 
 def _config(args: argparse.Namespace, *, writes: bool = False):

@@ -255,7 +255,7 @@ def _merge_batch(dd, dataset: str, directory: Path, batch: list, min_files: int,
         except _InputUnreadable as e:
             logger.warning("compaction of %s/tenant=%s: %s is unreadable, left out: %s",
                            result.dataset, result.tenant, e.info.base_name, e.reason)
-            _unreadable.setdefault(str(directory), {})[_key(e.info)] = e.reason
+            _unreadable.setdefault(str(directory), {})[file_key(e.info)] = e.reason
             result.left_out += 1
             batch = [i for i in batch if i is not e.info]
             continue
@@ -286,7 +286,9 @@ _footers: dict[str, dict[tuple[str, int, int], _Footer]] = {}
 _unreadable: dict[str, dict[tuple[str, int, int], str]] = {}
 
 
-def _key(info) -> tuple[str, int, int]:
+def file_key(info) -> tuple[str, int, int]:
+    """What tells a file apart from another of its name once read: (name, size, mtime_ns); a name is written
+    once, so a file of that name that is not the one read differs in size or time."""
     return info.base_name, info.size, info.mtime_ns
 
 
@@ -309,7 +311,7 @@ def _groups(dd, dataset: str, tenant: str, infos: list, result: CompactionResult
     bad: dict[tuple[str, int, int], str] = {}
     days: dict[int | None, list] = {}
     for info in infos:
-        key = _key(info)
+        key = file_key(info)
         if key in known_bad:
             bad[key] = known_bad[key]
             logger.warning("compaction of %s/tenant=%s: %s is unreadable, left out: %s",

@@ -49,7 +49,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from storage import parquet
-from storage.compact import partition_lock
+from storage.compact import file_key, partition_lock
 from storage.files import LockBusy, fsync_dir
 from storage.layout import StorageError, as_datadir, check_dataset
 from storage.parquet import partition_listing, partition_tenants
@@ -87,8 +87,8 @@ class PruneResult:
         return f"{where}: {self.files} files, {self.rows} rows, {self.bytes / 1e6:.1f} MB{bad}"
 
 
-# partition directory -> {(name, size, mtime_ns): newest_ms} of its files at its last prune in this process. A
-# name is written once, so the key tells a file apart; each prune replaces its partition's entry whole. The
+# partition directory -> {compact.file_key: newest_ms} of its files at its last prune in this process; each
+# prune replaces its partition's entry whole. The
 # compactor's loop prunes every run: without this it read every stored file's footer every time, which
 # costs a partition's whole history (a compacted file's footer lists every name it supersedes).
 _dated: dict[str, dict[tuple[str, int, int], tuple[int | None, int]]] = {}
@@ -225,7 +225,7 @@ def prune_partition(root, dataset: str, tenant: str, cutoff_ms: int, *, dry_run:
             known, dated = _dated.get(partition, {}), {}
             _dated[partition] = dated  # a run that fails midway keeps what it dated
             for info in listing.on_disk:
-                key = (info.base_name, info.size, info.mtime_ns)
+                key = file_key(info)
                 try:
                     newest, rows = dated[key] = known[key] if key in known else newest_ms(dd, info.path)
                 except FileNotFoundError:
