@@ -231,8 +231,8 @@ class ServingConfig(_Strict):
         "generated or logged twice. 0: the header is ignored."
     )
     idempotency_cache_mib: float = Field(
-        64.0, gt=0, description="Memory the kept answers of Idempotency-Key requests take at most, MiB; past it the "
-        "oldest leave first."
+        64.0, gt=0, description="Memory the kept answers of Idempotency-Key requests take at most, MiB, shared by the "
+        "tenants; past it the oldest answers of the tenant keeping the most leave first."
     )
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = Field(
         "auto", description="Engine dtype: auto, float32 (float), bfloat16, float16 (half)."

@@ -23,21 +23,23 @@ once the grace period deleted the input. Such a file is left out of the merge an
 its partition and name; it stays live and readable, and a compactor of its version merges it.
 
 Each merged file holds one UTC day: files of different days are never merged, the day of a file being that
-of its newest `ingested_at` (from its footer's statistics, parquet.newest_ms); one day's files are batched
-by size, in name order, and a batch's largest file is merged only once the others come to half its size
-(`_worth_merging`: sizes grow by tiers, so a large file is not rewritten whole for a little new data). This is what bounds retention, which deletes a whole file once its newest row is
-older than the cutoff: were days merged, a quiet partition's merged file (under the target size) would be
+of its newest `ingested_at` (from its footer's statistics, parquet.newest_ms). This is what bounds
+retention, which deletes a whole file once its newest row is older than the cutoff: were days merged, a quiet partition's merged file (under the target size) would be
 merged again at every run with whatever arrived, always hold a recent row, and never be deleted. A closed
 day gets no new files (ingest dates a row when it stores it), so its files are never merged again, and each
 goes once its newest row passes the cutoff: a row outlives the retention by a day at most (plus an ingest
 flush's span for a file written across midnight, and the wait for the next prune). The price: a partition
-keeps a file per day that had data, where it could have kept one. A file without rows has no day; it joins
+keeps a file per day that had data, where it could have kept one. One day's files are batched by size, in
+name order, and a batch's largest file is merged only once the others come to half its size
+(`_worth_merging`: sizes grow by tiers, so a large file is not rewritten whole for a little new data; a
+day keeps a file per tier). A file without rows has no day; it joins
 the newest day's files (it adds no rows, so it dates nothing). A file compacted before this rule may span
 many days; it is dated by its newest row like any other, and goes when that row is old. train_steps/ has no
 ingest time and is never pruned: its files are batched by size alone.
 
-Dating a file and checking its schema cost a footer read per candidate (a live file under the target): the
-new files, which the merge reads whole anyway, and each kept day's merged files still under the target,
+Dating a file and checking its schema cost a footer read per candidate (a live file under two thirds of the
+target, FINISHED_SHARE): the new files, which the merge reads whole anyway, and each kept day's merged
+files still under that,
 which are candidates at every run (zstd makes a merged file smaller than its inputs, so a busy day leaves
 many just under it). So each process keeps what it read of the last run's candidates (keyed by name, size
 and mtime: a name is written once): a run of the `--every` loop reads the footers of new files only; a
