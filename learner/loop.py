@@ -100,7 +100,7 @@ from learner.policy import (
 )
 from learner.rollouts import LocalSampler, Prefetcher, RolloutPlan, SampleRequest, Sampler, ServingSampler
 from learner.rollouts import SampledBatch
-from learner.scheduler import Ledger, charge, choose
+from learner.scheduler import Ledger, after_round, charge, choose
 from learner.types import Shard, TenantSpec, learner_process_name
 from learner.update import UpdateResult
 from storage.cursors import CursorError, Cursors
@@ -520,6 +520,7 @@ class Learner:
             if name is None:
                 break
             partners.append(name)
+        self.ledger = after_round(self.ledger, backlog, [first, *partners])
         return partners
 
     def step_safely(self, name: str) -> StepRecord | None:

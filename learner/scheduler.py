@@ -27,7 +27,7 @@ off tenants whose steps fail (loop.py leaves them out of `backlog` for a while).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Literal
@@ -83,6 +83,23 @@ def choose(
     served = dict(ledger.last_served)
     served[pick] = ledger.picks + 1
     return pick, replace(ledger, picks=ledger.picks + 1, last=pick, last_served=_frozen(served))
+
+
+def after_round(ledger: Ledger, backlog: Mapping[str, int], round_: Sequence[str]) -> Ledger:
+    """The ledger once `round_` (the main pick, then its partners, each picked by `choose`) is chosen:
+    round_robin's turn goes on at the first ready tenant after the main pick that the round left out. Left at
+    the last partner, which wraps round the tenants that may be partners to just before the main pick, it
+    made the main pick the same tenant every round, and a tenant that cannot be a partner (one scored by
+    feedback: no gate probe to batch) never had its turn again. A round of every ready tenant leaves it at
+    the last partner, so the next round starts where this one ended."""
+    ready = sorted(t for t, n in backlog.items() if n > 0)
+    first = round_[0]
+    after = [t for t in ready if t > first] + [t for t in ready if t < first]
+    left_out = [t for t in after if t not in round_]
+    if not left_out:
+        return replace(ledger, last=round_[-1])
+    position = ready.index(left_out[0])
+    return replace(ledger, last=ready[position - 1] if position else None)
 
 
 def charge(ledger: Ledger, tenant: str, seconds: float) -> Ledger:

@@ -1642,6 +1642,25 @@ def test_a_failing_step_in_a_round_leaves_the_other_tenants_steps_to_finish(tiny
     learner.close()
 
 
+def test_round_robin_rounds_still_give_a_tenant_that_cannot_be_a_partner_its_turn(tiny_model, data_dir):
+    """Partners wrapped round the eligible tenants and left the turn just before the main pick, which was
+    then the same tenant every round: a tenant scored by feedback (no gate probe, so no partner) never had
+    another step once eight probe-able tenants were busy."""
+    tenants = [{"name": f"app{i}", "scorer": "length:20"} for i in range(8)] + [{"name": "support-bot"}]
+    cfg = make_config(data_dir, tiny_model, tenants, scheduler="round_robin", gate_prompts=2, round_tenants=8)
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    backlog = {t["name"]: 8 for t in tenants}
+    rounds = []
+    for _ in range(20):
+        first = learner.choose(backlog)
+        rounds.append([first, *learner.round_partners(first, backlog)])
+    learner.close()
+    led_by_support = [i for i, names in enumerate(rounds) if names[0] == "support-bot"]
+    assert len(led_by_support) >= 2 and max(b - a for a, b in zip(led_by_support, led_by_support[1:])) <= 9, rounds
+    for tenant in tenants:  # each takes a step in at least every other round
+        assert sum(tenant["name"] in names for names in rounds) >= 10, (tenant["name"], rounds)
+
+
 def test_round_partners_keep_fair_share_balancing_learner_time(tiny_model, data_dir):
     """Partners are picked among fewer tenants than the main pick; the fair-share floor stays the main pick's,
     so a tenant far below the others in learner time keeps its credit."""
