@@ -105,7 +105,11 @@ def version_number(adapter_version: str | None, tenant: str) -> int | None:
 def versions_behind(number: int, current: int, served: Sequence[int] | None) -> int:
     """How many versions `current` is ahead of version `number`: the tenant's served versions (ascending
     numbers) in (number, current]; without that list (or one that lacks `current`), the difference of the
-    numbers, an upper bound."""
+    numbers, an upper bound. A version newer than `current` (the learner followed a rollback, or a retire of
+    the version it served) is as many versions away the other way: counted 0, its samples passed for fresh
+    and were trained at once on the adapter the operator had just pulled, whatever max_staleness said."""
+    if number > current:
+        return versions_behind(current, number, served)
     if served is None or (current > 0 and not _contains(served, current)):
         return max(0, current - number)
     return max(0, bisect.bisect_right(served, current) - bisect.bisect_right(served, number))
@@ -146,6 +150,9 @@ def stale_reason(adapter_version: str | None, tenant: str, current: int, max_sta
         return f"foreign adapter {adapter_version!r}"
     behind = versions_behind(number, current, served)
     if behind > max_staleness:
+        if number > current:
+            return (f"stale: made by version {number}, {behind} past {current}, which was rolled back or retired "
+                    f"since (max_staleness {max_staleness})")
         return f"stale: made by version {number}, {behind} behind {current} (max_staleness {max_staleness})"
     return None
 
