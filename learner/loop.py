@@ -539,7 +539,15 @@ class Learner:
                 collected = [name for name, request in asked.items() if isinstance(request, Collected)]
                 if collected:  # every step of the round has taken its work: now each trains in turn
                     asked = {name: r for name, r in asked.items() if name not in collected}
-                    asked.update(self._advance(steps, dict.fromkeys(collected), records))
+                    for name in collected:
+                        if self.stop.is_set():
+                            # Stopping: the steps trained so far finish (probe, gate, commit); the others
+                            # leave their work, uncommitted, for the next start. Training the whole round
+                            # first could outlast the stop's time limit and lose every step of it.
+                            steps[name].close()  # restores its parent
+                            records[name] = None
+                            continue
+                        asked.update(self._advance(steps, {name: None}, records))
                     continue
                 requests = list(asked.values())
                 answers = dict(zip(asked, self._probe(requests)))

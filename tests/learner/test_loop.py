@@ -1642,6 +1642,30 @@ def test_a_failing_step_in_a_round_leaves_the_other_tenants_steps_to_finish(tiny
     learner.close()
 
 
+def test_a_stop_during_a_rounds_training_finishes_the_steps_trained_and_leaves_the_others(tiny_model, tmp_path,
+                                                                                       monkeypatch):
+    """The whole round trained before any step committed, however long: with eight tenants on a real model
+    a stop could outlast its time limit, and the kill then lost every step of the round."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Write a number.\nhello\n")
+    cfg = _round_config(tmp_path / "data", tiny_model, prompts, 3)
+    learner = Learner(cfg, model_path=tiny_model, progress=False)
+    real = Learner._update
+    trained = []
+
+    def stopped_during_the_first(self, rt, work, scorer):
+        trained.append(rt.spec.name)
+        self.stop.set()  # SIGTERM while the round's first tenant trains
+        return real(self, rt, work, scorer)
+
+    monkeypatch.setattr(Learner, "_update", stopped_during_the_first)
+    records = learner.step_round(["a", "b", "c"])
+    assert trained == ["a"] and [r is not None for r in records] == [True, False, False]
+    assert [learner.tenants[t].step for t in "abc"] == [1, 0, 0]
+    assert Cursors(tmp_path / "data").latest_step("b") is None and Registry(tmp_path / "data").versions("b") == []
+    learner.close()
+
+
 def test_round_robin_rounds_still_give_a_tenant_that_cannot_be_a_partner_its_turn(tiny_model, data_dir):
     """Partners wrapped round the eligible tenants and left the turn just before the main pick, which was
     then the same tenant every round: a tenant scored by feedback (no gate probe, so no partner) never had
