@@ -169,6 +169,7 @@ class AdapterSet:
         self._failing: dict[tuple[str, int], _Failing] = {}  # version -> its swap to try again, and when
         self._loading: dict[tuple[str, int], asyncio.Future] = {}
         self._generation: int | None = None  # the registry generation every tenant's swap has settled at
+        self._started = False  # a refresh has run: what it found was published before this process
         # The registry generation last read, settled or not (a swap backing off keeps _generation behind): what
         # an explicit version's published status is checked against (a retired one must be refused from the
         # next poll on, whatever another tenant's swap is doing).
@@ -254,7 +255,9 @@ class AdapterSet:
                     self._unreadable = str(e)
                 return
             self._unreadable = None
-            startup = self._generation is None  # versions published before this process: no swap latency
+            # Versions published before this process have no swap latency. Not `_generation is None`: one tenant
+            # whose first version keeps failing would keep every later poll a start-up one.
+            startup, self._started = not self._started, True
             settled = True
             for tenant in self.tenants:
                 settled &= await self._follow(tenant, published.get(tenant), generation, startup=startup)
@@ -424,6 +427,9 @@ class AdapterSet:
             self._maybe_unload(old)
 
     def _refuse(self, tenant: str, number: int, created: datetime | None, reason: str) -> None:
+        known = self._refused.get((tenant, number))
+        if known is not None and known[1] == created:  # refused already: each caller waiting on its load says so
+            return
         self._refused[(tenant, number)] = (reason, created)
         # The newest few per tenant: under a systematic refusal (a rank above max_lora_rank) every step adds
         # one. An older one forgotten is only tried again if a request names it, and refused again.
@@ -441,9 +447,10 @@ class AdapterSet:
         pending = self._loading.get(key)
         if pending is not None:
             loaded = await asyncio.shield(pending)
-            if self._loaded.get(key) is loaded:
+            if loaded is not None and self._loaded.get(key) is loaded:
                 return _same(loaded, created)
-            return await self._load(tenant, number, path, created)  # it was used and unloaded while we waited
+            # Its loader was cancelled (None), or it was used and unloaded while we waited: load it again.
+            return await self._load(tenant, number, path, created)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._loading[key] = future
         source = path
@@ -460,6 +467,12 @@ class AdapterSet:
             self._loaded[key] = loaded
             future.set_result(loaded)
             return loaded
+        except asyncio.CancelledError:
+            # The caller that loads it was cancelled (its request ended): not the load's failure, so not the
+            # waiters' either. Handed on, it ended the registry watcher for good and failed other requests.
+            self._discard_stage(path)
+            future.set_result(None)  # each waiter loads it again, the first of them for all
+            raise
         except BaseException as e:
             self._discard_stage(path)
             future.set_exception(e)

@@ -777,3 +777,78 @@ def test_the_back_off_of_a_version_retired_above_the_newest_is_forgotten(world):
         await adapters.drain()
 
     run(scenario())
+
+
+def test_a_cancelled_load_is_loaded_again_by_those_waiting_for_it(world):
+    """A request that loaded a version by name was cancelled mid-load (its client gone at a stop): the
+    CancelledError went to every caller waiting on that load, the registry watcher's poll included, which
+    then ended for good (hot-swap stopped) while another request failed with a bare 500."""
+    registry, engine, adapters, publish = world
+    release = asyncio.Event()
+    real_load = engine.load_adapter
+
+    async def slow_load(adapter):
+        await release.wait()
+        await real_load(adapter)
+
+    engine.load_adapter = slow_load
+
+    async def scenario():
+        await adapters.refresh()
+        number = publish("acme", seed=1)
+        first = asyncio.create_task(adapters.acquire("acme", number))  # loads it, by name
+        await asyncio.sleep(0.05)
+        poll = asyncio.create_task(adapters.refresh())  # waits on that load
+        other = asyncio.create_task(adapters.acquire("acme", number))  # so does another request
+        await asyncio.sleep(0.05)
+        first.cancel()
+        await asyncio.sleep(0.05)
+        release.set()
+        await poll
+        lease = await other
+        assert lease.label == f"acme@{number}" and adapters.current("acme") == f"acme@{number}"
+        assert list(engine.loaded.values()) == [f"acme@{number}"]
+        lease.release()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+
+    run(scenario())
+
+
+def test_a_version_refused_while_several_wait_for_it_is_refused_once(world):
+    """Each caller waiting on the load of a corrupt version refused it again: one version, as many log errors
+    and counts in clora_serving_adapters_refused_total as callers."""
+    registry, engine, adapters, publish = world
+
+    async def scenario():
+        await adapters.refresh()
+        bad = publish("acme", seed=1, corrupt=True)
+        results = await asyncio.gather(adapters.refresh(), *(adapters.acquire("acme", bad) for _ in range(3)),
+                                       return_exceptions=True)
+        assert all(isinstance(r, UnknownVersion) for r in results[1:]), results
+        assert adapters.metrics.refused.labels("acme")._value.get() == 1
+
+    run(scenario())
+
+
+def test_swap_latency_is_measured_while_another_tenants_first_version_keeps_failing(world):
+    """Every poll counted as the start-up one until all tenants had settled once: one tenant whose first
+    version kept failing meant clora_serving_adapter_publish_to_live_seconds was never observed."""
+    registry, engine, adapters, publish = world
+    engine.fails = lambda name: name.startswith("globex@")
+
+    def observed(tenant):
+        return [s.value for s in adapters.metrics.publish_to_live.collect()[0].samples
+                if s.name.endswith("_count") and s.labels["tenant"] == tenant]
+
+    async def scenario():
+        publish("globex", seed=1)
+        publish("acme", seed=1)
+        await adapters.refresh()  # start-up: what was published before is not measured
+        assert observed("acme") == [0.0]
+        publish("acme", seed=2)
+        adapters._failing.clear()  # globex's back-off over: tried again, and failing again
+        await adapters.refresh()
+        assert adapters.current("acme") == "acme@2" and observed("acme") == [1.0]
+
+    run(scenario())
