@@ -39,8 +39,8 @@ The registry deletes a retired version's files at once, while the engine may sti
 `max_cpu_loras` adapters in memory and reads an evicted one again from its path when a request wants it
 (a leased old version, an explicit `<tenant>@<n>`, a current version an operator just retired), and a
 missing path there fails the engine step, for every tenant. The copy goes when the version leaves the
-engine; `stage_directory` gives each serving process its own directory and removes those of this host's
-dead processes.
+engine; `stage_directory` gives each serving process its own directory, locked while it runs, and removes
+those of processes gone.
 
 Everything here runs on the event loop (one thread), so the tables need no locks; the slow parts
 (registry reads, validation) go to worker threads and the engine calls are awaited.
@@ -52,14 +52,17 @@ What this module does not do: decide who may ask for what (auth.py), or how the 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import glob
 import hashlib
 import logging
 import os
+import re
 import shutil
 import socket
 import tempfile
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -576,14 +579,49 @@ def _same(loaded: _Loaded, created: datetime | None) -> _Loaded:
 
 def stage_directory(root: Path) -> Path:
     """This process's directory under `root` for the adapter copies it loads (empty), after removing those
-    of this host's serving processes that are gone (a crash leaves its copies behind)."""
+    of serving processes that are gone (a crash leaves its copies behind).
+
+    `<host>-<pid>.<random>`, holding a `.lock` file whose flock this process keeps until it ends, however it
+    ends: a free lock is a process gone. Not its process id: replicas in containers sharing the data dir may
+    all be pid 1, with one host name, and the start of one deleted the copies, the zero adapter included,
+    that another was serving from. A folder of a version before the lock (`<host>-<pid>`) goes when no
+    process of its id runs on this host."""
     host = socket.gethostname()
     root.mkdir(parents=True, exist_ok=True)
+    _remove_gone_stages(root)
     _remove_dead(root, f"{host}-")
-    mine = root / f"{host}-{os.getpid()}"
-    shutil.rmtree(mine, ignore_errors=True)  # a process before this one had the same id
+    mine = root / f"{host}-{os.getpid()}.{uuid.uuid4().hex[:8]}"
     mine.mkdir()
+    lock = open(mine / STAGE_LOCK, "ab")  # noqa: SIM115 (kept open for the process's life: it holds the lock)
+    fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    _stage_locks.append(lock)
     return mine
+
+
+STAGE_LOCK = ".lock"
+_LOCKED_STAGE = re.compile(r"\.[0-9a-f]{8}$")  # <host>-<pid>.<random>; one before the lock ends in -<pid>
+STALE_UNLOCKED_STAGE_S = 60.0  # a stage folder without its lock file this old: its process died making it
+_stage_locks: list = []  # this process's stage folders' lock files, open for its life
+
+
+def _remove_gone_stages(root: Path) -> None:
+    """Removes the stage folders whose lock is free (their process is gone), and those left without one."""
+    for d in root.iterdir():
+        if not _LOCKED_STAGE.search(d.name) or not d.is_dir():
+            continue  # not a locked stage folder (a folder of a version before the lock, if anything)
+        try:
+            with open(d / STAGE_LOCK, "rb") as lock:
+                try:
+                    fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its process runs
+                shutil.rmtree(d, ignore_errors=True)
+        except FileNotFoundError:
+            try:
+                if time.time() - d.stat().st_mtime > STALE_UNLOCKED_STAGE_S:
+                    shutil.rmtree(d, ignore_errors=True)
+            except FileNotFoundError:
+                pass
 
 
 def ipc_directory() -> Path:

@@ -694,7 +694,7 @@ def test_versions_load_from_servings_own_copy_which_outlives_the_registrys_files
         assert (copy / "adapter_model.safetensors").read_bytes() == original  # the engine can still read it
         held.release()
         await adapters.drain()
-        assert not copy.exists() and sorted(p.name for p in stage.iterdir()) == ["acme@2.2"]  # acme@2's copy
+        assert not copy.exists() and sorted(p.name for p in stage.iterdir()) == [".lock", "acme@2.2"]  # acme@2's copy
 
     run(scenario())
 
@@ -714,9 +714,35 @@ def test_a_stage_directory_of_a_dead_process_on_this_host_is_removed(tmp_path):
     for d in (gone, other_host, longer_name):
         (d / "7").mkdir(parents=True)
     mine = stage_directory(tmp_path)
-    assert mine.name == f"{host}-{os.getpid()}" and list(mine.iterdir()) == []
-    # other hosts' processes are not ours to judge
+    assert mine.name.startswith(f"{host}-{os.getpid()}.") and [p.name for p in mine.iterdir()] == [".lock"]
+    # other hosts' processes are not ours to judge (folders named before stage folders had locks)
     assert not gone.exists() and other_host.exists() and longer_name.exists()
+
+
+def test_a_stage_folder_goes_when_its_lock_is_free_whatever_process_id_it_names(tmp_path):
+    """Told apart by process id alone, replicas in containers sharing the data dir (each pid 1, one host name)
+    deleted one another's adapter copies, the zero adapter every base-model request uses included."""
+    import fcntl
+    import os
+    import socket
+    import time
+
+    from serving import adapters
+
+    host = socket.gethostname()
+    peer = stage_directory(tmp_path)  # a live replica's (this process holds its lock)
+    gone = tmp_path / f"{host}-{os.getpid()}.0badc0de"  # a replica gone, with our pid: its lock is free
+    (gone / "_zero").mkdir(parents=True)
+    (gone / ".lock").write_bytes(b"")
+    dying = tmp_path / f"{host}-1.0000beef"  # died before its lock file: left an hour ago
+    dying.mkdir()
+    os.utime(dying, (time.time() - 3600, time.time() - 3600))
+    with open(peer / ".lock", "rb") as lock, pytest.raises(BlockingIOError):  # held: taking it fails
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    mine = stage_directory(tmp_path)
+    assert peer.exists() and mine.exists() and mine != peer
+    assert not gone.exists() and not dying.exists()
+    assert len(adapters._stage_locks) >= 2
 
 
 def test_the_ipc_directory_of_a_dead_process_of_this_host_is_removed_and_ours_is_new(tmp_path, monkeypatch):
