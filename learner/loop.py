@@ -460,15 +460,18 @@ class Learner:
         now = time.monotonic()
         wait = self.settings.batch_wait_seconds
         out = {}
+        changed = False  # a tenant's backlog became unreadable, or readable again: said in status.json at once
         for name, rt in self.tenants.items():
             if not self._claim(rt):
                 out[name] = 0
                 continue
             unreadable = unreadable_by_tenant.get(name)
             if unreadable is not None:  # left out until it can be read; the other tenants go on
+                changed |= rt.error != BACKLOG_UNREADABLE + unreadable
                 rt.status, rt.error = "error", BACKLOG_UNREADABLE + unreadable
             elif rt.error is not None and rt.error.startswith(BACKLOG_UNREADABLE):
                 rt.status, rt.error = "idle", None
+                changed = True
             n = backlog.get(name, 0)
             if rt.spec.mode == "rollouts" and rt.spec.prompts_file is not None:
                 n = max(n, rt.spec.batch_size)
@@ -480,6 +483,8 @@ class Learner:
                     if hold_partial and now - rt.partial_since < wait:
                         n = 0
             out[name] = n if rt.retry_at <= now else 0
+        if changed:
+            self._save_status()
         return out
 
     def still_sampling(self, backlog: dict[str, int]) -> set[str]:

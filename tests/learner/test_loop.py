@@ -1068,8 +1068,12 @@ def test_trajectories_that_cannot_be_listed_stop_no_one(tiny_model, data_dir, mo
     assert learner.pending(hold_partial=False) == {"acme": 0}
     acme = learner.tenants["acme"]
     assert acme.status == "error" and acme.error.startswith("backlog unreadable: PermissionError")
+    status_file = Path(data_dir) / "state" / "learner" / "status.json"
+    # said in status.json at once: no step ends while nothing can be listed, and it was written only then
+    assert json.loads(status_file.read_text())["acme"]["error"].startswith("backlog unreadable: PermissionError")
     monkeypatch.setattr(cursors_module, "partition_tenants", real)
     assert learner.pending(hold_partial=False) == {"acme": 8} and acme.error is None
+    assert json.loads(status_file.read_text())["acme"]["error"] is None
     learner.close()
 
 
