@@ -261,9 +261,16 @@ class AdapterSet:
             # Versions published before this process have no swap latency. Not `_generation is None`: one tenant
             # whose first version keeps failing would keep every later poll a start-up one.
             startup, self._started = not self._started, True
-            settled = True
-            for tenant in self.tenants:
-                settled &= await self._follow(tenant, published.get(tenant), generation, startup=startup)
+            # Side by side: one tenant's slow load (an engine step to wait for, a large adapter to check) held
+            # every other tenant's swap, a retired version's retreat included, for as long as it took.
+            outcomes = await asyncio.gather(
+                *(self._follow(tenant, published.get(tenant), generation, startup=startup) for tenant in self.tenants),
+                return_exceptions=True,
+            )
+            failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
+            if failed is not None:  # each follow has ended: the next refresh starts on a quiet set
+                raise failed
+            settled = all(outcomes)
             if settled:  # a transient failure leaves the generation unseen, so the next poll tries again
                 self._generation = generation
 

@@ -879,3 +879,37 @@ def test_swap_latency_is_measured_while_another_tenants_first_version_keeps_fail
         assert adapters.current("acme") == "acme@2" and observed("acme") == [1.0]
 
     run(scenario())
+
+
+def test_a_tenant_follows_the_registry_while_another_tenants_load_is_slow(world):
+    """Tenants were followed one after another: while one tenant's load waited (an engine step, a large adapter
+    to check), another's retired version went on serving, and its publishes waited too."""
+    registry, engine, adapters, publish = world
+    release = asyncio.Event()
+    real_load = engine.load_adapter
+
+    async def slow_for_acme(adapter):
+        if adapter.name.startswith("acme@"):
+            await release.wait()
+        await real_load(adapter)
+
+    engine.load_adapter = slow_for_acme
+
+    async def scenario():
+        publish("globex", seed=1)
+        two = publish("globex", seed=2)
+        await adapters.refresh()
+        assert adapters.current("globex") == f"globex@{two}"
+        publish("acme", seed=1)
+        registry.retire("globex", two)
+        poll = asyncio.create_task(adapters.refresh())
+        for _ in range(500):  # while acme's load waits (up to 10 s)
+            if adapters.current("globex") == "globex@1":
+                break
+            await asyncio.sleep(0.02)
+        assert adapters.current("globex") == "globex@1" and not poll.done()
+        release.set()
+        await poll
+        assert adapters.current("acme") == "acme@1"
+
+    run(scenario())
