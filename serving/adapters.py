@@ -52,7 +52,6 @@ What this module does not do: decide who may ask for what (auth.py), or how the 
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import glob
 import hashlib
 import logging
@@ -74,6 +73,7 @@ from serving.adapter_check import AdapterRejected
 from serving.engine import AdapterHandle
 from serving.errors import AdapterUnavailable, ModelNotFound, ServingError, Unavailable
 from serving.metrics import ServingMetrics
+from storage.files import FileLock, HeldLock, LockBusy
 
 logger = logging.getLogger(__name__)
 
@@ -599,16 +599,14 @@ def stage_directory(root: Path) -> Path:
     _remove_dead(root, f"{host}-")
     mine = root / f"{host}-{os.getpid()}.{uuid.uuid4().hex[:8]}"
     mine.mkdir()
-    lock = open(mine / STAGE_LOCK, "ab")  # noqa: SIM115 (kept open for the process's life: it holds the lock)
-    fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    _stage_locks.append(lock)
+    _stage_locks.append(HeldLock.try_acquire(mine / STAGE_LOCK))  # a new file: nobody else holds it
     return mine
 
 
 STAGE_LOCK = ".lock"
 _LOCKED_STAGE = re.compile(r"\.[0-9a-f]{8}$")  # <host>-<pid>.<random>; one before the lock ends in -<pid>
 STALE_UNLOCKED_STAGE_S = 60.0  # a stage folder without its lock file this old: its process died making it
-_stage_locks: list = []  # this process's stage folders' lock files, open for its life
+_stage_locks: list[HeldLock] = []  # this process's stage folders' locks, held for its life
 
 
 def _remove_gone_stages(root: Path) -> None:
@@ -617,12 +615,10 @@ def _remove_gone_stages(root: Path) -> None:
         if not _LOCKED_STAGE.search(d.name) or not d.is_dir():
             continue  # not a locked stage folder (a folder of a version before the lock, if anything)
         try:
-            with open(d / STAGE_LOCK, "rb") as lock:
-                try:
-                    fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # its process runs
+            with FileLock(d / STAGE_LOCK, blocking=False, create=False):
                 shutil.rmtree(d, ignore_errors=True)
+        except LockBusy:  # its process runs
+            continue
         except FileNotFoundError:
             try:
                 if time.time() - d.stat().st_mtime > STALE_UNLOCKED_STAGE_S:

@@ -89,7 +89,7 @@ from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 
-from storage.files import ensure_dir
+from storage.files import FileLock, LockBusy, ensure_dir
 
 logger = logging.getLogger(__name__)
 
@@ -323,8 +323,10 @@ class Spool:
         if writer_id == self.id:
             return True
         try:
-            with open(self.directory / f"{_writer_pid(segment)}-{writer_id}{WRITER}", "rb") as f:
-                return not _unlocked(f)
+            with FileLock(self.directory / f"{_writer_pid(segment)}-{writer_id}{WRITER}", blocking=False, create=False):
+                return False
+        except LockBusy:
+            return True
         except FileNotFoundError:
             return False
 
@@ -517,10 +519,9 @@ def _older_than(path: Path, seconds: float) -> bool:
 
 def _remove_if_unlocked(path: Path) -> None:
     try:
-        with open(path, "rb") as f:
-            if _unlocked(f):
-                path.unlink(missing_ok=True)
-    except FileNotFoundError:
+        with FileLock(path, blocking=False, create=False):
+            path.unlink(missing_ok=True)
+    except (LockBusy, FileNotFoundError):
         pass
 
 

@@ -188,11 +188,13 @@ class LockBusy(Exception):
     """A non-blocking FileLock found the lock held by another process."""
 
 
-def _locked_fd(path: Path, *, blocking: bool) -> int | None:
-    """A descriptor of `path` (created if needed) holding an exclusive flock; None if not `blocking` and
-    another holder has it (flock locks belong to open files, so also within one process)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+def _locked_fd(path: Path, *, blocking: bool, create: bool = True) -> int | None:
+    """A descriptor of `path` (created if needed, unless not `create`: FileNotFoundError then) holding an
+    exclusive flock; None if not `blocking` and another holder has it (flock locks belong to open files, so
+    also within one process)."""
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644) if create else os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
     except BlockingIOError:
@@ -205,11 +207,12 @@ def _locked_fd(path: Path, *, blocking: bool) -> int | None:
 
 
 @contextlib.contextmanager
-def FileLock(path: Path, *, blocking: bool = True) -> Iterator[int]:  # noqa: N802 (reads like a class)
-    """An exclusive advisory lock on `path` (created if needed), held for the `with` block, which gets the
+def FileLock(path: Path, *, blocking: bool = True, create: bool = True) -> Iterator[int]:  # noqa: N802 (reads like a class)
+    """An exclusive advisory lock on `path` (created if needed; with `create` false, FileNotFoundError if it
+    is missing: a lock file whose holder's life it tells), held for the `with` block, which gets the
     descriptor holding it: a child process given it (subprocess's `pass_fds`) holds the lock too, until
     the last holder closes it or exits."""
-    fd = _locked_fd(path, blocking=blocking)
+    fd = _locked_fd(path, blocking=blocking, create=create)
     if fd is None:
         raise LockBusy(f"{path} is held by another process")
     try:
