@@ -22,30 +22,29 @@ newer schema version (schema.conform_loses); merging it would drop what this cod
 once the grace period deleted the input. Such a file is left out of the merge and logged at each run with
 its partition and name; it stays live and readable, and a compactor of its version merges it.
 
-Each merged file holds one UTC day: files of different days are never merged, the day of a file being that
-of its newest `ingested_at` (from its footer's statistics, parquet.newest_ms). This is what bounds
-retention, which deletes a whole file once its newest row is older than the cutoff: were days merged, a quiet partition's merged file (under the target size) would be
-merged again at every run with whatever arrived, always hold a recent row, and never be deleted. A closed
-day gets no new files (ingest dates a row when it stores it), so its files are never merged again, and each
-goes once its newest row passes the cutoff: a row outlives the retention by a day at most (plus an ingest
-flush's span for a file written across midnight, and the wait for the next prune). The price: a partition
-keeps a file per day that had data, where it could have kept one. One day's files are batched by size, in
-name order, and a batch's largest file is merged only once the others come to half its size
-(`_worth_merging`: sizes grow by tiers, so a large file is not rewritten whole for a little new data; a
-day keeps a file per tier). A file without rows has no day; it joins
-the newest day's files (it adds no rows, so it dates nothing). A file compacted before this rule may span
-many days; it is dated by its newest row like any other, and goes when that row is old. train_steps/ has no
-ingest time and is never pruned: its files are batched by size alone.
+Each merged file holds one UTC day: files of different days are never merged, the day of a file being that of
+its newest `ingested_at` (from its footer's statistics, parquet.newest_ms). This is what bounds retention,
+which deletes a whole file once its newest row is older than the cutoff: were days merged, a quiet partition's
+merged file (under the target size) would be merged again at every run with whatever arrived, always hold a
+recent row, and never be deleted. A closed day gets no new files (ingest dates a row when it stores it), so
+its files are never merged again, and each goes once its newest row passes the cutoff: a row outlives the
+retention by a day at most (plus an ingest flush's span for a file written across midnight, and the wait for
+the next prune). The price: a partition keeps a file per day that had data, where it could have kept one. One
+day's files are batched by size, in name order, and a batch's largest file is merged only once the others come
+to half its size (`_worth_merging`: sizes grow by tiers, so a large file is not rewritten whole for a little
+new data; a day keeps a file per tier). A file without rows has no day; it joins the newest day's files (it
+adds no rows, so it dates nothing). A file compacted before this rule may span many days; it is dated by its
+newest row like any other, and goes when that row is old. train_steps/ has no ingest time and is never pruned:
+its files are batched by size alone.
 
 Dating a file and checking its schema cost a footer read per candidate (a live file under two thirds of the
-target, FINISHED_SHARE): the new files, which the merge reads whole anyway, and each kept day's merged
-files still under that,
-which are candidates at every run (zstd makes a merged file smaller than its inputs, so a busy day leaves
-many just under it). So each process keeps what it read of the last run's candidates (keyed by name, size
-and mtime: a name is written once): a run of the `--every` loop reads the footers of new files only; a
-one-off `clora compact` reads each candidate's once. A file whose footer cannot be read is left out, logged
-and counted too (merging it would fail the run, and every later one); it stays live, and retention reports
-it as well.
+target, FINISHED_SHARE): the new files, which the merge reads whole anyway, and each kept day's merged files
+still under that, which are candidates at every run (zstd makes a merged file smaller than its inputs, so a
+busy day leaves many just under it). So each process keeps what it read of the last run's candidates (keyed by
+name, size and mtime: a name is written once): a run of the `--every` loop reads the footers of new files
+only; a one-off `clora compact` reads each candidate's once. A file whose footer cannot be read is left out,
+logged and counted too (merging it would fail the run, and every later one); it stays live, and retention
+reports it as well.
 
 A compacted file whose footer cannot be read supersedes nothing and is read by no one
 (parquet._SupersededIndex): the files it merged are live again while they are on disk. They, and every file no
@@ -381,8 +380,10 @@ def _worth_merging(batch: list) -> list:
     history a run. Left as it is, it is merged once the files beside it come to half its size: sizes grow
     by tiers, a row is rewritten about log2(target / a flush's size) times, and a day keeps a file per tier."""
     files = sorted(batch, key=lambda i: i.size)
-    while len(files) > 1 and 2 * sum(i.size for i in files[:-1]) < files[-1].size:
+    others = sum(i.size for i in files[:-1])
+    while len(files) > 1 and 2 * others < files[-1].size:
         files.pop()
+        others -= files[-1].size
     return sorted(files, key=lambda i: i.base_name)
 
 
