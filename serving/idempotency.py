@@ -13,13 +13,14 @@ again until the first ends), and a streamed one then gets every event at once.
 Keys are per tenant (two tenants' keys never meet) and kept `ttl_s` after the answer (config
 `serving.idempotency_ttl_seconds`; 0 turns keys off), and answers kept take at most `max_bytes` in all
 (`serving.idempotency_cache_mib`); past it the oldest answer of the tenant keeping the most bytes leaves
-first, so one tenant's flood of large answers pushes out its own, not another tenant's; an answer larger than that is kept for
-the tries already waiting only. A key sent with another body (or to the other completion route) is a 422
-`idempotency_key_reused`, as the IETF's Idempotency-Key draft says; bodies are compared byte for byte. Only a whole answer is kept (a
-stream whose client left after its last token is whole, and logged): a refusal, a generation that failed,
-a client that left before the end, or a stream that ended in an error leaves the key free, so the request
-sent again runs (none of those logged an interaction). The keys live in the serving process's memory: a
-request sent again to another serving replica, or after serving restarted, runs again.
+first, so one tenant's flood of large answers pushes out its own, not another tenant's; an answer larger than
+that is kept for the tries already waiting only. A key sent with another body (or to the other completion
+route) is a 422 `idempotency_key_reused`, as the IETF's Idempotency-Key draft says; bodies are compared byte
+for byte. Only a whole answer is kept (a stream whose client left after its last token is whole, and logged):
+a refusal, a generation that failed, a client that left before the end, or a stream that ended in an error
+leaves the key free, so the request sent again runs (none of those logged an interaction). The keys live in
+the serving process's memory: a request sent again to another serving replica, or after serving restarted,
+runs again.
 
 Runs on the event loop only, like the rest of the API: no lock.
 """
