@@ -183,11 +183,14 @@ class Simulator:
         with self._lock:
             self.records.append(rec)
 
+    def _answers_left(self, t0: float) -> float:
+        """Seconds until the run's end plus answer_grace (the run started at `t0`): what answers may still take."""
+        return t0 + self.duration + self.answer_grace - time.monotonic()
+
     def _time_left(self, t0: float) -> float:
-        """How long a call may wait now: until the run's end plus answer_grace, at most MAX_ANSWER_SECONDS (at
-        least 1 s, for the feedback of an answer that came at the last moment)."""
-        left = t0 + self.duration + self.answer_grace - time.monotonic()
-        return min(MAX_ANSWER_SECONDS, max(1.0, left))
+        """How long a call may wait now: `_answers_left`, at most MAX_ANSWER_SECONDS (at least 1 s, for the
+        feedback of an answer that came at the last moment)."""
+        return min(MAX_ANSWER_SECONDS, max(1.0, self._answers_left(t0)))
 
     def _exchange(self, t0: float, tenant: SimTenant, prompt: str, seed: int) -> Record:
         """One request and its feedback, as the app sees it; a failure the API answers is a failed Record."""
@@ -263,7 +266,8 @@ class Simulator:
             elif failed == 0:
                 logger.warning("%s; retrying for up to %gs", error, self.outage_seconds)
             elif now - since >= self.outage_seconds:
-                self.unreachable = f"{error} (stopped: none could connect for {now - since:.0f}s after serving had answered)"
+                self.unreachable = (f"{error} (stopped: none could connect for {now - since:.0f}s after serving "
+                                    "had answered)")
                 self.stop.set()
 
     def run(self, progress: Callable[[Simulator], None] | None = None) -> list[Record]:
@@ -302,8 +306,7 @@ class Simulator:
                         break
                     self.stop.wait(min(due, next_progress) - now if progress else due - now)
             # Each request ends by the run's end plus answer_grace; a moment more for its thread to record it.
-            self._await_answers(slots, timeout=max(0.0, t0 + self.duration + self.answer_grace - time.monotonic())
-                                + 2.0)
+            self._await_answers(slots, timeout=max(0.0, self._answers_left(t0)) + 2.0)
         except KeyboardInterrupt:
             self.stop.set()
             try:
