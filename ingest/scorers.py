@@ -163,11 +163,11 @@ def python(target: str) -> Scorer:
     if not module_name or not func_name:
         raise ScorerSpecError(f"scorer python needs module:function, got {target!r}")
     try:
-        directory = os.getcwd()
+        finder = _DirectoryFinder(os.getcwd())
     except OSError:  # the directory was deleted: nothing there to import
-        directory = None
+        finder = None
     try:
-        with _searched_last(directory):
+        with _searched_last(finder):
             module = importlib.import_module(module_name)
     except ImportError as e:
         raise ScorerSpecError(f"scorer python: cannot import module {module_name!r}: {e}") from e
@@ -177,9 +177,12 @@ def python(target: str) -> Scorer:
     if not callable(fn):
         raise ScorerSpecError(f"scorer python: {module_name!r} has no callable {func_name!r}")
 
+    if finder is None:
+        return fn
+
     @functools.wraps(fn)
     def score(completion: str, prompt: str) -> float:
-        with _searched_last(directory):  # what it imports as it runs, beside it too
+        with _searched_last(finder):  # what it imports as it runs, beside it too
             return fn(completion, prompt)
 
     return score
@@ -198,17 +201,16 @@ class _DirectoryFinder(importlib.abc.MetaPathFinder):
 
 
 @contextmanager
-def _searched_last(directory: str | None) -> Iterator[None]:
-    """While a python scorer's module loads, and while the scorer runs, a top-level module no other finder
-    knows is looked for in `directory`, the one clora started in (so a `MODULE.py` beside clora.toml imports,
-    and so do the modules it imports, as it loads or later), after every installed one (so it never shadows
-    clora or a library). Only then: every process keeps that directory off sys.path
-    (clora.cli.keep_the_current_directory_off_the_path), or a library's probe for an optional module
-    (kafka-python's `snappy`, `lz4`) would run a file of that name there."""
-    if directory is None:
+def _searched_last(finder: _DirectoryFinder | None) -> Iterator[None]:
+    """While a python scorer's module loads (and, in `python`'s wrapper, while the scorer runs), a top-level
+    module no other finder knows is looked for by `finder` in the directory clora started in (so a
+    `MODULE.py` beside clora.toml imports, and so do the modules it imports, as it loads or later), after
+    every installed one (so it never shadows clora or a library). Only then: every process keeps that
+    directory off sys.path (clora.cli.keep_the_current_directory_off_the_path), or a library's probe for an
+    optional module (kafka-python's `snappy`, `lz4`) would run a file of that name there."""
+    if finder is None:
         yield
         return
-    finder = _DirectoryFinder(directory)
     sys.meta_path.append(finder)
     try:
         yield
