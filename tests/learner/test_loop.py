@@ -1032,10 +1032,10 @@ def test_a_tenant_whose_lock_cannot_be_made_waits_and_the_others_go_on(tiny_mode
     write(data_dir, "newco", rows("n", 8), "b0")
     real = files._locked_fd
 
-    def full(path, *, blocking):
+    def full(path, **how):
         if "newco" in str(path):
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, blocking=blocking)
+        return real(path, **how)
 
     monkeypatch.setattr(files, "_locked_fd", full)
     learn(cfg, tiny_model, learner=learner)
