@@ -6,9 +6,9 @@ tenant's current one is validated (serving/adapter_check.py, in a worker thread)
 under a fresh int id, and only then made current. A version validation refuses (`AdapterRejected`) is
 refused for good: the reason is logged, `adapters_refused_total` counts it, and it is not retried
 (publishing a new one is the fix). A failure that says nothing about the adapter (an I/O error while
-checking it, the engine failing the load) leaves the registry's change unseen, so a later poll tries again,
-backing off per version (RETRY_FIRST_S doubling up to RETRY_MAX_S: each try validates the adapter again);
-it is logged once, not on every try. While its newest published version cannot be served, a tenant is
+checking it, the engine failing the load or not answering within LOAD_TIMEOUT_S) leaves the registry's
+change unseen, so a later poll tries again, backing off per version (RETRY_FIRST_S doubling up to
+RETRY_MAX_S: each try validates the adapter again); it is logged once, not on every try. While its newest published version cannot be served, a tenant is
 served its newest published version below that one that can be (`_fall_back`): the version it has, unless
 a newer one loads, but never one the registry no longer has as published (retired by an operator, or by
 `keep_versions`), which gives way to an older published version, or to the base model when none can be
@@ -80,6 +80,9 @@ logger = logging.getLogger(__name__)
 REFUSED_KEPT = 16  # refused versions remembered per tenant (and shown by /health)
 RETRY_FIRST_S = 0.5  # a transient load failure is tried again after this, then after twice as long each time
 RETRY_MAX_S = 30.0
+# An engine load that has not answered by then fails like any transient load failure (backing off, tried
+# again): one that never returned held the registry poll, and with it every tenant's swap, for good.
+LOAD_TIMEOUT_S = 120.0
 IPC_PREFIX = "clora-vllm-ipc-"  # + host hash, pid and a random part: ipc_directory
 
 _Outcome = Literal["served", "refused", "failing"]  # of one version's swap: see AdapterSet._swap_in
@@ -151,12 +154,15 @@ class AdapterSet:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         stage_dir: Path | None = None,
+        load_timeout_s: float = LOAD_TIMEOUT_S,
     ) -> None:
         """`check(path)` validates an adapter directory and raises `AdapterRejected` (adapter_check.py);
         `base_name` (the config's `model.name`) labels what the base model serves, so a client can send the
         label back as `model`; `stage_dir` (this process's, from `stage_directory`) holds the copies versions
-        are loaded from (None: loaded from the registry's files, for tests whose registry deletes nothing)."""
+        are loaded from (None: loaded from the registry's files, for tests whose registry deletes nothing);
+        `load_timeout_s`: how long the engine may take to load one version before the load counts as failed."""
         self.engine = engine
+        self.load_timeout_s = load_timeout_s
         self.stage_dir = stage_dir
         self._staged = 0  # copies made: each has its own directory, so a copy is never reused
         self.base_name = base_name
@@ -472,7 +478,10 @@ class AdapterSet:
                 await asyncio.to_thread(_stage, source, path)
             await asyncio.to_thread(self.check, path)
             handle = self.engine.new_handle(f"{tenant}@{number}", path)
-            await self.engine.load_adapter(handle)
+            try:
+                await asyncio.wait_for(self.engine.load_adapter(handle), self.load_timeout_s)
+            except TimeoutError:  # the engine's own call is cancelled; its id is never used again
+                raise TimeoutError(f"the engine did not load adapter {handle.name} within {self.load_timeout_s:g}s") from None
             loaded = _Loaded(tenant, number, handle, created)
             self._loaded[key] = loaded
             future.set_result(loaded)

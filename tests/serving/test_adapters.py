@@ -913,3 +913,36 @@ def test_a_tenant_follows_the_registry_while_another_tenants_load_is_slow(world)
         assert adapters.current("acme") == "acme@1"
 
     run(scenario())
+
+
+def test_an_engine_load_that_never_answers_fails_after_the_timeout_and_frees_the_poll(world, tiny_model):
+    """An engine `add_lora` that never returned held the registry poll (and every tenant's swap) for good."""
+    registry, engine, _, publish = world
+    check = functools.partial(validate_adapter, max_rank=16, base_shapes=base_linear_shapes(tiny_model))
+    adapters = AdapterSet(engine, registry, ["acme", "globex"], check, ServingMetrics(), load_timeout_s=0.2)
+    real_load = engine.load_adapter
+    hung = set()
+
+    async def hangs_for_acme(adapter):
+        if adapter.name.startswith("acme@"):
+            hung.add(adapter.name)
+            await asyncio.Event().wait()  # never set
+        await real_load(adapter)
+
+    engine.load_adapter = hangs_for_acme
+
+    async def scenario():
+        publish("acme", seed=1)
+        publish("globex", seed=1)
+        await asyncio.wait_for(adapters.refresh(), 10)  # returns: the load timed out
+        assert hung == {"acme@1"}
+        assert adapters.current("acme") == "base" and adapters.current("globex") == "globex@1"
+        assert ("acme", 1) in adapters._failing and "within 0.2s" in adapters._failing["acme", 1].error
+        with pytest.raises(Unavailable, match="cannot be loaded now"):
+            await asyncio.wait_for(adapters.acquire("acme", 1), 10)  # asked for by name: a 503, not a hang
+        engine.load_adapter = real_load  # the engine answers again: the back-off's next try serves it
+        adapters._failing["acme", 1].retry_at = 0
+        await adapters.refresh()
+        assert adapters.current("acme") == "acme@1"
+
+    run(scenario())
