@@ -680,6 +680,8 @@ class Learner:
             return None
         with clock("publish"):
             decision = self._finish(rt, meta)
+            if decision != meta["decision"]:  # an operator's rollback superseded it: follow what is served now
+                self._follow_registry_now(rt)
             if meta["step"] % COMPACT_EVERY_STEPS == 0:
                 self._compact(name, meta["step"])
         self._start_prefetch(rt)
@@ -1331,6 +1333,16 @@ class Learner:
         rt.version = published.number
         rt.state_id += 1
         self._load_served(rt)
+
+    def _follow_registry_now(self, rt: TenantRuntime) -> None:
+        """`_follow_registry` right after a step the registry refused to publish, so that the learner's version
+        (and status.json) name what is served, not the refused candidate. A failure here is the next step's
+        to meet (it follows the registry first)."""
+        try:
+            self._follow_registry(rt)
+        except Exception:
+            logger.warning("tenant %s: cannot follow the registry's served version yet; the next step does",
+                           rt.spec.name, exc_info=True)
 
     def _finish(self, rt: TenantRuntime, meta: dict) -> str:
         """Completes a committed step: publish or reject its version, write its train_steps row. Idempotent.

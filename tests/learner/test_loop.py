@@ -649,6 +649,9 @@ def test_a_rollback_during_a_step_is_not_undone_by_that_steps_version(tiny_model
     assert reg.get("acme", 3).status == "rejected" and "superseded" in reg.get("acme", 3).reason
     assert reg.published()["acme"].name == "acme@4"  # the rollback stands
     assert learner.tenants["acme"].status == "rejected"  # what became of the step, not what the gate said
+    assert learner.tenants["acme"].version == 4  # what is served, not the refused candidate acme@3
+    status = json.loads((Path(data_dir) / "state" / "learner" / "status.json").read_text())
+    assert status["acme"]["version"] == "acme@4"
     write(data_dir, "acme", rows("c", 8, seed=3), "b1", start=200)
     learn(cfg, tiny_model, learner=learner)
     assert Registry(data_dir).get("acme", 5).parent == "acme@4"  # and the learner went on from it
