@@ -445,6 +445,7 @@ class Prefetcher:
     def start(self, tenant: str, plan: RolloutPlan, requests: Sequence[SampleRequest], *, step: int = 0) -> None:
         """Starts the tenant's job, unless one is in flight: its own, or a discarded one still running (the
         loop asks again on its next pass; waiting here would hold up every tenant)."""
+        self._forget_finished()
         if tenant in self._jobs or self._discarded_running(tenant):
             return
         future = _in_thread(self._timed, list(requests), name="rollout-prefetch", slots=self._slots)
@@ -503,9 +504,16 @@ class Prefetcher:
             del self._discarded[tenant]
 
     def discard(self, tenant: str) -> None:
+        self._forget_finished()
         job = self._jobs.pop(tenant, None)
         if job is not None and not job[2].cancel():
             self._discarded[tenant] = job[2]  # running: its outcome is dropped, but the next job waits for it
+
+    def _forget_finished(self) -> None:
+        """Drops the discarded jobs that have finished: nothing waits for them any more, and each holds its
+        samples (a tenant that left the config never asks again, so its own checks would never drop it)."""
+        for tenant in [t for t, future in self._discarded.items() if future.done()]:
+            del self._discarded[tenant]
 
     def close(self) -> None:
         """Cancels the jobs not started yet; running ones are abandoned (daemon threads: nothing waits for them)."""

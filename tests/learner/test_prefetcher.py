@@ -77,6 +77,17 @@ def test_a_discarded_running_job_keeps_the_tenant_busy_and_its_next_job_starts_a
     assert sampler.calls == 2 and sampler.most_in_flight == 1
 
 
+def test_a_departed_tenants_finished_discarded_job_is_not_kept(held):
+    """A tenant that left the config never asks again: its discarded job, once done, holds its samples no more."""
+    sampler, prefetcher = held
+    discard_while_running(sampler, prefetcher)  # acme leaves the config
+    sampler.release.set()
+    wait_until(lambda: not prefetcher.busy("acme"))
+    prefetcher.start("other", PLAN, REQUESTS)  # the loop goes on with the others
+    assert "acme" not in prefetcher._discarded
+    assert prefetcher.take("other") is not None
+
+
 def test_taking_nothing_after_a_discard_waits_for_the_discarded_job_too(held):
     """With no job to take, the learner samples itself next: not while the discarded job still runs."""
     sampler, prefetcher = held
