@@ -27,8 +27,8 @@ n / 2**128 per query, 3e-30 at a billion keys (and two keys share both, so that 
 with probability about n**2 / 2**129). Keys whose first halves alone match (about n**2 / 2**65 pairs: the
 first at ~6 billion keys) lie side by side in a run and are told apart by the second half.
 
-What it does not do: remove keys (neither user needs to; parquet.py rebuilds its index instead), or know
-what the strings or values mean.
+Removing is by value only (`remove_values`: parquet.py's names owned by compacted files that were deleted),
+a pass over every run. It does not know what the strings or values mean.
 """
 
 from __future__ import annotations
@@ -156,6 +156,33 @@ class HashIndex:
         self._insert(h1[new], h2[new], np.full(int(new.sum()), value, dtype=np.int32))
         return before
 
+    def remove_values(self, values: Sequence[int]) -> int:
+        """Removes every key whose value is one of `values`; returns how many went."""
+        if not self.has_values:
+            raise ValueError("remove_values needs an index with values")
+        doomed = np.asarray(sorted(set(values)), dtype=np.int32)
+        removed, runs = 0, []
+        for run in self._runs:
+            keep = ~np.isin(run.values, doomed)
+            kept = int(keep.sum())
+            removed += len(run) - kept
+            if kept == len(run):
+                runs.append(run)
+            elif kept:
+                runs.append(_Run(run.h1[keep], run.h2[keep], run.values[keep]))
+        # Runs that shrank may no longer be GROWTH times the next: merged as an insert would merge them.
+        self._runs = []
+        for run in runs:
+            self._runs.append(run)
+            self._settle()
+        return removed
+
+    def _settle(self) -> None:
+        runs = self._runs
+        while len(runs) > 1 and len(runs[-2]) < max(MIN_MERGE, GROWTH * len(runs[-1])):
+            small = runs.pop()
+            runs.append(runs.pop().merge(small))
+
     def _insert(self, h1: np.ndarray, h2: np.ndarray, values: np.ndarray | None) -> None:
         """Inserts keys none of which is in the index (a key given twice is kept once, with its first value)."""
         if not len(h1):
@@ -170,8 +197,5 @@ class HashIndex:
             keep[1:] = (h1[1:] != h1[:-1]) | (h2[1:] != h2[:-1])
             h1, h2 = h1[keep], h2[keep]
             values = None if values is None else values[order][keep]
-        runs = self._runs
-        runs.append(_Run(h1, h2, values))
-        while len(runs) > 1 and len(runs[-2]) < max(MIN_MERGE, GROWTH * len(runs[-1])):
-            small = runs.pop()
-            runs.append(runs.pop().merge(small))
+        self._runs.append(_Run(h1, h2, values))
+        self._settle()

@@ -203,8 +203,9 @@ class _SupersededIndex:
     took ~110), so adding a footer costs its own names (amortised), not the partition's history. Newest,
     because a merge of a compacted file carries what that file superseded: the newest file naming a name
     holds its rows now (compacted names sort by creation time, and `update` rebuilds from the footers if one
-    arrives out of that order, or if a file that is the newest to name something disappears, which
-    compaction never does).
+    arrives out of that order). A compacted file that disappears (retention's deletes; compaction never
+    deletes one) takes the names it was the newest to name with it, or leaves them to an older file still
+    naming them (`_forget`).
 
     `on_disk` keeps, for the files of the last listing, whether and since when they are superseded; a
     listing updates it from the footers it adds and looks up only files it has not seen before.
@@ -267,7 +268,13 @@ class _SupersededIndex:
         gone = [n for n in self._number if n not in compacted]
         if gone:
             numbers = {self._number[n][1] for n in gone}
-            if any(self._owned[k] for k in numbers) or any(s and s.by in gone for s in self.on_disk.values()):
+            owners = any(self._owned[k] for k in numbers) or any(s and s.by in gone for s in self.on_disk.values())
+            try:
+                forgotten = not owners or self._forget(dd, gone, compacted)
+            except BaseException:  # half done (a footer vanished meanwhile): the next update rebuilds
+                self._reset()
+                raise
+            if not forgotten:
                 self._reset()
                 return self.update(dd, infos)
             for n in gone:
@@ -277,6 +284,45 @@ class _SupersededIndex:
         unseen = [n for n in listed if n not in self.on_disk]
         for name, status in zip(unseen, self._lookup(unseen)):
             self.on_disk[name] = status
+
+    def _forget(self, dd: DataDir, gone: list[str], compacted: dict[str, pafs.FileInfo]) -> bool:
+        """Drops the names the `gone` compacted files were the newest to name (retention deletes a day's
+        files; compaction never deletes one); a name another file still on disk names goes to the newest of
+        those. Only files older than the newest gone one can name such a name (a newer one would own it), so
+        only their footers are read again: retention deletes the oldest, so usually none. (Rebuilding from
+        every footer, as before, held a busy partition's writers for seconds to minutes after each prune.)
+        False when a footer cannot be read now: the caller rebuilds from them all."""
+        numbers = [self._number[n][1] for n in gone]
+        self._names.remove_values(numbers)
+        for k in numbers:
+            self._owned[k] = 0
+        newest_gone = max(gone)
+        older = sorted(n for n in self._number if n < newest_gone and n not in gone and n in compacted)
+        # Files on disk superseded by a gone file: looked up again, or given to the older files as they are read.
+        affected = {n for n, s in self.on_disk.items() if s is not None and s.by in gone}
+        self.on_disk = {n: s for n, s in self.on_disk.items() if n not in affected}
+        again: list[int] = []  # the numbers of the older files re-read so far (older than the one being read)
+        for name in older:
+            names = self._footer(dd, compacted[name])
+            if names is None:
+                return False
+            number = self._number[name][1]
+            h1, h2 = hash_strings(names)
+            owners = self._names.find(h1, h2)
+            # Absent: owned by a gone file. Owned by an older file re-read before: that one named it too.
+            take = (owners == ABSENT) | np.isin(owners, again)
+            before = self._names.assign(h1[take], h2[take], number)
+            for k, count in zip(*np.unique(before[before != ABSENT], return_counts=True)):
+                self._owned[int(k)] -= int(count)
+            self._owned[number] += int(take.sum())
+            again.append(number)
+            mtime = compacted[name].mtime_ns
+            for listed in affected.intersection(names):  # as `_add` does
+                before = self.on_disk.get(listed)
+                self.on_disk[listed] = Superseded(name, mtime if before is None else min(before.since_ns, mtime))
+        if self._newest in gone:
+            self._newest = max((n for n in self._number if n not in gone), default="")
+        return True
 
     def superseded(self, name: str) -> Superseded | None:
         """Whether (and by which compacted file) `name` is superseded, as of the last `update`."""

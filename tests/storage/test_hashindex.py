@@ -132,3 +132,22 @@ def test_strings_sharing_an_internal_buffer_are_different_keys():
     index = HashIndex()
     index.add(*hash_strings(["AA"]))
     assert index.contains(*hash_strings(["AA", "\u4141"])).tolist() == [True, False]
+
+
+def test_remove_values_drops_exactly_the_keys_with_those_values(monkeypatch):
+    monkeypatch.setattr(hashindex, "MIN_MERGE", 64)
+    rng = np.random.default_rng(1)
+    index = HashIndex(values=True)
+    keys = []
+    for value, size in enumerate([5000, 300, 20, 3, 900, 1]):
+        h1, h2 = _keys(rng, size)
+        index.add(h1, h2, np.full(size, value))
+        keys.append((h1, h2))
+    assert index.remove_values([1, 4, 99]) == 300 + 900
+    _check_runs(index)
+    for value, (h1, h2) in enumerate(keys):
+        assert (index.find(h1, h2) == (ABSENT if value in (1, 4) else value)).all()
+    assert len(index) == 5000 + 20 + 3 + 1
+    assert index.remove_values([0, 2, 3, 5]) == 5024 and len(index) == 0 and index._runs == []
+    with pytest.raises(ValueError):
+        HashIndex().remove_values([0])
