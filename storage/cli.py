@@ -193,11 +193,10 @@ def _config(args: argparse.Namespace, *, writes: bool = False):
 def cmd_query(args: argparse.Namespace) -> int:
     import duckdb
 
-    from clora.cli import config_from_args
     from storage.layout import StorageError
     from storage.query import query
 
-    cfg = config_from_args(args, reads_data_dir=True)
+    cfg = _config(args)  # an unreadable data dir: `clora: data_dir …`, exit 2, as for the other storage commands
     if args.format == "parquet" and not args.out:
         print("clora query: --format parquet needs --out FILE", file=sys.stderr)
         return 2
@@ -326,7 +325,7 @@ def _write_whole(out: str, write) -> None:
     import stat
     from pathlib import Path
 
-    from storage.files import tmp_name
+    from storage.files import fsync_dir, tmp_name
 
     if os.path.abspath(out) in STDOUT_PATHS:  # this process's stdout, as the shell opened it (`>>` appends)
         sys.stdout.flush()
@@ -342,11 +341,14 @@ def _write_whole(out: str, write) -> None:
     try:
         with open(tmp, "wb") as f:
             write(f)
+            f.flush()
+            os.fsync(f.fileno())  # durable before it replaces the previous file: a power loss leaves one of them
         try:
             os.chmod(tmp, stat.S_IMODE(final.stat().st_mode))
         except FileNotFoundError:  # a new file: the umask's mode, as open() gave it
             pass
         os.replace(tmp, final)
+        fsync_dir(final.parent)
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -761,7 +761,7 @@ def test_a_data_dir_that_cannot_be_read_is_one_line_and_exit_2_for_every_command
     try:
         for argv in (["prune", "--older-than-days", "30", "--dry-run"], ["prune", "--older-than-days", "30"],
                      ["compact"], ["adapters", "list"], ["adapters", "show", "acme@1"],
-                     ["adapters", "retire", "acme@1"]):
+                     ["adapters", "retire", "acme@1"], ["query", "select count(*) from trajectories"]):
             code, out, err = _clora_process(config, *argv, prefix=prefix)
             assert (code, out, err) == (2, "", f"clora: data_dir {data_dir}: Permission denied\n"), argv
     finally:
