@@ -134,11 +134,15 @@ def config_check(args: argparse.Namespace) -> int:
                 results.append((f"tenant {t.name}: prompts_file {t.prompts_file} has {n} prompts", None))
             except SamplingError as e:
                 results.append((f"tenant {t.name}", f"tenant {t.name}: {e}"))
-    if (problem := embedded_broker_problem(cfg)) is not None:
-        results.append(("kafka.bootstrap", problem))
+    broker_problem = embedded_broker_problem(cfg)
+    if broker_problem is not None:
+        results.append(("kafka.bootstrap", broker_problem))
     results += [("ports", problem) for problem in port_clashes(cfg)]
     why = unreachable(cfg.kafka.bootstrap)
-    if why is None and cfg.broker.embedded:
+    if broker_problem is not None:  # the embedded broker would not listen where kafka.bootstrap points (above)
+        if why is None:
+            results.append((f"Kafka answers at {cfg.kafka.bootstrap}", None))
+    elif why is None and cfg.broker.embedded:
         results.append(("kafka.bootstrap", f"Kafka already answers at {cfg.kafka.bootstrap}, where `clora up` starts "
                         "the embedded broker (broker.embedded = true), which it refuses to do while the port is "
                         "held: stop that broker (perhaps an earlier clora still running), or set broker.embedded = "
@@ -162,8 +166,10 @@ def config_check(args: argparse.Namespace) -> int:
 
 
 def config_env(args: argparse.Namespace) -> int:
-    from clora.config import CONFIG_ENV, DEFAULT_CONFIG_FILE, env_variables
+    from clora.config import CONFIG_ENV, DEFAULT_CONFIG_FILE, env_variables, unknown_env_variables
 
+    for line in unknown_env_variables().values():  # where one would look for the name that was meant
+        print(f"clora: warning: {line}", file=sys.stderr)
     print(f"{CONFIG_ENV:24} the config file (when --config is not given; else ./{DEFAULT_CONFIG_FILE} if present)")
     for var, field in env_variables().items():
         print(f"{var:24} {field}")

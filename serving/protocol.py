@@ -7,7 +7,7 @@ string or key holding an unpaired UTF-16 surrogate (JSON can escape one, "\\udc0
 is, since vLLM, the tokenizer and the event log would each fail on it later. Fields OpenAI or vLLM's OpenAI
 server define that clora does not implement are refused (400 `unsupported_parameter`, `param` the field)
 rather than silently dropped, so a client never gets an answer that ignored its request: tool calling
-(`tools`/`functions` unless `tool_choice`/`function_call` is "none"), structured outputs (`response_format`
+(any `tools`/`functions`, whatever `tool_choice`/`function_call` says, and a choice that demands a call), structured outputs (`response_format`
 other than text), `echo`, `suffix`, `best_of` other than `n`, and the fields of `NOT_IMPLEMENTED` (guided
 decoding, chat template options, prompt logprobs, audio, ...) unless they hold the value that asks for what
 clora does anyway (`"add_generation_prompt": true`). OpenAI's metadata fields that change no answer (`user`,
@@ -335,14 +335,19 @@ class ChatRequest(_Request):
 
     @model_validator(mode="after")
     def _no_tool_calling(self):
-        if _uses(self.tools, self.tool_choice):
+        for what, defined, field, choice, choice_field in (
+            ("tool", self.tools, "tools", self.tool_choice, "tool_choice"),
+            ("function", self.functions, "functions", self.function_call, "function_call"),
+        ):
+            if not _uses(defined, choice):
+                continue
+            if not defined:  # a choice demanding a call, with nothing to call
+                raise UnsupportedParameter(
+                    f"{what} calling is not supported by this server: {choice_field} {choice!r} demands a call; "
+                    f'leave {choice_field} out (or "none", "auto")', param=choice_field)
             raise UnsupportedParameter(
-                "tool calling is not supported by this server, nor tool definitions (the model would not see them, "
-                "whatever tool_choice says); send no tools", param="tools")
-        if _uses(self.functions, self.function_call):
-            raise UnsupportedParameter(
-                "function calling is not supported by this server, nor function definitions (the model would not "
-                "see them, whatever function_call says); send no functions", param="functions")
+                f"{what} calling is not supported by this server, nor {what} definitions (the model would not see "
+                f"them, whatever {choice_field} says); send no {field}", param=field)
         return self
 
     @model_validator(mode="after")

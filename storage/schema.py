@@ -75,7 +75,8 @@ TRAJECTORIES = _schema(
     [
         *_INTERACTION[:6],  # id .. completion
         _f("reward", pa.float64(), nullable=False),
-        _f("reward_source", pa.string(), nullable=False),  # "feedback", "inline", or the scorer spec
+        # "inline", the scorer spec, or the joined feedback's source ("feedback" when it has none)
+        _f("reward_source", pa.string(), nullable=False),
         *_INTERACTION[6:],
         *_KAFKA,
     ],

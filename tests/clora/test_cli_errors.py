@@ -399,7 +399,9 @@ def test_config_check_finds_an_embedded_broker_kafka_bootstrap_does_not_name(tmp
     port = free_port()
     config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[broker]\nport = {port}\n')
     assert main(["config", "check", "--config", str(config)]) == 1  # kafka.bootstrap: the default, 127.0.0.1:9092
-    problems = [line.split("PROBLEM", 1)[1].strip() for line in capsys.readouterr().out.splitlines() if "PROBLEM" in line]
+    out = capsys.readouterr().out
+    problems = [line.split("PROBLEM", 1)[1].strip() for line in out.splitlines() if "PROBLEM" in line]
+    assert "starts the embedded broker there" not in out  # the ok line said the opposite of the problem
     assert problems == [f"kafka.bootstrap is '127.0.0.1:9092' but the embedded broker listens on 127.0.0.1:{port} "
                         "(broker.host, broker.port): set kafka.bootstrap to it, or broker.embedded = false to use "
                         "the Kafka at kafka.bootstrap"]

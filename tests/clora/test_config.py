@@ -624,8 +624,9 @@ def test_up_warns_of_them_once_not_once_per_child(monkeypatch, tmp_path):
 def test_commands_warn_of_clora_variables_nothing_reads(tmp_path):
     env = {**os.environ, "CLORA_SERVING_PORT": "9000", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     env.pop("CLORA_CONFIG", None)
-    done = subprocess.run([sys.executable, "-m", "clora", "config", "show"], capture_output=True, text=True,
-                          env=env, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert "clora: warning: CLORA_SERVING_PORT is not a clora setting and is ignored (did you mean CLORA_PORT?)" \
-        in done.stderr
+    for action in ("show", "env"):  # env, where one looks the real name up, reads no config
+        done = subprocess.run([sys.executable, "-m", "clora", "config", action], capture_output=True, text=True,
+                              env=env, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert "clora: warning: CLORA_SERVING_PORT is not a clora setting and is ignored (did you mean CLORA_PORT?)" \
+            in done.stderr, action

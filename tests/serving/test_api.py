@@ -305,9 +305,9 @@ def test_an_unknown_role_is_a_400_before_any_work_and_tool_roles_stay_unsupporte
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tool_choice": "required"}, "tools"),
-    ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools"),
-    ({"function_call": {"name": "f"}}, "functions"),
+    ({"tool_choice": "required"}, "tool_choice"),  # a call demanded with no tools: the choice is what to change
+    ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"function_call": {"name": "f"}}, "function_call"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function"}}, "tools"),
