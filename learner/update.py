@@ -23,7 +23,8 @@ several, every epoch after the first starts where the last one's step left the a
 pi_prox has moved, and the clip (`clip_eps`) is the trust region that keeps the reuse of one batch from
 walking the adapter arbitrarily far from where the step began: a token whose ratio has passed 1 + eps the
 way its advantage pushes gets no more gradient. pi_prox and w stay those of the step's start throughout.
-The correction for stale samples is w either way.
+The correction for stale samples is w either way. The KL penalty and the entropy bonus are weighted by w
+too (as TRL weights its whole per-token loss): they are expectations over the adapter's own tokens as well.
 
 Why not PPO's clip around mu itself: serving lags the learner (a batch is sampled by the version one to
 a few steps back), and one Adam step at an adapter's learning rate moves a token's ratio pi / mu well
@@ -158,12 +159,16 @@ def pg_update(
                 start.append((proximal, *maths.behaviour_weights(proximal, behaviour, behaviour_weight_cap)))
             proximal, weight, truncated = start[i]
             pg, clipped = maths.clipped_pg_loss(logp, proximal, advantages[rows], clip_eps)
-            pg = weight * pg
             clipped = clipped | truncated
             kl_tok = maths.kl_k3(logp, ref[rows], mb_mask)
             per_token = pg + kl_coef * kl_tok if kl_coef else pg
             if entropy_coef:
                 per_token = per_token - entropy_coef * entropy
+            # Every term is an expectation over the adapter's own tokens, estimated from tokens the behaviour
+            # policy drew: each is importance-weighted, the penalties as the policy gradient (an unweighted KL
+            # term pulled towards the reference as the behaviour policy, not the adapter, would).
+            per_token = weight * per_token
+            pg = weight * pg
             # Each micro-batch's share of the batch-wide aggregate, so the summed gradient equals the one of
             # the whole batch at once.
             if aggregation == "token-mean":

@@ -270,3 +270,28 @@ def test_penalties_and_min_tokens_are_recomputed_from_the_whole_prompt_and_the_m
     examples = _examples(policy, 3, [beyond, beyond, None])
     far = _behaviour(policy, examples, batch, current_version=3, version_files=None)
     assert torch.allclose(far[:2], old[:2], atol=1e-6)
+
+
+def test_the_kl_penalty_is_weighed_like_the_policy_gradient(policy):
+    """The KL term is an expectation over the adapter's tokens too: drawn by a behaviour policy four times as
+    likely to draw them, it counts a quarter (unweighted, it pulled as if the adapter had drawn them)."""
+    from learner.update import pg_update
+
+    examples = _examples(policy, 4, [None] * 4)
+    batch = pack([e.prompt_ids for e in examples], [e.completion_ids for e in examples],
+                 pad_id=policy.pad_token_id, max_len=256)
+    proximal = policy.token_logprobs(batch, "acme")
+    no_advantage = torch.zeros(batch.size)
+
+    def step(old_logprobs):
+        snapshot = policy.snapshot("acme")
+        try:
+            return pg_update(policy, "acme", batch, no_advantage, old_logprobs=old_logprobs, clip_eps=0.2,
+                             kl_coef=1.0, max_grad_norm=1e9)
+        finally:
+            policy.restore("acme", snapshot)
+
+    on_policy, quarter = step(None), step(proximal + math.log(4))
+    assert on_policy.loss > 0 and on_policy.pg_loss == 0
+    assert quarter.loss == pytest.approx(on_policy.loss / 4, rel=1e-3)
+    assert quarter.grad_norm == pytest.approx(on_policy.grad_norm / 4, rel=1e-3)
