@@ -87,6 +87,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from clora.config import Config, ConfigError
 from learner import gate, logs_mode, rollouts
@@ -858,9 +859,16 @@ class Learner:
         rows = self.cursors.untrained(rt.spec.name, limit=rt.spec.batch_size * self.settings.catch_up)
         if rows.num_rows == 0:
             return None
-        selection = logs_mode.select_fresh(rows, rt.spec.name, rt.version, self.settings.max_staleness, rt.served)
+        # The learner's own rollout samples (a tenant moved from rollouts to logs mode, or out of the config)
+        # were trained when they were drawn: trained again here, they counted twice.
+        own = {tid: "the learner's own rollout sample, trained when it was drawn"
+               for tid, meta in zip(rows.column("id").to_pylist(), rows.column("metadata_json").to_pylist())
+               if tid in rt.rollout_ids or rollouts.is_rollout_row(meta)}
+        production = rows.filter(pc.invert(pc.is_in(rows.column("id"), pa.array(list(own), pa.string())))) if own else rows
+        selection = logs_mode.select_fresh(production, rt.spec.name, rt.version, self.settings.max_staleness,
+                                           rt.served)
         examples, unusable = logs_mode.to_examples(selection.kept, self.policy.tokenizer, self.policy.vocab_size)
-        dropped = {**selection.dropped, **unusable}
+        dropped = {**own, **selection.dropped, **unusable}
         if dropped:
             logger.info("tenant %s: %d of %d trajectories not trained (%s)", rt.spec.name, len(dropped), rows.num_rows, next(iter(dropped.values())))
         # Before training, not at the gate: there one such reward rejected the whole batch (logs_mode's note).

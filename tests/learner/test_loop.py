@@ -1145,6 +1145,18 @@ def test_rollouts_mode_takes_prompts_from_production_and_skips_logged_rollouts(t
     assert row["n_trajectories"] == 8  # 2 production prompts x 4 completions; logged rollouts are no prompts
 
 
+def test_logs_mode_does_not_train_the_learners_own_rollout_samples_again(tiny_model, data_dir):
+    """A tenant moved from rollouts to logs mode (or out of the config: logs mode by default) finds its logged
+    rollouts in its backlog: trained when they were drawn, they are committed without training."""
+    write(data_dir, "lab", rows("r", 6, metadata={"source": "rollout"}) + rows("p", 8, seed=1), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "lab", "batch_size": 8}])
+    learn(cfg, tiny_model)
+    assert_each_id_once(data_dir, "lab", {*(f"r{i}" for i in range(6)), *(f"p{i}" for i in range(8))})
+    steps = read_dataset(data_dir, "train_steps").to_pylist()
+    assert sum(s["n_trajectories"] for s in steps) == 8  # the production rows only
+    assert sum(s["n_dropped"] for s in steps) == 6
+
+
 class FakeServingSampler:
     """Stands in for the HTTP sampler (background, so the loop goes through its Prefetcher): canned
     completions of varied length, labelled like the serving tier labels them (the base model: None)."""
