@@ -273,7 +273,7 @@ def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None) -> tup
                 prompt_ids=tuple(prompt_ids),
                 completion_ids=tuple(completion_ids),
                 reward=float(row["reward"]),
-                behaviour_logprobs=None if behaviour is None else tuple(float(x) for x in behaviour),
+                behaviour_logprobs=None if behaviour is None else tuple(known_logprob(x) for x in behaviour),
                 sampled_with=drawn if isinstance(drawn, SampledWith) else None,
             )
         )
@@ -334,6 +334,17 @@ def _whole(value, *, low: int = -1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{value!r} is not a whole number from {low}")
     return value
+
+
+# What a serving tier answers for a log-prob it has no number for (-inf: a token the logits ruled out; NaN),
+# as vLLM's own server does (serving/engine.py LOWEST_LOGPROB). Taken for a log-prob, it made that token's
+# behaviour weight the cap's; it is unknown (NaN: the token gets weight 1).
+NO_LOGPROB = -9999.0
+
+
+def known_logprob(value: float) -> float:
+    """`value` as a behaviour log-prob: NaN (unknown) for a non-finite one or the placeholder NO_LOGPROB."""
+    return float(value) if math.isfinite(value) and value > NO_LOGPROB else math.nan
 
 
 def behaviour_logprobs(policy: Policy, tenant: str, examples: Sequence[Example], batch: TokenBatch, *,

@@ -76,7 +76,7 @@ import torch
 from clora.loopback import trust_env
 from learner import maths
 from learner.batch import pack, pad_values
-from learner.logs_mode import BehaviourFromLogits, prompt_text, row_metadata, stale_reason, version_number
+from learner.logs_mode import BehaviourFromLogits, known_logprob, prompt_text, row_metadata, stale_reason, version_number
 from learner.policy import Policy, picked_logprobs
 from learner.types import Sample
 from learner.update import UpdateResult, pg_update
@@ -391,13 +391,14 @@ def _token_ids(choice: dict) -> tuple[int, ...] | None:
 
 
 def _sampled_logprobs(choice: dict) -> tuple[float, ...] | None:
-    """The sampled tokens' log-probs when there is one per returned token id, NaN for a missing or
-    non-finite one (pg_update then uses the current policy's there); None otherwise."""
+    """The sampled tokens' log-probs when there is one per returned token id, NaN for a missing, non-finite
+    or placeholder one (logs_mode.NO_LOGPROB; pg_update then uses the current policy's there); None
+    otherwise."""
     ids = choice.get("token_ids")
     values = (choice.get("logprobs") or {}).get("token_logprobs")
     if not isinstance(ids, list) or not isinstance(values, list) or len(values) != len(ids):
         return None
-    return tuple(float(v) if isinstance(v, (int, float)) and math.isfinite(v) else math.nan for v in values)
+    return tuple(known_logprob(v) if isinstance(v, (int, float)) else math.nan for v in values)
 
 
 def interaction_id(response_id: str | None, index: int, n: int) -> str | None:

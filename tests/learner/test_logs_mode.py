@@ -115,6 +115,21 @@ def test_rows_without_a_version_age_only_when_clora_served_them():
     assert select_fresh(rows, "newco", current=4, max_staleness=4).kept.column("id").to_pylist() == ["a", "b", "d", "e", "f"]
 
 
+def test_a_placeholder_log_prob_is_unknown_not_a_behaviour_log_prob(tiny_model):
+    """Serving answers -inf (or NaN) as -9999, as vLLM's server does: taken as the behaviour's log-prob, that
+    token's weight was the cap's; unknown, it gets weight 1 (NaN)."""
+    from transformers import AutoTokenizer
+
+    from learner.rollouts import _sampled_logprobs
+
+    rows = trajectories("acme", [{"id": "a", "prompt": chat_prompt("q"), "completion": "xyz", "reward": 0.5,
+                                  "completion_token_ids": [40, 41, 2], "completion_logprobs": [-1.0, -9999.0, -0.5]}])
+    (a,), _ = to_examples(rows, AutoTokenizer.from_pretrained(tiny_model))
+    assert a.behaviour_logprobs[0::2] == (-1.0, -0.5) and math.isnan(a.behaviour_logprobs[1])
+    got = _sampled_logprobs({"token_ids": [5, 6, 7], "logprobs": {"token_logprobs": [-0.1, -9999.0, None]}})
+    assert got[0] == -0.1 and math.isnan(got[1]) and math.isnan(got[2])
+
+
 def test_rows_become_examples_with_token_ids_and_behaviour_logprobs_when_usable(tiny_model):
     from transformers import AutoTokenizer
 
