@@ -148,11 +148,12 @@ def stale_reason(adapter_version: str | None, tenant: str, current: int, max_sta
     number = version_number(adapter_version, tenant)
     if number is None:
         return f"foreign adapter {adapter_version!r}"
+    if number > current:
+        # The learner followed an operator's retire of the version it served back to `current`: the pulled
+        # version's samples would pull the adapter back towards what was withdrawn, whatever max_staleness says.
+        return f"withdrawn: made by version {number}, newer than {current}, retired since"
     behind = versions_behind(number, current, served)
     if behind > max_staleness:
-        if number > current:
-            return (f"stale: made by version {number}, {behind} past {current}, which was rolled back or retired "
-                    f"since (max_staleness {max_staleness})")
         return f"stale: made by version {number}, {behind} behind {current} (max_staleness {max_staleness})"
     return None
 

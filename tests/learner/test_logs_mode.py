@@ -38,9 +38,10 @@ def test_staleness_is_counted_in_version_numbers():
     assert "stale: made by version 5, 5 behind 10" in stale_reason("acme@5", "acme", 10, 4)
     assert "stale" in stale_reason(None, "acme", 10, 4)  # base model output, 10 versions ago
     assert stale_reason(None, "acme", 0, 0) is None  # nothing published yet: the base is current
-    # newer than the learner's (it followed a retire of 11 and 12 back to 10): as far off the other way
-    assert "stale: made by version 12, 2 past 10, which was rolled back or retired" in stale_reason("acme@12", "acme", 10, 0)
-    assert stale_reason("acme@12", "acme", 10, 2) is None
+    # newer than the learner's (it followed a retire of 11 and 12 back to 10): withdrawn, whatever max_staleness
+    assert "withdrawn: made by version 12, newer than 10, retired since" in stale_reason("acme@12", "acme", 10, 0)
+    assert "withdrawn" in stale_reason("acme@12", "acme", 10, 4)
+    assert "withdrawn" in stale_reason("acme@1", "acme", 0, 4)  # every version retired: a fresh adapter
     assert "foreign adapter 'beta@3'" in stale_reason("beta@3", "acme", 10, 4)
 
 
@@ -50,7 +51,7 @@ def test_with_the_served_versions_staleness_counts_them_not_the_numbers_rejects_
     assert "stale: made by version 1, 3 behind 10" in stale_reason("acme@1", "acme", 10, 2, served)
     assert "stale: made by version 0, 4 behind 10" in stale_reason(None, "acme", 10, 3, served)
     assert stale_reason("acme@7", "acme", 10, 1, served) is None
-    assert "1 past 10" in stale_reason("acme@12", "acme", 10, 0, [*served, 12])  # 11 was never served
+    assert "withdrawn" in stale_reason("acme@12", "acme", 10, 4, [*served, 12])  # retired since
     assert "8 behind 10" in stale_reason("acme@2", "acme", 10, 2, [1, 2])  # a list without 10: by numbers
     kept = select_fresh(trajectories("acme", [{"id": "a", "prompt": "p", "completion": "c", "reward": 1.0,
                                                 "adapter_version": "acme@2"}]), "acme", 10, 2, served)
