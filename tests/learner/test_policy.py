@@ -328,7 +328,7 @@ def test_one_base_pass_serves_the_reference_and_the_kl_and_the_base_switch_alway
     pg_update(policy, "acme", batch, torch.tensor([1.0, -1.0, 0.5]), clip_eps=0.2)
     assert torch.allclose(policy.kl_to_base(batch, "acme", base_logps=logps), policy.kl_to_base(batch, "acme"), atol=1e-6)
     # the fast base switch: the adapters are back on after the block, even when it raised
-    with pytest.raises(RuntimeError), policy.adapter(None):
+    with pytest.raises(RuntimeError, match="inside the base block"), policy.adapter(None):
         assert policy.model.base_model.model.model.layers[0].self_attn.q_proj.disable_adapters
         raise RuntimeError("inside the base block")
     assert not any(layer.disable_adapters for layer in policy._lora_layers)
@@ -411,7 +411,7 @@ def test_grouped_generation_decodes_several_tenants_at_once_as_each_alone(policy
     only_beta = policy.generate_grouped([("beta.prod", [render("hi")]), ("beta.prod", [render("x")])], max_new_tokens=12)
     assert [g[0][0].token_ids for g in only_beta] == [
         s[0].token_ids for s in policy.generate("beta.prod", [render("hi"), render("x")], max_new_tokens=12, greedy=True)]
-    with pytest.raises(RuntimeError), policy._grouped(["acme", "beta.prod"], rows=2):
+    with pytest.raises(RuntimeError, match="inside the grouped block"), policy._grouped(["acme", "beta.prod"], rows=2):
         assert all("forward" in vars(layer) for layer in policy._lora_layers)
         raise RuntimeError("inside the grouped block")
     assert not any("forward" in vars(layer) for layer in policy._lora_layers)

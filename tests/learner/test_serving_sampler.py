@@ -265,3 +265,16 @@ def test_a_process_stopping_does_not_wait_for_a_rollout_request_blocked_in_its_r
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert float(out.stdout.split()[-1]) < 3, out.stdout
+
+
+@pytest.mark.parametrize("header, wait", [
+    ("3600", 10.0), ("0", 0.05), ("-5", 0.05), ("2.5", 2.5), (None, 1.0),
+    ("Wed, 21 Oct 2026 07:28:00 GMT", 1.0),  # an HTTP date: not read, the default wait
+])
+def test_a_retry_waits_what_retry_after_says_within_bounds(header, wait):
+    """At most 10 s (a server's hour-long Retry-After must not stall a step), at least 0.05 s, 1 s without one."""
+    from types import SimpleNamespace
+
+    from learner.rollouts import _retry_after
+
+    assert _retry_after(SimpleNamespace(headers={} if header is None else {"retry-after": header})) == wait

@@ -211,18 +211,19 @@ def sse_events(response) -> list:
             for line in response.text.split("\n\n") if line]
 
 
-def chat_scope(body: bytes, tenant: str = "acme") -> dict:
-    """The ASGI scope of a POST /v1/chat/completions carrying `body`, for tests that drive the app's receive."""
+def chat_scope(body: bytes, tenant: str = "acme", path: str = "/v1/chat/completions") -> dict:
+    """The ASGI scope of a POST to `path` carrying `body`, for tests that drive the app's receive."""
     return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-            "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+            "scheme": "http", "path": path, "raw_path": path.encode(),
             "query_string": b"", "root_path": "", "server": ("clora", 80), "client": ("127.0.0.1", 5000),
             "headers": [(b"authorization", f"Bearer {KEYS[tenant]}".encode()),
                         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
 
 
-async def leave_once_generating(w, body: bytes, *, headers=(), at_engine=lambda: None) -> None:
-    """POSTs `body` to /v1/chat/completions straight to the app, as a client that leaves (disconnects) once
-    the engine has the request (after `at_engine()`), and returns when the handler has ended."""
+async def leave_once_generating(w, body: bytes, *, headers=(), at_engine=lambda: None,
+                                path: str = "/v1/chat/completions", requests: int = 1) -> None:
+    """POSTs `body` to `path` straight to the app, as a client that leaves (disconnects) once the engine has
+    `requests` requests (after `at_engine()`), and returns when the handler has ended."""
     left = asyncio.Event()
     sent = []
 
@@ -236,10 +237,10 @@ async def leave_once_generating(w, body: bytes, *, headers=(), at_engine=lambda:
     async def send(message):
         sent.append(message)
 
-    scope = chat_scope(body)
+    scope = chat_scope(body, path=path)
     scope["headers"] = [*scope["headers"], *headers]
     handler = asyncio.create_task(w.app(scope, receive, send))
-    while not w.llm.calls:
+    while len(w.llm.calls) < requests:
         await asyncio.sleep(0.01)
     at_engine()
     left.set()  # the client goes away
@@ -976,7 +977,43 @@ def test_each_tenant_salts_the_prefix_cache():
     w = World()
     w.post("/v1/chat/completions", chat())
     w.post("/v1/chat/completions", chat(model=BASE), tenant="globex")
-    assert [c.prompt["cache_salt"] for c in w.llm.calls] == ["acme", "globex"]
+    assert w.post("/v1/completions", {"model": "acme", "prompt": ["ab", "cd"]}).status_code == 200  # each of a batch
+    assert [c.prompt["cache_salt"] for c in w.llm.calls] == ["acme", "globex", "acme", "acme"]
+
+
+def test_a_batch_of_prompts_takes_an_in_flight_slot_per_completion():
+    """The limit counts completions (prompts x n), a batch's every prompt included."""
+    w = World(max_inflight_per_tenant=3)
+    never = w.post("/v1/completions", {"model": "acme", "prompt": ["a", "b", "c", "d"]})
+    assert never.status_code == 400 and "3" in error(never)["message"]  # could never fit
+    w.llm.gate = asyncio.Event()
+
+    async def scenario(c):
+        held = asyncio.create_task(c.post("/v1/completions", json={"model": "acme", "prompt": ["ab", "cd"]}))
+        while len(w.llm.calls) < 2:
+            await asyncio.sleep(0.01)
+        over = await c.post("/v1/completions", json={"model": "acme", "prompt": ["ef", "gh"]})
+        w.llm.gate.set()
+        return over, await held
+
+    over, held = w.run(scenario)
+    assert over.status_code == 429 and held.status_code == 200
+    assert w.api.inflight.held("acme") == 0
+
+
+def test_a_batch_whose_client_leaves_aborts_every_prompts_generation_before_its_slots_go_back():
+    w = World(max_inflight_per_tenant=4)
+    w.llm.gate = asyncio.Event()  # no generation gets its first token
+    held_at_close = []
+    w.llm.on_close = lambda request_id: held_at_close.append(w.api.inflight.held("acme"))
+    body = json.dumps({"model": "acme", "prompt": ["ab", "cd"], "n": 2, "temperature": 1}).encode()
+
+    async def scenario():
+        await leave_once_generating(w, body, path="/v1/completions", requests=2)
+        return w.api.inflight.held("acme")
+
+    assert asyncio.run(scenario()) == 0
+    assert held_at_close == [4, 4]  # both prompts' engine requests, each while the slots were still held
 
 
 @pytest.mark.parametrize("stream", [False, True])
