@@ -1518,6 +1518,12 @@ def run(
             sampling = learner.still_sampling(backlog)
             if sampling and any(n > 0 and t not in sampling and t not in exclude for t, n in backlog.items()):
                 exclude |= sampling
+            elif sampling - exclude:
+                # Every ready tenant's rollouts are still being sampled: wait for the first to come back, then
+                # look again. Taking one now waited for it in the step, deaf to the others' new data (and to
+                # config reloads) until its rollouts returned.
+                learner.prefetcher.wait_any(sampling - exclude, timeout=learner.settings.poll_seconds)
+                continue
             name = learner.choose(backlog, exclude=exclude)
             if name is None:
                 if once or until_idle:

@@ -443,6 +443,14 @@ class Prefetcher:
         discarded = self._discarded.get(tenant)
         return (job is not None and not job[2].done()) or (discarded is not None and not discarded.done())
 
+    def wait_any(self, tenants: Collection[str], timeout: float) -> None:
+        """Returns once one of `tenants`' jobs (or discarded jobs) still sampling has finished, or after
+        `timeout` seconds."""
+        futures = [f for t in tenants for f in (self._jobs[t][2] if t in self._jobs else None, self._discarded.get(t))
+                   if f is not None and not f.done()]
+        if futures:
+            futures_wait(futures, timeout=timeout, return_when="FIRST_COMPLETED")
+
     def start(self, tenant: str, plan: RolloutPlan, requests: Sequence[SampleRequest], *, step: int = 0) -> None:
         """Starts the tenant's job, unless one is in flight: its own, or a discarded one still running (the
         loop asks again on its next pass; waiting here would hold up every tenant)."""
