@@ -75,6 +75,7 @@ What this module does not do: talk to Kafka (events_log.py does) or decide when 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -247,15 +248,20 @@ class Spool:
     def _open_segment(self) -> None:
         stem = f"{time.time_ns():020d}-{os.getpid()}-{self.id}"
         tmp = self.directory / f"{stem}.tmp"
+        file, name = None, tmp
         try:
             if self._writer is None:
                 self._writer = self._announce()
             file = open(tmp, "ab", buffering=0)  # noqa: SIM115 (kept open: it holds the segment's lock)
             fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             path = tmp.with_suffix(".open")
-            tmp.rename(path)
+            name = tmp.rename(path)
             _fsync_dir(self.directory)
         except OSError as e:
+            if file is not None:  # nothing is in it yet: it goes, under whichever name it has (none is swept)
+                file.close()
+                with contextlib.suppress(OSError):
+                    name.unlink(missing_ok=True)
             raise SpoolError(f"cannot open a spool segment in {self.directory}: {e}") from e
         self._file, self._path, self._size = file, path, 0
 

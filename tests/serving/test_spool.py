@@ -324,3 +324,29 @@ def test_a_spool_path_that_is_a_file_is_refused_at_start(tmp_path):
         Spool(tmp_path / "spool")
     with pytest.raises(SpoolError, match="cannot create the spool directory"):
         Spool(tmp_path / "spool" / "below")
+
+
+@pytest.mark.parametrize("fails", ["rename", "fsync"])
+def test_a_segment_that_cannot_be_opened_leaves_no_file_behind(tmp_path, monkeypatch, fails):
+    """A `.tmp` segment (or an empty `.open` one) whose opening failed stayed until the writer's end: no one
+    sweeps them."""
+    from pathlib import Path
+
+    import serving.spool as spool_module
+    from serving.spool import SpoolError
+
+    spool = Spool(tmp_path)
+    before = set(tmp_path.iterdir())
+    if fails == "rename":
+        real = Path.rename
+        monkeypatch.setattr(Path, "rename", lambda self, target: (_ for _ in ()).throw(OSError(5, "Input/output error"))
+                            if self.suffix == ".tmp" else real(self, target))
+    else:
+        monkeypatch.setattr(spool_module, "_fsync_dir", lambda d: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+    with pytest.raises(SpoolError, match="cannot open a spool segment"):
+        spool.append(msgs(1))
+    assert {p.suffix for p in set(tmp_path.iterdir()) - before} <= {".writer"}
+    monkeypatch.undo()
+    spool.append(msgs(1))  # the next append opens one
+    spool.seal()
+    assert len(spool.segments()) == 1
