@@ -586,12 +586,21 @@ def _top_by_token(top: tuple[tuple[int, bytes, float], ...]) -> dict[str, float]
 
 
 def completion_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    """Completions' log-probs. Each position's `top_logprobs` holds the sampled token too, as OpenAI's and
+    vLLM's do (`logprobs` + 1 entries when it is not among the best): clients read
+    `top_logprobs[i][tokens[i]]`."""
     return {
         "tokens": [token_text(lp.raw) for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [_top_by_token(lp.top) for lp in logprobs],
+        "top_logprobs": [_top_by_token(_with_sampled(lp)) for lp in logprobs],
         "text_offset": [lp.text_offset for lp in logprobs],
     }
+
+
+def _with_sampled(lp: TokenLogprob) -> tuple[tuple[int, bytes, float], ...]:
+    if any(token_id == lp.token_id for token_id, _, _ in lp.top):
+        return lp.top
+    return (*lp.top, (lp.token_id, lp.raw, lp.logprob))
 
 
 def _with_token_ids(choice: dict[str, Any], token_ids: list[int], wanted: bool,

@@ -284,6 +284,16 @@ def test_completions_top_logprobs_keep_every_alternative():
     assert protocol.completion_logprobs([same_bytes])["top_logprobs"] == [{"a": -0.1, "token_id:2": -0.2}]
 
 
+def test_completions_top_logprobs_hold_the_sampled_token_too():
+    """As OpenAI's and vLLM's: `logprobs` + 1 entries when the sampled token is not among the best, so that
+    `top_logprobs[i][tokens[i]]` always answers (with `logprobs: 0` it was `{}`)."""
+    third = TokenLogprob(7, b"h", -3.0, ((1, b"A", -0.1), (2, b"B", -0.5)))
+    logprobs = protocol.completion_logprobs([third, TokenLogprob(7, b"h", -3.0, ())])
+    assert logprobs["top_logprobs"] == [{"A": -0.1, "B": -0.5, "h": -3.0}, {"h": -3.0}]
+    assert all(top[token] == lp for top, token, lp in zip(logprobs["top_logprobs"], logprobs["tokens"],
+                                                          logprobs["token_logprobs"]))
+
+
 def test_stream_chunks_and_sse():
     d = Delta(1, "lo", [6], [], None)
     chunk = protocol.chat_chunk("c", "m", 10, d)
