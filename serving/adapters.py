@@ -530,8 +530,7 @@ class AdapterSet:
             raise
         except Exception as e:  # an I/O error, files a retire is deleting, the engine's load: may pass
             logger.warning("model %r asked for could not be loaded: %s: %s", name, type(e).__name__, e)
-            raise AdapterUnavailable(f"model {name!r} cannot be loaded now; try again shortly",
-                                     headers={"Retry-After": "1"}) from e
+            raise AdapterUnavailable(f"model {name!r} cannot be loaded now; try again shortly") from e
 
     def _maybe_unload(self, loaded: _Loaded) -> None:
         if loaded.current or loaded.leases > 0:

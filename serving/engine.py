@@ -67,7 +67,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from serving.errors import BadRequest, ContextLengthExceeded, GenerationFailed, Unavailable
+from serving.errors import BadRequest, ContextLengthExceeded, EngineStopped, GenerationFailed
 
 logger = logging.getLogger(__name__)
 
@@ -423,7 +423,7 @@ class Engine:
         """What the engine would refuse once the request is in, refused now: a dead engine (503), sampling
         vLLM's SamplingParams rejects, logit_bias ids outside the vocabulary and min_tokens past max_tokens (400)."""
         if self.errored:
-            raise Unavailable("the engine has stopped; the server must be restarted")
+            raise EngineStopped("the engine has stopped; the server must be restarted")
         bad = [t for t, _ in sampling.logit_bias if t >= self.vocab_size]
         if bad:
             raise BadRequest(f"logit_bias token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})",
@@ -488,7 +488,7 @@ class Engine:
         except VLLMClientError as e:
             raise BadRequest(str(e), param=getattr(e, "parameter", None)) from e
         except EngineDeadError as e:
-            raise Unavailable("the engine has stopped; the server must be restarted") from e
+            raise EngineStopped("the engine has stopped; the server must be restarted") from e
         except Exception:
             # vLLM registers a request before sending it to the engine core, and one whose sending failed it
             # never aborts: its state would stay in the engine for good, one per such request.

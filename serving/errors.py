@@ -17,12 +17,13 @@ class ServingError(Exception):
     status: int = 400
     type: str = "invalid_request_error"
     code: str | None = None
+    default_headers: dict[str, str] = {}  # what every answer of this kind carries (how a client should retry)
 
     def __init__(self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
-        self.headers = dict(headers or {})
+        self.headers = {**self.default_headers, **(headers or {})}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -97,9 +98,19 @@ class GenerationFailed(ServingError):
 
 
 class Unavailable(ServingError):
+    """Worth sending again shortly (OpenAI's SDK retries a 503 on its own, after Retry-After)."""
+
     status = 503
     type = "server_error"
     code = "engine_unavailable"
+    default_headers = {"Retry-After": "1"}
+
+
+class EngineStopped(Unavailable):
+    """The engine died: only a restart of the server helps, so OpenAI's SDK is told not to retry
+    (`x-should-retry: false`, which it honours before its own rules)."""
+
+    default_headers = {"x-should-retry": "false"}
 
 
 class AdapterUnavailable(Unavailable):
@@ -112,9 +123,10 @@ class AdapterUnavailable(Unavailable):
 
 class ServerStopping(Unavailable):
     """A generation still running when a stopping server's grace period ended (`serving.shutdown_grace_seconds`):
-    worth sending again, to the server that replaces this one."""
+    worth sending again, to the server that replaces this one (not at once: it is still stopping)."""
 
     code = "server_stopping"
+    default_headers = {"Retry-After": "5"}
 
 
 class EventLogFull(ServingError):

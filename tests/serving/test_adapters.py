@@ -629,8 +629,9 @@ def test_a_version_number_shown_again_with_other_files_replaces_the_one_served(w
         assert adapters.current("acme") == "base", "the old files no longer serve what the registry calls acme@1"
         assert engine.loaded == {old_id: "acme@1"}, "one adapter per name in the engine"
         assert any("acme@1 was replaced in the registry" in r.getMessage() for r in caplog.records)
-        with pytest.raises(Unavailable, match="replaced"):
+        with pytest.raises(Unavailable, match="replaced") as replaced:
             await adapters.acquire("acme", 1)
+        assert replaced.value.headers == {"Retry-After": "1"}  # served again once the old one's requests end
         await adapters.refresh()
         assert adapters.current("acme") == "base"
         held.release()

@@ -643,6 +643,7 @@ def test_stream_refusals_are_real_statuses_not_errors_inside_a_200():
                        ("/v1/completions", {"model": "acme", "prompt": "a", "stream": True})):
         r = w.post(path, body)
         assert r.status_code == 503 and error(r)["code"] == "engine_unavailable"
+        assert r.headers["x-should-retry"] == "false"  # only a restart helps: OpenAI's SDK must not retry
     assert w.llm.calls == []
 
     from vllm.exceptions import VLLMValidationError
@@ -1109,6 +1110,7 @@ def test_a_stopping_server_ends_the_generations_left_after_its_grace_period_with
     assert any(e["choices"][0]["delta"].get("content") == "A" for e in events[:-2]), "it had begun answering"
     for r in (plain, late):
         assert r.status_code == 503 and error(r)["code"] == "server_stopping"
+        assert r.headers["retry-after"] == "5"  # not at once: this server is still stopping
     assert len(w.llm.calls) == 2, "the late request never reached the engine"
     assert closed == {"chat": 1, "completions": 1}
     assert w.api.inflight.held("acme") == w.api.inflight.held("globex") == 0
