@@ -73,6 +73,7 @@ from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.errors import (
     CommitFailedError,
+    CorruptRecordError,
     GroupAuthorizationFailedError,
     GroupMaxSizeReachedError,
     InconsistentGroupProtocolError,
@@ -81,6 +82,7 @@ from kafka.errors import (
     KafkaError,
     KafkaTimeoutError,
     TopicAuthorizationFailedError,
+    UnsupportedCodecError,
 )
 from kafka.producer.future import FutureRecordMetadata
 from kafka.structs import OffsetAndMetadata
@@ -341,6 +343,9 @@ class Ingest:
         # Whether the group's last rebalance has finished and given this process its assignment (which may be
         # empty: more processes than partitions). False from a revocation or loss until the next assignment.
         self.joined = False
+        # topic -> the id this process last read it under: a topic made again since (a broker that keeps its
+        # topics in memory and started again; a topic deleted and made anew) must be read from its start
+        self._read_ids: dict[str, str] = {}
 
     # --- the loop -------------------------------------------------------------------------------------
 
@@ -405,6 +410,8 @@ class Ingest:
             if self.store is None and self.joined:
                 if self.consumer.assignment():
                     self.load_store()
+                    if remade := self._reposition_remade_topics():  # what this poll read there: read again
+                        polled = {tp: records for tp, records in polled.items() if tp.topic not in remade}
                 elif self.assigned_at is None:
                     self._mark_ready()  # in the group with no partition (more processes than partitions)
             for messages in polled.values():
@@ -662,6 +669,33 @@ class Ingest:
         if self.assigned_at is None:
             self._mark_ready()
 
+    def _reposition_remade_topics(self) -> set[str]:
+        """The topics made again (a new id) since this process last read them; their assigned partitions are
+        moved to the group's committed offset on the new topic, else its beginning. kafka-python keeps a
+        partition's position across a rebalance that assigns it again, so it went on at the old topic's
+        offset: a broker started again with its topics made anew lost the first messages sent to them."""
+        cluster = self._metadata()
+        if cluster is None or not hasattr(cluster, "topic_id"):
+            return set()
+        remade = set()
+        for topic in self.topics:
+            topic_id = cluster.topic_id(topic)
+            if topic_id is None:
+                continue
+            was = self._read_ids.get(topic)
+            self._read_ids[topic] = str(topic_id)
+            if was is not None and was != str(topic_id):
+                remade.add(topic)
+        for tp in [tp for tp in self.consumer.assignment() if tp.topic in remade]:
+            committed = self.consumer.committed(tp)
+            if committed is None:
+                self.consumer.seek_to_beginning(tp)
+            else:
+                self.consumer.seek(tp, committed)
+            logger.info("ingest: %s:%d is read from %s: its topic was made again", tp.topic, tp.partition,
+                        "the beginning" if committed is None else f"offset {committed}, committed on the new topic")
+        return remade
+
     def _metadata(self):
         """kafka-python's cluster metadata as the client holds it (a private attribute; None without a client):
         read without asking the broker."""
@@ -768,8 +802,9 @@ def _bootstrap_errors(bootstrap: str) -> Iterator[None]:
 @contextlib.contextmanager
 def _group_errors(group_id: str, session_timeout_ms: int) -> Iterator[None]:
     """What the broker refuses for good when the consumer joins its group or reads (kafka-python raises them
-    from `poll`; none is retried) is a BrokerError naming the setting to change, not a kafka-python traceback.
-    Nothing is lost: what was read and not committed is read again by the next run."""
+    from `poll`; none is retried), and a batch that cannot be read (a codec not installed, a failed
+    checksum), is a BrokerError naming what to change, not a kafka-python traceback. Nothing is lost: what
+    was read and not committed is read again by the next run."""
     try:
         yield
     except InvalidSessionTimeoutError as e:
@@ -790,6 +825,12 @@ def _group_errors(group_id: str, session_timeout_ms: int) -> Iterator[None]:
     except TopicAuthorizationFailedError as e:
         raise BrokerError(f"not authorised to read or write a topic ({e}): grant this client access to the topics "
                           "kafka.interactions_topic, kafka.feedback_topic and kafka.dead_letter_topic name") from e
+    except UnsupportedCodecError as e:  # each start would stop at the same batch: say what to install
+        raise BrokerError(f"a record batch is compressed with a codec this installation cannot read ({e}); clora "
+                          "depends on kafka-python[lz4,snappy,zstd]: install its dependencies again") from e
+    except CorruptRecordError as e:  # the log itself: skipping it would lose its events without a word
+        raise BrokerError(f"{e}: the topic's log is damaged there; repair or delete that partition's segment on the "
+                          "broker (clora commits nothing past it, so it is read again from there)") from e
 
 
 def _names(partitions: list[TopicPartition]) -> str:

@@ -388,6 +388,24 @@ def test_drain_on_stop_reads_everything_before_exiting(setup_factory):
     assert s.count("interactions") == 4000
 
 
+def test_batches_compressed_with_every_kafka_codec_are_ingested(setup_factory):
+    """A producer (or a topic's compression.type) may compress batches with any of Kafka's codecs: one ingest
+    could not read stopped at the first such batch, and again at every restart."""
+    s = setup_factory()
+    codecs = ("gzip", "snappy", "lz4", "zstd")
+    for codec in codecs:
+        producer = KafkaProducer(bootstrap_servers=s.bootstrap, compression_type=codec, linger_ms=10)
+        for i in range(50):
+            producer.send(s.interactions, key=b"acme", value=encode(
+                InteractionEvent(id=f"{codec}-{i}", tenant="acme", prompt="p", completion=f"{codec} " * 40)))
+        producer.flush()
+        producer.close()
+    proc = s.start("--once")
+    assert proc.wait(timeout=120) == 0, proc.log_path.read_text()[-3000:]
+    ids = read_dataset(s.data_dir, "interactions").column("id").to_pylist()
+    assert sorted(ids) == sorted(f"{codec}-{i}" for codec in codecs for i in range(50))
+
+
 def test_a_slow_scorer_cuts_batches_at_the_scoring_budget_and_every_event_lands_once(setup_factory, tmp_path):
     """A python: scorer taking 20 ms a call and a budget of 0.3 s a batch: batches end early, what they did is
     written and committed, the rest is read again from the broker; in the end every event is stored once and
@@ -464,6 +482,55 @@ def test_a_broker_that_starts_again_with_its_topics_made_anew_loses_no_event(tmp
     assert sorted(read_dataset(data_dir, "dead_letters").column("raw").to_pylist()) == [b"also bad", b"not json"]
     ingest_once(b"other junk")  # a.i:0:0 once more, alone in its batch as b"not json" was
     assert sorted(read_dataset(data_dir, "dead_letters").column("raw").to_pylist()) == [b"also bad", b"not json", b"other junk"]
+
+
+def test_a_running_ingest_reads_topics_made_anew_by_a_broker_started_again_from_their_start(tmp_path, data_dir):
+    """The embedded broker restarted under a running ingest (as `clora up` restarts it) makes its topics anew,
+    offsets from 0: ingest rejoined the group with its partitions' old positions and skipped as many of the
+    new topic's first messages as the old one had held."""
+    from ingest.broker import EmbeddedBroker, free_port
+
+    topics, port = ["b.i", "b.f", "b.d"], free_port()
+    config = tmp_path / "clora.toml"
+    config.write_text("\n".join([
+        f'data_dir = "{data_dir}"', "[kafka]", f'bootstrap = "127.0.0.1:{port}"', 'interactions_topic = "b.i"',
+        'feedback_topic = "b.f"', 'dead_letter_topic = "b.d"', 'group_id = "g"', "[ingest]", "flush_seconds = 0.3"])
+        + "\n")
+
+    def send(prefix: str, n: int) -> None:
+        producer = KafkaProducer(bootstrap_servers=f"127.0.0.1:{port}")
+        for i in range(n):
+            producer.send("b.i", key=b"acme", value=encode(InteractionEvent(id=f"{prefix}{i}", tenant="acme",
+                                                                             prompt="p", completion="c")))
+        producer.flush()
+        producer.close()
+
+    def stored() -> set:
+        try:
+            return set(read_dataset(data_dir, "interactions").column("id").to_pylist())
+        except Exception:  # nothing written yet
+            return set()
+
+    log = open(tmp_path / "ingest.log", "wb")  # noqa: SIM115 (closed below)
+    broker = EmbeddedBroker("127.0.0.1", port)
+    broker.start(topics, 1)
+    proc = subprocess.Popen([sys.executable, "-m", "ingest", "--config", str(config)], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc.log_path = Path(log.name)
+    try:
+        send("old", 5)
+        wait_for(lambda: stored() == {f"old{i}" for i in range(5)}, 60, "the first topic's events", [proc])
+        broker.stop()
+        broker = EmbeddedBroker("127.0.0.1", port)
+        broker.start(topics, 1)
+        send("new", 8)
+        wait_for(lambda: {f"new{i}" for i in range(8)} <= stored(), 120, "every event of the new topic", [proc])
+        assert "b.i:0 is read from the beginning: its topic was made again" in proc.log_path.read_text()
+    finally:
+        proc.kill()
+        proc.wait()
+        log.close()
+        broker.stop()
 
 
 def test_max_seconds_stops_the_process_on_its_own(setup_factory):

@@ -74,6 +74,9 @@ def test_the_signal_handler_takes_no_lock(tmp_path, monkeypatch, drain_on_stop):
                                    "group.min.session.timeout.ms and group.max.session.timeout.ms"),
     ("InconsistentGroupProtocolError", "consumer group 'clora-ingest' (kafka.group_id) has members of another"),
     ("GroupAuthorizationFailedError", "not authorised to use consumer group 'clora-ingest'"),
+    # a batch that cannot be read: every start would stop at it again
+    ("UnsupportedCodecError", "compressed with a codec this installation cannot read"),
+    ("CorruptRecordError", "the topic's log is damaged there"),
 ])
 def test_a_group_the_broker_refuses_for_good_ends_ingest_naming_the_setting(tmp_path, monkeypatch, caplog, refusal, named):
     """kafka-python raises these from `poll` and never retries them: the process ends with status 2 and a
