@@ -186,10 +186,31 @@ def setup_logging(level: str = "INFO") -> None:
     # errors still show.
     for noisy in ("kafka", "httpx", "httpx2", "httpcore", "openai"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    # Except where kafka-python says, at INFO, that records it was to read are gone (deleted by the topic's
+    # retention before they were read, or truncated by an unclean leader election): a warning.
+    fetcher = logging.getLogger("kafka.consumer.fetcher")
+    if logging.getLogger().level <= logging.WARNING:
+        fetcher.setLevel(logging.INFO)
+        if not any(isinstance(f, _RecordsGone) for f in fetcher.filters):
+            fetcher.addFilter(_RecordsGone())
     if not sys.stderr.isatty():
         # A progress bar in a log (or in `clora up`'s prefixed output) is only its cursor moves.
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+class _RecordsGone(logging.Filter):
+    """Passes kafka-python's fetcher warnings, and its INFO lines that say records were lost, as warnings."""
+
+    SAYS = ("Fetch offset %s is out of range", "Truncation detected")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            return True
+        if isinstance(record.msg, str) and record.msg.startswith(self.SAYS):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            return True
+        return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:

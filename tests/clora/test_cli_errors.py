@@ -477,3 +477,22 @@ def test_a_mistyped_option_is_refused_with_the_usage_of_the_command_it_was_given
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(usage) and err.rstrip().endswith(f"error: unrecognized arguments: {unknown}"), err
+
+
+def test_kafka_pythons_word_that_records_were_lost_is_a_warning_and_its_chatter_is_not_shown(tmp_path):
+    """kafka-python says at INFO that a fetch offset is out of range (the records were deleted by retention
+    before ingest read them) or that a log was truncated; clora shows kafka-python's warnings only, so the
+    loss went unsaid. Run in a process of its own: logging is configured once per process."""
+    code = (
+        "import logging\n"
+        "from clora.cli import setup_logging\n"
+        "setup_logging('INFO')\n"
+        "log = logging.getLogger('kafka.consumer.fetcher')\n"
+        "log.info('Fetch offset %s is out of range for topic-partition %s', 5, 'clora.interactions-0')\n"
+        "log.info('Resetting offset for partition %s to offset %s.', 'clora.interactions-0', 9)\n"
+        "logging.getLogger('kafka.conn').info('connecting to 127.0.0.1:9092')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2])
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and "WARNING kafka.consumer.fetcher: Fetch offset 5 is out of range" in lines[0], lines
