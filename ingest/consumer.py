@@ -346,6 +346,7 @@ class Ingest:
         # topic -> the id this process last read it under: a topic made again since (a broker that keeps its
         # topics in memory and started again; a topic deleted and made anew) must be read from its start
         self._read_ids: dict[str, str] = {}
+        self._mismatch_logged: tuple[int, int] | None = None  # the topics' partition counts last said to differ
 
     # --- the loop -------------------------------------------------------------------------------------
 
@@ -666,8 +667,22 @@ class Ingest:
             topics_since=self._topics_since(), owned=self._owned_feedback(),
         )
         self.metrics.set_pending(len(self.store.pending))
+        self._check_partition_counts()
         if self.assigned_at is None:
             self._mark_ready()
+
+    def _check_partition_counts(self) -> None:
+        """Logs an error (once per change) when the two topics' partition counts differ: the group splits
+        each topic on its own, so with several ingest processes a tenant's feedback then reaches another
+        process than its interactions, and waits there until it expires, never joined."""
+        cluster = self._metadata()
+        counts = tuple(len(cluster.partitions_for_topic(t) or ()) if cluster is not None else 0 for t in self.topics)
+        if 0 in counts or counts[0] == counts[1] or counts == self._mismatch_logged:
+            return
+        self._mismatch_logged = counts
+        logger.error("ingest: %s has %d partitions but %s has %d: with more than one ingest process, feedback "
+                     "reaches another process than its interaction and never joins it; give both topics the same "
+                     "partition count", self.topics[0], counts[0], self.topics[1], counts[1])
 
     def _reposition_remade_topics(self) -> set[str]:
         """The topics made again (a new id) since this process last read them; their assigned partitions are

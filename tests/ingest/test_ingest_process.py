@@ -533,6 +533,23 @@ def test_a_running_ingest_reads_topics_made_anew_by_a_broker_started_again_from_
         broker.stop()
 
 
+def test_topics_of_different_partition_counts_are_said_to_break_the_join(broker, tmp_path, data_dir):
+    """The group splits each topic on its own: with more than one process, feedback then reaches another
+    process than its interaction. Nothing said so; it only waited and expired."""
+    tag = uuid.uuid4().hex[:8]
+    ensure_topics(broker.bootstrap, [f"m-{tag}.i", f"m-{tag}.d"], 2)
+    ensure_topics(broker.bootstrap, [f"m-{tag}.f"], 4)
+    config = tmp_path / "clora.toml"
+    config.write_text("\n".join([
+        f'data_dir = "{data_dir}"', "[kafka]", f'bootstrap = "{broker.bootstrap}"',
+        f'interactions_topic = "m-{tag}.i"', f'feedback_topic = "m-{tag}.f"', f'dead_letter_topic = "m-{tag}.d"',
+        f'group_id = "g-{tag}"']) + "\n")
+    done = subprocess.run([sys.executable, "-m", "ingest", "--config", str(config), "--once"], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"ERROR ingest.consumer: ingest: m-{tag}.i has 2 partitions but m-{tag}.f has 4" in done.stderr
+
+
 def test_max_seconds_stops_the_process_on_its_own(setup_factory):
     """`clora ingest --max-seconds N`: consumes, then exits 0 once N seconds have passed (no signal, no --once)."""
     s = setup_factory(flush_rows=100, flush_seconds=0.2)
