@@ -26,8 +26,8 @@ effort: a replayed batch sends its dead letters again, those already in dead_let
 side by side, so a crash may come after the Parquet file landed and before the broker acknowledged the
 sends), so a message can reach it twice; and dead letters the topic has not acknowledged after
 DEAD_LETTER_ATTEMPTS sends are given up (logged, counted in clora_ingest_dead_letters_not_delivered) and the
-batch is committed all the same, so a message can also never reach it. An outage of the dead-letter topic
-does not stop ingest.
+batch is committed all the same, so a message can also never reach it; nothing is sent to the topic for
+DEAD_LETTER_PAUSE_S after that. An outage of the dead-letter topic neither stops ingest nor slows it.
 
 Rebalances (several `clora ingest` processes in one group split the partitions): on revocation the write
 in flight and the buffer are written and committed, then the in-memory view is dropped. Partitions *lost*
@@ -110,6 +110,7 @@ DEAD_LETTER_DELIVERY_MS = 20_000
 # minutes for a large store) before the group gives its partitions to another member. kafka-python's
 # default is 5 minutes; past it, the load started again at the next assignment, and again.
 MAX_POLL_INTERVAL_MS = 30 * 60_000
+DEAD_LETTER_PAUSE_S = 60.0  # after giving up on the dead-letter topic, how long no dead letter is sent to it
 DEAD_LETTER_BLOCK_MS = 10_000  # the longest a send may wait for the topic's metadata (kafka-python's max_block_ms)
 WRITING_POLL_MS = 10  # while a write is in flight: poll briefly, so its commit follows it closely
 # In the state dir: per topic, the broker's id for it and since when ingest reads that incarnation
@@ -346,6 +347,7 @@ class Ingest:
         # topic -> the id this process last read it under: a topic made again since (a broker that keeps its
         # topics in memory and started again; a topic deleted and made anew) must be read from its start
         self._read_ids: dict[str, str] = {}
+        self._dead_letter_pause_until = 0.0  # monotonic: until then the dead-letter topic is not sent to
         self._mismatch_logged: tuple[int, int] | None = None  # the topics' partition counts last said to differ
 
     # --- the loop -------------------------------------------------------------------------------------
@@ -508,9 +510,13 @@ class Ingest:
         Returns how many were given up on (the loop counts them: clora_ingest_dead_letters_not_delivered).
 
         Giving up is logged, not raised: the dead letter is in Parquet either way, and a dead-letter topic
-        that refuses messages must not stop ingest of the good ones.
+        that refuses messages must not stop ingest of the good ones. Nor slow it: once this gives up, the
+        next DEAD_LETTER_PAUSE_S seconds' dead letters are not sent (given up at once, counted): each batch
+        with a dead letter waited out the topic's metadata (10 s) or every attempt (~1 min) before its commit.
         """
         everything = out.dead_letters + out.replayed_dead_letters
+        if everything and time.monotonic() < self._dead_letter_pause_until:
+            return len(everything)
         pending = list(everything)
         for attempt in range(1, DEAD_LETTER_ATTEMPTS + 1):
             if not pending:
@@ -546,9 +552,12 @@ class Ingest:
         if not pending:
             return 0
         at, e = failed[0][0].at, failed[0][1]
+        self._dead_letter_pause_until = time.monotonic() + DEAD_LETTER_PAUSE_S
         logger.error(
-            "ingest: %d of %d dead letters could not be sent to %s (first: %s:%d:%d: %s); they are in dead_letters/",
+            "ingest: %d of %d dead letters could not be sent to %s (first: %s:%d:%d: %s); they are in dead_letters/, "
+            "as are those of the next %.0f s, which are not sent (counted as not delivered)",
             len(failed), len(everything), self.dead_letter_topic, at.topic, at.partition, at.offset, e,
+            DEAD_LETTER_PAUSE_S,
         )
         return len(failed)
 

@@ -128,3 +128,24 @@ def test_dead_letters_the_topic_never_acknowledges_are_given_up_counted_and_the_
     assert "2 of 2 dead letters could not be sent to t.d" in caplog.text
     assert ingest.metrics.total["dead_letters_not_delivered"] == 2
     assert ingest.metrics.registry.get_sample_value("clora_ingest_dead_letters_not_delivered_total") == 2
+
+
+def test_after_giving_up_on_the_topic_the_next_batches_do_not_wait_for_it(ingest, data_dir, caplog):
+    """A dead-letter topic that does not answer held each batch with a dead letter for every attempt (about a
+    minute, or 10 s a batch for a missing topic): ingest crawled. For DEAD_LETTER_PAUSE_S after giving up, the
+    dead letters are kept in Parquet only, counted as not delivered, and the batch is committed at once."""
+    ingest.producer = FakeDeadLetterProducer(refuse=NotEnoughReplicasError("not enough replicas"))
+    ingest.buffer = batch()
+    ingest.flush()
+    assert len(ingest.producer.sent) == 2 * DEAD_LETTER_ATTEMPTS
+    ingest.buffer = [Record("t.i", 0, 3, b"still not json")]
+    ingest.flush()
+    assert len(ingest.producer.sent) == 2 * DEAD_LETTER_ATTEMPTS, "sent to the topic while it was paused"
+    assert ingest.consumer.commits == [{PARTITION: 3}, {PARTITION: 4}]
+    assert read_dataset(str(data_dir), "dead_letters").num_rows == 3
+    assert ingest.metrics.total["dead_letters_not_delivered"] == 3
+    ingest._dead_letter_pause_until = 0.0  # the pause over: the topic is tried again
+    ingest.producer.refuse = None
+    ingest.buffer = [Record("t.i", 0, 4, b"junk again")]
+    ingest.flush()
+    assert ingest.producer.sent[-1][2] == b"junk again"
