@@ -47,8 +47,9 @@ class ContextLengthExceeded(BadRequest):
 
 
 class Unauthenticated(ServingError):
+    """OpenAI's own 401: type invalid_request_error, code invalid_api_key."""
+
     status = 401
-    type = "authentication_error"
     code = "invalid_api_key"
 
 

@@ -23,7 +23,7 @@ def test_missing_or_unknown_key_is_401(header):
     with pytest.raises(Unauthenticated) as e:
         Authenticator(KEYS).tenant(header)
     assert e.value.status == 401
-    assert e.value.body()["error"]["type"] == "authentication_error"
+    assert e.value.body()["error"]["type"] == "invalid_request_error"
 
 
 def resolve(model, tenant="acme"):

@@ -137,7 +137,7 @@ def test_refusals_use_the_openai_error_shape(server):
     anonymous = openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as e:
         anonymous.chat.completions.create(model="acme", messages=MESSAGES)
-    assert e.value.body["type"] == "authentication_error"
+    assert e.value.body["type"] == "invalid_request_error"
     no_key = httpx.post(server.base_url + "/v1/chat/completions", json={"model": "base", "messages": MESSAGES})
     assert no_key.status_code == 401 and set(no_key.json()["error"]) == {"message", "type", "param", "code"}
     assert no_key.headers["x-request-id"]
