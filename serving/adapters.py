@@ -45,8 +45,8 @@ those of processes gone.
 Everything here runs on the event loop (one thread), so the tables need no locks; the slow parts
 (registry reads, validation) go to worker threads and the engine calls are awaited.
 
-What this module does not do: decide who may ask for what (auth.py), or how the engine batches adapters
-(vLLM's scheduler queues requests when more than `max_loras` adapters are wanted at once).
+What this module does not do: decide who may ask for what (auth.py), or which adapters' requests the engine
+takes at once (lora_slots.py: at most `max_loras` of them, each other one in its turn).
 """
 
 from __future__ import annotations

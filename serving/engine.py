@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.errors import BadRequest, ContextLengthExceeded, EngineStopped, GenerationFailed
+from serving.lora_slots import LoraSlots
 
 logger = logging.getLogger(__name__)
 
@@ -297,6 +298,10 @@ class Engine:
                                     != list(self.tokenizer.encode("a", add_special_tokens=False)))
         self._ids = itertools.count(1)
         self._temporary_dir = temporary_dir
+        # Adapters with requests in the engine, at most its max_loras (lora_slots.py): beyond them, vLLM's
+        # scheduler could leave a tenant's requests waiting for good.
+        lora_config = getattr(getattr(llm, "vllm_config", None), "lora_config", None)
+        self.lora_slots = LoraSlots(lora_config.max_loras) if lora_config is not None else None
         self.zero_adapter = self.new_handle(ZERO_ADAPTER_NAME, zero_adapter_dir) if zero_adapter_dir else None
 
     async def start(self) -> None:
@@ -464,8 +469,10 @@ class Engine:
             # Closed (which aborts the request in the engine) as soon as this loop ends, however it ends: left
             # to the garbage collector, the abort came a few event-loop passes after the caller released the
             # adapter, which could then be unloaded, its files deleted, under a request still running on it.
-            async with contextlib.aclosing(self.llm.generate(prompt, params, request_id, lora_request=lora,
-                                                                      priority=priority)) as outputs:
+            slot = self.lora_slots.held(lora.lora_int_id if lora is not None else None, priority) \
+                if self.lora_slots is not None else contextlib.nullcontext()
+            async with slot, contextlib.aclosing(self.llm.generate(prompt, params, request_id, lora_request=lora,
+                                                                            priority=priority)) as outputs:
                 async for output in outputs:
                     for out in output.outputs:
                         if out.finish_reason == "error":  # vLLM: a request-level internal error, always a 500

@@ -252,3 +252,43 @@ def test_start_reads_the_whole_vocabulary_in_the_prompt_thread(tiny_model, monke
 
 async def _collect(deltas):
     return [delta async for delta in deltas]
+
+
+def test_requests_reach_the_engine_only_while_their_adapter_has_one_of_its_max_loras_slots(tiny_model):
+    """vLLM leaves a waiting request whose adapter is not among the running ones' once max_loras adapters run
+    (for good, under steady traffic of theirs): the engine takes a request of another adapter only once one
+    has a slot (serving/lora_slots.py)."""
+    from transformers import AutoTokenizer
+
+    from serving.engine import AdapterHandle
+
+    class OneSlotLLM(FakeDetokenizingLLM):
+        vllm_config = SimpleNamespace(lora_config=SimpleNamespace(max_loras=1))
+
+        def __init__(self, tokenizer):
+            super().__init__(tokenizer, [5, 6])
+            self.started, self.release = [], asyncio.Event()
+
+        async def generate(self, prompt, params, request_id, lora_request=None, priority=0):
+            self.started.append(request_id)
+            await self.release.wait()
+            async for output in super().generate(prompt, params, request_id, lora_request, priority):
+                yield output
+
+    llm = OneSlotLLM(AutoTokenizer.from_pretrained(tiny_model))
+    engine = Engine(llm, max_model_len=64)
+    acme, globex = AdapterHandle("acme@1", 101, tiny_model), AdapterHandle("globex@1", 102, tiny_model)
+
+    async def scenario():
+        first = asyncio.create_task(_collect(engine.stream([1, 2], Sampling(max_tokens=2), acme, "a1")))
+        other = asyncio.create_task(_collect(engine.stream([1, 2], Sampling(max_tokens=2), globex, "g1")))
+        again = asyncio.create_task(_collect(engine.stream([1, 2], Sampling(max_tokens=2), acme, "a2")))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert llm.started == ["a1"]  # globex waits for the slot, and acme's next request behind it
+        llm.release.set()
+        await asyncio.gather(first, other, again)
+        assert llm.started == ["a1", "g1", "a2"] and engine.lora_slots.active == {}
+
+    asyncio.run(scenario())
+    engine.shutdown()
