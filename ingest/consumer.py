@@ -382,6 +382,9 @@ class Ingest:
                     client_id=f"clora-ingest-{self.group_id}",
                     enable_auto_commit=False,
                     auto_offset_reset="earliest",
+                    # Events of a producer's aborted transaction are never stored (read_uncommitted, Kafka's
+                    # default, took them, and, the first copy winning, over the committed retry).
+                    isolation_level="read_committed",
                     session_timeout_ms=self.session_timeout_ms,
                     heartbeat_interval_ms=self.heartbeat_interval_ms,
                     max_poll_interval_ms=MAX_POLL_INTERVAL_MS,
@@ -811,6 +814,8 @@ class Ingest:
         ends = self.consumer.end_offsets(list(assignment))
         # And the high-water mark the last fetch saw: the embedded broker's end offset can lag the records it
         # holds (a partition written in several producer batches), which a position sought back lies behind.
+        # (With a transaction still open, a read_committed consumer stops before its records: "read to the
+        # end" then waits until the producer commits or aborts it.)
         return all(self.consumer.position(tp) >= max(ends[tp], self.consumer.highwater(tp) or 0) for tp in assignment)
 
 
