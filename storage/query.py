@@ -247,8 +247,9 @@ def adapters_table(versions: list[AdapterVersion]) -> pa.Table:
 def _metric_columns(versions: list[AdapterVersion]) -> dict[str, pa.Array]:
     """metric_<key> for every metric whose values are all numbers (or all strings / all booleans). The learner
     stores a non-finite number as a string ("nan", "inf"): that is a number here (NaN, inf)."""
-    keys = sorted({k for v in versions for k in v.metrics})
-    out = {}
+    # Of keys differing only in case, the lower-case one (the learner's) gets the column.
+    keys = sorted({k for v in versions for k in v.metrics}, key=lambda k: (k.lower(), k != k.lower(), k))
+    out, seen = {}, set()
     for key in keys:
         values = [v.metrics.get(key) for v in versions]
         present = [x for x in values if x is not None]
@@ -262,7 +263,8 @@ def _metric_columns(versions: list[AdapterVersion]) -> dict[str, pa.Array]:
         else:
             continue  # nested or mixed: only in the metrics JSON
         column = "metric_" + re.sub(r"[^A-Za-z0-9_]", "_", key)
-        if column not in out:
+        if column.lower() not in seen:  # DuckDB's names ignore case: metric_Loss would shadow metric_loss
+            seen.add(column.lower())
             out[column] = pa.array(values, type_)
     return out
 

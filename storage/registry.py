@@ -214,6 +214,18 @@ class AdapterVersion:
         fmt = data.get("format")
         if fmt != FORMAT:
             raise RegistryError(f"registry record {data.get('name')!r} has format {fmt!r}; this clora reads {FORMAT}")
+        # Fields of the wrong type (a hand edit) make the record unreadable here (ValueError), rather than
+        # failing later where they are used: sorting, a table's column, every tenant's listing at once.
+        if data["status"] not in STATUSES:
+            raise ValueError(f"status {data['status']!r} is none of {', '.join(STATUSES)}")
+        if not isinstance(data["tenant"], str):
+            raise ValueError("field tenant is not a string")
+        for key in ("parent", "reason"):
+            if data.get(key) is not None and not isinstance(data[key], str):
+                raise ValueError(f"field {key} is not a string or null")
+        for key in ("metrics", "trajectory_range", "gate"):
+            if data.get(key) is not None and not isinstance(data[key], dict):
+                raise ValueError(f"field {key} is not an object or null")
         return cls(
             tenant=data["tenant"],
             number=int(data["number"]),

@@ -184,6 +184,15 @@ def test_a_non_finite_metric_keeps_its_metric_column(data_dir, peft_writer):
     assert [r["metric_mode"] for r in rows] == ["logs", "logs", "logs", "inf"], "strings stay strings"
 
 
+def test_metric_keys_differing_only_in_case_do_not_shadow_one_another(data_dir, peft_writer):
+    """DuckDB's names ignore case: metric_loss and metric_Loss were one column, with the second key's values."""
+    reg = Registry(data_dir)
+    reg.create("acme", parent=None, write=peft_writer, metrics={"loss": 1.0, "Loss": 2.0})
+    table = query(data_dir, "select * from adapters")
+    assert [c for c in table.column_names if c.lower() == "metric_loss"] == ["metric_loss"]  # the other: in metrics
+    assert table.column("metric_loss").to_pylist() == [1.0]
+
+
 def test_only_a_query_naming_adapters_reads_the_registry(data_dir, peft_writer, make_trajectories, monkeypatch):
     """Building the adapters view reads every registry record (a version per learner step, forever)."""
     from storage.registry import Registry as RealRegistry
@@ -253,12 +262,15 @@ def test_an_unreadable_registry_record_is_left_out_of_the_adapters_view(data_dir
     record = json.loads((data_dir / "registry" / "acme" / "2.json").read_text())
     (data_dir / "registry" / "acme" / "2.json").write_text(json.dumps({**record, "format": 2}))
     (data_dir / "registry" / "acme" / "3.json").write_text("{not json")
+    reg.create("acme", parent=None, write=peft_writer)
+    four = json.loads((data_dir / "registry" / "acme" / "4.json").read_text())
+    (data_dir / "registry" / "acme" / "4.json").write_text(json.dumps({**four, "metrics": [1, 2], "parent": 7}))
     with caplog.at_level(logging.WARNING, logger="storage.query"):
         assert query(data_dir, "select name from adapters").to_pylist() == [{"name": "acme@1"}]
         assert query(data_dir, "select count(*) as n from trajectories").to_pylist() == [{"n": 14}]
         assert connect(data_dir).sql("select count(*) from adapters").fetchall() == [(1,)]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings and all("acme@2" in w and "acme@3" in w for w in warnings)
+    assert warnings and all("acme@2" in w and "acme@3" in w and "acme@4" in w for w in warnings)
 
 
 @pytest.mark.parametrize(("name", "sibling"), [("data?", "data1"), ("data*", "data-old"), ("data[12]", "data1")])

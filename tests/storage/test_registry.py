@@ -651,6 +651,13 @@ DAMAGE = {
     "not JSON": b'{"status": "retired",}',
     "a field missing": b'{"format": 1, "tenant": "beta", "number": 1}',
     "another format": b'{"format": 2, "tenant": "beta", "number": 1, "name": "beta@1"}',
+    # a field of the wrong type: it failed later, where it was used (every tenant's listing, the adapters view)
+    "metrics not an object": b'{"format": 1, "tenant": "beta", "number": 1, "name": "beta@1", "parent": null, '
+                             b'"status": "published", "created_at": "2026-01-01T00:00:00+00:00", "metrics": [1, 2]}',
+    "parent not a string": b'{"format": 1, "tenant": "beta", "number": 1, "name": "beta@1", "parent": 7, '
+                           b'"status": "published", "created_at": "2026-01-01T00:00:00+00:00"}',
+    "an unknown status": b'{"format": 1, "tenant": "beta", "number": 1, "name": "beta@1", "parent": null, '
+                         b'"status": "Published", "created_at": "2026-01-01T00:00:00+00:00"}',
 }
 
 
