@@ -276,6 +276,7 @@ class Registry:
         self._metas: dict[Path, tuple[tuple[int, int, int], AdapterVersion]] = {}
         self._logged: dict[object, object] = {}  # what `_log_once` logged: key -> its reason
         self._generation_seen = 0  # the largest generation read or written: one rebuilt from the clock is larger
+        self._head_cache: tuple[tuple[int, int, int], dict] | None = None  # HEAD.json's stamp and parse
 
     def __repr__(self) -> str:
         return f"Registry({str(self.dd.root)!r}, keep_last={self.keep_last})"
@@ -838,7 +839,9 @@ class Registry:
         clock = time.time_ns() // 1000
         generation = max(old_generation + 1 if old_generation is not None else clock, self._generation_seen + 1)
         head = {"format": FORMAT, "generation": generation, "published": published}
-        atomic_write_bytes(self._head, _dumps(head))
+        # Compact: an entry per tenant, written at every change and parsed by every serving replica after it
+        # (indented, json's pure-Python encoder ran: ~0.1 s a write at 1,000 tenants).
+        atomic_write_bytes(self._head, json.dumps(head, sort_keys=True, separators=(",", ":")).encode())
         self._generation_seen = generation
 
     def _still_published(self, v: AdapterVersion) -> bool:
@@ -851,9 +854,15 @@ class Registry:
             return True
 
     def _read_head(self) -> dict | None:
-        """HEAD.json checked (format, generation, published), or None when there is none yet."""
+        """HEAD.json checked (format, generation, published), or None when there is none yet. Parsed again only
+        when its (inode, mtime, size) changed (it is replaced by rename): serving polls it every half second,
+        and it holds an entry per tenant (1.5 MB at 1,000 tenants). Callers must not change what it returns."""
         try:
-            raw = self._head.read_bytes()
+            st = os.stat(self._head)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if self._head_cache is not None and self._head_cache[0] == stamp:
+                return self._head_cache[1]
+            raw = self._head.read_bytes()  # replaced since the stat: the next read parses it again
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -869,6 +878,7 @@ class Registry:
         except ValueError as e:
             raise UnreadableRecord(self._head, _why(e)) from e
         self._generation_seen = max(self._generation_seen, head["generation"])
+        self._head_cache = (stamp, head)
         return head
 
     def _old_head(self) -> tuple[int | None, dict[str, AdapterVersion] | None]:

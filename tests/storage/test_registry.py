@@ -955,3 +955,20 @@ def test_a_record_deleted_by_hand_among_the_newest_hides_no_version(data_dir, pe
     assert json.loads(hint.read_text())["last"] == 5 and 3 not in json.loads(hint.read_text())["open"]
     reg.publish("acme", _new(reg, peft_writer, parent="acme@5").number)
     assert Registry(data_dir).published()["acme"].name == "acme@6"
+
+
+def test_head_is_parsed_again_only_when_it_changed(data_dir, peft_writer, monkeypatch):
+    """Serving polls the generation every half second; HEAD.json holds an entry per tenant (1.5 MB at 1,000),
+    and was parsed whole at every poll."""
+    import storage.registry as registry_module
+
+    reg = Registry(data_dir)
+    reg.publish("acme", _new(reg, peft_writer).number)
+    parses = []
+    real = registry_module.json.loads
+    monkeypatch.setattr(registry_module.json, "loads", lambda raw, *a, **kw: parses.append(1) or real(raw, *a, **kw))
+    first = reg.generation()
+    assert [reg.generation() for _ in range(5)] == [first] * 5 and len(parses) <= 1
+    other = Registry(data_dir)  # another process's change: a new file, so a new stamp
+    other.publish("acme", _new(other, peft_writer, parent="acme@1").number)
+    assert reg.generation() > first and reg.published()["acme"].name == "acme@2"
