@@ -12,6 +12,7 @@ Every subcommand accepts `--config` (the parent parser `common`); `args.config_p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import logging
@@ -88,6 +89,7 @@ def config_from_args(args: argparse.Namespace, *, writes_data_dir: bool = False,
     for line in unknown_env_variables().values():
         print(f"clora: warning: {line}", file=sys.stderr)
     setup_logging(cfg.log_level)
+    raise_open_files_limit()
     if writes_data_dir:
         try:
             prepare_data_dir(cfg.data_dir)
@@ -168,6 +170,21 @@ def prepare_data_dir(path: Path, *, create: bool = True) -> Path:
         os.close(fd)
         os.unlink(probe)
     return path
+
+
+def raise_open_files_limit() -> None:
+    """Raises this process's soft limit on open files to its hard limit: the learner holds a lock file open
+    per tenant it trains, and at the common soft limit of 1,024 its 1,020th tenant made every open() of the
+    process fail (Parquet reads, checkpoints). Children inherit it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # a hard limit of "unlimited" some systems refuse as a soft one
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1 << 20), hard))
 
 
 def data_dir_error(data_dir: Path, e: OSError) -> str:

@@ -79,7 +79,7 @@ class Shard:
     (tenant, shard) and goes to the first in its ranking that has room, the config's tenants taken in the
     order of their own hash, each shard holding floor(T/N) of them or one more. So N processes get the same
     number of configured tenants, give or take one, and a config that adds or removes a tenant moves few
-    others (each move costs a checkpoint reload and up to one config re-read): in trials, 0.3 of 8 tenants on
+    others (each move costs a checkpoint reload and up to one config re-read): in trials, ~0.4 of 8 tenants on
     2 shards and 1.2 of 100 on 4 on average, where dealing by name order moved half of them. A tenant only in
     storage (ingest created it) goes to the first shard of its ranking. Every process reads the same config,
     so all agree without talking to each other; a per-tenant lock (loop.py) makes sure no two train one

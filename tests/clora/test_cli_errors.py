@@ -496,3 +496,31 @@ def test_kafka_pythons_word_that_records_were_lost_is_a_warning_and_its_chatter_
                           cwd=Path(__file__).resolve().parents[2])
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and "WARNING kafka.consumer.fetcher: Fetch offset 5 is out of range" in lines[0], lines
+
+
+def test_every_command_raises_its_open_files_limit_to_the_hard_one(tmp_path):
+    """The learner holds a lock file open per tenant: at a soft limit of 1,024, its 1,020th tenant made every
+    open() of the process fail."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 64:
+        pytest.fail(f"this machine's hard limit on open files is {hard}")
+    code = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+        "from clora.cli import main\n"
+        "sys.argv = ['clora', 'config', 'show']\n"
+        "import clora.commands\n"
+        "real = clora.commands.config_show\n"
+        "def show(args):\n"
+        "    real(args)\n"
+        "    print('soft', resource.getrlimit(resource.RLIMIT_NOFILE)[0], file=sys.stderr)\n"
+        "clora.commands.config_show = show\n"
+        "sys.exit(main(['config', 'show']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert done.returncode == 0, done.stderr
+    raised = int(done.stderr.split("soft ")[1].split()[0])
+    assert raised > 64 and (hard == resource.RLIM_INFINITY or raised == hard)
