@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import math
 import logging
 import os
@@ -492,21 +491,17 @@ class Api:
     async def _deltas(self, call: _Call) -> AsyncIterator[Delta]:
         """Every choice's deltas, numbered across prompts (choice j of prompt i is i * n + j)."""
         adapter, n = call.lease.adapter, call.body.n
-        if len(call.prompts) == 1:
-            p = call.prompts[0]
-            # Closed with this generator (the caller's aclose when the client leaves): the engine's request is
-            # then aborted before the caller releases the adapter's lease, not whenever the collector gets to it.
-            async with contextlib.aclosing(self.engine.stream(p.ids, p.sampling, adapter, call.response_id,
-                                                              cache_salt=call.tenant, priority=call.body.priority)) as deltas:
-                while (delta := await self._next_output(functools.partial(anext, deltas, None))) is not None:
-                    yield delta
-            return
+        # Each prompt's engine request is read by a task of its own, whatever the client's pace: a request
+        # gives its adapter's engine slot up once the engine has finished it (lora_slots.py), which a stream
+        # read only as fast as its client reads would delay for as long as the client stalls.
         queue: asyncio.Queue = asyncio.Queue()
         end = object()
+        single = len(call.prompts) == 1
 
         async def pump(i: int, p: _Prompt) -> None:
             try:
-                async for delta in self.engine.stream(p.ids, p.sampling, adapter, f"{call.response_id}-p{i}",
+                request_id = call.response_id if single else f"{call.response_id}-p{i}"
+                async for delta in self.engine.stream(p.ids, p.sampling, adapter, request_id,
                                                       cache_salt=call.tenant, priority=call.body.priority):
                     queue.put_nowait(replace(delta, index=i * n + delta.index))
                 queue.put_nowait(end)
@@ -524,7 +519,7 @@ class Api:
                     raise item
                 else:
                     yield item
-        finally:  # a failure, or the client gone: the other prompts' engine requests are aborted too
+        finally:  # a failure, or the client gone: every prompt's engine request is aborted (before the lease goes)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

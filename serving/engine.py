@@ -463,17 +463,25 @@ class Engine:
         lora = _lora_request(adapter) if adapter is not None else None
         chars: dict[int, int] = {}  # choice -> characters its tokens decode to so far
         decoders: dict[int, Any] = {}  # choice -> the UTF-8 decoder its tokens' bytes go through
+        slot = lora.lora_int_id if lora is not None and self.lora_slots is not None else None
+        holding = False
         try:
             params = _sampling_params(sampling)  # vLLM refuses some combinations: a 400, like its own server
             prompt = tokens_input(list(prompt_ids), cache_salt=cache_salt)
+            # Its adapter's slot in the engine (lora_slots.py), given up once the engine has finished it: a
+            # client slow to read the last deltas must not hold it.
+            if slot is not None:
+                await self.lora_slots.enter(slot, priority)
+                holding = True
             # Closed (which aborts the request in the engine) as soon as this loop ends, however it ends: left
             # to the garbage collector, the abort came a few event-loop passes after the caller released the
             # adapter, which could then be unloaded, its files deleted, under a request still running on it.
-            slot = self.lora_slots.held(lora.lora_int_id if lora is not None else None, priority) \
-                if self.lora_slots is not None else contextlib.nullcontext()
-            async with slot, contextlib.aclosing(self.llm.generate(prompt, params, request_id, lora_request=lora,
-                                                                            priority=priority)) as outputs:
+            async with contextlib.aclosing(self.llm.generate(prompt, params, request_id, lora_request=lora,
+                                                              priority=priority)) as outputs:
                 async for output in outputs:
+                    if holding and getattr(output, "finished", False):
+                        holding = False
+                        self.lora_slots.leave(slot)
                     for out in output.outputs:
                         if out.finish_reason == "error":  # vLLM: a request-level internal error, always a 500
                             raise GenerationFailed(f"the engine failed request {request_id} (choice {out.index}); "
@@ -502,6 +510,9 @@ class Engine:
             with contextlib.suppress(Exception):
                 await self.llm.abort(request_id)
             raise
+        finally:
+            if holding:  # after the abort above (or the generator's close): the engine is done with it
+                self.lora_slots.leave(slot)
 
     async def generate(
         self, prompt_ids: list[int], sampling: Sampling, adapter: AdapterHandle | None, request_id: str,

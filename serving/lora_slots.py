@@ -10,12 +10,17 @@ distinct adapter with requests in the engine:
   - a request whose adapter already has requests in the engine goes in at once, unless a request is waiting
     ahead of it (a smaller `priority`, or the same and earlier): then it waits too, so the adapters in the
     engine drain and one of them gives its slot up;
-  - a request whose adapter has none takes a free slot, or waits for one, in order of (priority, arrival).
+  - a request whose adapter has none takes a free slot, or waits for one, in order of (priority, arrival);
+  - a request that has waited AGING_S counts as the most urgent (before any other, in arrival order among
+    such): production traffic of the adapters in the engine (priority 0) would otherwise keep them there,
+    and a rollout (priority 1) of another adapter would wait for good.
 
 The cost is a shorter batch while the adapters ahead drain (a generation or so); the gain, that every tenant
-is served in its turn however many share the slots. A waiting request that is cancelled (its client left)
-leaves the queue. Base-model requests on a GPU use no adapter and take no slot; on CPU the zero adapter
-stands in for the base model and takes one, as it does in vLLM's batch.
+is served in its turn however many share the slots. A request gives its slot up as soon as the engine has
+finished it (Engine.stream), not once its client has read it all: a client that stops reading its stream
+must not hold a slot. A waiting request that is cancelled (its client left) leaves the queue. Base-model
+requests on a GPU use no adapter and take no slot; on CPU the zero adapter stands in for the base model
+and takes one, as it does in vLLM's batch.
 
 Everything runs on the event loop (one thread): no locks.
 """
@@ -24,23 +29,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import itertools
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+AGING_S = 5.0  # a request waiting this long goes before every other (see the module note)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    priority: int
+    arrival: int
+    adapter_id: int
+    since: float
+    future: asyncio.Future = field(repr=False)
 
 
 class LoraSlots:
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, *, clock: Callable[[], float] = time.monotonic) -> None:
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
         self.slots = slots
+        self.clock = clock
         self.active: dict[int, int] = {}  # adapter id -> its requests in the engine
-        self._waiting: list[tuple[int, int, int, asyncio.Future]] = []  # heap of (priority, arrival, adapter, future)
+        self._waiting: list[_Waiter] = []  # in arrival order
         self._arrivals = itertools.count()
 
     @property
     def waiting(self) -> int:
-        return sum(not f.done() for *_, f in self._waiting)
+        return sum(not w.future.done() for w in self._waiting)
 
     @contextlib.asynccontextmanager
     async def held(self, adapter_id: int | None, priority: int = 0) -> AsyncIterator[None]:
@@ -48,34 +66,34 @@ class LoraSlots:
         if adapter_id is None:
             yield
             return
-        await self._enter(adapter_id, priority)
+        await self.enter(adapter_id, priority)
         try:
             yield
         finally:
-            self._leave(adapter_id)
+            self.leave(adapter_id)
 
-    async def _enter(self, adapter_id: int, priority: int) -> None:
-        self._drop_cancelled()
-        ahead = bool(self._waiting) and self._waiting[0][0] <= priority
+    async def enter(self, adapter_id: int, priority: int = 0) -> None:
+        """Waits for a slot for `adapter_id` (see the module note); `leave` gives it back."""
+        self._drop_gone()
+        first = self._first()
+        ahead = first is not None and self._order(first) <= (priority, float("inf"))
         if not ahead and self._fits(adapter_id):
             self.active[adapter_id] = self.active.get(adapter_id, 0) + 1
             return
-        future = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiting, (priority, next(self._arrivals), adapter_id, future))
+        waiter = _Waiter(priority, next(self._arrivals), adapter_id, self.clock(),
+                         asyncio.get_running_loop().create_future())
+        self._waiting.append(waiter)
         try:
-            await future
+            await waiter.future
         except asyncio.CancelledError:
-            if future.done() and not future.cancelled():  # admitted as it was cancelled: give the slot back
-                self._leave(adapter_id)
+            if waiter.future.done() and not waiter.future.cancelled():  # admitted as it was cancelled
+                self.leave(adapter_id)
             else:
-                future.cancel()
+                waiter.future.cancel()
                 self._wake()  # it may have held up the ones behind it
             raise
 
-    def _fits(self, adapter_id: int) -> bool:
-        return adapter_id in self.active or len(self.active) < self.slots
-
-    def _leave(self, adapter_id: int) -> None:
+    def leave(self, adapter_id: int) -> None:
         left = self.active[adapter_id] - 1
         if left:
             self.active[adapter_id] = left
@@ -83,15 +101,24 @@ class LoraSlots:
             del self.active[adapter_id]
         self._wake()
 
+    def _order(self, waiter: _Waiter) -> tuple[float, int]:
+        aged = self.clock() - waiter.since >= AGING_S
+        return (float("-inf") if aged else waiter.priority, waiter.arrival)
+
+    def _first(self) -> _Waiter | None:
+        return min(self._waiting, key=self._order, default=None)
+
+    def _fits(self, adapter_id: int) -> bool:
+        return adapter_id in self.active or len(self.active) < self.slots
+
     def _wake(self) -> None:
         """Admits the waiting requests in order while the first of them fits."""
-        self._drop_cancelled()
-        while self._waiting and self._fits(self._waiting[0][2]):
-            _, _, adapter_id, future = heapq.heappop(self._waiting)
-            self.active[adapter_id] = self.active.get(adapter_id, 0) + 1
-            future.set_result(None)
-            self._drop_cancelled()
+        self._drop_gone()
+        while (first := self._first()) is not None and self._fits(first.adapter_id):
+            self._waiting.remove(first)
+            self.active[first.adapter_id] = self.active.get(first.adapter_id, 0) + 1
+            first.future.set_result(None)
 
-    def _drop_cancelled(self) -> None:
-        while self._waiting and self._waiting[0][3].done():
-            heapq.heappop(self._waiting)
+    def _drop_gone(self) -> None:
+        if any(w.future.done() for w in self._waiting):
+            self._waiting = [w for w in self._waiting if not w.future.done()]

@@ -292,3 +292,35 @@ def test_requests_reach_the_engine_only_while_their_adapter_has_one_of_its_max_l
 
     asyncio.run(scenario())
     engine.shutdown()
+
+
+def test_a_request_gives_its_adapter_slot_up_once_the_engine_has_finished_it(tiny_model):
+    """Not when its reader is done with it: a stream whose client stopped reading held its slot, and with the
+    slots full every other adapter's requests waited for that client."""
+    from transformers import AutoTokenizer
+
+    from serving.engine import AdapterHandle
+
+    class OneSlotLLM(FakeDetokenizingLLM):
+        vllm_config = SimpleNamespace(lora_config=SimpleNamespace(max_loras=1))
+
+        async def generate(self, prompt, params, request_id, lora_request=None, priority=0):
+            outputs = [o async for o in super().generate(prompt, params, request_id, lora_request, priority)]
+            for i, output in enumerate(outputs):
+                output.finished = i == len(outputs) - 1  # as vLLM's RequestOutput says
+                yield output
+
+    engine = Engine(OneSlotLLM(AutoTokenizer.from_pretrained(tiny_model), [5, 6, 7]), max_model_len=64)
+    acme = AdapterHandle("acme@1", 101, tiny_model)
+
+    async def scenario():
+        deltas = engine.stream([1, 2], Sampling(max_tokens=3), acme, "a1")
+        await anext(deltas)
+        assert engine.lora_slots.active == {101: 1}
+        await anext(deltas), await anext(deltas)  # the last: the engine is done, its reader not yet
+        assert engine.lora_slots.active == {}
+        await deltas.aclose()
+        assert engine.lora_slots.active == {}
+
+    asyncio.run(scenario())
+    engine.shutdown()

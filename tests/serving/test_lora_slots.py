@@ -139,7 +139,7 @@ def test_a_waiting_request_whose_client_leaves_frees_the_ones_behind_it():
 def test_a_request_admitted_as_it_is_cancelled_gives_its_slot_back():
     async def scenario():
         slots = LoraSlots(1)
-        await slots._enter(1, 0)  # "a" holds the slot
+        await slots.enter(1, 0)  # "a" holds the slot
 
         async def b():
             async with slots.held(2):
@@ -148,11 +148,43 @@ def test_a_request_admitted_as_it_is_cancelled_gives_its_slot_back():
         task = asyncio.create_task(b())
         await asyncio.sleep(0)
         assert slots.waiting == 1
-        slots._leave(1)  # "a" ends: b is admitted (its future resolved)...
+        slots.leave(1)  # "a" ends: b is admitted (its future resolved)...
         assert slots.active == {2: 1}
         task.cancel()  # ...and cancelled before it runs again
         with pytest.raises(asyncio.CancelledError):
             await task
         assert slots.active == {} and slots.waiting == 0
+
+    run(scenario)
+
+
+def test_a_request_that_has_waited_long_goes_before_more_urgent_ones():
+    """Production requests (priority 0) of the adapters in the engine kept them there, and a rollout
+    (priority 1) of another adapter waited for good; past AGING_S it goes first."""
+    from serving import lora_slots
+
+    now = [0.0]
+
+    async def scenario():
+        slots = LoraSlots(1, clock=lambda: now[0])
+        h = Held(slots)
+        h.start("a1", 1)
+        await h.settle()
+        h.start("rollout", 2, priority=1)
+        await h.settle()
+        h.start("a2", 1, priority=0)  # more urgent than the rollout, and its adapter is in: in at once
+        await h.settle()
+        assert h.inside == {"a1", "a2"}
+        now[0] = lora_slots.AGING_S  # the rollout has waited long enough
+        h.start("a3", 1, priority=0)  # now waits behind it
+        await h.settle()
+        assert h.inside == {"a1", "a2"} and slots.waiting == 2
+        h.done("a1"), h.done("a2")
+        await h.settle()
+        assert h.inside == {"rollout"}
+        h.done("rollout")
+        await h.settle()
+        assert h.inside == {"a3"}
+        h.done("a3")
 
     run(scenario)
