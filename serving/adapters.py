@@ -480,7 +480,8 @@ class AdapterSet:
             handle = self.engine.new_handle(f"{tenant}@{number}", path)
             try:
                 await asyncio.wait_for(self.engine.load_adapter(handle), self.load_timeout_s)
-            except TimeoutError:  # the engine's own call is cancelled; its id is never used again
+            except TimeoutError:  # its id is never used again; the engine may still load it: asked to drop it
+                self._spawn(self._unload(handle))
                 raise TimeoutError(f"the engine did not load adapter {handle.name} within {self.load_timeout_s:g}s") from None
             loaded = _Loaded(tenant, number, handle, created)
             self._loaded[key] = loaded

@@ -931,6 +931,12 @@ def test_an_engine_load_that_never_answers_fails_after_the_timeout_and_frees_the
         await real_load(adapter)
 
     engine.load_adapter = hangs_for_acme
+    unloads = []
+
+    async def unload(adapter):
+        unloads.append(adapter.name)
+
+    engine.unload_adapter = unload
 
     async def scenario():
         publish("acme", seed=1)
@@ -938,6 +944,7 @@ def test_an_engine_load_that_never_answers_fails_after_the_timeout_and_frees_the
         await asyncio.wait_for(adapters.refresh(), 10)  # returns: the load timed out
         assert hung == {"acme@1"}
         assert adapters.current("acme") == "base" and adapters.current("globex") == "globex@1"
+        assert unloads == ["acme@1"]  # the engine, which may still load it, is asked to drop it
         assert ("acme", 1) in adapters._failing and "within 0.2s" in adapters._failing["acme", 1].error
         with pytest.raises(Unavailable, match="cannot be loaded now"):
             await asyncio.wait_for(adapters.acquire("acme", 1), 10)  # asked for by name: a 503, not a hang
