@@ -443,13 +443,16 @@ class Prefetcher:
         discarded = self._discarded.get(tenant)
         return (job is not None and not job[2].done()) or (discarded is not None and not discarded.done())
 
-    def wait_any(self, tenants: Collection[str], timeout: float) -> None:
-        """Returns once one of `tenants`' jobs (or discarded jobs) still sampling has finished, or after
-        `timeout` seconds."""
+    def wait_any(self, tenants: Collection[str], timeout: float, stop: threading.Event | None = None) -> None:
+        """Returns once one of `tenants`' jobs (or discarded jobs) still sampling has finished, after `timeout`
+        seconds, or once `stop` is set (looked at every STOP_POLL_SECONDS)."""
         futures = [f for t in tenants for f in (self._jobs[t][2] if t in self._jobs else None, self._discarded.get(t))
                    if f is not None and not f.done()]
-        if futures:
-            futures_wait(futures, timeout=timeout, return_when="FIRST_COMPLETED")
+        deadline = time.monotonic() + timeout
+        while futures and (stop is None or not stop.is_set()) and (left := deadline - time.monotonic()) > 0:
+            done, _ = futures_wait(futures, timeout=min(left, STOP_POLL_SECONDS), return_when="FIRST_COMPLETED")
+            if done:
+                return
 
     def start(self, tenant: str, plan: RolloutPlan, requests: Sequence[SampleRequest], *, step: int = 0) -> None:
         """Starts the tenant's job, unless one is in flight: its own, or a discarded one still running (the
@@ -567,20 +570,22 @@ def score_samples(scorer: Callable[[str, str], float], prompt: str,
 
 def all_stale(samples: Sequence[Sequence[Sample]], tenant: str, current_version: int, max_staleness: int,
               served: Sequence[int] | None = None, *, temperature: float = 1.0,
-              version_files: Callable[[int], Path | None] | None = None) -> str | None:
-    """When every sample is too many versions behind `current_version` (or foreign) to train on, or at a
-    `temperature` != 1 made by a version whose files are gone (train_step leaves those out too), why the
-    first one is; None when some sample is fresh, or there are none."""
-    reasons = [_left_out(s, tenant, current_version, max_staleness, served, temperature, version_files)
+              version_files: Callable[[int], Path | None] | None = None,
+              withdrawn: Collection[int] = ()) -> str | None:
+    """When every sample is too many versions behind `current_version` (or foreign, or withdrawn) to train on,
+    or at a `temperature` != 1 made by a version whose files are gone (train_step leaves those out too), why
+    the first one is; None when some sample is fresh, or there are none."""
+    reasons = [_left_out(s, tenant, current_version, max_staleness, served, temperature, version_files, withdrawn)
                for g in samples for s in g]
     return reasons[0] if reasons and all(reasons) else None
 
 
 def _left_out(sample: Sample, tenant: str, current_version: int, max_staleness: int, served: Sequence[int] | None,
-              temperature: float, version_files: Callable[[int], Path | None] | None) -> str | None:
-    """Why train_step leaves `sample` out as stale, or None: too many versions behind (or foreign), or at a
-    temperature != 1 made by a version whose files are gone."""
-    why = stale_reason(sample.version, tenant, current_version, max_staleness, served)
+              temperature: float, version_files: Callable[[int], Path | None] | None,
+              withdrawn: Collection[int] = ()) -> str | None:
+    """Why train_step leaves `sample` out as stale, or None: too many versions behind (or foreign, or
+    withdrawn), or at a temperature != 1 made by a version whose files are gone."""
+    why = stale_reason(sample.version, tenant, current_version, max_staleness, served, withdrawn=withdrawn)
     if not why and temperature != 1.0:
         why = _no_behaviour(version_number(sample.version, tenant), current_version, version_files, temperature)
     return why
@@ -662,6 +667,7 @@ def train_step(
     skip_unscorable: bool = False,
     temperature: float = 1.0,
     version_files: Callable[[int], Path | None] | None = None,
+    withdrawn: Collection[int] = (),
 ) -> RolloutStep:
     """Scores the groups, computes GRPO advantages and makes one update (see the module note). Raises
     NoUsableSamples when every sample is left out, unless every one failed scoring and `skip_unscorable`
@@ -683,7 +689,8 @@ def train_step(
         n += len(group)
         fresh = []
         for sample in group:
-            reason = _left_out(sample, tenant, current_version, max_staleness, served, temperature, version_files)
+            reason = _left_out(sample, tenant, current_version, max_staleness, served, temperature, version_files,
+                               withdrawn)
             if reason:
                 stale.append(reason)
             else:

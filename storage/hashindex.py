@@ -170,18 +170,17 @@ class HashIndex:
                 runs.append(run)
             elif kept:
                 runs.append(_Run(run.h1[keep], run.h2[keep], run.values[keep]))
-        # Runs that shrank may no longer be GROWTH times the next: merged as an insert would merge them.
-        self._runs = []
+        # Runs that shrank may no longer be GROWTH times the next: merged as an insert would merge them. Into
+        # a list of its own, so that a failure part way (memory) leaves the index as it was.
+        settled: list[_Run] = []
         for run in runs:
-            self._runs.append(run)
-            self._settle()
+            settled.append(run)
+            _settle(settled)
+        self._runs = settled
         return removed
 
     def _settle(self) -> None:
-        runs = self._runs
-        while len(runs) > 1 and len(runs[-2]) < max(MIN_MERGE, GROWTH * len(runs[-1])):
-            small = runs.pop()
-            runs.append(runs.pop().merge(small))
+        _settle(self._runs)
 
     def _insert(self, h1: np.ndarray, h2: np.ndarray, values: np.ndarray | None) -> None:
         """Inserts keys none of which is in the index (a key given twice is kept once, with its first value)."""
@@ -199,3 +198,10 @@ class HashIndex:
             values = None if values is None else values[order][keep]
         self._runs.append(_Run(h1, h2, values))
         self._settle()
+
+
+def _settle(runs: list[_Run]) -> None:
+    """Merges the last run into the one before it while that one is under GROWTH times its size."""
+    while len(runs) > 1 and len(runs[-2]) < max(MIN_MERGE, GROWTH * len(runs[-1])):
+        small = runs.pop()
+        runs.append(runs.pop().merge(small))
