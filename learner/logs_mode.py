@@ -66,7 +66,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -138,16 +138,20 @@ def served_by_clora(metadata_json: str | None) -> bool:
 
 
 def stale_reason(adapter_version: str | None, tenant: str, current: int, max_staleness: int,
-                 served: Sequence[int] | None = None, *, unversioned_fresh: bool = False) -> str | None:
+                 served: Sequence[int] | None = None, *, unversioned_fresh: bool = False,
+                 withdrawn: Collection[int] = ()) -> str | None:
     """Why a trajectory made by `adapter_version` must not be trained at learner version `current`, or None.
     `served`: the numbers of the tenant's published (or retired) versions, ascending. `unversioned_fresh`:
     a row naming no version was not made by the base model as one of this tenant's versions (an app's own
-    model made it: see select_fresh), so it is never stale."""
+    model made it: see select_fresh), so it is never stale. `withdrawn`: versions an operator retired, whose
+    samples are never trained, however recent."""
     if unversioned_fresh and not adapter_version:
         return None
     number = version_number(adapter_version, tenant)
     if number is None:
         return f"foreign adapter {adapter_version!r}"
+    if number in withdrawn:
+        return f"withdrawn: made by version {number}, which an operator retired"
     if number > current:
         # The learner followed an operator's retire of the version it served back to `current`: the pulled
         # version's samples would pull the adapter back towards what was withdrawn, whatever max_staleness says.
@@ -165,7 +169,7 @@ class Selection:
 
 
 def select_fresh(rows: pa.Table, tenant: str, current: int, max_staleness: int,
-                 served: Sequence[int] | None = None) -> Selection:
+                 served: Sequence[int] | None = None, withdrawn: Collection[int] = ()) -> Selection:
     """The rows fresh enough to train, and why each other one was dropped. A row without an adapter version
     that clora's serving tier did not log (an app producing to Kafka itself) was made by the app's own
     model, which no published version replaces: counting it as the base model's (version 0) would drop
@@ -178,7 +182,8 @@ def select_fresh(rows: pa.Table, tenant: str, current: int, max_staleness: int,
     keep, dropped = [], {}
     for i, (tid, version, meta) in enumerate(zip(ids, versions, metadata)):
         apps_own = not version and not served_by_clora(meta)
-        reason = stale_reason(version, tenant, current, max_staleness, served, unversioned_fresh=apps_own)
+        reason = stale_reason(version, tenant, current, max_staleness, served, unversioned_fresh=apps_own,
+                              withdrawn=withdrawn)
         if reason is None:
             keep.append(i)
         else:

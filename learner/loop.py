@@ -108,7 +108,7 @@ from storage.cursors import CursorError, Cursors
 from storage.files import FileLock, HeldLock, atomic_write_bytes, mark_ready
 from storage.layout import DataDir, StorageError
 from storage.parquet import column_max, partition_tenants, write_dataset
-from storage.registry import Registry, RegistryError, UnreadableRecord, VersionNotFound
+from storage.registry import RETIRED_BY_HAND, Registry, RegistryError, UnreadableRecord, VersionNotFound
 from storage.schema import TRAIN_STEPS, TRAJECTORIES
 
 logger = logging.getLogger(__name__)
@@ -150,6 +150,7 @@ class TenantRuntime:
     step: int = 0  # last committed step
     version: int = 0  # the registry version the adapter equals (0: none yet)
     served: list[int] = field(default_factory=list)  # numbers of its published (or since retired) versions: staleness
+    withdrawn: frozenset[int] = frozenset()  # of those, the ones an operator retired: their samples are never trained
     served_read: bool = False  # `served` read from the registry since the tenant was taken; no step trains before
     state_id: int = 0  # bumped whenever the adapter weights change (keys the probe-reward cache)
     baseline: float | None = None  # running mean reward (logs mode)
@@ -360,10 +361,13 @@ class Learner:
         """The newest served versions, read newest first until there are as many as staleness can count:
         a start or takeover reads that many records (and the rejected ones between), not the whole history
         (one version per step, for ever)."""
-        tenant, keep, served = rt.spec.name, self._served_kept(), []
+        tenant, keep, served, withdrawn = rt.spec.name, self._served_kept(), [], set()
         for number in reversed(self.registry.numbers(tenant)):
             try:
-                was_served = self.registry.get(tenant, number).published_at is not None
+                v = self.registry.get(tenant, number)
+                was_served = v.published_at is not None
+                if v.status == "retired" and v.reason == RETIRED_BY_HAND:
+                    withdrawn.add(number)
             except VersionNotFound:  # deleted since the listing (retention)
                 continue
             except UnreadableRecord as e:  # counted as served: samples look staler, never fresher, than they are
@@ -373,7 +377,7 @@ class Learner:
                 served.append(number)
                 if len(served) >= keep:
                     break
-        rt.served, rt.served_read = served[::-1], True
+        rt.served, rt.withdrawn, rt.served_read = served[::-1], frozenset(withdrawn), True
 
     def _served_kept(self) -> int:
         return max(SERVED_KEPT, self.settings.max_staleness + 2)
@@ -866,7 +870,7 @@ class Learner:
                if tid in rt.rollout_ids or rollouts.is_rollout_row(meta)}
         production = rows.filter(pc.invert(pc.is_in(rows.column("id"), pa.array(list(own), pa.string())))) if own else rows
         selection = logs_mode.select_fresh(production, rt.spec.name, rt.version, self.settings.max_staleness,
-                                           rt.served)
+                                           rt.served, rt.withdrawn)
         examples, unusable = logs_mode.to_examples(selection.kept, self.policy.tokenizer, self.policy.vocab_size)
         dropped = {**own, **selection.dropped, **unusable}
         if dropped:
@@ -899,7 +903,8 @@ class Learner:
             # than failing the step (train_step raises when nothing is left).
             stale = rollouts.all_stale(job.samples, rt.spec.name, rt.version, self.settings.max_staleness, rt.served,
                                        temperature=self.settings.temperature,
-                                       version_files=lambda number: self._version_files(rt.spec.name, number))
+                                       version_files=lambda number: self._version_files(rt.spec.name, number),
+                                       withdrawn=rt.withdrawn)
             if stale is not None:
                 logger.info("tenant %s: sampled batch for step %d too stale (%s); sampling it again", rt.spec.name,
                             job.step, stale)
@@ -1063,6 +1068,7 @@ class Learner:
                 current_version=rt.version,
                 max_staleness=self.settings.max_staleness,
                 served=rt.served,
+                withdrawn=rt.withdrawn,
                 skip_unscorable=tries + 1 >= UNSCORABLE_TRIES,
                 temperature=self.settings.temperature,
                 version_files=lambda number: self._version_files(name, number),
@@ -1522,7 +1528,7 @@ def run(
                 # Every ready tenant's rollouts are still being sampled: wait for the first to come back, then
                 # look again. Taking one now waited for it in the step, deaf to the others' new data (and to
                 # config reloads) until its rollouts returned.
-                learner.prefetcher.wait_any(sampling - exclude, timeout=learner.settings.poll_seconds)
+                learner.prefetcher.wait_any(sampling - exclude, timeout=learner.settings.poll_seconds, stop=stop)
                 continue
             name = learner.choose(backlog, exclude=exclude)
             if name is None:

@@ -120,6 +120,9 @@ from storage.layout import DataDir, StorageError, as_datadir, check_tenant, is_t
 FORMAT = 1
 INDEX_FORMAT = 1
 STATUSES = ("candidate", "published", "rejected", "retired")
+# The reason of a version `retire` (an operator: `clora adapters retire`) retired, not keep_versions: the
+# learner never trains its samples again (it was withdrawn, not outgrown).
+RETIRED_BY_HAND = "retired by hand (clora adapters retire)"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 STALE_STAGING_S = 3600.0
@@ -276,7 +279,7 @@ class Registry:
         self._metas: dict[Path, tuple[tuple[int, int, int], AdapterVersion]] = {}
         self._logged: dict[object, object] = {}  # what `_log_once` logged: key -> its reason
         self._generation_seen = 0  # the largest generation read or written: one rebuilt from the clock is larger
-        self._head_cache: tuple[tuple[int, int, int], dict] | None = None  # HEAD.json's stamp and parse
+        self._head_cache: tuple[bytes, dict] | None = None  # HEAD.json's bytes and parse
 
     def __repr__(self) -> str:
         return f"Registry({str(self.dd.root)!r}, keep_last={self.keep_last})"
@@ -477,7 +480,7 @@ class Registry:
         with self._locked():
             v = self.get(tenant, number)
             if v.status != "retired":
-                v = self._mark_retired(v)
+                v = self._mark_retired(v, reason=RETIRED_BY_HAND)
             removed = self._enforce_keep_last(tenant)
             self._write_head()
         self._remove_files([v] + [x for x in removed if x.number != v.number])
@@ -769,8 +772,8 @@ class Registry:
     def _write_meta(self, v: AdapterVersion) -> None:
         atomic_write_bytes(self._meta_path(v.tenant, v.number), _dumps(v.to_json()))
 
-    def _mark_retired(self, v: AdapterVersion) -> AdapterVersion:
-        v = replace(v, status="retired", retired_at=_now())
+    def _mark_retired(self, v: AdapterVersion, reason: str | None = None) -> AdapterVersion:
+        v = replace(v, status="retired", retired_at=_now(), reason=reason if reason is not None else v.reason)
         self._write_meta(v)
         return v
 
@@ -855,14 +858,14 @@ class Registry:
 
     def _read_head(self) -> dict | None:
         """HEAD.json checked (format, generation, published), or None when there is none yet. Parsed again only
-        when its (inode, mtime, size) changed (it is replaced by rename): serving polls it every half second,
-        and it holds an entry per tenant (1.5 MB at 1,000 tenants). Callers must not change what it returns."""
+        when its bytes changed: serving polls it every half second, and it holds an entry per tenant (1.5 MB at
+        1,000 tenants: its read and comparison cost ~1% of its parse). Not by (inode, mtime, size): a rename
+        reuses the inode it freed, two writes can share an mtime tick, and a new generation is often the same
+        size. Callers must not change what it returns."""
         try:
-            st = os.stat(self._head)
-            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-            if self._head_cache is not None and self._head_cache[0] == stamp:
+            raw = self._head.read_bytes()
+            if self._head_cache is not None and self._head_cache[0] == raw:
                 return self._head_cache[1]
-            raw = self._head.read_bytes()  # replaced since the stat: the next read parses it again
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -878,7 +881,7 @@ class Registry:
         except ValueError as e:
             raise UnreadableRecord(self._head, _why(e)) from e
         self._generation_seen = max(self._generation_seen, head["generation"])
-        self._head_cache = (stamp, head)
+        self._head_cache = (raw, head)
         return head
 
     def _old_head(self) -> tuple[int | None, dict[str, AdapterVersion] | None]:

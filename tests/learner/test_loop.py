@@ -657,6 +657,30 @@ def test_a_rollback_during_a_step_is_not_undone_by_that_steps_version(tiny_model
     assert Registry(data_dir).get("acme", 5).parent == "acme@4"  # and the learner went on from it
 
 
+def test_samples_of_a_version_an_operator_retired_are_never_trained_even_after_the_next_publish(tiny_model, data_dir):
+    """Trajectories of the withdrawn version that came late (feedback joining, ingest lag) counted as one
+    version behind once the learner had published past it, and pulled the adapter back towards it."""
+    write(data_dir, "acme", rows("a", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
+    learner = learn(cfg, tiny_model)  # acme@1
+    write(data_dir, "acme", rows("b", 8, seed=1), "b1", start=100)
+    learn(cfg, tiny_model, learner=learner)  # acme@2
+    Registry(data_dir).retire("acme", 2)  # the operator withdraws it
+    write(data_dir, "acme", rows("c", 8, seed=2), "b2", start=200)
+    learn(cfg, tiny_model, learner=learner)  # follows back to acme@1, then publishes acme@3
+    assert Registry(data_dir).latest_published("acme").number == 3
+    write(data_dir, "acme", rows("late", 8, seed=3, adapter_version="acme@2"), "b3", start=300)
+    learn(cfg, tiny_model, learner=learner)
+    last = max(read_dataset(data_dir, "train_steps").to_pylist(), key=lambda r: r["step"])
+    assert last["n_dropped"] == 8 and last["n_trajectories"] == 0, last
+    fresh = Learner(cfg, model_path=tiny_model, progress=False)  # a restart reads it from the records
+    try:
+        fresh._ensure_loaded(fresh.tenants["acme"])
+        assert fresh.tenants["acme"].withdrawn == {2}
+    finally:
+        fresh.close()
+
+
 def test_when_every_version_is_retired_the_learner_starts_again_from_a_fresh_adapter(tiny_model, data_dir):
     write(data_dir, "acme", rows("a", 8), "b0")
     cfg = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8}])
