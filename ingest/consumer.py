@@ -110,6 +110,7 @@ DEAD_LETTER_DELIVERY_MS = 20_000
 # minutes for a large store) before the group gives its partitions to another member. kafka-python's
 # default is 5 minutes; past it, the load started again at the next assignment, and again.
 MAX_POLL_INTERVAL_MS = 30 * 60_000
+OPEN_TRANSACTION_WAIT_S = 10.0  # `--once` / draining: how long records past the stable offset are waited for
 DEAD_LETTER_PAUSE_S = 60.0  # after giving up on the dead-letter topic, how long no dead letter is sent to it
 DEAD_LETTER_BLOCK_MS = 10_000  # the longest a send may wait for the topic's metadata (kafka-python's max_block_ms)
 WRITING_POLL_MS = 10  # while a write is in flight: poll briefly, so its commit follows it closely
@@ -347,6 +348,7 @@ class Ingest:
         # topic -> the id this process last read it under: a topic made again since (a broker that keeps its
         # topics in memory and started again; a topic deleted and made anew) must be read from its start
         self._read_ids: dict[str, str] = {}
+        self._short_of_highwater_since: float | None = None  # drained(): at the stable offsets since then
         self._dead_letter_pause_until = 0.0  # monotonic: until then the dead-letter topic is not sent to
         self._mismatch_logged: tuple[int, int] | None = None  # the topics' partition counts last said to differ
 
@@ -811,12 +813,27 @@ class Ingest:
             return True
         if self.store is None:
             return False
-        ends = self.consumer.end_offsets(list(assignment))
+        ends = self.consumer.end_offsets(list(assignment))  # read_committed: the last stable offsets
+        positions = {tp: self.consumer.position(tp) for tp in assignment}
+        if not all(positions[tp] >= ends[tp] for tp in assignment):
+            self._short_of_highwater_since = None
+            return False
         # And the high-water mark the last fetch saw: the embedded broker's end offset can lag the records it
         # holds (a partition written in several producer batches), which a position sought back lies behind.
-        # (With a transaction still open, a read_committed consumer stops before its records: "read to the
-        # end" then waits until the producer commits or aborts it.)
-        return all(self.consumer.position(tp) >= max(ends[tp], self.consumer.highwater(tp) or 0) for tp in assignment)
+        # A read_committed consumer stops before an open transaction's records, which the high-water mark
+        # counts: at the stable offsets for OPEN_TRANSACTION_WAIT_S, the rest is left to the next run.
+        if all(positions[tp] >= (self.consumer.highwater(tp) or 0) for tp in assignment):
+            self._short_of_highwater_since = None
+            return True
+        now = time.monotonic()
+        if self._short_of_highwater_since is None:
+            self._short_of_highwater_since = now
+            return False
+        if now - self._short_of_highwater_since < OPEN_TRANSACTION_WAIT_S:
+            return False
+        logger.info("ingest: read to the end but for records of a transaction still open after %.0f s: they are "
+                    "read by the next run", OPEN_TRANSACTION_WAIT_S)
+        return True
 
 
 @contextlib.contextmanager

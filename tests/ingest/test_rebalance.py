@@ -307,3 +307,35 @@ def test_the_store_view_after_an_assignment_waits_the_feedback_of_the_feedback_p
     assert waiting() == ["p1-1", "p1-3"]
     ingest.consumer.assigned = {TopicPartition("t.i", 0), TopicPartition("t.i", 2), TopicPartition("t.f", 2)}
     assert waiting() == ["p2-2"], "the interactions topic's partitions say nothing of the feedback's"
+
+
+def test_read_to_the_end_waits_a_while_for_an_open_transactions_records_then_leaves_them(ingest, monkeypatch):
+    """read_committed stops at the last stable offset; the high-water mark counts an open transaction's records
+    past it, which `--once` (and a drain on stop) waited for until the producer ended the transaction, up to
+    its timeout (15 minutes at most)."""
+    import ingest.consumer as consumer_module
+
+    tp = TopicPartition("t.i", 0)
+
+    class AtStableOffset(FakeConsumer):
+        def end_offsets(self, partitions):
+            return {p: 10 for p in partitions}  # the stable offset
+
+        def position(self, partition):
+            return 10
+
+        def highwater(self, partition):
+            return 12  # two records of a transaction still open
+
+    now = [100.0]
+    monkeypatch.setattr(consumer_module.time, "monotonic", lambda: now[0])
+    ingest.consumer = AtStableOffset({tp})
+    ingest.joined = True
+    assert not ingest.drained()
+    now[0] += consumer_module.OPEN_TRANSACTION_WAIT_S - 1
+    assert not ingest.drained()
+    now[0] += 1
+    assert ingest.drained()
+    ingest.consumer.highwater = lambda partition: 10  # and with nothing past the stable offset: at once
+    ingest._short_of_highwater_since = None
+    assert ingest.drained()
