@@ -520,10 +520,14 @@ def cmd_adapters_list(args: argparse.Namespace) -> int:
                 # What --all would add: the records on disk (retention deletes settled ones: the numbers
                 # are not all there), not the newest number.
                 hidden += len(set(registry.numbers(t)) - {v.number for v in mine})
+        try:
+            served = registry.published()  # what `latest` marks: what serving routes to
+        except UnreadableRecord:
+            served = None
     except (StorageError, *UNREADABLE) as e:
         return _fail("list", e)
     columns = ["name", "status", "latest", "parent", "created_at", "published_at", "reason", "metrics"]
-    sys.stdout.write(format_table(adapters_table(versions).select(columns)))
+    sys.stdout.write(format_table(adapters_table(versions, served).select(columns)))
     if hidden > 0:
         print(f"({hidden} older versions, retired or rejected with their files gone, not shown: --all lists them)")
     return 0

@@ -43,7 +43,7 @@ import pyarrow as pa
 
 from storage.layout import DATASETS, StorageError, as_datadir
 from storage.parquet import live_files
-from storage.registry import AdapterVersion, Registry, VersionNotFound
+from storage.registry import AdapterVersion, Registry, UnreadableRecord, VersionNotFound
 from storage.schema import SCHEMAS, TS
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def _connect(dd, adapters: bool, datasets=DATASETS) -> tuple[duckdb.DuckDBPyConn
     """(the connection, every dataset file its views read). The views of datasets not in `datasets` are
     empty (their columns only): DuckDB reads every listed file's footer when it creates a view, so one
     damaged file would fail every statement, `select 1` and the adapters view included."""
-    typed_adapters = adapters_table(readable_versions(Registry(dd)) if adapters else [])
+    typed_adapters = adapters_table(*_versions_and_served(Registry(dd)) if adapters else ([],))
     for attempt in range(QUERY_ATTEMPTS):
         con = duckdb.connect(":memory:")
         try:
@@ -101,6 +101,16 @@ def _connect(dd, adapters: bool, datasets=DATASETS) -> tuple[duckdb.DuckDBPyConn
                 raise
             logger.debug("a listed file vanished while creating views, listing again: %s", e)
     raise AssertionError("unreachable")
+
+
+def _versions_and_served(registry: Registry) -> tuple[list[AdapterVersion], dict[str, AdapterVersion] | None]:
+    """Every readable version, and what HEAD.json routes each tenant to (None while it cannot be read)."""
+    try:
+        served = registry.published()
+    except UnreadableRecord as e:
+        logger.warning("the adapters view's `latest` column reads the version records: %s", e)
+        served = None
+    return readable_versions(registry), served
 
 
 def readable_versions(registry: Registry) -> list[AdapterVersion]:
@@ -216,12 +226,17 @@ def _create_view(con: duckdb.DuckDBPyConnection, name: str, typed: pa.Table, fil
 # The adapters view
 
 
-def adapters_table(versions: list[AdapterVersion]) -> pa.Table:
-    """One row per version: ADAPTERS_SCHEMA plus a metric_<key> column per scalar metric."""
+def adapters_table(versions: list[AdapterVersion], served: dict[str, AdapterVersion] | None = None) -> pa.Table:
+    """One row per version: ADAPTERS_SCHEMA plus a metric_<key> column per scalar metric. `latest` marks what
+    serving routes a tenant to, HEAD.json's entry (`served`, Registry.published()), where it is given; else
+    each tenant's newest published version among `versions` (a record that cannot be read is not among them,
+    while HEAD.json may still name it)."""
     latest: dict[str, int] = {}
     for v in versions:
         if v.status == "published":
             latest[v.tenant] = max(latest.get(v.tenant, 0), v.number)
+    if served is not None:
+        latest = {tenant: v.number for tenant, v in served.items()}
     rows = {
         "tenant": [v.tenant for v in versions],
         "number": [v.number for v in versions],

@@ -184,6 +184,16 @@ def test_a_non_finite_metric_keeps_its_metric_column(data_dir, peft_writer):
     assert [r["metric_mode"] for r in rows] == ["logs", "logs", "logs", "inf"], "strings stay strings"
 
 
+def test_latest_marks_what_serving_routes_to_even_while_that_versions_record_cannot_be_read(data_dir, peft_writer):
+    """HEAD.json (what serving reads) still names acme@2 while its record is damaged; the view marked acme@1."""
+    reg = Registry(data_dir)
+    for _ in range(2):
+        reg.publish("acme", reg.create("acme", parent=None, write=peft_writer).number)
+    (data_dir / "registry" / "acme" / "2.json").write_text("{not json")
+    rows = query(data_dir, "select name, latest from adapters order by number").to_pylist()
+    assert rows == [{"name": "acme@1", "latest": False}]
+
+
 def test_metric_keys_differing_only_in_case_do_not_shadow_one_another(data_dir, peft_writer):
     """DuckDB's names ignore case: metric_loss and metric_Loss were one column, with the second key's values."""
     reg = Registry(data_dir)
