@@ -868,7 +868,9 @@ class Learner:
         own = {tid: "the learner's own rollout sample, trained when it was drawn"
                for tid, meta in zip(rows.column("id").to_pylist(), rows.column("metadata_json").to_pylist())
                if tid in rt.rollout_ids or rollouts.is_rollout_row(meta)}
-        production = rows.filter(pc.invert(pc.is_in(rows.column("id"), pa.array(list(own), pa.string())))) if own else rows
+        production = rows
+        if own:
+            production = rows.filter(pc.invert(pc.is_in(rows.column("id"), pa.array(list(own), pa.string()))))
         selection = logs_mode.select_fresh(production, rt.spec.name, rt.version, self.settings.max_staleness,
                                            rt.served, rt.withdrawn)
         examples, unusable = logs_mode.to_examples(selection.kept, self.policy.tokenizer, self.policy.vocab_size)

@@ -76,7 +76,14 @@ import torch
 from clora.loopback import trust_env
 from learner import maths
 from learner.batch import pack, pad_values
-from learner.logs_mode import BehaviourFromLogits, known_logprob, prompt_text, row_metadata, stale_reason, version_number
+from learner.logs_mode import (
+    BehaviourFromLogits,
+    known_logprob,
+    prompt_text,
+    row_metadata,
+    stale_reason,
+    version_number,
+)
 from learner.policy import Policy, picked_logprobs
 from learner.types import Sample
 from learner.update import UpdateResult, pg_update

@@ -1,20 +1,20 @@
 """Hot-swap: which adapter version each tenant's requests get, kept in step with the registry.
 
-`AdapterSet.refresh()` reads the registry's change counter (`Registry.generation()`, one small file) and,
-when it moved, each configured tenant's newest published version. A version that differs from the
-tenant's current one is validated (serving/adapter_check.py, in a worker thread), loaded into the engine
-under a fresh int id, and only then made current. A version validation refuses (`AdapterRejected`) is
-refused for good: the reason is logged, `adapters_refused_total` counts it, and it is not retried
-(publishing a new one is the fix). A failure that says nothing about the adapter (an I/O error while
-checking it, the engine failing the load or not answering within LOAD_TIMEOUT_S) leaves the registry's
-change unseen, so a later poll tries again, backing off per version (RETRY_FIRST_S doubling up to
-RETRY_MAX_S: each try validates the adapter again); it is logged once, not on every try. While its newest published version cannot be served, a tenant is
-served its newest published version below that one that can be (`_fall_back`): the version it has, unless
-a newer one loads, but never one the registry no longer has as published (retired by an operator, or by
-`keep_versions`), which gives way to an older published version, or to the base model when none can be
-served. A server that starts then does the same, so a restart serves what a running server would. A
-HEAD.json that cannot be read (edited by hand) leaves every tenant on what it serves until the registry's
-next change rebuilds it, logged once. `watch()` calls `refresh()` every `poll_seconds` until stopped.
+`AdapterSet.refresh()` reads the registry's change counter (`Registry.generation()`, one small file) and, when
+it moved, each configured tenant's newest published version. A version that differs from the tenant's current
+one is validated (serving/adapter_check.py, in a worker thread), loaded into the engine under a fresh int id,
+and only then made current. A version validation refuses (`AdapterRejected`) is refused for good: the reason
+is logged, `adapters_refused_total` counts it, and it is not retried (publishing a new one is the fix). A
+failure that says nothing about the adapter (an I/O error while checking it, the engine failing the load or
+not answering within LOAD_TIMEOUT_S) leaves the registry's change unseen, so a later poll tries again, backing
+off per version (RETRY_FIRST_S doubling up to RETRY_MAX_S: each try validates the adapter again); it is logged
+once, not on every try. While its newest published version cannot be served, a tenant is served its newest
+published version below that one that can be (`_fall_back`): the version it has, unless a newer one loads, but
+never one the registry no longer has as published (retired by an operator, or by `keep_versions`), which gives
+way to an older published version, or to the base model when none can be served. A server that starts then
+does the same, so a restart serves what a running server would. A HEAD.json that cannot be read (edited by
+hand) leaves every tenant on what it serves until the registry's next change rebuilds it, logged once.
+`watch()` calls `refresh()` every `poll_seconds` until stopped.
 
 A version is told apart by its number and its record's `created_at`: the registry never uses a number twice,
 but one edited by hand, or a data dir replaced under a running server, can show a number again with other
@@ -482,7 +482,8 @@ class AdapterSet:
                 await asyncio.wait_for(self.engine.load_adapter(handle), self.load_timeout_s)
             except TimeoutError:  # its id is never used again; the engine may still load it: asked to drop it
                 self._spawn(self._unload(handle))
-                raise TimeoutError(f"the engine did not load adapter {handle.name} within {self.load_timeout_s:g}s") from None
+                raise TimeoutError(f"the engine did not load adapter {handle.name} within "
+                                   f"{self.load_timeout_s:g}s") from None
             loaded = _Loaded(tenant, number, handle, created)
             self._loaded[key] = loaded
             future.set_result(loaded)

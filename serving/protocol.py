@@ -6,17 +6,17 @@ malformed body becomes one 400 listing every bad field, `param` naming the first
 string or key holding an unpaired UTF-16 surrogate (JSON can escape one, "\\udc00") is refused wherever it
 is, since vLLM, the tokenizer and the event log would each fail on it later. Fields OpenAI or vLLM's OpenAI
 server define that clora does not implement are refused (400 `unsupported_parameter`, `param` the field)
-rather than silently dropped, so a client never gets an answer that ignored its request: tool calling
-(any `tools`/`functions`, whatever `tool_choice`/`function_call` says, and a choice that demands a call), structured outputs (`response_format`
-other than text), `echo`, `suffix`, `best_of` other than `n`, and the fields of `NOT_IMPLEMENTED` (guided
-decoding, chat template options, prompt logprobs, audio, ...) unless they hold the value that asks for what
-clora does anyway (`"add_generation_prompt": true`). OpenAI's metadata fields that change no answer (`user`,
-`metadata`, `store`, `service_tier`, `parallel_tool_calls` without tools, ...) are taken, as are vLLM's
-`min_tokens`, `stop_token_ids`, `include_stop_str_in_output` and `ignore_eos`, which the engine applies.
-Two samplings vLLM refuses are taken, as OpenAI takes them: `temperature: 0` with `n` > 1 gets n copies of
-the one greedy answer (the engine runs it once), and `top_p: 0` keeps the most likely token only, sampled
-as `top_k: 1`. A completions body too large to parse is still looked at for one thing,
-`lists_several_prompts`: a batch is told so, not to shorten a prompt that may fit.
+rather than silently dropped, so a client never gets an answer that ignored its request: tool calling (any
+`tools`/`functions`, whatever `tool_choice`/`function_call` says, and a choice that demands a call),
+structured outputs (`response_format` other than text), `echo`, `suffix`, `best_of` other than `n`, and the
+fields of `NOT_IMPLEMENTED` (guided decoding, chat template options, prompt logprobs, audio, ...) unless
+they hold the value that asks for what clora does anyway (`"add_generation_prompt": true`). OpenAI's
+metadata fields that change no answer (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`
+without tools, ...) are taken, as are vLLM's `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`
+and `ignore_eos`, which the engine applies. Two samplings vLLM refuses are taken, as OpenAI takes them:
+`temperature: 0` with `n` > 1 gets n copies of the one greedy answer (the engine runs it once), and
+`top_p: 0` keeps the most likely token only, sampled as `top_k: 1`. A completions body too large to parse is still
+looked at for one thing, `lists_several_prompts`: a batch is told so, not to shorten a prompt that may fit.
 README.md ("Serving: the HTTP contract") has the table of what is accepted and refused.
 
 Responses are plain dicts built from the engine's `Choice`/`Delta` (serving/engine.py) by pure

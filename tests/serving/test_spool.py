@@ -342,7 +342,8 @@ def test_a_segment_that_cannot_be_opened_leaves_no_file_behind(tmp_path, monkeyp
         monkeypatch.setattr(Path, "rename", lambda self, target: (_ for _ in ()).throw(OSError(5, "Input/output error"))
                             if self.suffix == ".tmp" else real(self, target))
     else:
-        monkeypatch.setattr(spool_module, "_fsync_dir", lambda d: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+        monkeypatch.setattr(spool_module, "_fsync_dir",
+                            lambda d: (_ for _ in ()).throw(OSError(5, "Input/output error")))
     with pytest.raises(SpoolError, match="cannot open a spool segment"):
         spool.append(msgs(1))
     assert {p.suffix for p in set(tmp_path.iterdir()) - before} <= {".writer"}
