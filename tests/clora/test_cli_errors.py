@@ -108,6 +108,7 @@ def test_only_a_python_scorers_module_is_imported_from_the_current_directory(tmp
     (tmp_path / "snappy.py").write_text("raise SystemExit('the snappy.py in the current directory was imported')\n")
     (tmp_path / "clora_cwd_helper.py").write_text("SCORE = 0.25\n")
     (tmp_path / "clora_cwd_later.py").write_text("SCORE = 0.5\n")
+    (tmp_path / "clora_cwd_unrelated.py").write_text("raise SystemExit('imported from the current directory')\n")
     (tmp_path / "clora_cwd_scorer.py").write_text(
         "import clora_cwd_helper\n\ndef f(completion, prompt):\n    import clora_cwd_later\n"
         "    return clora_cwd_helper.SCORE + clora_cwd_later.SCORE\n")
@@ -117,13 +118,19 @@ def test_only_a_python_scorers_module_is_imported_from_the_current_directory(tmp
                "from ingest.scorers import build_scorer\n"
                "print(build_scorer('python:clora_cwd_scorer:f')('a', 'b'))\n"
                "import importlib.util\n"
-               "print(importlib.util.find_spec('snappy'))\n")
+               "spec = importlib.util.find_spec('snappy')\n"
+               "print(spec and spec.origin)\n"
+               "print(importlib.util.find_spec('clora_cwd_unrelated'))\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     # `python -c` puts the current directory first on sys.path, as `python -m` does
     result = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split("\n")[:2] == ["0.75", "None"], result.stdout
+    score, snappy, unrelated = result.stdout.split("\n")[:3]
+    assert score == "0.75", result.stdout
+    # None, or the installed python-snappy (one of kafka-python's codecs): never the file here
+    assert not snappy.startswith(str(tmp_path)), "the snappy.py in the current directory is found"
+    assert unrelated == "None", "a module in the current directory is found outside a scorer's import"
 
 
 def test_the_data_dir_check_writes_a_file_and_leaves_none(tmp_path):
