@@ -554,6 +554,8 @@ class Api:
         kept: list[bytes] | None = None if call.ticket is None else []
 
         def event(chunk: Any) -> bytes:
+            if body.include_usage and isinstance(chunk, dict):
+                chunk.setdefault("usage", None)  # OpenAI's: every chunk has the key, null but in the last
             data = protocol.sse(chunk)
             if kept is not None:
                 kept.append(data)

@@ -512,6 +512,7 @@ def test_several_prompts_fan_out_with_openai_choice_numbering():
                                                 "stream_options": {"include_usage": True}})
     events = sse_events(streamed)
     assert events[-1] == "[DONE]" and events[-2]["usage"]["prompt_tokens"] == 5
+    assert all("usage" in e and e["usage"] is None for e in events[:-2])  # OpenAI's: null but in the last
     texts: dict[int, str] = {}
     for chunk in events[:-2]:
         for c in chunk["choices"]:
