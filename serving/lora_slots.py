@@ -28,10 +28,8 @@ Everything runs on the event loop (one thread): no locks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 AGING_S = 5.0  # a request waiting this long goes before every other (see the module note)
@@ -40,7 +38,6 @@ AGING_S = 5.0  # a request waiting this long goes before every other (see the mo
 @dataclass(eq=False)
 class _Waiter:
     priority: int
-    arrival: int
     adapter_id: int
     since: float
     future: asyncio.Future = field(repr=False)
@@ -53,35 +50,21 @@ class LoraSlots:
         self.slots = slots
         self.clock = clock
         self.active: dict[int, int] = {}  # adapter id -> its requests in the engine
-        self._waiting: list[_Waiter] = []  # in arrival order
-        self._arrivals = itertools.count()
+        self._waiting: list[_Waiter] = []  # in arrival order: of equal rank, the first is taken first
 
     @property
     def waiting(self) -> int:
         return sum(not w.future.done() for w in self._waiting)
 
-    @contextlib.asynccontextmanager
-    async def held(self, adapter_id: int | None, priority: int = 0) -> AsyncIterator[None]:
-        """Holds a slot for `adapter_id` (None: no adapter, no slot) while the block runs."""
-        if adapter_id is None:
-            yield
-            return
-        await self.enter(adapter_id, priority)
-        try:
-            yield
-        finally:
-            self.leave(adapter_id)
-
     async def enter(self, adapter_id: int, priority: int = 0) -> None:
         """Waits for a slot for `adapter_id` (see the module note); `leave` gives it back."""
         self._drop_gone()
         first = self._first()
-        ahead = first is not None and self._order(first) <= (priority, float("inf"))
+        ahead = first is not None and self._rank(first) <= priority
         if not ahead and self._fits(adapter_id):
             self.active[adapter_id] = self.active.get(adapter_id, 0) + 1
             return
-        waiter = _Waiter(priority, next(self._arrivals), adapter_id, self.clock(),
-                         asyncio.get_running_loop().create_future())
+        waiter = _Waiter(priority, adapter_id, self.clock(), asyncio.get_running_loop().create_future())
         self._waiting.append(waiter)
         try:
             await waiter.future
@@ -101,12 +84,12 @@ class LoraSlots:
             del self.active[adapter_id]
         self._wake()
 
-    def _order(self, waiter: _Waiter) -> tuple[float, int]:
-        aged = self.clock() - waiter.since >= AGING_S
-        return (float("-inf") if aged else waiter.priority, waiter.arrival)
+    def _rank(self, waiter: _Waiter) -> float:
+        """Its priority, or before every one once it has waited AGING_S."""
+        return float("-inf") if self.clock() - waiter.since >= AGING_S else waiter.priority
 
     def _first(self) -> _Waiter | None:
-        return min(self._waiting, key=self._order, default=None)
+        return min(self._waiting, key=self._rank, default=None)  # min keeps the earliest of equal ranks
 
     def _fits(self, adapter_id: int) -> bool:
         return adapter_id in self.active or len(self.active) < self.slots

@@ -5,12 +5,26 @@ Pure logic on an event loop (no engine)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
 from serving.lora_slots import LoraSlots
 
 pytestmark = pytest.mark.unit
+
+
+@contextlib.asynccontextmanager
+async def held(slots: LoraSlots, adapter: int | None, priority: int = 0):
+    """A slot for `adapter` while the block runs (None: no adapter, no slot), as Engine.stream takes one."""
+    if adapter is None:
+        yield
+        return
+    await slots.enter(adapter, priority)
+    try:
+        yield
+    finally:
+        slots.leave(adapter)
 
 
 class Held:
@@ -23,7 +37,7 @@ class Held:
         self.release[name] = asyncio.Event()
 
         async def request():
-            async with self.slots.held(adapter, priority):
+            async with held(self.slots, adapter, priority):
                 self.inside.add(name)
                 self.order.append(name)
                 await self.release[name].wait()
@@ -142,7 +156,7 @@ def test_a_request_admitted_as_it_is_cancelled_gives_its_slot_back():
         await slots.enter(1, 0)  # "a" holds the slot
 
         async def b():
-            async with slots.held(2):
+            async with held(slots, 2):
                 raise AssertionError("b was cancelled before it ran")
 
         task = asyncio.create_task(b())
