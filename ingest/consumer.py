@@ -703,18 +703,9 @@ class Ingest:
         moved to the group's committed offset on the new topic, else its beginning. kafka-python keeps a
         partition's position across a rebalance that assigns it again, so it went on at the old topic's
         offset: a broker started again with its topics made anew lost the first messages sent to them."""
-        cluster = self._metadata()
-        if cluster is None or not hasattr(cluster, "topic_id"):
-            return set()
-        remade = set()
-        for topic in self.topics:
-            topic_id = cluster.topic_id(topic)
-            if topic_id is None:
-                continue
-            was = self._read_ids.get(topic)
-            self._read_ids[topic] = str(topic_id)
-            if was is not None and was != str(topic_id):
-                remade.add(topic)
+        ids = self._topic_ids()
+        remade = {topic for topic, topic_id in ids.items() if self._read_ids.get(topic, topic_id) != topic_id}
+        self._read_ids.update(ids)
         for tp in [tp for tp in self.consumer.assignment() if tp.topic in remade]:
             committed = self.consumer.committed(tp)
             if committed is None:
@@ -724,6 +715,14 @@ class Ingest:
             logger.info("ingest: %s:%d is read from %s: its topic was made again", tp.topic, tp.partition,
                         "the beginning" if committed is None else f"offset {committed}, committed on the new topic")
         return remade
+
+    def _topic_ids(self) -> dict[str, str]:
+        """topic -> its id, for the topics whose id the client's metadata holds (the broker gives one)."""
+        cluster = self._metadata()
+        if cluster is None or not hasattr(cluster, "topic_id"):
+            return {}
+        ids = {topic: cluster.topic_id(topic) for topic in self.topics}
+        return {topic: str(topic_id) for topic, topic_id in ids.items() if topic_id is not None}
 
     def _metadata(self):
         """kafka-python's cluster metadata as the client holds it (a private attribute; None without a client):
@@ -747,12 +746,7 @@ class Ingest:
         broker gives (TOPICS_FILE). A topic deleted and made again, as the embedded broker's are at each
         start (it keeps them in memory), has a new id and numbers its offsets from 0 again: the dead letters
         stored at the old topic's offsets are then other messages than the new ones there."""
-        cluster = self._metadata()
-        ids = {}
-        for topic in self.topics:
-            topic_id = cluster.topic_id(topic) if cluster is not None and hasattr(cluster, "topic_id") else None
-            if topic_id is not None:
-                ids[topic] = str(topic_id)
+        ids = self._topic_ids()
         if not ids:
             return {}
         state = as_datadir(self.root).state
