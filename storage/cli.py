@@ -489,7 +489,7 @@ def _fail(command: str, e: Exception, context: str = "a registry record cannot b
 def cmd_adapters_list(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
     from storage.layout import StorageError
-    from storage.query import adapters_table
+    from storage.query import adapters_table, served_or_none
     from storage.registry import UnreadableRecord
 
     registry = _registry(args)
@@ -520,10 +520,7 @@ def cmd_adapters_list(args: argparse.Namespace) -> int:
                 # What --all would add: the records on disk (retention deletes settled ones: the numbers
                 # are not all there), not the newest number.
                 hidden += len(set(registry.numbers(t)) - {v.number for v in mine})
-        try:
-            served = registry.published()  # what `latest` marks: what serving routes to
-        except UnreadableRecord:
-            served = None
+        served = served_or_none(registry)  # what `latest` marks: what serving routes to
     except (StorageError, *UNREADABLE) as e:
         return _fail("list", e)
     columns = ["name", "status", "latest", "parent", "created_at", "published_at", "reason", "metrics"]

@@ -179,9 +179,6 @@ class HashIndex:
         self._runs = settled
         return removed
 
-    def _settle(self) -> None:
-        _settle(self._runs)
-
     def _insert(self, h1: np.ndarray, h2: np.ndarray, values: np.ndarray | None) -> None:
         """Inserts keys none of which is in the index (a key given twice is kept once, with its first value)."""
         if not len(h1):
@@ -197,7 +194,7 @@ class HashIndex:
             h1, h2 = h1[keep], h2[keep]
             values = None if values is None else values[order][keep]
         self._runs.append(_Run(h1, h2, values))
-        self._settle()
+        _settle(self._runs)
 
 
 def _settle(runs: list[_Run]) -> None:

@@ -81,7 +81,10 @@ def _connect(dd, adapters: bool, datasets=DATASETS) -> tuple[duckdb.DuckDBPyConn
     """(the connection, every dataset file its views read). The views of datasets not in `datasets` are
     empty (their columns only): DuckDB reads every listed file's footer when it creates a view, so one
     damaged file would fail every statement, `select 1` and the adapters view included."""
-    typed_adapters = adapters_table(*_versions_and_served(Registry(dd)) if adapters else ([],))
+    typed_adapters = adapters_table([])
+    if adapters:
+        registry = Registry(dd)
+        typed_adapters = adapters_table(readable_versions(registry), served_or_none(registry))
     for attempt in range(QUERY_ATTEMPTS):
         con = duckdb.connect(":memory:")
         try:
@@ -103,14 +106,14 @@ def _connect(dd, adapters: bool, datasets=DATASETS) -> tuple[duckdb.DuckDBPyConn
     raise AssertionError("unreachable")
 
 
-def _versions_and_served(registry: Registry) -> tuple[list[AdapterVersion], dict[str, AdapterVersion] | None]:
-    """Every readable version, and what HEAD.json routes each tenant to (None while it cannot be read)."""
+def served_or_none(registry: Registry) -> dict[str, AdapterVersion] | None:
+    """Registry.published() (HEAD.json: what serving routes to), for `adapters_table`'s `latest`; None, logged,
+    while HEAD.json cannot be read (`latest` then comes from the version records)."""
     try:
-        served = registry.published()
+        return registry.published()
     except UnreadableRecord as e:
-        logger.warning("the adapters view's `latest` column reads the version records: %s", e)
-        served = None
-    return readable_versions(registry), served
+        logger.warning("`latest` is read from the version records: %s", e)
+        return None
 
 
 def readable_versions(registry: Registry) -> list[AdapterVersion]:
