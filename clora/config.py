@@ -421,6 +421,13 @@ class LearnerConfig(_Strict):
         "auto", pattern=r"^(auto|cpu|mps|(cuda|xpu)(:[0-9]+)?)$",
         description="Device of the learner's model: auto (cuda if present), cpu, cuda, cuda:N (or mps, xpu[:N])."
     )
+    max_resident_tenants: int = Field(
+        0, ge=0, description="Tenants whose adapter and optimizer state the learner holds in memory at once; "
+        "another tenant's step first unloads the one that stepped longest ago (everything about it is in its "
+        "last checkpoint, which its next step loads again). Bounds the learner's memory with many tenants "
+        "(on a 4B model at r = 8 over every linear layer, ~250 MB a tenant: fp32 weights, gradient and Adam's moments); 0: no limit. A round "
+        "(learner.round_tenants) keeps all of its tenants loaded."
+    )
     processes: int = Field(
         1, ge=1, le=64, description="`clora up`: learner processes, each training its shard of the tenants "
         "(`clora learn --shard K/N`) with its own copy of the base model, so tenants train in parallel."

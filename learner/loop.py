@@ -168,6 +168,9 @@ class TenantRuntime:
     probe_failures: int = 0  # steps in a row that failed because the scorer failed on a gate probe
     probe_unscored: bool = False  # this step left a probe prompt unscored (gate.LeaveUnscored)
     last: dict = field(default_factory=dict)  # the last train_steps row
+    used_at: float = 0.0  # monotonic time its adapter was last loaded or stepped (learner.max_resident_tenants)
+    committed_state: int = -1  # the state_id its last committed checkpoint holds (-1: none this process wrote)
+    unloaded: tuple[int, bool] | None = None  # (step, weights were the checkpoint's) when `_unload` freed it
     set_aside: list[str] = field(default_factory=list)  # damaged checkpoints this process set aside (status.json)
 
 
@@ -278,6 +281,8 @@ class Learner:
         self._listing_error: str | None = None  # why the trajectories could not be listed (logged once until they can)
         self._prompts_cache: dict[str, tuple[tuple | None, list[str]]] = {}  # tenant -> (file identity, rendered)
         self._base_shapes: dict | None = None  # the base model's linear layers, for _check_servable
+        self._servable: set[tuple] = set()  # (tenant, adapter shape) that passed _check_servable
+        self._stepping: set[str] = set()  # tenants with a step in progress: never unloaded (`_make_room`)
         self.ledger = Ledger()
         self.apply_config(cfg)
         self.recover()
@@ -663,6 +668,15 @@ class Learner:
         """`step` as a step generator (see `ProbeRequest`)."""
         rt = self.tenants[name]
         rt.round_wait = 0.0
+        self._stepping.add(name)
+        try:
+            return (yield from self._step_loaded(rt))
+        finally:
+            self._stepping.discard(name)
+            rt.used_at = time.monotonic()
+
+    def _step_loaded(self, rt: TenantRuntime):
+        name = rt.spec.name
         self._ensure_loaded(rt)
         if rt.unfinished is not None:
             self._finish(rt, rt.unfinished)
@@ -848,6 +862,7 @@ class Learner:
             rt.served.append(meta["version"])
             self._trim_served(rt)
             rt.probe_cache = {self._probe_key(rt): probe} if probe is not None and None not in probe else {}
+        rt.committed_state = rt.state_id  # a rejected step's weights were put back to its parent's before the write
         return meta, work, trained
 
     # --- collecting work ------------------------------------------------------------------------------
@@ -1182,6 +1197,10 @@ class Learner:
         if rt.loaded:
             return
         name = rt.spec.name
+        self._make_room(name)
+        rt.used_at = time.monotonic()
+        if rt.unloaded is not None and self._reload_unloaded(rt):
+            return
         latest = self.cursors.latest_checkpoint(name)
         while latest is not None:
             step, directory = latest
@@ -1252,6 +1271,63 @@ class Learner:
             self._reject_abandoned(name)
             self._load_served(rt)
 
+    def _make_room(self, name: str) -> None:
+        """Unloads the tenants that stepped longest ago until `name`'s adapter fits within
+        learner.max_resident_tenants. An unloaded tenant's state is its last checkpoint (every committed step
+        writes one; between steps nothing else changes its adapter that its next step does not redo: a
+        followed registry change is followed again), so its next step loads it as a reload. A tenant of the
+        step in progress (a round) is never unloaded: the limit may be exceeded by a round's size."""
+        limit = self.settings.max_resident_tenants
+        if limit <= 0:
+            return
+        resident = [rt for n, rt in self.tenants.items() if n != name and self.policy.has(n)]
+        idle = sorted((rt for rt in resident if rt.spec.name not in self._stepping), key=lambda rt: rt.used_at)
+        for rt in idle[: max(0, len(resident) + 1 - limit)]:
+            self._unload(rt)
+
+    def _unload(self, rt: TenantRuntime) -> None:
+        name = rt.spec.name
+        self.policy.remove_tenant(name)
+        # A tenant not loaded (a takeover's reload pending) gets the full load when it steps again.
+        rt.unloaded = (rt.step, rt.state_id == rt.committed_state) if rt.loaded else None
+        rt.loaded = False
+        logger.debug("tenant %s: adapter and optimizer unloaded (learner.max_resident_tenants = %d); its next step "
+                     "loads its last checkpoint", name, self.settings.max_resident_tenants)
+
+    def _reload_unloaded(self, rt: TenantRuntime) -> bool:
+        """Loads the weights of a tenant `_unload` freed back from its last checkpoint, its runtime state kept
+        (this process held its lock throughout: nothing but an operator's registry change, which its step
+        follows, can have moved). When they were the checkpoint's as it was unloaded, the gate's cached
+        probe of them still holds. False, nothing loaded: the checkpoint is not the one of its last step (or
+        it has none, or it is damaged), and the full load (`_ensure_loaded`) decides."""
+        name, (step, same) = rt.spec.name, rt.unloaded
+        rt.unloaded = None
+        latest = self.cursors.latest_checkpoint(name)
+        if latest is None or latest[0] != step:
+            return False
+        directory = latest[1]
+        try:
+            if missing_checkpoint_files(directory):
+                return False
+            version = int(_read_meta(directory)["version"] or 0)
+            self._add_adapter(rt, directory / "adapter")
+            self.policy.load_checkpoint(name, directory)
+            if not self.policy.weights_finite(name):
+                raise DamagedFile(f"tenant {name!r}: the adapter in {directory} holds non-finite weights")
+        except BaseException as e:
+            if self.policy.has(name):
+                self.policy.remove_tenant(name)
+            if isinstance(e, DamagedFile):
+                return False  # the full load sets it aside and goes on from the one before
+            raise
+        if not same:  # it had followed the registry since its step: that is followed again, and probed again
+            rt.version = version
+            rt.state_id += 1
+            rt.probe_cache = {}
+        rt.committed_state = rt.state_id
+        rt.loaded = True
+        return True
+
     def _load_published(self, rt: TenantRuntime, published) -> None:
         """Loads the served version `published` into the tenant's adapter. Refused, the adapter left as it was,
         when its weights are not finite: serving refuses it too, and every step from it would be rejected by
@@ -1296,11 +1372,14 @@ class Learner:
             spec = replace(spec, **shape)
         if not self.policy.has(spec.name):
             self.policy.add_tenant(spec)
-            try:
-                self._check_servable(spec.name)
-            except BaseException:
-                self.policy.remove_tenant(spec.name)
-                raise
+            shape = (spec.name, spec.rank, spec.alpha, tuple(sorted(spec.target_modules)))
+            if shape not in self._servable:  # once, not at every reload of an unloaded tenant
+                try:
+                    self._check_servable(spec.name)
+                except BaseException:
+                    self.policy.remove_tenant(spec.name)
+                    raise
+                self._servable.add(shape)
         rt.spec = spec
 
     def _check_servable(self, name: str) -> None:

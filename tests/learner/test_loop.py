@@ -1591,14 +1591,14 @@ def test_a_config_re_read_applies_the_learner_settings_or_says_which_wait_for_a_
 # Rounds: several tenants step together, their gate probes decoded in one batch
 
 
-def _round_config(data_dir, tiny_model, prompts, round_tenants):
+def _round_config(data_dir, tiny_model, prompts, round_tenants, **learner):
     tenants = [
         {"name": name, "mode": "rollouts", "scorer": scorer, "prompts_file": str(prompts), "batch_size": 8,
          "group_size": 4, "learning_rate": 1e-2, "lora": {"target_modules": LEARNABLE_TARGETS}}
         for name, scorer in (("a", "length:48"), ("b", "length:40"), ("c", "length:56"))
     ]
     return make_config(data_dir, tiny_model, tenants, rollout_sampler="local", max_new_tokens=12, gate_prompts=2,
-                       gate_max_kl=50.0, max_staleness=0, round_tenants=round_tenants)
+                       gate_max_kl=50.0, max_staleness=0, round_tenants=round_tenants, **learner)
 
 
 def test_a_round_decodes_its_tenants_probes_in_one_batch_and_learns_what_steps_one_at_a_time_learn(
@@ -1719,6 +1719,79 @@ def test_a_failing_step_in_a_round_leaves_the_other_tenants_steps_to_finish(tiny
     assert learner.tenants["b"].step == 0 and learner.tenants["a"].step == learner.tenants["c"].step == 1
     assert all(torch.equal(p, before.weights[n]) for n, p in learner.policy._params["b"]), "b's failed update stayed"
     learner.close()
+
+
+@pytest.mark.parametrize("round_tenants, resident", [(1, 1), (3, 1), (1, 2)])
+def test_tenants_unloaded_past_max_resident_tenants_learn_what_tenants_always_loaded_learn(
+        tiny_model, tmp_path, monkeypatch, round_tenants, resident):
+    """learner.max_resident_tenants bounds the adapters and optimizers in memory: a tenant unloaded for
+    another's step comes back from its checkpoint, its optimizer's moments included, and learns exactly what
+    it would have learned loaded throughout, with the gate's cached parent probe kept (no extra decode). A
+    round keeps all of its tenants loaded, whatever the limit."""
+    from learner.policy import Policy
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Write a number.\nTell me about cats.\nhello\nCount to five.\n")
+    decodes = []
+    real = Policy.generate_grouped
+
+    def counted(self, groups, **kw):
+        decodes.append(sorted(tenant for tenant, _ in groups))
+        return real(self, groups, **kw)
+
+    monkeypatch.setattr(Policy, "generate_grouped", counted)
+    outcome, seen = {}, {}
+    for limit in (0, resident):
+        data_dir = tmp_path / f"resident-{limit}"
+        cfg = _round_config(data_dir, tiny_model, prompts, round_tenants, max_resident_tenants=limit)
+        learner = Learner(cfg, model_path=tiny_model, progress=False)
+        loaded = []
+        torch.manual_seed(0)
+        decodes.clear()
+        learn(cfg, tiny_model, learner=learner, until_idle=False, max_steps=9,
+              on_step=lambda record: loaded.append(len(learner.policy.tenants)))
+        registry = Registry(data_dir)
+        outcome[limit] = {
+            "steps": sorted((r["tenant"], r["step"], r["loss"], r["n_trajectories"])
+                            for r in read_dataset(data_dir, "train_steps").to_pylist()),
+            "gate": {t: [(v.status, v.gate["probe_rewards"], v.gate["parent_probe_rewards"]) for v in registry.versions(t)]
+                     for t in "abc"},
+            "weights": {t: [(v.path / ADAPTER_WEIGHTS).read_bytes() for v in registry.versions(t)] for t in "abc"},
+            "decodes": sorted(map(tuple, decodes)),
+        }
+        seen[limit] = loaded
+    assert [s[:2] for s in outcome[0]["steps"]] == [(t, k) for t in "abc" for k in (1, 2, 3)]
+    assert outcome[resident] == outcome[0]
+    assert max(seen[0]) == 3
+    assert max(seen[resident]) == max(resident, round_tenants), seen[resident]
+
+
+def test_a_tenant_unloaded_after_following_a_rollback_follows_it_again_when_it_comes_back(tiny_model, data_dir):
+    """An operator's rollback, followed by a step that then found no work, changed the adapter without a
+    checkpoint: unloaded, the tenant comes back with its checkpoint's weights, and follows the rollback again
+    before it trains (not the checkpoint's weights taken for the served version's)."""
+    write(data_dir, "acme", rows("a", 16), "b0")
+    write(data_dir, "beta", rows("b", 8, seed=1), "b0")
+    tenants = [{"name": "acme", "batch_size": 8}, {"name": "beta", "batch_size": 8}]
+    learner = Learner(make_config(data_dir, tiny_model, tenants, max_resident_tenants=1), model_path=tiny_model,
+                      progress=False)
+    assert learner.step("acme").version == "acme@1"
+    assert learner.step("beta").version == "beta@1" and learner.policy.tenants == ["beta"]
+    assert learner.step("acme").version == "acme@2" and learner.policy.tenants == ["acme"]
+    Registry(data_dir).rollback("acme", 1)  # acme@3 = acme@1's files
+    assert learner.step("acme") is None  # no work: it followed acme@3 and stopped there
+    assert learner.tenants["acme"].version == 3 and learner.policy.tenants == ["acme"]
+    write(data_dir, "beta", rows("c", 8, seed=2), "b1", start=100)
+    assert learner.step("beta").version == "beta@2"  # acme unloaded
+    assert learner.policy.tenants == ["beta"]
+    write(data_dir, "acme", rows("d", 8, seed=5), "b1", start=100)
+    followed = []
+    real = learner._load_published
+    learner._load_published = lambda rt, published: (followed.append(published.name), real(rt, published))
+    record = learner.step("acme")
+    learner.close()
+    assert followed == ["acme@3"]
+    assert record.version == "acme@4" and Registry(data_dir).get("acme", 4).parent == "acme@3"
 
 
 def test_a_stop_during_a_rounds_training_finishes_the_steps_trained_and_leaves_the_others(tiny_model, tmp_path,
