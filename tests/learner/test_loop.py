@@ -571,7 +571,7 @@ def test_a_publish_that_failed_before_head_json_is_completed_when_the_step_is_re
     real_publish, real_head = Registry.publish, Registry._write_head
 
     def publish_without_head(self, *a, **kw):
-        def full(_self):
+        def full(_self, tenant):
             raise OSError(28, "No space left on device")
         monkeypatch.setattr(Registry, "_write_head", full)
         try:
