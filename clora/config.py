@@ -343,7 +343,10 @@ class LearnerConfig(_Strict):
         "whose batches all score alike and teach nothing."
     )
     scale_advantages: bool = Field(
-        True, description="logs mode: divide each batch's advantages by the std of its rewards (small or sparse rewards still learn)."
+        True, description="Divide advantages by the std of the rewards: in logs mode each batch's (small or sparse "
+        "rewards still learn), in rollouts mode each prompt's group's (GRPO). false: rewards minus their baseline "
+        "only (Dr. GRPO in rollouts mode), so a group whose rewards barely differ moves the adapter barely; "
+        "then the learning rate sets the step for the rewards' units."
     )
     skip_flat_batches: bool = Field(
         True,

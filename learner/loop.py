@@ -1089,6 +1089,7 @@ class Learner:
                 skip_unscorable=tries + 1 >= UNSCORABLE_TRIES,
                 temperature=self.settings.temperature,
                 version_files=lambda number: self._version_files(name, number),
+                scale_advantages=self.settings.scale_advantages,
                 **common,
             )
         except rollouts.NoUsableSamples as e:

@@ -74,14 +74,17 @@ def baseline_advantages(rewards: Tensor, groups: Tensor, baseline: float) -> Ten
     return torch.where(size >= 2, rewards - group_others, rewards - others)
 
 
-def grpo_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:
-    """GRPO: (reward - group mean) / (group sample std + eps). A group of one, or a group whose rewards are
+def grpo_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6, *, scale: bool = True) -> Tensor:
+    """GRPO: (reward - group mean) / (group sample std + eps); with `scale` off, reward - group mean (Dr. GRPO:
+    dividing by the std weighs a group whose rewards barely differ, 0.5 and 0.50001, as much as one of 0 and
+    1, and a prompt nearly always solved or failed more than one in between). A group of one, or a group whose rewards are
     all equal, gets advantage exactly 0: it says nothing about which completion was better. "Equal" allows
     for rounding: eight rewards of 0.7 have a mean of 0.7 - 1e-16 and would otherwise get advantages of
     -1e-10, all of one sign, which made a batch without any contrast train, gate and publish a version."""
     size, mean, std = _group_stats(rewards, groups)
     flat = std <= eps * (1 + mean.abs())
-    return torch.where((size >= 2) & ~flat, (rewards - mean) / (std + eps), torch.zeros_like(rewards))
+    centred = rewards - mean
+    return torch.where((size >= 2) & ~flat, centred / (std + eps) if scale else centred, torch.zeros_like(rewards))
 
 
 def scale_by_std(advantages: Tensor, rewards: Tensor | None = None, eps: float = 1e-6) -> Tensor:

@@ -16,7 +16,7 @@ A step for a tenant:
          exactly on-policy, but sampling then takes the learner's time;
   3. rewards from the tenant's programmatic scorer (ingest.scorers.build_scorer; a sample whose scorer
      call fails is left out, counted as `n_score_failed`), GRPO advantages (reward - group mean) / group
-     std (maths.grpo_advantages);
+     std (maths.grpo_advantages; without the division with `learner.scale_advantages` off);
   4. one importance-weighted policy-gradient update (update.py) on the tokens the engine sampled (the serving tier
      returns them: `return_token_ids`), with their sampled log-probabilities (`logprobs: 0`, vLLM's raw
      ones, at temperature 1) as the behaviour log-probs: a batch sampled ahead by the previous version, or
@@ -675,6 +675,7 @@ def train_step(
     temperature: float = 1.0,
     version_files: Callable[[int], Path | None] | None = None,
     withdrawn: Collection[int] = (),
+    scale_advantages: bool = True,
 ) -> RolloutStep:
     """Scores the groups, computes GRPO advantages and makes one update (see the module note). Raises
     NoUsableSamples when every sample is left out, unless every one failed scoring and `skip_unscorable`
@@ -730,7 +731,7 @@ def train_step(
             return RolloutStep(update=None, reward_mean=math.nan, rewards=(), **counts)
         raise NoUsableSamples(_none_usable(len(prompts), n, failed, stale, empty), unscorable=unscorable)
     reward_t = torch.tensor(rewards, dtype=torch.float64)
-    advantages = maths.grpo_advantages(reward_t, torch.tensor(groups, dtype=torch.long))
+    advantages = maths.grpo_advantages(reward_t, torch.tensor(groups, dtype=torch.long), scale=scale_advantages)
     reward_mean = float(reward_t.mean())
     if not bool(advantages.abs().gt(0).any()):
         return RolloutStep(update=None, reward_mean=reward_mean, rewards=tuple(rewards), **counts)

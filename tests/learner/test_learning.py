@@ -145,3 +145,27 @@ def test_rollouts_train_on_the_sampled_tokens_weighed_by_their_sampled_log_probs
     old = [Sample(s.text, s.token_ids, s.finished, logprobs=tuple(-30.0 for _ in s.token_ids)) for s in group]
     stale = step(old)
     assert stale.update.clip_frac > 0.3, stale.update
+
+
+def test_without_scaled_advantages_rewards_that_barely_differ_barely_move_the_adapter(tiny_model):
+    """GRPO's division by the group's std makes rewards of 0.5 and 0.5001 as loud as 0.5 and 1;
+    `scale_advantages=False` (Dr. GRPO) keeps their difference as it is."""
+    torch.manual_seed(0)
+    policy = Policy(tiny_model, device="cpu")
+    policy.add_tenant(replace(TenantSpec.default("acme"), target_modules=tuple(LEARNABLE_TARGETS)))
+    prompt = render_user_prompt(policy.tokenizer, "hello")
+    (group,) = LocalSampler(policy).sample([SampleRequest("acme", "", prompt, 4, 8, 1.0)])
+
+    def grad_norm(scale, unit):
+        snapshot = policy.snapshot("acme")
+        result = train_step(policy, "acme", [prompt], [group], lambda c, p: 0.5 + unit * (len(c) % 3),
+                            current_version=0, max_staleness=0, clip_eps=0.2, kl_coef=0.0, max_grad_norm=1.0,
+                            max_len=256, scale_advantages=scale)
+        policy.restore("acme", snapshot)
+        assert result.update is not None, "the group's rewards differ"
+        return result.update.grad_norm
+
+    scaled = grad_norm(True, 1e-4)
+    assert scaled == pytest.approx(grad_norm(True, 0.25), rel=0.05), "scaled: the reward's units do not matter"
+    assert grad_norm(False, 1e-4) < 1e-3 * scaled
+    assert grad_norm(False, 0.25) > 1e-2 * scaled

@@ -1136,6 +1136,22 @@ def test_rollouts_mode_with_a_prompts_file_and_the_local_sampler(tiny_model, dat
         assert v.gate["probe_drop_allowed"] >= v.gate["limit_reward_tolerance"] == 1.0
 
 
+@pytest.mark.parametrize("scale", [True, False])
+def test_scale_advantages_reaches_the_rollouts_update(tiny_model, data_dir, tmp_path, monkeypatch, scale):
+    from learner import maths
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Write a number.\nhello\n")
+    asked = []
+    real = maths.grpo_advantages
+    monkeypatch.setattr(maths, "grpo_advantages", lambda *a, **kw: (asked.append(kw.get("scale")), real(*a, **kw))[1])
+    cfg = make_config(data_dir, tiny_model, [{"name": "lab", "mode": "rollouts", "scorer": "length:48",
+                                               "prompts_file": str(prompts), "batch_size": 4, "group_size": 2}],
+                      rollout_sampler="local", max_new_tokens=8, max_staleness=0, scale_advantages=scale)
+    learn(cfg, tiny_model, until_idle=False, max_steps=1)
+    assert asked == [scale]
+
+
 def test_a_prompts_file_is_rendered_once_and_again_when_it_changes(tiny_model, data_dir, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Write a number.\nhello\n")

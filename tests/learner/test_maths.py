@@ -47,6 +47,17 @@ def test_grpo_advantages_normalise_by_group_sample_std():
     close(maths.grpo_advantages(rewards, groups), [0.866025, -0.866025, -0.866025, 0.866025, 0, 0, 0], tol=1e-4)
 
 
+def test_grpo_advantages_without_scaling_are_the_rewards_minus_their_group_mean():
+    # Dr. GRPO: group a = {0.5, 0.51} -> +-0.005 (scaled: +-0.005 / 0.0070711 = +-0.7071); b = {1, 0, 0, 1} ->
+    # +-0.5; c alone -> 0
+    rewards = torch.tensor([0.5, 0.51, 1.0, 0.0, 0.0, 1.0, 7.0], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 1, 1, 1, 1, 2])
+    close(maths.grpo_advantages(rewards, groups, scale=False), [-0.005, 0.005, 0.5, -0.5, -0.5, 0.5, 0], tol=1e-9)
+    close(maths.grpo_advantages(rewards, groups)[:2], [-0.7070, 0.7070], tol=1e-3)
+    equal = torch.full((8,), 0.7, dtype=torch.float64)
+    assert maths.grpo_advantages(equal, torch.zeros(8, dtype=torch.long), scale=False).abs().max().item() == 0.0
+
+
 @pytest.mark.parametrize("value, n", [(0.1, 3), (0.7, 8), (1 / 3, 5), (123.456, 4)])
 def test_grpo_advantages_of_equal_rewards_are_exactly_zero_whatever_the_rounding(value, n):
     # the mean of n equal floats is not always exactly that float (0.7 * 8 / 8 = 0.7 - 1e-16); a group without
