@@ -134,6 +134,14 @@ def config_check(args: argparse.Namespace) -> int:
                 results.append((f"tenant {t.name}: prompts_file {t.prompts_file} has {n} prompts", None))
             except SamplingError as e:
                 results.append((f"tenant {t.name}", f"tenant {t.name}: {e}"))
+    for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+        if (path := getattr(cfg.kafka, name)) is not None:
+            try:
+                with open(path, "rb"):
+                    problem = None
+            except OSError as e:
+                problem = f"kafka.{name} {path}: {e.strerror or e}"
+            results.append((f"kafka.{name} {path} is readable", problem))
     broker_problem = embedded_broker_problem(cfg)
     if broker_problem is not None:
         results.append(("kafka.bootstrap", broker_problem))

@@ -116,6 +116,30 @@ class KafkaConfig(_Strict):
         description="Topic receiving rejected messages; not one of the two ingest reads."
     )
     partitions: int = Field(4, ge=1, description="Partitions per topic when clora creates its topics.")
+    replication_factor: int = Field(
+        -1, ge=-1, le=32767, description="Replicas of each topic clora creates (the interactions, feedback and "
+        "dead-letter topics, where missing); -1: the cluster's default.replication.factor (Kafka 2.4 or newer). "
+        "Topics that exist are left as they are."
+    )
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="How every clora Kafka client (ingest, serving's event log, topic creation) "
+        "connects: PLAINTEXT, SSL (TLS), SASL_PLAINTEXT or SASL_SSL (SASL authentication, over TLS for SASL_SSL)."
+    )
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
+        None, description="SASL mechanism with a SASL_* security_protocol."
+    )
+    sasl_username: str | None = Field(None, description="SASL user name.", json_schema_extra=env("CLORA_KAFKA_SASL_USERNAME"))
+    sasl_password: SecretStr | None = Field(
+        None, description="SASL password (better from the environment than in the file).",
+        json_schema_extra=env("CLORA_KAFKA_SASL_PASSWORD")
+    )
+    ssl_cafile: Path | None = Field(
+        None, description="SSL/SASL_SSL: CA certificate (PEM) the brokers' certificates are checked against "
+        "(unset: the system's)."
+    )
+    ssl_certfile: Path | None = Field(None, description="SSL/SASL_SSL: client certificate (PEM), for mutual TLS.")
+    ssl_keyfile: Path | None = Field(None, description="SSL/SASL_SSL: the client certificate's private key (PEM).")
+    ssl_check_hostname: bool = Field(True, description="SSL/SASL_SSL: whether a broker's certificate must name its host.")
     group_id: str = Field("clora-ingest", description="Consumer group of the ingest processes.")
     session_timeout_ms: int = Field(
         6000, ge=1000, description="Consumer-group session timeout; a group join takes about half of it."
@@ -123,6 +147,32 @@ class KafkaConfig(_Strict):
     heartbeat_interval_ms: int = Field(
         2000, ge=100, description="Consumer-group heartbeat interval; below session_timeout_ms."
     )
+
+    @field_validator("replication_factor")
+    @classmethod
+    def _replicas(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("a topic needs at least 1 replica (-1: the cluster's default)")
+        return v
+
+    @field_validator("ssl_cafile", "ssl_certfile", "ssl_keyfile", mode="before")
+    @classmethod
+    def _ssl_file(cls, v, info):
+        return _home_expanded(v, f"kafka.{info.field_name}")
+
+    def client_options(self) -> dict[str, Any]:
+        """The kafka-python keyword arguments of the connection settings above (with bootstrap_servers), for
+        every client clora makes: consumer, producer and admin alike."""
+        options: dict[str, Any] = {"bootstrap_servers": self.bootstrap, "security_protocol": self.security_protocol}
+        if self.security_protocol.startswith("SASL_"):
+            options.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,
+                           sasl_plain_password=_secret(self.sasl_password))
+        if self.security_protocol.endswith("SSL"):
+            options.update(ssl_check_hostname=self.ssl_check_hostname)
+            for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+                if (path := getattr(self, name)) is not None:
+                    options[name] = str(path)
+        return options
 
     @field_validator("interactions_topic", "feedback_topic", "dead_letter_topic")
     @classmethod
@@ -648,6 +698,15 @@ def _between_fields(c: Any) -> list[tuple[tuple[str | int, ...], str]]:
             kafka.heartbeat_interval_ms >= kafka.session_timeout_ms:
         problems.append((("kafka", "heartbeat_interval_ms"), f"heartbeat_interval_ms ({kafka.heartbeat_interval_ms}) "
                          f"must be below session_timeout_ms ({kafka.session_timeout_ms})"))
+    if _known(kafka.security_protocol) and str(kafka.security_protocol).startswith("SASL_"):
+        for field in ("sasl_mechanism", "sasl_username", "sasl_password"):
+            if getattr(kafka, field) is None:
+                problems.append((("kafka", field), f"security_protocol {kafka.security_protocol} needs "
+                                 f"kafka.{field}" + (" (or $CLORA_KAFKA_SASL_PASSWORD)" if field == "sasl_password"
+                                                     else "")))
+    if _known(kafka.ssl_certfile, kafka.ssl_keyfile) and (kafka.ssl_certfile is None) != (kafka.ssl_keyfile is None):
+        problems.append((("kafka", "ssl_keyfile" if kafka.ssl_keyfile is None else "ssl_certfile"),
+                         "ssl_certfile and ssl_keyfile go together (the client certificate and its key)"))
     topics = {"interactions_topic": kafka.interactions_topic, "feedback_topic": kafka.feedback_topic}
     if _known(*topics.values()) and topics["interactions_topic"] == topics["feedback_topic"]:
         problems.append((("kafka", "feedback_topic"), f"feedback_topic {kafka.feedback_topic!r} is also the "

@@ -166,19 +166,21 @@ def wait_for_kafka(bootstrap: str, timeout: float = 30.0) -> None:
     raise BrokerError(f"no Kafka broker answered at {bootstrap} within {timeout:.0f}s (last error: {last})")
 
 
-def ensure_topics(bootstrap: str, topics: Iterable[str], partitions: int) -> list[str]:
-    """Creates the topics that do not exist yet; returns the ones it created."""
+def ensure_topics(bootstrap: str, topics: Iterable[str], partitions: int, *, replication_factor: int = -1,
+                  client: dict | None = None) -> list[str]:
+    """Creates the topics that do not exist yet (`replication_factor` -1: the cluster's default); returns the
+    ones it created. `client`: the connection's kafka-python options (KafkaConfig.client_options)."""
     from kafka import KafkaAdminClient
-    from kafka.admin import NewTopic
     from kafka.errors import TopicAlreadyExistsError
 
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = KafkaAdminClient(**{"bootstrap_servers": bootstrap, **(client or {})})
     try:
         existing = set(admin.list_topics())
         missing = [t for t in dict.fromkeys(topics) if t not in existing]
         if missing:
             try:
-                admin.create_topics([NewTopic(t, partitions, 1) for t in missing])
+                admin.create_topics({t: {"num_partitions": partitions, "replication_factor": replication_factor}
+                                     for t in missing})
             except TopicAlreadyExistsError:  # another process created them in between
                 pass
         return missing

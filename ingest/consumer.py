@@ -313,8 +313,11 @@ class Ingest:
         max_pending_per_tenant: int = MAX_PENDING_PER_TENANT,
         max_pending: int | None = MAX_PENDING,
         name: str = "ingest",
+        client_options: dict | None = None,
     ) -> None:
         self.root = root
+        # kafka-python's connection options (KafkaConfig.client_options: TLS, SASL), for both clients.
+        self.client_options = {"bootstrap_servers": bootstrap, **(client_options or {})}
         self.name = name  # its ready mark's name: ingest, or ingest-K for one of several under `clora up`
         self.bootstrap = bootstrap
         self.topics = [interactions_topic, feedback_topic]
@@ -368,7 +371,7 @@ class Ingest:
         with contextlib.ExitStack() as resources:
             with _bootstrap_errors(self.bootstrap):
                 self.producer = KafkaProducer(
-                    bootstrap_servers=self.bootstrap,
+                    **self.client_options,
                     acks="all",
                     linger_ms=5,
                     max_block_ms=DEAD_LETTER_BLOCK_MS,
@@ -379,7 +382,7 @@ class Ingest:
             resources.callback(self.producer.close)
             with _bootstrap_errors(self.bootstrap):
                 self.consumer = KafkaConsumer(
-                    bootstrap_servers=self.bootstrap,
+                    **self.client_options,
                     group_id=self.group_id,
                     client_id=f"clora-ingest-{self.group_id}",
                     enable_auto_commit=False,

@@ -19,7 +19,7 @@ import pyarrow as pa
 from clora.config import Config
 from clora.up import StopFlag
 from ingest.batch import Processor
-from ingest.broker import BrokerError, wait_until_reachable
+from ingest.broker import BrokerError, ensure_topics, wait_until_reachable
 from ingest.cli import member_name
 from ingest.consumer import Ingest
 from ingest.metrics import IngestMetrics, MetricsPortError
@@ -91,6 +91,7 @@ def build(cfg: Config, metrics: IngestMetrics | None = None, *, member: int | No
         heartbeat_interval_ms=cfg.kafka.heartbeat_interval_ms,
         metrics=metrics,
         name=member_name(member),
+        client_options=cfg.kafka.client_options(),
     )
 
 
@@ -125,6 +126,12 @@ def run(cfg: Config, *, once: bool = False, max_seconds: float | None = None, dr
         logger.error("clora ingest: cannot reach Kafka at %s (kafka.bootstrap) within %.0f s: %s; is the broker "
                      "running?", cfg.kafka.bootstrap, KAFKA_WAIT_S, why)
         return 2
+    try:  # ingest sends its dead letters there: a cluster that creates no topic on first use would refuse them
+        ensure_topics(cfg.kafka.bootstrap, [cfg.kafka.dead_letter_topic], cfg.kafka.partitions,
+                      replication_factor=cfg.kafka.replication_factor, client=cfg.kafka.client_options())
+    except Exception as e:  # noqa: BLE001 - kafka-python's errors, an ACL; the topic may exist or come later
+        logger.warning("could not check the dead-letter topic %s at %s: %s; continuing (dead letters are in Parquet "
+                       "either way)", cfg.kafka.dead_letter_topic, cfg.kafka.bootstrap, e)
     tune_runtime()
     try:
         ingest.run(stop, once=once, max_seconds=max_seconds, drain=drain)

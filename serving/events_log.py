@@ -112,16 +112,17 @@ ACK_SLICE = 0.5  # acknowledgements are awaited in slices this long, so a stop's
 MAX_REQUEST_BYTES = 1 << 20
 
 
-def kafka_producer(bootstrap: str, *, max_request_size: int = MAX_REQUEST_BYTES) -> Any:
+def kafka_producer(bootstrap: str, *, max_request_size: int = MAX_REQUEST_BYTES, client: dict | None = None) -> Any:
     """A kafka-python producer that fails fast: nothing here may wait a minute for a missing broker.
 
     Raise `max_request_size` (with `functools.partial`) only together with the broker's limit and
-    ingest's `max_message_bytes`; a message over it is dead-lettered here, not sent.
+    ingest's `max_message_bytes`; a message over it is dead-lettered here, not sent. `client`: the
+    connection's kafka-python options (KafkaConfig.client_options: TLS, SASL).
     """
     from kafka import KafkaProducer
 
     return KafkaProducer(
-        bootstrap_servers=bootstrap,
+        **{"bootstrap_servers": bootstrap, **(client or {})},
         acks="all",
         linger_ms=5,
         max_block_ms=2000,

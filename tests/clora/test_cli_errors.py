@@ -325,6 +325,26 @@ def test_model_tiny_force_replaces_only_a_model_clora_built(tmp_path, capsys):
     assert main(["model", "tiny", "--out", str(built), "--force"]) == 0
 
 
+def test_config_check_says_which_kafka_tls_file_cannot_be_read(tmp_path, capsys):
+    (tmp_path / "ca.pem").write_text("-----BEGIN CERTIFICATE-----\n")
+    config = write_config(tmp_path, f"""data_dir = "{tmp_path / 'data'}"
+[broker]
+embedded = false
+[kafka]
+bootstrap = "127.0.0.1:{closed_port()}"
+security_protocol = "SSL"
+ssl_cafile = "{tmp_path / 'ca.pem'}"
+ssl_certfile = "{tmp_path / 'client.pem'}"
+ssl_keyfile = "{tmp_path / 'client.key'}"
+""")
+    assert main(["config", "check", "--config", str(config)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert f"  ok       kafka.ssl_cafile {tmp_path / 'ca.pem'} is readable" in out
+    problems = [line.split("PROBLEM", 1)[1].strip() for line in out if "PROBLEM" in line]
+    assert problems[:2] == [f"kafka.ssl_certfile {tmp_path / 'client.pem'}: No such file or directory",
+                            f"kafka.ssl_keyfile {tmp_path / 'client.key'}: No such file or directory"]
+
+
 def test_config_check_lists_what_the_config_names_that_is_not_there(tmp_path, capsys):
     port = closed_port()
     config = write_config(tmp_path, f"""data_dir = "{tmp_path / 'data'}"

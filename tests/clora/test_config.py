@@ -630,3 +630,37 @@ def test_commands_warn_of_clora_variables_nothing_reads(tmp_path):
         assert done.returncode == 0, done.stderr
         assert "clora: warning: CLORA_SERVING_PORT is not a clora setting and is ignored (did you mean CLORA_PORT?)" \
             in done.stderr, action
+
+
+def test_kafka_security_settings_reach_every_kafka_client_as_kafka_python_options(tmp_path, monkeypatch):
+    from ingest.process import build
+
+    path = tmp_path / "clora.toml"
+    path.write_text(f'data_dir = "{tmp_path}"\n[kafka]\nbootstrap = "kafka-1:9093,kafka-2:9093"\n'
+                    'security_protocol = "SASL_SSL"\nsasl_mechanism = "SCRAM-SHA-512"\nsasl_username = "clora"\n'
+                    'ssl_cafile = "~/ca.pem"\n')
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(path, environ={"CLORA_KAFKA_SASL_PASSWORD": "from-the-env"})
+    expected = {"bootstrap_servers": "kafka-1:9093,kafka-2:9093", "security_protocol": "SASL_SSL",
+                "sasl_mechanism": "SCRAM-SHA-512", "sasl_plain_username": "clora",
+                "sasl_plain_password": "from-the-env", "ssl_check_hostname": True, "ssl_cafile": f"{tmp_path}/ca.pem"}
+    assert cfg.kafka.client_options() == expected
+    assert build(cfg).client_options == expected  # ingest's consumer and producer
+    assert "from-the-env" not in show_config(cfg), "the password is masked"
+    assert Config().kafka.client_options() == {"bootstrap_servers": "127.0.0.1:9092", "security_protocol": "PLAINTEXT"}
+
+
+@pytest.mark.parametrize("kafka, field, message", [
+    ('security_protocol = "SASL_PLAINTEXT"\nsasl_mechanism = "PLAIN"\nsasl_username = "u"', "kafka.sasl_password",
+     "security_protocol SASL_PLAINTEXT needs kafka.sasl_password (or $CLORA_KAFKA_SASL_PASSWORD)"),
+    ('security_protocol = "SSL"\nssl_certfile = "/etc/clora/client.pem"', "kafka.ssl_keyfile",
+     "ssl_certfile and ssl_keyfile go together"),
+    ('security_protocol = "TLS"', "kafka.security_protocol", "SASL_SSL"),
+    ("replication_factor = 0", "kafka.replication_factor", ""),
+])
+def test_kafka_connection_settings_that_cannot_work_are_config_errors(tmp_path, kafka, field, message):
+    path = tmp_path / "clora.toml"
+    path.write_text(f"[kafka]\n{kafka}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, environ={})
+    assert field in str(e.value) and message in str(e.value), str(e.value)

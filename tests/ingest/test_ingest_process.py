@@ -550,6 +550,29 @@ def test_topics_of_different_partition_counts_are_said_to_break_the_join(broker,
     assert f"ERROR ingest.consumer: ingest: m-{tag}.i has 2 partitions but m-{tag}.f has 4" in done.stderr
 
 
+def test_ingest_creates_its_dead_letter_topic_where_it_is_missing(broker, tmp_path, data_dir):
+    """Serving creates the two event topics, nobody the dead-letter one: on a cluster that creates no topic on
+    first use every dead letter was refused (kept in Parquet only)."""
+    from kafka import KafkaAdminClient
+
+    tag = uuid.uuid4().hex[:8]
+    ensure_topics(broker.bootstrap, [f"d-{tag}.i", f"d-{tag}.f"], 2)
+    config = tmp_path / "clora.toml"
+    config.write_text("\n".join([
+        f'data_dir = "{data_dir}"', "[kafka]", f'bootstrap = "{broker.bootstrap}"', "partitions = 2",
+        f'interactions_topic = "d-{tag}.i"', f'feedback_topic = "d-{tag}.f"', f'dead_letter_topic = "d-{tag}.d"',
+        f'group_id = "g-{tag}"']) + "\n")
+    done = subprocess.run([sys.executable, "-m", "ingest", "--config", str(config), "--once"], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    try:
+        (topic,) = admin.describe_topics([f"d-{tag}.d"])
+    finally:
+        admin.close()
+    assert topic["error_code"] == 0 and len(topic["partitions"]) == 2
+
+
 def test_max_seconds_stops_the_process_on_its_own(setup_factory):
     """`clora ingest --max-seconds N`: consumes, then exits 0 once N seconds have passed (no signal, no --once)."""
     s = setup_factory(flush_rows=100, flush_seconds=0.2)
