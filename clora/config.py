@@ -250,7 +250,10 @@ class ServingConfig(_Strict):
         return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     max_loras: int = Field(8, ge=1, description="Adapters that may take part in one engine batch.")
-    max_cpu_loras: int = Field(16, ge=1, description="Adapters kept loaded (warm) in the engine.")
+    max_cpu_loras: int = Field(
+        16, ge=1, description="Adapters kept loaded (warm) in the engine; at least max_loras (a smaller value is "
+        "raised to it, as vLLM requires)."
+    )
     max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = Field(
         16, description="Largest LoRA rank the engine accepts: one of vLLM's sizes, 1, 8, 16, 32, 64, 128, 256, "
         "320 or 512 (its kernels are built for those)."
@@ -273,7 +276,8 @@ class ServingConfig(_Strict):
     )
     max_inflight_per_tenant: int = Field(
         64, ge=1, description="Completions (prompts x n) one tenant may have in the engine at once; beyond it, "
-        "429 with Retry-After, so one tenant cannot take the whole engine."
+        "429 with Retry-After. Below max_num_seqs, one tenant cannot take every sequence of an engine step (the "
+        "defaults are equal: set it lower where tenants share the engine under load)."
     )
     idempotency_ttl_seconds: float = Field(
         3600.0, ge=0, description="How long the answer of a completion request sent with an Idempotency-Key header "
@@ -288,7 +292,8 @@ class ServingConfig(_Strict):
         "auto", description="Engine dtype: auto, float32 (float), bfloat16, float16 (half)."
     )
     kv_cache_gib: float = Field(
-        1.0, ge=0, description="KV cache the engine reserves, GiB (small on CPU hosts); 0: vLLM sizes it from free memory."
+        1.0, ge=0, description="KV cache the engine reserves, GiB, on any device (1 GiB suits a CPU host; on a GPU set "
+        "it, or 0: vLLM sizes it from the GPU's free memory)."
     )
     registry_poll_seconds: float = Field(
         0.5, ge=MIN_POLL_SECONDS, description="How often the registry is checked for new versions (at least 0.01 s: "
@@ -431,7 +436,8 @@ class LearnerConfig(_Strict):
         "that has drifted into degenerate text, not ordinary learning."
     )
     gate_reward_tolerance: float = Field(
-        0.1, ge=0, description="Publish gate: held-out reward may fall at most this much below the parent's."
+        0.1, ge=0, description="Publish gate: the greedy probe reward may fall this much below the parent's, plus "
+        "gate_reward_z standard errors of the per-prompt changes."
     )
     gate_reward_z: float = Field(
         1.0, ge=0, description="Publish gate: the probe reward may also fall by this many standard errors of the "

@@ -471,8 +471,9 @@ class Ingest:
         out = self.processor.process(records, self.store, now_ms())
         if out.cut is not None:  # its scorers used the batch's time budget: the rest is read again
             rest = records[out.cut:]
-            logger.info("ingest: scoring took the batch's %gs (ingest.max_batch_scoring_seconds); writing its first %d "
-                        "records, reading the other %d again", self.processor.scoring_budget_s, out.cut, len(rest))
+            logger.warning("ingest: scoring took the batch's %gs (ingest.max_batch_scoring_seconds); writing its first "
+                           "%d records, reading the other %d again (a slow scorer: ingest falls behind)",
+                           self.processor.scoring_budget_s, out.cut, len(rest))
             self._seek_back(offset_ranges(rest))
         # If the previous write failed, this raises and `out` is never written.
         if not self._finish_write(shrink=shrink, commit=commit):

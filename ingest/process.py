@@ -13,6 +13,7 @@ import gc
 import logging
 import signal
 import sys
+import time
 
 import pyarrow as pa
 
@@ -115,8 +116,10 @@ def run(cfg: Config, *, once: bool = False, max_seconds: float | None = None, dr
         logger.error("clora ingest: %s", e)
         return 2
     # Before the clients: kafka-python's constructors block ~30 s on an unreachable bootstrap, deaf to
-    # Ctrl-C, logging every attempt, and then raise.
-    why = wait_until_reachable(cfg.kafka.bootstrap, stop, KAFKA_WAIT_S)
+    # Ctrl-C, logging every attempt, and then raise. Within --max-seconds, which counts from here.
+    started = time.monotonic()
+    wait_s = KAFKA_WAIT_S if max_seconds is None else min(KAFKA_WAIT_S, max_seconds)
+    why = wait_until_reachable(cfg.kafka.bootstrap, stop, wait_s)
     if stop.is_set():
         ingest.metrics.close()
         logger.info("ingest stopped before Kafka answered")
@@ -124,7 +127,7 @@ def run(cfg: Config, *, once: bool = False, max_seconds: float | None = None, dr
     if why is not None:
         ingest.metrics.close()
         logger.error("clora ingest: cannot reach Kafka at %s (kafka.bootstrap) within %.0f s: %s; is the broker "
-                     "running?", cfg.kafka.bootstrap, KAFKA_WAIT_S, why)
+                     "running?", cfg.kafka.bootstrap, wait_s, why)
         return 2
     try:  # ingest sends its dead letters there: a cluster that creates no topic on first use would refuse them
         ensure_topics(cfg.kafka.bootstrap, [cfg.kafka.dead_letter_topic], cfg.kafka.partitions,
@@ -134,7 +137,8 @@ def run(cfg: Config, *, once: bool = False, max_seconds: float | None = None, dr
                        "either way)", cfg.kafka.dead_letter_topic, cfg.kafka.bootstrap, e)
     tune_runtime()
     try:
-        ingest.run(stop, once=once, max_seconds=max_seconds, drain=drain)
+        left = None if max_seconds is None else max(0.0, max_seconds - (time.monotonic() - started))
+        ingest.run(stop, once=once, max_seconds=left, drain=drain)
     except BrokerError as e:
         logger.error("clora ingest: %s", e)
         return 2

@@ -47,7 +47,7 @@ def main_from_args(args: argparse.Namespace) -> int:
             once=args.once,
             until_idle=args.until_idle,
             max_steps=args.max_steps,
-            progress=not args.no_progress,
+            bars=not args.no_progress,
             stop=stop,
             shard=shard,
         )

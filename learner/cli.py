@@ -47,7 +47,8 @@ def add_learn_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--once", action="store_true", help="one pass: at most one step per tenant with work, then exit")
     parser.add_argument("--until-idle", action="store_true", help="exit when no tenant has new work (a rollouts tenant with a prompts_file always has: bound it with --max-steps)")
     parser.add_argument("--max-steps", type=positive_int, default=None, metavar="N", help="exit after N steps in all")
-    parser.add_argument("--no-progress", action="store_true", help="no per-tenant progress bars")
+    parser.add_argument("--no-progress", action="store_true", help="no per-tenant progress bars on a terminal: a log line per step instead (as "
+                        "when stderr is not a terminal)")
     parser.add_argument("--shard", type=_shard, default=None, metavar="K/N",
                         help="train only shard K of N learner processes sharing this data dir (tenants dealt by "
                         "rendezvous hashing, the config's balanced across shards); e.g. 0/2 and 1/2")

@@ -256,7 +256,7 @@ class Learner:
     """Owns the policy, the registry and cursor handles, and every tenant's runtime state."""
 
     def __init__(self, cfg: Config, *, model_path: Path, policy: Policy | None = None, sampler: Sampler | None = None,
-                 progress: bool = True, shard: Shard | None = None):
+                 progress: bool = True, shard: Shard | None = None, bars: bool = True):
         self.dd = DataDir(cfg.data_dir)
         self.shard = shard
         self.process_name = learner_process_name(shard)  # readiness marker
@@ -274,7 +274,8 @@ class Learner:
         self.sampler = sampler
         self.prefetcher = Prefetcher(sampler) if sampler.background else None
         self.stop = threading.Event()  # set: a wait for samples gives up, its step committing nothing (`run` sets it)
-        self.progress = progress
+        self.progress = progress  # a report per step: a progress bar per tenant (`bars`, on a terminal) or a log line
+        self.bars = bars
         self.tenants: dict[str, TenantRuntime] = {}
         self._bars: dict[str, object] = {}
         self._status_failing = False  # the status file could not be written (logged once until it can)
@@ -1490,7 +1491,7 @@ class Learner:
             f"v{rt.version} {rt.status} r={_fmt(last.get('reward_mean'))} loss={_fmt(last.get('loss'))} kl={_fmt(last.get('kl'))}"
             + (f" error={rt.error[:60]}" if rt.error else "")
         )
-        if self.progress and not sys.stderr.isatty():
+        if self.progress and not (self.bars and sys.stderr.isatty()):
             logger.info("tenant %s: step %d, %s (%d trajectories)", rt.spec.name, rt.step, summary, last.get("n_trajectories") or 0)
         elif self.progress:
             bar = self._bars.get(rt.spec.name)
@@ -1578,13 +1579,14 @@ def run(
     learner: Learner | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
     shard: Shard | None = None,
+    bars: bool = True,
 ) -> Learner:
     """Runs the learner until `stop` is set (or: one pass over all tenants with `once`; until no tenant has
     work with `until_idle`; `max_steps` steps in all). Returns the learner (its tenants hold the statuses).
     `on_step` is called with every committed step's record (benchmarks and tests observe the loop with it).
     `shard`: this process trains only that shard's tenants (several learner processes on one data dir)."""
     stop = stop or threading.Event()
-    learner = learner or Learner(cfg, model_path=model_path, progress=progress, shard=shard)
+    learner = learner or Learner(cfg, model_path=model_path, progress=progress, shard=shard, bars=bars)
     learner.stop = stop  # a step waiting for rollouts gives up when it is set
     mark_ready(learner.dd.state, learner.process_name)  # the model is loaded: `clora up` may send traffic now
     served: set[str] = set()

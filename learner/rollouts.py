@@ -568,8 +568,7 @@ def score_samples(scorer: Callable[[str, str], float], prompt: str,
         try:
             rewards.append(apply(scorer, s.text, prompt))
         except ScorerError as e:
-            error = str(e).splitlines()[0]
-            logger.warning("scorer failed on a rollout sample; leaving it out: %s", error)
+            error = str(e).splitlines()[0]  # logged once per step, with the tenant (train_step)
             rewards.append(math.nan)
             errors.append(error)
     return rewards, errors
@@ -723,6 +722,9 @@ def train_step(
             made_by.append(version_number(sample.version, tenant))
             rewards.append(reward)
             groups.append(g)
+    if failed and rewards:  # all of them failing is NoUsableSamples' to say
+        logger.warning("tenant %s: the scorer failed on %d of %d rollout samples, left out (first: %s)", tenant,
+                       len(failed), n, failed[0])
     counts = dict(n_samples=len(rewards), n_dropped=len(stale) + empty, n_score_failed=len(failed),
                   score_seconds=score_seconds)
     if not rewards:

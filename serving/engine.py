@@ -230,8 +230,8 @@ def build_engine(
     logger.info(
         "starting the engine on %s (lora=%s, max_loras=%d, max_cpu_loras=%d, max_lora_rank=%d, max_model_len=%d, "
         "max_num_seqs=%d, dtype=%s, kv_cache_bytes=%s)",
-        model_path, enable_lora, max_loras, max_cpu_loras, max_lora_rank, max_model_len, max_num_seqs, dtype,
-        kv_cache_bytes,
+        model_path, enable_lora, max_loras, max(max_cpu_loras, max_loras), max_lora_rank, max_model_len, max_num_seqs,
+        dtype, kv_cache_bytes,
     )
     zero_adapter, temporary = None, None
     if enable_lora and cpu:

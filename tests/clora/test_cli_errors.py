@@ -222,6 +222,22 @@ def test_ingest_without_a_broker_says_so_in_one_line(tmp_path, monkeypatch, capl
                       f"Connection refused; is the broker running?"]
 
 
+def test_ingest_waits_for_a_broker_no_longer_than_max_seconds(tmp_path, monkeypatch, caplog):
+    """`clora ingest --max-seconds 2` with no broker ran the whole 30 s wait for Kafka."""
+    from clora.config import load_config
+    from ingest import process
+
+    monkeypatch.setattr(process, "tune_runtime", lambda: None)
+    bootstrap = f"127.0.0.1:{closed_port()}"
+    cfg = load_config(write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[kafka]\nbootstrap = "{bootstrap}"\n'),
+                      environ={})
+    started = time.monotonic()
+    errors = _ingest_errors(process, cfg, caplog, max_seconds=2)
+    assert time.monotonic() - started < 10, "waited past --max-seconds"
+    assert errors == [f"clora ingest: cannot reach Kafka at {bootstrap} (kafka.bootstrap) within 2 s: {bootstrap}: "
+                      "Connection refused; is the broker running?"]
+
+
 def test_ingest_with_its_metrics_port_taken_says_so_in_one_line(tmp_path, monkeypatch, caplog):
     """A second ingest on the same host with the same ingest.metrics_port (the scale-out README describes)."""
     from clora.config import load_config
@@ -261,11 +277,11 @@ def test_an_ingest_members_metrics_port_taken_or_out_of_range_says_so_in_one_lin
     assert "65535" in error
 
 
-def _ingest_errors(process, cfg, caplog, member=None) -> list[str]:
+def _ingest_errors(process, cfg, caplog, member=None, max_seconds=None) -> list[str]:
     """Runs ingest in this process, expecting exit 2; its ERROR lines. The signal handlers it installs are
     put back."""
     try:
-        assert process.run(cfg, member=member) == 2
+        assert process.run(cfg, member=member, max_seconds=max_seconds) == 2
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)

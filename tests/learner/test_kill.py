@@ -1,11 +1,12 @@
 """SIGKILL the learner process at random moments and restart it: the cursor and the adapter resume, no
 trajectory is trained at two steps, none is skipped, and what the registry publishes is what the learner
-continues from."""
+continues from; and the per-step log line of a learner run without progress bars."""
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -129,3 +130,16 @@ def test_sigkill_at_random_moments_then_resume(tiny_model, data_dir, tmp_path):
         served = load_file(str(registry.latest_published(tenant).path / "adapter_model.safetensors"))
         mine = load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))
         assert served.keys() == mine.keys() and all(torch.equal(served[k], mine[k]) for k in served)
+
+
+def test_no_progress_logs_a_line_per_step(tiny_model, data_dir, tmp_path):
+    """`--no-progress` turned the progress bars off and with them the learner's only report of each step."""
+    write_dataset(data_dir, "trajectories", trajectories("acme", [
+        {"id": f"a{i}", "prompt": chat_prompt(f"q{i % 3}"), "completion": ["12", "cats", "HELLO"][i % 3], "reward": i % 2}
+        for i in range(8)]), file_id="batch-0")
+    config = write_toml(tmp_path / "clora.toml", data_dir, tiny_model, [{"name": "acme", "batch_size": 4}])
+    done = start(config, "--until-idle")
+    _, err = done.communicate(timeout=300)
+    assert done.returncode == 0, err.decode()[-3000:]
+    steps = re.findall(rb"INFO learner\.loop: tenant acme: step (\d+), v\d+ ", err)
+    assert steps == [b"1", b"2"], err.decode()[-3000:]
