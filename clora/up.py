@@ -509,9 +509,10 @@ def config_line(cfg, config_path: str | None) -> str:
 
 
 def setup_warnings(cfg) -> list[str]:
-    """What works but wastes something, one line each: no tenants (every request with an API key is a 401,
-    and nothing is trained); more ingest processes than the topics clora creates have partitions (a consumer
-    group gives each partition to one member, so the rest wait idle)."""
+    """What works but wastes or exposes something, one line each: no tenants (every request with an API key is
+    a 401, and nothing is trained); more ingest processes than the topics clora creates have partitions (a
+    consumer group gives each partition to one member, so the rest wait idle); serving on an address other
+    hosts reach without an admin key; the example's placeholder keys."""
     warnings = []
     if not cfg.tenants:
         warnings.append("no tenants are configured: every API key gets 401 and nothing is trained; add a "
@@ -524,7 +525,26 @@ def setup_warnings(cfg) -> list[str]:
             f"process{'es' if idle > 1 else ''} will wait idle without a partition (unless the topics exist "
             "already with more partitions: kafka.partitions applies to the topics clora creates)"
         )
+    host = cfg.serving.host
+    if cfg.serving.admin_key is None and not _loopback(host):
+        warnings.append(f"serving.host {host} is reachable from other hosts and serving.admin_key is unset: /metrics "
+                        "and /health's details (every tenant's name, versions and traffic) are open to whoever reaches "
+                        f"port {cfg.serving.port}; set serving.admin_key (or $CLORA_ADMIN_KEY)")
+    placeholders = [t.name for t in cfg.tenants if "change-me" in t.api_key.get_secret_value()]
+    if placeholders:
+        warnings.append(f"tenant{'s' if len(placeholders) > 1 else ''} {', '.join(placeholders)}: api_key is the "
+                        "example's placeholder (it contains \"change-me\"): give each tenant a secret key")
     return warnings
+
+
+def _loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (a name that does not resolve counts as not)."""
+    import ipaddress
+
+    try:
+        return all(ipaddress.ip_address(a).is_loopback for a in _addresses(host))
+    except (OSError, ValueError):
+        return False
 
 
 def _names_broker(bootstrap: str, host: str, port: int) -> bool:

@@ -419,6 +419,22 @@ def test_config_check_warns_of_what_clora_up_warns_of_and_names_its_file(tmp_pat
     assert "PROBLEM" not in "\n".join(out) and out[-1] == "all checks passed"
 
 
+def test_config_check_warns_of_an_open_admin_surface_and_placeholder_keys(tmp_path):
+    from clora.config import load_config
+    from clora.up import setup_warnings
+
+    tenants = '[[tenants]]\nname = "acme"\napi_key = "sk-acme-change-me"\n'
+    config = write_config(tmp_path, f'[serving]\nhost = "0.0.0.0"\n{tenants}')
+    warnings = setup_warnings(load_config(config, environ={}))
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith("serving.host 0.0.0.0 is reachable from other hosts and serving.admin_key is unset")
+    assert warnings[1] == 'tenant acme: api_key is the example\'s placeholder (it contains "change-me"): give each ' \
+                          "tenant a secret key"
+    assert setup_warnings(load_config(config, environ={"CLORA_ADMIN_KEY": "sk-admin-secret"})) == warnings[1:]
+    config.write_text(f'[serving]\nhost = "0.0.0.0"\nadmin_key = "sk-admin-secret"\n{tenants.replace("change-me", "k3y-x9")}')
+    assert setup_warnings(load_config(config, environ={})) == []
+
+
 def test_config_show_names_its_file_on_stderr_and_prints_only_the_config_on_stdout(tmp_path, capsys, monkeypatch):
     import json
 
