@@ -340,6 +340,10 @@ class IngestConfig(_Strict):
         "join, so one tenant's flood does not take the others' room."
     )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port of the ingest process (0: none).")
+    metrics_host: str = Field(
+        "127.0.0.1", description="Address the ingest metrics listen on (0.0.0.0: every address, for a Prometheus "
+        "in another container or host)."
+    )
     processes: int = Field(
         1, ge=1, le=64, description="`clora up`: ingest processes in one consumer group (kafka.group_id), splitting "
         "the partitions between them (`clora ingest --member K`); beyond one per partition the rest wait idle. "
@@ -486,6 +490,13 @@ class LearnerConfig(_Strict):
         "last checkpoint, which its next step loads again). Bounds the learner's memory with many tenants "
         "(on a 4B model at r = 8 over every linear layer, ~250 MB a tenant: fp32 weights, gradient and Adam's moments); 0: no limit. A round "
         "(learner.round_tenants) keeps all of its tenants loaded."
+    )
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Prometheus port of the learner (0: none); learner shard K (`clora learn "
+        "--shard K/N`, learner.processes under `clora up`) serves on metrics_port + K."
+    )
+    metrics_host: str = Field(
+        "127.0.0.1", description="Address the learner metrics listen on (0.0.0.0: every address)."
     )
     processes: int = Field(
         1, ge=1, le=64, description="`clora up`: learner processes, each training its shard of the tenants "
@@ -728,6 +739,11 @@ def _between_fields(c: Any) -> list[tuple[tuple[str | int, ...], str]]:
             ingest.metrics_port + ingest.processes - 1 > 65535:
         problems.append((("ingest", "metrics_port"), f"metrics_port {ingest.metrics_port} leaves no port for all "
                          f"{ingest.processes} ingest processes (process K serves on metrics_port + K, at most 65535)"))
+    learner = c.learner
+    if _known(learner.metrics_port, learner.processes) and learner.metrics_port and \
+            learner.metrics_port + learner.processes - 1 > 65535:
+        problems.append((("learner", "metrics_port"), f"metrics_port {learner.metrics_port} leaves no port for all "
+                         f"{learner.processes} learner processes (shard K serves on metrics_port + K, at most 65535)"))
     tenants = c.tenants if isinstance(c.tenants, list) else []
     first_name: dict[str, int] = {}
     first_folded: dict[str, tuple[int, str]] = {}

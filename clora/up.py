@@ -458,9 +458,12 @@ def setup_problems(cfg) -> list[str]:
     wanted = [("serving.port", cfg.serving.host, cfg.serving.port)]
     if cfg.broker.embedded:
         wanted.insert(0, ("broker.port and kafka.bootstrap", cfg.broker.host, cfg.broker.port))
-    if cfg.ingest.metrics_port:  # each ingest process's metrics endpoint (ingest/metrics.py binds loopback)
+    if cfg.ingest.metrics_port:  # each ingest process's metrics endpoint
         members = cfg.ingest.processes
-        wanted += [("ingest.metrics_port", "127.0.0.1", cfg.ingest.metrics_port + k) for k in range(members)]
+        wanted += [("ingest.metrics_port", cfg.ingest.metrics_host, cfg.ingest.metrics_port + k) for k in range(members)]
+    if cfg.learner.metrics_port:  # each learner shard's
+        wanted += [("learner.metrics_port", cfg.learner.metrics_host, cfg.learner.metrics_port + k)
+                   for k in range(cfg.learner.processes)]
     return problems + [
         f"port {port} on {host} is already in use by another process (perhaps an earlier clora still "
         f"running): stop it, or set {key} to a free port"
@@ -471,7 +474,7 @@ def setup_problems(cfg) -> list[str]:
 
 def port_clashes(cfg) -> list[str]:
     """Ports the config gives two of `up`'s children, one line each: serving's and the embedded broker's, and
-    ingest metrics ports (ingest.metrics_port + K) on either. Each port on its own may well be free, and
+    ingest and learner metrics ports (metrics_port + K) on any of them. Each port on its own may well be free, and
     the second child to bind it fails (serving, started after the broker, three times). Hosts are not
     compared: a wildcard address (0.0.0.0) clashes with every other."""
     problems = []
@@ -485,6 +488,14 @@ def port_clashes(cfg) -> list[str]:
                          & set(range(cfg.ingest.metrics_port, cfg.ingest.metrics_port + members)))
         problems += [f"ingest.metrics_port {cfg.ingest.metrics_port} puts an ingest process's metrics on port {port}, "
                      "which serving or the broker listens on: set ingest.metrics_port to a free range" for port in clashes]
+    if cfg.learner.metrics_port:
+        taken = {cfg.serving.port, *([cfg.broker.port] if cfg.broker.embedded else [])}
+        if cfg.ingest.metrics_port:
+            taken |= set(range(cfg.ingest.metrics_port, cfg.ingest.metrics_port + cfg.ingest.processes))
+        clashes = sorted(taken & set(range(cfg.learner.metrics_port, cfg.learner.metrics_port + cfg.learner.processes)))
+        problems += [f"learner.metrics_port {cfg.learner.metrics_port} puts a learner's metrics on port {port}, which "
+                     "serving, the broker or an ingest process listens on: set learner.metrics_port to a free range"
+                     for port in clashes]
     return problems
 
 

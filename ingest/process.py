@@ -74,7 +74,7 @@ def build(cfg: Config, metrics: IngestMetrics | None = None, *, member: int | No
     if metrics is None:
         port = base + (member or 0) if base else 0
         setting = f"ingest.metrics_port {base} + member {member} (port {port})" if member else None
-        metrics = IngestMetrics(port=port, setting=setting)
+        metrics = IngestMetrics(port=port, host=cfg.ingest.metrics_host, setting=setting)
     return Ingest(
         root=str(cfg.data_dir),
         bootstrap=cfg.kafka.bootstrap,

@@ -23,6 +23,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     from clora.config import load_config
     from clora.up import StopFlag
     from learner.loop import run
+    from learner.metrics import LearnerMetrics, LearnerMetricsError
     from learner.policy import PolicyError
 
     cfg = config_from_args(args, writes_data_dir=True)
@@ -39,6 +40,13 @@ def main_from_args(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     config_file = getattr(args, "config_path", None)
+    base, k = cfg.learner.metrics_port, shard.index if shard is not None else 0
+    try:
+        metrics = LearnerMetrics(port=base + k if base else 0, host=cfg.learner.metrics_host,
+                                 setting=f"learner.metrics_port {base} + shard {k} (port {base + k})" if k else None)
+    except LearnerMetricsError as e:
+        logger.error("clora learn: %s", e)
+        return 2
     try:
         learner = run(
             cfg,
@@ -50,6 +58,7 @@ def main_from_args(args: argparse.Namespace) -> int:
             bars=not args.no_progress,
             stop=stop,
             shard=shard,
+            metrics=metrics,
         )
     except PolicyError as e:  # the base model cannot be loaded (a tenant's own failures are its status, below)
         logger.error("clora learn: %s", e)

@@ -99,6 +99,7 @@ from learner.policy import (
     missing_checkpoint_files,
     read_adapter_shape,
 )
+from learner.metrics import LearnerMetrics
 from learner.rollouts import LocalSampler, Prefetcher, RolloutPlan, SampleRequest, Sampler, ServingSampler
 from learner.rollouts import SampledBatch
 from learner.scheduler import Ledger, after_round, charge, choose
@@ -256,7 +257,8 @@ class Learner:
     """Owns the policy, the registry and cursor handles, and every tenant's runtime state."""
 
     def __init__(self, cfg: Config, *, model_path: Path, policy: Policy | None = None, sampler: Sampler | None = None,
-                 progress: bool = True, shard: Shard | None = None, bars: bool = True):
+                 progress: bool = True, shard: Shard | None = None, bars: bool = True,
+                 metrics: LearnerMetrics | None = None):
         self.dd = DataDir(cfg.data_dir)
         self.shard = shard
         self.process_name = learner_process_name(shard)  # readiness marker
@@ -285,6 +287,7 @@ class Learner:
         self._servable: set[tuple] = set()  # (tenant, adapter shape) that passed _check_servable
         self._stepping: set[str] = set()  # tenants with a step in progress: never unloaded (`_make_room`)
         self.ledger = Ledger()
+        self.metrics = metrics if metrics is not None else LearnerMetrics()  # no endpoint unless given one
         self.apply_config(cfg)
         self.recover()
 
@@ -420,6 +423,7 @@ class Learner:
             self.prefetcher.discard(name)
         if self.policy.has(name):
             self.policy.remove_tenant(name)
+        self.metrics.forget(name)
         lock = self._locks.pop(name, None)
         if lock is not None:
             lock.release()
@@ -470,12 +474,13 @@ class Learner:
                 self._set_spec(TenantSpec.default(name))
         now = time.monotonic()
         wait = self.settings.batch_wait_seconds
-        out = {}
+        out, untrained = {}, {}
         changed = False  # a tenant's backlog became unreadable, or readable again: said in status.json at once
         for name, rt in self.tenants.items():
             if not self._claim(rt):
                 out[name] = 0
                 continue
+            untrained[name] = backlog.get(name, 0)
             unreadable = unreadable_by_tenant.get(name)
             if unreadable is not None:  # left out until it can be read; the other tenants go on
                 changed |= rt.error != BACKLOG_UNREADABLE + unreadable
@@ -496,6 +501,7 @@ class Learner:
             out[name] = n if rt.retry_at <= now else 0
         if changed:
             self._save_status()
+        self.metrics.backlog(untrained, len(self.policy.tenants))
         return out
 
     def still_sampling(self, backlog: dict[str, int]) -> set[str]:
@@ -633,8 +639,12 @@ class Learner:
             if self.prefetcher is not None:
                 self.prefetcher.discard(name)
             record = None
+            self.metrics.failed(name, rt.failures)
         else:
             rt.failures, rt.error, rt.retry_at = 0, None, 0.0
+            if record is not None:
+                self.metrics.stepped(name, record.decision, version=rt.version,
+                                     reward_mean=_num(record.row.get("reward_mean")), timings=record.timings)
             if not rt.probe_unscored:  # every probe scored: back to failing a step on one that does not
                 rt.probe_failures = 0
         self.ledger = charge(self.ledger, name, max(0.0, time.monotonic() - started - rt.round_wait))
@@ -1549,6 +1559,7 @@ class Learner:
             atomic_write_bytes(path, json.dumps(merged, indent=1, default=str).encode())
 
     def close(self) -> None:
+        self.metrics.close()
         if self.prefetcher is not None:
             self.prefetcher.close()
         close = getattr(self.sampler, "close", None)
@@ -1580,13 +1591,14 @@ def run(
     on_step: Callable[[StepRecord], None] | None = None,
     shard: Shard | None = None,
     bars: bool = True,
+    metrics: LearnerMetrics | None = None,
 ) -> Learner:
     """Runs the learner until `stop` is set (or: one pass over all tenants with `once`; until no tenant has
     work with `until_idle`; `max_steps` steps in all). Returns the learner (its tenants hold the statuses).
     `on_step` is called with every committed step's record (benchmarks and tests observe the loop with it).
     `shard`: this process trains only that shard's tenants (several learner processes on one data dir)."""
     stop = stop or threading.Event()
-    learner = learner or Learner(cfg, model_path=model_path, progress=progress, shard=shard, bars=bars)
+    learner = learner or Learner(cfg, model_path=model_path, progress=progress, shard=shard, bars=bars, metrics=metrics)
     learner.stop = stop  # a step waiting for rollouts gives up when it is set
     mark_ready(learner.dd.state, learner.process_name)  # the model is loaded: `clora up` may send traffic now
     served: set[str] = set()

@@ -175,6 +175,19 @@ def test_learn_with_a_damaged_base_model_says_so_in_one_line(tmp_path, tiny_mode
     assert error.startswith(f"clora learn: cannot load the base model from {model}: ")
 
 
+def test_learn_with_its_metrics_port_taken_says_so_in_one_line(tmp_path, tiny_model, caplog):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[model]\npath = "{tiny_model}"\n'
+                                        f'[learner]\nmetrics_port = {port}\n')
+        with caplog.at_level("ERROR"):
+            assert main(["learn", "--once", "--no-progress", "--config", str(config)]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors[0] == f"clora learn: learner.metrics_port {port} on 127.0.0.1: Address already in use"
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

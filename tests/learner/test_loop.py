@@ -877,6 +877,46 @@ def test_one_tenants_failure_does_not_stop_the_others(tiny_model, data_dir):
     assert Cursors(data_dir).backlog()["broken"] == 8  # nothing of it was committed
 
 
+def test_the_learner_metrics_say_each_tenants_steps_failures_backlog_and_version(tiny_model, data_dir):
+    """Whether a tenant has stopped learning, or keeps failing, was only in status.json and train_steps."""
+    import urllib.request
+
+    from ingest.broker import free_port
+    from learner.metrics import LearnerMetrics
+
+    write(data_dir, "ok", rows("a", 16), "b0")
+    write(data_dir, "broken", rows("b", 8), "b0")
+    cfg = make_config(data_dir, tiny_model, [{"name": "ok", "batch_size": 8},
+                                             {"name": "broken", "mode": "rollouts", "scorer": "python:no_such_module_here:f"}],
+                      rollout_sampler="local")
+    port = free_port()
+    metrics = LearnerMetrics(port=port)
+    learner = Learner(cfg, model_path=tiny_model, progress=False, metrics=metrics)
+    try:
+        learner.pending(hold_partial=False)
+        before = time.time()
+        assert [r is not None for r in learner.step_round(["ok"])] == [True]
+        assert learner.step_round(["broken"]) == [None]
+        learner.tenants["broken"].retry_at = 0.0  # its back-off over: it fails again
+        assert learner.step_round(["broken"]) == [None]
+        learner.pending(hold_partial=False)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        learner.close()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("clora_learner_")}
+    assert values['clora_learner_steps_total{outcome="published",tenant="ok"}'] == 1
+    assert values['clora_learner_steps_total{outcome="error",tenant="broken"}'] == 2
+    assert values['clora_learner_consecutive_failures{tenant="broken"}'] == 2
+    assert values['clora_learner_consecutive_failures{tenant="ok"}'] == 0
+    assert values['clora_learner_last_step_timestamp_seconds{tenant="ok"}'] >= before
+    assert values['clora_learner_adapter_version{tenant="ok"}'] == 1
+    assert values['clora_learner_backlog{tenant="ok"}'] == 8 and values['clora_learner_backlog{tenant="broken"}'] == 8
+    assert values['clora_learner_phase_seconds_total{phase="train"}'] > 0
+    assert values["clora_learner_resident_tenants"] >= 1
+    assert metrics.server is None, "closed with the learner"
+
+
 class FakeFlakyScorer:
     """A programmatic scorer whose service can be taken down (`down`): while it is, every call fails."""
 
