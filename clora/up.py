@@ -537,7 +537,7 @@ def setup_warnings(cfg) -> list[str]:
             "already with more partitions: kafka.partitions applies to the topics clora creates)"
         )
     host = cfg.serving.host
-    if cfg.serving.admin_key is None and not _loopback(host):
+    if cfg.serving.admin_key is None and not is_loopback(host):
         warnings.append(f"serving.host {host} is reachable from other hosts and serving.admin_key is unset: /metrics "
                         "and /health's details (every tenant's name, versions and traffic) are open to whoever reaches "
                         f"port {cfg.serving.port}; set serving.admin_key (or $CLORA_ADMIN_KEY)")
@@ -548,7 +548,7 @@ def setup_warnings(cfg) -> list[str]:
     return warnings
 
 
-def _loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     """Whether `host` is reachable from this machine only (a name that does not resolve counts as not)."""
     import ipaddress
 

@@ -14,6 +14,10 @@ period by the event log's drain and the engine's stop (`clora up` allows 30 s mo
 The engine's core runs in a child process started with "spawn", so everything here stays behind
 `if __name__ == "__main__"` (Python skips a package's `__main__` module in spawned children).
 
+uvicorn takes at most `connection_limit` connections and requests at once (503 past it) and closes idle
+connections after KEEP_ALIVE_SECONDS. A port other hosts can reach with no `serving.admin_key` is warned
+about at start: /health and /metrics name every tenant.
+
 The port is bound first, before the engine starts: a port that is taken fails the start at once with a
 clear message, and a port chosen free a moment ago cannot be taken by another process during the
 engine's start (it was, under load, with ports picked by binding port 0).
@@ -36,6 +40,31 @@ logger = logging.getLogger("serving")
 
 WATCH_SECONDS = 1.0  # how often the engine's death, and a stop, are looked for
 LAST_ANSWERS_SECONDS = 5.0  # after the grace period, for the 503s of the generations it ended to go out
+# An idle connection is closed after this: longer than clients (httpx, so OpenAI's SDK: 5 s) and proxies (nginx's
+# upstream keep-alive and cloud load balancers: 60 s) keep one, so they close it first, never racing a request.
+KEEP_ALIVE_SECONDS = 75
+CONNECTIONS_MIN = 1024  # uvicorn's limit_concurrency, at least
+CONNECTIONS_PER_TENANT = 4  # room for each tenant's idle keep-alive connections beside its requests
+
+
+def connection_limit(tenants: int, max_num_seqs: int) -> int:
+    """Connections (idle ones too) and requests uvicorn takes at once; past it, it answers every new request a
+    plain-text 503 (which OpenAI's SDK and the learner retry). Twice what the engine runs at once, plus a few
+    per tenant: an unbounded number held memory for each (a body read, a stream waiting for the engine).
+    uvicorn still accepts connections past it, and holds one that never sends a request (it has no timeout
+    for a first request): a proxy in front limits connections per client where untrusted clients connect."""
+    return max(CONNECTIONS_MIN, 2 * max_num_seqs + CONNECTIONS_PER_TENANT * tenants)
+
+
+def warn_if_open(host: str, admin_key_set: bool) -> None:
+    """A WARNING when the port is reachable from other hosts while /health and /metrics, which name every
+    tenant, need no key."""
+    from clora.up import is_loopback
+
+    if admin_key_set or is_loopback(host):
+        return
+    logger.warning("serving listens on %s with no serving.admin_key: /health and /metrics, which name every tenant, "
+                   "are open to anyone who reaches the port; set serving.admin_key (env CLORA_ADMIN_KEY)", host)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -50,6 +79,35 @@ def listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise SystemExit(f"serving: cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
+
+
+def event_log(cfg, metrics):
+    """The event log (not started): interactions and feedback to the config's topics, through a producer
+    connecting as the config's Kafka settings say (TLS, SASL), spooled to disk while Kafka is away."""
+    from serving.events_log import MAX_REQUEST_BYTES, EventLog, kafka_producer
+    from storage.layout import DataDir
+
+    return EventLog(
+        bootstrap=cfg.kafka.bootstrap,
+        interactions_topic=cfg.kafka.interactions_topic,
+        feedback_topic=cfg.kafka.feedback_topic,
+        spool_dir=DataDir(cfg.data_dir).serving_spool,
+        metrics=metrics,
+        # Every event ingest would store fits (its limit plus room for the key and the batch framing).
+        producer_factory=functools.partial(
+            kafka_producer, max_request_size=max(MAX_REQUEST_BYTES, cfg.ingest.max_message_bytes + 4096),
+            client=cfg.kafka.client_options()),
+    )
+
+
+def http_server(app, host: str, port: int, *, connections: int, grace: float):
+    """uvicorn's server for `app`: at most `connections` at once (`connection_limit`), idle ones closed after
+    KEEP_ALIVE_SECONDS, and `grace` seconds at a stop for the requests still running."""
+    import uvicorn
+
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                         limit_concurrency=connections, timeout_keep_alive=KEEP_ALIVE_SECONDS,
+                                         timeout_graceful_shutdown=grace))
 
 
 async def watch(server, engine, api, stop: asyncio.Event, *, grace: float) -> bool:
@@ -83,8 +141,6 @@ async def ended(task: asyncio.Task, what: str, *, failed=None):
 
 async def serve(cfg, host: str, port: int) -> int:
     """Runs until stopped; 0 after a requested stop, 1 when the engine died (a supervisor restarts us)."""
-    import uvicorn
-
     from clora.cli import base_model_dir
     from clora.processes import close_watchdog, descendants, outlived_by_none
     from ingest.broker import ensure_topics, unreachable
@@ -93,12 +149,12 @@ async def serve(cfg, host: str, port: int) -> int:
     from serving.api import Api, create_app, default_request_bytes
     from serving.auth import Authenticator
     from serving.engine import ZERO_ADAPTER_NAME, build_engine
-    from serving.events_log import MAX_REQUEST_BYTES, EventLog, kafka_producer
     from serving.metrics import ServingMetrics
     from storage.layout import DataDir
     from storage.registry import Registry
 
     s = cfg.serving
+    warn_if_open(host, s.admin_key is not None)
     listener = listen(host, port)  # before the engine's long start: the port is ours, or we say so at once
     model_path = base_model_dir(cfg)
     metrics = ServingMetrics()
@@ -145,20 +201,13 @@ async def serve(cfg, host: str, port: int) -> int:
                            cfg.kafka.bootstrap, why)
         else:
             try:
-                await asyncio.to_thread(ensure_topics, cfg.kafka.bootstrap,
-                                        [cfg.kafka.interactions_topic, cfg.kafka.feedback_topic], cfg.kafka.partitions)
+                await asyncio.to_thread(functools.partial(
+                    ensure_topics, cfg.kafka.bootstrap, [cfg.kafka.interactions_topic, cfg.kafka.feedback_topic],
+                    cfg.kafka.partitions, replication_factor=cfg.kafka.replication_factor,
+                    client=cfg.kafka.client_options()))
             except Exception as e:
                 logger.warning("could not check Kafka topics at %s (%s); continuing", cfg.kafka.bootstrap, e)
-        events = EventLog(
-            bootstrap=cfg.kafka.bootstrap,
-            interactions_topic=cfg.kafka.interactions_topic,
-            feedback_topic=cfg.kafka.feedback_topic,
-            spool_dir=DataDir(cfg.data_dir).serving_spool,
-            metrics=metrics,
-            # Every event ingest would store fits (its limit plus room for the key and the batch framing).
-            producer_factory=functools.partial(
-                kafka_producer, max_request_size=max(MAX_REQUEST_BYTES, cfg.ingest.max_message_bytes + 4096)),
-        ).start()
+        events = event_log(cfg, metrics).start()
         api = Api(
             engine=engine,
             adapters=adapters,
@@ -180,10 +229,8 @@ async def serve(cfg, host: str, port: int) -> int:
         # At a stop, uvicorn stops taking requests and waits for the running ones; past the grace period
         # `watch` ends the generations left with a 503, and uvicorn's own deadline, later, leaves time for those
         # answers to go out before it cancels whatever still runs.
-        server = uvicorn.Server(
-            uvicorn.Config(create_app(api), host=host, port=port, log_level="warning", access_log=False,
-                           timeout_graceful_shutdown=s.shutdown_grace_seconds + WATCH_SECONDS + LAST_ANSWERS_SECONDS)
-        )
+        server = http_server(create_app(api), host, port, connections=connection_limit(len(tenants), s.max_num_seqs),
+                             grace=s.shutdown_grace_seconds + WATCH_SECONDS + LAST_ANSWERS_SECONDS)
         logger.info("serving %s with %d tenant(s) on http://%s:%d", model_path, len(tenants), host, port)
         # uvicorn handles SIGINT/SIGTERM itself, then re-raises the signal to the handler it found; make that
         # one harmless so the shutdown below (event log drain, engine stop) runs.

@@ -40,13 +40,14 @@ _LORA_TENSOR = re.compile(r"^(?P<module>.+)\.lora_(?P<side>[AB])(?:\.[^.]+)?\.we
 
 
 class AdapterRejected(ValueError):
-    """The adapter at `path` cannot be served; `problems` lists every reason."""
+    """The adapter at `path` cannot be served; `problems` lists every reason. `reason` is what a tenant may
+    read: the problems without the path, which names serving's copy (its host, pid and data directory)."""
 
     def __init__(self, path: Path, problems: list[str]) -> None:
         self.path = path
         self.problems = problems
-        listed = "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
-        super().__init__(f"adapter {path} refused: {listed}")
+        self.reason = "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
+        super().__init__(f"adapter {path} refused: {self.reason}")
 
 
 @dataclass(frozen=True)

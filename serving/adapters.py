@@ -399,7 +399,7 @@ class AdapterSet:
             loaded = await self._load(tenant, version.number, Path(version.path), created)
         except AdapterRejected as e:  # the adapter itself is bad: trying again cannot help
             self._failing.pop(key, None)
-            self._refuse(tenant, version.number, created, str(e))
+            self._refuse(tenant, version.number, created, e)
             return "refused"
         except Exception as e:  # an I/O error while checking, the engine's load errors (no common type): may pass
             error = f"{type(e).__name__}: {e}"
@@ -442,16 +442,16 @@ class AdapterSet:
             old.current = False
             self._maybe_unload(old)
 
-    def _refuse(self, tenant: str, number: int, created: datetime | None, reason: str) -> None:
+    def _refuse(self, tenant: str, number: int, created: datetime | None, rejected: AdapterRejected) -> None:
         known = self._refused.get((tenant, number))
         if known is not None and known[1] == created:  # refused already: each caller waiting on its load says so
             return
-        self._refused[(tenant, number)] = (reason, created)
+        self._refused[(tenant, number)] = (rejected.reason, created)  # tenants read it: no path, which the log has
         # The newest few per tenant: under a systematic refusal (a rank above max_lora_rank) every step adds
         # one. An older one forgotten is only tried again if a request names it, and refused again.
         _keep_newest(self._refused, tenant)
         self.metrics.refused.labels(tenant).inc()
-        logger.error("adapter %s@%d refused (never served, not tried again): %s", tenant, number, reason)
+        logger.error("adapter %s@%d refused (never served, not tried again): %s", tenant, number, rejected)
 
     # --- loading and unloading ----------------------------------------------------------------------------
     async def _load(self, tenant: str, number: int, path: Path, created: datetime | None) -> _Loaded:
@@ -526,8 +526,8 @@ class AdapterSet:
             loaded.checked = generation
             return loaded
         except AdapterRejected as e:
-            self._refuse(tenant, number, created, str(e))
-            raise UnknownVersion(f"model {name!r} cannot be served: {e}") from e
+            self._refuse(tenant, number, created, e)
+            raise UnknownVersion(f"model {name!r} cannot be served: {e.reason}") from e
         except ServingError:  # _load's own answer (a replaced version's old one still in the engine)
             raise
         except Exception as e:  # an I/O error, files a retire is deleting, the engine's load: may pass

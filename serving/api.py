@@ -6,11 +6,12 @@ Routes: `POST /v1/chat/completions`, `POST /v1/completions` (both stream as serv
 
 One generation request, top to bottom (`_generate`): authenticate the bearer key (auth.py) -> read the
 body (at most `max_request_bytes`, else 413; 400 `context_length_exceeded` when that limit is room for
-any prompt the context fits and the body is no batch of several prompts, see `_too_large`) and parse it
-(protocol.py) -> with an `Idempotency-Key` header, claim the key (idempotency.py: a key already answered
-gets that answer again, and nothing below runs) -> resolve `model` to the tenant's adapter or the base
-model -> take the tenant's in-flight slots (`InflightLimit`: 429 beyond `max_inflight_per_tenant`
-completions) -> render and tokenize the prompt (the engine's prompt thread, off the event loop), check it
+any prompt the context fits and the body is no batch of several prompts, see `_too_large`; whole within
+`BODY_TIMEOUT_S`, else 408) and parse it (protocol.py) -> with an `Idempotency-Key` header, claim the key
+(idempotency.py: a key already answered gets that answer again, and nothing below runs; a try while the
+first runs waits for it, at most `idempotency.MAX_WAITING` of them) -> resolve `model` to the tenant's
+adapter or the base model -> take the tenant's in-flight slots (`InflightLimit`: 429 beyond
+`max_inflight_per_tenant` completions) -> render and tokenize the prompt (the engine's prompt thread, off the event loop), check it
 fits and check the sampling with the engine ->
 lease the adapter version (adapters.py; held until the last token, so a hot-swap never changes weights
 mid-generation) -> run it on the engine, salted with the tenant (no prefix-cache sharing between tenants)
@@ -89,8 +90,19 @@ ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "
              "/v1/models": "models"}
 RETRY_AFTER_SECONDS = 1  # what a tenant over its in-flight limit is told to wait
 FEEDBACK_RETRY_AFTER_S = 5  # what a client whose feedback the full event log refused is told to wait
+BODY_TIMEOUT_S = 30.0  # a request's whole body must arrive within this (a slow upload of the largest body fits)
+SEND_TIMEOUT_S = 60.0  # a stream whose client reads nothing for this long is taken as left
 MIN_REQUEST_BYTES = 1 << 20
 REQUEST_BYTES_PER_TOKEN = 6 * MAX_CHARS_PER_TOKEN  # the most characters a token may stand for, JSON-escaped ("\u00e9")
+
+
+class RequestTimeout(ServingError):
+    """A body not whole within BODY_TIMEOUT_S. The connection is closed with the answer: the rest of the
+    body may still be on its way, and a client trickling bodies over many connections held memory with each."""
+
+    status = 408
+    code = "request_timeout"
+    default_headers = {"connection": "close"}
 
 
 def default_request_bytes(max_model_len: int) -> int:
@@ -326,6 +338,8 @@ class Api:
             return await self._run(request, endpoint, tenant, body, arrived, arrived_at, None)
 
         async def wait(first_done: asyncio.Event) -> None:
+            nonlocal body
+            body = None  # a try that waits holds its raw body only (parsed again if it runs)
             if not await _unless_disconnected(request, first_done.wait()):
                 raise ClientClosedRequest("the client left while its request waited for the first one with its "
                                           "Idempotency-Key")
@@ -333,6 +347,8 @@ class Api:
         claimed = await self.keys.claim(tenant, idempotency.check_key(key), idempotency.fingerprint(endpoint, raw), wait)
         if isinstance(claimed, idempotency.Answer):
             return self._replay(tenant, endpoint, claimed)
+        if body is None:
+            body = protocol.parse(model, raw)
         try:
             response = await self._run(request, endpoint, tenant, body, arrived, arrived_at, claimed)
         except BaseException:
@@ -451,7 +467,7 @@ class Api:
         """The request body, refused past `max_request_bytes` (by Content-Length, and while read). `prompt` names
         a generation's prompt field ("messages" or "prompt"), for `_too_large`. A /v1/completions body declared
         too large is still read up to the limit, as one that fits would be: whether it lists several prompts
-        decides the answer."""
+        decides the answer. A body not whole within BODY_TIMEOUT_S is a 408."""
         limit = self.max_request_bytes
         declared = request.headers.get("content-length", "")
         size = f"{int(declared)} bytes" if declared.isdigit() and int(declared) > limit else None
@@ -459,13 +475,17 @@ class Api:
             raise self._too_large(size, prompt)
         chunks, got = [], 0
         try:
-            async for chunk in request.stream():
-                got += len(chunk)
-                chunks.append(chunk)
-                if got > limit:
-                    raise self._too_large(size or f"over {limit} bytes", prompt, b"".join(chunks))
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                async for chunk in request.stream():
+                    got += len(chunk)
+                    chunks.append(chunk)
+                    if got > limit:
+                        raise self._too_large(size or f"over {limit} bytes", prompt, b"".join(chunks))
         except ClientDisconnect:
             raise ClientClosedRequest("the client left before its request body was read") from None
+        except TimeoutError:
+            raise RequestTimeout(f"the request body was not received within {BODY_TIMEOUT_S:g}s "
+                                 f"({got} bytes came)") from None
         return b"".join(chunks)
 
     def _too_large(self, size: str, prompt: str | None, head: bytes = b"") -> ServingError:
@@ -795,20 +815,37 @@ async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[by
         yield chunk
 
 
+class _ClientStalled(Exception):
+    """A stream's send that did not complete within SEND_TIMEOUT_S."""
+
+
 class _ClosingStream(StreamingResponse):
     """A StreamingResponse that closes `generator` (the stream's, started: it holds the engine's request,
     the lease, the tenant's in-flight slots and an Idempotency-Key until its `finally`) however the
     response ends. Starlette leaves it suspended when sending fails (the client gone while the server waited
     to write, or before the first byte); left so, its `finally` would run only when the garbage collector
-    got to it, or never while a traceback held it."""
+    got to it, or never while a traceback held it. A send that waits past SEND_TIMEOUT_S (a client that
+    stopped reading) ends the response so too."""
 
     def __init__(self, content: AsyncIterator[bytes], generator: AsyncGenerator[bytes, None], **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self.generator = generator
 
     async def __call__(self, scope, receive, send) -> None:
+        async def send_in_time(message) -> None:
+            # A client that stops reading (its TCP window full) is never seen to leave: the send waits for
+            # ever, holding the generator and all it holds. Past SEND_TIMEOUT_S, it has left.
+            try:
+                async with asyncio.timeout(SEND_TIMEOUT_S):
+                    await send(message)
+            except TimeoutError:
+                raise _ClientStalled() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_in_time)
+        except _ClientStalled:  # the generator's `finally` below aborts it as for a client that left
+            logger.info("request %s: its client read nothing for %gs; taken as gone", self.headers.get(REQUEST_ID),
+                        SEND_TIMEOUT_S)
         finally:
             await self.generator.aclose()
 

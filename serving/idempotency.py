@@ -8,7 +8,8 @@ with that key runs; one sent again with the same key and the same body gets the 
 (status 200, the same body and `x-request-id`, plus `idempotent-replayed: true`), streamed or not, and
 nothing else is generated or logged. A request sent again while the first is still running waits for it
 (the IETF draft answers it 409 instead; a client retrying after a lost connection would then have to try
-again until the first ends), and a streamed one then gets every event at once.
+again until the first ends), and a streamed one then gets every event at once. At most `MAX_WAITING` tries
+of a key wait at once; another is a 409 `idempotency_key_in_use` with Retry-After, the draft's answer.
 
 Keys are per tenant (two tenants' keys never meet) and kept `ttl_s` after the answer (config
 `serving.idempotency_ttl_seconds`; 0 turns keys off), and answers kept take at most `max_bytes` in all
@@ -35,7 +36,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from serving.errors import BadRequest, IdempotencyKeyReused
+from serving.errors import BadRequest, IdempotencyKeyReused, ServingError
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,17 @@ HEADER = "idempotency-key"
 REPLAYED = "idempotent-replayed"  # on a response that is a kept answer given again
 MAX_KEY_CHARS = 255
 ENTRY_BYTES = 256  # what a kept answer costs beyond its body and headers (its objects, its place in the dict)
+MAX_WAITING = 2  # tries of one key waiting for its first request at once: a client's retry, and a retry of that
+IN_USE_RETRY_AFTER_S = 1  # what a try past MAX_WAITING is told to wait
+
+
+class IdempotencyKeyInUse(ServingError):
+    """A try of a key whose first request is running, with MAX_WAITING tries waiting already: 409, as the
+    IETF's Idempotency-Key draft answers a key in use (and OpenAI's SDK retries it, after Retry-After)."""
+
+    status = 409
+    code = "idempotency_key_in_use"
+    default_headers = {"Retry-After": str(IN_USE_RETRY_AFTER_S)}
 
 
 def fingerprint(route: str, body: bytes) -> bytes:
@@ -87,6 +99,7 @@ class Ticket:
     fingerprint: bytes
     done: asyncio.Event = field(default_factory=asyncio.Event)
     answer: Answer | None = None  # once kept: what the requests that waited get, kept for later ones or not
+    waiting: int = 0  # tries of the key waiting for this run now
 
     def keep(self, headers: dict[str, str], chunks: list[bytes], *, stream: bool) -> None:
         """The run's whole answer (a 200): kept for the key."""
@@ -132,7 +145,8 @@ class Keys:
                     wait: Callable[[asyncio.Event], object]) -> Ticket | Answer:
         """A Ticket when this request is the key's first (or the first's answer was not kept), else the kept
         Answer. A request whose key's first is running waits for it through `await wait(event)` (which
-        may raise: its own client leaving). 422 when the key was used with another fingerprint."""
+        may raise: its own client leaving), unless MAX_WAITING do already (409). 422 when the key was used
+        with another fingerprint."""
         slot = (tenant, key)
         while True:
             self._expire()
@@ -141,7 +155,17 @@ class Keys:
                 break
             if running.fingerprint != fingerprint:
                 raise _reused(key)
-            await wait(running.done)
+            # A waiting try holds its body and no in-flight slot: unbounded, one tenant's tries of one key held
+            # memory without limit. A retry or two wait (spared a loop of tries); more get the draft's 409.
+            if running.waiting >= MAX_WAITING:
+                raise IdempotencyKeyInUse(
+                    f"the Idempotency-Key {key!r} is in use: its first request is still running and "
+                    f"{running.waiting} tries wait for it already; retry after it ends", param="Idempotency-Key")
+            running.waiting += 1
+            try:
+                await wait(running.done)
+            finally:
+                running.waiting -= 1
             if running.answer is not None:  # even if it is too large to keep for later tries
                 return running.answer
         kept = self._kept.get(slot)

@@ -112,6 +112,9 @@ def test_missing_or_unreadable_files(tmp_path, shapes):
     with pytest.raises(AdapterRejected) as e:
         validate_adapter(empty, max_rank=16, base_shapes=shapes)
     assert e.value.problems == ["adapter_config.json is missing", "adapter_model.safetensors is missing"]
+    # tenants read the reason (a 404's message): the path, serving's copy (host, pid, data directory), is the log's
+    assert e.value.reason == "(1) adapter_config.json is missing; (2) adapter_model.safetensors is missing"
+    assert str(empty) in str(e.value)
 
     broken = write_adapter(tmp_path / "broken", shapes)
     (broken / "adapter_config.json").write_text("{not json")

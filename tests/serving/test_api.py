@@ -797,8 +797,10 @@ def test_models_answers_are_counted_in_requests_total():
     assert 'clora_serving_requests_total{endpoint="models",status="404",tenant="acme"} 1.0' in metrics, metrics
 
 
-def test_a_version_serving_refused_is_neither_listed_nor_carded():
-    """A generation naming a refused version is 404, so the models routes do not offer it either."""
+def test_a_version_serving_refused_is_neither_listed_nor_carded(caplog):
+    """A generation naming a refused version is 404, so the models routes do not offer it either. The reason
+    the tenant reads names the adapter's problems, never the path of serving's copy (host, pid, data
+    directory): that goes to the log."""
     from pathlib import Path
 
     from serving.adapter_check import AdapterRejected
@@ -811,13 +813,14 @@ def test_a_version_serving_refused_is_neither_listed_nor_carded():
 
     w.api.adapters.check = refuse
     r = w.post("/v1/chat/completions", chat(model="acme@1"))
-    assert r.status_code == 404 and "cannot be served" in error(r)["message"]
-    assert w.api.adapters.refused() == {"acme@1": "adapter /adapters/acme/1 refused: (1) rank 64 is above "
-                                                  "serving.max_lora_rank 16"}
+    assert r.status_code == 404 and error(r)["message"] == ("model 'acme@1' cannot be served: (1) rank 64 is above "
+                                                            "serving.max_lora_rank 16")
+    assert w.api.adapters.refused() == {"acme@1": "(1) rank 64 is above serving.max_lora_rank 16"}
+    assert "adapter /adapters/acme/1 refused: (1) rank 64" in caplog.text
     assert [m["id"] for m in w.get("/v1/models").json()["data"]] == [BASE, "acme"]
     r = w.get("/v1/models/acme@1")
     assert r.status_code == 404 and error(r)["code"] == "model_not_found" and error(r)["param"] == "model"
-    assert "rank 64" in error(r)["message"]  # the same reason the generation got
+    assert "rank 64" in error(r)["message"] and "/adapters" not in error(r)["message"]  # what the generation got
     assert w.get("/v1/models/acme").status_code == 200  # the tenant's name still serves (the base model here)
 
 
@@ -1081,6 +1084,46 @@ def test_a_client_that_leaves_mid_stream_has_its_engine_request_closed_before_it
     assert held_at_close == [1] and w.api.inflight.held("acme") == 0
 
 
+def test_a_stream_whose_client_stops_reading_is_aborted_as_if_it_left(monkeypatch):
+    """A client that stops reading (its TCP window full) while staying connected is never seen to leave:
+    uvicorn's send waited for ever, holding the tenant's in-flight slots, the adapter's lease and the
+    Idempotency-Key. A send that waits past SEND_TIMEOUT_S ends the stream as a client that left does."""
+    import serving.api
+
+    monkeypatch.setattr(serving.api, "SEND_TIMEOUT_S", 0.2)
+    w = World(max_inflight_per_tenant=4)
+    w.llm.reply = [1, 2, 3, 4, 5, 6]
+    w.llm.hold = asyncio.Event()  # never set: the generation is still running when the client stalls
+    held_at_close = []
+    w.llm.on_close = lambda request_id: held_at_close.append(w.api.inflight.held("acme"))
+    body = json.dumps(chat(stream=True, max_tokens=6)).encode()
+
+    async def scenario():
+        messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+        chunks = []
+
+        async def receive():  # the body, then nothing: the client never disconnects
+            with contextlib.suppress(StopIteration):
+                return next(messages)
+            await asyncio.Event().wait()
+
+        async def send(message):
+            if message["type"] == "http.response.body" and message.get("body"):
+                chunks.append(message["body"])
+                if len(chunks) == 2:
+                    await asyncio.Event().wait()  # the client reads no more: this send never completes
+
+        scope = chat_scope(body)
+        scope["headers"] = [*scope["headers"], (b"idempotency-key", b"k-1")]
+        await asyncio.wait_for(w.app(scope, receive, send), 5)
+        return len(chunks), dict(w.api.keys._running), w.api.inflight.held("acme")
+
+    assert asyncio.run(scenario()) == (2, {}, 0)
+    assert held_at_close == [1], "the engine's request is aborted before the slots go back"
+    assert w.events.logged == [], "an unfinished completion is not logged"
+    assert w.api.metrics.requests.labels("acme", "chat", "499")._value.get() == 1
+
+
 def test_a_stopping_server_ends_the_generations_left_after_its_grace_period_with_503():
     """`stop_generations` (the grace period is over): a stream already answering gets an error event and
     [DONE], a non-streamed request a 503, both counted as 503 (not as clients that left, 499) and aborted in
@@ -1182,6 +1225,38 @@ def test_clora_up_gives_serving_its_grace_period_and_the_time_its_stop_takes(tmp
         assert serving.stop_timeout == grace + SERVING_STOP_AFTER_GRACE_S
         drain = inspect.signature(EventLog.close).parameters["timeout"].default
         assert grace + WATCH_SECONDS + LAST_ANSWERS_SECONDS + drain < serving.stop_timeout
+
+
+def test_a_body_not_whole_in_time_is_a_408_that_closes_the_connection(monkeypatch):
+    """A body was read with no time limit: a client opening many connections and trickling their bodies held
+    each one's memory for as long as it liked."""
+    import serving.api
+
+    monkeypatch.setattr(serving.api, "BODY_TIMEOUT_S", 0.2)
+    w = World()
+    body = json.dumps(chat()).encode()
+
+    async def scenario():
+        parts = [{"type": "http.request", "body": body[:10], "more_body": True}]
+        sent = []
+
+        async def receive():
+            if parts:
+                return parts.pop(0)
+            await asyncio.Event().wait()  # the rest never comes, and the client stays
+
+        async def send(message):
+            sent.append(message)
+
+        await asyncio.wait_for(w.app(chat_scope(body), receive, send), 5)
+        return sent
+
+    sent = asyncio.run(scenario())
+    assert sent[0]["status"] == 408
+    assert (b"connection", b"close") in sent[0]["headers"], "uvicorn closes the connection once it is answered"
+    assert json.loads(sent[1]["body"])["error"]["code"] == "request_timeout"
+    assert w.llm.calls == [] and w.api.inflight.held("acme") == 0
+    assert w.api.metrics.requests.labels("acme", "chat", "408")._value.get() == 1
 
 
 def test_a_client_that_leaves_while_sending_its_body_is_a_quiet_499(caplog):
@@ -1541,6 +1616,36 @@ def test_a_request_sent_again_while_its_first_runs_waits_for_that_answer(kept):
     assert other.status_code == 422
     assert len(w.events.logged) == 1 + (not kept) and len(w.llm.calls) == 1 + (not kept)
     assert ("idempotent-replayed" in later.headers) == kept  # not kept: the later try ran
+
+
+def test_a_key_in_use_lets_a_few_tries_wait_and_answers_more_a_409():
+    """A waiting try holds its body and takes no in-flight slot: one tenant's tries of one key kept any number
+    of bodies in memory (300 stayed open while requests without a key got 429)."""
+    from serving.idempotency import MAX_WAITING
+
+    w = World()
+    w.llm.gate = asyncio.Event()
+
+    async def scenario(c):
+        def post():
+            return c.post("/v1/chat/completions", json=chat(), headers=keyed())
+
+        first = asyncio.create_task(post())
+        while not w.llm.calls:
+            await asyncio.sleep(0.01)
+        waiting = [asyncio.create_task(post()) for _ in range(MAX_WAITING)]
+        while w.api.keys._running[("acme", "k-1")].waiting < MAX_WAITING:
+            await asyncio.sleep(0.01)
+        over = await asyncio.wait_for(post(), 2)  # answered at once, not after the first
+        w.llm.gate.set()
+        return await first, await asyncio.gather(*waiting), over
+
+    first, waited, over = w.run(scenario)
+    assert over.status_code == 409 and over.headers["retry-after"] == "1"
+    assert error(over)["code"] == "idempotency_key_in_use" and error(over)["param"] == "Idempotency-Key"
+    assert [r.status_code for r in waited] == [200] * MAX_WAITING and all(r.content == first.content for r in waited)
+    assert len(w.llm.calls) == 1 and w.api.keys._running == {}
+    assert w.api.metrics.requests.labels("acme", "chat", "409")._value.get() == 1
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -1,7 +1,11 @@
-"""The serving process binds its port before the engine's long start: a taken port fails at once, clearly."""
+"""The serving process's HTTP edge: it binds its port before the engine's long start (a taken port fails at
+once, clearly), bounds the connections uvicorn takes, and warns at start when tenants' names are open to the
+network."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import socket
 import subprocess
 import sys
@@ -56,3 +60,94 @@ def test_a_helper_task_that_failed_does_not_stop_the_shutdown(caplog):
 
     assert asyncio.run(both()) == (True, False)
     assert "the engine monitor failed; stopping anyway" in caplog.text and "monitor broke" in caplog.text
+
+
+def test_a_port_other_hosts_reach_without_an_admin_key_is_warned_about_at_start(tmp_path, tiny_model):
+    """/health and /metrics name every tenant; with no serving.admin_key they are open to whoever reaches the
+    port. Said at start, before the port is even bound (here it is taken)."""
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        port = taken.getsockname()[1]
+        config = write_config(tmp_path, bootstrap="127.0.0.1:9", model_path=tiny_model, port=port, host="0.0.0.0")
+        env = {k: v for k, v in os.environ.items() if k != "CLORA_ADMIN_KEY"}
+        result = subprocess.run([sys.executable, "-m", "serving", "--config", str(config)], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert ("WARNING serving: serving listens on 0.0.0.0 with no serving.admin_key: /health and /metrics, which "
+            "name every tenant, are open to anyone who reaches the port; set serving.admin_key") in result.stderr
+
+
+@pytest.mark.parametrize(("host", "admin_key_set", "warned"), [
+    ("0.0.0.0", False, True), ("::", False, True), ("10.1.2.3", False, True), ("serving.internal", False, True),
+    ("127.0.0.1", False, False), ("127.0.0.2", False, False), ("::1", False, False), ("localhost", False, False),
+    ("0.0.0.0", True, False),
+])
+def test_only_a_port_open_to_other_hosts_with_no_admin_key_is_warned_about(caplog, host, admin_key_set, warned):
+    from serving.__main__ import warn_if_open
+
+    warn_if_open(host, admin_key_set)
+    assert ("set serving.admin_key" in caplog.text) == warned
+
+
+def test_the_connection_limit_leaves_room_for_the_engine_and_every_tenant():
+    from serving.__main__ import CONNECTIONS_MIN, connection_limit
+
+    assert connection_limit(tenants=3, max_num_seqs=64) == CONNECTIONS_MIN
+    assert connection_limit(tenants=1000, max_num_seqs=256) == 2 * 256 + 4 * 1000
+
+
+def test_past_its_connection_limit_uvicorn_answers_503_and_idle_connections_count():
+    """Without limit_concurrency, uvicorn took any number of connections, each holding memory. Past the limit
+    every new request is a plain-text 503 that closes its connection; idle connections count towards it."""
+    from serving.__main__ import KEEP_ALIVE_SECONDS, http_server, listen
+
+    async def app(scope, receive, send):
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    async def scenario():
+        sock = listen("127.0.0.1", 0)
+        port = sock.getsockname()[1]
+        server = http_server(app, "127.0.0.1", port, connections=3, grace=1)
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+
+        async def get() -> bytes:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: clora\r\nConnection: close\r\n\r\n")
+            answer = await asyncio.wait_for(reader.read(), 5)  # to the end: the server closes the connection
+            writer.close()
+            return answer
+
+        try:
+            within = await get()
+            idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]  # connected, sending nothing
+            await asyncio.sleep(0.1)
+            past = await get()
+            for _, writer in idle:
+                writer.close()
+            return server.config, within, past
+        finally:
+            server.should_exit = True
+            await serving
+
+    config, within, past = asyncio.run(scenario())
+    assert config.limit_concurrency == 3 and config.timeout_keep_alive == KEEP_ALIVE_SECONDS
+    assert within.startswith(b"HTTP/1.1 200 OK")
+    assert past.startswith(b"HTTP/1.1 503 Service Unavailable") and b"connection: close" in past
+
+
+def test_the_event_log_connects_to_kafka_as_the_config_says(tmp_path):
+    """TLS and SASL settings reach serving's producer as they reach ingest's clients."""
+    from clora.config import Config
+    from serving.__main__ import event_log
+    from serving.metrics import ServingMetrics
+
+    cfg = Config.model_validate({"data_dir": str(tmp_path), "kafka": {
+        "bootstrap": "kafka-1:9093", "security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-256",
+        "sasl_username": "clora", "sasl_password": "pw", "ssl_cafile": str(tmp_path / "ca.pem")}})
+    factory = event_log(cfg, ServingMetrics()).producer_factory
+    assert factory.keywords["client"] == cfg.kafka.client_options()
+    assert factory.keywords["client"]["security_protocol"] == "SASL_SSL"
