@@ -286,7 +286,8 @@ class AdapterSet:
         current = self._current.get(tenant)
         if version is None:
             if current is not None:
-                logger.info("tenant %s has no published adapter any more; serving the base model", tenant)
+                logger.warning("tenant %s has no published adapter any more (every version retired); serving the "
+                               "base model", tenant)
                 self._set_current(tenant, None)
             self._forget_failures(tenant)
             self._fell_back.pop(tenant, None)

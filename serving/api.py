@@ -72,6 +72,7 @@ from serving.errors import (
     MethodNotAllowed,
     ModelNotFound,
     RateLimited,
+    RequestTimeout,
     RequestTooLarge,
     ServerStopping,
     ServingError,
@@ -94,15 +95,6 @@ BODY_TIMEOUT_S = 30.0  # a request's whole body must arrive within this (a slow 
 SEND_TIMEOUT_S = 60.0  # a stream whose client reads nothing for this long is taken as left
 MIN_REQUEST_BYTES = 1 << 20
 REQUEST_BYTES_PER_TOKEN = 6 * MAX_CHARS_PER_TOKEN  # the most characters a token may stand for, JSON-escaped ("\u00e9")
-
-
-class RequestTimeout(ServingError):
-    """A body not whole within BODY_TIMEOUT_S. The connection is closed with the answer: the rest of the
-    body may still be on its way, and a client trickling bodies over many connections held memory with each."""
-
-    status = 408
-    code = "request_timeout"
-    default_headers = {"connection": "close"}
 
 
 def default_request_bytes(max_model_len: int) -> int:
@@ -627,7 +619,9 @@ class Api:
             yield protocol.sse("[DONE]")
         except (asyncio.CancelledError, GeneratorExit):
             if not finished:
-                logger.info("request %s: the client went away; generation aborted", call.response_id)
+                # Clients leave all the time (a user closing a tab): counted as 499, not logged at INFO per request.
+                logger.debug("request %s of %s: the client went away; generation aborted", call.response_id,
+                             call.tenant)
                 self.metrics.request_answered(call.tenant, call.endpoint, CLIENT_CLOSED_REQUEST)
             raise
         except Exception as e:  # the status line is sent: the stream still ends with an error and [DONE]

@@ -82,6 +82,25 @@ class IdempotencyKeyReused(ServingError):
     code = "idempotency_key_reused"
 
 
+class IdempotencyKeyInUse(ServingError):
+    """A try of an Idempotency-Key whose first request is running while idempotency.MAX_WAITING tries wait
+    already: 409, as the IETF's Idempotency-Key draft answers a key in use (OpenAI's SDK retries it, after
+    Retry-After)."""
+
+    status = 409
+    code = "idempotency_key_in_use"
+    default_headers = {"Retry-After": "1"}
+
+
+class RequestTimeout(ServingError):
+    """A body not whole within api.BODY_TIMEOUT_S. The connection is closed with the answer: the rest of the
+    body may still be on its way, and a client trickling bodies over many connections held memory with each."""
+
+    status = 408
+    code = "request_timeout"
+    default_headers = {"connection": "close"}
+
+
 class RateLimited(ServingError):
     """Too much in flight for one tenant; OpenAI's 429 shape (`type` "requests", code "rate_limit_exceeded")."""
 

@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from serving.errors import BadRequest, IdempotencyKeyReused, ServingError
+from serving.errors import BadRequest, IdempotencyKeyInUse, IdempotencyKeyReused
 
 logger = logging.getLogger(__name__)
 
@@ -45,16 +45,6 @@ REPLAYED = "idempotent-replayed"  # on a response that is a kept answer given ag
 MAX_KEY_CHARS = 255
 ENTRY_BYTES = 256  # what a kept answer costs beyond its body and headers (its objects, its place in the dict)
 MAX_WAITING = 2  # tries of one key waiting for its first request at once: a client's retry, and a retry of that
-IN_USE_RETRY_AFTER_S = 1  # what a try past MAX_WAITING is told to wait
-
-
-class IdempotencyKeyInUse(ServingError):
-    """A try of a key whose first request is running, with MAX_WAITING tries waiting already: 409, as the
-    IETF's Idempotency-Key draft answers a key in use (and OpenAI's SDK retries it, after Retry-After)."""
-
-    status = 409
-    code = "idempotency_key_in_use"
-    default_headers = {"Retry-After": str(IN_USE_RETRY_AFTER_S)}
 
 
 def fingerprint(route: str, body: bytes) -> bytes:
