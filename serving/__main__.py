@@ -183,6 +183,7 @@ async def serve(cfg, host: str, port: int) -> int:
     watchdog = None
     try:
         await engine.start()
+        metrics.watch_slots(engine.lora_slots)
         # vLLM's engine core (and its workers) would outlive this process killed with SIGKILL, holding the
         # model's memory: a watchdog stops them then (clora up also kills serving's process group).
         watchdog = outlived_by_none(descendants())

@@ -521,6 +521,7 @@ class Api:
                 queue.put_nowait(e)
 
         tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(call.prompts)]
+        first = True
         try:
             running = len(tasks)
             while running:
@@ -530,6 +531,9 @@ class Api:
                 elif isinstance(item, Exception):
                     raise item
                 else:
+                    if first:
+                        first = False
+                        self.metrics.first_output(call.endpoint, time.monotonic() - call.arrived)
                     yield item
         finally:  # a failure, or the client gone: every prompt's engine request is aborted (before the lease goes)
             for task in tasks:

@@ -44,6 +44,8 @@ class _Waiter:
 
 
 class LoraSlots:
+    """`on_wait(seconds)` is called with the wait of each request that had to wait for its slot (metrics)."""
+
     def __init__(self, slots: int, *, clock: Callable[[], float] = time.monotonic) -> None:
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
@@ -51,6 +53,7 @@ class LoraSlots:
         self.clock = clock
         self.active: dict[int, int] = {}  # adapter id -> its requests in the engine
         self._waiting: list[_Waiter] = []  # in arrival order: of equal rank, the first is taken first
+        self.on_wait: Callable[[float], None] = lambda seconds: None
 
     @property
     def waiting(self) -> int:
@@ -68,6 +71,7 @@ class LoraSlots:
         self._waiting.append(waiter)
         try:
             await waiter.future
+            self.on_wait(self.clock() - waiter.since)
         except asyncio.CancelledError:
             if waiter.future.done() and not waiter.future.cancelled():  # admitted as it was cancelled
                 self.leave(adapter_id)

@@ -14,6 +14,9 @@ several without clashing in the global one). Names start with `clora_serving_`:
     events_total{kind,outcome}                  interaction/feedback events: sent, spooled, resent, dropped, dead
     spool_events                                events waiting in the on-disk spool
     inflight_sequences{tenant}                  completions a tenant has in the engine, running or queued
+    time_to_first_token_seconds{endpoint}       arrival to the engine's first output of a request
+    lora_slot_waiting                           requests waiting for an adapter slot in the engine (lora_slots.py)
+    lora_slot_wait_seconds                      how long those that waited for one waited
 
 What this module does not do: decide when to count (the callers do) or serve HTTP (api.py does).
 """
@@ -85,6 +88,25 @@ class ServingMetrics:
             "clora_serving_idempotency_keys", "Idempotency keys held: their first request running, or its answer kept.",
             ["state"], registry=r
         )
+        # Not per tenant: one more per-tenant histogram would double /metrics at many tenants.
+        self.first_token = Histogram(
+            "clora_serving_time_to_first_token_seconds", "Arrival to the engine's first output of a request.",
+            ["endpoint"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.slot_waiting = Gauge("clora_serving_lora_slot_waiting", "Requests waiting for an adapter slot in the "
+                                  "engine (serving.max_loras adapters at once).", registry=r)
+        self.slot_wait = Histogram("clora_serving_lora_slot_wait_seconds", "How long requests that waited for an "
+                                   "adapter slot waited.", buckets=LATENCY_BUCKETS, registry=r)
+
+    def watch_slots(self, slots) -> None:
+        """Reports the engine's adapter slots (a LoraSlots; None: the engine has none)."""
+        if slots is None:
+            return
+        self.slot_waiting.set_function(lambda: slots.waiting)
+        slots.on_wait = self.slot_wait.observe
+
+    def first_output(self, endpoint: str, seconds: float) -> None:
+        self.first_token.labels(endpoint).observe(seconds)
 
     def request_done(
         self, tenant: str, endpoint: str, status: int, seconds: float, prompt_tokens: int, completion_tokens: int

@@ -272,6 +272,16 @@ def test_no_max_tokens_means_the_room_the_context_leaves():
     assert [c.params.max_tokens for c in capped.llm.calls] == [5, 9, MAX_MODEL_LEN - 5]
 
 
+def test_time_to_first_token_is_measured_per_endpoint_streamed_or_not():
+    w = World()
+    assert w.post("/v1/chat/completions", chat()).status_code == 200
+    assert w.post("/v1/chat/completions", chat(stream=True)).status_code == 200
+    assert w.post("/v1/completions", {"model": "acme", "prompt": "hello"}).status_code == 200
+    metrics = w.api.metrics.render().decode()
+    assert 'clora_serving_time_to_first_token_seconds_count{endpoint="chat"} 2.0' in metrics
+    assert 'clora_serving_time_to_first_token_seconds_count{endpoint="completions"} 1.0' in metrics
+
+
 def test_completions_without_max_tokens_get_16_as_openai_and_vllm_give():
     w = World()
     w.post("/v1/completions", {"model": "acme", "prompt": "hello"})

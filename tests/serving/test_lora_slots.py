@@ -202,3 +202,31 @@ def test_a_request_that_has_waited_long_goes_before_more_urgent_ones():
         h.done("a3")
 
     run(scenario)
+
+
+def test_each_wait_for_a_slot_is_reported_once_admitted_and_no_admission_at_once_is():
+    from serving.metrics import ServingMetrics
+
+    now = [0.0]
+
+    async def scenario():
+        slots = LoraSlots(1, clock=lambda: now[0])
+        metrics = ServingMetrics()
+        metrics.watch_slots(slots)
+        h = Held(slots)
+        h.start("a", 1)
+        await h.settle()
+        h.start("b", 2)
+        await h.settle()
+        assert "clora_serving_lora_slot_waiting 1.0" in metrics.render().decode()
+        assert metrics.slot_wait._sum.get() == 0, "admitted at once: no wait reported"
+        now[0] = 1.5
+        h.done("a")
+        await h.settle()
+        assert h.inside == {"b"} and "clora_serving_lora_slot_waiting 0.0" in metrics.render().decode()
+        h.done("b")
+        await h.settle()
+        return metrics.render().decode()
+
+    text = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert "clora_serving_lora_slot_wait_seconds_count 1.0" in text and "clora_serving_lora_slot_wait_seconds_sum 1.5" in text
