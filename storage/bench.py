@@ -13,8 +13,16 @@ At each size in --history it times --samples steps of the learner's work, each `
     no hint     the same operations with the hint deleted before each one, so every operation lists and
                 reads the tenant's whole history (what the registry did before it kept the hint)
 
+Then, in a data dir of its own, the number of tenants grows (each with a short history) to each size in
+--tenants, and at each size --samples steps of one tenant are timed, and a reader's `published()` right
+after a change (what serving does after every one), side by side:
+
+    one entry     the registry as it is: a change rewrites its own tenant's entry of HEAD.json
+    rebuild       every change rebuilds HEAD.json from every tenant's records (what the registry did before;
+                  it still does every FULL_HEAD_EVERY-th change)
+
 The adapter files are a few bytes (the registry's cost does not depend on their size; the fsyncs do not
-either). Prints a table; writes registry.json and registry.png under --out. Not part of the test suite.
+either). Prints two tables; writes registry.json and registry.png under --out. Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from pathlib import Path
 
 from clora.argtypes import positive_int
 from clora.bench import machine
-from storage.registry import Registry
+from storage.registry import FULL_HEAD_EVERY, Registry
 
 TENANT = "long"
 OTHERS = ("a", "b", "c")
@@ -41,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="history sizes (versions of one tenant) to measure at, ascending (default 100,1000,10000)")
     parser.add_argument("--samples", type=positive_int, default=40, help="timed steps per size and mode (default 40)")
     parser.add_argument("--keep-last", type=positive_int, default=5, help="the registry's keep_last (default 5)")
+    parser.add_argument("--tenants", type=sizes, default="10,100,1000",
+                        help="numbers of tenants to measure a step at, ascending (default 10,100,1000)")
 
 
 def sizes(text: str) -> list[int]:
@@ -113,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
                 grown += args.samples
             rows.append(row)
             print(_row_text(row), flush=True)
+    with tempfile.TemporaryDirectory(prefix="clora-bench-registry-tenants-") as tmp:
+        tenant_rows = _tenants(Registry(tmp, keep_last=args.keep_last), args.tenants, args.samples)
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
@@ -120,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         "keep_last": args.keep_last,
         "publish_every": PUBLISH_EVERY,
         "rows": rows,
+        "tenant_rows": tenant_rows,
         "bench_seconds": time.monotonic() - started,
     }
     (out / "registry.json").write_text(json.dumps(result, indent=1))
@@ -128,6 +141,34 @@ def run(args: argparse.Namespace) -> int:
     _plot(result, out / "registry.png")
     print(f"\nwrote {out / 'registry.json'} and {out / 'registry.png'}")
     return 0
+
+
+def _tenants(reg: Registry, sizes: list[int], samples: int) -> list[dict]:
+    """At each number of tenants: a step of one tenant, and a reader's `published()` after it, in both modes."""
+    from tqdm import tqdm
+
+    reader = Registry(reg.dd.root)  # serving's: its parse of HEAD.json is its own
+    rows, made = [], 0
+    for size in sizes:
+        for i in tqdm(range(made, size), desc=f"tenants {made} -> {size}", unit="tenant", leave=False,
+                      disable=size - made < 50):
+            for _ in range(3):
+                _step(reg, f"t{i}")
+        made = size
+        row = {"tenants": size}
+        for mode, every in (("one entry", 10**9), ("rebuild", 1)):
+            reg.full_head_every = every
+            reader.published()  # parsed as it is now: each timed read parses what one change made
+            row[mode] = {
+                "step": _summary(_timed(lambda: _step(reg, "t0"), samples)),
+                "published_after_change": _summary(_timed(reader.published, samples,
+                                                          before=lambda: _step(reg, "t1"))),
+            }
+        reg.full_head_every = FULL_HEAD_EVERY
+        rows.append(row)
+        one, full = row["one entry"]["step"]["median_ms"], row["rebuild"]["step"]["median_ms"]
+        print(f"tenants {size}: step {one:.2f} ms (rebuild {full:.2f})", flush=True)
+    return rows
 
 
 def _grow(reg: Registry, count: int, label: str) -> None:
@@ -165,6 +206,18 @@ def table(result: dict) -> str:
         growth_no = last["no hint"]["step"]["median_ms"] / first["no hint"]["step"]["median_ms"]
         lines += ["", f"A step at {last['history']} versions costs {growth:.2f}x what it costs at {first['history']} "
                       f"(no hint: {growth_no:.2f}x)."]
+    tenant_rows = result.get("tenant_rows") or []
+    if tenant_rows:
+        lines += ["", "| tenants | step | step, rebuild | published() after a change | after a change, rebuild |",
+                  "|---|---|---|---|---|"]
+        for r in tenant_rows:
+            cells = [f"{r['tenants']:,}"] + [
+                f"{r[mode][op]['median_ms']:.2f} ({r[mode][op]['p90_ms']:.2f})"
+                for op in ("step", "published_after_change") for mode in ("one entry", "rebuild")]
+            lines.append("| " + " | ".join(cells) + " |")
+        last = tenant_rows[-1]
+        lines += ["", f"At {last['tenants']:,} tenants a step costs {last['rebuild']['step']['median_ms'] / last['one entry']['step']['median_ms']:.1f}x "
+                      "as much when every change rebuilds HEAD.json."]
     return "\n".join(lines)
 
 
@@ -175,7 +228,9 @@ def _plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     sizes = [r["history"] for r in result["rows"]]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    tenant_rows = result.get("tenant_rows") or []
+    fig, axes = plt.subplots(1, 2 if tenant_rows else 1, figsize=(11 if tenant_rows else 6, 4), squeeze=False)
+    ax = axes[0][0]
     for mode, marker in (("hint", "o"), ("no hint", "s")):
         ax.plot(sizes, [r[mode]["step"]["median_ms"] for r in result["rows"]], f"{marker}-", label=f"step, {mode}")
         ax.plot(sizes, [r[mode]["latest_published"]["median_ms"] for r in result["rows"]], f"{marker}:",
@@ -185,6 +240,18 @@ def _plot(result: dict, path: Path) -> None:
     ax.set_xlabel("versions in the tenant's history")
     ax.set_ylabel("median ms per operation")
     ax.legend(fontsize=8)
+    if tenant_rows:
+        ax = axes[0][1]
+        counts = [r["tenants"] for r in tenant_rows]
+        for mode, marker in (("one entry", "o"), ("rebuild", "s")):
+            ax.plot(counts, [r[mode]["step"]["median_ms"] for r in tenant_rows], f"{marker}-", label=f"step, {mode}")
+            ax.plot(counts, [r[mode]["published_after_change"]["median_ms"] for r in tenant_rows], f"{marker}:",
+                    label=f"published() after a change, {mode}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("tenants")
+        ax.set_ylabel("median ms per operation")
+        ax.legend(fontsize=8)
     fig.suptitle(f"clora bench registry; {result['machine']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

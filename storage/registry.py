@@ -287,6 +287,7 @@ class Registry:
         self._head_cache: tuple[bytes, dict] | None = None  # HEAD.json's bytes and parse
         # A parse of HEAD.json's entries: (the head, its readable entries, why the others do not read).
         self._entries_cache: tuple[dict, dict[str, AdapterVersion], dict[str, Exception]] | None = None
+        self.full_head_every = FULL_HEAD_EVERY  # 1: every change rebuilds HEAD.json from every tenant's records
         self._encoded: dict[str, tuple[dict, str]] = {}  # tenant -> (its HEAD.json entry, "tenant":entry): _encode_head
 
     def __repr__(self) -> str:
@@ -834,7 +835,7 @@ class Registry:
         old entry, if the old HEAD.json has a readable one (see the module notes)."""
         old_generation, old_published = self._old_head()
         old = self._read_head() if old_published is not None else None  # the parse _old_head read (cached)
-        if old is None or (old_generation + 1) % FULL_HEAD_EVERY == 0:
+        if old is None or (old_generation + 1) % self.full_head_every == 0:
             tenants, published = self.tenants(), {}
         else:
             # The other tenants' entries as they were (a rebuild read every tenant's records: ~0.7 s a change

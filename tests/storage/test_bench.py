@@ -20,7 +20,7 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 
 def test_registry_bench_writes_its_table_json_and_plot(tmp_path, capsys):
-    args = _parse("--history", "12,4", "--samples", "3", "--keep-last", "2", "--out", str(tmp_path))
+    args = _parse("--history", "12,4", "--samples", "3", "--keep-last", "2", "--tenants", "2,5", "--out", str(tmp_path))
     assert bench.run(args) == 0
     result = json.loads((tmp_path / "registry.json").read_text())
     assert [r["history"] for r in result["rows"]] == [4, 12]
@@ -28,8 +28,14 @@ def test_registry_bench_writes_its_table_json_and_plot(tmp_path, capsys):
         for mode in ("hint", "no hint"):
             assert set(row[mode]) == {"step", "latest_published", "published"}
             assert all(s["median_ms"] > 0 for s in row[mode].values())
+    assert [r["tenants"] for r in result["tenant_rows"]] == [2, 5]
+    for row in result["tenant_rows"]:
+        for mode in ("one entry", "rebuild"):
+            assert set(row[mode]) == {"step", "published_after_change"}
+            assert all(s["median_ms"] > 0 for s in row[mode].values())
     assert (tmp_path / "registry.png").stat().st_size > 0
-    assert "| 12 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| 12 |" in out and "| 5 |" in out
 
 
 @pytest.mark.parametrize("argv, message", [
