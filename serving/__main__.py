@@ -34,6 +34,7 @@ import shutil
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 logger = logging.getLogger("serving")
@@ -100,10 +101,37 @@ def event_log(cfg, metrics):
     )
 
 
+class RefusalLog(logging.Filter):
+    """uvicorn logs a WARNING for every request it refuses past the connection limit: a flood of them is
+    when the log matters most. One line every `every` seconds, with how many were refused since."""
+
+    MESSAGE = "Exceeded concurrency limit."
+
+    def __init__(self, limit: int, every: float = 60.0, clock=time.monotonic) -> None:
+        super().__init__()
+        self.limit, self.every, self.clock = limit, every, clock
+        self.refused, self.logged_at = 0, None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() != self.MESSAGE:
+            return True
+        self.refused += 1
+        now = self.clock()
+        if self.logged_at is not None and now - self.logged_at < self.every:
+            return False
+        record.msg, record.args = (f"{self.refused} request(s) answered 503: more than {self.limit} connections and "
+                                   f"requests at once (the connection limit); at most one such line a "
+                                   f"{self.every:g} s"), ()
+        self.refused, self.logged_at = 0, now
+        return True
+
+
 def http_server(app, host: str, port: int, *, connections: int, grace: float):
     """uvicorn's server for `app`: at most `connections` at once (`connection_limit`), idle ones closed after
     KEEP_ALIVE_SECONDS, and `grace` seconds at a stop for the requests still running."""
     import uvicorn
+
+    logging.getLogger("uvicorn.error").addFilter(RefusalLog(connections))
 
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                          limit_concurrency=connections, timeout_keep_alive=KEEP_ALIVE_SECONDS,

@@ -151,3 +151,24 @@ def test_the_event_log_connects_to_kafka_as_the_config_says(tmp_path):
     factory = event_log(cfg, ServingMetrics()).producer_factory
     assert factory.keywords["client"] == cfg.kafka.client_options()
     assert factory.keywords["client"]["security_protocol"] == "SASL_SSL"
+
+
+def test_refusals_past_the_connection_limit_are_one_log_line_a_minute():
+    import logging
+
+    from serving.__main__ import RefusalLog
+
+    now = [0.0]
+    refusals = RefusalLog(limit=1024, every=60.0, clock=lambda: now[0])
+
+    def refused() -> logging.LogRecord | None:
+        record = logging.LogRecord("uvicorn.error", logging.WARNING, __file__, 1, RefusalLog.MESSAGE, (), None)
+        return record if refusals.filter(record) else None
+
+    first = refused()
+    assert first.getMessage().startswith("1 request(s) answered 503: more than 1024 connections")
+    assert [refused() for _ in range(500)] == [None] * 500
+    now[0] = 61.0
+    assert refused().getMessage().startswith("501 request(s) answered 503")
+    other = logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, "something else", (), None)
+    assert refusals.filter(other) and other.getMessage() == "something else"
