@@ -131,4 +131,5 @@ class IngestMetrics:
     def close(self) -> None:
         if self.server is not None:
             self.server.shutdown()
+            self.server.server_close()  # the port too, not only the serving thread
             self.server = None

@@ -140,7 +140,7 @@ class LearnerError(RuntimeError):
 
 # Learner settings read once, when the learner starts (its sampler, its device, how many shards `clora up`
 # starts): a config re-read that changes them only says so.
-RESTART_SETTINGS = ("rollout_sampler", "serving_url", "device", "processes")
+RESTART_SETTINGS = ("rollout_sampler", "serving_url", "device", "processes", "metrics_port", "metrics_host")
 
 
 @dataclass
@@ -286,6 +286,7 @@ class Learner:
         self._base_shapes: dict | None = None  # the base model's linear layers, for _check_servable
         self._servable: set[tuple] = set()  # (tenant, adapter shape) that passed _check_servable
         self._stepping: set[str] = set()  # tenants with a step in progress: never unloaded (`_make_room`)
+        self._round: set[str] = set()  # the tenants of the round in progress: nor these
         self.ledger = Ledger()
         self.metrics = metrics if metrics is not None else LearnerMetrics()  # no endpoint unless given one
         self.apply_config(cfg)
@@ -555,6 +556,7 @@ class Learner:
         `step_safely`; the records come in the order of `names`."""
         steps = {name: self._step_safely(name) for name in names}
         records: dict[str, StepRecord | None] = {}
+        self._round = set(names)  # loaded one after another: none unloads a partner not started yet
         try:
             asked = self._advance(steps, dict.fromkeys(names), records)
             while asked:
@@ -575,6 +577,7 @@ class Learner:
                 answers = dict(zip(asked, self._probe(requests)))
                 asked = self._advance(steps, answers, records)
         finally:
+            self._round = set()
             for gen in steps.values():
                 gen.close()  # only if something above raised: a step left mid-way restores its parent
         return [records.get(name) for name in names]
@@ -645,6 +648,8 @@ class Learner:
             if record is not None:
                 self.metrics.stepped(name, record.decision, version=rt.version,
                                      reward_mean=_num(record.row.get("reward_mean")), timings=record.timings)
+            else:  # nothing to do: not a failure either
+                self.metrics.no_failures(name)
             if not rt.probe_unscored:  # every probe scored: back to failing a step on one that does not
                 rt.probe_failures = 0
         self.ledger = charge(self.ledger, name, max(0.0, time.monotonic() - started - rt.round_wait))
@@ -1272,6 +1277,8 @@ class Learner:
             rt.step = max(self.cursors.latest_step(name) or 0, column_max(self.dd, "train_steps", "step", name) or 0)
         rt.state_id += 1
         rt.probe_cache = {}
+        if latest is not None:  # the weights are that checkpoint's
+            rt.committed_state = rt.state_id
         rt.loaded = True
         if rt.unfinished is not None or rt.state_id > 1:  # a step to finish, or a reload (not the first load)
             # As at a take-over (_recover, which a first load follows): a reload after a commit whose outcome
@@ -1293,7 +1300,8 @@ class Learner:
         if limit <= 0:
             return
         resident = [rt for n, rt in self.tenants.items() if n != name and self.policy.has(n)]
-        idle = sorted((rt for rt in resident if rt.spec.name not in self._stepping), key=lambda rt: rt.used_at)
+        busy = self._stepping | self._round
+        idle = sorted((rt for rt in resident if rt.spec.name not in busy), key=lambda rt: rt.used_at)
         for rt in idle[: max(0, len(resident) + 1 - limit)]:
             self._unload(rt)
 
@@ -1384,7 +1392,7 @@ class Learner:
             spec = replace(spec, **shape)
         if not self.policy.has(spec.name):
             self.policy.add_tenant(spec)
-            shape = (spec.name, spec.rank, spec.alpha, tuple(sorted(spec.target_modules)))
+            shape = (spec.name, spec.rank, spec.alpha, tuple(sorted(spec.target_modules)), self.max_lora_rank)
             if shape not in self._servable:  # once, not at every reload of an unloaded tenant
                 try:
                     self._check_servable(spec.name)

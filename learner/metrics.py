@@ -37,8 +37,8 @@ class LearnerMetrics:
                                "When the tenant's last step (whatever its outcome) ended, Unix time", ["tenant"], registry=r)
         self.failures = Gauge("clora_learner_consecutive_failures", "The tenant's failed steps in a row (0 after one "
                               "that did not fail)", ["tenant"], registry=r)
-        self.backlog_gauge = Gauge("clora_learner_backlog", "The tenant's untrained trajectories (a rollouts tenant "
-                                   "with a prompts file: its batch size)", ["tenant"], registry=r)
+        self.backlog_gauge = Gauge("clora_learner_backlog", "The tenant's untrained trajectories in storage",
+                                   ["tenant"], registry=r)
         self.version = Gauge("clora_learner_adapter_version", "The adapter version the tenant trains from (0: none yet)",
                              ["tenant"], registry=r)
         self.reward = Gauge("clora_learner_reward_mean", "Mean reward of the tenant's last step's batch", ["tenant"],
@@ -69,6 +69,10 @@ class LearnerMetrics:
             if phase not in ("total", "sampling"):  # the sum of the others; the sampler's time, overlapping them
                 self.phase.labels(phase).inc(max(0.0, seconds))
 
+    def no_failures(self, tenant: str) -> None:
+        """A step that ended with nothing to do: not a failure (the tenant's failures in a row end)."""
+        self.failures.labels(tenant).set(0)
+
     def failed(self, tenant: str, failures: int) -> None:
         self.steps.labels(tenant, "error").inc()
         self.last_step.labels(tenant).set(time.time())
@@ -95,4 +99,5 @@ class LearnerMetrics:
     def close(self) -> None:
         if self.server is not None:
             self.server.shutdown()
+            self.server.server_close()  # the port too, not only the serving thread
             self.server = None

@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import re
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -201,7 +202,9 @@ class Policy:
         if len(self._specs) == 1:  # the last one: back to the bare base model (peft keeps no empty wrapper)
             self.model = self.model.unload()
         else:
-            self.model.delete_adapter(adapter_name(tenant))
+            with warnings.catch_warnings():  # "Adapter ... was active which is now deleted": `use` picks the next
+                warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
+                self.model.delete_adapter(adapter_name(tenant))
         for table in (self._specs, self._optimizers, self._params, self._file_keys):
             table.pop(tenant, None)
         self._lora_layers = _lora_layers(self.model)

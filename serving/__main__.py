@@ -131,7 +131,10 @@ def http_server(app, host: str, port: int, *, connections: int, grace: float):
     KEEP_ALIVE_SECONDS, and `grace` seconds at a stop for the requests still running."""
     import uvicorn
 
-    logging.getLogger("uvicorn.error").addFilter(RefusalLog(connections))
+    errors = logging.getLogger("uvicorn.error")
+    for old in [f for f in errors.filters if isinstance(f, RefusalLog)]:  # one server's at a time
+        errors.removeFilter(old)
+    errors.addFilter(RefusalLog(connections))
 
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                          limit_concurrency=connections, timeout_keep_alive=KEEP_ALIVE_SECONDS,

@@ -835,14 +835,17 @@ class Registry:
         old entry, if the old HEAD.json has a readable one (see the module notes)."""
         old_generation, old_published = self._old_head()
         old = self._read_head() if old_published is not None else None  # the parse _old_head read (cached)
-        if old is None or (old_generation + 1) % self.full_head_every == 0:
+        # A generation below one this process saw: a copy put back by hand, whose entries may name files
+        # deleted since.
+        if old is None or old_generation < self._generation_seen or (old_generation + 1) % self.full_head_every == 0:
             tenants, published = self.tenants(), {}
         else:
             # The other tenants' entries as they were (a rebuild read every tenant's records: ~0.7 s a change
             # at 1,000 tenants, under the lock every writer takes).
             entries = old["published"]
-            published = {t: entries[t] for t in old_published if t != tenant}
-            tenants = [tenant, *(t for t in entries if t not in old_published)]
+            # An entry under a name no tenant can have (edited by hand) is dropped, never looked up.
+            published = {t: entries[t] for t in old_published if t != tenant and is_tenant(t)}
+            tenants = [tenant, *(t for t in entries if t not in old_published and is_tenant(t))]
         parsed = {t: old_published[t] for t in published}
         for t in tenants:
             try:

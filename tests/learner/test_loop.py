@@ -1777,7 +1777,7 @@ def test_a_failing_step_in_a_round_leaves_the_other_tenants_steps_to_finish(tiny
     learner.close()
 
 
-@pytest.mark.parametrize("round_tenants, resident", [(1, 1), (3, 1), (1, 2)])
+@pytest.mark.parametrize("round_tenants, resident", [(1, 1), (2, 1), (3, 1), (1, 2)])
 def test_tenants_unloaded_past_max_resident_tenants_learn_what_tenants_always_loaded_learn(
         tiny_model, tmp_path, monkeypatch, round_tenants, resident):
     """learner.max_resident_tenants bounds the adapters and optimizers in memory: a tenant unloaded for
@@ -1788,14 +1788,19 @@ def test_tenants_unloaded_past_max_resident_tenants_learn_what_tenants_always_lo
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Write a number.\nTell me about cats.\nhello\nCount to five.\n")
-    decodes = []
-    real = Policy.generate_grouped
+    decodes, unloads = [], []
+    real, real_remove = Policy.generate_grouped, Policy.remove_tenant
 
     def counted(self, groups, **kw):
         decodes.append(sorted(tenant for tenant, _ in groups))
         return real(self, groups, **kw)
 
+    def remove_tenant(self, tenant):
+        unloads.append(tenant)
+        return real_remove(self, tenant)
+
     monkeypatch.setattr(Policy, "generate_grouped", counted)
+    monkeypatch.setattr(Policy, "remove_tenant", remove_tenant)
     outcome, seen = {}, {}
     for limit in (0, resident):
         data_dir = tmp_path / f"resident-{limit}"
@@ -1820,6 +1825,7 @@ def test_tenants_unloaded_past_max_resident_tenants_learn_what_tenants_always_lo
     assert outcome[resident] == outcome[0]
     assert max(seen[0]) == 3
     assert max(seen[resident]) == max(resident, round_tenants), seen[resident]
+    assert bool(unloads) == (max(resident, round_tenants) < 3), "unloaded exactly when 3 tenants do not fit"
 
 
 def test_a_tenant_unloaded_after_following_a_rollback_follows_it_again_when_it_comes_back(tiny_model, data_dir):

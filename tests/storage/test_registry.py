@@ -982,6 +982,31 @@ def test_a_head_entry_edited_into_one_that_does_not_read_is_rebuilt_by_any_chang
     assert {t: v.name for t, v in Registry(data_dir).published().items()} == {"acme": "acme@2", "beta": "beta@1"}
 
 
+def test_a_head_entry_under_a_name_no_tenant_has_is_dropped_not_looked_up(data_dir, peft_writer):
+    """Looked up as a tenant, a key edited in by hand ("acme backup") raised at every change of every tenant."""
+    reg = Registry(data_dir)
+    _two_tenants(reg, peft_writer)
+    head = json.loads((data_dir / "registry" / "HEAD.json").read_text())
+    head["published"]["acme backup"] = {"name": "acme@1"}
+    (data_dir / "registry" / "HEAD.json").write_text(json.dumps(head))
+    reg.publish("acme", _new(reg, peft_writer, parent="acme@1").number)
+    assert {t: v.name for t, v in Registry(data_dir).published().items()} == {"acme": "acme@2", "beta": "beta@1"}
+
+
+def test_a_head_copy_put_back_by_hand_is_rebuilt_by_the_next_change_of_any_tenant(data_dir, peft_writer):
+    """An older HEAD.json restored from a backup named beta@1, whose files keep_last had deleted; only beta's
+    own change would have mended its entry."""
+    reg = Registry(data_dir, keep_last=1)
+    _two_tenants(reg, peft_writer)
+    backup = (data_dir / "registry" / "HEAD.json").read_bytes()
+    reg.publish("beta", _new(reg, peft_writer, "beta", parent="beta@1").number)  # beta@1's files go
+    (data_dir / "registry" / "HEAD.json").write_bytes(backup)
+    reg.publish("acme", _new(reg, peft_writer, parent="acme@1").number)
+    published = Registry(data_dir).published()
+    assert {t: v.name for t, v in published.items()} == {"acme": "acme@2", "beta": "beta@2"}
+    assert published["beta"].path.exists()
+
+
 @pytest.mark.parametrize("between", ["nothing", "a publish past the hole"])
 def test_a_record_deleted_by_hand_among_the_newest_hides_no_version(data_dir, peft_writer, between):
     """Probing from the hint stopped at the hole for good: the versions after it were never served."""
