@@ -82,6 +82,55 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+CONFIG_RELOAD_SECONDS = 5.0  # how often the config file is read again for its tenants (as the learner does)
+
+
+def tenant_keys(cfg) -> list[tuple[str, str]]:
+    return [(t.name, t.api_key.get_secret_value()) for t in cfg.tenants]
+
+
+async def follow_config(reload, cfg, api, adapters, stop: asyncio.Event, *, every: float = CONFIG_RELOAD_SECONDS):
+    """Until `stop` is set: reads the config again every `every` seconds (`reload()`, in a worker thread) and
+    applies its tenants and their keys (a tenant added gets its adapter, one removed is refused from its next
+    request, a key changed takes over from the old one). A config that does not load is logged, once for
+    each error, and the tenants stay as they were; other changed settings take effect at the next start
+    (logged once for each change)."""
+    keys, error, others = tenant_keys(cfg), None, _others(cfg)
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=every)
+            return
+        except asyncio.TimeoutError:
+            pass
+        try:
+            new = await asyncio.to_thread(reload)
+        except Exception as e:  # noqa: BLE001 - ConfigError, an unreadable file, anything: serving goes on
+            if str(e) != error:
+                logger.error("config re-read failed; serving goes on with the tenants it has: %s", e)
+            error = str(e)
+            continue
+        error = None
+        if (changed := _others(new)) != others:
+            logger.warning("the config's settings other than [[tenants]] changed: serving applies them when it "
+                           "starts again")
+            others = changed
+        if tenant_keys(new) == keys:
+            continue
+        before = {name for name, _ in keys}
+        keys = tenant_keys(new)
+        names = [name for name, _ in keys]
+        await adapters.set_tenants(names)
+        api.set_tenants(names, keys)
+        added, gone = sorted(set(names) - before), sorted(before - set(names))
+        logger.info("config re-read: %d tenant(s)%s%s%s", len(names), f"; added {', '.join(added)}" if added else "",
+                    f"; removed {', '.join(gone)}" if gone else "", "" if added or gone else "; api keys changed")
+
+
+def _others(cfg) -> str:
+    """The config but its tenants, to tell whether anything else changed."""
+    return cfg.model_copy(update={"tenants": []}).model_dump_json()
+
+
 def event_log(cfg, metrics):
     """The event log (not started): interactions and feedback to the config's topics, through a producer
     connecting as the config's Kafka settings say (TLS, SASL), spooled to disk while Kafka is away."""
@@ -170,8 +219,9 @@ async def ended(task: asyncio.Task, what: str, *, failed=None):
         return failed
 
 
-async def serve(cfg, host: str, port: int) -> int:
-    """Runs until stopped; 0 after a requested stop, 1 when the engine died (a supervisor restarts us)."""
+async def serve(cfg, host: str, port: int, reload=None) -> int:
+    """Runs until stopped; 0 after a requested stop, 1 when the engine died (a supervisor restarts us).
+    `reload()`: the config read again, for its tenants (`follow_config`); None: read once."""
     from clora.cli import base_model_dir
     from clora.processes import close_watchdog, descendants, outlived_by_none
     from ingest.broker import ensure_topics, unreachable
@@ -209,7 +259,7 @@ async def serve(cfg, host: str, port: int) -> int:
     )
     events = None
     stop = asyncio.Event()
-    watcher = monitor = None
+    watcher = monitor = follower = None
     engine_died = False
     watchdog = None
     try:
@@ -243,7 +293,7 @@ async def serve(cfg, host: str, port: int) -> int:
         api = Api(
             engine=engine,
             adapters=adapters,
-            authenticator=Authenticator((t.name, t.api_key.get_secret_value()) for t in cfg.tenants),
+            authenticator=Authenticator(tenant_keys(cfg)),
             tenants=tenants,
             base_name=cfg.model.name,
             events=events,
@@ -258,6 +308,8 @@ async def serve(cfg, host: str, port: int) -> int:
             idempotency_max_bytes=int(s.idempotency_cache_mib * (1 << 20)),
         )
         watcher = asyncio.create_task(adapters.watch(s.registry_poll_seconds, stop))
+        if reload is not None:
+            follower = asyncio.create_task(follow_config(reload, cfg, api, adapters, stop))
         # At a stop, uvicorn stops taking requests and waits for the running ones; past the grace period
         # `watch` ends the generations left with a 503, and uvicorn's own deadline, later, leaves time for those
         # answers to go out before it cancels whatever still runs.
@@ -276,6 +328,8 @@ async def serve(cfg, host: str, port: int) -> int:
         stop.set()
         if watcher is not None:
             await ended(watcher, "the adapter watcher")
+        if follower is not None:
+            await ended(follower, "the config follower")
         if monitor is not None:
             engine_died = await ended(monitor, "the engine monitor", failed=True)
         if events is not None:
@@ -291,8 +345,11 @@ async def serve(cfg, host: str, port: int) -> int:
     return 1 if engine_died else 0
 
 
-def run(cfg, host: str | None = None, port: int | None = None) -> int:
-    return asyncio.run(serve(cfg, host or cfg.serving.host, port or cfg.serving.port))
+def run(cfg, host: str | None = None, port: int | None = None, config_path: str | None = None) -> int:
+    from clora.config import load_config
+
+    return asyncio.run(serve(cfg, host or cfg.serving.host, port or cfg.serving.port,
+                             reload=lambda: load_config(config_path)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     cfg = config_from_args(args, writes_data_dir=True)
-    return run(cfg, args.host, args.port)
+    return run(cfg, args.host, args.port, getattr(args, "config_path", None))
 
 
 if __name__ == "__main__":

@@ -193,6 +193,31 @@ class AdapterSet:
         for tenant in self.tenants:
             metrics.adapter_version.labels(tenant).set(0)
 
+    async def set_tenants(self, tenants: Iterable[str]) -> None:
+        """The tenants from now on (a config re-read). A new one's newest published version is loaded by the
+        next refresh; one that left stops being served (its adapter leaves the engine once its last request
+        ends) and forgets its back-offs and refusals."""
+        async with self._refresh_lock:
+            tenants = tuple(tenants)
+            gone = [t for t in self.tenants if t not in tenants]
+            added = [t for t in tenants if t not in self.tenants]
+            self.tenants = tenants
+            for tenant in gone:
+                self._set_current(tenant, None)
+                self._forget_failures(tenant)
+                self._fell_back.pop(tenant, None)
+                self._unlisted.pop(tenant, None)
+                for key in [k for k in self._refused if k[0] == tenant]:
+                    del self._refused[key]
+                try:
+                    self.metrics.adapter_version.remove(tenant)
+                except KeyError:
+                    pass
+            for tenant in added:
+                self.metrics.adapter_version.labels(tenant).set(0)
+            if added:
+                self._generation = None  # the next refresh reads what is published, for them too
+
     # --- what requests see --------------------------------------------------------------------------------
     def current(self, tenant: str) -> str:
         """The label of what "<tenant>" serves now: "acme@3", or the base model's name."""

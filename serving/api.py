@@ -298,6 +298,18 @@ class Api:
         self._stopped = False  # stop_generations was called
         self._waiting: set[asyncio.Timeout] = set()  # a generation's wait for its engine's next output, each
 
+    def set_tenants(self, tenants: Iterable[str], keys: Iterable[tuple[str, str]]) -> None:
+        """The tenants and their keys from now on (a config re-read; `AdapterSet.set_tenants` does the adapters):
+        a key no longer listed is refused from the next request; requests running finish."""
+        tenants = tuple(tenants)
+        for tenant in set(self.tenants) - set(tenants):
+            try:
+                self.metrics.inflight.remove(tenant)
+            except KeyError:
+                pass
+        self.auth.replace(keys)
+        self.tenants = tenants
+
     def stop_generations(self) -> None:
         """Ends every running generation with a 503 `server_stopping` (a stream already answering: its last
         event, then [DONE]), and every one started from now on: the server is stopping and its grace period

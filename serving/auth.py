@@ -46,6 +46,10 @@ class Authenticator:
         """`keys`: (tenant name, api key) pairs, e.g. from the config's tenants."""
         self._by_digest = {hashlib.sha256(key.encode()).digest(): name for name, key in keys}
 
+    def replace(self, keys: Iterable[tuple[str, str]]) -> None:
+        """The keys from now on (a config re-read): a key no longer listed is refused from the next request."""
+        self._by_digest = {hashlib.sha256(key.encode()).digest(): name for name, key in keys}
+
     def tenant(self, authorization: str | None) -> str:
         """The tenant whose key is in an `Authorization: Bearer <key>` header value; `Unauthenticated` if none."""
         if not authorization:

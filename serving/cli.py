@@ -28,4 +28,4 @@ def serve(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
     from serving.__main__ import run
 
-    return run(config_from_args(args, writes_data_dir=True), args.host, args.port)
+    return run(config_from_args(args, writes_data_dir=True), args.host, args.port, getattr(args, "config_path", None))

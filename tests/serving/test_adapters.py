@@ -120,6 +120,28 @@ def test_corrupt_version_is_refused_and_tenant_keeps_its_version(world):
     run(scenario())
 
 
+def test_a_tenant_added_by_a_config_re_read_is_served_its_adapter_and_one_removed_leaves_the_engine(world):
+    registry, engine, adapters, publish = world
+
+    async def scenario():
+        publish("acme", seed=1)
+        publish("initech", seed=2)  # not one of the set's tenants yet
+        await adapters.refresh()
+        assert set(engine.loaded.values()) == {"acme@1"} and adapters.current("initech") == "base"
+        held = await adapters.acquire("acme")  # a request of acme's still running as it leaves
+        await adapters.set_tenants(["globex", "initech"])
+        await adapters.refresh()  # no registry change since: the new tenant's versions are read all the same
+        assert adapters.current("initech") == "initech@1" and adapters.current("acme") == "base"
+        assert set(engine.loaded.values()) == {"acme@1", "initech@1"}, "acme@1 stays for its running request"
+        held.release()
+        await adapters.drain()
+        assert set(engine.loaded.values()) == {"initech@1"}
+        metrics = adapters.metrics.render().decode()
+        assert 'adapter_version{tenant="initech"} 1.0' in metrics and 'adapter_version{tenant="acme"}' not in metrics
+
+    run(scenario())
+
+
 def test_only_the_newest_refused_versions_are_remembered(world, monkeypatch):
     """Under a systematic refusal every step adds one; /health shows them all, so they must not pile up."""
     registry, engine, adapters, publish = world

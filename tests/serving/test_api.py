@@ -1840,3 +1840,42 @@ def test_metrics_are_rendered_off_the_event_loop():
     r = w.get("/metrics")
     assert r.status_code == 200 and "clora_serving_requests_total" in r.text
     assert threads and threads[0] is not threading.main_thread()
+
+
+def test_a_config_re_read_serves_an_added_tenant_and_refuses_a_removed_or_replaced_key(tmp_path, caplog):
+    """Serving read its tenants once: a tenant added to the config got 401 until serving started again."""
+    from clora.config import load_config
+    from serving.__main__ import follow_config
+
+    caplog.set_level("INFO", logger="serving")
+    w = World()
+    path = tmp_path / "clora.toml"
+
+    def write(tenants):
+        path.write_text("".join(f'[[tenants]]\nname = "{n}"\napi_key = "{k}"\n' for n, k in tenants))
+
+    write(KEYS.items())
+    cfg = load_config(path, environ={})
+
+    async def scenario():
+        stop = asyncio.Event()
+        follower = asyncio.create_task(follow_config(lambda: load_config(path, environ={}), cfg, w.api,
+                                                     w.api.adapters, stop, every=0.02))
+        write([("acme", "acme-key-2"), ("initech", "initech-key")])
+        await asyncio.sleep(0.3)
+        codes = {}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=w.app), base_url="http://clora") as c:
+            for key in ("acme-key", "acme-key-2", "globex-key", "initech-key"):
+                r = await c.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                 json={"model": "initech" if key.startswith("initech") else "acme", "messages": MESSAGES})
+                codes[key] = r.status_code
+        path.write_text("bogus = 1\n")
+        await asyncio.sleep(0.3)
+        stop.set()
+        await follower
+        return codes
+
+    assert w.run(lambda _: scenario()) == {"acme-key": 401, "acme-key-2": 200, "globex-key": 401, "initech-key": 200}
+    assert w.api.tenants == ("acme", "initech") and w.api.adapters.tenants == ("acme", "initech")
+    assert "config re-read: 2 tenant(s); added initech; removed globex" in caplog.text
+    assert caplog.text.count("config re-read failed") == 1, "a bad config is logged once, not at every read"
