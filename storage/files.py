@@ -165,11 +165,14 @@ def remove_stale_hidden(directory: Path, *, older_than_s: float, keep: Callable[
     Only entries older than `older_than_s` go, so a writer that is still busy keeps its temp file.
     """
     removed = 0
-    if not directory.is_dir():
-        return 0
     cutoff = time.time() - older_than_s
-    for entry in directory.iterdir():
-        if not entry.name.startswith(TMP_PREFIX) or keep(entry):
+    try:
+        with os.scandir(directory) as entries:  # names first: a registry folder holds a record per version
+            hidden = [directory / e.name for e in entries if e.name.startswith(TMP_PREFIX)]
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    for entry in hidden:
+        if keep(entry):
             continue
         try:
             if entry.lstat().st_mtime > cutoff:

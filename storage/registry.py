@@ -130,6 +130,7 @@ RETIRED_BY_HAND = "retired by hand (clora adapters retire)"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 STALE_STAGING_S = 3600.0
+SWEEP_RECORDS_S = 600.0  # how often one process looks for crashed writers' temp files among the records
 CACHE_VERSIONS = 4096  # parsed version records a Registry keeps (~6 KB each with metrics and gate checks)
 FULL_HEAD_EVERY = 100  # every this many generations HEAD.json is rebuilt from every tenant's records (_write_head)
 MAX_SKIP = 1000  # how far past the newest record a trace on disk is still taken for a version number (module notes)
@@ -287,6 +288,7 @@ class Registry:
         self._head_cache: tuple[bytes, dict] | None = None  # HEAD.json's bytes and parse
         # A parse of HEAD.json's entries: (the head, its readable entries, why the others do not read).
         self._entries_cache: tuple[dict, dict[str, AdapterVersion], dict[str, Exception]] | None = None
+        self._swept: dict[Path, float] = {}  # records folder -> when this process last swept it (monotonic)
         self.full_head_every = FULL_HEAD_EVERY  # 1: every change rebuilds HEAD.json from every tenant's records
         self._encoded: dict[str, tuple[dict, str]] = {}  # tenant -> (its HEAD.json entry, "tenant":entry): _encode_head
 
@@ -564,9 +566,13 @@ class Registry:
         tenant_dir = self.dd.adapters / tenant
         ensure_dir(tenant_dir)
         remove_stale_hidden(tenant_dir, older_than_s=STALE_STAGING_S)
-        # The temp files of record and head writes a crash left (nothing else ever looks at them).
+        # The temp files of record and head writes a crash left (nothing else ever looks at them), looked for at
+        # a process's first create and then every SWEEP_RECORDS_S: the folders hold a record per version and a
+        # folder per tenant, and listing them at every create cost more than the rest of it at 10,000 versions.
         for records in (self.dd.registry / tenant, self.dd.registry):
-            remove_stale_hidden(records, older_than_s=STALE_STAGING_S)
+            if time.monotonic() - self._swept.get(records, -SWEEP_RECORDS_S) >= SWEEP_RECORDS_S:
+                remove_stale_hidden(records, older_than_s=STALE_STAGING_S)
+                self._swept[records] = time.monotonic()
 
         # The slow part (saving weights) happens outside the lock, in a hidden directory.
         staging = tenant_dir / f".staging-{uuid.uuid4().hex}"

@@ -218,8 +218,10 @@ def test_a_rollback_to_old_files_survives_a_concurrent_creates_cleanup(data_dir,
     assert removed == [0] and (back.path / "adapter_model.safetensors").read_bytes() == b"weights-1"
 
 
-def test_temp_files_a_crashed_record_or_head_write_left_are_swept_by_a_later_create(data_dir, peft_writer):
-    """A SIGKILL inside a record's or HEAD.json's atomic write left its hidden temp file for good."""
+def test_temp_files_a_crashed_record_or_head_write_left_are_swept_by_a_later_create(data_dir, peft_writer, monkeypatch):
+    """A SIGKILL inside a record's or HEAD.json's atomic write left its hidden temp file for good. A process
+    looks at its first create, then every SWEEP_RECORDS_S (0 here)."""
+    monkeypatch.setattr("storage.registry.SWEEP_RECORDS_S", 0.0)
     from storage.files import tmp_name
 
     reg = Registry(data_dir, keep_last=5)
