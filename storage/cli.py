@@ -40,6 +40,18 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p.add_argument("--out", metavar="FILE", default=None, help="write to FILE instead of stdout (required for parquet)")
     p.set_defaults(func=cmd_query)
 
+    p = sub.add_parser(
+        "status",
+        parents=[common],
+        help="one line per tenant: the version served, the learner's state, its last reward, its backlog",
+        description="What the data dir says now, without asking a running process: each tenant's served version "
+        "(registry/HEAD.json), the learner's state of it (state/learner/status*.json: status, step, last mean "
+        "reward, error), its untrained trajectories, and which clora processes marked themselves ready here "
+        "(and whether each still runs, on this host). Exit 0; 1 when a tenant's last step failed.",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.set_defaults(func=cmd_status)
+
     p = sub.add_parser("adapters", parents=[common], help="list, inspect, roll back or retire adapter versions")
     actions = p.add_subparsers(dest="adapters_command", metavar="ACTION", required=True)
     a = actions.add_parser("list", parents=[common], help="one line per version that can still change (--all: every one)")
@@ -484,6 +496,17 @@ def _fail(command: str, e: Exception, context: str = "a registry record cannot b
     else:
         print(f"clora adapters {command}: {context} ({type(e).__name__}: {e})", file=sys.stderr)
     return 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from storage.status import gather, table
+
+    cfg = _config(args)
+    report = gather(cfg)
+    print(json.dumps(report, indent=1) if args.json else table(report))
+    return 1 if any(t["status"] == "error" for t in report["tenants"]) else 0
 
 
 def cmd_adapters_list(args: argparse.Namespace) -> int:

@@ -766,3 +766,41 @@ def test_a_data_dir_that_cannot_be_read_is_one_line_and_exit_2_for_every_command
             assert (code, out, err) == (2, "", f"clora: data_dir {data_dir}: Permission denied\n"), argv
     finally:
         data_dir.chmod(0o755)
+
+
+def test_status_says_each_tenants_served_version_learner_state_and_backlog(clora, data_dir, make_trajectories,
+                                                                           peft_writer):
+    from storage.files import mark_ready
+
+    _fill(data_dir, make_trajectories)  # acme: 2 untrained, globex: 1
+    reg = Registry(data_dir)
+    reg.publish("acme", reg.create("acme", parent=None, write=peft_writer).number)
+    (data_dir / "state" / "learner").mkdir(parents=True)
+    (data_dir / "state" / "learner" / "status.json").write_text(json.dumps({
+        "acme": {"status": "published", "step": 3, "error": None, "last": {"reward_mean": 0.25, "ts": "2026-12-07T08:00:00"}},
+        "globex": {"status": "error", "step": 1, "error": "RuntimeError: scorer down", "last": {}},
+    }))
+    mark_ready(data_dir / "state", "learner")  # this test's own pid: running
+    (data_dir / "state" / "ready" / "ingest.json").write_text(json.dumps({"pid": 2**22 + 12345, "at": 0}))
+
+    code, out, _ = clora("status")
+    assert code == 1, "globex's last step failed"
+    lines = out.splitlines()
+    assert lines[0] == f"data_dir {data_dir}"
+    assert "ingest (pid 4206649, not running" in lines[1] and "learner (pid" in lines[1] and ", running, ready" in lines[1]
+    table = [line.split() for line in lines[3:6]]
+    assert table[0] == ["TENANT", "SERVED", "LEARNER", "STEP", "REWARD", "BACKLOG", "ERROR"]
+    assert table[1] == ["acme", "*", "acme@1", "published", "3", "0.250", "2"]
+    assert table[2] == ["globex", "*", "base", "error", "1", "-", "1", "RuntimeError:", "scorer", "down"]
+    assert "* not in the config" in out
+
+    code, out, _ = clora("status", "--json")
+    report = json.loads(out)
+    assert [(t["tenant"], t["served"], t["backlog"], t["configured"]) for t in report["tenants"]] == [
+        ("acme", "acme@1", 2, False), ("globex", None, 1, False)]
+    assert report["problems"] == []
+
+
+def test_status_of_an_empty_data_dir_says_there_is_nothing(clora):
+    code, out, _ = clora("status")
+    assert code == 0 and "processes: none marked ready" in out and "(no tenants" in out
