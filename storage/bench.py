@@ -227,32 +227,27 @@ def _plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = [r["history"] for r in result["rows"]]
     tenant_rows = result.get("tenant_rows") or []
     fig, axes = plt.subplots(1, 2 if tenant_rows else 1, figsize=(11 if tenant_rows else 6, 4), squeeze=False)
-    ax = axes[0][0]
-    for mode, marker in (("hint", "o"), ("no hint", "s")):
-        ax.plot(sizes, [r[mode]["step"]["median_ms"] for r in result["rows"]], f"{marker}-", label=f"step, {mode}")
-        ax.plot(sizes, [r[mode]["latest_published"]["median_ms"] for r in result["rows"]], f"{marker}:",
-                label=f"latest_published, {mode}")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("versions in the tenant's history")
-    ax.set_ylabel("median ms per operation")
-    ax.legend(fontsize=8)
+    _panel(axes[0][0], "history", "versions in the tenant's history", result["rows"],
+           {"hint": "o", "no hint": "s"}, ("step", "latest_published"))
     if tenant_rows:
-        ax = axes[0][1]
-        counts = [r["tenants"] for r in tenant_rows]
-        for mode, marker in (("one entry", "o"), ("rebuild", "s")):
-            ax.plot(counts, [r[mode]["step"]["median_ms"] for r in tenant_rows], f"{marker}-", label=f"step, {mode}")
-            ax.plot(counts, [r[mode]["published_after_change"]["median_ms"] for r in tenant_rows], f"{marker}:",
-                    label=f"published() after a change, {mode}")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("tenants")
-        ax.set_ylabel("median ms per operation")
-        ax.legend(fontsize=8)
+        _panel(axes[0][1], "tenants", "tenants", tenant_rows, {"one entry": "o", "rebuild": "s"},
+               ("step", "published_after_change"))
     fig.suptitle(f"clora bench registry; {result['machine']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _panel(ax, size_key: str, xlabel: str, rows: list[dict], modes: dict[str, str], ops: tuple[str, str]) -> None:
+    """One log-log panel: the median of each of `ops` (a solid and a dotted line) per mode (a marker each)."""
+    sizes = [r[size_key] for r in rows]
+    for mode, marker in modes.items():
+        for op, line in zip(ops, ("-", ":")):
+            ax.plot(sizes, [r[mode][op]["median_ms"] for r in rows], f"{marker}{line}", label=f"{op}, {mode}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("median ms per operation")
+    ax.legend(fontsize=8)

@@ -354,6 +354,13 @@ def test_model_tiny_force_replaces_only_a_model_clora_built(tmp_path, capsys):
     assert main(["model", "tiny", "--out", str(built), "--force"]) == 0
 
 
+def _config_check(config, capsys) -> tuple[int, list[str], list[str]]:
+    """`clora config check`'s exit code, its lines, and what its PROBLEM lines say."""
+    code = main(["config", "check", "--config", str(config)])
+    out = capsys.readouterr().out.splitlines()
+    return code, out, [line.split("PROBLEM", 1)[1].strip() for line in out if "PROBLEM" in line]
+
+
 def test_config_check_says_which_kafka_tls_file_cannot_be_read(tmp_path, capsys):
     (tmp_path / "ca.pem").write_text("-----BEGIN CERTIFICATE-----\n")
     config = write_config(tmp_path, f"""data_dir = "{tmp_path / 'data'}"
@@ -366,10 +373,8 @@ ssl_cafile = "{tmp_path / 'ca.pem'}"
 ssl_certfile = "{tmp_path / 'client.pem'}"
 ssl_keyfile = "{tmp_path / 'client.key'}"
 """)
-    assert main(["config", "check", "--config", str(config)]) == 1
-    out = capsys.readouterr().out.splitlines()
-    assert f"  ok       kafka.ssl_cafile {tmp_path / 'ca.pem'} is readable" in out
-    problems = [line.split("PROBLEM", 1)[1].strip() for line in out if "PROBLEM" in line]
+    code, out, problems = _config_check(config, capsys)
+    assert code == 1 and f"  ok       kafka.ssl_cafile {tmp_path / 'ca.pem'} is readable" in out
     assert problems[:2] == [f"kafka.ssl_certfile {tmp_path / 'client.pem'}: No such file or directory",
                             f"kafka.ssl_keyfile {tmp_path / 'client.key'}: No such file or directory"]
 
@@ -394,10 +399,8 @@ scorer = "regex:a+"
 mode = "rollouts"
 prompts_file = "{tmp_path / 'prompts.txt'}"
 """)
-    assert main(["config", "check", "--config", str(config)]) == 1
-    out = capsys.readouterr().out.splitlines()
-    problems = [line.split("PROBLEM", 1)[1].strip() for line in out if "PROBLEM" in line]
-    assert len(problems) == 4 and out[-1] == "4 problem(s)"
+    code, out, problems = _config_check(config, capsys)
+    assert code == 1 and len(problems) == 4 and out[-1] == "4 problem(s)"
     assert problems[0] == f"model.path {tmp_path / 'no-model'} does not exist"
     assert problems[1].startswith("tenant acme: scorer python: cannot import module 'no_such_module_here'")
     assert problems[2].startswith(f"tenant lab: cannot read prompts_file {tmp_path / 'prompts.txt'}")
