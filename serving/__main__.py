@@ -28,6 +28,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -119,16 +121,19 @@ async def follow_config(reload, cfg, api, adapters, stop: asyncio.Event, *, ever
         before = {name for name, _ in keys}
         keys = tenant_keys(new)
         names = [name for name, _ in keys]
+        api.set_tenants(names, keys)  # first: keys take effect now, not after a refresh the adapters wait for
         await adapters.set_tenants(names)
-        api.set_tenants(names, keys)
         added, gone = sorted(set(names) - before), sorted(before - set(names))
         logger.info("config re-read: %d tenant(s)%s%s%s", len(names), f"; added {', '.join(added)}" if added else "",
                     f"; removed {', '.join(gone)}" if gone else "", "" if added or gone else "; api keys changed")
 
 
-def _others(cfg) -> str:
-    """The config but its tenants, to tell whether anything else changed."""
-    return cfg.model_copy(update={"tenants": []}).model_dump_json()
+def _others(cfg) -> tuple[str, str]:
+    """The config but its tenants, to tell whether anything else changed (its secrets by their digest: the
+    dump masks them, and a rotated admin key must be said to wait for a restart too)."""
+    secrets = [s.get_secret_value() for s in (cfg.serving.admin_key, cfg.kafka.sasl_password) if s is not None]
+    return (cfg.model_copy(update={"tenants": []}).model_dump_json(),
+            hashlib.sha256(json.dumps(secrets).encode()).hexdigest())
 
 
 def event_log(cfg, metrics):

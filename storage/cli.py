@@ -505,7 +505,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     report = gather(cfg)
-    print(json.dumps(report, indent=1) if args.json else table(report))
+    print(json.dumps(report, indent=1, allow_nan=False) if args.json else table(report))
     return 1 if any(t["status"] == "error" for t in report["tenants"]) else 0
 
 

@@ -12,6 +12,7 @@ whether that pid still runs, which says something only on the host that ran it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -43,14 +44,14 @@ def gather(cfg) -> dict:
     tenants = []
     for name in sorted(configured | set(served) | set(learner) | set(backlog)):
         entry = learner.get(name, {})
-        last = entry.get("last") or {}
+        last = entry.get("last") if isinstance(entry.get("last"), dict) else {}
         tenants.append({
             "tenant": name,
             "configured": name in configured,
             "served": served.get(name),
             "status": entry.get("status"),
             "step": entry.get("step"),
-            "reward_mean": last.get("reward_mean"),
+            "reward_mean": _finite(last.get("reward_mean")),
             "last_step_at": last.get("ts"),
             "backlog": backlog.get(name, 0),
             "error": entry.get("error"),
@@ -59,11 +60,23 @@ def gather(cfg) -> dict:
             "problems": problems}
 
 
+def _finite(x):
+    """A number for JSON (the learner's files may hold NaN, which strict JSON readers refuse), else None."""
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
 def _learner_status(directory: Path, problems: list[str]) -> dict[str, dict]:
     """tenant -> its entry in the learners' status files: the entry of the process that trains it (an
-    unsharded learner's file keeps another's entries as "elsewhere"; a shard's lists its own)."""
+    unsharded learner's file keeps another's entries as "elsewhere"; a shard's lists its own), from the file
+    written last where several have one (a shard file of an earlier layout is never deleted)."""
     out: dict[str, dict] = {}
-    for path in sorted(directory.glob("status*.json")) if directory.is_dir() else []:
+    files = []
+    for path in directory.glob("status*.json") if directory.is_dir() else []:
+        try:
+            files.append((path.stat().st_mtime, path))
+        except OSError:
+            continue
+    for _, path in sorted(files, reverse=True):
         try:
             entries = json.loads(path.read_bytes())
             if not isinstance(entries, dict):

@@ -1879,3 +1879,60 @@ def test_a_config_re_read_serves_an_added_tenant_and_refuses_a_removed_or_replac
     assert w.api.tenants == ("acme", "initech") and w.api.adapters.tenants == ("acme", "initech")
     assert "config re-read: 2 tenant(s); added initech; removed globex" in caplog.text
     assert caplog.text.count("config re-read failed") == 1, "a bad config is logged once, not at every read"
+
+
+def test_a_config_re_read_says_a_changed_admin_key_waits_for_a_restart(tmp_path, caplog):
+    """The config's dump masks secrets: a rotated admin key compared equal and was never mentioned."""
+    from clora.config import load_config
+    from serving.__main__ import follow_config
+
+    w = World()
+    path = tmp_path / "clora.toml"
+    tenants = "".join(f'[[tenants]]\nname = "{n}"\napi_key = "{k}"\n' for n, k in KEYS.items())
+    path.write_text('[serving]\nadmin_key = "sk-admin-1234"\n' + tenants)
+    cfg = load_config(path, environ={})
+
+    async def scenario():
+        stop = asyncio.Event()
+        follower = asyncio.create_task(follow_config(lambda: load_config(path, environ={}), cfg, w.api,
+                                                     w.api.adapters, stop, every=0.02))
+        await asyncio.sleep(0.2)  # read again, unchanged: nothing said
+        path.write_text('[serving]\nadmin_key = "sk-admin-5678"\n' + tenants)
+        await asyncio.sleep(0.2)
+        stop.set()
+        await follower
+
+    w.run(lambda _: scenario())
+    assert caplog.text.count("serving applies them when it starts again") == 1
+
+
+def test_a_rotated_key_takes_effect_while_an_adapter_refresh_is_still_running(tmp_path):
+    """The new keys waited for the adapters' lock, which a refresh holds through its loads (up to minutes):
+    a leaked key being rotated stayed good as long."""
+    from clora.config import load_config
+    from serving.__main__ import follow_config
+
+    w = World()
+    path = tmp_path / "clora.toml"
+
+    def write(keys):
+        path.write_text("".join(f'[[tenants]]\nname = "{n}"\napi_key = "{k}"\n' for n, k in keys.items()))
+
+    write(KEYS)
+    cfg = load_config(path, environ={})
+
+    async def scenario():
+        stop = asyncio.Event()
+        follower = asyncio.create_task(follow_config(lambda: load_config(path, environ={}), cfg, w.api,
+                                                     w.api.adapters, stop, every=0.02))
+        async with w.api.adapters._refresh_lock:  # a long refresh under way
+            write({**KEYS, "acme": "acme-key-rotated"})
+            await asyncio.sleep(0.3)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=w.app), base_url="http://clora") as c:
+                codes = [(await c.get("/v1/models", headers={"Authorization": f"Bearer {key}"})).status_code
+                         for key in ("acme-key", "acme-key-rotated")]
+        stop.set()
+        await follower
+        return codes
+
+    assert w.run(lambda _: scenario()) == [401, 200]

@@ -804,3 +804,21 @@ def test_status_says_each_tenants_served_version_learner_state_and_backlog(clora
 def test_status_of_an_empty_data_dir_says_there_is_nothing(clora):
     code, out, _ = clora("status")
     assert code == 0 and "processes: none marked ready" in out and "(no tenants" in out
+
+
+def test_status_takes_each_tenants_entry_from_the_status_file_written_last(clora, data_dir):
+    """A shard file of an earlier learner layout is never deleted: read first, its old error made every
+    later `clora status` exit 1. And a NaN reward is null in --json (strict JSON readers refuse NaN)."""
+    import os
+
+    learner = data_dir / "state" / "learner"
+    learner.mkdir(parents=True)
+    (learner / "status-0-of-2.json").write_text(json.dumps({"acme": {"status": "error", "step": 3, "error": "old"}}))
+    os.utime(learner / "status-0-of-2.json", (1_000_000, 1_000_000))
+    (learner / "status.json").write_text('{"acme": {"status": "idle", "step": 90, "error": null, '
+                                         '"last": {"reward_mean": NaN}}, "beta": {"status": "idle", "last": [1]}}')
+    code, out, _ = clora("status", "--json")
+    report = json.loads(out)
+    assert code == 0 and "NaN" not in out
+    assert [(t["tenant"], t["status"], t["step"], t["reward_mean"]) for t in report["tenants"]] == [
+        ("acme", "idle", 90, None), ("beta", "idle", None, None)]
