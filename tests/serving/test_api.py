@@ -1936,3 +1936,29 @@ def test_a_rotated_key_takes_effect_while_an_adapter_refresh_is_still_running(tm
         return codes
 
     assert w.run(lambda _: scenario()) == [401, 200]
+
+
+def test_a_config_read_half_written_once_changes_nothing(tmp_path):
+    """An editor's rewrite read between its truncation and its write parses as a config without tenants:
+    acted on, it refused every key until the next read. A change counts once two reads agree."""
+    from clora.config import load_config
+    from serving.__main__ import follow_config
+
+    w = World()
+    full = tmp_path / "full.toml"
+    full.write_text("".join(f'[[tenants]]\nname = "{n}"\napi_key = "{k}"\n' for n, k in KEYS.items()))
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    reads = iter([empty, full, full, full, full, full, full, full, full, full])
+
+    async def scenario():
+        stop = asyncio.Event()
+        follower = asyncio.create_task(follow_config(lambda: load_config(next(reads, full), environ={}),
+                                                     load_config(full, environ={}), w.api, w.api.adapters, stop,
+                                                     every=0.01))
+        await asyncio.sleep(0.2)
+        stop.set()
+        await follower
+
+    w.run(lambda _: scenario())
+    assert w.api.tenants == tuple(KEYS) and w.api.auth.tenant(f"Bearer {KEYS['acme']}") == "acme"
