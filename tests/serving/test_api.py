@@ -1950,6 +1950,9 @@ def test_a_config_read_half_written_once_changes_nothing(tmp_path):
     empty = tmp_path / "empty.toml"
     empty.write_text("")
     reads = iter([empty, full, full, full, full, full, full, full, full, full])
+    applied = []
+    real = w.api.set_tenants
+    w.api.set_tenants = lambda names, keys: (applied.append(list(names)), real(names, keys))
 
     async def scenario():
         stop = asyncio.Event()
@@ -1961,4 +1964,5 @@ def test_a_config_read_half_written_once_changes_nothing(tmp_path):
         await follower
 
     w.run(lambda _: scenario())
+    assert applied == [], "the half-written read was acted on"
     assert w.api.tenants == tuple(KEYS) and w.api.auth.tenant(f"Bearer {KEYS['acme']}") == "acme"
