@@ -1222,19 +1222,9 @@ class Learner:
         while latest is not None:
             step, directory = latest
             try:
-                meta = _read_meta(directory)
-                if missing := missing_checkpoint_files(directory):
-                    raise DamagedFile(f"tenant {name!r}: the checkpoint {directory} lacks {', '.join(missing)}")
-                self._add_adapter(rt, directory / "adapter")
-                self.policy.load_checkpoint(name, directory)
-                if not self.policy.weights_finite(name):
-                    raise DamagedFile(f"tenant {name!r}: the adapter in {directory} holds non-finite weights")
+                meta = self._load_checkpoint(rt, directory)
                 break
-            except BaseException as e:
-                if self.policy.has(name):  # nothing half-loaded stays: the next try starts afresh
-                    self.policy.remove_tenant(name)
-                if not isinstance(e, DamagedFile):  # the config, the disk now, a newer clora: not mended by moving
-                    raise
+            except DamagedFile as e:
                 damaged = e
             # Its content is damaged: set aside, and on from the checkpoint before it, or from the served version.
             # The step stays committed: where its record reads, its publish and row are completed first (a
@@ -1314,6 +1304,24 @@ class Learner:
         logger.debug("tenant %s: adapter and optimizer unloaded (learner.max_resident_tenants = %d); its next step "
                      "loads its last checkpoint", name, self.settings.max_resident_tenants)
 
+    def _load_checkpoint(self, rt: TenantRuntime, directory: Path) -> dict:
+        """The tenant's adapter and optimizer from the checkpoint in `directory`; returns its record.
+        DamagedFile when its content is damaged; whatever fails, nothing half-loaded stays."""
+        name = rt.spec.name
+        try:
+            meta = _read_meta(directory)
+            if missing := missing_checkpoint_files(directory):
+                raise DamagedFile(f"tenant {name!r}: the checkpoint {directory} lacks {', '.join(missing)}")
+            self._add_adapter(rt, directory / "adapter")
+            self.policy.load_checkpoint(name, directory)
+            if not self.policy.weights_finite(name):
+                raise DamagedFile(f"tenant {name!r}: the adapter in {directory} holds non-finite weights")
+        except BaseException:
+            if self.policy.has(name):  # nothing half-loaded stays: the next try starts afresh
+                self.policy.remove_tenant(name)
+            raise  # not DamagedFile: the config, the disk now, a newer clora: not mended by moving
+        return meta
+
     def _reload_unloaded(self, rt: TenantRuntime) -> bool:
         """Loads the weights of a tenant `_unload` freed back from its last checkpoint, its runtime state kept
         (this process held its lock throughout: nothing but an operator's registry change, which its step
@@ -1325,23 +1333,12 @@ class Learner:
         latest = self.cursors.latest_checkpoint(name)
         if latest is None or latest[0] != step:
             return False
-        directory = latest[1]
         try:
-            if missing_checkpoint_files(directory):
-                return False
-            version = int(_read_meta(directory)["version"] or 0)
-            self._add_adapter(rt, directory / "adapter")
-            self.policy.load_checkpoint(name, directory)
-            if not self.policy.weights_finite(name):
-                raise DamagedFile(f"tenant {name!r}: the adapter in {directory} holds non-finite weights")
-        except BaseException as e:
-            if self.policy.has(name):
-                self.policy.remove_tenant(name)
-            if isinstance(e, DamagedFile):
-                return False  # the full load sets it aside and goes on from the one before
-            raise
+            meta = self._load_checkpoint(rt, latest[1])
+        except DamagedFile:
+            return False  # the full load sets it aside and goes on from the one before
         if not same:  # it had followed the registry since its step: that is followed again, and probed again
-            rt.version = version
+            rt.version = int(meta["version"] or 0)
             rt.state_id += 1
             rt.probe_cache = {}
         rt.committed_state = rt.state_id
