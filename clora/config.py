@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from functools import lru_cache
 from typing import Annotated, Any, Literal, get_args, get_origin
@@ -990,6 +991,23 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
         return Config.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_format_errors(e, source, from_env)) from None
+
+
+class ConfigRereads:
+    """A config read again and again by a running service (`reread()`: the file read as at its start).
+    `read()` returns the config once two reads in a row agree, else None: a file read while an editor
+    rewrites it (truncated, then written) can parse as a valid config that says something else — no tenants —
+    and acting on that one read would drop every tenant until the next. A read that fails raises (the caller
+    logs it and keeps what it has); it does not count as a read."""
+
+    def __init__(self, reread: Callable[[], Config], current: Config):
+        self._reread = reread
+        self._last = current  # what the previous read said (the config the service started with, at first)
+
+    def read(self) -> Config | None:
+        new = self._reread()
+        agreed, self._last = new == self._last, new
+        return new if agreed else None
 
 
 def show_config(cfg: Config) -> str:

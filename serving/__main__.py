@@ -96,11 +96,11 @@ async def follow_config(reload, cfg, api, adapters, stop: asyncio.Event, *, ever
     applies its tenants and their keys (a tenant added gets its adapter, one removed is refused from its next
     request, a key changed takes over from the old one). A config that does not load is logged, once for
     each error, and the tenants stay as they were; other changed settings take effect at the next start
-    (logged once for each change). A change is acted on once two reads in a row agree: a file read while an
-    editor rewrote it (truncated, then written) can parse as a config without tenants, which would refuse
-    every key until the next read."""
+    (logged once for each change). A change is acted on once two reads in a row agree (`ConfigRereads`)."""
+    from clora.config import ConfigRereads
+
     keys, error, others = tenant_keys(cfg), None, _others(cfg)
-    last = (keys, others)  # what the previous read said
+    rereads = ConfigRereads(reload, cfg)
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), timeout=every)
@@ -108,16 +108,14 @@ async def follow_config(reload, cfg, api, adapters, stop: asyncio.Event, *, ever
         except asyncio.TimeoutError:
             pass
         try:
-            new = await asyncio.to_thread(reload)
+            new = await asyncio.to_thread(rereads.read)
         except Exception as e:  # noqa: BLE001 - ConfigError, an unreadable file, anything: serving goes on
             if str(e) != error:
                 logger.error("config re-read failed; serving goes on with the tenants it has: %s", e)
             error = str(e)
             continue
         error = None
-        read = (tenant_keys(new), _others(new))
-        agreed, last = read == last, read
-        if not agreed:  # read again next time: acted on if it still says so
+        if new is None:  # differs from the read before: acted on if the next read still says so
             continue
         if (changed := _others(new)) != others:
             logger.warning("the config's settings other than [[tenants]] changed: serving applies them when it "

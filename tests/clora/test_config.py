@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from clora.cli import build_parser
-from clora.config import Config, ConfigError, env_variables, load_config, show_config
+from clora.config import Config, ConfigError, ConfigRereads, env_variables, load_config, show_config
 
 pytestmark = pytest.mark.unit
 
@@ -664,3 +664,24 @@ def test_kafka_connection_settings_that_cannot_work_are_config_errors(tmp_path, 
     with pytest.raises(ConfigError) as e:
         load_config(path, environ={})
     assert field in str(e.value) and message in str(e.value), str(e.value)
+
+
+def test_a_config_read_again_is_handed_on_once_two_reads_in_a_row_agree(tmp_path):
+    path = tmp_path / "clora.toml"
+    one = '[[tenants]]\nname = "acme"\napi_key = "sk-acme-0000"\n'
+    two = one + '\n[[tenants]]\nname = "zeta"\napi_key = "sk-zeta-0000"\n'
+    path.write_text(one)
+    rereads = ConfigRereads(lambda: load_config(path, environ={}), load_config(path, environ={}))
+    assert [t.name for t in rereads.read().tenants] == ["acme"], "unchanged: handed on at once"
+    path.write_text("")  # an editor's truncation, read before its write
+    assert rereads.read() is None
+    path.write_text(two)
+    assert rereads.read() is None, "differs from the read before (the empty one)"
+    path.write_text("[[tenants]\n")  # a read that fails raises, and is not a read
+    with pytest.raises(ConfigError):
+        rereads.read()
+    path.write_text(two)
+    assert [t.name for t in rereads.read().tenants] == ["acme", "zeta"]
+    path.write_text(two.replace("sk-zeta-0000", "sk-zeta-1111"))  # a rotated key is a change
+    assert rereads.read() is None
+    assert rereads.read().tenants[1].api_key.get_secret_value() == "sk-zeta-1111"

@@ -790,6 +790,32 @@ def test_new_tenants_from_storage_and_from_the_config_are_picked_up_without_rest
     assert all(Registry(data_dir).latest_published(t) for t in ("acme", "newco", "zeta"))
 
 
+def test_a_config_read_half_written_changes_no_tenant(tiny_model, data_dir):
+    """A read of the file between an editor's truncation and its write parses as a config without tenants;
+    acted on at once, it made every configured tenant leave the config for one read (its spec back to the
+    logs-mode defaults, its sampled-ahead batches dropped). A change is acted on once two reads agree."""
+    full = make_config(data_dir, tiny_model, [{"name": "acme", "batch_size": 8, "learning_rate": 0.01}])
+    empty = make_config(data_dir, tiny_model, [])  # what the half-written file said
+    renamed = make_config(data_dir, tiny_model, [{"name": "zeta", "batch_size": 4}])
+    reads = iter([empty, full, full, renamed, renamed, renamed])
+    stop, specs = threading.Event(), []
+    learner = Learner(full, model_path=tiny_model, progress=False)
+
+    def reload():
+        specs.append(learner.tenants["acme"].spec if "acme" in learner.tenants else None)
+        config = next(reads, None)
+        if config is None:
+            stop.set()
+            return renamed
+        return config
+
+    run(full, model_path=tiny_model, learner=learner, reload=reload, reload_seconds=0.0, stop=stop)
+    acme = TenantSpec.from_config(full.tenants[0])
+    assert specs[:5] == [acme] * 5, "the half-written read, or a change read once, was acted on"
+    assert specs[5] is None, "a change two reads agree on is acted on (acme, with nothing stored, is let go)"
+    assert learner.tenants["zeta"].spec.configured is True
+
+
 def test_a_tenant_removed_from_the_config_is_what_a_restart_would_make_it(tiny_model, data_dir, tmp_path):
     """A prompts-file rollouts tenant removed from the config kept its spec: ready on every pass, sampling
     with an api key serving no longer accepted; after a restart it came back as a default logs-mode tenant.
