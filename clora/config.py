@@ -998,16 +998,33 @@ class ConfigRereads:
     `read()` returns the config once two reads in a row agree, else None: a file read while an editor
     rewrites it (truncated, then written) can parse as a valid config that says something else — no tenants —
     and acting on that one read would drop every tenant until the next. A read that fails raises (the caller
-    logs it and keeps what it has); it does not count as a read."""
+    logs it and keeps what it has); it does not count as a read.
+    `path`: the file `reread` reads; while its size and times are what they were at a read two reads agreed
+    on, `read()` returns that config without reading the file (for a service that follows it often)."""
 
-    def __init__(self, reread: Callable[[], Config], current: Config):
+    def __init__(self, reread: Callable[[], Config], current: Config, *, path: Path | None = None):
         self._reread = reread
         self._last = current  # what the previous read said (the config the service started with, at first)
+        self._path = path
+        self._settled: tuple[int, ...] | None = None  # the file's stat at the last read that agreed
 
     def read(self) -> Config | None:
+        stat = self._stat()  # before the read: a write during it changes the stat, and the next call reads
+        if stat is not None and stat == self._settled:
+            return self._last
         new = self._reread()
         agreed, self._last = new == self._last, new
+        self._settled = stat if agreed else None
         return new if agreed else None
+
+    def _stat(self) -> tuple[int, ...] | None:
+        if self._path is None:
+            return None
+        try:
+            st = os.stat(self._path)
+        except OSError:  # the read says what is wrong
+            return None
+        return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def show_config(cfg: Config) -> str:

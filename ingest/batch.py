@@ -123,6 +123,18 @@ class Output:
         return len(self.interactions) + len(self.trajectories) + len(self.feedback) + len(self.dead_letters)
 
 
+@dataclass
+class Followed:
+    """What `Processor.follow` did with a config read again: tenants added (new to the config), rescored
+    (their scorer changed) and removed; changes it left for a restart; scorers that could not be built."""
+
+    added: list[str] = field(default_factory=list)
+    rescored: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    at_restart: list[str] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
 def offset_ranges(records: Iterable[Record]) -> dict[tuple[str, int], tuple[int, int]]:
     """(topic, partition) -> (first offset, last offset) of `records` (each partition's in offset order)."""
     ranges: dict[tuple[str, int], tuple[int, int]] = {}
@@ -163,16 +175,58 @@ class Processor:
         # Built once, so a scorer that cannot be built (say, a python scorer that does not import) fails at
         # start, naming the tenant, rather than at the first event.
         self.functions: dict[str, Scorer] = {}  # tenant -> its scorer function (tenants scored by one)
+        self.limits = {t: (time_limits or {}).get(t, DEFAULT_TIME_LIMIT_S) for t in self.specs}
         built: dict[tuple[str, float], Scorer] = {}
         for tenant, spec in sorted(self.specs.items()):
             if is_function(spec):
-                limit = (time_limits or {}).get(tenant, DEFAULT_TIME_LIMIT_S)
+                limit = self.limits[tenant]
                 if (spec, limit) not in built:
                     try:
                         built[spec, limit] = build_scorer(spec, time_limit_s=limit)
                     except ScorerSpecError as e:
                         raise ScorerSpecError(f"tenant {tenant!r}: {e}") from e
                 self.functions[tenant] = built[spec, limit]
+
+    def follow(self, scorers: dict[str, str], time_limits: dict[str, float]) -> Followed:
+        """Takes the tenants and scorers of a config read again (`scorers`, `time_limits`: as for the
+        constructor) where that changes nothing a restart would do differently: a tenant new to the config
+        is served from its next event (one created on the fly, with the default scorer, is configured now);
+        a scorer changed is used from the next event (an event read again after a crash is scored by it, as
+        after a restart); a tenant removed is dead-lettered as unknown from its next event, or, with
+        unknown_tenant = "create", goes on as a tenant created on the fly. Two changes wait for a restart:
+        a tenant scored by a function before and by feedback now (the feedback that came while it was
+        scored by a function is not waiting in memory; a restart loads it), and one removed so (with
+        "create"). A scorer that cannot be built leaves its tenant as it was."""
+        done = Followed()
+        for tenant, spec in sorted(scorers.items()):
+            limit = time_limits.get(tenant, DEFAULT_TIME_LIMIT_S)
+            old = self.specs.get(tenant, DEFAULT_SCORER if tenant in self.auto else None)
+            if tenant in self.configured and (old, self.limits.get(tenant)) == (spec, limit):
+                continue
+            if old is not None and is_function(old) and not is_function(spec):
+                done.at_restart.append(tenant)
+                continue
+            if is_function(spec):
+                try:
+                    self.functions[tenant] = build_scorer(spec, time_limit_s=limit)
+                except ScorerSpecError as e:
+                    done.errors[tenant] = str(e)
+                    continue
+            (done.rescored if tenant in self.configured else done.added).append(tenant)
+            self.specs[tenant], self.limits[tenant] = spec, limit
+            self.auto.discard(tenant)
+        for tenant in sorted(self.configured - set(scorers)):
+            if self.unknown_tenant == "create" and tenant in self.functions:
+                done.at_restart.append(tenant)
+                continue
+            self.functions.pop(tenant, None)
+            del self.specs[tenant]
+            if self.unknown_tenant == "create":  # as at a restart: a tenant that exists, with the default scorer
+                self.specs[tenant] = DEFAULT_SCORER
+                self.auto.add(tenant)
+            done.removed.append(tenant)
+        self.configured = (self.configured | set(done.added)) - set(done.removed)
+        return done
 
     def admit(self, tenant: str) -> str | None:
         """None when events of `tenant` may be stored (a tenant not configured is created when the mode and

@@ -61,7 +61,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
@@ -119,6 +119,8 @@ WRITING_POLL_MS = 10  # while a write is in flight: poll briefly, so its commit 
 TOPICS_FILE = "ingest-topics.json"
 WRITER_THREADS = 3  # a batch's files at once: the small datasets beside its trajectories, then its interactions (BatchWrite)
 EXPIRE_EVERY_S = 60.0  # how often pending feedback is checked for expiry (a pass over all of it)
+FOLLOW_EVERY_S = 1.0  # how often `follow` (the config read again) is called: sooner than serving's 5 s, so a
+# tenant added to the config is known here before serving accepts its requests
 
 
 def batch_file_id(ranges: dict[tuple[str, int], tuple[int, int]], keys: Iterable[tuple]) -> str:
@@ -314,8 +316,13 @@ class Ingest:
         max_pending: int | None = MAX_PENDING,
         name: str = "ingest",
         client_options: dict | None = None,
+        follow: Callable[[], None] | None = None,
     ) -> None:
+        """`follow`: called from the loop every FOLLOW_EVERY_S, between batches (ingest.process reads the
+        config again there and hands its tenants to the processor)."""
         self.root = root
+        self.follow = follow
+        self.followed_at = time.monotonic()
         # kafka-python's connection options (KafkaConfig.client_options: TLS, SASL), for both clients.
         self.client_options = {"bootstrap_servers": bootstrap, **(client_options or {})}
         self.name = name  # its ready mark's name: ingest, or ingest-K for one of several under `clora up`
@@ -443,6 +450,9 @@ class Ingest:
             if self.metrics.due():
                 self.metrics.set_lag(self.lag())
                 self.metrics.log()
+            if self.follow is not None and time.monotonic() - self.followed_at >= FOLLOW_EVERY_S:
+                self.followed_at = time.monotonic()
+                self.follow()
             if once and not polled and not self.buffer and self.writing is None and self.drained():
                 logger.info("ingest: every assigned partition is read to its end (%s)", "drained" if drain.is_set() else "--once")
                 return

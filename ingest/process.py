@@ -1,7 +1,7 @@
 """The ingest process: `main()` (python -m ingest) and `run_from_args` (clora ingest) -> `run(cfg)`.
 
 This is the only place that reads the config: it builds the Processor, the metrics and the Ingest loop
-from it, installs SIGTERM/SIGINT handlers that ask the loop to stop after its current poll (the buffer is
+from it (and reads its tenants again while ingest runs: TenantFollower), installs SIGTERM/SIGINT handlers that ask the loop to stop after its current poll (the buffer is
 then flushed and committed; with --drain-on-stop the first signal means "read to the end, then stop"),
 and runs. Exit code 0 on a clean stop, 2 when a tenant's scorer cannot be built.
 """
@@ -14,10 +14,11 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pyarrow as pa
 
-from clora.config import Config
+from clora.config import Config, ConfigRereads, load_config, resolve_config_path
 from clora.up import StopFlag
 from ingest.batch import Processor
 from ingest.broker import BrokerError, ensure_topics, wait_until_reachable
@@ -59,9 +60,66 @@ def tune_runtime() -> None:
     pa.set_memory_pool(pa.system_memory_pool())
 
 
-def build(cfg: Config, metrics: IngestMetrics | None = None, *, member: int | None = None) -> Ingest:
+class TenantFollower:
+    """Called by the ingest loop every second or so: reads the config again (`rereads`: a change counts once
+    two reads in a row agree) and hands its tenants' scorers to the processor (Processor.follow). Logs what
+    changed, a change that waits for a restart and a scorer that cannot be built (once each), a config that
+    does not load (once per error), and other changed settings, which take effect at the next start."""
+
+    def __init__(self, rereads: ConfigRereads, processor: Processor, cfg: Config) -> None:
+        self.rereads = rereads
+        self.processor = processor
+        self.applied = cfg
+        self.error: str | None = None
+        self.logged: set[tuple[str, str]] = set()  # (tenant, what) said already: at_restart, or a scorer error
+        self.settings = _ingest_settings(cfg)
+
+    def __call__(self) -> None:
+        try:
+            cfg = self.rereads.read()
+        except Exception as e:  # noqa: BLE001 - ConfigError, an unreadable file: ingest goes on as it is
+            if str(e) != self.error:
+                logger.error("config re-read failed; ingest goes on with the tenants it has: %s", e)
+            self.error = str(e)
+            return
+        self.error = None
+        if cfg is None or cfg is self.applied:  # not settled, or the file unchanged since it was applied
+            return
+        self.applied = cfg
+        if (settings := _ingest_settings(cfg)) != self.settings:
+            logger.warning("the config's [ingest] or [kafka] settings or data_dir changed: ingest applies them "
+                           "when it starts again")
+            self.settings = settings
+        done = self.processor.follow({t.name: t.scorer for t in cfg.tenants},
+                                     {t.name: t.scorer_time_limit_s for t in cfg.tenants})
+        changes = [f"{what} {', '.join(names)}" for what, names in
+                   (("added", done.added), ("scorer changed for", done.rescored), ("removed", done.removed)) if names]
+        if changes:
+            logger.info("config re-read: %s", "; ".join(changes))
+        said = set()
+        for tenant in done.at_restart:
+            said.add((tenant, ""))
+            if (tenant, "") not in self.logged:
+                logger.warning("tenant %r: its change in the config (from a scorer function to feedback, or removed) "
+                               "takes effect when ingest starts again (feedback that waits for its interactions "
+                               "is loaded then); until then it is scored as before", tenant)
+        for tenant, error in done.errors.items():
+            said.add((tenant, error))
+            if (tenant, error) not in self.logged:
+                logger.error("tenant %r: its scorer cannot be built, so its change in the config is not applied: %s",
+                             tenant, error)
+        self.logged = said
+
+
+def _ingest_settings(cfg: Config) -> tuple:
+    return cfg.ingest, cfg.kafka, cfg.data_dir
+
+
+def build(cfg: Config, metrics: IngestMetrics | None = None, *, member: int | None = None,
+          config_file: Path | None = None) -> Ingest:
     """The Ingest loop the config describes; `member` K (of several in one group) marks itself ready as
-    ingest-K and serves its metrics on ingest.metrics_port + K."""
+    ingest-K and serves its metrics on ingest.metrics_port + K. `config_file`: the file `cfg` was read from,
+    followed for its tenants while ingest runs (TenantFollower); None: nothing is followed."""
     processor = Processor(
         {t.name: t.scorer for t in cfg.tenants},
         unknown_tenant=cfg.ingest.unknown_tenant,
@@ -70,6 +128,9 @@ def build(cfg: Config, metrics: IngestMetrics | None = None, *, member: int | No
         time_limits={t.name: t.scorer_time_limit_s for t in cfg.tenants},
         scoring_budget_s=cfg.ingest.max_batch_scoring_seconds,
     )
+    follow = None
+    if config_file is not None:
+        follow = TenantFollower(ConfigRereads(lambda: load_config(config_file), cfg, path=config_file), processor, cfg)
     base = cfg.ingest.metrics_port
     if metrics is None:
         port = base + (member or 0) if base else 0
@@ -93,11 +154,12 @@ def build(cfg: Config, metrics: IngestMetrics | None = None, *, member: int | No
         metrics=metrics,
         name=member_name(member),
         client_options=cfg.kafka.client_options(),
+        follow=follow,
     )
 
 
 def run(cfg: Config, *, once: bool = False, max_seconds: float | None = None, drain_on_stop: bool = False,
-        member: int | None = None) -> int:
+        member: int | None = None, config_file: Path | None = None) -> int:
     # Not threading.Events: their set() from a signal handler can deadlock against the main thread's wait().
     stop, drain = StopFlag(), StopFlag()
 
@@ -111,7 +173,7 @@ def run(cfg: Config, *, once: bool = False, max_seconds: float | None = None, dr
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     try:
-        ingest = build(cfg, member=member)
+        ingest = build(cfg, member=member, config_file=config_file)
     except (ScorerSpecError, MetricsPortError) as e:
         logger.error("clora ingest: %s", e)
         return 2
@@ -152,7 +214,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     from clora.cli import config_from_args
 
     cfg = config_from_args(args, writes_data_dir=True)
-    return run(cfg, once=args.once, max_seconds=args.max_seconds, drain_on_stop=args.drain_on_stop, member=args.member)
+    return run(cfg, once=args.once, max_seconds=args.max_seconds, drain_on_stop=args.drain_on_stop, member=args.member,
+               config_file=resolve_config_path(getattr(args, "config_path", None)))
 
 
 def main(argv: list[str] | None = None) -> int:

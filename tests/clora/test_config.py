@@ -685,3 +685,21 @@ def test_a_config_read_again_is_handed_on_once_two_reads_in_a_row_agree(tmp_path
     path.write_text(two.replace("sk-zeta-0000", "sk-zeta-1111"))  # a rotated key is a change
     assert rereads.read() is None
     assert rereads.read().tenants[1].api_key.get_secret_value() == "sk-zeta-1111"
+
+
+def test_a_config_followed_by_its_file_is_read_again_only_when_the_file_changed(tmp_path):
+    path = tmp_path / "clora.toml"
+    path.write_text('[[tenants]]\nname = "acme"\napi_key = "sk-acme-0000"\n')
+    reads = []
+
+    def reread():
+        reads.append(1)
+        return load_config(path, environ={})
+
+    rereads = ConfigRereads(reread, load_config(path, environ={}), path=path)
+    first = rereads.read()
+    assert rereads.read() is first and rereads.read() is first and len(reads) == 1
+    # Another size: a rewrite within the clock tick of the first write would keep its times.
+    path.write_text('[[tenants]]\nname = "zeta"\napi_key = "sk-zeta-00000"\n')
+    assert rereads.read() is None and rereads.read().tenants[0].name == "zeta" and len(reads) == 3
+    assert rereads.read().tenants[0].name == "zeta" and len(reads) == 3

@@ -806,3 +806,38 @@ def test_another_message_rejected_at_a_stored_offset_of_a_topic_made_again_is_st
     assert sorted(h.table("dead_letters").column("raw").to_pylist()) == [b"not json", b"other junk"]
     write_output(h.root, h.store, out)  # the same batch's write, again: a no-op
     assert h.table("dead_letters").num_rows == 2
+
+
+def test_a_config_read_again_adds_rescores_and_removes_tenants_from_their_next_event(data_dir):
+    h = Harness(data_dir, scorers={"fb": "feedback", "dig": "digits"}, unknown_tenant="reject")
+    assert h.feed(inter("a", tenant="late")).reasons == {"unknown_tenant": 1}
+    done = h.processor.follow({"fb": "feedback", "dig": "contains:x", "late": "contains:y"}, {})
+    assert (done.added, done.rescored, done.removed, done.at_restart, done.errors) == (["late"], ["dig"], [], [], {})
+    assert h.feed(inter("b", tenant="late", completion="yy"), inter("c", tenant="dig", completion="x1"),
+                  inter("d", tenant="dig", completion="11")).reasons == {}
+    assert h.rewards() == [("b", 1.0, "contains:y"), ("c", 1.0, "contains:x"), ("d", 0.0, "contains:x")]
+    assert h.processor.follow({"fb": "feedback", "dig": "contains:x", "late": "contains:y"}, {}) == type(done)()
+    done = h.processor.follow({"dig": "contains:x", "late": "contains:y"}, {})
+    assert done.removed == ["fb"]
+    assert h.feed(inter("e")).reasons == {"unknown_tenant": 1}, "fb is not configured any more"
+
+
+def test_a_config_read_again_leaves_for_a_restart_what_a_restart_would_do_differently(data_dir):
+    h = Harness(data_dir, scorers={"dig": "digits"})  # unknown_tenant = "create"
+    h.feed(inter("a", tenant="newcomer"), fb("a", 0.5, tenant="newcomer"))  # created with the feedback scorer
+    done = h.processor.follow({"dig": "digits", "newcomer": "feedback"}, {})
+    assert done.added == ["newcomer"] and "newcomer" in h.processor.configured and not h.processor.auto
+    # From a function to feedback: the feedback that came meanwhile was not kept waiting (a restart loads it).
+    done = h.processor.follow({"dig": "feedback", "newcomer": "contains:z"}, {})
+    assert (done.rescored, done.at_restart) == (["newcomer"], ["dig"])
+    assert h.processor.specs["dig"] == "digits"
+    done = h.processor.follow({"newcomer": "contains:z"}, {})  # dig removed: with "create", feedback-scored
+    assert (done.removed, done.at_restart) == ([], ["dig"])
+    done = h.processor.follow({"newcomer": "contains:z", "dig": "digits", "broken": "python:no_such_module_xyz:f"}, {})
+    assert list(done.errors) == ["broken"] and "no_such_module_xyz" in done.errors["broken"]
+    assert "broken" not in h.processor.configured
+    h.feed(inter("b", tenant="newcomer", completion="zz"), inter("c", tenant="broken"), fb("c", -0.5, tenant="broken"))
+    assert h.rewards() == [("a", 0.5, "feedback"), ("b", 1.0, "contains:z"), ("c", -0.5, "feedback")]
+    done = h.processor.follow({"newcomer": "contains:z"}, {})  # "create": a removed tenant goes on as created
+    assert (done.removed, done.at_restart) == ([], ["dig"])  # on the fly, but dig was scored by a function
+    assert "broken" in h.processor.auto and h.processor.configured == {"newcomer", "dig"}

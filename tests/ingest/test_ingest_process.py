@@ -584,3 +584,39 @@ def test_max_seconds_stops_the_process_on_its_own(setup_factory):
     log = proc.log_path.read_text()
     assert code == 0, log[-3000:]
     assert "--max-seconds reached" in log and "ingest stopped" in log
+
+
+def test_a_tenant_added_to_the_config_is_ingested_with_its_scorer_without_a_restart(setup_factory):
+    """Serving and the learner follow the config's tenants; ingest read them only at its start, so a tenant
+    added was dead-lettered (unknown_tenant = "reject") or scored by feedback ("create") until a restart."""
+    s = setup_factory(flush_rows=100, flush_seconds=0.2, tenants=[("acme", "feedback")],
+                      ingest_settings=['unknown_tenant = "reject"'])
+    proc = s.start()
+
+    def dead_letters() -> list:
+        return read_dataset(s.data_dir, "dead_letters").to_pylist() if (s.data_dir / "dead_letters").exists() else []
+
+    s.send(InteractionEvent(id="l0", tenant="late", prompt="p", completion="yes"))
+    s.producer.flush()
+    wait_for(lambda: len(dead_letters()) == 1, 60, "late's event dead-lettered", [proc])
+    assert dead_letters()[0]["reason"] == "unknown_tenant"
+    s.tenants = [("acme", "feedback"), ("late", "contains:yes")]
+    s.write_config(100, 0.2)
+    wait_for(lambda: "added late" in proc.log_path.read_text(), 30, "ingest to read the config again", [proc])
+    s.send(InteractionEvent(id="l1", tenant="late", prompt="p", completion="oh yes"))
+    s.send(InteractionEvent(id="l2", tenant="late", prompt="p", completion="no"))
+    s.producer.flush()
+    rewards = lambda: sorted((r["id"], r["reward"], r["reward_source"]) for r in  # noqa: E731
+                             (read_dataset(s.data_dir, "trajectories").to_pylist()
+                              if (s.data_dir / "trajectories").exists() else []))
+    wait_for(lambda: len(rewards()) == 2, 60, "late's events scored", [proc])
+    assert rewards() == [("l1", 1.0, "contains:yes"), ("l2", 0.0, "contains:yes")]
+    assert len(dead_letters()) == 1
+    s.tenants = [("late", "contains:yes")]  # acme removed: "reject" dead-letters its events from now on
+    s.write_config(100, 0.2)
+    wait_for(lambda: "removed acme" in proc.log_path.read_text(), 30, "acme's removal", [proc])
+    s.send(InteractionEvent(id="a0", tenant="acme", prompt="p", completion="c"))
+    s.producer.flush()
+    wait_for(lambda: len(dead_letters()) == 2, 60, "acme's event dead-lettered", [proc])
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, proc.log_path.read_text()[-3000:]

@@ -58,7 +58,7 @@ def test_the_signal_handler_takes_no_lock(tmp_path, monkeypatch, drain_on_stop):
 
     lock_calls = []
 
-    def build(cfg, member=None):  # the handlers are in place by now: signal, then leave
+    def build(cfg, member=None, config_file=None):  # the handlers are in place by now: signal, then leave
         # twice: with --drain-on-stop the first drains, the second stops
         lock_calls.extend(locks_taken_by_handler(times=2))
         raise ScorerSpecError("stop here")
