@@ -18,17 +18,14 @@ import logging
 import time
 from collections import Counter
 
-from prometheus_client import CollectorRegistry, Counter as PromCounter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter as PromCounter, Gauge, Histogram
 
+from clora.metrics_endpoint import serve_metrics, stop_metrics
 from ingest.batch import Output
 
 logger = logging.getLogger(__name__)
 
 LOG_EVERY_S = 10.0
-
-
-class MetricsPortError(RuntimeError):
-    """The metrics endpoint cannot listen on its port (in use, not allowed)."""
 
 
 class IngestMetrics:
@@ -62,12 +59,8 @@ class IngestMetrics:
         self._last_messages = 0
         self.server = None
         if port:
-            try:
-                self.server, _ = start_http_server(port, addr=host, registry=self.registry)
-            except (OSError, OverflowError) as e:  # taken, or out of range: one line from `clora ingest`, not a traceback
-                what = setting or f"ingest.metrics_port {port}"
-                raise MetricsPortError(f"{what} on {host}: {getattr(e, 'strerror', None) or e}") from e
-            logger.info("metrics on http://%s:%d/metrics", host, port)
+            self.server = serve_metrics(self.registry, port=port, host=host,
+                                        setting=setting or f"ingest.metrics_port {port}", what="ingest")
 
     def flushed(self, messages: int, out: Output, seconds: float, pending: int) -> None:
         self.messages.inc(messages)
@@ -129,7 +122,5 @@ class IngestMetrics:
         )
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()  # the port too, not only the serving thread
-            self.server = None
+        stop_metrics(self.server)
+        self.server = None

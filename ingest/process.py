@@ -19,12 +19,13 @@ from pathlib import Path
 import pyarrow as pa
 
 from clora.config import Config, ConfigRereads, load_config, resolve_config_path
+from clora.metrics_endpoint import MetricsPortError
 from clora.up import StopFlag
 from ingest.batch import Processor
 from ingest.broker import BrokerError, ensure_topics, wait_until_reachable
 from ingest.cli import member_name
 from ingest.consumer import Ingest
-from ingest.metrics import IngestMetrics, MetricsPortError
+from ingest.metrics import IngestMetrics
 from ingest.scorers import ScorerSpecError
 
 logger = logging.getLogger(__name__)

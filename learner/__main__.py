@@ -23,7 +23,8 @@ def main_from_args(args: argparse.Namespace) -> int:
     from clora.config import load_config
     from clora.up import StopFlag
     from learner.loop import run
-    from learner.metrics import LearnerMetrics, LearnerMetricsError
+    from clora.metrics_endpoint import MetricsPortError
+    from learner.metrics import LearnerMetrics
     from learner.policy import PolicyError
 
     cfg = config_from_args(args, writes_data_dir=True)
@@ -44,7 +45,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     try:
         metrics = LearnerMetrics(port=base + k if base else 0, host=cfg.learner.metrics_host,
                                  setting=f"learner.metrics_port {base} + shard {k} (port {base + k})" if k else None)
-    except LearnerMetricsError as e:
+    except MetricsPortError as e:
         logger.error("clora learn: %s", e)
         return 2
     try:

@@ -14,17 +14,12 @@ collide). Not here: the numbers themselves (loop.py calls `stepped`, `failed` an
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
-logger = logging.getLogger(__name__)
-
-
-class LearnerMetricsError(RuntimeError):
-    """The metrics endpoint cannot listen on its port (in use, not allowed)."""
+from clora.metrics_endpoint import serve_metrics, stop_metrics
 
 
 class LearnerMetrics:
@@ -49,12 +44,8 @@ class LearnerMetrics:
                               registry=r)
         self.server = None
         if port:
-            try:
-                self.server, _ = start_http_server(port, addr=host, registry=r)
-            except (OSError, OverflowError) as e:  # taken, or out of range: one line from `clora learn`
-                what = setting or f"learner.metrics_port {port}"
-                raise LearnerMetricsError(f"{what} on {host}: {getattr(e, 'strerror', None) or e}") from e
-            logger.info("learner metrics on http://%s:%d/metrics", host, port)
+            self.server = serve_metrics(r, port=port, host=host, setting=setting or f"learner.metrics_port {port}",
+                                        what="learner")
 
     def stepped(self, tenant: str, outcome: str, *, version: int, reward_mean: float | None,
                 timings: Mapping[str, float]) -> None:
@@ -97,7 +88,5 @@ class LearnerMetrics:
                 pass
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()  # the port too, not only the serving thread
-            self.server = None
+        stop_metrics(self.server)
+        self.server = None
