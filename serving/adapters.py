@@ -185,6 +185,7 @@ class AdapterSet:
         self._seen: int | None = None
         self._unreadable: str | None = None  # why the registry's HEAD.json could not be read, logged once
         self._unlisted: dict[str, str] = {}  # tenant -> why its versions could not be listed, logged once
+        self._added_at: dict[str, float] = {}  # tenant added by a config re-read -> when (clock())
         # tenant -> the registry generation at which its fall-back (its newest version not servable) settled:
         # not looked at again, nor its versions listed, until the registry changes
         self._fell_back: dict[str, int] = {}
@@ -213,8 +214,11 @@ class AdapterSet:
                     self.metrics.adapter_version.remove(tenant)
                 except KeyError:
                     pass
+            for tenant in gone:
+                self._added_at.pop(tenant, None)
             for tenant in added:
                 self.metrics.adapter_version.labels(tenant).set(0)
+                self._added_at[tenant] = self.clock()
             if added:
                 self._generation = None  # the next refresh reads what is published, for them too
 
@@ -417,7 +421,8 @@ class AdapterSet:
     async def _swap_in(self, tenant: str, version, generation: int, *, publish_lag: bool) -> _Outcome:
         """Validates, loads and makes current: "served"; "refused" when validation refused it (for good);
         "failing" when it failed for a reason worth retrying (backing off). `publish_lag`: record the time from
-        its publish (not for a version published before this process, or an older one fallen back to)."""
+        its publish (not for a version published before this process, or before a config re-read added the
+        tenant, or an older one fallen back to)."""
         started = time.monotonic()
         key, created = (tenant, version.number), _created(version)
         name = f"{tenant}@{version.number}"
@@ -448,7 +453,10 @@ class AdapterSet:
         loaded.checked = generation
         self._set_current(tenant, loaded)
         published_at = getattr(version, "published_at", None)
-        lag = self.clock() - published_at.timestamp() if publish_lag and isinstance(published_at, datetime) else None
+        lag = None
+        if publish_lag and isinstance(published_at, datetime) and published_at.timestamp() >= self._added_at.get(
+                tenant, float("-inf")):
+            lag = self.clock() - published_at.timestamp()
         self.metrics.swapped(tenant, version.number, time.monotonic() - started, lag)
         logger.info(
             "tenant %s now served by %s (swap %.3fs%s)",

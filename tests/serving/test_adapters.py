@@ -138,6 +138,11 @@ def test_a_tenant_added_by_a_config_re_read_is_served_its_adapter_and_one_remove
         assert set(engine.loaded.values()) == {"initech@1"}
         metrics = adapters.metrics.render().decode()
         assert 'adapter_version{tenant="initech"} 1.0' in metrics and 'adapter_version{tenant="acme"}' not in metrics
+        # initech@1 was published before initech was added: its age is not a publish-to-live time; initech@2's is
+        assert 'publish_to_live_seconds_count{tenant="initech"}' not in metrics
+        publish("initech", seed=3)
+        await adapters.refresh()
+        assert 'publish_to_live_seconds_count{tenant="initech"} 1.0' in adapters.metrics.render().decode()
 
     run(scenario())
 
