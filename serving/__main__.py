@@ -91,12 +91,14 @@ def tenant_keys(cfg) -> list[tuple[str, str]]:
     return [(t.name, t.api_key.get_secret_value()) for t in cfg.tenants]
 
 
-async def follow_config(reload, cfg, api, adapters, stop: asyncio.Event, *, every: float = CONFIG_RELOAD_SECONDS):
+async def follow_config(reload, cfg, api, adapters, stop: asyncio.Event, *, every: float = CONFIG_RELOAD_SECONDS,
+                        on_tenants=None):
     """Until `stop` is set: reads the config again every `every` seconds (`reload()`, in a worker thread) and
     applies its tenants and their keys (a tenant added gets its adapter, one removed is refused from its next
     request, a key changed takes over from the old one). A config that does not load is logged, once for
     each error, and the tenants stay as they were; other changed settings take effect at the next start
-    (logged once for each change). A change is acted on once two reads in a row agree (`ConfigRereads`)."""
+    (logged once for each change). A change is acted on once two reads in a row agree (`ConfigRereads`).
+    `on_tenants(n)`: called with the number of tenants after each change of them."""
     from clora.config import ConfigRereads
 
     keys, error, others = tenant_keys(cfg), None, _others(cfg)
@@ -127,6 +129,8 @@ async def follow_config(reload, cfg, api, adapters, stop: asyncio.Event, *, ever
         keys = tenant_keys(new)
         names = [name for name, _ in keys]
         api.set_tenants(names, keys)  # first: keys take effect now, not after a refresh the adapters wait for
+        if on_tenants is not None:
+            on_tenants(len(names))
         await adapters.set_tenants(names)
         added, gone = sorted(set(names) - before), sorted(before - set(names))
         logger.info("config re-read: %d tenant(s)%s%s%s", len(names), f"; added {', '.join(added)}" if added else "",
@@ -198,6 +202,15 @@ def http_server(app, host: str, port: int, *, connections: int, grace: float):
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                          limit_concurrency=connections, timeout_keep_alive=KEEP_ALIVE_SECONDS,
                                          timeout_graceful_shutdown=grace))
+
+
+def set_connection_limit(server, connections: int) -> None:
+    """The connection limit from the next connection on (uvicorn reads it as each connection opens): a config
+    re-read that adds or removes tenants moves it as a start would (`connection_limit`)."""
+    server.config.limit_concurrency = connections
+    for f in logging.getLogger("uvicorn.error").filters:
+        if isinstance(f, RefusalLog):
+            f.limit = connections
 
 
 async def watch(server, engine, api, stop: asyncio.Event, *, grace: float) -> bool:
@@ -318,13 +331,15 @@ async def serve(cfg, host: str, port: int, reload=None) -> int:
             idempotency_max_bytes=int(s.idempotency_cache_mib * (1 << 20)),
         )
         watcher = asyncio.create_task(adapters.watch(s.registry_poll_seconds, stop))
-        if reload is not None:
-            follower = asyncio.create_task(follow_config(reload, cfg, api, adapters, stop))
         # At a stop, uvicorn stops taking requests and waits for the running ones; past the grace period
         # `watch` ends the generations left with a 503, and uvicorn's own deadline, later, leaves time for those
         # answers to go out before it cancels whatever still runs.
         server = http_server(create_app(api), host, port, connections=connection_limit(len(tenants), s.max_num_seqs),
                              grace=s.shutdown_grace_seconds + WATCH_SECONDS + LAST_ANSWERS_SECONDS)
+        if reload is not None:
+            follower = asyncio.create_task(follow_config(
+                reload, cfg, api, adapters, stop,
+                on_tenants=lambda n: set_connection_limit(server, connection_limit(n, s.max_num_seqs))))
         logger.info("serving %s with %d tenant(s) on http://%s:%d", model_path, len(tenants), host, port)
         # uvicorn handles SIGINT/SIGTERM itself, then re-raises the signal to the handler it found; make that
         # one harmless so the shutdown below (event log drain, engine stop) runs.

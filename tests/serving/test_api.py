@@ -1856,12 +1856,13 @@ def test_a_config_re_read_serves_an_added_tenant_and_refuses_a_removed_or_replac
 
     write(KEYS.items())
     cfg = load_config(path, environ={})
+    counts = []  # the tenants after each change: serving's connection limit follows them
 
     async def scenario():
         stop = asyncio.Event()
         follower = asyncio.create_task(follow_config(lambda: load_config(path, environ={}), cfg, w.api,
-                                                     w.api.adapters, stop, every=0.02))
-        write([("acme", "acme-key-2"), ("initech", "initech-key")])
+                                                     w.api.adapters, stop, every=0.02, on_tenants=counts.append))
+        write([("acme", "acme-key-2"), ("initech", "initech-key"), ("hooli", "hooli-key")])
         await asyncio.sleep(0.3)
         codes = {}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=w.app), base_url="http://clora") as c:
@@ -1876,8 +1877,9 @@ def test_a_config_re_read_serves_an_added_tenant_and_refuses_a_removed_or_replac
         return codes
 
     assert w.run(lambda _: scenario()) == {"acme-key": 401, "acme-key-2": 200, "globex-key": 401, "initech-key": 200}
-    assert w.api.tenants == ("acme", "initech") and w.api.adapters.tenants == ("acme", "initech")
-    assert "config re-read: 2 tenant(s); added initech; removed globex" in caplog.text
+    assert w.api.tenants == ("acme", "initech", "hooli") and w.api.adapters.tenants == ("acme", "initech", "hooli")
+    assert "config re-read: 3 tenant(s); added hooli, initech; removed globex" in caplog.text
+    assert counts == [3]
     assert caplog.text.count("config re-read failed") == 1, "a bad config is logged once, not at every read"
 
 

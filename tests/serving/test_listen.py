@@ -5,6 +5,7 @@ network."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import subprocess
@@ -99,7 +100,7 @@ def test_the_connection_limit_leaves_room_for_the_engine_and_every_tenant():
 def test_past_its_connection_limit_uvicorn_answers_503_and_idle_connections_count():
     """Without limit_concurrency, uvicorn took any number of connections, each holding memory. Past the limit
     every new request is a plain-text 503 that closes its connection; idle connections count towards it."""
-    from serving.__main__ import KEEP_ALIVE_SECONDS, http_server, listen
+    from serving.__main__ import KEEP_ALIVE_SECONDS, RefusalLog, http_server, listen, set_connection_limit
 
     async def app(scope, receive, send):
         if scope["type"] == "http":
@@ -126,17 +127,22 @@ def test_past_its_connection_limit_uvicorn_answers_503_and_idle_connections_coun
             idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]  # connected, sending nothing
             await asyncio.sleep(0.1)
             past = await get()
+            limit = server.config.limit_concurrency
+            set_connection_limit(server, 4)  # a config re-read added a tenant: room from the next connection
+            raised = await get()
             for _, writer in idle:
                 writer.close()
-            return server.config, within, past
+            return limit, server.config, within, past, raised
         finally:
             server.should_exit = True
             await serving
 
-    config, within, past = asyncio.run(scenario())
-    assert config.limit_concurrency == 3 and config.timeout_keep_alive == KEEP_ALIVE_SECONDS
+    limit, config, within, past, raised = asyncio.run(scenario())
+    assert limit == 3 and config.timeout_keep_alive == KEEP_ALIVE_SECONDS
     assert within.startswith(b"HTTP/1.1 200 OK")
     assert past.startswith(b"HTTP/1.1 503 Service Unavailable") and b"connection: close" in past
+    assert raised.startswith(b"HTTP/1.1 200 OK"), "the raised limit holds for the next connection"
+    assert [f.limit for f in logging.getLogger("uvicorn.error").filters if isinstance(f, RefusalLog)] == [4]
 
 
 def test_the_event_log_connects_to_kafka_as_the_config_says(tmp_path):
