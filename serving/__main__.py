@@ -54,8 +54,9 @@ def connection_limit(tenants: int, max_num_seqs: int) -> int:
     """Connections (idle ones too) and requests uvicorn takes at once; past it, it answers every new request a
     plain-text 503 (which OpenAI's SDK and the learner retry). Twice what the engine runs at once, plus a few
     per tenant: an unbounded number held memory for each (a body read, a stream waiting for the engine).
-    uvicorn still accepts connections past it, and holds one that never sends a request (it has no timeout
-    for a first request): a proxy in front limits connections per client where untrusted clients connect."""
+    uvicorn still accepts connections past it; one whose request headers are slow is closed after
+    http_timeouts.HEADER_TIMEOUT_S. A proxy in front limits connections per client where untrusted clients
+    connect."""
     return max(CONNECTIONS_MIN, 2 * max_num_seqs + CONNECTIONS_PER_TENANT * tenants)
 
 
@@ -191,8 +192,11 @@ class RefusalLog(logging.Filter):
 
 def http_server(app, host: str, port: int, *, connections: int, grace: float):
     """uvicorn's server for `app`: at most `connections` at once (`connection_limit`), idle ones closed after
-    KEEP_ALIVE_SECONDS, and `grace` seconds at a stop for the requests still running."""
+    KEEP_ALIVE_SECONDS, one whose request headers are slow closed (http_timeouts.py), and `grace` seconds at a
+    stop for the requests still running."""
     import uvicorn
+
+    from serving.http_timeouts import HeaderTimeoutProtocol
 
     errors = logging.getLogger("uvicorn.error")
     for old in [f for f in errors.filters if isinstance(f, RefusalLog)]:  # one server's at a time
@@ -200,8 +204,8 @@ def http_server(app, host: str, port: int, *, connections: int, grace: float):
     errors.addFilter(RefusalLog(connections))
 
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                         limit_concurrency=connections, timeout_keep_alive=KEEP_ALIVE_SECONDS,
-                                         timeout_graceful_shutdown=grace))
+                                         http=HeaderTimeoutProtocol, limit_concurrency=connections,
+                                         timeout_keep_alive=KEEP_ALIVE_SECONDS, timeout_graceful_shutdown=grace))
 
 
 def set_connection_limit(server, connections: int) -> None:

@@ -178,3 +178,58 @@ def test_refusals_past_the_connection_limit_are_one_log_line_a_minute():
     assert refused().getMessage().startswith("501 request(s) answered 503")
     other = logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, "something else", (), None)
     assert refusals.filter(other) and other.getMessage() == "something else"
+
+
+def test_a_connection_whose_request_headers_do_not_come_whole_in_time_is_closed(monkeypatch):
+    """uvicorn held a connection that never sent a request, or sent its headers a byte at a time, for as long as
+    the client liked (each one a place under the connection limit). A kept-alive connection idle between
+    requests is the keep-alive timeout's, not this limit's."""
+    from serving.__main__ import http_server, listen
+    from serving.http_timeouts import HeaderTimeoutProtocol
+
+    monkeypatch.setattr(HeaderTimeoutProtocol, "header_timeout_s", 0.5)
+
+    async def app(scope, receive, send):
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    request = b"GET / HTTP/1.1\r\nHost: clora\r\n\r\n"
+
+    async def scenario():
+        sock = listen("127.0.0.1", 0)
+        port = sock.getsockname()[1]
+        server = http_server(app, "127.0.0.1", port, connections=100, grace=1)
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+
+        async def closed_within(reader, seconds) -> bool:
+            try:
+                return await asyncio.wait_for(reader.read(), seconds) == b""
+            except asyncio.TimeoutError:
+                return False
+
+        try:
+            silent, _ = await asyncio.open_connection("127.0.0.1", port)
+            slow, slow_writer = await asyncio.open_connection("127.0.0.1", port)
+            slow_writer.write(b"GET / HTTP/1.1\r\nHost: cl")  # and nothing more
+            kept, kept_writer = await asyncio.open_connection("127.0.0.1", port)
+            answers = []
+            for _ in range(2):  # idle longer than the limit between the two: still served
+                kept_writer.write(request)
+                answers.append(await asyncio.wait_for(kept.readuntil(b"ok"), 5))
+                await asyncio.sleep(1.0)
+            bytewise, bytewise_writer = await asyncio.open_connection("127.0.0.1", port)
+            for i in range(len(request)):  # a request's headers sent a byte at a time, whole within the limit
+                bytewise_writer.write(request[i:i + 1])
+                await asyncio.sleep(0.25 / len(request))
+            answers.append(await asyncio.wait_for(bytewise.readuntil(b"ok"), 5))
+            return await closed_within(silent, 5), await closed_within(slow, 5), answers
+        finally:
+            server.should_exit = True
+            await serving
+
+    silent_closed, slow_closed, answers = asyncio.run(scenario())
+    assert silent_closed and slow_closed
+    assert len(answers) == 3 and all(a.startswith(b"HTTP/1.1 200 OK") for a in answers)

@@ -1,0 +1,60 @@
+"""uvicorn's HTTP protocol (httptools), with a time limit on a request's headers.
+
+uvicorn closes a connection idle after an answer (keep-alive), and serving's handler gives a body 30 s
+(api.BODY_TIMEOUT_S); nothing limited the time before the handler runs. A client that connects and sends
+nothing, or sends its headers a byte at a time, held its connection (and a place under the connection
+limit) for as long as it liked: enough of them fill the limit, and every other client gets 503s.
+
+`HeaderTimeoutProtocol` closes a connection whose request headers are not whole within HEADER_TIMEOUT_S of
+the connection opening (the first request) or of the request's first byte (a later request on a kept-alive
+connection; the wait before that byte is the keep-alive timeout's). Nothing is answered: the client never
+finished asking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+logger = logging.getLogger(__name__)
+
+HEADER_TIMEOUT_S = 30.0  # a request's headers must be whole within this
+
+
+class HeaderTimeoutProtocol(HttpToolsProtocol):
+    header_timeout_s = HEADER_TIMEOUT_S
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._headers_timer: asyncio.TimerHandle | None = None
+        self._start_headers_timer()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._headers_timer is None:  # a later request on this connection: its headers from its first byte
+            self._start_headers_timer()
+
+    def on_headers_complete(self) -> None:
+        self._stop_headers_timer()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_headers_timer()
+        super().connection_lost(exc)
+
+    def _start_headers_timer(self) -> None:
+        self._headers_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _stop_headers_timer(self) -> None:
+        if self._headers_timer is not None:
+            self._headers_timer.cancel()
+            self._headers_timer = None
+
+    def _headers_late(self) -> None:
+        self._headers_timer = None
+        if not self.transport.is_closing():
+            logger.debug("closing a connection from %s: no whole request headers within %gs", self.client,
+                         self.header_timeout_s)
+            self.transport.close()
