@@ -643,7 +643,14 @@ def stage_directory(root: Path) -> Path:
     _remove_dead(root, f"{host}-")
     mine = root / f"{host}-{os.getpid()}.{uuid.uuid4().hex[:8]}"
     mine.mkdir()
-    _stage_locks.append(HeldLock.try_acquire(mine / STAGE_LOCK))  # a new file: nobody else holds it
+    # Locked under another name, then given its own: a peer starting at the same moment sweeps folders by
+    # their lock (`_remove_gone_stages`), and would find it created but not yet locked, and remove this one.
+    fresh = mine / f"{STAGE_LOCK}-new"
+    held = HeldLock.try_acquire(fresh)
+    if held is None:  # a file new in a new folder: nobody else can hold it
+        raise RuntimeError(f"the lock {fresh} of a folder just made is held by another process")
+    fresh.rename(mine / STAGE_LOCK)
+    _stage_locks.append(held)
     return mine
 
 

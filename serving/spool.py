@@ -364,8 +364,8 @@ class Spool:
             except BlockingIOError:
                 yield None
                 return
-            if os.fstat(file.fileno()).st_nlink == 0:  # deleted by a sender that held it before us
-                yield None
+            if not _still_named(segment, os.fstat(file.fileno())):  # deleted by a sender that held it before
+                yield None  # us, or sealed (renamed .jsonl) by its writer since we opened it: claimed by that name
                 return
             offset = _acked_offset(segment, file)
             file.seek(offset)
@@ -483,6 +483,15 @@ def _read_messages(path: Path, data: bytes, offset: int) -> tuple[list[Message],
                                offset + start, e)
         start = end
     return messages, ends
+
+
+def _still_named(path: Path, st: os.stat_result) -> bool:
+    """Whether `path` still names the open file whose stat is `st` (not deleted, renamed or replaced)."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return st.st_nlink > 0 and (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev)
 
 
 def _acked_offset(segment: Path, file) -> int:

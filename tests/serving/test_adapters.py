@@ -747,6 +747,30 @@ def test_a_stage_directory_of_a_dead_process_on_this_host_is_removed(tmp_path):
     assert not gone.exists() and other_host.exists() and longer_name.exists()
 
 
+def test_a_replica_starting_at_the_same_moment_does_not_remove_a_stage_folder_being_made(tmp_path, monkeypatch):
+    """The lock file was created, then locked: a peer's sweep between the two found it free, took it and
+    removed the folder, whose replica then served its zero adapter from a folder with no lock (removed by
+    the next start, under the running engine)."""
+    import fcntl
+
+    from serving import adapters
+
+    real_flock, swept = fcntl.flock, []
+
+    def flock(fd, op):
+        if not swept:  # the first lock taken: this replica's own, of its new folder
+            swept.append(1)
+            adapters._remove_gone_stages(tmp_path)  # a peer starting now sweeps the stage root
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    mine = stage_directory(tmp_path)
+    monkeypatch.setattr(fcntl, "flock", real_flock)
+    assert swept and mine.is_dir() and [p.name for p in mine.iterdir()] == [".lock"]
+    with open(mine / ".lock", "rb") as lock, pytest.raises(BlockingIOError):  # held by this replica
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 def test_a_stage_folder_goes_when_its_lock_is_free_whatever_process_id_it_names(tmp_path):
     """Told apart by process id alone, replicas in containers sharing the data dir (each pid 1, one host name)
     deleted one another's adapter copies, the zero adapter every base-model request uses included."""

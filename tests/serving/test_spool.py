@@ -351,3 +351,33 @@ def test_a_segment_that_cannot_be_opened_leaves_no_file_behind(tmp_path, monkeyp
     spool.append(msgs(1))  # the next append opens one
     spool.seal()
     assert len(spool.segments()) == 1
+
+
+def test_a_segment_sealed_between_a_senders_open_and_its_lock_is_not_claimed_by_its_old_name(tmp_path, monkeypatch):
+    """The sender opened `X.open`, the writer sealed it (renamed to `X.jsonl`, lock let go), the sender's lock
+    then succeeded: it sent the messages, and its `done()` removed `X.open` (gone) and not `X.jsonl`, whose
+    messages were sent again by the next claim."""
+    import fcntl
+
+    import serving.spool as spool_module
+
+    writer, sender = Spool(tmp_path), Spool(tmp_path)
+    writer.append([Message("t", "acme", '{"id":"e%d"}' % i) for i in range(3)])
+    (segment,) = [p for p in sender.segments() if p.suffix == ".open"]
+    real_flock, sealed = fcntl.flock, []
+
+    def flock(fd, op):
+        if not sealed:
+            sealed.append(1)
+            writer.seal()  # right between the sender's open() and its flock()
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(spool_module.fcntl, "flock", flock)
+    with sender.claim(segment) as claim:
+        assert claim is None, "claimed under a name the segment no longer has"
+    monkeypatch.setattr(spool_module.fcntl, "flock", real_flock)
+    (sealed_segment,) = [p for p in sender.segments() if p.suffix == ".jsonl"]
+    with sender.claim(sealed_segment) as claim:
+        assert len(claim.messages) == 3
+        claim.done()
+    assert sender.segments() == []
