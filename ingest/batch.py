@@ -220,6 +220,7 @@ class Processor:
                 done.at_restart.append(tenant)
                 continue
             self.functions.pop(tenant, None)
+            self.limits.pop(tenant, None)
             del self.specs[tenant]
             if self.unknown_tenant == "create":  # as at a restart: a tenant that exists, with the default scorer
                 self.specs[tenant] = DEFAULT_SCORER

@@ -105,7 +105,7 @@ from learner.rollouts import SampledBatch
 from learner.scheduler import Ledger, after_round, charge, choose
 from learner.types import Shard, TenantSpec, learner_process_name
 from learner.update import UpdateResult
-from storage.cursors import CursorError, Cursors
+from storage.cursors import KEEP_DAMAGED, CursorError, Cursors
 from storage.files import FileLock, HeldLock, atomic_write_bytes, mark_ready
 from storage.layout import DataDir, StorageError
 from storage.parquet import column_max, partition_tenants, write_dataset
@@ -1245,7 +1245,7 @@ class Learner:
                                    f"failed ({e}): move {directory} out of the cursor") from damaged
             logger.error("tenant %s: the checkpoint of step %d is damaged (%s); set aside in %s: going on from "
                          "the checkpoint before it, or from the served version", name, step, damaged, moved)
-            rt.set_aside.append(str(moved))
+            rt.set_aside = [*rt.set_aside, str(moved)][-KEEP_DAMAGED:]  # the ones still on disk (cursors.py)
             latest = self.cursors.latest_checkpoint(name)
         if latest is not None:
             # Numbered on from the cursor: a step whose checkpoint was set aside stays committed.

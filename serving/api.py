@@ -174,6 +174,9 @@ class RateLimit:
                               f"{self.burst}); retry in {wait:.1f}s", headers={"retry-after": str(max(1, math.ceil(wait)))})
         self._buckets[tenant] = (tokens - 1.0, now)
 
+    def forget(self, tenant: str) -> None:
+        self._buckets.pop(tenant, None)
+
 
 class InflightLimit:
     """Sequences (prompts x n) each tenant has in the engine at once; past `limit`, 429 with Retry-After.
@@ -303,10 +306,8 @@ class Api:
         a key no longer listed is refused from the next request; requests running finish."""
         tenants = tuple(tenants)
         for tenant in set(self.tenants) - set(tenants):
-            try:
-                self.metrics.inflight.remove(tenant)
-            except KeyError:
-                pass
+            self.metrics.forget(tenant)
+            self.feedback_rate.forget(tenant)
         self.auth.replace(keys)
         self.tenants = tenants
 

@@ -132,5 +132,12 @@ class ServingMetrics:
         if publish_to_live is not None:
             self.publish_to_live.labels(tenant).observe(max(0.0, publish_to_live))
 
+    def forget(self, tenant: str) -> None:
+        """A tenant a config re-read removed: its series leave /metrics (each tenant that ever came and went
+        kept ~80 series, for the process's life). Back again, it starts from zero (a counter reset)."""
+        for metric in (self.requests, self.prompt_tokens, self.completion_tokens, self.latency, self.adapter_version,
+                       self.swaps, self.swap_seconds, self.publish_to_live, self.refused, self.replays, self.inflight):
+            metric.remove_by_labels({"tenant": tenant})
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1968,3 +1968,16 @@ def test_a_config_read_half_written_once_changes_nothing(tmp_path):
     w.run(lambda _: scenario())
     assert applied == [], "the half-written read was acted on"
     assert w.api.tenants == tuple(KEYS) and w.api.auth.tenant(f"Bearer {KEYS['acme']}") == "acme"
+
+
+def test_a_tenant_removed_by_a_config_re_read_leaves_metrics_and_the_feedback_limiter():
+    """Every tenant that ever came and went kept its ~80 series on /metrics and its rate-limit bucket for the
+    process's life: experiments come and go as tenants."""
+    w = World()
+    assert w.post("/v1/chat/completions", {**chat(), "model": "globex"}, tenant="globex").status_code == 200
+    assert w.post("/v1/feedback", {"id": "x", "score": 1}, tenant="globex").status_code in (200, 202)
+    assert 'tenant="globex"' in w.api.metrics.render().decode() and "globex" in w.api.feedback_rate._buckets
+    w.api.set_tenants(["acme"], [("acme", KEYS["acme"])])
+    metrics = w.api.metrics.render().decode()
+    assert 'tenant="globex"' not in metrics and 'tenant="acme"' in metrics
+    assert "globex" not in w.api.feedback_rate._buckets
