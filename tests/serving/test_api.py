@@ -1981,3 +1981,22 @@ def test_a_tenant_removed_by_a_config_re_read_leaves_metrics_and_the_feedback_li
     metrics = w.api.metrics.render().decode()
     assert 'tenant="globex"' not in metrics and 'tenant="acme"' in metrics
     assert "globex" not in w.api.feedback_rate._buckets
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_large_interaction_events_are_encoded_off_the_event_loop(monkeypatch, stream):
+    """A finished request's events carry every token id and log-prob of every choice: their JSON took up to
+    a second on the event loop at the largest requests allowed, every other stream waiting."""
+    import threading
+
+    import serving.api as api_module
+
+    w = World()
+    real, threads = w.events.log, []
+    w.events.log = lambda event: threads.append(threading.current_thread()) or real(event)
+    assert w.post("/v1/chat/completions", chat(stream=stream)).status_code == 200
+    monkeypatch.setattr(api_module, "LOG_IN_THREAD_TOKENS", 0)  # every request's events count as large
+    assert w.post("/v1/chat/completions", chat(stream=stream, n=2)).status_code == 200
+    assert len(w.events.logged) == 3 and len(threads) == 3
+    assert threads[0] is threading.main_thread(), "a small request's event: on the loop (no thread hop)"
+    assert threads[1] is not threading.main_thread() and threads[2] is not threading.main_thread()
