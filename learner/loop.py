@@ -1549,7 +1549,9 @@ class Learner:
             atomic_write_bytes(path, json.dumps(status, indent=1, default=str).encode())
             return
         # Unsharded learners share status.json (a standby, or two started side by side): each writes the
-        # tenants it trains and keeps the entries of those another process trains, under a lock.
+        # tenants it trains and keeps the file's entries of the others (another process's, whatever this one
+        # thinks of them: not tried yet, or "elsewhere"), under a lock; its own failure to take a tenant's lock
+        # is its entry too.
         path = self.dd.state / "learner" / "status.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(self.dd.locks / "learner-status.lock"):
@@ -1558,7 +1560,8 @@ class Learner:
             except (FileNotFoundError, ValueError):
                 written = {}
             merged = {
-                name: written[name] if entry["status"] == "elsewhere" and name in written else entry
+                name: entry if name in self._locks or entry["status"] == "error" or name not in written
+                else written[name]
                 for name, entry in status.items()
             }
             atomic_write_bytes(path, json.dumps(merged, indent=1, default=str).encode())

@@ -133,6 +133,12 @@ def test_two_unsharded_learners_share_one_status_file(tiny_model, data_dir):
     # each tenant's entry is its trainer's, whichever process wrote last
     assert {name: (e["status"], e["version"]) for name, e in status.items()} == {
         "ant": ("published", "ant@1"), "bee": ("published", "bee@1")}
+    # A tenant the writer does not hold, with an entry that is not "elsewhere" (not tried yet, or backing off
+    # from a lock it could not take): its trainer's entry stays. It was replaced by the writer's view.
+    first.tenants["bee"].status = "idle"
+    first._save_status()
+    status = json.loads((Path(data_dir) / "state" / "learner" / "status.json").read_text())
+    assert (status["bee"]["status"], status["bee"]["version"]) == ("published", "bee@1")
     first.close()
     second.close()
 
