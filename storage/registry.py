@@ -119,7 +119,7 @@ from storage.files import (
     remove_tree,
     tmp_name,
 )
-from storage.layout import DataDir, StorageError, as_datadir, check_tenant, is_tenant
+from storage.layout import TENANT_NAME_RULE, DataDir, StorageError, as_datadir, check_tenant, is_tenant
 
 FORMAT = 1
 INDEX_FORMAT = 1
@@ -388,12 +388,20 @@ class Registry:
 
     def published(self) -> dict[str, AdapterVersion]:
         """tenant -> its newest published version, from HEAD.json (one read). Raises `UnreadableRecord` while
-        HEAD.json cannot be read, rather than answer without the tenants whose entries are bad."""
+        HEAD.json cannot be read, rather than answer without the tenants whose entries are bad. An entry of a
+        tenant whose name is not a tenant name (now: an older clora allowed `acme.`) is left out, logged once:
+        no config can name that tenant, so nothing serves or trains it, and failing the whole file for it
+        left every tenant on the base model."""
         head = self._read_head()
         if head is None:
             return {}
         entries, bad = self._head_entries(head)
-        for e in bad.values():
+        for t, e in bad.items():
+            if not is_tenant(t):
+                self._log_once(("head-entry", t), "name", logging.WARNING, "registry: HEAD.json names %r, not a valid "
+                               "tenant name (%s): its entry is left out; that tenant's adapters are not served",
+                               t, TENANT_NAME_RULE)
+                continue
             raise UnreadableRecord(self._head, f"an entry of published: {_why(e)}") from e
         return dict(entries)
 

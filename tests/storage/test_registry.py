@@ -995,6 +995,20 @@ def test_a_head_entry_under_a_name_no_tenant_has_is_dropped_not_looked_up(data_d
     assert {t: v.name for t, v in Registry(data_dir).published().items()} == {"acme": "acme@2", "beta": "beta@1"}
 
 
+def test_a_head_entry_of_a_tenant_name_no_longer_valid_leaves_the_others_readable(data_dir, peft_writer, caplog):
+    """An older clora allowed names such as `acme.`; its entry failed the whole of HEAD.json, and serving, unable
+    to read what is published, left every tenant on the base model."""
+    reg = Registry(data_dir)
+    _two_tenants(reg, peft_writer)
+    head = json.loads((data_dir / "registry" / "HEAD.json").read_text())
+    head["published"]["acme."] = dict(head["published"]["acme"], tenant="acme.")
+    (data_dir / "registry" / "HEAD.json").write_text(json.dumps(head))
+    reader = Registry(data_dir)
+    assert {t: v.name for t, v in reader.published().items()} == {"acme": "acme@1", "beta": "beta@1"}
+    reader.published()
+    assert caplog.text.count("HEAD.json names 'acme.', not a valid tenant name") == 1
+
+
 def test_a_head_copy_put_back_by_hand_is_rebuilt_by_the_next_change_of_any_tenant(data_dir, peft_writer):
     """An older HEAD.json restored from a backup named beta@1, whose files keep_last had deleted; only beta's
     own change would have mended its entry."""
