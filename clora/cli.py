@@ -123,9 +123,16 @@ def base_model_dir(cfg) -> Path:
             print(f"clora: {problem}", file=sys.stderr)
             raise SystemExit(2)
         return Path(cfg.model.path)
-    from learner.tiny_model import ensure_tiny
+    from learner.tiny_model import ModelBuildError, ensure_tiny
+    from storage.registry import Registry
 
-    return ensure_tiny(Path(cfg.data_dir) / "models", cfg.model.seed)
+    registry = Path(cfg.data_dir) / "registry"
+    try:
+        return ensure_tiny(Path(cfg.data_dir) / "models", cfg.model.seed,
+                           adapters_on_it=registry.is_dir() and bool(Registry(cfg.data_dir).tenants()))
+    except ModelBuildError as e:
+        print(f"clora: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 # What a model directory holds besides config.json: its weights (one file, or shards with an index) and its

@@ -415,18 +415,32 @@ def build_random(
     )
 
 
-def ensure_tiny(models_dir: str | Path, seed: int = 0) -> Path:
+def ensure_tiny(models_dir: str | Path, seed: int = 0, *, adapters_on_it: bool = False) -> Path:
     """`<models_dir>/tiny-<seed>`, built unless a complete build of the current recipe is already there
-    (a cache left by an older recipe, e.g. another init std, is rebuilt rather than silently reused)."""
+    (a cache left by an older recipe, e.g. another init std, is rebuilt rather than silently reused).
+    `adapters_on_it`: adapters were trained on the model there, so a finished build of another recipe or
+    format is not replaced (ModelBuildError): the adapters would go on, unawares, on other weights."""
     out = Path(models_dir) / f"tiny-{seed}"
     if is_complete(out) and _same_recipe(read_marker(out), seed):
         return out
+    marker = read_marker(out)
+    if adapters_on_it and marker is not None:  # a finished build (its marker is written last) of another kind
+        raise ModelBuildError(
+            f"the base model {out} was built by another clora (build {_recipe(marker)}, this one builds "
+            f"{_recipe({'format': MARKER_FORMAT, 'kind': 'tiny', 'seed': seed, 'init_std': TINY_INIT_STD})}), and "
+            "the registry holds adapters trained on it: rebuilding it would leave them on other weights. Set "
+            f"model.path = \"{out}\" to go on with it, or move the data dir's registry and state aside to start "
+            "over on a new build")
     try:
         return build_tiny(out, seed=seed, overwrite=out.exists())  # replaces an incomplete or outdated build
     except ModelBuildError:
         if is_complete(out) and _same_recipe(read_marker(out), seed):  # another process finished it first
             return out
         raise
+
+
+def _recipe(marker: dict) -> str:
+    return ", ".join(f"{k} {marker.get(k)}" for k in ("format", "kind", "seed", "init_std"))
 
 
 def _same_recipe(marker: dict | None, seed: int) -> bool:

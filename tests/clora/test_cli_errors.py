@@ -5,6 +5,7 @@ line naming the cause and a usage exit code (2), no traceback; Ctrl-C works whil
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -599,3 +600,30 @@ def test_every_command_raises_its_open_files_limit_to_the_hard_one(tmp_path):
     assert done.returncode == 0, done.stderr
     raised = int(done.stderr.split("soft ")[1].split()[0])
     assert raised > 64 and (hard == resource.RLIM_INFINITY or raised == hard)
+
+
+def test_a_base_model_of_another_recipe_under_trained_adapters_is_not_rebuilt(tmp_path, tiny_model, capsys):
+    """The default base model is rebuilt when clora's recipe changes (another init std, say): adapters trained
+    on the old build went on, unawares, on the new weights."""
+    import shutil
+
+    from clora.cli import base_model_dir
+    from clora.config import Config
+    from learner.tiny_model import MARKER_FILE
+
+    data = tmp_path / "data"
+    built = data / "models" / "tiny-0"
+    shutil.copytree(tiny_model, built)
+    cfg = Config(data_dir=data)
+    assert base_model_dir(cfg) == built, "the current recipe's build is used as it is"
+    marker = json.loads((built / MARKER_FILE).read_text())
+    (built / MARKER_FILE).write_text(json.dumps({**marker, "init_std": 0.02}))  # an older clora's build
+    (data / "registry" / "acme").mkdir(parents=True)  # adapters were trained on it
+    before = {p.name: p.stat().st_mtime_ns for p in built.iterdir()}
+    with pytest.raises(SystemExit) as e:
+        base_model_dir(cfg)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"clora: the base model {built} was built by another clora") and "init_std 0.02" in err
+    assert f'model.path = "{built}"' in err
+    assert {p.name: p.stat().st_mtime_ns for p in built.iterdir()} == before, "nothing rebuilt"
