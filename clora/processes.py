@@ -131,16 +131,22 @@ def _started(pid: int) -> str | None:
         return None
 
 
-def _watch_over(watched: list[str]) -> None:
-    """The watchdog's body (`outlived_by_none`): reads its stdin to the end. Anything read means it was let
-    go (`close_watchdog`); nothing means the process that started it is gone: it then stops each process
-    `pid:start time` of `watched` that is still the same one (a pid reused since is another process):
-    SIGTERM, up to 10 s, SIGKILL."""
+WATCH_EVERY_S = 0.5  # how often the watchdog notes its parent's descendants
+
+
+def _watch_over(parent: int) -> None:
+    """The watchdog's body (`outlived_by_none`): notes `parent`'s descendants every WATCH_EVERY_S until its
+    stdin has something to read. Data means it was let go (`close_watchdog`); its end, with nothing read,
+    means the parent is gone: it then stops each process of the last note that is still the same one (a pid
+    reused since is another process): SIGTERM, up to 10 s, SIGKILL."""
+    import select
     import sys
 
+    me, given = os.getpid(), []
+    while not select.select([sys.stdin], [], [], WATCH_EVERY_S)[0]:
+        given = [(pid, started) for pid in descendants(parent) if pid != me and (started := _started(pid)) is not None]
     if sys.stdin.buffer.read():
         return
-    given = [(int(pid), started) for pid, started in (w.split(":") for w in watched)]
     for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
         live = [(pid, started) for pid, started in given if _started(pid) == started]
         for pid, _ in live:
@@ -154,20 +160,20 @@ def _watch_over(watched: list[str]) -> None:
             live = [(pid, started) for pid, started in live if _started(pid) == started]
 
 
-def outlived_by_none(pids: list[int]) -> subprocess.Popen | None:
-    """A watchdog process that stops `pids` (SIGTERM, 10 s, SIGKILL) once this process is gone, however it
-    went (SIGKILL included, where nothing of ours runs): for children that would outlive it otherwise, as
+def outlived_by_none() -> subprocess.Popen | None:
+    """A watchdog process that stops this process's children, and theirs, once this process is gone, however
+    it went (SIGKILL included, where nothing of ours runs): for children that would outlive it otherwise, as
     vLLM's engine core outlives serving (it watches nothing of its parent) and would hold its memory, and a
-    GPU's, for good. `close_watchdog` lets it go at a normal stop, where the caller stops them its own way.
-    None off Linux, or with nothing to watch."""
-    watched = [f"{pid}:{started}" for pid in pids if (started := _started(pid)) is not None]
-    if not watched:
+    GPU's, for good. It follows them as they come (started before the engine, it covers the engine's long
+    start too: a serving killed then left the engine loading on its own). `close_watchdog` lets it go at a
+    normal stop, where the caller stops them its own way. None off Linux."""
+    if _started(os.getpid()) is None:
         return None
     import sys
 
     # -P: a module in the current directory never stands in for clora (clora.cli.keep_the_current_directory_off_the_path)
     return subprocess.Popen([sys.executable, "-P", "-c", "import sys; from clora.processes import _watch_over; "
-                             "_watch_over(sys.argv[1:])", *watched],
+                             "_watch_over(int(sys.argv[1]))", str(os.getpid())],
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

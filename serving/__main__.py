@@ -246,11 +246,35 @@ async def ended(task: asyncio.Task, what: str, *, failed=None):
         return failed
 
 
+class StopDuringStart:
+    """SIGINT/SIGTERM handlers for the engine's start, which blocks this thread for up to a minute (a model
+    loaded, its kernels warmed) and heard nothing meanwhile: the first signal says at once that serving stops
+    once the engine has started, the second exits at once (the watchdog stops the engine's processes).
+    `end()` puts the previous handlers back and says whether a stop was asked for."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _on_signal(self, signum, frame) -> None:
+        self.asked += 1
+        if self.asked == 1:  # os.write: a handler must not take the logging or stderr locks
+            os.write(2, b"serving: stopping once the engine has started (it cannot be interrupted while it "
+                        b"loads); signal again to stop now\n")
+        else:
+            os._exit(128 + signum)
+
+    def end(self) -> bool:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return self.asked > 0
+
+
 async def serve(cfg, host: str, port: int, reload=None) -> int:
     """Runs until stopped; 0 after a requested stop, 1 when the engine died (a supervisor restarts us).
     `reload()`: the config read again, for its tenants (`follow_config`); None: read once."""
     from clora.cli import base_model_dir
-    from clora.processes import close_watchdog, descendants, outlived_by_none
+    from clora.processes import close_watchdog, outlived_by_none
     from ingest.broker import ensure_topics, unreachable
     from serving.adapter_check import base_linear_shapes, validate_adapter
     from serving.adapters import AdapterSet, ipc_directory, stage_directory
@@ -273,28 +297,35 @@ async def serve(cfg, host: str, port: int, reload=None) -> int:
     # This process's folder for adapter copies, and the CPU engine's zero adapter: a start after a crash
     # removes a gone process's (a temporary folder of its own was left for good by every SIGKILL).
     stage = stage_directory(DataDir(cfg.data_dir).serving_adapters)
-    engine = build_engine(
-        model_path,
-        max_loras=s.max_loras,
-        max_cpu_loras=s.max_cpu_loras,
-        max_lora_rank=s.max_lora_rank,
-        max_model_len=s.max_model_len,
-        max_num_seqs=s.max_num_seqs,
-        dtype=s.dtype,
-        kv_cache_bytes=int(s.kv_cache_gib * 2**30) or None,
-        zero_adapter_dir=stage / ZERO_ADAPTER_NAME,
-    )
+    # vLLM's engine core (and its workers) would outlive this process killed with SIGKILL, holding the
+    # model's memory: a watchdog following this process's children stops them then, from the engine's
+    # start on (clora up also kills serving's process group).
+    watchdog = outlived_by_none()
+    starting = StopDuringStart()  # the engine's start does not hear a signal until it ends: say so
+    try:
+        engine = build_engine(
+            model_path,
+            max_loras=s.max_loras,
+            max_cpu_loras=s.max_cpu_loras,
+            max_lora_rank=s.max_lora_rank,
+            max_model_len=s.max_model_len,
+            max_num_seqs=s.max_num_seqs,
+            dtype=s.dtype,
+            kv_cache_bytes=int(s.kv_cache_gib * 2**30) or None,
+            zero_adapter_dir=stage / ZERO_ADAPTER_NAME,
+        )
+    except BaseException:  # the watchdog stays: it stops whatever the engine started
+        starting.end()
+        raise
     events = None
     stop = asyncio.Event()
     watcher = monitor = follower = None
     engine_died = False
-    watchdog = None
     try:
         await engine.start()
         metrics.watch_slots(engine.lora_slots)
-        # vLLM's engine core (and its workers) would outlive this process killed with SIGKILL, holding the
-        # model's memory: a watchdog stops them then (clora up also kills serving's process group).
-        watchdog = outlived_by_none(descendants())
+        if starting.end():  # a stop asked for while the engine started
+            return 0
         registry = Registry(cfg.data_dir, keep_last=cfg.learner.keep_versions)
         tenants = [t.name for t in cfg.tenants]
         check = functools.partial(
@@ -353,6 +384,7 @@ async def serve(cfg, host: str, port: int, reload=None) -> int:
         monitor = asyncio.create_task(watch(server, engine, api, stop, grace=s.shutdown_grace_seconds))
         await server.serve(sockets=[listener])
     finally:
+        starting.end()
         listener.close()
         stop.set()
         if watcher is not None:
