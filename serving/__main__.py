@@ -246,28 +246,32 @@ async def ended(task: asyncio.Task, what: str, *, failed=None):
         return failed
 
 
+class StartInterrupted(Exception):
+    """A stop asked for while the engine was being built."""
+
+
 class StopDuringStart:
     """SIGINT/SIGTERM handlers for the engine's start, which blocks this thread for up to a minute (a model
-    loaded, its kernels warmed) and heard nothing meanwhile: the first signal says at once that serving stops
-    once the engine has started, the second exits at once (the watchdog stops the engine's processes).
-    `end()` puts the previous handlers back and says whether a stop was asked for."""
+    loaded, its kernels warmed) and heard no signal meanwhile. While the engine is being built a signal
+    cuts that short (StartInterrupted, raised where the build is); in the short rest of the start it is
+    noted, and serving stops once the start is over. `end()` puts the previous handlers back and says
+    whether a stop was asked for."""
 
     def __init__(self) -> None:
-        self.asked = 0
+        self.asked = False
+        self.building = True
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def _on_signal(self, signum, frame) -> None:
-        self.asked += 1
-        if self.asked == 1:  # os.write: a handler must not take the logging or stderr locks
-            os.write(2, b"serving: stopping once the engine has started (it cannot be interrupted while it "
-                        b"loads); signal again to stop now\n")
-        else:
-            os._exit(128 + signum)
+        self.asked = True
+        if self.building:
+            self.building = False  # once: the clean-up that follows is not cut short again
+            raise StartInterrupted
 
     def end(self) -> bool:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        return self.asked > 0
+        return self.asked
 
 
 async def serve(cfg, host: str, port: int, reload=None) -> int:
@@ -301,7 +305,7 @@ async def serve(cfg, host: str, port: int, reload=None) -> int:
     # model's memory: a watchdog following this process's children stops them then, from the engine's
     # start on (clora up also kills serving's process group).
     watchdog = outlived_by_none()
-    starting = StopDuringStart()  # the engine's start does not hear a signal until it ends: say so
+    starting = StopDuringStart()  # the engine's start does not hear a signal until it ends: cut it short
     try:
         engine = build_engine(
             model_path,
@@ -314,9 +318,17 @@ async def serve(cfg, host: str, port: int, reload=None) -> int:
             kv_cache_bytes=int(s.kv_cache_gib * 2**30) or None,
             zero_adapter_dir=stage / ZERO_ADAPTER_NAME,
         )
-    except BaseException:  # the watchdog stays: it stops whatever the engine started
+    except StartInterrupted:  # the watchdog stays: it stops whatever the engine started once this process ends
+        starting.end()
+        logger.info("serving stopped during the engine's start")
+        for mine in (stage, ipc):
+            if mine is not None:
+                shutil.rmtree(mine, ignore_errors=True)
+        return 0
+    except BaseException:  # the watchdog stays, as above
         starting.end()
         raise
+    starting.building = False
     events = None
     stop = asyncio.Event()
     watcher = monitor = follower = None

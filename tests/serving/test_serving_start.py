@@ -1,6 +1,6 @@
 """A serving process stopped while its engine starts (a model loaded, kernels warmed: up to a minute): the
-engine's start hears no signal, so a first Ctrl-C is answered at once, and a SIGKILL then leaves none of
-the engine's processes behind."""
+engine's start heard no signal (a Ctrl-C was answered once it ended), and a SIGKILL then left the engine's
+processes running on their own. Now a signal cuts the start short, and a SIGKILL leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -34,9 +34,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_serving_interrupted_while_its_engine_starts_says_so_and_a_kill_then_leaves_no_engine(tmp_path, tiny_model):
+def _start_and_wait_for_the_engine(tmp_path, tiny_model):
+    """A serving process, once its engine's own processes (not the watchdog) run; with the pids noted."""
     from ingest.broker import free_port
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     config = write_config(tmp_path, bootstrap="127.0.0.1:9", model_path=tiny_model, port=free_port())
     log = tmp_path / "serving.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -44,30 +46,41 @@ def test_a_serving_interrupted_while_its_engine_starts_says_so_and_a_kill_then_l
         proc = subprocess.Popen([sys.executable, "-m", "serving", "--config", str(config)], cwd=REPO, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     noted: set[int] = set()
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no engine process within 180 s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+        kids = descendants(proc.pid)
+        noted |= set(kids)
+        if [pid for pid in kids if "_watch_over" not in _cmdline(pid)]:
+            return proc, log, noted
+
+
+def _assert_all_gone(noted: set[int], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while [pid for pid in noted if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = {pid: _cmdline(pid) for pid in noted if _alive(pid)}
+    assert not left, f"left running after {what}: {left}"
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
+def test_a_serving_stopped_while_its_engine_starts_stops_at_once_and_leaves_no_engine(tmp_path, tiny_model, how):
+    proc, log, noted = _start_and_wait_for_the_engine(tmp_path / how, tiny_model)
     try:
-        deadline = time.monotonic() + 180
-        engine = []
-        while not engine:  # the engine's own processes (not the watchdog): its start is under way
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, f"no engine process within 180 s:\n{log.read_text()[-3000:]}"
-            time.sleep(0.2)
-            kids = descendants(proc.pid)
-            noted |= set(kids)
-            engine = [pid for pid in kids if "_watch_over" not in _cmdline(pid)]
-        proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 5
-        while "stopping once the engine has started" not in log.read_text():
-            assert time.monotonic() < deadline, f"a Ctrl-C during the engine's start went unanswered:\n{log.read_text()[-3000:]}"
-            time.sleep(0.1)
         time.sleep(1.0)  # the engine's workers, if any, have started: noted too
         noted |= set(descendants(proc.pid))
-        proc.kill()
-        proc.wait()
-        deadline = time.monotonic() + 30
-        while [pid for pid in noted if _alive(pid)] and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = {pid: _cmdline(pid) for pid in noted if _alive(pid)}
-        assert not left, f"left running after serving was killed during its engine's start: {left}"
+        proc.send_signal(getattr(signal, how))
+        try:
+            code = proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{how} during the engine's start: still running 15 s later:\n"
+                                 f"{log.read_text()[-3000:]}") from None
+        if how == "SIGINT":
+            assert code == 0, log.read_text()[-3000:]
+            assert "serving stopped during the engine's start" in log.read_text()
+        _assert_all_gone(noted, f"a {how} during the engine's start")
     finally:
         if proc.poll() is None:
             proc.kill()
