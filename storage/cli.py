@@ -506,7 +506,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     cfg = _config(args)
     report = gather(cfg)
     print(json.dumps(report, indent=1, allow_nan=False) if args.json else table(report))
-    return 1 if any(t["status"] == "error" for t in report["tenants"]) else 0
+    # A status file (or a backlog) that cannot be read may hide a failing tenant: not "healthy" either.
+    return 1 if report["problems"] or any(t["status"] == "error" for t in report["tenants"]) else 0
 
 
 def cmd_adapters_list(args: argparse.Namespace) -> int:

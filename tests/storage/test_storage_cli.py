@@ -806,6 +806,15 @@ def test_status_of_an_empty_data_dir_says_there_is_nothing(clora):
     assert code == 0 and "processes: none marked ready" in out and "(no tenants" in out
 
 
+def test_status_exits_1_when_a_status_file_cannot_be_read(clora, data_dir):
+    """It exited 0 (healthy, to a cron check) while the unreadable file might say a tenant fails."""
+    learner = data_dir / "state" / "learner"
+    learner.mkdir(parents=True)
+    (learner / "status.json").write_text('{"acme": {"status": "err')  # damaged
+    code, out, _ = clora("status")
+    assert code == 1 and "problem: " in out and "status.json cannot be read" in out
+
+
 def test_status_takes_each_tenants_entry_from_the_status_file_written_last(clora, data_dir):
     """A shard file of an earlier learner layout is never deleted: read first, its old error made every
     later `clora status` exit 1. And a NaN reward is null in --json (strict JSON readers refuse NaN)."""
