@@ -103,7 +103,7 @@ def config_check(args: argparse.Namespace) -> int:
     """What the config alone cannot tell: whether what it names is there. One line per check, after the line
     naming the config file (or the defaults); then what `clora up` warns of, as warnings that pass."""
     from clora.cli import config_from_args, data_dir_error, model_path_problem, prepare_data_dir
-    from clora.up import config_line, embedded_broker_problem, port_clashes, setup_warnings
+    from clora.up import children_ports, config_line, embedded_broker_problem, port_clashes, ports_in_use, setup_warnings
     from ingest.broker import unreachable
     from ingest.scorers import ScorerSpecError, build_scorer, is_function
     from learner.rollouts import SamplingError, read_prompts_file
@@ -146,6 +146,7 @@ def config_check(args: argparse.Namespace) -> int:
     if broker_problem is not None:
         results.append(("kafka.bootstrap", broker_problem))
     results += [("ports", problem) for problem in port_clashes(cfg)]
+    results += [("ports", problem) for problem in ports_in_use(children_ports(cfg))]  # as `up` checks them
     why = unreachable(cfg.kafka.bootstrap)
     if broker_problem is not None:  # the embedded broker would not listen where kafka.bootstrap points (above)
         if why is None:

@@ -455,16 +455,27 @@ def setup_problems(cfg) -> list[str]:
     of its children given one port (port_clashes), and ports another process already holds (a child that
     cannot bind its port exits, and a health check would see the other process answering)."""
     problems = [p for p in [embedded_broker_problem(cfg)] if p is not None] + port_clashes(cfg)
-    wanted = [("serving.port", cfg.serving.host, cfg.serving.port)]
     if cfg.broker.embedded:
-        wanted.insert(0, ("broker.port and kafka.bootstrap", cfg.broker.host, cfg.broker.port))
+        problems += ports_in_use([("broker.port and kafka.bootstrap", cfg.broker.host, cfg.broker.port)])
+    return problems + ports_in_use(children_ports(cfg))
+
+
+def children_ports(cfg) -> list[tuple[str, str, int]]:
+    """(setting, host, port) of each port `up`'s children other than the embedded broker bind: serving's, and
+    each ingest process's and learner shard's metrics endpoint."""
+    wanted = [("serving.port", cfg.serving.host, cfg.serving.port)]
     if cfg.ingest.metrics_port:  # each ingest process's metrics endpoint
         members = cfg.ingest.processes
         wanted += [("ingest.metrics_port", cfg.ingest.metrics_host, cfg.ingest.metrics_port + k) for k in range(members)]
     if cfg.learner.metrics_port:  # each learner shard's
         wanted += [("learner.metrics_port", cfg.learner.metrics_host, cfg.learner.metrics_port + k)
                    for k in range(cfg.learner.processes)]
-    return problems + [
+    return wanted
+
+
+def ports_in_use(wanted: list[tuple[str, str, int]]) -> list[str]:
+    """One line for each (setting, host, port) of `wanted` another process holds now."""
+    return [
         f"port {port} on {host} is already in use by another process (perhaps an earlier clora still "
         f"running): stop it, or set {key} to a free port"
         for key, host, port in wanted

@@ -499,6 +499,23 @@ def test_config_check_finds_the_embedded_brokers_port_held_by_a_running_kafka(tm
     assert f"data_dir {tmp_path / 'data'} is writable" in out
 
 
+def test_config_check_finds_servings_port_held_by_another_process(tmp_path, capsys):
+    """`clora up` refuses to start when serving.port is held; the check said "all checks passed"."""
+    from ingest.broker import free_port
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[serving]\nport = {port}\n'
+                                        f'[broker]\nport = {free_port()}\n')
+        assert main(["config", "check", "--config", str(config)]) == 1
+    problems = [line.split("PROBLEM", 1)[1].strip() for line in capsys.readouterr().out.splitlines() if "PROBLEM" in line]
+    assert [p for p in problems if "serving.port" in p] == [
+        f"port {port} on 127.0.0.1 is already in use by another process (perhaps an earlier clora still running): "
+        "stop it, or set serving.port to a free port"]
+
+
 def test_config_check_finds_serving_on_the_embedded_brokers_port(tmp_path, capsys):
     from ingest.broker import free_port
 
