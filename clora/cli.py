@@ -248,7 +248,10 @@ class _RecordsGone(logging.Filter):
 
 def main(argv: Sequence[str] | None = None) -> int:
     keep_the_current_directory_off_the_path()
-    parser = build_parser()
+    try:  # a Ctrl-C while the parser's modules import (half a second): not a traceback
+        parser = build_parser()
+    except KeyboardInterrupt:
+        return 130
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's own parser, whose usage shows the options it does take
         _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -487,6 +487,8 @@ def _build(
     if tokenizer.get_vocab_size() > shape.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size {shape.vocab_size}")
     tokenizer = pad_vocabulary(tokenizer, shape.vocab_size)
+    if out.exists() and not out.is_dir():
+        raise ModelBuildError(f"{out} is a file, not a directory: choose another --out")
     if out.exists() and not replaceable_by_build(out):  # before the next check, whose hint is --force
         raise ModelBuildError(f"{out} is not a model clora built (no {MARKER_FILE} in it); not replacing it: "
                               f"remove it yourself or choose another --out")

@@ -348,6 +348,9 @@ def test_model_tiny_force_replaces_only_a_model_clora_built(tmp_path, capsys):
     assert main(["model", "tiny", "--out", str(precious)]) == 1  # no hint at a --force that would be refused
     err = capsys.readouterr().err
     assert "is not a model clora built" in err and "--force replaces it" not in err
+    (tmp_path / "afile").write_text("x")
+    assert main(["model", "tiny", "--out", str(tmp_path / "afile")]) == 1
+    assert f"{tmp_path / 'afile'} is a file, not a directory" in capsys.readouterr().err
     built = tmp_path / "built"
     assert main(["model", "tiny", "--out", str(built)]) == 0
     assert main(["model", "tiny", "--out", str(built)]) == 1
@@ -617,6 +620,16 @@ def test_every_command_raises_its_open_files_limit_to_the_hard_one(tmp_path):
     assert done.returncode == 0, done.stderr
     raised = int(done.stderr.split("soft ")[1].split()[0])
     assert raised > 64 and (hard == resource.RLIM_INFINITY or raised == hard)
+
+
+def test_a_ctrl_c_while_the_parser_is_built_is_exit_130_not_a_traceback(monkeypatch):
+    import clora.cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(clora.cli, "build_parser", interrupted)
+    assert main(["status"]) == 130
 
 
 def test_a_base_model_of_another_recipe_under_trained_adapters_is_not_rebuilt(tmp_path, tiny_model, capsys):
