@@ -92,11 +92,7 @@ def config_from_args(args: argparse.Namespace, *, writes_data_dir: bool = False,
     setup_logging(cfg.log_level)
     raise_open_files_limit()
     if writes_data_dir:
-        try:
-            prepare_data_dir(cfg.data_dir)
-        except OSError as e:
-            print(data_dir_error(cfg.data_dir, e), file=sys.stderr)
-            raise SystemExit(2) from None
+        ensure_data_dir(cfg)
     elif reads_data_dir:
         data_dir = Path(cfg.data_dir)
         if not data_dir.exists():
@@ -112,6 +108,16 @@ def missing_data_dir_note(data_dir: Path) -> str:
     """What a command that finds no data dir says (an empty answer from the wrong directory says nothing)."""
     return (f"clora: note: data_dir {data_dir} does not exist: nothing is stored there yet (is it the data "
             "directory you meant? --config, CLORA_DATA_DIR)")
+
+
+def ensure_data_dir(cfg) -> None:
+    """Creates and checks data_dir, for a command that writes there; exits with one line (exit 2) when it
+    cannot be used."""
+    try:
+        prepare_data_dir(cfg.data_dir)
+    except OSError as e:
+        print(data_dir_error(cfg.data_dir, e), file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def base_model_dir(cfg) -> Path:

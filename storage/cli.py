@@ -603,11 +603,12 @@ def cmd_adapters_retire(args: argparse.Namespace) -> int:
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
-    from clora.cli import config_from_args
+    from clora.cli import config_from_args, ensure_data_dir
 
     # The loop is a service beside ingest and the learner (`clora up`): it marks itself ready under the data
-    # dir, and a data dir not there yet fills up as they run. A single run on a missing one has nothing to do.
-    cfg = _config(args, writes=True) if args.every is None else config_from_args(args, writes_data_dir=True)
+    # dir, and a data dir not there yet fills up as they run (made once its options are checked). A single
+    # run on a missing one has nothing to do.
+    cfg = _config(args, writes=True) if args.every is None else config_from_args(args)
     grace = cfg.compaction.grace_seconds if args.grace is None else args.grace
     if not_a_tenant := _not_a_tenant(cfg, args.tenant):
         print(f"clora compact: {not_a_tenant}", file=sys.stderr)
@@ -620,6 +621,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
                   "set it or pass --every SECONDS", file=sys.stderr)
             return 2
         args.every = cfg.compaction.every_seconds
+    ensure_data_dir(cfg)
     return _compact_every(cfg, args, grace)
 
 

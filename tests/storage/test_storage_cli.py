@@ -448,10 +448,12 @@ def test_compact_every_without_seconds_takes_the_configs_period(clora, data_dir,
     assert clora("compact", "--every", "--dataset", "feedback")[0] == 0
     assert periods == [42.5, 7.0, 42.5]
 
-    config.write_text(f'data_dir = "{data_dir}"\n[compaction]\nevery_seconds = 0\n')
+    missing = tmp_path / "not-yet"
+    config.write_text(f'data_dir = "{missing}"\n[compaction]\nevery_seconds = 0\n')
     code, _, err = clora("compact", "--every")
     assert code == 2 and "[compaction] every_seconds, which is 0" in err
     assert periods == [42.5, 7.0, 42.5]
+    assert not missing.exists(), "a refused command made the data dir"
 
 
 def test_compact_and_prune_of_an_unknown_tenant_are_errors(clora, data_dir, make_trajectories, tmp_path, monkeypatch):
