@@ -179,9 +179,11 @@ def config_env(args: argparse.Namespace) -> int:
 
     for line in unknown_env_variables().values():  # where one would look for the name that was meant
         print(f"clora: warning: {line}", file=sys.stderr)
-    print(f"{CONFIG_ENV:24} the config file (when --config is not given; else ./{DEFAULT_CONFIG_FILE} if present)")
-    for var, field in env_variables().items():
-        print(f"{var:24} {field}")
+    variables = env_variables()
+    width = max(len(v) for v in [CONFIG_ENV, *variables])
+    print(f"{CONFIG_ENV:{width}}  the config file (when --config is not given; else ./{DEFAULT_CONFIG_FILE} if present)")
+    for var, field in variables.items():
+        print(f"{var:{width}}  {field}")
     return 0
 
 

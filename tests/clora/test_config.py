@@ -596,6 +596,9 @@ def test_config_env_lists_every_variable_clora_reads(capsys):
     assert main(["config", "env"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     assert listed == ["CLORA_CONFIG", *env_variables()]  # CLORA_CONFIG names the file; the others override fields
+    table = (Path(__file__).resolve().parents[2] / "README.md").read_text().split("| variable | field |", 1)[1]
+    table = table.split("\n\n", 1)[0]
+    assert [v for v in listed if f"`{v}`" not in table] == [], "the README's table of variables misses these"
 
 
 def test_clora_variables_nothing_reads_are_named_with_the_nearest_real_one():
