@@ -63,7 +63,8 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p.add_argument("--rate", type=positive, default=4.0, help="requests per second, all tenants together (default 4)")
     p.add_argument("--seconds", type=positive, default=60.0, help="how long to run (default 60)")
     p.add_argument("--preferences", default=None,
-                   help="comma-separated preferences assigned to the tenants in order (default: from tenant names)")
+                   help="comma-separated preferences assigned to the tenants in order, used again in turn when there "
+                   "are fewer than tenants (default: from tenant names)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the prompt sequence and the sampling seeds (default 0)")
     p.add_argument("--max-tokens", type=positive_int, default=24, help="max_tokens of each request (default 24)")
@@ -243,6 +244,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not tenants:
         print("clora simulate: the config has no tenants", file=sys.stderr)
         return 2
+    if prefs and len(prefs) != len(tenants):
+        print(f"clora simulate: warning: {len(prefs)} preference(s) for {len(tenants)} tenant(s): "
+              f"{'the extra ones are not used' if len(prefs) > len(tenants) else 'they are used again in turn'} "
+              f"({', '.join(f'{t.name}: {t.preference}' for t in tenants)})", file=sys.stderr)
     url = args.url or cfg.serving.local_url
     try:
         parts = urlsplit(url)

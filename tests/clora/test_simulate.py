@@ -141,6 +141,17 @@ def test_an_unknown_preference_is_named(tmp_path, capsys):
                                                "from digits, upper, short, json")
 
 
+def test_preferences_that_do_not_match_the_tenants_in_number_are_a_warning(tmp_path, capsys):
+    """Extra preferences were dropped, and too few used again, without a word."""
+    from clora.cli import main
+
+    assert main(["simulate", "--config", simulate_config(tmp_path), "--preferences", "upper,short",
+                 "--url", "notaurl"]) == 2  # stops at the URL, after the warning
+    err = capsys.readouterr().err
+    assert ("clora simulate: warning: 2 preference(s) for 1 tenant(s): the extra ones are not used "
+            "(digits-app: upper)") in err
+
+
 def test_a_tenant_without_answers_is_summarised_without_nan():
     from clora.simulate import summary_lines
 
