@@ -55,6 +55,15 @@ def common_parser() -> argparse.ArgumentParser:
     return common
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("clora")
+    except metadata.PackageNotFoundError:  # run from a source tree that was not installed
+        return "(not installed)"
+
+
 def build_parser(modules: Sequence[str] = COMMAND_MODULES) -> argparse.ArgumentParser:
     common = common_parser()
     parser = argparse.ArgumentParser(
@@ -62,6 +71,7 @@ def build_parser(modules: Sequence[str] = COMMAND_MODULES) -> argparse.ArgumentP
         description="Continual multi-LoRA reinforcement learning fed by production traffic.",
         parents=[common],
     )
+    parser.add_argument("--version", action="version", version=f"clora {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name in modules:
         try:

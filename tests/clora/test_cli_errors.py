@@ -657,3 +657,11 @@ def test_a_base_model_of_another_recipe_under_trained_adapters_is_not_rebuilt(tm
     assert err.startswith(f"clora: the base model {built} was built by another clora") and "init_std 0.02" in err
     assert f'model.path = "{built}"' in err
     assert {p.name: p.stat().st_mtime_ns for p in built.iterdir()} == before, "nothing rebuilt"
+
+
+def test_version_says_the_installed_release(capsys):
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"clora {metadata.version('clora')}"
