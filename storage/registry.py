@@ -491,15 +491,16 @@ class Registry:
     def retire(self, tenant: str, number: int) -> AdapterVersion:
         """Deletes the version's files; its metadata stays, with status "retired".
 
-        HEAD.json is rewritten even when the version was already retired: a retire killed between its record
+        A version retired otherwise (keep_last) is marked retired by hand too: the learner then trains none
+        of its samples (`RETIRED_BY_HAND`). HEAD.json is rewritten even when the version was already retired: a retire killed between its record
         and HEAD left HEAD naming this version, and its retry deletes the files, which serving would then
         load from a HEAD that still names them. The index hint is rewritten before the files are deleted:
         past a hole (a record deleted by hand) readers find the newest versions by their folders, and one whose
         folder is gone must already be within the hint's `last`."""
         with self._locked():
             v = self.get(tenant, number)
-            if v.status != "retired":
-                v = self._mark_retired(v, reason=RETIRED_BY_HAND)
+            if v.status != "retired" or v.reason != RETIRED_BY_HAND:  # retired by keep_last, or by a clora that
+                v = self._mark_retired(v, reason=RETIRED_BY_HAND)  # recorded no reason: withdrawn now, by hand
             removed = self._enforce_keep_last(tenant)
             self._write_head(tenant)
         self._remove_files([v] + [x for x in removed if x.number != v.number])

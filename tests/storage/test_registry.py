@@ -120,6 +120,10 @@ def test_keep_last_retires_older_published(data_dir, peft_writer):
         assert not v.path.exists() and v.retired_at is not None
         assert v.metrics == {} and v.published_at is not None, "retiring keeps the record"
     assert reg.get("acme", 4).path.exists()
+    # Retired by keep_last, then retired by hand: withdrawn (the learner trains none of its samples), which an
+    # operator could not say of it before (a retire of a retired version changed nothing).
+    assert reg.get("acme", 1).reason != registry.RETIRED_BY_HAND
+    assert reg.retire("acme", 1).reason == reg.get("acme", 1).reason == registry.RETIRED_BY_HAND
 
 
 def test_prune_deletes_old_settled_records_only_and_numbers_go_on(data_dir, peft_writer):
