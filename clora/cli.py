@@ -231,9 +231,9 @@ def setup_logging(level: str = "INFO") -> None:
     for handler in logging.getLogger().handlers:  # basicConfig's own (it makes none where handlers exist)
         if handler.formatter is not None and handler.formatter._fmt == line and not isinstance(handler.formatter, _IsoTimes):
             handler.setFormatter(_IsoTimes(line))
-    # kafka-python narrates every connection and the HTTP clients every request at INFO; their warnings and
-    # errors still show.
-    for noisy in ("kafka", "httpx", "httpx2", "httpcore", "openai"):
+    # kafka-python narrates every connection and the HTTP clients every request at INFO (matplotlib its font
+    # cache); their warnings and errors still show.
+    for noisy in ("kafka", "httpx", "httpx2", "httpcore", "openai", "matplotlib"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     # Except where kafka-python says, at INFO, that records it was to read are gone (deleted by the topic's
     # retention before they were read, or truncated by an unclean leader election): a warning.
