@@ -73,19 +73,18 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p = sub.add_parser("config", parents=[common], help="show the effective configuration or the environment variables "
                        "that override it, or check the set-up it names")
     config_sub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
-    show = config_sub.add_parser(
-        "show", parents=[common], help="print the effective config (file + environment overrides; keys masked)"
-    )
+    said = "print the effective config (file + environment overrides; keys masked)"
+    show = config_sub.add_parser("show", parents=[common], help=said, description=said)
     show.set_defaults(func=config_show)
-    env = config_sub.add_parser("env", parents=[common], help="list the environment variables that override fields")
+    said = "list the environment variables that override fields"
+    env = config_sub.add_parser("env", parents=[common], help=said, description=said)
     env.set_defaults(func=config_env)
-    check = config_sub.add_parser(
-        "check", parents=[common],
-        help="check the set-up the config names: data_dir writable, model.path a model, every scorer builds (python "
-        "ones import), every prompts_file readable, kafka.bootstrap names the embedded broker, no two of `clora "
-        "up`'s processes on one port, Kafka reachable; exit 1 on any problem. Names the config file first, and lists "
-        "what `clora up` warns of (no tenants, more ingest processes than partitions) as warnings, which pass",
-    )
+    said = ("check the set-up the config names: data_dir writable, model.path a model, every scorer builds (python "
+            "ones import), every prompts_file readable, kafka.bootstrap names the embedded broker, no two of `clora "
+            "up`'s processes on one port and none held by another process, Kafka reachable; exit 1 on any problem. "
+            "Names the config file first, and lists what `clora up` warns of (no tenants, more ingest processes than "
+            "partitions) as warnings, which pass")
+    check = config_sub.add_parser("check", parents=[common], help=said, description=said)
     check.set_defaults(func=config_check)
 
 
