@@ -5,6 +5,7 @@ line naming the cause and a usage exit code (2), no traceback; Ctrl-C works whil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -29,6 +30,15 @@ def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]  # nothing listens on it once the socket closes
+
+
+@contextlib.contextmanager
+def held_port():
+    """A port another process holds (a socket of this one listens on it) for the `with` block."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield held.getsockname()[1]
 
 
 @pytest.mark.parametrize("command", [
@@ -177,10 +187,7 @@ def test_learn_with_a_damaged_base_model_says_so_in_one_line(tmp_path, tiny_mode
 
 
 def test_learn_with_its_metrics_port_taken_says_so_in_one_line(tmp_path, tiny_model, caplog):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
+    with held_port() as port:
         config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[model]\npath = "{tiny_model}"\n'
                                         f'[learner]\nmetrics_port = {port}\n')
         with caplog.at_level("ERROR"):
@@ -258,10 +265,7 @@ def test_ingest_with_its_metrics_port_taken_says_so_in_one_line(tmp_path, monkey
     from ingest import process
 
     monkeypatch.setattr(process, "tune_runtime", lambda: None)
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
+    with held_port() as port:
         cfg = load_config(write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[ingest]\nmetrics_port = {port}\n'),
                           environ={})
         errors = _ingest_errors(process, cfg, caplog)
@@ -275,10 +279,7 @@ def test_an_ingest_members_metrics_port_taken_or_out_of_range_says_so_in_one_lin
     from ingest import process
 
     monkeypatch.setattr(process, "tune_runtime", lambda: None)
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
+    with held_port() as port:
         cfg = load_config(write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[ingest]\nmetrics_port = {port - 2}\n'),
                           environ={})
         errors = _ingest_errors(process, cfg, caplog, member=2)
@@ -488,10 +489,7 @@ def test_config_check_finds_an_embedded_broker_kafka_bootstrap_does_not_name(tmp
 
 def test_config_check_finds_the_embedded_brokers_port_held_by_a_running_kafka(tmp_path, capsys):
     """`clora up` refuses to start the embedded broker on a port another process holds; the check passed it."""
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
+    with held_port() as port:
         (tmp_path / "data").mkdir()
         config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[broker]\nport = {port}\n'
                                         f'[kafka]\nbootstrap = "127.0.0.1:{port}"\n')
@@ -506,10 +504,7 @@ def test_config_check_finds_servings_port_held_by_another_process(tmp_path, caps
     """`clora up` refuses to start when serving.port is held; the check said "all checks passed"."""
     from ingest.broker import free_port
 
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
+    with held_port() as port:
         config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[serving]\nport = {port}\n'
                                         f'[broker]\nport = {free_port()}\n')
         assert main(["config", "check", "--config", str(config)]) == 1
@@ -536,10 +531,7 @@ def test_the_bootstrap_is_read_as_kafka_python_reads_it():
     they kept ingest from starting."""
     from ingest.broker import unreachable
 
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        port = listener.getsockname()[1]
+    with held_port() as port:
         assert unreachable(f"PLAINTEXT://127.0.0.1:{port}") is None
         assert unreachable(f"127.0.0.1:{closed_port()},localhost:{port}") is None  # one answering is enough
     why = unreachable("127.0.0.1")

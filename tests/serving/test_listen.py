@@ -5,6 +5,7 @@ network."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -16,6 +17,31 @@ import pytest
 from serving_process import REPO, write_config
 
 pytestmark = pytest.mark.unit
+
+
+async def answer_ok(scope, receive, send):
+    """An ASGI app answering every HTTP request 200 "ok"."""
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+@contextlib.asynccontextmanager
+async def ok_server(*, connections: int):
+    """Serving's uvicorn server (`http_server`) answering every request 200 "ok" on a free port: (server, port)."""
+    from serving.__main__ import http_server, listen
+
+    sock = listen("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = http_server(answer_ok, "127.0.0.1", port, connections=connections, grace=1)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield server, port
+    finally:
+        server.should_exit = True
+        await serving
 
 
 def test_a_taken_port_fails_the_start_at_once_with_a_clear_message(tmp_path, tiny_model):
@@ -100,29 +126,18 @@ def test_the_connection_limit_leaves_room_for_the_engine_and_every_tenant():
 def test_past_its_connection_limit_uvicorn_answers_503_and_idle_connections_count():
     """Without limit_concurrency, uvicorn took any number of connections, each holding memory. Past the limit
     every new request is a plain-text 503 that closes its connection; idle connections count towards it."""
-    from serving.__main__ import KEEP_ALIVE_SECONDS, RefusalLog, http_server, listen, set_connection_limit
-
-    async def app(scope, receive, send):
-        if scope["type"] == "http":
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-            await send({"type": "http.response.body", "body": b"ok"})
+    from serving.__main__ import KEEP_ALIVE_SECONDS, RefusalLog, set_connection_limit
 
     async def scenario():
-        sock = listen("127.0.0.1", 0)
-        port = sock.getsockname()[1]
-        server = http_server(app, "127.0.0.1", port, connections=3, grace=1)
-        serving = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started:
-            await asyncio.sleep(0.01)
+        async with ok_server(connections=3) as (server, port):
 
-        async def get() -> bytes:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(b"GET / HTTP/1.1\r\nHost: clora\r\nConnection: close\r\n\r\n")
-            answer = await asyncio.wait_for(reader.read(), 5)  # to the end: the server closes the connection
-            writer.close()
-            return answer
+            async def get() -> bytes:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"GET / HTTP/1.1\r\nHost: clora\r\nConnection: close\r\n\r\n")
+                answer = await asyncio.wait_for(reader.read(), 5)  # to the end: the server closes the connection
+                writer.close()
+                return answer
 
-        try:
             within = await get()
             idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]  # connected, sending nothing
             await asyncio.sleep(0.1)
@@ -133,9 +148,6 @@ def test_past_its_connection_limit_uvicorn_answers_503_and_idle_connections_coun
             for _, writer in idle:
                 writer.close()
             return limit, server.config, within, past, raised
-        finally:
-            server.should_exit = True
-            await serving
 
     limit, config, within, past, raised = asyncio.run(scenario())
     assert limit == 3 and config.timeout_keep_alive == KEEP_ALIVE_SECONDS
@@ -184,33 +196,20 @@ def test_a_connection_whose_request_headers_do_not_come_whole_in_time_is_closed(
     """uvicorn held a connection that never sent a request, or sent its headers a byte at a time, for as long as
     the client liked (each one a place under the connection limit). A kept-alive connection idle between
     requests is the keep-alive timeout's, not this limit's."""
-    from serving.__main__ import http_server, listen
     from serving.http_timeouts import HeaderTimeoutProtocol
 
     monkeypatch.setattr(HeaderTimeoutProtocol, "header_timeout_s", 0.5)
 
-    async def app(scope, receive, send):
-        if scope["type"] == "http":
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-            await send({"type": "http.response.body", "body": b"ok"})
-
     request = b"GET / HTTP/1.1\r\nHost: clora\r\n\r\n"
 
-    async def scenario():
-        sock = listen("127.0.0.1", 0)
-        port = sock.getsockname()[1]
-        server = http_server(app, "127.0.0.1", port, connections=100, grace=1)
-        serving = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started:
-            await asyncio.sleep(0.01)
-
-        async def closed_within(reader, seconds) -> bool:
-            try:
-                return await asyncio.wait_for(reader.read(), seconds) == b""
-            except asyncio.TimeoutError:
-                return False
-
+    async def closed_within(reader, seconds) -> bool:
         try:
+            return await asyncio.wait_for(reader.read(), seconds) == b""
+        except asyncio.TimeoutError:
+            return False
+
+    async def scenario():
+        async with ok_server(connections=100) as (_, port):
             silent, _ = await asyncio.open_connection("127.0.0.1", port)
             slow, slow_writer = await asyncio.open_connection("127.0.0.1", port)
             slow_writer.write(b"GET / HTTP/1.1\r\nHost: cl")  # and nothing more
@@ -226,9 +225,6 @@ def test_a_connection_whose_request_headers_do_not_come_whole_in_time_is_closed(
                 await asyncio.sleep(0.25 / len(request))
             answers.append(await asyncio.wait_for(bytewise.readuntil(b"ok"), 5))
             return await closed_within(silent, 5), await closed_within(slow, 5), answers
-        finally:
-            server.should_exit = True
-            await serving
 
     silent_closed, slow_closed, answers = asyncio.run(scenario())
     assert silent_closed and slow_closed
