@@ -59,7 +59,9 @@ Appends and seals take a lock, so one `Spool` may be shared by threads. (The eve
 own thread only: a request never waits for an fsync.)
 
 Dead letters: a message Kafka refuses for good (larger than the producer's or the broker's limit) would
-wedge the spool if it stayed in a segment, so the event log moves it, with its reason, to
+wedge the spool if it stayed in a segment, so the event log moves it, with its reason, to the file below;
+so does a claim's `done()` with the lines of its segment that do not read as a message (reason
+"unreadable": torn by a crash mid-write, or written by another version), before it deletes the segment:
 
     dead/<YYYY-MM-DD>.jsonl      one JSON object per line (UTC day of the refusal), appended and fsynced:
                                  {"version": 1, "at": ISO-8601, "reason": "too_large", "detail": ...,
@@ -83,9 +85,9 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -119,7 +121,10 @@ class Message:
     @classmethod
     def from_line(cls, line: bytes) -> Message:
         data = json.loads(line)
-        return cls(topic=data["topic"], key=data["key"], value=data["value"])
+        message = cls(topic=data["topic"], key=data["key"], value=data["value"])
+        if not all(isinstance(v, str) for v in (message.topic, message.key, message.value)):
+            raise TypeError("topic, key and value must be strings")
+        return message
 
 
 @dataclass(frozen=True)
@@ -369,8 +374,8 @@ class Spool:
                 return
             offset = _acked_offset(segment, file)
             file.seek(offset)
-            messages, ends = _read_messages(segment, file.read(), offset)
-            yield Claim(segment, messages, ends)
+            messages, ends, unreadable = _read_messages(segment, file.read(), offset)
+            yield Claim(segment, messages, ends, unreadable, self.dead_letter)
         finally:
             file.close()
 
@@ -439,6 +444,10 @@ class Claim:
     path: Path
     messages: list[Message]
     ends: list[int]  # where each message's line ends in the segment (bytes from its start)
+    # Lines that do not read as a message (torn by a crash, or written by another version), kept by `keep`
+    # (the spool's dead letters) when the segment is deleted, never deleted with it.
+    unreadable: list[Refused] = field(default_factory=list)
+    keep: Callable[[Sequence[Refused]], object] | None = None
 
     def acked(self, count: int) -> None:
         """Records durably that the first `count` of `messages` were acknowledged (or dead-lettered): a later
@@ -458,6 +467,8 @@ class Claim:
             raise SpoolError(f"cannot record the progress of {self.path.name} ({count} messages): {e}") from e
 
     def done(self) -> None:
+        if self.unreadable and self.keep is not None:
+            self.keep(self.unreadable)  # raises SpoolError: the segment stays, and is claimed again
         self.path.unlink(missing_ok=True)
         # After the segment: a crash in between leaves a record without its segment (segments() deletes it),
         # never a segment that lost its progress.
@@ -466,9 +477,10 @@ class Claim:
         _fsync_dir(self.path.parent)
 
 
-def _read_messages(path: Path, data: bytes, offset: int) -> tuple[list[Message], list[int]]:
-    """The messages of `data` (the segment from byte `offset` on), and where each one's line ends."""
-    messages, ends = [], []
+def _read_messages(path: Path, data: bytes, offset: int) -> tuple[list[Message], list[int], list[Refused]]:
+    """The messages of `data` (the segment from byte `offset` on), where each one's line ends, and the lines
+    that do not read as one (as dead letters, reason `unreadable`)."""
+    messages, ends, unreadable = [], [], []
     start = 0
     while start < len(data):
         newline = data.find(b"\n", start)
@@ -479,10 +491,12 @@ def _read_messages(path: Path, data: bytes, offset: int) -> tuple[list[Message],
                 messages.append(Message.from_line(line))
                 ends.append(offset + end)
             except (ValueError, KeyError, TypeError) as e:
-                logger.warning("spool segment %s: the line at byte %d is torn or corrupt, skipped: %s", path.name,
-                               offset + start, e)
+                logger.warning("spool segment %s: the line at byte %d is torn or corrupt, skipped (kept in %s/ "
+                               "when the segment goes): %s", path.name, offset + start, DEAD_DIR, e)
+                unreadable.append(Refused(Message("", "", line.decode("utf-8", errors="replace").rstrip("\n")),
+                                          "unreadable", f"spool segment {path.name}, byte {offset + start}: {e}"))
         start = end
-    return messages, ends
+    return messages, ends, unreadable
 
 
 def _still_named(path: Path, st: os.stat_result) -> bool:

@@ -64,15 +64,29 @@ def test_a_live_writers_segment_cannot_be_claimed_but_an_orphan_can(tmp_path):
     assert len(claim.messages) == 2
 
 
-def test_a_torn_last_line_is_skipped(tmp_path):
+def test_a_torn_last_line_is_skipped_and_kept_in_dead_when_its_segment_goes(tmp_path):
+    """Lines that do not read as a message (torn by a crash, another version's, a value not a string) were
+    skipped and then deleted with their segment."""
+    import json
+
     spool = Spool(tmp_path)
     spool.append(msgs(2))
     spool.seal()
     [segment] = spool.segments()
     with open(segment, "ab") as f:
+        f.write(b'{"topic": "t", "key": "acme", "value": {"id": "x"}}\n')  # a value that is no string
         f.write(b'{"topic": "clora.interactions", "key": "ac')  # a crash in the middle of a write
     with spool.claim(segment) as claim:
-        assert len(claim.messages) == 2
+        assert len(claim.messages) == 2 and not list((tmp_path / "dead").glob("*"))
+        claim.acked(2)
+        claim.done()
+    assert not segment.exists()
+    (day,) = (tmp_path / "dead").glob("*.jsonl")
+    kept = [json.loads(line) for line in day.read_text().splitlines()]
+    assert [(k["reason"], k["value"]) for k in kept] == [
+        ("unreadable", '{"topic": "t", "key": "acme", "value": {"id": "x"}}'),
+        ("unreadable", '{"topic": "clora.interactions", "key": "ac')]
+    assert all(f"spool segment {segment.name}, byte " in k["detail"] for k in kept)
 
 
 def test_unsent_segments_survive_a_restart(tmp_path):
