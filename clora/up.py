@@ -614,12 +614,12 @@ def up(cfg, config_path: str | None, *, until: Callable[[], bool] = lambda: Fals
     specs, order = stack_specs(cfg, config_path, file_only=file_only)
     specs = [replace(s, keep_fds=keep_fds) for s in specs]
     sup = Supervisor(specs, order, emit=emit)
+    sup.emit("up", config_line(cfg, config_path))  # first, whatever follows: which config the errors are of
     problems = setup_problems(cfg)
     if problems:
         for problem in problems:
             sup.emit("up", f"error: {problem}")
         return 1
-    sup.emit("up", config_line(cfg, config_path))
     for warning in setup_warnings(cfg):
         sup.emit("up", f"warning: {warning}")
     # SIGHUP too: a closed terminal must stop the stack in order (ingest drains before the broker goes);

@@ -400,6 +400,7 @@ def test_up_refuses_to_start_when_another_process_holds_a_port(tmp_path, monkeyp
         held.close()
     assert code == 1
     assert not started, "no child may start"
+    assert lines[0][1].startswith("config the built-in defaults"), "which config the errors are of, first"
     (error,) = [line for n, line in lines if n == "up" and line.startswith("error")]
     assert f"port {port} on 127.0.0.1 is already in use by another process" in error
     assert "earlier clora" in error and f"set {key}" in error and "to a free port" in error
