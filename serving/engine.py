@@ -290,7 +290,9 @@ class Engine:
         self.vocab_size = llm.model_config.get_vocab_size()
         # One thread: templating and tokenizing leave the event loop, and take at most one core from the engine.
         self._prompt_thread = ThreadPoolExecutor(1, thread_name_prefix="clora-prompts")
-        self._prompt_turns: dict[str, asyncio.Semaphore] = {}  # tenant -> its turn in the prompt thread
+        # tenant -> its turn in the prompt thread, and how many of its jobs hold or wait for it (the entry goes
+        # with the last: tenants that came and went, a config re-read's, leave nothing)
+        self._prompt_turns: dict[str, list] = {}
         self._developer_role = "developer" in str(getattr(self.tokenizer, "chat_template", None) or "")
         self.token_bytes = TokenBytes(self.tokenizer)
         # Whether the tokenizer adds tokens of its own to a text (a BOS: Llama, Mistral, Gemma; not Qwen).
@@ -346,11 +348,15 @@ class Engine:
     async def _in_prompt_thread(self, tenant: str, fn, *args):
         """Runs `fn` in the prompt thread, with at most one job of each tenant queued there at a time: a
         tenant sending many long prompts waits behind its own, not in front of everyone else's."""
-        turn = self._prompt_turns.get(tenant)
-        if turn is None:
-            turn = self._prompt_turns[tenant] = asyncio.Semaphore(1)
-        async with turn:
-            return await asyncio.get_running_loop().run_in_executor(self._prompt_thread, fn, *args)
+        entry = self._prompt_turns.setdefault(tenant, [asyncio.Semaphore(1), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                return await asyncio.get_running_loop().run_in_executor(self._prompt_thread, fn, *args)
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._prompt_turns[tenant]
 
     def _check_chars(self, chars: int, param: str) -> None:
         limit = self.max_model_len * MAX_CHARS_PER_TOKEN

@@ -735,6 +735,7 @@ def test_one_tenants_queue_of_prompts_does_not_go_before_another_tenants():
 
     assert w.run(scenario).status_code == 200
     assert order[:2] == ["acme0", "globex"] and len(order) == 11, order  # next after the one running, not last
+    assert w.engine._prompt_turns == {}, "a tenant's turn goes with its last job (tenants come and go)"
 
 
 def test_templating_and_tokenizing_run_off_the_event_loop():
