@@ -91,8 +91,7 @@ class TenantFollower:
             logger.warning("the config's [ingest] or [kafka] settings or data_dir changed: ingest applies them "
                            "when it starts again")
             self.settings = settings
-        done = self.processor.follow({t.name: t.scorer for t in cfg.tenants},
-                                     {t.name: t.scorer_time_limit_s for t in cfg.tenants})
+        done = self.processor.follow(*_scorers(cfg))
         changes = [f"{what} {', '.join(names)}" for what, names in
                    (("added", done.added), ("scorer changed for", done.rescored), ("removed", done.removed)) if names]
         if changes:
@@ -112,6 +111,11 @@ class TenantFollower:
         self.logged = said
 
 
+def _scorers(cfg: Config) -> tuple[dict[str, str], dict[str, float]]:
+    """The config's tenants' scorers and their time limits, as the Processor takes them."""
+    return {t.name: t.scorer for t in cfg.tenants}, {t.name: t.scorer_time_limit_s for t in cfg.tenants}
+
+
 def _ingest_settings(cfg: Config) -> tuple:
     return cfg.ingest, cfg.kafka, cfg.data_dir
 
@@ -121,12 +125,13 @@ def build(cfg: Config, metrics: IngestMetrics | None = None, *, member: int | No
     """The Ingest loop the config describes; `member` K (of several in one group) marks itself ready as
     ingest-K and serves its metrics on ingest.metrics_port + K. `config_file`: the file `cfg` was read from,
     followed for its tenants while ingest runs (TenantFollower); None: nothing is followed."""
+    scorers, time_limits = _scorers(cfg)
     processor = Processor(
-        {t.name: t.scorer for t in cfg.tenants},
+        scorers,
         unknown_tenant=cfg.ingest.unknown_tenant,
         max_message_bytes=cfg.ingest.max_message_bytes,
         max_auto_tenants=cfg.ingest.max_auto_tenants,
-        time_limits={t.name: t.scorer_time_limit_s for t in cfg.tenants},
+        time_limits=time_limits,
         scoring_budget_s=cfg.ingest.max_batch_scoring_seconds,
     )
     follow = None
