@@ -145,7 +145,7 @@ def base_model_dir(cfg) -> Path:
     registry = Path(cfg.data_dir) / "registry"
     try:
         return ensure_tiny(Path(cfg.data_dir) / "models", cfg.model.seed,
-                           adapters_on_it=registry.is_dir() and bool(Registry(cfg.data_dir).tenants()))
+                           adapters_on_it=lambda: registry.is_dir() and bool(Registry(cfg.data_dir).tenants()))
     except ModelBuildError as e:
         print(f"clora: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -31,7 +31,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -415,16 +415,16 @@ def build_random(
     )
 
 
-def ensure_tiny(models_dir: str | Path, seed: int = 0, *, adapters_on_it: bool = False) -> Path:
+def ensure_tiny(models_dir: str | Path, seed: int = 0, *, adapters_on_it: Callable[[], bool] = lambda: False) -> Path:
     """`<models_dir>/tiny-<seed>`, built unless a complete build of the current recipe is already there
     (a cache left by an older recipe, e.g. another init std, is rebuilt rather than silently reused).
-    `adapters_on_it`: adapters were trained on the model there, so a finished build of another recipe or
+    `adapters_on_it()` (asked only before a rebuild): adapters were trained on the model there, so a finished build of another recipe or
     format is not replaced (ModelBuildError): the adapters would go on, unawares, on other weights."""
     out = Path(models_dir) / f"tiny-{seed}"
     if is_complete(out) and _same_recipe(read_marker(out), seed):
         return out
     marker = read_marker(out)
-    if adapters_on_it and marker is not None:  # a finished build (its marker is written last) of another kind
+    if marker is not None and adapters_on_it():  # a finished build (its marker is written last) of another kind
         raise ModelBuildError(
             f"the base model {out} was built by another clora (build {_recipe(marker)}, this one builds "
             f"{_recipe({'format': MARKER_FORMAT, 'kind': 'tiny', 'seed': seed, 'init_std': TINY_INIT_STD})}), and "
