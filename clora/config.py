@@ -14,6 +14,7 @@ I/O beyond reading the one file.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -26,6 +27,8 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 from pydantic import (BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, ValidationError, field_validator,
                       model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError
+
+logger = logging.getLogger(__name__)
 
 CONFIG_ENV = "CLORA_CONFIG"
 DEFAULT_CONFIG_FILE = "clora.toml"
@@ -997,16 +1000,42 @@ class ConfigRereads:
     """A config read again and again by a running service (`reread()`: the file read as at its start).
     `read()` returns the config once two reads in a row agree, else None: a file read while an editor
     rewrites it (truncated, then written) can parse as a valid config that says something else — no tenants —
-    and acting on that one read would drop every tenant until the next. A read that fails raises (the caller
-    logs it and keeps what it has); it does not count as a read.
+    and acting on that one read would drop every tenant until the next. A read that fails raises; it does not
+    count as a read. `follow()` is `read()` for a service that goes on as it is meanwhile: it logs a failed read
+    (once for each error) and the settings it applies only at its next start when they change.
     `path`: the file `reread` reads; while its size and times are what they were at a read two reads agreed
-    on, `read()` returns that config without reading the file (for a service that follows it often)."""
+    on, `read()` returns that config without reading the file (for a service that follows it often).
+    `service`: the service's name in what `follow()` logs. `at_restart`: the settings the service reads only
+    when it starts (a function of the config) and how the log names them."""
 
-    def __init__(self, reread: Callable[[], Config], current: Config, *, path: Path | None = None):
+    def __init__(self, reread: Callable[[], Config], current: Config, *, path: Path | None = None,
+                 service: str = "the service", at_restart: tuple[Callable[[Config], object], str] | None = None):
         self._reread = reread
         self._last = current  # what the previous read said (the config the service started with, at first)
         self._path = path
         self._settled: tuple[int, ...] | None = None  # the file's stat at the last read that agreed
+        self._service = service
+        self._at_restart = at_restart
+        self._started_with = at_restart[0](current) if at_restart is not None else None  # or as last logged
+        self._error: str | None = None  # the last failed read's, logged already
+
+    def follow(self) -> Config | None:
+        """`read()`, but a read that fails gives None (logged when its error differs from the last one's); a
+        change of the settings `at_restart` names is logged once for each change."""
+        try:
+            new = self.read()
+        except Exception as e:  # noqa: BLE001 - ConfigError, anything else: the service goes on as it is
+            if str(e) != self._error:
+                logger.error("config re-read failed; %s goes on as it is: %s", self._service, e)
+            self._error = str(e)
+            return None
+        self._error = None
+        if new is not None and self._at_restart is not None:
+            settings, what = self._at_restart[0](new), self._at_restart[1]
+            if settings != self._started_with:
+                logger.warning("%s changed in the config: %s applies them when it starts again", what, self._service)
+                self._started_with = settings
+        return new
 
     def read(self) -> Config | None:
         stat = self._stat()  # before the read: a write during it changes the stat, and the next call reads

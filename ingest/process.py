@@ -63,34 +63,21 @@ def tune_runtime() -> None:
 
 class TenantFollower:
     """Called by the ingest loop every second or so: reads the config again (`rereads`: a change counts once
-    two reads in a row agree) and hands its tenants' scorers to the processor (Processor.follow). Logs what
-    changed, a change that waits for a restart and a scorer that cannot be built (once each), a config that
-    does not load (once per error), and other changed settings, which take effect at the next start."""
+    two reads in a row agree; a config that does not load and other changed settings, which take effect at
+    the next start, are logged there) and hands its tenants' scorers to the processor (Processor.follow).
+    Logs what changed, and a change that waits for a restart and a scorer that cannot be built (once each)."""
 
     def __init__(self, rereads: ConfigRereads, processor: Processor, cfg: Config) -> None:
         self.rereads = rereads
         self.processor = processor
         self.applied = cfg
-        self.error: str | None = None
         self.logged: set[tuple[str, str]] = set()  # (tenant, what) said already: at_restart, or a scorer error
-        self.settings = _ingest_settings(cfg)
 
     def __call__(self) -> None:
-        try:
-            cfg = self.rereads.read()
-        except Exception as e:  # noqa: BLE001 - ConfigError, an unreadable file: ingest goes on as it is
-            if str(e) != self.error:
-                logger.error("config re-read failed; ingest goes on with the tenants it has: %s", e)
-            self.error = str(e)
-            return
-        self.error = None
+        cfg = self.rereads.follow()
         if cfg is None or cfg is self.applied:  # not settled, or the file unchanged since it was applied
             return
         self.applied = cfg
-        if (settings := _ingest_settings(cfg)) != self.settings:
-            logger.warning("the config's [ingest] or [kafka] settings or data_dir changed: ingest applies them "
-                           "when it starts again")
-            self.settings = settings
         done = self.processor.follow(*_scorers(cfg))
         changes = [f"{what} {', '.join(names)}" for what, names in
                    (("added", done.added), ("scorer changed for", done.rescored), ("removed", done.removed)) if names]
@@ -111,13 +98,14 @@ class TenantFollower:
         self.logged = said
 
 
+def _at_restart(cfg: Config) -> tuple:
+    """The settings ingest reads only when it starts."""
+    return cfg.ingest, cfg.kafka, cfg.data_dir
+
+
 def _scorers(cfg: Config) -> tuple[dict[str, str], dict[str, float]]:
     """The config's tenants' scorers and their time limits, as the Processor takes them."""
     return {t.name: t.scorer for t in cfg.tenants}, {t.name: t.scorer_time_limit_s for t in cfg.tenants}
-
-
-def _ingest_settings(cfg: Config) -> tuple:
-    return cfg.ingest, cfg.kafka, cfg.data_dir
 
 
 def build(cfg: Config, metrics: IngestMetrics | None = None, *, member: int | None = None,
@@ -136,7 +124,9 @@ def build(cfg: Config, metrics: IngestMetrics | None = None, *, member: int | No
     )
     follow = None
     if config_file is not None:
-        follow = TenantFollower(ConfigRereads(lambda: load_config(config_file), cfg, path=config_file), processor, cfg)
+        rereads = ConfigRereads(lambda: load_config(config_file), cfg, path=config_file, service="ingest",
+                                at_restart=(_at_restart, "the [ingest] or [kafka] settings or data_dir"))
+        follow = TenantFollower(rereads, processor, cfg)
     base = cfg.ingest.metrics_port
     if metrics is None:
         port = base + (member or 0) if base else 0

@@ -89,7 +89,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from clora.config import Config, ConfigError, ConfigRereads
+from clora.config import Config, ConfigRereads
 from learner import gate, logs_mode, rollouts
 from learner.policy import (
     ADAPTER_WEIGHTS,
@@ -1612,16 +1612,13 @@ def run(
     served: set[str] = set()
     steps = 0
     reloaded_at = time.monotonic()
-    rereads = ConfigRereads(reload, cfg) if reload is not None else None
+    rereads = ConfigRereads(reload, cfg, service="the learner") if reload is not None else None
     try:
         while not stop.is_set():
             if rereads is not None and time.monotonic() - reloaded_at >= reload_seconds:
                 reloaded_at = time.monotonic()
-                try:
-                    if (new := rereads.read()) is not None:  # two reads in a row agree: not a file half-written
-                        learner.apply_config(new)
-                except ConfigError as e:
-                    logger.error("config reload failed; keeping the previous config: %s", e)
+                if (new := rereads.follow()) is not None:  # two reads in a row agree: not a file half-written
+                    learner.apply_config(new)
             backlog = learner.pending(hold_partial=not (once or until_idle))
             learner.prefetch(backlog)
             exclude = set(served) if once else set()

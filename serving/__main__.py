@@ -96,34 +96,23 @@ async def follow_config(reload, cfg, api, adapters, stop: asyncio.Event, *, ever
                         on_tenants=None):
     """Until `stop` is set: reads the config again every `every` seconds (`reload()`, in a worker thread) and
     applies its tenants and their keys (a tenant added gets its adapter, one removed is refused from its next
-    request, a key changed takes over from the old one). A config that does not load is logged, once for
-    each error, and the tenants stay as they were; other changed settings take effect at the next start
-    (logged once for each change). A change is acted on once two reads in a row agree (`ConfigRereads`).
+    request, a key changed takes over from the old one). A change is acted on once two reads in a row agree; a
+    config that does not load (the tenants stay as they were) and other changed settings, which take effect at
+    the next start, are logged (`ConfigRereads.follow`).
     `on_tenants(n)`: called with the number of tenants after each change of them."""
     from clora.config import ConfigRereads
 
-    keys, error, others = tenant_keys(cfg), None, _others(cfg)
-    rereads = ConfigRereads(reload, cfg)
+    keys = tenant_keys(cfg)
+    rereads = ConfigRereads(reload, cfg, service="serving", at_restart=(_others, "settings other than [[tenants]]"))
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), timeout=every)
             return
         except asyncio.TimeoutError:
             pass
-        try:
-            new = await asyncio.to_thread(rereads.read)
-        except Exception as e:  # noqa: BLE001 - ConfigError, an unreadable file, anything: serving goes on
-            if str(e) != error:
-                logger.error("config re-read failed; serving goes on with the tenants it has: %s", e)
-            error = str(e)
+        new = await asyncio.to_thread(rereads.follow)
+        if new is None:  # not loaded, or not yet settled: acted on if the next read still says so
             continue
-        error = None
-        if new is None:  # differs from the read before: acted on if the next read still says so
-            continue
-        if (changed := _others(new)) != others:
-            logger.warning("the config's settings other than [[tenants]] changed: serving applies them when it "
-                           "starts again")
-            others = changed
         if tenant_keys(new) == keys:
             continue
         before = {name for name, _ in keys}

@@ -706,3 +706,25 @@ def test_a_config_followed_by_its_file_is_read_again_only_when_the_file_changed(
     path.write_text('[[tenants]]\nname = "zeta"\napi_key = "sk-zeta-00000"\n')
     assert rereads.read() is None and rereads.read().tenants[0].name == "zeta" and len(reads) == 3
     assert rereads.read().tenants[0].name == "zeta" and len(reads) == 3
+
+
+def test_a_followed_config_logs_a_failed_read_once_per_error_and_a_change_that_waits_for_a_restart(tmp_path, caplog):
+    path = tmp_path / "clora.toml"
+    tenant = '[[tenants]]\nname = "acme"\napi_key = "sk-acme-0000"\n'
+    path.write_text(tenant)
+    rereads = ConfigRereads(lambda: load_config(path, environ={}), load_config(path, environ={}), service="ingest",
+                            at_restart=(lambda c: c.ingest, "the [ingest] settings"))
+    caplog.set_level("INFO", logger="clora.config")
+    path.write_text("[[tenants]\n")
+    assert rereads.follow() is None and rereads.follow() is None, "a failed read gives None, not an exception"
+    assert caplog.text.count("config re-read failed; ingest goes on as it is") == 1, caplog.text
+    path.write_text("[ingest\n")  # another error is said
+    assert rereads.follow() is None
+    assert caplog.text.count("config re-read failed") == 2
+    path.write_text(tenant + "[ingest]\nflush_rows = 7\n")
+    assert rereads.follow() is None, "not yet settled"
+    assert rereads.follow().ingest.flush_rows == 7 and rereads.follow().ingest.flush_rows == 7
+    assert caplog.text.count("the [ingest] settings changed in the config: ingest applies them when it starts again") == 1
+    path.write_text("[[tenants]\n")
+    rereads.follow()
+    assert caplog.text.count("config re-read failed") == 3, "the same error after a good read is said again"
