@@ -134,9 +134,10 @@ class ServingMetrics:
 
     def forget(self, tenant: str) -> None:
         """A tenant a config re-read removed: its series leave /metrics (each tenant that ever came and went
-        kept ~80 series, for the process's life). Back again, it starts from zero (a counter reset)."""
-        for metric in (self.requests, self.prompt_tokens, self.completion_tokens, self.latency, self.adapter_version,
-                       self.swaps, self.swap_seconds, self.publish_to_live, self.refused, self.replays, self.inflight):
+        kept ~80 series, for the process's life). Back again, it starts from zero (a counter reset). Not
+        `adapter_version`: the adapter set's, which has it for exactly the tenants it serves (set_tenants)."""
+        for metric in (self.requests, self.prompt_tokens, self.completion_tokens, self.latency, self.swaps,
+                       self.swap_seconds, self.publish_to_live, self.refused, self.replays, self.inflight):
             metric.remove_by_labels({"tenant": tenant})
 
     def render(self) -> bytes:

@@ -1978,7 +1978,8 @@ def test_a_tenant_removed_by_a_config_re_read_leaves_metrics_and_the_feedback_li
     assert w.post("/v1/chat/completions", {**chat(), "model": "globex"}, tenant="globex").status_code == 200
     assert w.post("/v1/feedback", {"id": "x", "score": 1}, tenant="globex").status_code in (200, 202)
     assert 'tenant="globex"' in w.api.metrics.render().decode() and "globex" in w.api.feedback_rate._buckets
-    w.api.set_tenants(["acme"], [("acme", KEYS["acme"])])
+    w.api.set_tenants(["acme"], [("acme", KEYS["acme"])])  # as follow_config does: keys, then adapters
+    w.run(lambda _: w.api.adapters.set_tenants(["acme"]))
     metrics = w.api.metrics.render().decode()
     assert 'tenant="globex"' not in metrics and 'tenant="acme"' in metrics
     assert "globex" not in w.api.feedback_rate._buckets
