@@ -81,7 +81,7 @@ import logging
 import os
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -113,7 +113,8 @@ FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d{20})$")
 _SNAPSHOT = re.compile(r"^trained-(?:(\d{20})-)?(\d{20})\.parquet$")  # first (0 when absent), last
 _INDEX_SCHEMA = pa.schema([TRAJECTORIES.field("id"), TRAJECTORIES.field("ingested_at")])
-_IDS_SCHEMA = pa.schema([pa.field("id", pa.string(), nullable=False)], metadata={b"clora.cursor_format": b"1"})
+_CURSOR_FORMAT = b"clora.cursor_format"  # ids files' metadata: FORMAT
+_IDS_SCHEMA = pa.schema([pa.field("id", pa.string(), nullable=False)], metadata={_CURSOR_FORMAT: str(FORMAT).encode()})
 # Untrained rows and where they are. `file` is a file's number in _Backlog.files (pending rows, which also
 # carry the id's fingerprint) or its position in the listed paths (the index that `untrained` sorts).
 _ROWS_SCHEMA = pa.schema([*_INDEX_SCHEMA, pa.field("file", pa.int32()), pa.field("row", pa.int64())])
@@ -210,6 +211,18 @@ def _merged(tenant_dir: Path, run: list[_Snapshot]) -> _Snapshot:
     return merged
 
 
+def _id_batches(path: Path) -> Iterator[pa.Array]:
+    """The ids of a step's ids.parquet or of a snapshot, _READ_BATCH at a time. A file of a cursor format
+    other than this clora's raises StorageError (a newer clora's would be misread)."""
+    with pq.ParquetFile(path) as ids_file:
+        found = (ids_file.schema_arrow.metadata or {}).get(_CURSOR_FORMAT, str(FORMAT).encode())
+        if found != str(FORMAT).encode():
+            raise StorageError(f"{path} has cursor format {found.decode(errors='replace')!r}; this clora reads "
+                               f"{FORMAT}: it was written by another version of clora (upgrade this one)")
+        for batch in ids_file.iter_batches(batch_size=_READ_BATCH, columns=["id"]):
+            yield batch.column("id")
+
+
 def _write_ids(final: Path, sources: list[Path], newest_commit_ms: int) -> None:
     """One ids file from `sources`, streamed (one batch of ids in memory at a time), written durably. An id
     in two sources (the learner never commits one twice) would be kept twice; readers take a set."""
@@ -218,9 +231,8 @@ def _write_ids(final: Path, sources: list[Path], newest_commit_ms: int) -> None:
     def write(tmp: Path) -> None:
         with pq.ParquetWriter(tmp, schema) as out:
             for path in sources:
-                with pq.ParquetFile(path) as ids_file:
-                    for batch in ids_file.iter_batches(batch_size=_READ_BATCH, columns=["id"]):
-                        out.write_batch(pa.record_batch([batch.column("id")], schema=schema))
+                for ids in _id_batches(path):
+                    out.write_batch(pa.record_batch([ids], schema=schema))
 
     write_new_file(final, write)
 
@@ -628,10 +640,9 @@ class Cursors:
         # the caller list again and come back here with the same `through`).
         added = False
         for path in sources:
-            with pq.ParquetFile(path) as ids_file:
-                for batch in ids_file.iter_batches(batch_size=_READ_BATCH, columns=["id"]):
-                    state.trained.add(*hash_strings(batch.column("id").to_pylist()))
-                    added = True
+            for ids in _id_batches(path):
+                state.trained.add(*hash_strings(ids.to_pylist()))
+                added = True
         if added and state.pending.num_rows:
             pending_hi, pending_lo = (state.pending.column(c).to_numpy() for c in ("hi", "lo"))
             state.pending = state.pending.filter(pa.array(~state.trained.contains(pending_hi, pending_lo)))

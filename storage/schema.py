@@ -9,7 +9,8 @@ Evolution rule (what keeps old files readable): add nullable columns, never rena
 `conform` fills columns a file lacks with nulls, so readers always get the current schema. A change that
 breaks the rule bumps SCHEMA_VERSION and adds a converter in `conform`. The other way round, a file a newer
 clora wrote may hold columns this code does not know, which a non-strict `conform` drops: fine for a reader,
-not for whatever rewrites the file (compaction), which asks `conform_loses` first.
+not for whatever rewrites the file (compaction), which asks `conform_loses` first. A file of a newer
+SCHEMA_VERSION is refused by readers too (SchemaMismatch: upgrade this clora).
 
 Timestamps are timestamp[ms, UTC] everywhere; token ids and logprobs are list<int32> / list<float32> so a
 trajectory can be re-scored without a tokenizer.
@@ -191,8 +192,13 @@ def conform(table: pa.Table, schema: pa.Schema, *, strict: bool = True, what: st
 
     strict (writes): unknown columns, missing required columns, nulls in required columns and
     incompatible types raise SchemaMismatch naming the column. Not strict (reads of old files): unknown
-    columns are dropped and missing columns become nulls whatever their nullability.
+    columns are dropped and missing columns become nulls whatever their nullability; a table whose metadata
+    names a newer SCHEMA_VERSION (a breaking change, by the rule above: a column renamed would read as
+    nulls) raises SchemaMismatch.
     """
+    if not strict and (newer := _newer_version(table.schema)) is not None:
+        raise SchemaMismatch(f"{what}: {newer}; it was written by a newer clora, which this one cannot read: "
+                             f"upgrade this clora")
     if strict:
         extra = [c for c in table.column_names if schema.get_field_index(c) < 0]
         if extra:
@@ -220,7 +226,12 @@ def conform_loses(file_schema: pa.Schema, schema: pa.Schema) -> str | None:
     unknown = [n for n in file_schema.names if schema.get_field_index(n) < 0]
     if unknown:
         return f"columns not in this version's schema: {', '.join(unknown)}"
-    version = (file_schema.metadata or {}).get(VERSION_KEY)
+    return _newer_version(file_schema)
+
+
+def _newer_version(schema: pa.Schema) -> str | None:
+    """Why a file of `schema` is not of this SCHEMA_VERSION or an older one, or None."""
+    version = (schema.metadata or {}).get(VERSION_KEY)
     if version is None:
         return None  # not written by clora; nothing in it is unknown
     try:

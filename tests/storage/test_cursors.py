@@ -93,6 +93,20 @@ def test_commit_returns_checkpoint_and_latest_checkpoint_finds_it(data_dir):
         cursors.commit("acme", step=3, ids=["x"], checkpoint=_checkpoint("again"))
 
 
+def test_an_ids_file_of_another_cursor_format_is_refused_not_misread(data_dir, make_trajectories):
+    """A step's ids.parquet says its format in its metadata; one a newer clora wrote (another layout of the
+    ids, say) must stop the reader with a clear error, not count a wrong set of ids as trained."""
+    from storage.layout import StorageError
+
+    ids = _ingest(data_dir, make_trajectories, "acme", 3)
+    step = Cursors(data_dir).commit("acme", step=1, ids=ids[:2], checkpoint=_checkpoint("s1")).parent
+    assert Cursors(data_dir).trained_ids("acme") == set(ids[:2])
+    table = pq.read_table(step / "ids.parquet")
+    pq.write_table(table.replace_schema_metadata({b"clora.cursor_format": b"2"}), step / "ids.parquet")
+    with pytest.raises(StorageError, match=r"ids.parquet has cursor format '2'; this clora reads 1"):
+        Cursors(data_dir).untrained("acme")
+
+
 def test_failed_checkpoint_commits_nothing(data_dir):
     cursors = Cursors(data_dir)
     cursors.commit("acme", step=1, ids=["a"], checkpoint=_checkpoint("s1"))
