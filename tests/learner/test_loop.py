@@ -1594,7 +1594,7 @@ def test_a_stop_while_rollouts_are_sampled_ends_the_run_at_once_and_commits_noth
         assert sampler.entered.wait(60)  # the loop goes on from prefetching to the step, which waits for it
         time.sleep(0.5)
         stop.set()
-        thread.join(timeout=10)
+        thread.join(timeout=60)  # the samples never come: only the stop ends the wait
         assert not thread.is_alive(), "the learner waited for the samples"
     finally:
         sampler.release.set()

@@ -246,7 +246,7 @@ NEVER_ANSWERED = textwrap.dedent(r"""
         received.set()
 
     threading.Thread(target=receive, daemon=True).start()
-    sampler = ServingSampler(f"http://127.0.0.1:{server.getsockname()[1]}", timeout=15.0)
+    sampler = ServingSampler(f"http://127.0.0.1:{server.getsockname()[1]}", timeout=3600.0)
     prefetcher = Prefetcher(sampler)
     prefetcher.start("acme", RolloutPlan(("hi",), ()), [SampleRequest("acme", "k", "hi", 2, 4, 1.0)], step=1)
     assert received.wait(30)
@@ -260,11 +260,12 @@ NEVER_ANSWERED = textwrap.dedent(r"""
 
 def test_a_process_stopping_does_not_wait_for_a_rollout_request_blocked_in_its_read():
     """The interpreter joins a thread pool's threads at exit: a rollout request blocked in its read held the
-    stopping learner up to the HTTP timeout (300 s by default; 15 s here)."""
+    stopping learner up to the HTTP timeout (300 s by default; an hour here, so that a process waiting for it
+    outlives the run's own limit and fails the test, however slow the machine)."""
     out = subprocess.run([sys.executable, "-c", NEVER_ANSWERED], cwd=Path(__file__).resolve().parents[2],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert float(out.stdout.split()[-1]) < 3, out.stdout
+    assert out.stdout.startswith("exited in "), out.stdout  # it got as far as closing, and exited
 
 
 @pytest.mark.parametrize("header, wait", [

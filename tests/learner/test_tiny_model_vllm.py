@@ -126,6 +126,7 @@ def test_base_model_generates_varied_tokens_when_sampling(llm):
     from vllm import SamplingParams
 
     outputs = llm.chat(PROMPTS, SamplingParams(temperature=1.0, max_tokens=24, seed=3))
+    assert len(outputs) == len(PROMPTS)
     for output in outputs:
         ids = list(output.outputs[0].token_ids)
         assert len(ids) >= 12
@@ -136,6 +137,7 @@ def test_base_model_generates_varied_tokens_when_sampling(llm):
 def test_adapter_changes_the_generated_text(llm, adapter):
     base = llm.chat(PROMPTS, greedy())
     tuned = llm.chat(PROMPTS, greedy(), lora_request=lora_request(adapter))
+    assert len(base) == len(tuned) == len(PROMPTS)
     for b, t in zip(base, tuned):
         assert list(b.outputs[0].token_ids) != list(t.outputs[0].token_ids)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import threading
@@ -200,6 +201,16 @@ class World:
             async with self.client(tenant) as c:
                 return await c.get(path)
         return self.run(one)
+
+
+async def eventually(condition, timeout: float = 30.0) -> None:
+    """Waits until `condition()` holds, polled every 10 ms; fails the test after `timeout` seconds (what it
+    waits for is a background task's doing, not a time)."""
+    for _ in range(int(timeout / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out waiting for a condition")
 
 
 def chat(**extra):
@@ -1858,13 +1869,18 @@ def test_a_config_re_read_serves_an_added_tenant_and_refuses_a_removed_or_replac
     write(KEYS.items())
     cfg = load_config(path, environ={})
     counts = []  # the tenants after each change: serving's connection limit follows them
+    reads = []
+
+    def reload():
+        reads.append(1)
+        return load_config(path, environ={})
 
     async def scenario():
         stop = asyncio.Event()
-        follower = asyncio.create_task(follow_config(lambda: load_config(path, environ={}), cfg, w.api,
-                                                     w.api.adapters, stop, every=0.02, on_tenants=counts.append))
+        follower = asyncio.create_task(follow_config(reload, cfg, w.api, w.api.adapters, stop, every=0.02,
+                                                     on_tenants=counts.append))
         write([("acme", "acme-key-2"), ("initech", "initech-key"), ("hooli", "hooli-key")])
-        await asyncio.sleep(0.3)
+        await eventually(lambda: w.api.adapters.tenants == ("acme", "initech", "hooli"))
         codes = {}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=w.app), base_url="http://clora") as c:
             for key in ("acme-key", "acme-key-2", "globex-key", "initech-key"):
@@ -1872,7 +1888,9 @@ def test_a_config_re_read_serves_an_added_tenant_and_refuses_a_removed_or_replac
                                  json={"model": "initech" if key.startswith("initech") else "acme", "messages": MESSAGES})
                 codes[key] = r.status_code
         path.write_text("bogus = 1\n")
-        await asyncio.sleep(0.3)
+        await eventually(lambda: "config re-read failed" in caplog.text)
+        failed_at = len(reads)
+        await eventually(lambda: len(reads) >= failed_at + 3)  # the same error read again, not said again
         stop.set()
         await follower
         return codes
@@ -1895,13 +1913,21 @@ def test_a_config_re_read_says_a_changed_admin_key_waits_for_a_restart(tmp_path,
     path.write_text('[serving]\nadmin_key = "sk-admin-1234"\n' + tenants)
     cfg = load_config(path, environ={})
 
+    reads = []
+
+    def reload():
+        reads.append(1)
+        return load_config(path, environ={})
+
     async def scenario():
         stop = asyncio.Event()
-        follower = asyncio.create_task(follow_config(lambda: load_config(path, environ={}), cfg, w.api,
-                                                     w.api.adapters, stop, every=0.02))
-        await asyncio.sleep(0.2)  # read again, unchanged: nothing said
+        follower = asyncio.create_task(follow_config(reload, cfg, w.api, w.api.adapters, stop, every=0.02))
+        await eventually(lambda: len(reads) >= 3)  # read again, unchanged: nothing said
+        assert "starts again" not in caplog.text
         path.write_text('[serving]\nadmin_key = "sk-admin-5678"\n' + tenants)
-        await asyncio.sleep(0.2)
+        await eventually(lambda: "serving applies them when it starts again" in caplog.text)
+        said_at = len(reads)
+        await eventually(lambda: len(reads) >= said_at + 3)
         stop.set()
         await follower
 
@@ -1930,7 +1956,8 @@ def test_a_rotated_key_takes_effect_while_an_adapter_refresh_is_still_running(tm
                                                      w.api.adapters, stop, every=0.02))
         async with w.api.adapters._refresh_lock:  # a long refresh under way
             write({**KEYS, "acme": "acme-key-rotated"})
-            await asyncio.sleep(0.3)
+            rotated = hashlib.sha256(b"acme-key-rotated").digest()
+            await eventually(lambda: rotated in w.api.auth._by_digest)  # the follower applied the new keys
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=w.app), base_url="http://clora") as c:
                 codes = [(await c.get("/v1/models", headers={"Authorization": f"Bearer {key}"})).status_code
                          for key in ("acme-key", "acme-key-rotated")]
@@ -1952,17 +1979,21 @@ def test_a_config_read_half_written_once_changes_nothing(tmp_path):
     full.write_text("".join(f'[[tenants]]\nname = "{n}"\napi_key = "{k}"\n' for n, k in KEYS.items()))
     empty = tmp_path / "empty.toml"
     empty.write_text("")
-    reads = iter([empty, full, full, full, full, full, full, full, full, full])
+    files = [empty, full, full, full, full]
+    reads = []
     applied = []
     real = w.api.set_tenants
     w.api.set_tenants = lambda names, keys: (applied.append(list(names)), real(names, keys))
 
+    def reload():
+        reads.append(1)
+        return load_config(files[min(len(reads), len(files)) - 1], environ={})
+
     async def scenario():
         stop = asyncio.Event()
-        follower = asyncio.create_task(follow_config(lambda: load_config(next(reads, full), environ={}),
-                                                     load_config(full, environ={}), w.api, w.api.adapters, stop,
-                                                     every=0.01))
-        await asyncio.sleep(0.2)
+        follower = asyncio.create_task(follow_config(reload, load_config(full, environ={}), w.api, w.api.adapters,
+                                                     stop, every=0.01))
+        await eventually(lambda: len(reads) >= len(files) + 2)  # the empty read, then the full one again
         stop.set()
         await follower
 
