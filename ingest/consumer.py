@@ -771,7 +771,7 @@ class Ingest:
                 known = json.loads(path.read_text())
             except FileNotFoundError:
                 known = {}
-            except (OSError, ValueError) as e:  # damaged: written again (at worst a dead letter stored twice)
+            except (OSError, ValueError) as e:  # damaged: written again, as if never seen (below)
                 logger.warning("ingest: %s unreadable (%s); written again", path, e)
                 known = {}
             if not isinstance(known, dict):
@@ -784,8 +784,11 @@ class Ingest:
                     if topic in known:
                         logger.info("ingest: topic %s was made again (id %s, was %s): its offsets start over",
                                     topic, topic_id, was)
-                    # Never seen: what is stored of it came from this one (or from before ids were recorded).
-                    known[topic] = {"id": topic_id, "since_ms": now_ms() if topic in known else 0}
+                    # Never seen (or the file lost or damaged): what is stored may come from another incarnation,
+                    # whose dead letters, taken for this one's, would make its messages at their offsets look
+                    # like replays and lose them. From now: at worst a dead letter of this one stored twice (a
+                    # crash between its write and its commit, with the file lost meanwhile).
+                    known[topic] = {"id": topic_id, "since_ms": now_ms()}
                     changed = True
             if changed:
                 atomic_write_bytes(path, json.dumps(known, indent=1).encode())

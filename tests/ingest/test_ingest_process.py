@@ -442,11 +442,13 @@ def test_a_slow_scorer_cuts_batches_at_the_scoring_budget_and_every_event_lands_
         consumer.close()
 
 
-def test_a_broker_that_starts_again_with_its_topics_made_anew_loses_no_event(tmp_path, data_dir):
+@pytest.mark.parametrize("topics_file", ["kept", "deleted", "damaged"])
+def test_a_broker_that_starts_again_with_its_topics_made_anew_loses_no_event(tmp_path, data_dir, topics_file):
     """The embedded broker keeps its topics in memory: started again, it makes them anew, offsets from 0, and
     the data dir is the same. A valid event at an offset where the old topic's message was dead-lettered was
     taken for a replay of it and lost; a new malformed one there was never stored, nor (its file named like the
-    stored one's) one alone in a batch of the same range."""
+    stored one's) one alone in a batch of the same range. So too when the file that records the topics' ids
+    was lost or damaged (state/ deleted by hand): every stored dead letter was then taken for the new topic's."""
     from ingest.broker import EmbeddedBroker, free_port
 
     topics = ["a.i", "a.f", "a.d"]
@@ -475,6 +477,16 @@ def test_a_broker_that_starts_again_with_its_topics_made_anew_loses_no_event(tmp
             broker.stop()
 
     ingest_once(b"not json")  # a.i:0:0
+    state = data_dir / "state" / "ingest-topics.json"
+    assert state.exists()
+    if topics_file != "kept":
+        if topics_file == "deleted":
+            state.unlink()
+        else:
+            state.write_text('{"a.i": {"id": "')
+        ingest_once(b"fresh junk")  # a.i:0:0 of the new topic: not the stored dead letter's replay
+        assert sorted(read_dataset(data_dir, "dead_letters").column("raw").to_pylist()) == [b"fresh junk", b"not json"]
+        return
     log = ingest_once(encode(InteractionEvent(id="d0", tenant="dig", prompt="p", completion="12ab")), b"also bad")
     assert "topic a.i was made again" in log
     assert read_dataset(data_dir, "interactions").column("id").to_pylist() == ["d0"]
