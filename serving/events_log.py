@@ -213,7 +213,12 @@ class EventLog:
         self._next_connect = 0.0
         self._next_look = 0.0  # when to look for segments other processes left (_look_for_left_segments)
         self._deadline: float | None = None  # set by close(): sends end by then, the rest is spooled
-        self._spooled = self.spool.pending()  # left by an earlier run (or another process)
+        try:
+            self._spooled = self.spool.pending()  # left by an earlier run (or another process)
+        except OSError as e:  # the spool cannot be listed: serving answers all the same
+            logger.error("cannot read the spool at %s (%s); what it holds is sent once it can be read (looked at "
+                         "every %g s)", self.spool.directory, e, self.retry_seconds)
+            self._spooled = 0  # _look_for_left_segments finds what an earlier run left, once it can
         self.metrics.spool_events.set(self._spooled)
         self._thread = threading.Thread(target=self._run, name="clora-event-log", daemon=True)
 
@@ -521,7 +526,12 @@ class EventLog:
                 return False
             if through < len(messages):
                 self._record_progress(claim, through)
-        claim.done()
+        try:
+            claim.done()
+        except SpoolError:  # its unreadable lines could not be kept: it stays, and is claimed again
+            raise
+        except OSError as e:  # a read-only spool: sent again at every pass, for ever
+            self.spool.set_aside(claim.path, f"could not be deleted once sent ({e})", sent=True)
         logger.info("sent %d spooled events from %s", len(messages), claim.path.name)
         return True
 

@@ -104,6 +104,7 @@ WRITER = ".writer"  # <pid>-<writer id>.writer: locked for as long as the Spool 
 WRITER_TMP = ".writer-tmp"
 STALE_WRITER_TMP_S = 60.0
 DEAD_DIR = "dead"
+UNREADABLE = ".unreadable"  # a segment that cannot be read: <name>.unreadable, out of every listing
 DEAD_LETTER_VERSION = 1
 
 
@@ -164,6 +165,7 @@ class Spool:
         self.id = uuid.uuid4().hex[:8]  # in the name of every segment this Spool writes
         self._writer = None  # its <pid>-<id>.writer file, locked, while it has segments
         self._writer_path: Path | None = None
+        self._set_aside: set[Path] = set()  # segments this process cannot read or delete: out of its listings
         try:
             ensure_dir(self.directory)  # its entry made durable too: a fsynced segment in a lost directory is lost
         except OSError as e:
@@ -295,7 +297,7 @@ class Spool:
         with self._lock:
             own = self._path
             names = list(self.directory.iterdir())
-            found = [p for p in names if p.suffix in (".jsonl", ".open") and p != own]
+            found = [p for p in names if p.suffix in (".jsonl", ".open") and p != own and p not in self._set_aside]
             if own is None and self.id not in {_writer_id(p) for p in found}:
                 self._let_writer_go()  # its segments are all sent: nothing for a peer to tell about it
         stems = {p.stem for p in found} | ({own.stem} if own else set())
@@ -352,7 +354,29 @@ class Spool:
                     count += sum(chunk.count(b"\n") for chunk in iter(partial(f.read, 1 << 20), b""))
             except FileNotFoundError:  # claimed and deleted meanwhile
                 continue
+            except OSError as e:  # no permission, an I/O error: every pass would fail on it
+                self.set_aside(p, f"cannot be read: {e}")
         return count
+
+    def set_aside(self, segment: Path, why: str, *, sent: bool = False) -> None:
+        """Takes a segment this process cannot read (or, `sent`, cannot delete once sent) out of the way of the
+        others, which would wait behind it for ever (every pass failing on it, new events spooled behind it):
+        one that cannot be read is renamed `<name>.unreadable` (out of every listing: an operator may mend it
+        and rename it back), and either is left out of this process's listings. Logged once."""
+        if segment in self._set_aside:
+            return
+        self._set_aside.add(segment)
+        what = "it was sent but stays (sent again by a later start: duplicates)" if sent else \
+            "left where it is, out of this process's sending"
+        if not sent:
+            try:
+                segment.rename(segment.with_name(segment.name + UNREADABLE))
+                what = f"renamed {segment.name}{UNREADABLE}: its events are not sent"
+            except FileNotFoundError:
+                return  # claimed and deleted by another process meanwhile
+            except OSError:
+                pass
+        logger.error("spool segment %s %s; %s", segment, why, what)
 
     @contextmanager
     def claim(self, segment: Path) -> Iterator[Claim | None]:
@@ -361,6 +385,10 @@ class Spool:
         try:
             file = open(segment, "rb")  # noqa: SIM115 (closed below)
         except FileNotFoundError:
+            yield None
+            return
+        except OSError as e:
+            self.set_aside(segment, f"cannot be opened: {e}")
             yield None
             return
         try:
@@ -372,9 +400,15 @@ class Spool:
             if not _still_named(segment, os.fstat(file.fileno())):  # deleted by a sender that held it before
                 yield None  # us, or sealed (renamed .jsonl) by its writer since we opened it: claimed by that name
                 return
-            offset = _acked_offset(segment, file)
-            file.seek(offset)
-            messages, ends, unreadable = _read_messages(segment, file.read(), offset)
+            try:
+                offset = _acked_offset(segment, file)
+                file.seek(offset)
+                data = file.read()
+            except OSError as e:
+                self.set_aside(segment, f"cannot be read: {e}")
+                yield None
+                return
+            messages, ends, unreadable = _read_messages(segment, data, offset)
             yield Claim(segment, messages, ends, unreadable, self.dead_letter)
         finally:
             file.close()

@@ -284,6 +284,54 @@ def test_a_gone_writers_segments_are_sent_whatever_process_id_they_carry(tmp_pat
     assert not list((tmp_path / "spool").glob("*.writer")), "a gone writer's file goes with its last segment"
 
 
+def test_a_segment_that_cannot_be_read_is_set_aside_and_the_rest_of_the_spool_is_sent(tmp_path, caplog):
+    """An oldest segment that could not be opened (no permission, an I/O error; here a directory in its place)
+    failed every sending pass before any other segment, so every new event was spooled behind it and none
+    reached Kafka again, with a traceback five times a second."""
+    broker = FakeBroker()
+    broker.up = False
+    older, _ = peer_segment(tmp_path, (1, 2), alive=False)
+    blocked = older.with_name(older.name.replace("-", "-0", 1))  # sorts first: the oldest
+    blocked.mkdir()
+    log = make_log(tmp_path, broker)
+    log.log(interaction(3))
+    wait_for(lambda: log.spooled >= 3)  # Kafka away: spooled behind both segments
+    broker.up = True
+    wait_for(lambda: sorted(r[2] for r in broker.received) == ["i1", "i2", "i3"])
+    log.close()
+    assert not blocked.exists() and blocked.with_name(blocked.name + ".unreadable").is_dir()
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and blocked.name in errors[0] and "renamed" in errors[0], errors
+    assert events_log.Spool(tmp_path / "spool").pending() == 0
+
+
+def test_a_sent_segment_that_cannot_be_deleted_is_not_sent_again_and_again(tmp_path, monkeypatch, caplog):
+    """A spool folder made read-only (a remount, an owner changed): each pass sent the segment whole and
+    failed to delete it, so its events went to Kafka two to five times a second, for ever."""
+    import pathlib
+
+    broker = FakeBroker()
+    segment, _ = peer_segment(tmp_path, (1, 2), alive=False)
+    unlink = pathlib.Path.unlink
+
+    def read_only(self, missing_ok=False):
+        if self == segment:
+            raise PermissionError(13, "Permission denied", str(self))
+        return unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", read_only)
+    log = make_log(tmp_path, broker)
+    wait_for(lambda: len(broker.received) == 2)
+    log.log(interaction(3))
+    wait_for(lambda: len(broker.received) == 3)
+    time.sleep(0.3)  # several passes and looks (retry_seconds 0.05) that would send it again
+    log.close()
+    assert sorted(r[2] for r in broker.received) == ["i1", "i2", "i3"]
+    assert segment.exists()
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "could not be deleted once sent" in errors[0], errors
+
+
 class HangingProducer(FakeProducer):
     """A broker that takes messages but never acknowledges them: flush waits out its whole timeout."""
 
