@@ -104,7 +104,7 @@ from storage.files import (
 )
 from storage.hashindex import HashIndex, hash_strings
 from storage.layout import StorageError, as_datadir, check_tenant, is_tenant
-from storage.parquet import live_files, partition_tenants, read_file, read_rows, retry_vanished
+from storage.parquet import damaged, live_files, partition_tenants, read_file, read_rows, retry_vanished
 from storage.schema import TRAJECTORIES, conform
 
 logger = logging.getLogger(__name__)
@@ -247,6 +247,7 @@ class _Backlog:
     files: dict[str, int] = field(default_factory=dict)  # every live trajectories file read -> its number
     next_file: int = 0
     pending: pa.Table = field(default_factory=_PENDING_SCHEMA.empty_table)  # untrained rows of `files`
+    damaged: set[str] = field(default_factory=set)  # files of `files` whose content cannot be read: no rows
     # What the last call listed (file paths, cursor snapshots and steps) and what it answered from that.
     listing: tuple = ()
     index: pa.Table = field(default_factory=_ROWS_SCHEMA.empty_table)
@@ -260,7 +261,8 @@ def _moved(state: _Backlog, horizon: Horizon) -> _Backlog:
     pending = state.pending
     if horizon.before_ms is not None and pending.num_rows:
         pending = pending.filter(pc.greater_equal(pending.column("ingested_at").cast(pa.int64()), horizon.before_ms))
-    return _Backlog(horizon=horizon, through=horizon.through, files=state.files, next_file=state.next_file, pending=pending)
+    return _Backlog(horizon=horizon, through=horizon.through, files=state.files, next_file=state.next_file, pending=pending,
+                    damaged=state.damaged)
 
 
 class Cursors:
@@ -371,6 +373,11 @@ class Cursors:
             return out
 
         return retry_vanished(read, "computing backlog")
+
+    def damaged_files(self) -> dict[str, list[str]]:
+        """tenant -> its trajectories files that `backlog` found damaged (what is in them cannot be read), whose
+        rows it leaves out, for those still listed at the last call."""
+        return {tenant: sorted(state.damaged) for tenant, state in sorted(self._backlogs.items()) if state.damaged}
 
     # --- writing the cursor ---------------------------------------------------------------------------
     def commit(self, tenant: str, *, step: int, ids: list[str], checkpoint: Callable[[Path], None]) -> Path:
@@ -654,6 +661,7 @@ class Cursors:
         untrained rows. Paths key it because data files are never rewritten in place (only replaced by new
         names): a path that is still listed still holds what was read."""
         live = set(paths)
+        state.damaged &= live
         gone = [p for p in state.files if p not in live]
         if gone:
             numbers = pa.array([state.files.pop(p) for p in gone], pa.int32())
@@ -666,7 +674,14 @@ class Cursors:
             except FileNotFoundError:
                 raise
             except (OSError, pa.ArrowException) as e:
-                raise StorageError(f"cannot read {path}: {e}") from e
+                if isinstance(e, OSError) or not damaged(e):  # a disk error, this process's trouble: tried again
+                    raise StorageError(f"cannot read {path}: {e}") from e
+                # What is in it is damaged (torn, corrupt): it will never read, and compaction and retention
+                # leave it alone, so failing on it stopped the tenant's training for good. Its rows are left out.
+                logger.error("%s cannot be read (%s: %s); its trajectories are left out of training (restore the "
+                             "file, or delete it)", path, type(e).__name__, e)
+                cols = _INDEX_SCHEMA.empty_table()
+                state.damaged.add(path)
             hi, lo = hash_strings(cols.column("id").to_pylist())
             untrained = ~state.trained.contains(hi, lo)
             if state.horizon.before_ms is not None:  # older than the horizon: left out (Cursors.forget)

@@ -37,6 +37,8 @@ def gather(cfg) -> dict:
         cursors = Cursors(dd)
         backlog = cursors.backlog()
         problems += [f"backlog of {t} cannot be read: {why}" for t, why in sorted(cursors.backlog_errors.items())]
+        problems += [f"trajectories of {t} left out of training, their file damaged: {path}"
+                     for t, paths in cursors.damaged_files().items() for path in paths]
     except OSError as e:
         backlog = {}
         problems.append(f"the trajectories cannot be listed: {e}")

@@ -1092,22 +1092,32 @@ def test_in_a_round_a_scorer_outage_fails_only_its_own_tenants_step(tiny_model, 
     learner.close()
 
 
-def test_one_tenants_unreadable_files_and_stray_folders_do_not_stop_the_others(tiny_model, data_dir):
+def test_one_tenants_unreadable_files_and_stray_folders_do_not_stop_the_others(tiny_model, data_dir, caplog):
+    """A tenant whose backlog cannot be read (its horizon.json damaged) is in error, the others train. A damaged
+    trajectories file (truncated: it will never read) left its tenant in error for good, since compaction and
+    retention leave such a file alone: its rows are left out, the tenant's other files are trained."""
     write(data_dir, "ok", rows("a", 8), "b0")
     write(data_dir, "broken", rows("b", 8), "b0")
-    (bad,) = (Path(data_dir) / "trajectories" / "tenant=broken").glob("*.parquet")
+    write(data_dir, "torn", rows("t", 8), "b0")
+    (bad,) = (Path(data_dir) / "trajectories" / "tenant=torn").glob("*.parquet")
     bad.write_bytes(bad.read_bytes()[:100])  # truncated: pyarrow cannot read it
+    write(data_dir, "torn", rows("u", 8), "b1")
+    horizon = Path(data_dir) / "cursors" / "broken" / "horizon.json"
+    horizon.parent.mkdir(parents=True)
+    horizon.write_text("{")
     (Path(data_dir) / "cursors" / "_old").mkdir(parents=True)  # left by hand: no tenant
-    cfg = make_config(data_dir, tiny_model, [{"name": "ok", "batch_size": 8}, {"name": "broken", "batch_size": 8}])
+    cfg = make_config(data_dir, tiny_model, [{"name": n, "batch_size": 8} for n in ("ok", "broken", "torn")])
     learner = learn(cfg, tiny_model)
     assert Registry(data_dir).latest_published("ok").number == 1 and "_old" not in learner.tenants
+    assert Registry(data_dir).latest_published("torn").number == 1
+    assert [set(ids) for ids in step_ids(data_dir, "torn")] == [{f"u{i}" for i in range(8)}], "the damaged file's rows are left out"
+    assert f"{bad} cannot be read" in caplog.text
     broken = learner.tenants["broken"]
-    assert broken.status == "error" and broken.error.startswith("backlog unreadable: ") and str(bad) in broken.error
+    assert broken.status == "error" and broken.error.startswith("backlog unreadable: ") and "horizon.json" in broken.error
     status = json.loads((Path(data_dir) / "state" / "learner" / "status.json").read_text())
     assert status["broken"]["status"] == "error" and status["ok"]["status"] == "published"
     # Mended, it is trained on the next pass, and its error clears.
-    bad.unlink()
-    write(data_dir, "broken", rows("b", 8), "b1")
+    horizon.unlink()
     assert learner.pending(hold_partial=False)["broken"] == 8 and learner.tenants["broken"].error is None
     learner.close()
 

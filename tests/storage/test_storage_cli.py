@@ -817,6 +817,14 @@ def test_status_exits_1_when_a_status_file_cannot_be_read(clora, data_dir):
     assert code == 1 and "problem: " in out and "status.json cannot be read" in out
 
 
+def test_status_names_a_damaged_trajectories_file_whose_rows_training_leaves_out(clora, data_dir, make_trajectories):
+    _fill(data_dir, make_trajectories)  # acme: 2 untrained, globex: 1
+    (bad, *_) = sorted((data_dir / "trajectories" / "tenant=acme").glob("*.parquet"))
+    bad.write_bytes(bad.read_bytes()[:60])  # truncated: it will never read
+    code, out, _ = clora("status")
+    assert code == 1 and f"problem: trajectories of acme left out of training, their file damaged: {bad}" in out, out
+
+
 def test_status_takes_each_tenants_entry_from_the_status_file_written_last(clora, data_dir):
     """A shard file of an earlier learner layout is never deleted: read first, its old error made every
     later `clora status` exit 1. And a NaN reward is null in --json (strict JSON readers refuse NaN)."""
