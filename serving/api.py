@@ -92,6 +92,9 @@ ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "
 RETRY_AFTER_SECONDS = 1  # what a tenant over its in-flight limit is told to wait
 FEEDBACK_RETRY_AFTER_S = 5  # what a client whose feedback the full event log refused is told to wait
 LOG_IN_THREAD_TOKENS = 4096  # a finished request's events with more token ids than this are encoded off the loop
+# A stream's own headers: no cache keeps it, and no proxy buffers it (nginx's X-Accel-Buffering; otherwise
+# its default buffering hands the client the whole stream at its end).
+STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 BODY_TIMEOUT_S = 30.0  # a request's whole body must arrive within this (a slow upload of the largest body fits)
 SEND_TIMEOUT_S = 60.0  # a stream whose client reads nothing for this long is taken as left
 MIN_REQUEST_BYTES = 1 << 20
@@ -375,7 +378,7 @@ class Api:
             for chunk in answer.chunks:
                 yield chunk
 
-        return StreamingResponse(again(), media_type=answer.media_type, headers=headers)
+        return StreamingResponse(again(), media_type=answer.media_type, headers={**headers, **STREAM_HEADERS})
 
     async def _run(self, request: Request, endpoint: str, tenant: str, body: Any, arrived: float,
                    arrived_at: datetime, ticket: idempotency.Ticket | None) -> Response:
@@ -427,7 +430,8 @@ class Api:
             if not await _unless_disconnected(request, first_chunk()):
                 await chunks.aclose()  # aborts the engine's request, gives the slots back (and counts the 499)
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
-            return _ClosingStream(_prepend(got[0], chunks), chunks, media_type="text/event-stream", headers=headers)
+            return _ClosingStream(_prepend(got[0], chunks), chunks, media_type="text/event-stream",
+                                  headers={**headers, **STREAM_HEADERS})
         choices = {k: Choice(k) for k in range(call.choices)}
 
         async def collect() -> None:

@@ -126,6 +126,14 @@ class Unavailable(ServingError):
     default_headers = {"Retry-After": "1"}
 
 
+class ServerBusy(Unavailable):
+    """More connections and requests at once than the connection limit: answered by the HTTP server itself,
+    before the app (http_timeouts.py)."""
+
+    code = "server_busy"
+    default_headers = {"Retry-After": "1", "connection": "close"}
+
+
 class EngineStopped(Unavailable):
     """The engine died: only a restart of the server helps, so OpenAI's SDK is told not to retry
     (`x-should-retry: false`, which it honours before its own rules)."""

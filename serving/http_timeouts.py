@@ -1,4 +1,5 @@
-"""uvicorn's HTTP protocol (httptools), with a time limit on a request's headers.
+"""uvicorn's HTTP protocol (httptools), with a time limit on a request's headers, and its refusal past the
+connection limit in OpenAI's error shape.
 
 uvicorn closes a connection idle after an answer (keep-alive), and serving's handler gives a body 30 s
 (api.BODY_TIMEOUT_S); nothing limited the time before the handler runs. A client that connects and sends
@@ -9,22 +10,46 @@ limit) for as long as it liked: enough of them fill the limit, and every other c
 the connection opening (the first request) or of the request's first byte (a later request on a kept-alive
 connection; the wait before that byte is the keep-alive timeout's). Nothing is answered: the client never
 finished asking.
+
+Past the connection limit uvicorn answers 503 with a plain-text body ("Service Unavailable"), no Retry-After
+and no request id; `busy` answers it as every other refusal of serving is answered (errors.ServerBusy:
+OpenAI's error body, Retry-After, x-request-id), so clients and scripts reading `error.message` see why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import uuid
 
+from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from serving.errors import ServerBusy
 
 logger = logging.getLogger(__name__)
 
 HEADER_TIMEOUT_S = 30.0  # a request's headers must be whole within this
 
 
+async def busy(scope, receive, send) -> None:
+    """The ASGI answer to a request past the connection limit (in place of uvicorn's `service_unavailable`)."""
+    error = ServerBusy("the server is at its connection limit (connections and requests at once); "
+                       "send the request again shortly")
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"x-request-id", uuid.uuid4().hex.encode()),
+               *((k.lower().encode(), v.encode()) for k, v in error.headers.items())]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
 class HeaderTimeoutProtocol(HttpToolsProtocol):
     header_timeout_s = HEADER_TIMEOUT_S
+
+    def _start_asgi_task(self, cycle, app) -> None:  # type: ignore[override]
+        super()._start_asgi_task(cycle, busy if app is service_unavailable else app)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

@@ -1580,6 +1580,9 @@ def test_a_request_sent_again_with_its_idempotency_key_gets_the_first_answer_and
     assert again.headers["x-request-id"] == first.headers["x-request-id"]
     assert again.headers["x-clora-adapter-version"] == first.headers["x-clora-adapter-version"]
     assert again.headers["content-type"] == first.headers["content-type"]
+    for answer in (first, again):  # a stream is neither cached nor buffered by a proxy (nginx's default)
+        assert (answer.headers.get("cache-control"), answer.headers.get("x-accel-buffering")) == (
+            ("no-cache", "no") if stream else (None, None))
     assert again.headers["idempotent-replayed"] == "true" and "idempotent-replayed" not in first.headers
     assert len(w.llm.calls) == 1, "generated once"
     assert [e.id for e in w.events.logged] == [f"{first.headers['x-request-id']}-{i}" for i in (0, 1)], "logged once"

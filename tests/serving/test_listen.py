@@ -5,6 +5,7 @@ network."""
 from __future__ import annotations
 
 import asyncio
+import json
 import contextlib
 import logging
 import os
@@ -125,7 +126,8 @@ def test_the_connection_limit_leaves_room_for_the_engine_and_every_tenant():
 
 def test_past_its_connection_limit_uvicorn_answers_503_and_idle_connections_count():
     """Without limit_concurrency, uvicorn took any number of connections, each holding memory. Past the limit
-    every new request is a plain-text 503 that closes its connection; idle connections count towards it."""
+    every new request is a 503 (in OpenAI's error shape: uvicorn's own is plain text) that closes its connection;
+    idle connections count towards it."""
     from serving.__main__ import KEEP_ALIVE_SECONDS, RefusalLog, set_connection_limit
 
     async def scenario():
@@ -152,7 +154,11 @@ def test_past_its_connection_limit_uvicorn_answers_503_and_idle_connections_coun
     limit, config, within, past, raised = asyncio.run(scenario())
     assert limit == 3 and config.timeout_keep_alive == KEEP_ALIVE_SECONDS
     assert within.startswith(b"HTTP/1.1 200 OK")
-    assert past.startswith(b"HTTP/1.1 503 Service Unavailable") and b"connection: close" in past
+    head, _, body = past.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 Service Unavailable") and b"connection: close" in head
+    assert b"retry-after: 1" in head and b"x-request-id: " in head and b"content-type: application/json" in head
+    error = json.loads(body)["error"]  # OpenAI's shape, as every other refusal: clients read why
+    assert error["type"] == "server_error" and error["code"] == "server_busy" and "connection limit" in error["message"]
     assert raised.startswith(b"HTTP/1.1 200 OK"), "the raised limit holds for the next connection"
     assert [f.limit for f in logging.getLogger("uvicorn.error").filters if isinstance(f, RefusalLog)] == [4]
 
