@@ -88,10 +88,13 @@ def test_a_group_the_broker_refuses_for_good_ends_ingest_naming_the_setting(tmp_
     import ingest.process as process_module
     from kafka_fakes import FakeConsumer
 
+    built = []
+
     class Refused(FakeConsumer):
         def __init__(self, **settings):
             super().__init__()
             self.settings = settings
+            built.append(settings)
 
         def subscribe(self, topics, listener=None):
             pass
@@ -109,6 +112,7 @@ def test_a_group_the_broker_refuses_for_good_ends_ingest_naming_the_setting(tmp_
     monkeypatch.setattr(consumer_module, "KafkaConsumer", Refused)
     monkeypatch.setattr(consumer_module, "KafkaProducer", Producer)
     monkeypatch.setattr(process_module, "wait_until_reachable", lambda *args: None)
+    monkeypatch.setattr(process_module, "ensure_topics", lambda *args, **kwargs: None)  # no broker: ~30 s each
     monkeypatch.setattr(process_module, "tune_runtime", lambda: None)
     cfg = Config(data_dir=tmp_path, kafka={"session_timeout_ms": 10000, "group_id": "clora-ingest"})
     from signal_support import handlers_restored
@@ -117,3 +121,6 @@ def test_a_group_the_broker_refuses_for_good_ends_ingest_naming_the_setting(tmp_
         assert process_module.run(cfg) == 2
     assert any(named in r.getMessage() and r.getMessage().startswith("clora ingest: ") for r in caplog.records), \
         [r.getMessage() for r in caplog.records]
+    # An aborted transaction's events are never stored (the embedded broker does not filter them, so only
+    # the setting is checked): Kafka's default, read_uncommitted, took them.
+    assert [(b["isolation_level"], b["enable_auto_commit"]) for b in built] == [("read_committed", False)]
