@@ -322,11 +322,12 @@ class Engine:
     # --- prompts ------------------------------------------------------------------------------------------
     async def chat_prompt(self, messages: Sequence[dict[str, str]], tenant: str = "") -> tuple[str, list[int]]:
         """Messages -> (rendered prompt, its token ids), in the prompt thread; refuses text far too long first.
-        Each message counts its role and the template's framing too, so many empty messages (or a long role)
+        Each message counts its role, name and the template's framing too, so many empty messages (or a long role)
         cannot render into a huge prompt past the check; and a message takes at least one token."""
         if len(messages) >= self.max_model_len:
             raise _too_long(self.max_model_len, len(messages), "messages")
-        self._check_chars(sum(len(m["role"]) + len(m["content"]) + MESSAGE_FRAMING_CHARS for m in messages), "messages")
+        self._check_chars(sum(len(m["role"]) + len(m["content"]) + len(m.get("name", "")) + MESSAGE_FRAMING_CHARS
+                              for m in messages), "messages")
         return await self._in_prompt_thread(tenant, self._render_and_encode, list(messages))
 
     async def text_prompt(self, text: str, tenant: str = "") -> tuple[str, list[int]]:

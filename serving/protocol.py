@@ -281,10 +281,11 @@ ROLES = ("system", "developer", "user", "assistant")  # OpenAI's, less TOOL_ROLE
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # `name` (and any other field) is dropped
+    model_config = ConfigDict(extra="ignore")  # a field OpenAI does not define is dropped
 
     role: str = Field(min_length=1)
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None  # the speaker's, handed to the chat template as vLLM does (Qwen's ignores it)
 
     @model_validator(mode="before")
     @classmethod
@@ -364,7 +365,8 @@ class ChatRequest(_Request):
         return self
 
     def plain_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
+                for m in self.messages]
 
     def sampling(self, default_max_tokens: int | None = None) -> Sampling:
         """`default_max_tokens` applies when the request sets no length; None: the room the context leaves."""

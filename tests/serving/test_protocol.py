@@ -65,6 +65,7 @@ def test_sampling_the_engine_would_refuse_is_a_bad_request(extra, expected):
     (protocol.CompletionRequest, {"prompt": "x", "include_stop_str_in_output": "on"}, "include_stop_str_in_output"),
     (protocol.ChatRequest, {"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
     (protocol.ChatRequest, {"top_k": 2**64}, "top_k"),
+    (protocol.ChatRequest, {"messages": [{"role": "user", "content": "x", "name": 7}]}, "messages"),
 ])
 def test_values_of_the_wrong_type_are_refused_not_read_as_another(model, extra, field):
     """`true` is no token id 1 and "true" no flag, as OpenAI answers them (400)."""
@@ -87,6 +88,14 @@ def test_a_role_openai_does_not_define_is_refused_naming_the_message(role):
     for known in ("system", "developer", "user", "assistant"):
         body["messages"][1]["role"] = known
         assert protocol.parse(protocol.ChatRequest, json.dumps(body).encode()).messages[1].role == known
+
+
+def test_a_messages_name_reaches_the_chat_template_not_dropped():
+    """OpenAI's `name` (who speaks, in a chat of several) was dropped without a word; vLLM hands it to the
+    template, which renders it where it knows it."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi", "name": "ada"}, {"role": "user", "content": "yo"}]}
+    assert protocol.parse(protocol.ChatRequest, json.dumps(body).encode()).plain_messages() == [
+        {"role": "user", "content": "hi", "name": "ada"}, {"role": "user", "content": "yo"}]
 
 
 def test_top_p_0_is_the_most_likely_token_as_top_k_1():
