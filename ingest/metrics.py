@@ -49,7 +49,9 @@ class IngestMetrics:
             "Pending feedback dropped from memory (still in feedback/), by reason: over_cap, per_id, expired",
             ["reason"], registry=self.registry,
         )
-        self.flush_seconds = Histogram("clora_ingest_flush_seconds", "Time to write one batch", registry=self.registry)
+        # To 2 minutes: a batch's time includes its scoring, up to ingest.max_batch_scoring_seconds (30 s).
+        self.flush_seconds = Histogram("clora_ingest_flush_seconds", "Time to write one batch", registry=self.registry,
+                                       buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0))
         self.total = Counter()  # the same counts as plain numbers, for logs, --once summaries and tests
         self.reasons: Counter = Counter()
         self.dropped: Counter = Counter()  # pending feedback dropped from memory, by reason

@@ -160,15 +160,18 @@ class RefusalLog(logging.Filter):
 
     MESSAGE = "Exceeded concurrency limit."
 
-    def __init__(self, limit: int, every: float = 60.0, clock=time.monotonic) -> None:
+    def __init__(self, limit: int, every: float = 60.0, clock=time.monotonic, on_refused=None) -> None:
         super().__init__()
         self.limit, self.every, self.clock = limit, every, clock
+        self.on_refused = on_refused  # called at each refusal (a counter's inc)
         self.refused, self.logged_at = 0, None
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.getMessage() != self.MESSAGE:
             return True
         self.refused += 1
+        if self.on_refused is not None:
+            self.on_refused()
         now = self.clock()
         if self.logged_at is not None and now - self.logged_at < self.every:
             return False
@@ -179,10 +182,10 @@ class RefusalLog(logging.Filter):
         return True
 
 
-def http_server(app, host: str, port: int, *, connections: int, grace: float):
+def http_server(app, host: str, port: int, *, connections: int, grace: float, on_refused=None):
     """uvicorn's server for `app`: at most `connections` at once (`connection_limit`), idle ones closed after
     KEEP_ALIVE_SECONDS, one whose request headers are slow closed (http_timeouts.py), and `grace` seconds at a
-    stop for the requests still running."""
+    stop for the requests still running. `on_refused()` is called for each request refused past the limit."""
     import uvicorn
 
     from serving.http_timeouts import HeaderTimeoutProtocol
@@ -190,7 +193,7 @@ def http_server(app, host: str, port: int, *, connections: int, grace: float):
     errors = logging.getLogger("uvicorn.error")
     for old in [f for f in errors.filters if isinstance(f, RefusalLog)]:  # one server's at a time
         errors.removeFilter(old)
-    errors.addFilter(RefusalLog(connections))
+    errors.addFilter(RefusalLog(connections, on_refused=on_refused))
 
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                          http=HeaderTimeoutProtocol, limit_concurrency=connections,
@@ -371,7 +374,8 @@ async def serve(cfg, host: str, port: int, reload=None) -> int:
         # `watch` ends the generations left with a 503, and uvicorn's own deadline, later, leaves time for those
         # answers to go out before it cancels whatever still runs.
         server = http_server(create_app(api), host, port, connections=connection_limit(len(tenants), s.max_num_seqs),
-                             grace=s.shutdown_grace_seconds + WATCH_SECONDS + LAST_ANSWERS_SECONDS)
+                             grace=s.shutdown_grace_seconds + WATCH_SECONDS + LAST_ANSWERS_SECONDS,
+                             on_refused=api.metrics.connections_refused.inc)
         if reload is not None:
             follower = asyncio.create_task(follow_config(
                 reload, cfg, api, adapters, stop,

@@ -434,6 +434,7 @@ class AdapterSet:
             return "refused"
         except Exception as e:  # an I/O error while checking, the engine's load errors (no common type): may pass
             error = f"{type(e).__name__}: {e}"
+            self.metrics.load_failures.labels(tenant).inc()
             failing = self._failing.get(key)
             same = failing is not None and failing.created == created
             tries = failing.tries + 1 if same else 1

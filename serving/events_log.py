@@ -104,6 +104,7 @@ BATCH_MAX = 512
 BATCH_BYTES = 4 << 20  # a batch in flight stops growing past this (it is held on top of the queue)
 QUEUE_BYTES = 32 << 20  # events (their JSON text) queued; past this the thread spools them, past twice this log() drops
 REQUEUE_PAUSE = 0.1  # the thread's pause after the spool refused events while Kafka is up (no spinning)
+AWAY_LOG_EVERY_S = 60.0  # while Kafka stays unreachable, one line this often (an attempt is made every retry_seconds)
 SPILL_RETRY = 5.0  # seconds after the spool refused the queue before the thread tries again (a full disk)
 STOP_MARGIN = 2.0  # seconds of a stop's timeout kept for spooling what is left at the deadline
 ACK_SLICE = 0.5  # acknowledgements are awaited in slices this long, so a stop's deadline cuts a wait short
@@ -211,6 +212,8 @@ class EventLog:
         self._spill_after = 0.0  # after a failed spill: not before then
         self._producer: Any = None
         self._next_connect = 0.0
+        self._away_since: float | None = None  # when connecting began to fail (logged then, and once a minute)
+        self._away_logged = 0.0
         self._next_look = 0.0  # when to look for segments other processes left (_look_for_left_segments)
         self._deadline: float | None = None  # set by close(): sends end by then, the rest is spooled
         try:
@@ -383,11 +386,22 @@ class EventLog:
         except Exception as e:  # kafka-python raises NoBrokersAvailable, KafkaError or OSError here
             # Counted from the failure, not the attempt: a failed attempt takes about as long as
             # retry_seconds itself, and the thread must get to spool between attempts.
-            self._next_connect = time.monotonic() + self.retry_seconds
-            logger.warning("Kafka at %s unreachable (%s); events go to the spool at %s", self.bootstrap, e,
-                           self.spool.directory)
+            now = time.monotonic()
+            self._next_connect = now + self.retry_seconds
+            if self._away_since is None:
+                self._away_since, self._away_logged = now, now
+                logger.warning("Kafka at %s unreachable (%s); events go to the spool at %s", self.bootstrap, e,
+                               self.spool.directory)
+            elif now - self._away_logged >= AWAY_LOG_EVERY_S:  # a line a minute, not one per attempt
+                self._away_logged = now
+                logger.warning("Kafka at %s still unreachable after %.0f s (%s); %d events in the spool",
+                               self.bootstrap, now - self._away_since, e, self._spooled)
             return False
-        logger.info("connected to Kafka at %s", self.bootstrap)
+        if self._away_since is not None:
+            logger.info("connected to Kafka at %s again after %.0f s", self.bootstrap, time.monotonic() - self._away_since)
+            self._away_since = None
+        else:
+            logger.info("connected to Kafka at %s", self.bootstrap)
         return True
 
     def _disconnect(self, *, flush: bool = False) -> None:

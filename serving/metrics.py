@@ -11,6 +11,8 @@ several without clashing in the global one). Names start with `clora_serving_`:
     adapter_swap_seconds{tenant}                validate + load of a new version
     adapter_publish_to_live_seconds{tenant}     registry publish time -> version current here
     adapters_refused_total{tenant}              versions refused (corrupt or unfit adapters)
+    adapter_load_failures_total{tenant}         loads that failed and are tried again (the tenant waits on an older one)
+    connections_refused_total                   503 server_busy past the connection limit (before the app)
     events_total{kind,outcome}                  interaction/feedback events: sent, spooled, resent, dropped, dead
     spool_events                                events waiting in the on-disk spool
     inflight_sequences{tenant}                  completions a tenant has in the engine, running or queued
@@ -26,7 +28,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# To 10 minutes: a request runs to its last token, and a chat answer may fill the context.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class ServingMetrics:
@@ -67,6 +70,15 @@ class ServingMetrics:
         )
         self.refused = Counter(
             "clora_serving_adapters_refused", "Adapter versions refused (corrupt or unfit).", ["tenant"], registry=r
+        )
+        self.load_failures = Counter(
+            "clora_serving_adapter_load_failures", "Loads of an adapter version that failed and are tried again "
+            "(an I/O error, the engine's load error): the tenant stays on an older version meanwhile.", ["tenant"],
+            registry=r
+        )
+        self.connections_refused = Counter(
+            "clora_serving_connections_refused", "Requests answered 503 server_busy by the HTTP server, past the "
+            "connection limit (never reaching the app: not in requests_total).", registry=r
         )
         self.events = Counter(
             "clora_serving_events", "Events produced, by outcome.", ["kind", "outcome"], registry=r
@@ -137,7 +149,8 @@ class ServingMetrics:
         kept ~80 series, for the process's life). Back again, it starts from zero (a counter reset). Not
         `adapter_version`: the adapter set's, which has it for exactly the tenants it serves (set_tenants)."""
         for metric in (self.requests, self.prompt_tokens, self.completion_tokens, self.latency, self.swaps,
-                       self.swap_seconds, self.publish_to_live, self.refused, self.replays, self.inflight):
+                       self.swap_seconds, self.publish_to_live, self.refused, self.load_failures, self.replays,
+                       self.inflight):
             metric.remove_by_labels({"tenant": tenant})
 
     def render(self) -> bytes:

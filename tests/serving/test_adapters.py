@@ -369,6 +369,7 @@ def test_a_retired_version_is_not_served_while_the_newest_backs_off(world):
         publish("acme", seed=2)
         await adapters.refresh()
         assert adapters.current("acme") == "acme@1"  # still published: it serves while acme@2 backs off
+        assert adapters.metrics.load_failures.labels("acme")._value.get() == 1  # what an alert on swaps stuck sees
         registry.retire("acme", 1)
         await adapters.refresh()  # acme@2 is still backing off
         assert adapters.current("acme") == "base"

@@ -332,6 +332,28 @@ def test_a_sent_segment_that_cannot_be_deleted_is_not_sent_again_and_again(tmp_p
     assert len(errors) == 1 and "could not be deleted once sent" in errors[0], errors
 
 
+def test_kafka_away_is_logged_once_and_then_once_a_minute_not_at_every_attempt(tmp_path, caplog):
+    """A line at every connection attempt (every retry_seconds, 2 s by default) was ~43,000 a day per replica
+    for as long as Kafka was away."""
+    broker = FakeBroker()
+    broker.up = False
+    attempts = []
+
+    def producer(bootstrap):
+        attempts.append(1)
+        return broker.producer(bootstrap)
+
+    caplog.set_level("INFO", logger="serving.events_log")
+    log = make_log(tmp_path, broker, producer)
+    log.log(interaction(1))
+    wait_for(lambda: len(attempts) >= 5)
+    assert caplog.text.count("unreachable") == 1, caplog.text
+    broker.up = True
+    wait_for(lambda: len(broker.received) == 1)
+    log.close()
+    assert "connected to Kafka at fake:9092 again after" in caplog.text
+
+
 class HangingProducer(FakeProducer):
     """A broker that takes messages but never acknowledges them: flush waits out its whole timeout."""
 

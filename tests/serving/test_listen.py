@@ -28,13 +28,13 @@ async def answer_ok(scope, receive, send):
 
 
 @contextlib.asynccontextmanager
-async def ok_server(*, connections: int):
+async def ok_server(*, connections: int, on_refused=None):
     """Serving's uvicorn server (`http_server`) answering every request 200 "ok" on a free port: (server, port)."""
     from serving.__main__ import http_server, listen
 
     sock = listen("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    server = http_server(answer_ok, "127.0.0.1", port, connections=connections, grace=1)
+    server = http_server(answer_ok, "127.0.0.1", port, connections=connections, grace=1, on_refused=on_refused)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         await asyncio.sleep(0.01)
@@ -130,8 +130,10 @@ def test_past_its_connection_limit_uvicorn_answers_503_and_idle_connections_coun
     idle connections count towards it."""
     from serving.__main__ import KEEP_ALIVE_SECONDS, RefusalLog, set_connection_limit
 
+    refused = []
+
     async def scenario():
-        async with ok_server(connections=3) as (server, port):
+        async with ok_server(connections=3, on_refused=lambda: refused.append(1)) as (server, port):
 
             async def get() -> bytes:
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -160,6 +162,7 @@ def test_past_its_connection_limit_uvicorn_answers_503_and_idle_connections_coun
     error = json.loads(body)["error"]  # OpenAI's shape, as every other refusal: clients read why
     assert error["type"] == "server_error" and error["code"] == "server_busy" and "connection limit" in error["message"]
     assert raised.startswith(b"HTTP/1.1 200 OK"), "the raised limit holds for the next connection"
+    assert refused == [1], "each refusal is counted (clora_serving_connections_refused_total)"
     assert [f.limit for f in logging.getLogger("uvicorn.error").filters if isinstance(f, RefusalLog)] == [4]
 
 
