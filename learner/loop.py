@@ -351,6 +351,7 @@ class Learner:
         except OSError as e:  # a full disk, a locks folder this user cannot write: this tenant waits, the others go on
             logger.error("tenant %s: cannot take its lock %s: %s", name, path, e)
             self._back_off(rt, f"{LOCK_FAILED}{type(e).__name__}: {e}")
+            self.metrics.cannot_train(name, rt.failures)
             self._save_status()
             return False
         if lock is None:
@@ -481,8 +482,8 @@ class Learner:
             if not self._claim(rt):
                 out[name] = 0
                 continue
-            untrained[name] = backlog.get(name, 0)
             unreadable = unreadable_by_tenant.get(name)
+            untrained[name] = None if unreadable is not None else backlog.get(name, 0)
             if unreadable is not None:  # left out until it can be read; the other tenants go on
                 changed |= rt.error != BACKLOG_UNREADABLE + unreadable
                 rt.status, rt.error = "error", BACKLOG_UNREADABLE + unreadable
@@ -502,7 +503,8 @@ class Learner:
             out[name] = n if rt.retry_at <= now else 0
         if changed:
             self._save_status()
-        self.metrics.backlog(untrained, len(self.policy.tenants))
+        self.metrics.backlog(untrained, len(self.policy.tenants),
+                             {name: rt.status == "error" for name, rt in self.tenants.items() if self._owns(name)})
         return out
 
     def still_sampling(self, backlog: dict[str, int]) -> set[str]:

@@ -34,6 +34,9 @@ class LearnerMetrics:
                               "that did not fail)", ["tenant"], registry=r)
         self.backlog_gauge = Gauge("clora_learner_backlog", "The tenant's untrained trajectories in storage",
                                    ["tenant"], registry=r)
+        self.in_error = Gauge("clora_learner_tenant_error", "1 while the tenant is in error (its last step failed, "
+                              "its backlog cannot be read, its lock cannot be taken: status.json says why), else 0",
+                              ["tenant"], registry=r)
         self.version = Gauge("clora_learner_adapter_version", "The adapter version the tenant trains from (0: none yet)",
                              ["tenant"], registry=r)
         self.reward = Gauge("clora_learner_reward_mean", "Mean reward of the tenant's last step's batch", ["tenant"],
@@ -69,14 +72,28 @@ class LearnerMetrics:
         self.last_step.labels(tenant).set(time.time())
         self.failures.labels(tenant).set(failures)
 
-    def backlog(self, backlog: Mapping[str, int], resident: int) -> None:
+    def backlog(self, backlog: Mapping[str, int | None], resident: int, in_error: Mapping[str, bool]) -> None:
+        """Each tenant's backlog (None: unknown, its series removed rather than a 0 that looks idle) and
+        whether it is in error."""
         for tenant, n in backlog.items():
-            self.backlog_gauge.labels(tenant).set(n)
+            if n is None:
+                try:
+                    self.backlog_gauge.remove(tenant)
+                except KeyError:
+                    pass
+            else:
+                self.backlog_gauge.labels(tenant).set(n)
+        for tenant, errored in in_error.items():
+            self.in_error.labels(tenant).set(int(errored))
         self.resident.set(resident)
+
+    def cannot_train(self, tenant: str, failures: int) -> None:
+        """The tenant cannot be trained now (its lock cannot be taken): its failures in a row, no step counted."""
+        self.failures.labels(tenant).set(failures)
 
     def forget(self, tenant: str) -> None:
         """A tenant this process no longer trains (another shard's now, or gone)."""
-        for gauge in (self.last_step, self.failures, self.backlog_gauge, self.version, self.reward):
+        for gauge in (self.last_step, self.failures, self.backlog_gauge, self.in_error, self.version, self.reward):
             try:
                 gauge.remove(tenant)
             except KeyError:

@@ -1096,6 +1096,8 @@ def test_one_tenants_unreadable_files_and_stray_folders_do_not_stop_the_others(t
     """A tenant whose backlog cannot be read (its horizon.json damaged) is in error, the others train. A damaged
     trajectories file (truncated: it will never read) left its tenant in error for good, since compaction and
     retention leave such a file alone: its rows are left out, the tenant's other files are trained."""
+    from prometheus_client import generate_latest
+
     write(data_dir, "ok", rows("a", 8), "b0")
     write(data_dir, "broken", rows("b", 8), "b0")
     write(data_dir, "torn", rows("t", 8), "b0")
@@ -1116,9 +1118,17 @@ def test_one_tenants_unreadable_files_and_stray_folders_do_not_stop_the_others(t
     assert broken.status == "error" and broken.error.startswith("backlog unreadable: ") and "horizon.json" in broken.error
     status = json.loads((Path(data_dir) / "state" / "learner" / "status.json").read_text())
     assert status["broken"]["status"] == "error" and status["ok"]["status"] == "published"
+    # What an alert sees: the tenant in error, and no backlog of 0 that would look idle.
+    learner.pending(hold_partial=False)
+    metrics = generate_latest(learner.metrics.registry).decode()
+    assert 'clora_learner_tenant_error{tenant="broken"} 1.0' in metrics
+    assert 'clora_learner_tenant_error{tenant="ok"} 0.0' in metrics
+    assert 'clora_learner_backlog{tenant="broken"}' not in metrics and 'clora_learner_backlog{tenant="ok"} 0.0' in metrics
     # Mended, it is trained on the next pass, and its error clears.
     horizon.unlink()
     assert learner.pending(hold_partial=False)["broken"] == 8 and learner.tenants["broken"].error is None
+    metrics = generate_latest(learner.metrics.registry).decode()
+    assert 'clora_learner_backlog{tenant="broken"} 8.0' in metrics
     learner.close()
 
 
@@ -1148,6 +1158,8 @@ def test_a_tenant_whose_lock_cannot_be_made_waits_and_the_others_go_on(tiny_mode
     status = json.loads((Path(data_dir) / "state" / "learner" / "status.json").read_text())
     assert status["newco"]["status"] == "error" and status["acme"]["status"] == "published"
     assert learner.pending(hold_partial=False)["newco"] == 0  # backing off: not even its lock is tried
+    assert learner.metrics.failures.labels("newco")._value.get() == 1  # what "keeps failing" alerts on
+    assert learner.metrics.in_error.labels("newco")._value.get() == 1
     # The disk has room again: after the back-off the lock is taken, the error clears, and it trains.
     monkeypatch.setattr(files, "_locked_fd", real)
     newco.retry_at = 0
