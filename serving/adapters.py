@@ -547,8 +547,8 @@ class AdapterSet:
             version = await asyncio.to_thread(self.registry.get, tenant, number)
         except VersionNotFound:
             raise UnknownVersion(f"model {name!r} does not exist") from None
-        except UnreadableRecord as e:  # the path is the operator's to read, not the tenant's
-            logger.error("model %r asked for: %s", name, e)
+        except UnreadableRecord as e:  # the path is the operator's to read, not the tenant's (logged once)
+            self.registry.log_unreadable(e, f"model {name!r} cannot be served until it is mended")
             raise UnknownVersion(f"model {name!r} cannot be served: its registry record cannot be read") from None
         if version.status != "published":
             raise UnknownVersion(f"model {name!r} is {version.status}, not published")

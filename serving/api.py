@@ -734,7 +734,7 @@ class Api:
         try:
             versions = await asyncio.to_thread(self.registry.unsettled, tenant)  # every published one, not the history
         except UnreadableRecord as e:  # a record edited by hand: the tenant's versions stay out until it is mended
-            logger.warning("tenant %s: its versions are left out of /v1/models: %s", tenant, e)
+            self.registry.log_unreadable(e, f"tenant {tenant}'s versions are left out of /v1/models until it is mended")
             versions = []
         data = [_model_card(self.base_name, self.started), _model_card(tenant, self.started)]
         data += [
@@ -769,8 +769,8 @@ class Api:
             version = await asyncio.to_thread(self.registry.get, tenant, number)
         except VersionNotFound:
             version = None
-        except UnreadableRecord as e:
-            logger.warning("tenant %s: %s", tenant, e)  # the path goes to the log, not to the caller
+        except UnreadableRecord as e:  # the path goes to the log (once), not to the caller
+            self.registry.log_unreadable(e, f"model {model_id!r} is not found until it is mended")
             raise ModelNotFound(f"model {model_id!r}: its registry record cannot be read", param="model") from None
         if version is None or version.status != "published":
             raise ModelNotFound(f"model {model_id!r} does not exist or is not published", param="model")

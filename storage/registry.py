@@ -344,7 +344,7 @@ class Registry:
                 except UnreadableRecord as e:
                     if tenant is not None:
                         raise
-                    self._log_unreadable(e, "left out of listings of every tenant; fix or remove it")
+                    self.log_unreadable(e, "left out of listings of every tenant; fix or remove it")
         return out
 
     def tenants(self) -> list[str]:
@@ -815,7 +815,7 @@ class Registry:
             except VersionNotFound:  # a hint naming a number whose metadata was deleted by hand
                 continue
             except UnreadableRecord as e:  # not counted, never retired, and it stays open in the hint
-                self._log_unreadable(e, f"retention leaves it alone; fix or remove it ({tenant} only is affected)")
+                self.log_unreadable(e, f"retention leaves it alone; fix or remove it ({tenant} only is affected)")
         published = [v for v in versions if v.status == "published"]
         excess = published[: max(0, len(published) - self.keep_last)]
         rejected = [v for v in versions if v.status == "rejected" and v.retired_at is None]
@@ -869,7 +869,7 @@ class Registry:
                 kept = (old_published or {}).get(t)
                 if kept is not None and not self._still_published(kept):
                     kept = None  # retired since (its files go next): HEAD must never name deleted files
-                self._log_unreadable(e, (f"HEAD.json keeps {kept.name} for {t}" if kept is not None
+                self.log_unreadable(e, (f"HEAD.json keeps {kept.name} for {t}" if kept is not None
                                          else f"HEAD.json names no version of {t} (the old one had none readable, or it was retired)")
                                      + " until it is fixed or removed; the other tenants are unaffected")
                 if kept is not None:
@@ -947,7 +947,7 @@ class Registry:
         try:
             head = self._read_head()
         except UnreadableRecord as e:
-            self._log_unreadable(e, "it is rebuilt from the version records")
+            self.log_unreadable(e, "it is rebuilt from the version records")
             try:
                 generation = json.loads(self._head.read_bytes())["generation"]
             except (OSError, ValueError, TypeError, KeyError, IndexError):
@@ -980,7 +980,7 @@ class Registry:
         self._entries_cache = (head, entries, bad)
         return entries, bad
 
-    def _log_unreadable(self, e: UnreadableRecord, consequence: str) -> None:
+    def log_unreadable(self, e: UnreadableRecord, consequence: str) -> None:
         """Logs a file that cannot be read once per process, not on every change (again when its reason changes)."""
         self._log_once(e.path, e.why, logging.ERROR, "registry: %s; %s", e, consequence)
 

@@ -131,6 +131,7 @@ class FakeRegistry:
                                                       published_at=when if status == "published" else None,
                                                       path=f"/adapters/acme/{n}")
                          for n, status in ((1, "published"), (2, "candidate"))}
+        self.logged = []
 
     def generation(self):
         return 0
@@ -148,6 +149,9 @@ class FakeRegistry:
 
     def unsettled(self, tenant):
         return [v for (t, _), v in self.versions.items() if t == tenant]
+
+    def log_unreadable(self, e, consequence):  # the real one logs each file once per process
+        self.logged.append((str(e), consequence))
 
 
 class FakeEvents:
@@ -866,6 +870,10 @@ def test_a_tenant_whose_registry_record_cannot_be_read_still_lists_and_cards_wha
     assert r.status_code == 404 and error(r)["code"] == "model_not_found" and "cannot be read" in error(r)["message"]
     assert "/data/registry" not in error(r)["message"]
     assert w.get("/v1/models/acme").status_code == 200
+    assert all("/data/registry/acme/1.json" in e for e, _ in w.api.registry.logged), "the path goes to the log"
+    assert [why for _, why in w.api.registry.logged] == [
+        "tenant acme's versions are left out of /v1/models until it is mended",
+        "model 'acme@1' is not found until it is mended"]
 
 
 def test_base_model_answers_carry_the_configured_base_name():
