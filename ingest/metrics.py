@@ -5,7 +5,8 @@ partition, pending feedback, pending feedback dropped from memory by reason (`ov
 ingest.max_pending_feedback_per_tenant, or the total cap made room for newer feedback; `per_id`: its id
 already had 8 feedback events waiting; `expired`: waited longer than ingest.pending_expiry_hours; in each
 case the event stays in feedback/), dead letters the dead-letter topic never acknowledged (given up after
-consumer.DEAD_LETTER_ATTEMPTS sends; the topic is best effort, they are in dead_letters/), flush time.
+consumer.DEAD_LETTER_ATTEMPTS sends; the topic is best effort, they are in dead_letters/), flush time, and
+when the poll loop last went round and a batch was last written (liveness).
 Prometheus metrics live in a registry of their own (so several Ingest objects in one test process do not
 collide) and are served on 127.0.0.1:`port` when the port is non-zero (config `ingest.metrics_port`).
 
@@ -52,6 +53,12 @@ class IngestMetrics:
         # To 2 minutes: a batch's time includes its scoring, up to ingest.max_batch_scoring_seconds (30 s).
         self.flush_seconds = Histogram("clora_ingest_flush_seconds", "Time to write one batch", registry=self.registry,
                                        buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0))
+        # Liveness: a loop that stopped going round (hung) stops the first; one that goes round but stores
+        # nothing (a broker away, traffic stopped) stops the second while the lag (or the producers) says why.
+        self.last_loop = Gauge("clora_ingest_last_loop_timestamp_seconds", "When the poll loop last went round "
+                               "(updated every ~10 s), Unix time", registry=self.registry)
+        self.last_flush = Gauge("clora_ingest_last_flush_timestamp_seconds", "When a batch was last written, Unix time",
+                                registry=self.registry)
         self.total = Counter()  # the same counts as plain numbers, for logs, --once summaries and tests
         self.reasons: Counter = Counter()
         self.dropped: Counter = Counter()  # pending feedback dropped from memory, by reason
@@ -83,6 +90,7 @@ class IngestMetrics:
         for reason, n in out.pending_dropped.items():
             self.pending_dropped(reason, n)
         self.flush_seconds.observe(seconds)
+        self.last_flush.set(time.time())
         self.set_pending(pending)
 
     def dead_letters_not_delivered(self, n: int) -> None:
@@ -99,6 +107,8 @@ class IngestMetrics:
         self.pending_gauge.set(n)
 
     def set_lag(self, lag: dict[tuple[str, int], int]) -> None:
+        """Each assigned partition's lag (called from the poll loop every LOG_EVERY_S: the loop is alive)."""
+        self.last_loop.set(time.time())
         self.lag = lag
         self.lag_gauge.clear()  # partitions revoked since (another process reports them now)
         for (topic, partition), n in lag.items():

@@ -15,8 +15,11 @@ pytestmark = pytest.mark.unit
 
 
 def test_totals_and_prometheus_endpoint(caplog):
+    import time
+
     port = free_port()
     metrics = IngestMetrics(port=port)
+    before = time.time()
     try:
         out = Output(duplicates=2, reasons=Counter({"not_json": 3, "bad_field": 1}), pending_dropped=Counter({"over_cap": 5}))
         metrics.flushed(10, out, 0.05, pending=4)
@@ -40,6 +43,9 @@ def test_totals_and_prometheus_endpoint(caplog):
         assert 'clora_ingest_pending_feedback_dropped_total{reason="expired"} 2.0' in body
         assert "clora_ingest_messages_total 10.0" in body
         assert "clora_ingest_dead_letters_not_delivered_total 2.0" in body
+        for name in ("clora_ingest_last_loop_timestamp_seconds", "clora_ingest_last_flush_timestamp_seconds"):
+            (line,) = [line for line in body.splitlines() if line.startswith(name + " ")]
+            assert float(line.split()[1]) >= before, line  # set by set_lag and flushed: what liveness alerts read
     finally:
         metrics.close()
 
