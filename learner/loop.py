@@ -649,7 +649,9 @@ class Learner:
             rt.failures, rt.error, rt.retry_at = 0, None, 0.0
             if record is not None:
                 self.metrics.stepped(name, record.decision, version=rt.version,
-                                     reward_mean=_num(record.row.get("reward_mean")), timings=record.timings)
+                                     reward_mean=_num(record.row.get("reward_mean")), timings=record.timings,
+                                     trained=int(record.row.get("n_trajectories") or 0),
+                                     dropped=int(record.row.get("n_dropped") or 0))
             else:  # nothing to do: not a failure either
                 self.metrics.no_failures(name)
             if not rt.probe_unscored:  # every probe scored: back to failing a step on one that does not

@@ -41,6 +41,10 @@ class LearnerMetrics:
                              ["tenant"], registry=r)
         self.reward = Gauge("clora_learner_reward_mean", "Mean reward of the tenant's last step's batch", ["tenant"],
                             registry=r)
+        self.trajectories = Counter("clora_learner_trajectories", "Trajectories (or samples) the tenant's committed "
+                                    "steps took, by outcome: trained, or dropped (stale, withdrawn, foreign, unusable, "
+                                    "reward out of range; their ids are committed, never trained)", ["tenant", "outcome"],
+                                    registry=r)
         self.phase = Counter("clora_learner_phase_seconds", "Seconds the steps spent, by phase (wait, score, train, "
                              "probe, publish, other)", ["phase"], registry=r)
         self.resident = Gauge("clora_learner_resident_tenants", "Tenants whose adapter and optimizer are in memory",
@@ -51,9 +55,12 @@ class LearnerMetrics:
                                         what="learner")
 
     def stepped(self, tenant: str, outcome: str, *, version: int, reward_mean: float | None,
-                timings: Mapping[str, float]) -> None:
-        """A step that ended without an error (`outcome`: its decision, or "skipped")."""
+                timings: Mapping[str, float], trained: int = 0, dropped: int = 0) -> None:
+        """A step that ended without an error (`outcome`: its decision, or "skipped"), having taken `trained`
+        trajectories to train and `dropped` it left out."""
         self.steps.labels(tenant, outcome).inc()
+        self.trajectories.labels(tenant, "trained").inc(trained)
+        self.trajectories.labels(tenant, "dropped").inc(dropped)
         self.last_step.labels(tenant).set(time.time())
         self.failures.labels(tenant).set(0)
         self.version.labels(tenant).set(version)
@@ -98,11 +105,13 @@ class LearnerMetrics:
                 gauge.remove(tenant)
             except KeyError:
                 pass
-        for outcome in ("published", "rejected", "skipped", "error"):
-            try:
-                self.steps.remove(tenant, outcome)
-            except KeyError:
-                pass
+        for counter, outcomes in ((self.steps, ("published", "rejected", "skipped", "error")),
+                                  (self.trajectories, ("trained", "dropped"))):
+            for outcome in outcomes:
+                try:
+                    counter.remove(tenant, outcome)
+                except KeyError:
+                    pass
 
     def close(self) -> None:
         stop_metrics(self.server)

@@ -932,6 +932,8 @@ def test_the_learner_metrics_say_each_tenants_steps_failures_backlog_and_version
     values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith("clora_learner_")}
     assert values['clora_learner_steps_total{outcome="published",tenant="ok"}'] == 1
+    assert values['clora_learner_trajectories_total{outcome="trained",tenant="ok"}'] == 8
+    assert values['clora_learner_trajectories_total{outcome="dropped",tenant="ok"}'] == 0
     assert values['clora_learner_steps_total{outcome="error",tenant="broken"}'] == 2
     assert values['clora_learner_consecutive_failures{tenant="broken"}'] == 2
     assert values['clora_learner_consecutive_failures{tenant="ok"}'] == 0
