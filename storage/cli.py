@@ -47,7 +47,8 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         description="What the data dir says now, without asking a running process: each tenant's served version "
         "(registry/HEAD.json), the learner's state of it (state/learner/status*.json: status, step, last mean "
         "reward, error), its untrained trajectories, and which clora processes marked themselves ready here "
-        "(and whether each still runs, on this host). Exit 0; 1 when a tenant's last step failed.",
+        "(and whether each still runs, on this host). Exit 0; 1 when a tenant's last step failed or something it "
+        "reads cannot be read (each such problem is listed).",
     )
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.set_defaults(func=cmd_status)

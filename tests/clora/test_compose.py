@@ -238,13 +238,19 @@ def test_cpu_trial_needs_no_gpu_and_learners_reach_serving():
     assert not _gpu_reserved(services["compactor"])
     for name in ("serving", "learner"):
         assert _gpu_reserved(services[name]), name
-    # learner-cpu is the learner without the GPU: same command, same environment but for where serving is
+    # learner-cpu is the learner without the GPU: same command, same environment but for where serving is and
+    # the model, serving-cpu's tiny one (a CLORA_MODEL left in .env for the GPU services trained a 4B model's
+    # adapters against a tiny-model serving tier)
     assert services["learner-cpu"]["command"] == services["learner"]["command"]
     assert services["learner"]["environment"]["CLORA_SERVING_URL"] == "http://serving:8000"
     assert services["learner-cpu"]["environment"]["CLORA_SERVING_URL"] == "http://serving-cpu:8000"
-    without_url = {n: {k: v for k, v in services[n]["environment"].items() if k != "CLORA_SERVING_URL"}
+    assert services["learner-cpu"]["environment"]["CLORA_MODEL_PATH"] == ""  # empty: ignored, the tiny model
+    assert "CLORA_MODEL_PATH" not in services["serving-cpu"]["environment"]
+    own = ("CLORA_SERVING_URL", "CLORA_MODEL_PATH")
+    without_own = {n: {k: v for k, v in services[n]["environment"].items() if k not in own}
                    for n in ("learner", "learner-cpu")}
-    assert without_url["learner"] == without_url["learner-cpu"] == spec["x-clora"]["environment"]
+    shared = {k: v for k, v in spec["x-clora"]["environment"].items() if k not in own}
+    assert without_own["learner"] == without_own["learner-cpu"] == shared
     # the CPU-only command in the header comment names services that exist and reserve no GPU, compactor included
     header = next(line for line in COMPOSE.read_text().splitlines() if "--profile cpu up" in line)
     named = header.split("up -d", 1)[1].split("#", 1)[0].split()
