@@ -160,24 +160,21 @@ class RefusalLog(logging.Filter):
 
     MESSAGE = "Exceeded concurrency limit."
 
-    def __init__(self, limit: int, every: float = 60.0, clock=time.monotonic, on_refused=None) -> None:
+    def __init__(self, limit: int, every: float = 60.0, clock=time.monotonic) -> None:
         super().__init__()
         self.limit, self.every, self.clock = limit, every, clock
-        self.on_refused = on_refused  # called at each refusal (a counter's inc)
         self.refused, self.logged_at = 0, None
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.getMessage() != self.MESSAGE:
             return True
         self.refused += 1
-        if self.on_refused is not None:
-            self.on_refused()
         now = self.clock()
         if self.logged_at is not None and now - self.logged_at < self.every:
             return False
-        record.msg, record.args = (f"{self.refused} request(s) answered 503: more than {self.limit} connections and "
-                                   f"requests at once (the connection limit); at most one such line a "
-                                   f"{self.every:g} s"), ()
+        record.msg, record.args = (f"{self.refused} request(s) answered 503 (but /health and /metrics): more than "
+                                   f"{self.limit} connections and requests at once (the connection limit); at most "
+                                   f"one such line a {self.every:g} s"), ()
         self.refused, self.logged_at = 0, now
         return True
 
@@ -190,13 +187,16 @@ def http_server(app, host: str, port: int, *, connections: int, grace: float, on
 
     from serving.http_timeouts import HeaderTimeoutProtocol
 
+    protocol = HeaderTimeoutProtocol
+    if on_refused is not None:
+        protocol = type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"on_refused": staticmethod(on_refused)})
     errors = logging.getLogger("uvicorn.error")
     for old in [f for f in errors.filters if isinstance(f, RefusalLog)]:  # one server's at a time
         errors.removeFilter(old)
-    errors.addFilter(RefusalLog(connections, on_refused=on_refused))
+    errors.addFilter(RefusalLog(connections))
 
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                         http=HeaderTimeoutProtocol, limit_concurrency=connections,
+                                         http=protocol, limit_concurrency=connections,
                                          timeout_keep_alive=KEEP_ALIVE_SECONDS, timeout_graceful_shutdown=grace))
 
 

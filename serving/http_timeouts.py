@@ -14,6 +14,8 @@ finished asking.
 Past the connection limit uvicorn answers 503 with a plain-text body ("Service Unavailable"), no Retry-After
 and no request id; `busy` answers it as every other refusal of serving is answered (errors.ServerBusy:
 OpenAI's error body, Retry-After, x-request-id), so clients and scripts reading `error.message` see why.
+`/health` and `/metrics` are answered past the limit all the same (ALWAYS_ANSWERED): an overload is when a
+load balancer's health check and a Prometheus scrape matter most, and both are cheap.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from serving.errors import ServerBusy
 logger = logging.getLogger(__name__)
 
 HEADER_TIMEOUT_S = 30.0  # a request's headers must be whole within this
+ALWAYS_ANSWERED = frozenset({"/health", "/metrics"})
 
 
 async def busy(scope, receive, send) -> None:
@@ -47,9 +50,17 @@ async def busy(scope, receive, send) -> None:
 
 class HeaderTimeoutProtocol(HttpToolsProtocol):
     header_timeout_s = HEADER_TIMEOUT_S
+    on_refused = None  # called for each request answered `busy` (a subclass's: serving's counter)
 
     def _start_asgi_task(self, cycle, app) -> None:  # type: ignore[override]
-        super()._start_asgi_task(cycle, busy if app is service_unavailable else app)
+        if app is service_unavailable:
+            if cycle.scope.get("path") in ALWAYS_ANSWERED:
+                app = self.app
+            else:
+                app = busy
+                if self.on_refused is not None:
+                    self.on_refused()
+        super()._start_asgi_task(cycle, app)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

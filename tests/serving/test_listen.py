@@ -135,9 +135,9 @@ def test_past_its_connection_limit_uvicorn_answers_503_and_idle_connections_coun
     async def scenario():
         async with ok_server(connections=3, on_refused=lambda: refused.append(1)) as (server, port):
 
-            async def get() -> bytes:
+            async def get(path: str = "/") -> bytes:
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.write(b"GET / HTTP/1.1\r\nHost: clora\r\nConnection: close\r\n\r\n")
+                writer.write(f"GET {path} HTTP/1.1\r\nHost: clora\r\nConnection: close\r\n\r\n".encode())
                 answer = await asyncio.wait_for(reader.read(), 5)  # to the end: the server closes the connection
                 writer.close()
                 return answer
@@ -146,14 +146,17 @@ def test_past_its_connection_limit_uvicorn_answers_503_and_idle_connections_coun
             idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]  # connected, sending nothing
             await asyncio.sleep(0.1)
             past = await get()
+            # A load balancer's health check and a Prometheus scrape are answered past it all the same.
+            checks = [await get("/health"), await get("/metrics")]
             limit = server.config.limit_concurrency
             set_connection_limit(server, 4)  # a config re-read added a tenant: room from the next connection
             raised = await get()
             for _, writer in idle:
                 writer.close()
-            return limit, server.config, within, past, raised
+            return limit, server.config, within, past, raised, checks
 
-    limit, config, within, past, raised = asyncio.run(scenario())
+    limit, config, within, past, raised, checks = asyncio.run(scenario())
+    assert all(check.startswith(b"HTTP/1.1 200 OK") for check in checks), checks
     assert limit == 3 and config.timeout_keep_alive == KEEP_ALIVE_SECONDS
     assert within.startswith(b"HTTP/1.1 200 OK")
     head, _, body = past.partition(b"\r\n\r\n")
@@ -193,10 +196,10 @@ def test_refusals_past_the_connection_limit_are_one_log_line_a_minute():
         return record if refusals.filter(record) else None
 
     first = refused()
-    assert first.getMessage().startswith("1 request(s) answered 503: more than 1024 connections")
+    assert first.getMessage().startswith("1 request(s) answered 503 (but /health and /metrics): more than 1024 connections")
     assert [refused() for _ in range(500)] == [None] * 500
     now[0] = 61.0
-    assert refused().getMessage().startswith("501 request(s) answered 503")
+    assert refused().getMessage().startswith("501 request(s) answered 503 (")
     other = logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, "something else", (), None)
     assert refusals.filter(other) and other.getMessage() == "something else"
 
