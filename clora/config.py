@@ -279,9 +279,15 @@ class ServingConfig(_Strict):
         "waits in ingest's memory."
     )
     max_inflight_per_tenant: int = Field(
-        64, ge=1, description="Completions (prompts x n) one tenant may have in the engine at once; beyond it, "
-        "429 with Retry-After. Below max_num_seqs, one tenant cannot take every sequence of an engine step (the "
-        "defaults are equal: set it lower where tenants share the engine under load)."
+        64, ge=1, description="Completions (prompts x n) one tenant may have in the engine at once; a request "
+        "beyond it waits for room up to max_inflight_wait_seconds, then gets 429 with Retry-After. Below "
+        "max_num_seqs, one tenant cannot take every sequence of an engine step (the defaults are equal: set it "
+        "lower where tenants share the engine under load)."
+    )
+    max_inflight_wait_seconds: float = Field(
+        30.0, ge=0, description="How long a request over its tenant's max_inflight_per_tenant waits for room (first "
+        "come, first served) before its 429: a client sending more at once than the limit gets answers, not "
+        "refusals its SDK gives up on after two quick retries. 0: refused at once."
     )
     idempotency_ttl_seconds: float = Field(
         3600.0, ge=0, description="How long the answer of a completion request sent with an Idempotency-Key header "

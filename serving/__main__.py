@@ -364,6 +364,7 @@ async def serve(cfg, host: str, port: int, reload=None) -> int:
             default_max_tokens=s.default_max_tokens,
             max_request_bytes=s.max_request_bytes or default_request_bytes(s.max_model_len),
             max_inflight_per_tenant=s.max_inflight_per_tenant,
+            max_inflight_wait_s=s.max_inflight_wait_seconds,
             max_feedback_per_second=s.max_feedback_per_second,
             admin_key=s.admin_key.get_secret_value() if s.admin_key is not None else None,
             idempotency_ttl_s=s.idempotency_ttl_seconds,

@@ -10,8 +10,8 @@ any prompt the context fits and the body is no batch of several prompts, see `_t
 `BODY_TIMEOUT_S`, else 408) and parse it (protocol.py) -> with an `Idempotency-Key` header, claim the key
 (idempotency.py: a key already answered gets that answer again, and nothing below runs; a try while the
 first runs waits for it, at most `idempotency.MAX_WAITING` of them) -> resolve `model` to the tenant's
-adapter or the base model -> take the tenant's in-flight slots (`InflightLimit`: 429 beyond
-`max_inflight_per_tenant` completions) -> render and tokenize the prompt (the engine's prompt thread, off the event loop), check it
+adapter or the base model -> take the tenant's in-flight slots (`InflightLimit`: beyond
+`max_inflight_per_tenant` completions, wait for room, then 429) -> render and tokenize the prompt (the engine's prompt thread, off the event loop), check it
 fits and check the sampling with the engine ->
 lease the adapter version (adapters.py; held until the last token, so a hot-swap never changes weights
 mid-generation) -> run it on the engine, salted with the tenant (no prefix-cache sharing between tenants)
@@ -42,6 +42,7 @@ What this module does not do: choose versions, talk to Kafka, or touch vLLM type
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import math
 import logging
@@ -183,30 +184,57 @@ class RateLimit:
 
 
 class InflightLimit:
-    """Sequences (prompts x n) each tenant has in the engine at once; past `limit`, 429 with Retry-After.
+    """Sequences (prompts x n) each tenant has in the engine at once, at most `limit`. A request that does not
+    fit waits up to `wait_s` for room, first come first served among the tenant's (past that, or with
+    `wait_s` 0: 429 with Retry-After). Without the wait, a client sending more requests at once than the
+    limit (an SDK's `asyncio.gather`, a batch of evaluations) saw the extra ones refused within the ~2 s
+    OpenAI's SDK spends on its two retries, while the running ones had far longer to go.
 
     Runs on the event loop only, like the rest of the API: no lock.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, wait_s: float = 0.0) -> None:
         self.limit = limit
+        self.wait_s = wait_s
         self._held: dict[str, int] = {}
+        self._waiting: dict[str, collections.deque[tuple[int, asyncio.Future]]] = {}
 
     def held(self, tenant: str) -> int:
         return self._held.get(tenant, 0)
 
+    def waiting(self, tenant: str) -> int:
+        return len(self._waiting.get(tenant, ()))
+
+    async def acquire(self, tenant: str, sequences: int) -> Callable[[], None]:
+        """`take`, waiting for room up to `wait_s` behind the tenant's requests that waited first."""
+        self._check(sequences)
+        queue = self._waiting.get(tenant)
+        if not queue and self.held(tenant) + sequences <= self.limit:
+            return self.take(tenant, sequences)
+        if self.wait_s <= 0:
+            raise self._over(tenant, sequences)
+        granted = asyncio.get_running_loop().create_future()
+        waiter = (sequences, granted)
+        self._waiting.setdefault(tenant, collections.deque()).append(waiter)
+        try:
+            return await asyncio.wait_for(asyncio.shield(granted), self.wait_s)
+        except asyncio.TimeoutError:
+            if granted.done():  # room came as the wait ran out: taken
+                return granted.result()
+            raise self._over(tenant, sequences, waited=True) from None
+        except BaseException:  # the client left (cancelled): a place given meanwhile goes back
+            if granted.done() and not granted.cancelled():
+                granted.result()()
+            raise
+        finally:
+            self._leave(tenant, waiter)
+
     def take(self, tenant: str, sequences: int) -> Callable[[], None]:
-        """Takes `sequences` slots of `tenant`; returns the (idempotent) function that gives them back."""
-        if sequences > self.limit:
-            raise BadRequest(
-                f"this request asks for {sequences} completions at once (prompts x n); this server runs at most "
-                f"{self.limit} per tenant", param="n")
+        """Takes `sequences` slots of `tenant` now; returns the (idempotent) function that gives them back."""
+        self._check(sequences)
         held = self.held(tenant)
         if held + sequences > self.limit:
-            raise RateLimited(
-                f"tenant {tenant!r} has {held} completions in flight; at most {self.limit} at once "
-                f"(this request asks for {sequences}). Retry after the running requests finish.",
-                headers={"retry-after": str(RETRY_AFTER_SECONDS)})
+            raise self._over(tenant, sequences)
         self._held[tenant] = held + sequences
         done = False
 
@@ -220,8 +248,45 @@ class InflightLimit:
                 self._held[tenant] = left
             else:
                 del self._held[tenant]
+            self._grant(tenant)
 
         return release
+
+    def _grant(self, tenant: str) -> None:
+        """Gives room to the tenant's first waiting requests that fit now, in their order."""
+        queue = self._waiting.get(tenant)
+        while queue and self.held(tenant) + queue[0][0] <= self.limit:
+            sequences, granted = queue.popleft()
+            if not granted.done():
+                granted.set_result(self.take(tenant, sequences))
+        if not queue:
+            self._waiting.pop(tenant, None)
+
+    def _leave(self, tenant: str, waiter: tuple[int, asyncio.Future]) -> None:
+        queue = self._waiting.get(tenant)
+        if queue is None:
+            return
+        try:
+            queue.remove(waiter)
+        except ValueError:  # granted: already out of the queue
+            pass
+        if not queue:
+            self._waiting.pop(tenant, None)
+        else:
+            self._grant(tenant)  # a large request that left may have held up smaller ones behind it
+
+    def _check(self, sequences: int) -> None:
+        if sequences > self.limit:
+            raise BadRequest(
+                f"this request asks for {sequences} completions at once (prompts x n); this server runs at most "
+                f"{self.limit} per tenant", param="n")
+
+    def _over(self, tenant: str, sequences: int, *, waited: bool = False) -> RateLimited:
+        waited_for = f" after waiting {self.wait_s:g} s for room" if waited else ""
+        return RateLimited(
+            f"tenant {tenant!r} has {self.held(tenant)} completions in flight; at most {self.limit} at once "
+            f"(this request asks for {sequences}){waited_for}. Retry after the running requests finish.",
+            headers={"retry-after": str(RETRY_AFTER_SECONDS)})
 
 
 async def _chain_first(first, rest: AsyncIterator):
@@ -276,6 +341,7 @@ class Api:
         default_max_tokens: int | None = None,
         max_request_bytes: int = 1 << 20,
         max_inflight_per_tenant: int = 64,
+        max_inflight_wait_s: float = 0.0,
         max_feedback_per_second: float = 100.0,
         admin_key: str | None = None,
         idempotency_ttl_s: float = 3600.0,
@@ -295,7 +361,7 @@ class Api:
         self.registry = registry
         self.default_max_tokens = default_max_tokens
         self.max_request_bytes = max_request_bytes
-        self.inflight = InflightLimit(max_inflight_per_tenant)
+        self.inflight = InflightLimit(max_inflight_per_tenant, max_inflight_wait_s)
         self.admin_key = admin_key  # None: /metrics and /health's details are open (a local deployment)
         self.keys = idempotency.Keys(idempotency_ttl_s, idempotency_max_bytes)
         # Feedback costs no engine time, but every event is stored, and feedback for an interaction not seen
@@ -386,7 +452,7 @@ class Api:
         choice = resolve_model(body.model, tenant=tenant, base_name=self.base_name)
         sampling = body.sampling(self.default_max_tokens)
         given = [None] if endpoint == "chat" else body.prompts()
-        give_back = self.inflight.take(tenant, len(given) * body.n)  # before the prompt work, which costs too
+        give_back = await self.inflight.acquire(tenant, len(given) * body.n)  # before the prompt work, which costs too
         try:
             if endpoint == "chat":
                 messages = body.plain_messages()

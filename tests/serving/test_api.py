@@ -1008,6 +1008,67 @@ def test_a_tenant_over_its_in_flight_limit_gets_429_with_retry_after():
     assert w.api.inflight.held("acme") == 0
 
 
+def test_a_request_over_the_in_flight_limit_waits_for_room_in_turn_then_runs():
+    """A client sending more at once than its tenant's limit (an SDK's gather) had the extra ones refused 429
+    within the ~2 s OpenAI's SDK spends retrying, while the running ones had far longer to go."""
+    w = World(max_inflight_per_tenant=3, max_inflight_wait_s=30.0)
+    w.llm.gate = asyncio.Event()
+
+    async def scenario(c):
+        held = asyncio.create_task(c.post("/v1/chat/completions", json=chat(n=3, temperature=1)))
+        while not w.llm.calls:
+            await asyncio.sleep(0.01)
+        waits = [asyncio.create_task(c.post("/v1/chat/completions", json=chat(n=2, temperature=1))),
+                 asyncio.create_task(c.post("/v1/chat/completions", json=chat()))]
+        while w.api.inflight.waiting("acme") < 2:
+            await asyncio.sleep(0.01)
+        assert len(w.llm.calls) == 1, "they wait: nothing of theirs reached the engine"
+        w.llm.gate.set()
+        return await held, await asyncio.gather(*waits)
+
+    held, waited = w.run(scenario)
+    assert held.status_code == 200 and [r.status_code for r in waited] == [200, 200]
+    assert w.api.inflight.held("acme") == 0 and w.api.inflight.waiting("acme") == 0
+
+
+def test_the_in_flight_wait_is_first_come_first_served_bounded_and_left_by_a_client_that_goes():
+    from serving.api import InflightLimit
+    from serving.errors import RateLimited
+
+    async def scenario():
+        limit = InflightLimit(3, wait_s=30.0)
+        two = limit.take("acme", 2)
+        big = asyncio.create_task(limit.acquire("acme", 2))
+        small = asyncio.create_task(limit.acquire("acme", 1))  # would fit now, but waits behind the first
+        await asyncio.sleep(0.01)
+        assert not big.done() and not small.done() and limit.waiting("acme") == 2
+        (await limit.acquire("globex", 3))()  # another tenant's room is its own
+        two()
+        release_big, release_small = await big, await small
+        assert limit.held("acme") == 3 and limit.waiting("acme") == 0
+        release_big(), release_small()
+        assert limit.held("acme") == 0
+
+        short = InflightLimit(1, wait_s=0.05)
+        hold = short.take("acme", 1)
+        with pytest.raises(RateLimited, match="after waiting 0.05 s for room"):
+            await short.acquire("acme", 1)
+        gone = asyncio.create_task(short.acquire("acme", 1))  # its client leaves while it waits
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert short.waiting("acme") == 0
+        hold()
+        assert short.held("acme") == 0, "no room was given to the request that left"
+        at_once = InflightLimit(1)  # wait 0: refused at once, as before
+        at_once.take("acme", 1)
+        with pytest.raises(RateLimited):
+            await at_once.acquire("acme", 1)
+
+    asyncio.run(scenario())
+
+
 def test_each_tenant_salts_the_prefix_cache():
     w = World()
     w.post("/v1/chat/completions", chat())
