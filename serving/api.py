@@ -188,7 +188,9 @@ class InflightLimit:
     fit waits up to `wait_s` for room, first come first served among the tenant's (past that, or with
     `wait_s` 0: 429 with Retry-After). Without the wait, a client sending more requests at once than the
     limit (an SDK's `asyncio.gather`, a batch of evaluations) saw the extra ones refused within the ~2 s
-    OpenAI's SDK spends on its two retries, while the running ones had far longer to go.
+    OpenAI's SDK spends on its two retries, while the running ones had far longer to go. At most `limit`
+    requests of a tenant wait (more: 429 at once): each holds a connection, and one tenant's flood must not
+    fill the server's connection limit for every other tenant.
 
     Runs on the event loop only, like the rest of the API: no lock.
     """
@@ -205,6 +207,11 @@ class InflightLimit:
     def waiting(self, tenant: str) -> int:
         return len(self._waiting.get(tenant, ()))
 
+    def must_wait(self, tenant: str, sequences: int) -> bool:
+        """Whether `acquire` would wait (rather than take at once, or refuse)."""
+        return (self.wait_s > 0 and sequences <= self.limit and self.waiting(tenant) < self.limit
+                and (self.waiting(tenant) > 0 or self.held(tenant) + sequences > self.limit))
+
     async def acquire(self, tenant: str, sequences: int) -> Callable[[], None]:
         """`take`, waiting for room up to `wait_s` behind the tenant's requests that waited first."""
         self._check(sequences)
@@ -213,6 +220,8 @@ class InflightLimit:
             return self.take(tenant, sequences)
         if self.wait_s <= 0:
             raise self._over(tenant, sequences)
+        if self.waiting(tenant) >= self.limit:
+            raise self._over(tenant, sequences, queue_full=True)
         granted = asyncio.get_running_loop().create_future()
         waiter = (sequences, granted)
         self._waiting.setdefault(tenant, collections.deque()).append(waiter)
@@ -281,8 +290,10 @@ class InflightLimit:
                 f"this request asks for {sequences} completions at once (prompts x n); this server runs at most "
                 f"{self.limit} per tenant", param="n")
 
-    def _over(self, tenant: str, sequences: int, *, waited: bool = False) -> RateLimited:
+    def _over(self, tenant: str, sequences: int, *, waited: bool = False, queue_full: bool = False) -> RateLimited:
         waited_for = f" after waiting {self.wait_s:g} s for room" if waited else ""
+        if queue_full:
+            waited_for = f", and {self.waiting(tenant)} requests wait for room already"
         return RateLimited(
             f"tenant {tenant!r} has {self.held(tenant)} completions in flight; at most {self.limit} at once "
             f"(this request asks for {sequences}){waited_for}. Retry after the running requests finish.",
@@ -452,7 +463,19 @@ class Api:
         choice = resolve_model(body.model, tenant=tenant, base_name=self.base_name)
         sampling = body.sampling(self.default_max_tokens)
         given = [None] if endpoint == "chat" else body.prompts()
-        give_back = await self.inflight.acquire(tenant, len(given) * body.n)  # before the prompt work, which costs too
+        sequences = len(given) * body.n
+        if self.inflight.must_wait(tenant, sequences):  # for room: its client may leave meanwhile
+            got = []
+
+            async def wait() -> None:
+                got.append(await self.inflight.acquire(tenant, sequences))
+
+            if not await _unless_disconnected(request, wait()):  # a place given meanwhile went back
+                self.metrics.request_answered(tenant, endpoint, CLIENT_CLOSED_REQUEST)
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            give_back = got[0]
+        else:
+            give_back = await self.inflight.acquire(tenant, sequences)  # before the prompt work, which costs too
         try:
             if endpoint == "chat":
                 messages = body.plain_messages()

@@ -78,6 +78,7 @@ What this module does not do: talk to Kafka (events_log.py does) or decide when 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -300,7 +301,8 @@ class Spool:
             found = [p for p in names if p.suffix in (".jsonl", ".open") and p != own and p not in self._set_aside]
             if own is None and self.id not in {_writer_id(p) for p in found}:
                 self._let_writer_go()  # its segments are all sent: nothing for a peer to tell about it
-        stems = {p.stem for p in found} | ({own.stem} if own else set())
+        # A set-aside segment keeps its progress record: renamed back by an operator, it resumes after it.
+        stems = {p.stem for p in found} | ({own.stem} if own else set()) | {p.stem for p in self._set_aside}
         writers = {_writer_id(p) for p in found} | {self.id}
         for p in names:
             if p.suffix in (PROGRESS, PROGRESS_TMP) and p.stem not in stems:
@@ -355,6 +357,8 @@ class Spool:
             except FileNotFoundError:  # claimed and deleted meanwhile
                 continue
             except OSError as e:  # no permission, an I/O error: every pass would fail on it
+                if p == own or not _the_files_fault(e):
+                    raise
                 self.set_aside(p, f"cannot be read: {e}")
         return count
 
@@ -388,6 +392,8 @@ class Spool:
             yield None
             return
         except OSError as e:
+            if not _the_files_fault(e):
+                raise  # this process's trouble (open files, memory): the segment is sound, tried again later
             self.set_aside(segment, f"cannot be opened: {e}")
             yield None
             return
@@ -405,6 +411,8 @@ class Spool:
                 file.seek(offset)
                 data = file.read()
             except OSError as e:
+                if not _the_files_fault(e):
+                    raise
                 self.set_aside(segment, f"cannot be read: {e}")
                 yield None
                 return
@@ -531,6 +539,13 @@ def _read_messages(path: Path, data: bytes, offset: int) -> tuple[list[Message],
                                           "unreadable", f"spool segment {path.name}, byte {offset + start}: {e}"))
         start = end
     return messages, ends, unreadable
+
+
+def _the_files_fault(e: OSError) -> bool:
+    """Whether an error reading a segment is about the file (its permissions, a disk error, something else in
+    its place), not about this process (too many open files, no memory), which passes: a sound segment set
+    aside for that would never be sent."""
+    return e.errno in (errno.EACCES, errno.EPERM, errno.EIO, errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.EROFS)
 
 
 def _still_named(path: Path, st: os.stat_result) -> bool:

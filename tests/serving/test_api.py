@@ -1031,6 +1031,44 @@ def test_a_request_over_the_in_flight_limit_waits_for_room_in_turn_then_runs():
     assert w.api.inflight.held("acme") == 0 and w.api.inflight.waiting("acme") == 0
 
 
+def test_a_client_that_leaves_while_its_request_waits_for_room_gives_its_place_up():
+    """uvicorn does not cancel a handler whose client left: the waiting request kept its place, and once
+    granted went on to tokenize and reach the engine for nobody."""
+    w = World(max_inflight_per_tenant=1, max_inflight_wait_s=30.0)
+    w.llm.gate = asyncio.Event()
+
+    async def scenario(c):
+        held = asyncio.create_task(c.post("/v1/chat/completions", json=chat()))
+        while not w.llm.calls:
+            await asyncio.sleep(0.01)
+        left, sent = asyncio.Event(), []
+
+        async def receive():
+            if not sent:
+                sent.append({"type": "http.request", "body": json.dumps(chat()).encode(), "more_body": False})
+                return sent[0]
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        handler = asyncio.create_task(w.app(chat_scope(json.dumps(chat()).encode()), receive, send))
+        while w.api.inflight.waiting("acme") < 1:
+            await asyncio.sleep(0.01)
+        left.set()  # the client goes away while its request waits
+        await asyncio.wait_for(handler, 5)
+        waiting_after = w.api.inflight.waiting("acme")
+        w.llm.gate.set()
+        return await held, waiting_after, sent
+
+    held, waiting_after, sent = w.run(scenario)
+    assert held.status_code == 200 and waiting_after == 0
+    assert len(w.llm.calls) == 1, "the request that left never reached the engine"
+    assert w.api.inflight.held("acme") == 0
+    assert 'clora_serving_requests_total{endpoint="chat",status="499",tenant="acme"} 1.0' in w.api.metrics.render().decode()
+
+
 def test_the_in_flight_wait_is_first_come_first_served_bounded_and_left_by_a_client_that_goes():
     from serving.api import InflightLimit
     from serving.errors import RateLimited
@@ -1061,6 +1099,15 @@ def test_the_in_flight_wait_is_first_come_first_served_bounded_and_left_by_a_cli
         assert short.waiting("acme") == 0
         hold()
         assert short.held("acme") == 0, "no room was given to the request that left"
+        full = InflightLimit(1, wait_s=30.0)  # at most `limit` requests of a tenant wait: then 429 at once
+        hold = full.take("acme", 1)
+        first = asyncio.create_task(full.acquire("acme", 1))
+        await asyncio.sleep(0.01)
+        assert full.must_wait("acme", 1) is False and full.waiting("acme") == 1
+        with pytest.raises(RateLimited, match="1 requests wait for room already"):
+            await full.acquire("acme", 1)
+        hold()
+        (await first)()
         at_once = InflightLimit(1)  # wait 0: refused at once, as before
         at_once.take("acme", 1)
         with pytest.raises(RateLimited):

@@ -395,3 +395,32 @@ def test_a_segment_sealed_between_a_senders_open_and_its_lock_is_not_claimed_by_
         assert len(claim.messages) == 3
         claim.done()
     assert sender.segments() == []
+
+
+def test_a_segment_is_set_aside_only_for_its_own_fault_not_for_this_processs(tmp_path, monkeypatch):
+    """Too many open files (an overload) is this process's trouble: a sound segment renamed .unreadable for it
+    would never be sent. A file's own fault (here a directory in its place) sets it aside."""
+    import errno
+
+    import serving.spool as spool_module
+
+    writer, sender = Spool(tmp_path), Spool(tmp_path)
+    writer.append(msgs(2))
+    writer.seal()
+    [segment] = sender.segments()
+
+    def no_more_files(path, mode="r", *args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files", str(path))
+
+    monkeypatch.setattr(spool_module, "open", no_more_files, raising=False)
+    with pytest.raises(OSError, match="Too many open files"):
+        with sender.claim(segment):
+            pass
+    with pytest.raises(OSError, match="Too many open files"):
+        sender.pending()
+    monkeypatch.undo()
+    assert sender.segments() == [segment] and sender.pending() == 2, "still there, and sent once files can be opened"
+    blocked = segment.with_name("0" + segment.name)
+    blocked.mkdir()
+    assert sender.pending() == 2 and blocked.with_name(blocked.name + ".unreadable").is_dir()
+    assert sender.segments() == [segment]
