@@ -425,7 +425,7 @@ class PendingStore:
                 t = self._read_or_skip(path, None)
                 if t is None:
                     continue
-                t = conform(t, FEEDBACK, strict=False)
+                t = conform(t, FEEDBACK, strict=False, what=path)
                 keep = pc.greater_equal(t.column("ingested_at").cast(pa.int64()), cutoff)
                 if owned is not None:
                     keep = pc.and_(keep, owned.mask(t.column("kafka_partition")))
@@ -575,7 +575,7 @@ class PendingStore:
         """The rows of one file with `ids`: its id column, then only the row groups holding them."""
         column = read_file(self.root, path, columns=["id"]).column("id")
         positions = pc.indices_nonzero(pc.is_in(column, value_set=pa.array(sorted(ids), pa.string())))
-        return conform(read_rows(self.root, path, positions.to_pylist()), INTERACTIONS, strict=False)
+        return conform(read_rows(self.root, path, positions.to_pylist()), INTERACTIONS, strict=False, what=path)
 
     # --- after a write (started, or durable) ----------------------------------------------------------
 

@@ -247,7 +247,9 @@ class _Backlog:
     files: dict[str, int] = field(default_factory=dict)  # every live trajectories file read -> its number
     next_file: int = 0
     pending: pa.Table = field(default_factory=_PENDING_SCHEMA.empty_table)  # untrained rows of `files`
-    damaged: set[str] = field(default_factory=set)  # files of `files` whose content cannot be read: no rows
+    # files of `files` whose content cannot be read (no rows taken) -> their (size, mtime) then: read again
+    # once that changes (restored in place)
+    damaged: dict[str, tuple] = field(default_factory=dict)
     # What the last call listed (file paths, cursor snapshots and steps) and what it answered from that.
     listing: tuple = ()
     index: pa.Table = field(default_factory=_ROWS_SCHEMA.empty_table)
@@ -335,7 +337,8 @@ class Cursors:
                 by_file.setdefault(f, []).append((r, pos))
             parts = []
             for f, wanted in by_file.items():
-                part = conform(read_rows(self.dd, paths[f], [r for r, _ in wanted]), TRAJECTORIES, strict=False)
+                part = conform(read_rows(self.dd, paths[f], [r for r, _ in wanted]), TRAJECTORIES, strict=False,
+                               what=paths[f])
                 parts.append(part.append_column("_pos", pa.array([pos for _, pos in wanted], pa.int64())))
             merged = pa.concat_tables(parts)
             return merged.take(pc.sort_indices(merged.column("_pos"))).drop_columns(["_pos"])
@@ -607,7 +610,7 @@ class Cursors:
         horizon = self.horizon(tenant)
         listing = (tuple(paths), tuple(snapshots), tuple(steps), horizon)
         state = self._backlogs.get(tenant)
-        if state is not None and state.listing == listing:
+        if state is not None and state.listing == listing and not self._damaged_replaced(state):
             return state.index, paths
         if state is None:
             state = _Backlog(horizon=horizon, through=horizon.through)
@@ -661,7 +664,11 @@ class Cursors:
         untrained rows. Paths key it because data files are never rewritten in place (only replaced by new
         names): a path that is still listed still holds what was read."""
         live = set(paths)
-        state.damaged &= live
+        for path, seen in list(state.damaged.items()):
+            if path not in live or self._signature(path) != seen:  # gone, or restored: read again if listed
+                del state.damaged[path]
+                if path in live:
+                    live.discard(path)  # dropped from `files` below, then read as a new one
         gone = [p for p in state.files if p not in live]
         if gone:
             numbers = pa.array([state.files.pop(p) for p in gone], pa.int32())
@@ -670,18 +677,21 @@ class Cursors:
             if path in state.files:
                 continue
             try:
-                cols = conform(read_file(self.dd, path, columns=["id", "ingested_at"]), _INDEX_SCHEMA, strict=False)
+                cols = conform(read_file(self.dd, path, columns=["id", "ingested_at"]), _INDEX_SCHEMA, strict=False,
+                               what=path)
             except FileNotFoundError:
                 raise
             except (OSError, pa.ArrowException) as e:
-                if isinstance(e, OSError) or not damaged(e):  # a disk error, this process's trouble: tried again
+                # A disk error or this process's trouble (an errno: EIO, EACCES, EMFILE...): tried again. Arrow's
+                # errors for what is in the file carry none (a corrupt page is an OSError without one).
+                if not damaged(e) or (isinstance(e, OSError) and e.errno is not None):
                     raise StorageError(f"cannot read {path}: {e}") from e
                 # What is in it is damaged (torn, corrupt): it will never read, and compaction and retention
                 # leave it alone, so failing on it stopped the tenant's training for good. Its rows are left out.
                 logger.error("%s cannot be read (%s: %s); its trajectories are left out of training (restore the "
                              "file, or delete it)", path, type(e).__name__, e)
                 cols = _INDEX_SCHEMA.empty_table()
-                state.damaged.add(path)
+                state.damaged[path] = self._signature(path)
             hi, lo = hash_strings(cols.column("id").to_pylist())
             untrained = ~state.trained.contains(hi, lo)
             if state.horizon.before_ms is not None:  # older than the horizon: left out (Cursors.forget)
@@ -695,6 +705,18 @@ class Cursors:
                 state.pending = pa.concat_tables([state.pending, new.cast(_PENDING_SCHEMA)])
             state.files[path] = number
             state.next_file += 1
+
+    def _damaged_replaced(self, state: _Backlog) -> bool:
+        """Whether a damaged file was replaced where it was (restored): then it is read again."""
+        return any(self._signature(path) != seen for path, seen in state.damaged.items())
+
+    def _signature(self, path: str) -> tuple:
+        """A file's (size, mtime) as its filesystem says, to tell it was replaced; () when it cannot be looked at."""
+        try:
+            info = self.dd.filesystem.get_file_info(path)
+        except OSError:
+            return ()
+        return info.size, info.mtime_ns
 
     def _prune_checkpoints(self, tenant: str) -> None:
         with_checkpoint = [p for _, p in self._steps(tenant) if (p / "checkpoint").exists()]

@@ -584,7 +584,7 @@ def read_dataset(root, dataset: str, tenant: str | None = None) -> pa.Table:
     schema = SCHEMAS[check_dataset(dataset)]
 
     def read() -> pa.Table:
-        tables = [conform(read_file(dd, p), schema, strict=False) for p in live_files(dd, dataset, tenant)]
+        tables = [conform(read_file(dd, p), schema, strict=False, what=p) for p in live_files(dd, dataset, tenant)]
         return pa.concat_tables(tables) if tables else schema.empty_table()
 
     return retry_vanished(read, f"reading {dataset}")

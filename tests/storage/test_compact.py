@@ -281,7 +281,8 @@ def test_files_a_newer_clora_wrote_are_left_out_not_stripped_of_what_this_versio
         assert any("trajectories/tenant=acme" in w and "v2.parquet" in w and "schema version 2" in w for w in warnings)
     assert pq.read_table(directory / "newcol.parquet").column("judge_notes").to_pylist() == ["fine", "terse"]
     assert {p.rsplit("/", 1)[1] for p in live_files(data_dir, "trajectories")} >= {"newcol.parquet", "v2.parquet"}
-    with pytest.raises(SchemaMismatch, match="schema version 2 is newer than this version's 1.*upgrade this clora"):
+    with pytest.raises(SchemaMismatch, match="v2.parquet: schema version 2 is newer than this version's 1.*upgrade "
+                                             "this clora"):
         read_dataset(data_dir, "trajectories")  # a breaking change: not read as if it were this version's
     (directory / "v2.parquet").unlink()
     assert read_dataset(data_dir, "trajectories").num_rows == 8 + 2, "a newer file's added column is only dropped"

@@ -685,3 +685,29 @@ def test_a_damaged_checkpoint_set_aside_leaves_the_step_committed_and_few_are_ke
     # the three set aside last are kept (each is a whole checkpoint)
     assert sorted(aside[0].parent.iterdir()) == sorted(aside[1:])
     assert (aside[-1] / "optimizer.pt").read_bytes() == b"adam s2"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt page"])
+def test_a_damaged_trajectories_file_is_left_out_and_read_again_once_restored_in_place(data_dir, make_trajectories,
+                                                                                       damage):
+    """A file whose content cannot be read left its tenant's whole backlog unknown for good (compaction and
+    retention leave it alone): its rows are left out, the others counted; restored where it was, it is read."""
+    ids = _ingest(data_dir, make_trajectories, "acme", 2, per_file=40)
+    first = sorted((data_dir / "trajectories" / "tenant=acme").glob("*.parquet"))[0]
+    good = first.read_bytes()
+    if damage == "truncated":
+        first.write_bytes(good[:100])
+    else:  # the footer reads, the id column's data page does not (Arrow's error carries no errno)
+        column = pq.ParquetFile(first).metadata.row_group(0).column(0)
+        assert column.path_in_schema == "id"
+        at = column.data_page_offset + 16
+        first.write_bytes(good[:at] + bytes(b ^ 0xFF for b in good[at:at + 64]) + good[at + 64:])
+        with pytest.raises(OSError) as e:
+            pq.read_table(first, columns=["id"])
+        assert e.value.errno is None, e.value
+    cursors = Cursors(data_dir)
+    assert cursors.backlog() == {"acme": 40} and cursors.backlog_errors == {}
+    assert cursors.damaged_files() == {"acme": [str(first)]}
+    assert cursors.untrained("acme").column("id").to_pylist() == ids[40:]
+    first.write_bytes(good)  # restored in place: same name, the listing unchanged
+    assert cursors.backlog() == {"acme": 80} and cursors.damaged_files() == {}
