@@ -1032,7 +1032,8 @@ class ConfigRereads:
             new = self.read()
         except Exception as e:  # noqa: BLE001 - ConfigError, anything else: the service goes on as it is
             if str(e) != self._error:
-                logger.error("config re-read failed; %s goes on as it is: %s", self._service, e)
+                logger.error("config re-read failed; %s goes on as it is: %s", self._service, e,
+                             exc_info=not isinstance(e, ConfigError))  # not the file's fault: where it failed
             self._error = str(e)
             return None
         self._error = None

@@ -59,6 +59,7 @@ class IngestMetrics:
                                "(updated every ~10 s), Unix time", registry=self.registry)
         self.last_flush = Gauge("clora_ingest_last_flush_timestamp_seconds", "When a batch was last written, Unix time",
                                 registry=self.registry)
+        self.last_loop.set_to_current_time()  # from the start: 0 (1970) would read as a loop stopped long ago
         self.total = Counter()  # the same counts as plain numbers, for logs, --once summaries and tests
         self.reasons: Counter = Counter()
         self.dropped: Counter = Counter()  # pending feedback dropped from memory, by reason

@@ -51,8 +51,8 @@ CONNECTIONS_PER_TENANT = 4  # room for each tenant's idle keep-alive connections
 
 
 def connection_limit(tenants: int, max_num_seqs: int) -> int:
-    """Connections (idle ones too) and requests uvicorn takes at once; past it, it answers every new request a
-    plain-text 503 (which OpenAI's SDK and the learner retry). Twice what the engine runs at once, plus a few
+    """Connections (idle ones too) and requests uvicorn takes at once; past it, every new request but /health
+    and /metrics is answered 503 server_busy (http_timeouts.py; OpenAI's SDK and the learner retry it). Twice what the engine runs at once, plus a few
     per tenant: an unbounded number held memory for each (a body read, a stream waiting for the engine).
     uvicorn still accepts connections past it; one whose request headers are slow is closed after
     http_timeouts.HEADER_TIMEOUT_S. A proxy in front limits connections per client where untrusted clients
@@ -172,9 +172,9 @@ class RefusalLog(logging.Filter):
         now = self.clock()
         if self.logged_at is not None and now - self.logged_at < self.every:
             return False
-        record.msg, record.args = (f"{self.refused} request(s) answered 503 (but /health and /metrics): more than "
-                                   f"{self.limit} connections and requests at once (the connection limit); at most "
-                                   f"one such line a {self.every:g} s"), ()
+        record.msg, record.args = (f"{self.refused} request(s) past the connection limit, more than {self.limit} "
+                                   f"connections and requests at once: answered 503 server_busy (those to /health "
+                                   f"and /metrics answered all the same); at most one such line a {self.every:g} s"), ()
         self.refused, self.logged_at = 0, now
         return True
 

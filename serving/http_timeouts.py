@@ -30,6 +30,12 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from serving.errors import ServerBusy
 
+# The method extended below is uvicorn's own (0.45 and later): renamed, serving would answer past the
+# connection limit in plain text and refuse /health, silently. Checked at import, so a start fails instead.
+if not hasattr(HttpToolsProtocol, "_start_asgi_task"):
+    raise ImportError("this uvicorn's HttpToolsProtocol has no _start_asgi_task (uvicorn >= 0.45 has): install a "
+                      "uvicorn this clora supports")
+
 logger = logging.getLogger(__name__)
 
 HEADER_TIMEOUT_S = 30.0  # a request's headers must be whole within this

@@ -196,10 +196,10 @@ def test_refusals_past_the_connection_limit_are_one_log_line_a_minute():
         return record if refusals.filter(record) else None
 
     first = refused()
-    assert first.getMessage().startswith("1 request(s) answered 503 (but /health and /metrics): more than 1024 connections")
+    assert first.getMessage().startswith("1 request(s) past the connection limit, more than 1024 connections")
     assert [refused() for _ in range(500)] == [None] * 500
     now[0] = 61.0
-    assert refused().getMessage().startswith("501 request(s) answered 503 (")
+    assert refused().getMessage().startswith("501 request(s) past the connection limit")
     other = logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, "something else", (), None)
     assert refusals.filter(other) and other.getMessage() == "something else"
 
