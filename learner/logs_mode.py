@@ -293,9 +293,9 @@ def sampled_with(row: dict) -> SampledWith | str | None:
     nothing cut, or a row clora's serving tier did not log (an app's own log-probs are taken as its
     behaviour's). A SampledWith (the drawing version and its temperature, top-k, top-p, min-p,
     logit_bias, penalties, min_tokens and stop_token_ids) to recompute them from. A reason (str) when they
-    cannot be recomputed here (another tenant's version, an unreadable record: values serving never writes,
-    as a negative temperature or token id or a fractional top_k): the row then trains with weight 1, as one
-    without log-probs."""
+    cannot be recomputed here (another tenant's version, a draw under a structured-output grammar, an
+    unreadable record: values serving never writes, as a negative temperature or token id or a fractional
+    top_k): the row then trains with weight 1, as one without log-probs."""
     meta = row_metadata(row.get("metadata_json"))
     if not all(key in meta for key in SERVING_KEYS):
         return None
@@ -303,6 +303,11 @@ def sampled_with(row: dict) -> SampledWith | str | None:
     version = version_number(row.get("adapter_version"), row["tenant"])
     if version is None:
         return "made by another tenant's adapter"
+    if isinstance(sampling, dict) and sampling.get("structured") is not None:
+        # The engine masked every token that would leave the response_format's grammar: the distribution it
+        # drew from is the model's renormalized over what the grammar allowed at each step, which the learner
+        # cannot rebuild (nor are the raw log-probs logged it).
+        return "drawn under a structured-output grammar (response_format)"
     try:
         if not isinstance(sampling, dict):
             raise TypeError("not an object")

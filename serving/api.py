@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import math
 import logging
 import os
@@ -921,6 +922,9 @@ def _sampling_metadata(sampling: Sampling, sample: int = 0) -> dict[str, Any]:
         out["stop_token_ids"] = list(sampling.stop_token_ids)
     if sampling.seed is not None and sampling.seed != -1:
         out["seed"] = sampling.seed + (0 if greedy(sampling) else sample)
+    if sampling.structured is not None:  # drawn under a grammar: the logged log-probs are not its distribution's
+        kind, schema = sampling.structured
+        out["structured"] = {"type": kind, **({"schema": json.loads(schema)} if schema else {})}
     return out
 
 

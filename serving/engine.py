@@ -123,6 +123,9 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the completion, as EOS does
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False  # always generate max_tokens (the benchmarks, a request's `ignore_eos`)
+    # response_format's structured output: ("json_object", "") or ("json_schema", its schema as JSON text);
+    # the engine masks every token that would leave it (vLLM's structured outputs)
+    structured: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -507,8 +510,9 @@ class Engine:
                         )
                         for index in range(copies):
                             yield delta if copies == 1 else replace(delta, index=index)
-        except VLLMClientError as e:
-            raise BadRequest(str(e), param=getattr(e, "parameter", None)) from e
+        except VLLMClientError as e:  # a schema vLLM's structured outputs cannot take is found as the request goes in
+            param = getattr(e, "parameter", None) or ("response_format" if sampling.structured else None)
+            raise BadRequest(str(e), param=param) from e
         except EngineDeadError as e:
             raise EngineStopped("the engine has stopped; the server must be restarted") from e
         except Exception:
@@ -561,8 +565,13 @@ def _lora_request(adapter: AdapterHandle):
 def _sampling_params(sampling: Sampling):
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+    structured = None
+    if sampling.structured is not None:
+        kind, schema = sampling.structured
+        structured = (StructuredOutputsParams(json_object=True) if kind == "json_object"
+                      else StructuredOutputsParams(json=json.loads(schema)))
     try:
         return SamplingParams(
             n=1 if greedy(sampling) else sampling.n,  # vLLM refuses greedy with n > 1: stream() copies its answer
@@ -583,9 +592,10 @@ def _sampling_params(sampling: Sampling):
             include_stop_str_in_output=sampling.include_stop_str_in_output,
             ignore_eos=sampling.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
+            structured_outputs=structured,
         )
     except VLLMValidationError as e:  # its own server answers these with 400 too
-        raise BadRequest(str(e), param=e.parameter) from e
+        raise BadRequest(str(e), param=e.parameter or ("response_format" if structured else None)) from e
 
 
 def greedy(sampling: Sampling) -> bool:

@@ -8,7 +8,7 @@ is, since vLLM, the tokenizer and the event log would each fail on it later. Fie
 server define that clora does not implement are refused (400 `unsupported_parameter`, `param` the field)
 rather than silently dropped, so a client never gets an answer that ignored its request: tool calling (any
 `tools`/`functions`, whatever `tool_choice`/`function_call` says, and a choice that demands a call),
-structured outputs (`response_format` other than text), `echo`, `suffix`, `best_of` other than `n`, and the
+`response_format` other than text, JSON object or JSON schema, `echo`, `suffix`, `best_of` other than `n`, and the
 fields of `NOT_IMPLEMENTED` (guided decoding, chat template options, prompt logprobs, audio, ...) unless
 they hold the value that asks for what clora does anyway (`"add_generation_prompt": true`). OpenAI's
 metadata fields that change no answer (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`
@@ -237,12 +237,35 @@ class _Request(BaseModel):
             if value and key not in STREAM_OPTIONS:
                 raise UnsupportedParameter(f"stream_options.{key} is not supported by this server (it takes "
                                            f"{', '.join(STREAM_OPTIONS)})", param="stream_options")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise UnsupportedParameter(
-                f"response_format {kind!r} is not supported by this server (structured outputs are not "
-                "implemented); leave it out or use {\"type\": \"text\"}", param="response_format")
+        self.structured()  # a response_format it cannot take is refused here, with the others
         return self
+
+    def structured(self) -> tuple[str, str] | None:
+        """The structured output `response_format` asks for, as Sampling.structured: ("json_object", "") or
+        ("json_schema", the schema as JSON text); None for text. Anything else is a 400 naming the field."""
+        fmt = self.response_format
+        if fmt is None:
+            return None
+        kind = fmt.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return ("json_object", "")
+        if kind != "json_schema":
+            raise UnsupportedParameter(
+                f"response_format {kind!r} is not supported by this server: it takes 'text', 'json_object' and "
+                "'json_schema'", param="response_format")
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+            raise BadRequest("response_format.json_schema must be an object with a name (and a schema)",
+                             param="response_format.json_schema")
+        schema = spec.get("schema")
+        if schema is None:
+            return ("json_object", "")  # a name and no schema: any JSON object, as OpenAI takes it
+        if not isinstance(schema, dict):
+            raise BadRequest("response_format.json_schema.schema must be a JSON Schema object",
+                             param="response_format.json_schema.schema")
+        return ("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
 
     def stop_tuple(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -272,6 +295,7 @@ class _Request(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
+            structured=self.structured(),
         )
 
 

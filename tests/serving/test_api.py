@@ -341,10 +341,9 @@ def test_an_unknown_role_is_a_400_before_any_work_and_tool_roles_stay_unsupporte
     # definitions with a choice of "none": OpenAI's model still sees them; this server's would not
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, "tools"),
     ({"functions": [{"name": "f"}], "function_call": "none"}, "functions"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "regex", "regex": "a+"}}, "response_format"),  # vLLM's own, not OpenAI's
 ])
-def test_tool_calling_and_structured_outputs_are_refused_not_dropped(extra, param):
+def test_tool_calling_and_other_structured_outputs_are_refused_not_dropped(extra, param):
     r = World().post("/v1/chat/completions", chat(**extra))
     assert r.status_code == 400
     e = error(r)
@@ -360,6 +359,36 @@ def test_tool_calling_and_structured_outputs_are_refused_not_dropped(extra, para
 ])
 def test_tools_that_cannot_be_called_and_text_format_are_fine(extra):
     assert World().post("/v1/chat/completions", chat(**extra)).status_code == 200
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_json_response_formats_reach_the_engine_as_structured_outputs_and_the_event_says_so(endpoint):
+    """LangChain's with_structured_output, the SDK's .parse(), instructor: all send response_format. The
+    engine masks what would leave the JSON (or the schema); the event records it, for the learner, which
+    cannot rebuild a distribution drawn under a grammar."""
+    w = World()
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    path, base = (("/v1/chat/completions", chat()) if endpoint == "chat"
+                  else ("/v1/completions", {"model": "acme", "prompt": "hi"}))
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}):
+        assert w.post(path, {**base, "response_format": fmt}).status_code == 200
+    first, second = (call.params.structured_outputs for call in w.llm.calls)
+    assert first.json_object is True and first.json is None
+    assert second.json == schema and not second.json_object
+    recorded = [e.metadata["sampling"]["structured"] for e in w.events.logged]
+    assert recorded == [{"type": "json_object"}, {"type": "json_schema", "schema": schema}]
+    assert w.post(path, {**base, "response_format": {"type": "text"}}).status_code == 200
+    assert w.llm.calls[-1].params.structured_outputs is None and "structured" not in w.events.logged[-1].metadata["sampling"]
+
+
+@pytest.mark.parametrize("fmt, param", [
+    ({"type": "json_schema"}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": "object"}}, "response_format.json_schema.schema"),
+])
+def test_a_json_schema_response_format_without_its_parts_is_a_400_naming_them(fmt, param):
+    r = World().post("/v1/chat/completions", chat(response_format=fmt))
+    assert r.status_code == 400 and error(r)["param"] == param, r.text
 
 
 def test_explicit_null_is_the_default():

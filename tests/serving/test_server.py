@@ -7,6 +7,7 @@ the order of tests does not matter.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import urllib.request
 from datetime import datetime
@@ -211,6 +212,20 @@ def test_openai_fields_reach_the_real_engine(server):
     assert e.value.body["param"] == "tools"
     lost = httpx.get(server.base_url + "/v1/nope")
     assert lost.status_code == 404 and set(lost.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_json_schema_response_format_gives_json_of_that_schema_from_the_real_engine(server):
+    """The engine's structured outputs (xgrammar on CPU too): the tiny model's text is noise, yet what comes
+    back parses, and holds what the schema requires, through the OpenAI SDK as LangChain or .parse() send it."""
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "color", "schema": schema, "strict": True}}
+    _, answer = chat(server, "initech", model="base", max_tokens=64, response_format=fmt)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "stop", choice
+    assert json.loads(choice.message.content)["color"] in ("red", "blue")
+    _, answer = chat(server, "initech", model="base", max_tokens=64, response_format={"type": "json_object"})
+    assert answer.choices[0].message.content.lstrip().startswith("{")  # the noise, inside a JSON object
 
 
 def test_a_production_request_is_started_before_waiting_requests_of_a_lower_priority(server):
