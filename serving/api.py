@@ -44,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
+import hashlib
 import math
 import logging
 import os
@@ -923,8 +923,11 @@ def _sampling_metadata(sampling: Sampling, sample: int = 0) -> dict[str, Any]:
     if sampling.seed is not None and sampling.seed != -1:
         out["seed"] = sampling.seed + (0 if greedy(sampling) else sample)
     if sampling.structured is not None:  # drawn under a grammar: the logged log-probs are not its distribution's
+        # The schema by its digest: whole, a large one (up to the request's size) on every choice's event
+        # could pass ingest's message limit, and the interaction would be dead-lettered.
         kind, schema = sampling.structured
-        out["structured"] = {"type": kind, **({"schema": json.loads(schema)} if schema else {})}
+        out["structured"] = {"type": kind, **({"schema_sha256": hashlib.sha256(schema.encode()).hexdigest()}
+                                              if schema else {})}
     return out
 
 

@@ -376,7 +376,8 @@ def test_json_response_formats_reach_the_engine_as_structured_outputs_and_the_ev
     assert first.json_object is True and first.json is None
     assert second.json == schema and not second.json_object
     recorded = [e.metadata["sampling"]["structured"] for e in w.events.logged]
-    assert recorded == [{"type": "json_object"}, {"type": "json_schema", "schema": schema}]
+    digest = hashlib.sha256(json.dumps(schema, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert recorded == [{"type": "json_object"}, {"type": "json_schema", "schema_sha256": digest}]
     assert w.post(path, {**base, "response_format": {"type": "text"}}).status_code == 200
     assert w.llm.calls[-1].params.structured_outputs is None and "structured" not in w.events.logged[-1].metadata["sampling"]
 
