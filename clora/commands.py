@@ -83,8 +83,8 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
             "ones import), every prompts_file readable, kafka.bootstrap names the embedded broker, no two of `clora "
             "up`'s processes on one port and none held by another process, Kafka reachable; exit 1 on any problem. "
             "Names the config file first, and lists what `clora up` warns of (no tenants, more ingest processes than "
-            "partitions, serving reachable from other hosts without an admin key, api keys left as 'change-me') as "
-            "warnings, which pass")
+            "partitions, serving reachable from other hosts without an admin key, api keys left as 'change-me', "
+            "keep_versions not above max_staleness) as warnings, which pass")
     check = config_sub.add_parser("check", parents=[common], help=said, description=said)
     check.set_defaults(func=config_check)
 

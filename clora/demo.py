@@ -72,6 +72,7 @@ flush_seconds = 0.5
 [learner]
 poll_seconds = 0.5
 max_staleness = 8
+keep_versions = 9                   # every version whose samples may still be trained keeps its files
 # The tiny model is random: its next-token distribution is near uniform over 2,048 tokens, so a policy that
 # has learned a preference sits ~log(2048) = 7.6 nats per token from it by construction; the default
 # limit of 10 (meant for real models) stopped a demo tenant at KL 10.1 with its reward still climbing.

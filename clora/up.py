@@ -534,7 +534,8 @@ def setup_warnings(cfg) -> list[str]:
     """What works but wastes or exposes something, one line each: no tenants (every request with an API key is
     a 401, and nothing is trained); more ingest processes than the topics clora creates have partitions (a
     consumer group gives each partition to one member, so the rest wait idle); serving on an address other
-    hosts reach without an admin key; the example's placeholder keys."""
+    hosts reach without an admin key; the example's placeholder keys; versions deleted while their samples may
+    still be trained."""
     warnings = []
     if not cfg.tenants:
         warnings.append("no tenants are configured: every API key gets 401 and nothing is trained; add a "
@@ -552,6 +553,13 @@ def setup_warnings(cfg) -> list[str]:
         warnings.append(f"serving.host {host} is reachable from other hosts and serving.admin_key is unset: /metrics "
                         "and /health's details (every tenant's name, versions and traffic) are open to whoever reaches "
                         f"port {cfg.serving.port}; set serving.admin_key (or $CLORA_ADMIN_KEY)")
+    keep, staleness = cfg.learner.keep_versions, cfg.learner.max_staleness
+    if keep <= staleness:
+        warnings.append(
+            f"learner.keep_versions = {keep} is not more than learner.max_staleness = {staleness}: a version's files "
+            "are deleted while samples it drew may still be trained, and those drawn at a temperature other than 1 "
+            "(or with top-k, top-p, a penalty...) then train uncorrected, their behaviour log-probs unknown; set "
+            f"keep_versions to at least {staleness + 1}")
     placeholders = [t.name for t in cfg.tenants if "change-me" in t.api_key.get_secret_value()]
     if placeholders:
         warnings.append(f"tenant{'s' if len(placeholders) > 1 else ''} {', '.join(placeholders)}: api_key is the "

@@ -456,6 +456,21 @@ def test_config_check_warns_of_an_open_admin_surface_and_placeholder_keys(tmp_pa
     assert setup_warnings(load_config(config, environ={})) == []
 
 
+def test_config_check_warns_when_versions_are_deleted_while_their_samples_may_still_be_trained(tmp_path):
+    """A version's files go once keep_versions newer ones are published; its samples are trained up to
+    max_staleness versions later: past that, samples drawn otherwise than at temperature 1 trained uncorrected."""
+    from clora.config import load_config
+    from clora.up import setup_warnings
+
+    config = write_config(tmp_path, '[learner]\nkeep_versions = 3\nmax_staleness = 4\n'
+                                    '[[tenants]]\nname = "acme"\napi_key = "sk-acme-k3y-x9"\n')
+    (warning,) = setup_warnings(load_config(config, environ={}))
+    assert warning.startswith("learner.keep_versions = 3 is not more than learner.max_staleness = 4") and \
+        warning.endswith("set keep_versions to at least 5")
+    config.write_text(config.read_text().replace("keep_versions = 3", "keep_versions = 5"))
+    assert setup_warnings(load_config(config, environ={})) == []
+
+
 def test_config_show_names_its_file_on_stderr_and_prints_only_the_config_on_stdout(tmp_path, capsys, monkeypatch):
     import json
 
