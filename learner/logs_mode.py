@@ -293,9 +293,9 @@ def sampled_with(row: dict) -> SampledWith | str | None:
     nothing cut, or a row clora's serving tier did not log (an app's own log-probs are taken as its
     behaviour's). A SampledWith (the drawing version and its temperature, top-k, top-p, min-p,
     logit_bias, penalties, min_tokens and stop_token_ids) to recompute them from. A reason (str) when they
-    cannot be recomputed here (another tenant's version, a draw under a structured-output grammar, an
-    unreadable record: values serving never writes, as a negative temperature or token id or a fractional
-    top_k): the row then trains with weight 1, as one without log-probs."""
+    cannot be recomputed here (another tenant's version, a draw under a structured-output grammar at another
+    temperature or with a cut, an unreadable record: values serving never writes, as a negative temperature
+    or token id or a fractional top_k): the row then trains with weight 1, as one without log-probs."""
     meta = row_metadata(row.get("metadata_json"))
     if not all(key in meta for key in SERVING_KEYS):
         return None
@@ -303,11 +303,7 @@ def sampled_with(row: dict) -> SampledWith | str | None:
     version = version_number(row.get("adapter_version"), row["tenant"])
     if version is None:
         return "made by another tenant's adapter"
-    if isinstance(sampling, dict) and sampling.get("structured") is not None:
-        # The engine masked every token that would leave the response_format's grammar: the distribution it
-        # drew from is the model's renormalized over what the grammar allowed at each step, which the learner
-        # cannot rebuild (nor are the raw log-probs logged it).
-        return "drawn under a structured-output grammar (response_format)"
+    structured = isinstance(sampling, dict) and sampling.get("structured") is not None
     try:
         if not isinstance(sampling, dict):
             raise TypeError("not an object")
@@ -329,7 +325,17 @@ def sampled_with(row: dict) -> SampledWith | str | None:
     except (TypeError, ValueError, AttributeError) as e:
         return f"unreadable sampling record: {e}"
     plain = drawn.temperature == 1.0 and drawn.top_p >= 1.0 and drawn.top_k <= 0 and drawn.min_p <= 0.0
-    return None if plain and not drawn.logit_bias and not drawn.has_history else drawn
+    plain = plain and not drawn.logit_bias and not drawn.has_history
+    if structured:
+        # The engine masked every token that would leave the response_format's grammar before it drew (and
+        # before it took the log-probs it logs): at temperature 1 with nothing else applied, the logged ones are
+        # the behaviour's. Otherwise they would be recomputed from the logits without the grammar's mask,
+        # which the learner cannot rebuild. A greedy draw needs none: each token had probability 1.
+        if plain:
+            return None
+        return drawn if drawn.temperature == 0 else "drawn under a structured-output grammar with other sampling " \
+            "(response_format)"
+    return None if plain else drawn
 
 
 def _number(value, *, low: float = -math.inf, high: float = math.inf) -> float:

@@ -42,9 +42,10 @@ What this module does not do: choose versions, talk to Kafka, or touch vLLM type
 from __future__ import annotations
 
 import asyncio
-import collections
+import bisect
 import contextlib
 import hashlib
+import itertools
 import math
 import logging
 import os
@@ -200,7 +201,9 @@ class InflightLimit:
         self.limit = limit
         self.wait_s = wait_s
         self._held: dict[str, int] = {}
-        self._waiting: dict[str, collections.deque[tuple[int, asyncio.Future]]] = {}
+        # tenant -> its waiting requests (priority, arrival, sequences, granted), in the order they get room
+        self._waiting: dict[str, list[tuple[int, int, int, asyncio.Future]]] = {}
+        self._arrivals = itertools.count()
 
     def held(self, tenant: str) -> int:
         return self._held.get(tenant, 0)
@@ -213,8 +216,9 @@ class InflightLimit:
         return (self.wait_s > 0 and sequences <= self.limit and self.waiting(tenant) < self.limit
                 and (self.waiting(tenant) > 0 or self.held(tenant) + sequences > self.limit))
 
-    async def acquire(self, tenant: str, sequences: int) -> Callable[[], None]:
-        """`take`, waiting for room up to `wait_s` behind the tenant's requests that waited first."""
+    async def acquire(self, tenant: str, sequences: int, priority: int = 0) -> Callable[[], None]:
+        """`take`, waiting for room up to `wait_s` behind the tenant's requests of a smaller `priority` (the
+        engine's order: production traffic, 0, before the learner's rollouts) or of the same that waited first."""
         self._check(sequences)
         queue = self._waiting.get(tenant)
         if not queue and self.held(tenant) + sequences <= self.limit:
@@ -224,8 +228,8 @@ class InflightLimit:
         if self.waiting(tenant) >= self.limit:
             raise self._over(tenant, sequences, queue_full=True)
         granted = asyncio.get_running_loop().create_future()
-        waiter = (sequences, granted)
-        self._waiting.setdefault(tenant, collections.deque()).append(waiter)
+        waiter = (priority, next(self._arrivals), sequences, granted)
+        bisect.insort(self._waiting.setdefault(tenant, []), waiter)  # arrivals are unique: futures never compared
         try:
             return await asyncio.wait_for(asyncio.shield(granted), self.wait_s)
         except asyncio.TimeoutError:
@@ -265,14 +269,14 @@ class InflightLimit:
     def _grant(self, tenant: str) -> None:
         """Gives room to the tenant's first waiting requests that fit now, in their order."""
         queue = self._waiting.get(tenant)
-        while queue and self.held(tenant) + queue[0][0] <= self.limit:
-            sequences, granted = queue.popleft()
+        while queue and self.held(tenant) + queue[0][2] <= self.limit:
+            _, _, sequences, granted = queue.pop(0)
             if not granted.done():
                 granted.set_result(self.take(tenant, sequences))
         if not queue:
             self._waiting.pop(tenant, None)
 
-    def _leave(self, tenant: str, waiter: tuple[int, asyncio.Future]) -> None:
+    def _leave(self, tenant: str, waiter: tuple[int, int, int, asyncio.Future]) -> None:
         queue = self._waiting.get(tenant)
         if queue is None:
             return
@@ -469,14 +473,14 @@ class Api:
             got = []
 
             async def wait() -> None:
-                got.append(await self.inflight.acquire(tenant, sequences))
+                got.append(await self.inflight.acquire(tenant, sequences, body.priority))
 
             if not await _unless_disconnected(request, wait()):  # a place given meanwhile went back
                 self.metrics.request_answered(tenant, endpoint, CLIENT_CLOSED_REQUEST)
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             give_back = got[0]
         else:
-            give_back = await self.inflight.acquire(tenant, sequences)  # before the prompt work, which costs too
+            give_back = await self.inflight.acquire(tenant, sequences, body.priority)  # before the prompt work
         try:
             if endpoint == "chat":
                 messages = body.plain_messages()

@@ -511,8 +511,7 @@ class Engine:
                         for index in range(copies):
                             yield delta if copies == 1 else replace(delta, index=index)
         except VLLMClientError as e:  # a schema vLLM's structured outputs cannot take is found as the request goes in
-            param = getattr(e, "parameter", None) or ("response_format" if sampling.structured else None)
-            raise BadRequest(str(e), param=param) from e
+            raise BadRequest(str(e), param=_param_of(e, sampling)) from e
         except EngineDeadError as e:
             raise EngineStopped("the engine has stopped; the server must be restarted") from e
         except Exception:
@@ -595,7 +594,17 @@ def _sampling_params(sampling: Sampling):
             structured_outputs=structured,
         )
     except VLLMValidationError as e:  # its own server answers these with 400 too
-        raise BadRequest(str(e), param=e.parameter or ("response_format" if structured else None)) from e
+        raise BadRequest(str(e), param=_param_of(e, sampling)) from e
+
+
+def _param_of(e: Exception, sampling: Sampling) -> str | None:
+    """The request field a vLLM validation error is about: the one it names, else `response_format` for an
+    error about a structured output's schema or grammar (which vLLM names no field for)."""
+    named = getattr(e, "parameter", None)
+    if named or sampling.structured is None:
+        return named
+    text = str(e).lower()
+    return "response_format" if any(word in text for word in ("schema", "json", "grammar", "structured")) else None
 
 
 def greedy(sampling: Sampling) -> bool:

@@ -302,7 +302,9 @@ class Spool:
             if own is None and self.id not in {_writer_id(p) for p in found}:
                 self._let_writer_go()  # its segments are all sent: nothing for a peer to tell about it
         # A set-aside segment keeps its progress record: renamed back by an operator, it resumes after it.
-        stems = {p.stem for p in found} | ({own.stem} if own else set()) | {p.stem for p in self._set_aside}
+        aside = {p.name[: -len(UNREADABLE)] for p in names if p.name.endswith(UNREADABLE)}  # by any process
+        stems = ({p.stem for p in found} | ({own.stem} if own else set()) | {p.stem for p in self._set_aside}
+                 | {Path(name).stem for name in aside})
         writers = {_writer_id(p) for p in found} | {self.id}
         for p in names:
             if p.suffix in (PROGRESS, PROGRESS_TMP) and p.stem not in stems:

@@ -67,9 +67,14 @@ def test_serving_records_the_settings_that_shaped_the_draw_and_logs_mode_reads_t
                 {"stop_token_ids": [1.5]}, {"stop_token_ids": "ab"}):
         assert "unreadable" in sampled_with(_served({"temperature": 0.5, **bad})), bad
     assert "another tenant" in sampled_with(_served({"temperature": 0.5}, version="beta@2"))
-    # drawn under a response_format grammar: the masked distribution cannot be rebuilt, even at temperature 1
+    # drawn under a response_format grammar: at temperature 1 the logged log-probs are the masked ones the
+    # engine drew from; otherwise the mask cannot be rebuilt to recompute them
     for structured in (("json_object", ""), ("json_schema", '{"type":"object"}')):
-        assert "structured-output grammar" in sampled_with(_served(_sampling_metadata(Sampling(structured=structured))))
+        assert sampled_with(_served(_sampling_metadata(Sampling(structured=structured)))) is None
+        record = _sampling_metadata(Sampling(structured=structured, temperature=0.7))
+        assert "structured-output grammar" in sampled_with(_served(record))
+        greedy = sampled_with(_served(_sampling_metadata(Sampling(structured=structured, temperature=0.0))))
+        assert greedy.temperature == 0.0  # each token had probability 1, mask or not
 
 
 def test_rows_drawn_otherwise_carry_how_and_not_their_logged_log_probs(tiny_model):

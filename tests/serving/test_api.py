@@ -367,7 +367,8 @@ def test_json_response_formats_reach_the_engine_as_structured_outputs_and_the_ev
     engine masks what would leave the JSON (or the schema); the event records it, for the learner, which
     cannot rebuild a distribution drawn under a grammar."""
     w = World()
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    schema = {"type": "object", "properties": {"reasoning": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["reasoning", "n"]}  # reasoning first: sorted, the model would answer before it reasoned
     path, base = (("/v1/chat/completions", chat()) if endpoint == "chat"
                   else ("/v1/completions", {"model": "acme", "prompt": "hi"}))
     for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}):
@@ -375,8 +376,9 @@ def test_json_response_formats_reach_the_engine_as_structured_outputs_and_the_ev
     first, second = (call.params.structured_outputs for call in w.llm.calls)
     assert first.json_object is True and first.json is None
     assert second.json == schema and not second.json_object
+    assert list(second.json["properties"]) == list(schema["properties"]), "the fields' order is the output's"
     recorded = [e.metadata["sampling"]["structured"] for e in w.events.logged]
-    digest = hashlib.sha256(json.dumps(schema, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps(schema, separators=(",", ":")).encode()).hexdigest()
     assert recorded == [{"type": "json_object"}, {"type": "json_schema", "schema_sha256": digest}]
     assert w.post(path, {**base, "response_format": {"type": "text"}}).status_code == 200
     assert w.llm.calls[-1].params.structured_outputs is None and "structured" not in w.events.logged[-1].metadata["sampling"]
@@ -390,6 +392,33 @@ def test_json_response_formats_reach_the_engine_as_structured_outputs_and_the_ev
 def test_a_json_schema_response_format_without_its_parts_is_a_400_naming_them(fmt, param):
     r = World().post("/v1/chat/completions", chat(response_format=fmt))
     assert r.status_code == 400 and error(r)["param"] == param, r.text
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"min_tokens": 4}, "min_tokens"),  # once the JSON is whole no token may come: the engine fails the request
+    ({"ignore_eos": True}, "ignore_eos"),  # past the JSON's end the grammar no longer holds
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": {
+        "type": "object", "description": "x" * 70_000}}}}, "response_format.json_schema.schema"),
+])
+def test_a_json_response_format_refuses_what_cannot_work_beside_it(extra, param):
+    body = chat(**{"response_format": {"type": "json_object"}, **extra})
+    r = World().post("/v1/chat/completions", body)
+    assert r.status_code == 400 and error(r)["param"] == param, r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_the_engine_refuses_is_a_400_on_response_format_and_gives_its_slots_back(stream):
+    from vllm.exceptions import VLLMValidationError
+
+    w = World()
+    w.llm.fail = VLLMValidationError("The provided JSON schema contains features not supported by xgrammar.")
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    r = w.post("/v1/chat/completions", chat(response_format=fmt, stream=stream, n=2, temperature=1))
+    assert r.status_code == 400 and error(r)["param"] == "response_format", r.text
+    assert w.api.inflight.held("acme") == 0
+    w.llm.fail = VLLMValidationError("something else entirely")  # not the schema's: not blamed on it
+    r = w.post("/v1/chat/completions", chat(response_format=fmt))
+    assert r.status_code == 400 and error(r)["param"] is None
 
 
 def test_explicit_null_is_the_default():
@@ -1116,6 +1145,24 @@ def test_the_in_flight_wait_is_first_come_first_served_bounded_and_left_by_a_cli
         assert limit.held("acme") == 3 and limit.waiting("acme") == 0
         release_big(), release_small()
         assert limit.held("acme") == 0
+
+        # the engine's order: a production request (priority 0) before the learner's rollouts waiting first
+        order = []
+        one = limit.take("acme", 3)
+
+        async def wanting(name, priority):
+            release = await limit.acquire("acme", 1, priority)
+            order.append(name)
+            return release
+
+        rollouts = [asyncio.create_task(wanting(f"rollout-{i}", 1)) for i in range(2)]
+        await asyncio.sleep(0.01)
+        production = asyncio.create_task(wanting("production", 0))
+        await asyncio.sleep(0.01)
+        one()
+        for release in await asyncio.gather(production, *rollouts):
+            release()
+        assert order == ["production", "rollout-0", "rollout-1"]
 
         short = InflightLimit(1, wait_s=0.05)
         hold = short.take("acme", 1)

@@ -422,5 +422,9 @@ def test_a_segment_is_set_aside_only_for_its_own_fault_not_for_this_processs(tmp
     assert sender.segments() == [segment] and sender.pending() == 2, "still there, and sent once files can be opened"
     blocked = segment.with_name("0" + segment.name)
     blocked.mkdir()
+    progress = blocked.with_suffix(".acked")
+    progress.write_text('{"version": 1, "offset": 0}')
     assert sender.pending() == 2 and blocked.with_name(blocked.name + ".unreadable").is_dir()
     assert sender.segments() == [segment]
+    assert Spool(tmp_path).segments() == [segment] and progress.exists(), \
+        "a set-aside segment keeps its progress record, for any process (renamed back, it resumes after it)"
