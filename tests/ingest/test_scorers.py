@@ -274,7 +274,7 @@ def test_a_scorer_past_its_time_limit_is_stopped_as_a_scorer_error(spec, complet
     start = time.monotonic()
     with pytest.raises(ScorerError, match=r"ScorerTimeout: stopped after 0.2 s"):
         apply(scorer, completion, "p")
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 60  # not run to its end (~2^40 steps, or for ever); margin for a slow machine
     assert _alarm_left() == 0  # no alarm left armed for what runs next
     assert apply(build_scorer("regex:b$", time_limit_s=0.2), "a" * 40 + "b", "p") == 1.0  # the next call runs
 
