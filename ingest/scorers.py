@@ -17,8 +17,9 @@ A spec is "kind" or "kind:argument" (validated in clora/config.py, `TenantConfig
 A regex (which can backtrack for ages on a short text) and a python function (which can do anything) get a
 time limit per call, the tenant's `scorer_time_limit_s`: past it the call is stopped and fails like a
 scorer that raised. The limit is a SIGALRM timer, so it holds on the main thread (ingest's loop, the
-learner's loop), where Python delivers signals, and stops Python code and regular expressions (which
-check for signals as they run); a call into C that never returns to Python is stopped only once it does.
+learner's loop), where Python delivers signals, and stops Python code, regular expressions (which check
+for signals as they run) and blocking system calls (the alarm interrupts them while a limited call runs);
+a call into C that never returns to Python is stopped only once it does.
 Elsewhere (another thread, or a process whose SIGALRM handler is someone else's) the call runs unlimited.
 
 Ingest scores interactions with these; the learner's rollouts mode imports `build_scorer` too. `apply`
@@ -268,9 +269,6 @@ def _alarm_usable() -> bool:
     if handler not in (signal.SIG_DFL, None):
         return False  # the program's own SIGALRM handler: not ours to replace
     signal.signal(signal.SIGALRM, _on_alarm)
-    # Restart system calls the alarm interrupts (SA_RESTART): it may land on any thread (a writer, the Kafka
-    # client's), and C code there need not retry on EINTR. The handler itself runs on the main thread.
-    signal.siginterrupt(signal.SIGALRM, False)
     return True
 
 
@@ -282,15 +280,22 @@ def time_limited(fn: Scorer, seconds: float) -> Scorer:
             return fn(completion, prompt)
         try:
             _running[0] = True
+            # The alarm interrupts a system call it lands in (no SA_RESTART) while the call runs: a scorer
+            # blocked in one (a read from a judge model that never answers) is then stopped, where a restarted
+            # call never returned to Python. Only past the limit does it fire, so only then may a call on
+            # another thread (a writer's, the Kafka client's) see EINTR; Python's own calls retry it.
+            signal.siginterrupt(signal.SIGALRM, True)
             signal.setitimer(signal.ITIMER_REAL, seconds, ALARM_REPEAT_S)
             try:
                 return fn(completion, prompt)
             finally:
                 _running[0] = False
                 signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.siginterrupt(signal.SIGALRM, False)
         except _TimeUp as e:  # also when the alarm came between the return and the disarm: at the limit
             _running[0] = False
             signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.siginterrupt(signal.SIGALRM, False)
             raise ScorerTimeout(f"stopped after {seconds:g} s (the tenant's scorer_time_limit_s)") from e
 
     return score

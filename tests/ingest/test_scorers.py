@@ -247,6 +247,18 @@ def spin_swallowing_exceptions(completion, prompt):
             pass
 
 
+def wait_for_an_answer_that_never_comes(completion, prompt):
+    """A judge model called over the network with no timeout, its server gone quiet: a blocking read."""
+    import socket
+
+    mine, theirs = socket.socketpair()
+    try:
+        return float(mine.recv(1))  # nothing is ever sent
+    finally:
+        mine.close()
+        theirs.close()
+
+
 def retry_after_a_bare_except(completion, prompt):
     try:
         while True:
@@ -267,6 +279,9 @@ def _alarm_left() -> float:
         (f"python:{__name__}:spin_forever", "x"),
         (f"python:{__name__}:spin_swallowing_exceptions", "x"),
         (f"python:{__name__}:retry_after_a_bare_except", "x"),  # stopped by the alarm's repeat
+        # A blocking system call: restarted by the kernel after the alarm (SA_RESTART), it never returned to
+        # Python to be stopped, and hung ingest for every tenant on its partitions.
+        (f"python:{__name__}:wait_for_an_answer_that_never_comes", "x"),
     ],
 )
 def test_a_scorer_past_its_time_limit_is_stopped_as_a_scorer_error(spec, completion):
