@@ -114,6 +114,9 @@ OPEN_TRANSACTION_WAIT_S = 10.0  # `--once` / draining: how long records past the
 DEAD_LETTER_PAUSE_S = 60.0  # after giving up on the dead-letter topic, how long no dead letter is sent to it
 DEAD_LETTER_BLOCK_MS = 10_000  # the longest a send may wait for the topic's metadata (kafka-python's max_block_ms)
 WRITING_POLL_MS = 10  # while a write is in flight: poll briefly, so its commit follows it closely
+# A batch is flushed at this many bytes of message values too: at flush_rows alone, 5,000 messages of up to
+# ingest.max_message_bytes (1 MB) could hold 5 GB in memory, and its decoded rows and Arrow tables several times more.
+FLUSH_BYTES = 64 << 20
 # In the state dir: per topic, the broker's id for it and since when ingest reads that incarnation
 # (`_topics_since`).
 TOPICS_FILE = "ingest-topics.json"
@@ -341,6 +344,7 @@ class Ingest:
         self.metrics = metrics
         self.store: PendingStore | None = None
         self.buffer: list[Record] = []
+        self.buffer_bytes = 0  # of the buffered messages' values
         self.buffer_since = 0.0
         self.consumer: KafkaConsumer | None = None
         self.producer: KafkaProducer | None = None
@@ -435,9 +439,10 @@ class Ingest:
                     self._mark_ready()  # in the group with no partition (more processes than partitions)
             for messages in polled.values():
                 if not self.buffer:
-                    self.buffer_since = time.monotonic()
+                    self.buffer_since, self.buffer_bytes = time.monotonic(), 0
                 # kafka-python's ConsumerRecords as they come: they have a Record's fields (batch.Record).
                 self.buffer.extend(messages)
+                self.buffer_bytes += sum(len(m.value or b"") for m in messages)
             # Commit a write as soon as it is done.
             if self.writing is not None and self.writing.done() and not self._finish_write(shrink=True):
                 self._drop_uncommitted({}, "the group refused a commit")
@@ -445,7 +450,8 @@ class Ingest:
             # longer would only add latency).
             caught_up = full_poll and not polled
             if self.buffer and (
-                caught_up or len(self.buffer) >= self.flush_rows or time.monotonic() - self.buffer_since >= self.flush_seconds
+                caught_up or len(self.buffer) >= self.flush_rows or self.buffer_bytes >= FLUSH_BYTES
+                or time.monotonic() - self.buffer_since >= self.flush_seconds
             ):
                 self._start_flush(shrink=True)
             if self.metrics.due():

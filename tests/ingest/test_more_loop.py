@@ -105,3 +105,45 @@ def test_max_seconds_ends_the_run_once_that_long_has_passed(data_dir, monkeypatc
     # what it read meanwhile is stored and committed, and the clients are closed
     assert sorted(read_dataset(str(data_dir), "interactions").column("id").to_pylist()) == ["r0", "r1", "r2"]
     assert consumer.commits == [{PARTITION: 3}] and consumer.closed
+
+
+class TrickleConsumer(FakeGroupConsumer):
+    """A partition that never runs dry while `batch` lasts: one record per poll, so only a batch's size (rows
+    or bytes) or age flushes it."""
+
+    def poll(self, timeout_ms, max_records):
+        self.polls += 1
+        if self.polls >= SAFETY_POLLS:
+            self.stop.set()
+        if self.polls == 1:
+            self.assigned = {PARTITION}
+            self.listener.on_partitions_assigned([PARTITION])
+            return {}
+        if self.polls - 2 < len(self.batch):
+            return {PARTITION: [self.batch[self.polls - 2]]}
+        time.sleep(0.01)
+        return {}
+
+
+def test_a_batch_is_flushed_at_its_bytes_too_not_only_at_its_rows(data_dir, monkeypatch):
+    """flush_rows alone let 5,000 messages of up to 1 MB each (5 GB) wait in memory for their batch."""
+    stop = threading.Event()
+    TrickleConsumer.stop, FakeGroupConsumer.made = stop, []
+    TrickleConsumer.batch = [
+        FakeConsumerRecord("t.i", 0, k, encode(InteractionEvent(id=f"r{k}", tenant="acme", prompt="p",
+                                                                completion="c" * 400)), b"acme")
+        for k in range(6)
+    ]
+    size = len(TrickleConsumer.batch[0].value)
+    monkeypatch.setattr(consumer_module, "FLUSH_BYTES", 2 * size)  # two messages' worth
+    monkeypatch.setattr(consumer_module, "KafkaConsumer", TrickleConsumer)
+    monkeypatch.setattr(consumer_module, "KafkaProducer", FakeProducer)
+    ingest = Ingest(root=str(data_dir), bootstrap="fake:9092", interactions_topic="t.i", feedback_topic="t.f",
+                    dead_letter_topic="t.d", group_id="g",
+                    processor=Processor({"acme": "inline"}, unknown_tenant="reject", max_message_bytes=10_000),
+                    flush_rows=1000, flush_seconds=3600, expiry_ms=3_600_000, session_timeout_ms=10_000,
+                    heartbeat_interval_ms=3_000, metrics=IngestMetrics())
+    ingest.run(stop, max_seconds=1.0)
+    (consumer,) = FakeGroupConsumer.made
+    assert [c[PARTITION] for c in consumer.commits] == [2, 4, 6], "a batch every two messages' bytes"
+    assert sorted(read_dataset(str(data_dir), "interactions").column("id").to_pylist()) == [f"r{k}" for k in range(6)]
