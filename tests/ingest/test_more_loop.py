@@ -71,10 +71,25 @@ class FakeGroupConsumer(FakeConsumer):
             self.assigned = {PARTITION}
             self.listener.on_partitions_assigned([PARTITION])
             return {}
-        if self.polls == 2:
-            return {PARTITION: list(self.batch)}
+        if records := self.records(self.polls - 2):
+            return {PARTITION: records}
         time.sleep(0.01)
         return {}
+
+    def records(self, k: int) -> list[FakeConsumerRecord]:
+        """What the k-th poll after the assignment hands out: the whole batch, then nothing."""
+        return list(self.batch) if k == 0 else []
+
+
+def fake_clients_ingest(data_dir, monkeypatch, consumer: type, *, flush_rows: int, flush_seconds: float) -> Ingest:
+    """An Ingest of tenant "acme" (inline rewards) whose Kafka clients are `consumer` and FakeProducer."""
+    monkeypatch.setattr(consumer_module, "KafkaConsumer", consumer)
+    monkeypatch.setattr(consumer_module, "KafkaProducer", FakeProducer)
+    return Ingest(root=str(data_dir), bootstrap="fake:9092", interactions_topic="t.i", feedback_topic="t.f",
+                  dead_letter_topic="t.d", group_id="g",
+                  processor=Processor({"acme": "inline"}, unknown_tenant="reject", max_message_bytes=10_000),
+                  flush_rows=flush_rows, flush_seconds=flush_seconds, expiry_ms=3_600_000, session_timeout_ms=10_000,
+                  heartbeat_interval_ms=3_000, metrics=IngestMetrics())
 
 
 def test_max_seconds_ends_the_run_once_that_long_has_passed(data_dir, monkeypatch, caplog):
@@ -85,13 +100,7 @@ def test_max_seconds_ends_the_run_once_that_long_has_passed(data_dir, monkeypatc
                            b"acme")
         for k in range(3)
     ]
-    monkeypatch.setattr(consumer_module, "KafkaConsumer", FakeGroupConsumer)
-    monkeypatch.setattr(consumer_module, "KafkaProducer", FakeProducer)
-    ingest = Ingest(root=str(data_dir), bootstrap="fake:9092", interactions_topic="t.i", feedback_topic="t.f",
-                    dead_letter_topic="t.d", group_id="g",
-                    processor=Processor({"acme": "inline"}, unknown_tenant="reject", max_message_bytes=10_000),
-                    flush_rows=100, flush_seconds=0.2, expiry_ms=3_600_000, session_timeout_ms=10_000,
-                    heartbeat_interval_ms=3_000, metrics=IngestMetrics())
+    ingest = fake_clients_ingest(data_dir, monkeypatch, FakeGroupConsumer, flush_rows=100, flush_seconds=0.2)
     max_seconds = 1.5
     started = time.monotonic()
     with caplog.at_level(logging.INFO, logger="ingest.consumer"):
@@ -111,18 +120,8 @@ class TrickleConsumer(FakeGroupConsumer):
     """A partition that never runs dry while `batch` lasts: one record per poll, so only a batch's size (rows
     or bytes) or age flushes it."""
 
-    def poll(self, timeout_ms, max_records):
-        self.polls += 1
-        if self.polls >= SAFETY_POLLS:
-            self.stop.set()
-        if self.polls == 1:
-            self.assigned = {PARTITION}
-            self.listener.on_partitions_assigned([PARTITION])
-            return {}
-        if self.polls - 2 < len(self.batch):
-            return {PARTITION: [self.batch[self.polls - 2]]}
-        time.sleep(0.01)
-        return {}
+    def records(self, k: int) -> list[FakeConsumerRecord]:
+        return [self.batch[k]] if k < len(self.batch) else []
 
 
 def test_a_batch_is_flushed_at_its_bytes_too_not_only_at_its_rows(data_dir, monkeypatch):
@@ -136,13 +135,7 @@ def test_a_batch_is_flushed_at_its_bytes_too_not_only_at_its_rows(data_dir, monk
     ]
     size = len(TrickleConsumer.batch[0].value)
     monkeypatch.setattr(consumer_module, "FLUSH_BYTES", 2 * size)  # two messages' worth
-    monkeypatch.setattr(consumer_module, "KafkaConsumer", TrickleConsumer)
-    monkeypatch.setattr(consumer_module, "KafkaProducer", FakeProducer)
-    ingest = Ingest(root=str(data_dir), bootstrap="fake:9092", interactions_topic="t.i", feedback_topic="t.f",
-                    dead_letter_topic="t.d", group_id="g",
-                    processor=Processor({"acme": "inline"}, unknown_tenant="reject", max_message_bytes=10_000),
-                    flush_rows=1000, flush_seconds=3600, expiry_ms=3_600_000, session_timeout_ms=10_000,
-                    heartbeat_interval_ms=3_000, metrics=IngestMetrics())
+    ingest = fake_clients_ingest(data_dir, monkeypatch, TrickleConsumer, flush_rows=1000, flush_seconds=3600)
     ingest.run(stop, max_seconds=1.0)
     (consumer,) = FakeGroupConsumer.made
     assert [c[PARTITION] for c in consumer.commits] == [2, 4, 6], "a batch every two messages' bytes"
