@@ -52,8 +52,9 @@ CONNECTIONS_PER_TENANT = 4  # room for each tenant's idle keep-alive connections
 
 def connection_limit(tenants: int, max_num_seqs: int) -> int:
     """Connections (idle ones too) and requests uvicorn takes at once; past it, every new request but /health
-    and /metrics is answered 503 server_busy (http_timeouts.py; OpenAI's SDK and the learner retry it). Twice what the engine runs at once, plus a few
-    per tenant: an unbounded number held memory for each (a body read, a stream waiting for the engine).
+    and /metrics is answered 503 server_busy (http_timeouts.py; OpenAI's SDK and the learner retry it).
+    Twice what the engine runs at once, plus a few per tenant: an unbounded number held memory for each (a
+    body read, a stream waiting for the engine).
     uvicorn still accepts connections past it; one whose request headers are slow is closed after
     http_timeouts.HEADER_TIMEOUT_S. A proxy in front limits connections per client where untrusted clients
     connect."""

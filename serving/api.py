@@ -213,20 +213,27 @@ class InflightLimit:
 
     def must_wait(self, tenant: str, sequences: int) -> bool:
         """Whether `acquire` would wait (rather than take at once, or refuse)."""
-        return (self.wait_s > 0 and sequences <= self.limit and self.waiting(tenant) < self.limit
-                and (self.waiting(tenant) > 0 or self.held(tenant) + sequences > self.limit))
+        try:
+            return not self._fits_now(tenant, sequences)
+        except (BadRequest, RateLimited):
+            return False
 
-    async def acquire(self, tenant: str, sequences: int, priority: int = 0) -> Callable[[], None]:
-        """`take`, waiting for room up to `wait_s` behind the tenant's requests of a smaller `priority` (the
-        engine's order: production traffic, 0, before the learner's rollouts) or of the same that waited first."""
+    def _fits_now(self, tenant: str, sequences: int) -> bool:
+        """Whether the request takes its room at once (False: it waits for room); raises when it is refused."""
         self._check(sequences)
-        queue = self._waiting.get(tenant)
-        if not queue and self.held(tenant) + sequences <= self.limit:
-            return self.take(tenant, sequences)
+        if not self._waiting.get(tenant) and self.held(tenant) + sequences <= self.limit:
+            return True
         if self.wait_s <= 0:
             raise self._over(tenant, sequences)
         if self.waiting(tenant) >= self.limit:
             raise self._over(tenant, sequences, queue_full=True)
+        return False
+
+    async def acquire(self, tenant: str, sequences: int, priority: int = 0) -> Callable[[], None]:
+        """`take`, waiting for room up to `wait_s` behind the tenant's requests of a smaller `priority` (the
+        engine's order: production traffic, 0, before the learner's rollouts) or of the same that waited first."""
+        if self._fits_now(tenant, sequences):
+            return self.take(tenant, sequences)
         granted = asyncio.get_running_loop().create_future()
         waiter = (priority, next(self._arrivals), sequences, granted)
         bisect.insort(self._waiting.setdefault(tenant, []), waiter)  # arrivals are unique: futures never compared

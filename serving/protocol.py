@@ -40,7 +40,8 @@ from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError, field_validator,
+                      model_validator)
 
 from serving.engine import MIN_TEMPERATURE as MIN_TEMPERATURE  # the engine's; clora's config check reads it here
 from serving.engine import Choice, Delta, Sampling, TokenLogprob
@@ -156,6 +157,7 @@ class _Request(BaseModel):
     min_p: float = _finite(0.0, ge=0, le=1)
     repetition_penalty: float = _finite(1.0, gt=0)
     response_format: dict[str, Any] | None = None
+    _structured: tuple[str, str] | None = PrivateAttr(None)  # structured(), as the validator found it
     # vLLM's extension: each choice (and each stream chunk's choice) carries the sampled token ids, so a
     # trainer gets exactly the tokens the model produced, not a re-tokenization of the text
     return_token_ids: bool = Field(False, strict=True)
@@ -240,7 +242,7 @@ class _Request(BaseModel):
             if value and key not in STREAM_OPTIONS:
                 raise UnsupportedParameter(f"stream_options.{key} is not supported by this server (it takes "
                                            f"{', '.join(STREAM_OPTIONS)})", param="stream_options")
-        self.structured()  # a response_format it cannot take is refused here, with the others
+        self._structured = self.structured()  # a response_format it cannot take is refused here, with the others
         return self
 
     def structured(self) -> tuple[str, str] | None:
@@ -308,7 +310,7 @@ class _Request(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
-            structured=self.structured(),
+            structured=self._structured,
         )
 
 

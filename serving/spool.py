@@ -302,9 +302,8 @@ class Spool:
             if own is None and self.id not in {_writer_id(p) for p in found}:
                 self._let_writer_go()  # its segments are all sent: nothing for a peer to tell about it
         # A set-aside segment keeps its progress record: renamed back by an operator, it resumes after it.
-        aside = {p.name[: -len(UNREADABLE)] for p in names if p.name.endswith(UNREADABLE)}  # by any process
-        stems = ({p.stem for p in found} | ({own.stem} if own else set()) | {p.stem for p in self._set_aside}
-                 | {Path(name).stem for name in aside})
+        aside = {Path(p.name[: -len(UNREADABLE)]).stem for p in names if p.name.endswith(UNREADABLE)}  # any process's
+        stems = {p.stem for p in found} | ({own.stem} if own else set()) | {p.stem for p in self._set_aside} | aside
         writers = {_writer_id(p) for p in found} | {self.id}
         for p in names:
             if p.suffix in (PROGRESS, PROGRESS_TMP) and p.stem not in stems:
@@ -359,10 +358,17 @@ class Spool:
             except FileNotFoundError:  # claimed and deleted meanwhile
                 continue
             except OSError as e:  # no permission, an I/O error: every pass would fail on it
-                if p == own or not _the_files_fault(e):
+                if p == own:
                     raise
-                self.set_aside(p, f"cannot be read: {e}")
+                self._unreadable(p, e, "read")
         return count
+
+    def _unreadable(self, segment: Path, e: OSError, doing: str) -> None:
+        """A segment that failed to open or read: set aside when the fault is the file's (`_the_files_fault`);
+        this process's own trouble (too many open files, no memory) is raised, the segment tried again later."""
+        if not _the_files_fault(e):
+            raise e
+        self.set_aside(segment, f"cannot be {doing}: {e}")
 
     def set_aside(self, segment: Path, why: str, *, sent: bool = False) -> None:
         """Takes a segment this process cannot read (or, `sent`, cannot delete once sent) out of the way of the
@@ -394,9 +400,7 @@ class Spool:
             yield None
             return
         except OSError as e:
-            if not _the_files_fault(e):
-                raise  # this process's trouble (open files, memory): the segment is sound, tried again later
-            self.set_aside(segment, f"cannot be opened: {e}")
+            self._unreadable(segment, e, "opened")
             yield None
             return
         try:
@@ -413,9 +417,7 @@ class Spool:
                 file.seek(offset)
                 data = file.read()
             except OSError as e:
-                if not _the_files_fault(e):
-                    raise
-                self.set_aside(segment, f"cannot be read: {e}")
+                self._unreadable(segment, e, "read")
                 yield None
                 return
             messages, ends, unreadable = _read_messages(segment, data, offset)
