@@ -269,6 +269,11 @@ def _alarm_usable() -> bool:
     if handler not in (signal.SIG_DFL, None):
         return False  # the program's own SIGALRM handler: not ours to replace
     signal.signal(signal.SIGALRM, _on_alarm)
+    # The alarm interrupts a system call it lands in (no SA_RESTART): a scorer blocked in one (a read from a
+    # judge model that never answers) is then stopped, where a restarted call never returned to Python. It
+    # fires only past a limited call's limit, so only then may a call on another thread (a writer's, the Kafka
+    # client's) see EINTR; Python's own calls retry it.
+    signal.siginterrupt(signal.SIGALRM, True)
     return True
 
 
@@ -280,22 +285,15 @@ def time_limited(fn: Scorer, seconds: float) -> Scorer:
             return fn(completion, prompt)
         try:
             _running[0] = True
-            # The alarm interrupts a system call it lands in (no SA_RESTART) while the call runs: a scorer
-            # blocked in one (a read from a judge model that never answers) is then stopped, where a restarted
-            # call never returned to Python. Only past the limit does it fire, so only then may a call on
-            # another thread (a writer's, the Kafka client's) see EINTR; Python's own calls retry it.
-            signal.siginterrupt(signal.SIGALRM, True)
             signal.setitimer(signal.ITIMER_REAL, seconds, ALARM_REPEAT_S)
             try:
                 return fn(completion, prompt)
             finally:
                 _running[0] = False
                 signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.siginterrupt(signal.SIGALRM, False)
         except _TimeUp as e:  # also when the alarm came between the return and the disarm: at the limit
             _running[0] = False
             signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.siginterrupt(signal.SIGALRM, False)
             raise ScorerTimeout(f"stopped after {seconds:g} s (the tenant's scorer_time_limit_s)") from e
 
     return score
