@@ -432,7 +432,7 @@ class Ingest:
             if self.store is None and self.joined:
                 if self.consumer.assignment():
                     self.load_store()
-                    self.metrics.last_loop.set_to_current_time()  # after a long load, not the next log line
+                    self.metrics.loop_alive()  # after a long load, not at the next log line
                     if remade := self._reposition_remade_topics():  # what this poll read there: read again
                         polled = {tp: records for tp, records in polled.items() if tp.topic not in remade}
                 elif self.assigned_at is None:

@@ -59,7 +59,7 @@ class IngestMetrics:
                                "(updated every ~10 s), Unix time", registry=self.registry)
         self.last_flush = Gauge("clora_ingest_last_flush_timestamp_seconds", "When a batch was last written, Unix time",
                                 registry=self.registry)
-        self.last_loop.set_to_current_time()  # from the start: 0 (1970) would read as a loop stopped long ago
+        self.loop_alive()  # from the start: 0 (1970) would read as a loop stopped long ago
         self.total = Counter()  # the same counts as plain numbers, for logs, --once summaries and tests
         self.reasons: Counter = Counter()
         self.dropped: Counter = Counter()  # pending feedback dropped from memory, by reason
@@ -109,11 +109,15 @@ class IngestMetrics:
 
     def set_lag(self, lag: dict[tuple[str, int], int]) -> None:
         """Each assigned partition's lag (called from the poll loop every LOG_EVERY_S: the loop is alive)."""
-        self.last_loop.set(time.time())
+        self.loop_alive()
         self.lag = lag
         self.lag_gauge.clear()  # partitions revoked since (another process reports them now)
         for (topic, partition), n in lag.items():
             self.lag_gauge.labels(topic, str(partition)).set(n)
+
+    def loop_alive(self) -> None:
+        """The poll loop went round now (clora_ingest_last_loop_timestamp_seconds)."""
+        self.last_loop.set_to_current_time()
 
     def due(self) -> bool:
         return time.monotonic() - self._last_log >= LOG_EVERY_S

@@ -610,7 +610,8 @@ class Cursors:
         horizon = self.horizon(tenant)
         listing = (tuple(paths), tuple(snapshots), tuple(steps), horizon)
         state = self._backlogs.get(tenant)
-        if state is not None and state.listing == listing and not self._damaged_replaced(state):
+        replaced = self._damaged_replaced(state) if state is not None else set()
+        if state is not None and state.listing == listing and not replaced:
             return state.index, paths
         if state is None:
             state = _Backlog(horizon=horizon, through=horizon.through)
@@ -618,7 +619,7 @@ class Cursors:
             state = _moved(state, horizon)
         state = self._follow_cursor(state, snapshots, steps)
         self._backlogs[tenant] = state
-        self._follow_files(state, paths)
+        self._follow_files(state, paths, replaced)
         if state.pending.column("id").num_chunks > 16:
             state.pending = state.pending.combine_chunks()
         # `file` becomes the position in `paths`: untrained() reads paths[file] and orders ties by it.
@@ -659,16 +660,15 @@ class Cursors:
         state.through = max(state.through, newest)
         return state
 
-    def _follow_files(self, state: _Backlog, paths: list[str]) -> None:
+    def _follow_files(self, state: _Backlog, paths: list[str], replaced: set[str]) -> None:
         """Drops the pending rows of files no longer listed; reads each newly listed file once and keeps its
         untrained rows. Paths key it because data files are never rewritten in place (only replaced by new
-        names): a path that is still listed still holds what was read."""
+        names): a path that is still listed still holds what was read, but for a damaged one `replaced` names
+        (restored in place, or gone), which is read again if listed."""
         live = set(paths)
-        for path, seen in list(state.damaged.items()):
-            if path not in live or self._signature(path) != seen:  # gone, or restored: read again if listed
-                del state.damaged[path]
-                if path in live:
-                    live.discard(path)  # dropped from `files` below, then read as a new one
+        for path in [p for p in state.damaged if p in replaced or p not in live]:
+            del state.damaged[path]
+            live.discard(path)  # dropped from `files` below, then read as a new one if listed
         gone = [p for p in state.files if p not in live]
         if gone:
             numbers = pa.array([state.files.pop(p) for p in gone], pa.int32())
@@ -706,9 +706,9 @@ class Cursors:
             state.files[path] = number
             state.next_file += 1
 
-    def _damaged_replaced(self, state: _Backlog) -> bool:
-        """Whether a damaged file was replaced where it was (restored): then it is read again."""
-        return any(self._signature(path) != seen for path, seen in state.damaged.items())
+    def _damaged_replaced(self, state: _Backlog) -> set[str]:
+        """The damaged files whose (size, mtime) changed since they were found (restored in place, or gone)."""
+        return {path for path, seen in state.damaged.items() if self._signature(path) != seen}
 
     def _signature(self, path: str) -> tuple:
         """A file's (size, mtime) as its filesystem says, to tell it was replaced; () when it cannot be looked at."""
