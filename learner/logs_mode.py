@@ -333,8 +333,9 @@ def sampled_with(row: dict) -> SampledWith | str | None:
         # which the learner cannot rebuild. A greedy draw needs none: each token had probability 1.
         if plain:
             return None
-        return drawn if drawn.temperature == 0 else "drawn under a structured-output grammar with other sampling " \
-            "(response_format)"
+        if drawn.temperature == 0:
+            return drawn
+        return "drawn under a structured-output grammar with other sampling (response_format)"
     return None if plain else drawn
 
 
