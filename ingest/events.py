@@ -186,7 +186,15 @@ Event = InteractionEvent | FeedbackEvent
 
 
 def render_messages(messages: list[dict[str, Any]]) -> str:
-    return "\n".join([f"{m['role']}: {m['content']}" for m in messages])
+    """One "role: content" line per message; an assistant's calls follow its content as their JSON."""
+    return "\n".join([f"{m['role']}: {_shown_content(m)}" for m in messages])
+
+
+def _shown_content(message: dict[str, Any]) -> str:
+    content, calls = message["content"], message.get("tool_calls")
+    if not calls:
+        return content
+    return " ".join(part for part in (content, json.dumps(calls, ensure_ascii=False)) if part)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -295,11 +303,18 @@ def parse_ts(v: Any) -> datetime:
 
 
 def _messages(v: Any) -> list[dict[str, Any]]:
+    """A list of {role, content} objects; an assistant's turn that only calls tools (`tool_calls`, a
+    non-empty list) may have a null content, as OpenAI's chat format writes it."""
     if not isinstance(v, list) or not v:
         raise _Reject("bad_field", "messages must be a non-empty list of {role, content} objects")
     for i, m in enumerate(v):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise _Reject("bad_field", f"messages[{i}] must be an object with string role and content")
+        content = m.get("content")
+        if not isinstance(content, str) and not (content is None and isinstance(m.get("tool_calls"), list)
+                                                 and m["tool_calls"]):
+            raise _Reject("bad_field", f"messages[{i}] must be an object with string role and content (null only "
+                                       "beside tool_calls)")
     return v
 
 

@@ -335,7 +335,7 @@ def sampled_with(row: dict) -> SampledWith | str | None:
             return None
         if drawn.temperature == 0:
             return drawn
-        return "drawn under a structured-output grammar with other sampling (response_format)"
+        return "drawn under a structured-output grammar with other sampling (response_format or a forced tool call)"
     return None if plain else drawn
 
 

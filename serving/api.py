@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import functools
 import hashlib
 import itertools
 import math
@@ -85,6 +86,7 @@ from serving.errors import (
 )
 from serving.events_log import EventLog
 from serving.metrics import ServingMetrics
+from serving.tools import ToolStream
 
 logger = logging.getLogger(__name__)
 
@@ -491,7 +493,8 @@ class Api:
         try:
             if endpoint == "chat":
                 messages = body.plain_messages()
-                prompts = [self._prompt(await self.engine.chat_prompt(messages, tenant), sampling, "messages")]
+                tools = body.tool_use.tools if body.tool_use else None
+                prompts = [self._prompt(await self.engine.chat_prompt(messages, tenant, tools), sampling, "messages")]
             else:
                 messages = None
                 prompts = []
@@ -550,8 +553,11 @@ class Api:
             release()
         done = [choices[k] for k in range(call.choices)]
         await self._log_finished(call, done)
-        build = protocol.chat_response if endpoint == "chat" else protocol.completion_response
         with_logprobs = bool(body.logprobs) if endpoint == "chat" else body.logprobs is not None
+        if endpoint == "chat":
+            build = functools.partial(protocol.chat_response, tools=body.tool_use)
+        else:
+            build = protocol.completion_response
 
         def answer() -> bytes:
             return msgspec.json.encode(build(call.response_id, lease.label, done, call.prompt_tokens, with_logprobs,
@@ -708,8 +714,18 @@ class Api:
                                                     call.prompt_ids(0)))
             # completions with return_token_ids: the choices whose first chunk (the one with the prompt's ids) went
             started: set[int] = set() if body.return_token_ids and not chat else set(choices)
+            # chat with tools that may be called: each choice's text is read for calls as it comes (tools.py)
+            use = body.tool_use if chat else None
+            calls = {i: ToolStream(use) for i in choices} if use is not None and use.calls else None
             async for delta in _chain_first(first, deltas):
                 choices[delta.index].add(delta)
+                if calls is not None:
+                    for shown, tool_calls in calls[delta.index].feed(delta):
+                        sent = True
+                        yield event(protocol.chat_chunk(
+                            call.response_id, label, created, shown, with_logprobs=bool(body.logprobs),
+                            token_ids=body.return_token_ids, tool_calls=tool_calls))
+                    continue
                 if chat:
                     chunk = protocol.chat_chunk(
                         call.response_id, label, created, delta, with_logprobs=bool(body.logprobs),

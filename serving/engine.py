@@ -67,7 +67,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from serving.errors import BadRequest, ContextLengthExceeded, EngineStopped, GenerationFailed
+from serving.errors import BadRequest, ContextLengthExceeded, EngineStopped, GenerationFailed, UnsupportedParameter
 from serving.lora_slots import LoraSlots
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ ZERO_ADAPTER_NAME = "_zero"  # never a tenant version name ("<tenant>@<n>")
 # renderer makes the same bound from its tokenizer; no real tokenizer averages more than a few characters).
 MAX_CHARS_PER_TOKEN = 16
 MESSAGE_FRAMING_CHARS = 16  # what a chat template adds around each message, at least (counted with its role)
+_PROBE_TOOL, _PROBE_RESULT = "clora_probe_tool", "clora_probe_result"  # what `_template_shows_tools` looks for
 MIN_TEMPERATURE = 0.01  # vLLM samples a temperature in (0, 0.01) at 0.01: only 0 is greedy (and runs n = 1 only)
 
 
@@ -123,8 +124,8 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the completion, as EOS does
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False  # always generate max_tokens (the benchmarks, a request's `ignore_eos`)
-    # response_format's structured output: ("json_object", "") or ("json_schema", its schema as JSON text);
-    # the engine masks every token that would leave it (vLLM's structured outputs)
+    # response_format's structured output: ("json_object", "") or ("json_schema", its schema as JSON text), or
+    # a forced tool call's ("tool_calls", its schema); the engine masks every token that would leave it
     structured: tuple[str, str] | None = None
 
 
@@ -198,6 +199,7 @@ def build_engine(
     benchmarks' base-model baseline). On CPU, the zero adapter that stands in for "no adapter" is written
     to `zero_adapter_dir` (a temporary directory if None); call `await engine.start()` before serving.
     """
+    from vllm.config import StructuredOutputsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -226,6 +228,10 @@ def build_engine(
         disable_log_stats=True,
         enable_prefix_caching=True,
         scheduling_policy="priority",  # a request's `priority` orders the queue (protocol.py); all 0: first come
+        # JSON outputs (response_format, forced tool calls) without whitespace between their tokens: allowed
+        # it, a model can fill its whole length limit with whitespace inside a grammar (the tiny model does,
+        # at any temperature), and the answer comes back cut and unparsable
+        structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
         use_tqdm_on_load=sys.stderr.isatty(),  # its weight-loading bar garbles logs (`clora up`'s prefixed output)
         **chunking,
         **lora_args,
@@ -297,6 +303,9 @@ class Engine:
         # with the last: tenants that came and went, a config re-read's, leave nothing)
         self._prompt_turns: dict[str, list] = {}
         self._developer_role = "developer" in str(getattr(self.tokenizer, "chat_template", None) or "")
+        self.shows_tools, self.shows_tool_turns = self._template_shows_tools()
+        if not self.shows_tools:
+            logger.info("the chat template does not show tools to the model: requests with tools are refused")
         self.token_bytes = TokenBytes(self.tokenizer)
         # Whether the tokenizer adds tokens of its own to a text (a BOS: Llama, Mistral, Gemma; not Qwen).
         self.adds_special_tokens = (list(self.tokenizer.encode("a", add_special_tokens=True))
@@ -323,15 +332,23 @@ class Engine:
             logger.exception("could not read the vocabulary's token bytes at start; reading them as needed")
 
     # --- prompts ------------------------------------------------------------------------------------------
-    async def chat_prompt(self, messages: Sequence[dict[str, str]], tenant: str = "") -> tuple[str, list[int]]:
-        """Messages -> (rendered prompt, its token ids), in the prompt thread; refuses text far too long first.
-        Each message counts its role, name and the template's framing too, so many empty messages (or a long role)
+    async def chat_prompt(self, messages: Sequence[dict[str, Any]], tenant: str = "",
+                          tools: Sequence[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+        """Messages (and the request's tools) -> (rendered prompt, its token ids), in the prompt thread; refuses
+        text far too long first, and tools or tool turns a chat template would not show the model. Each message
+        counts its role, name, calls and the template's framing too, so many empty messages (or a long role)
         cannot render into a huge prompt past the check; and a message takes at least one token."""
+        if tools and not self.shows_tools:
+            raise UnsupportedParameter("this model's chat template does not show tools to the model, so it could not "
+                                       "call them: send no tools", param="tools")
+        if not self.shows_tool_turns and any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            raise UnsupportedParameter("this model's chat template does not show tool calls and results to the model: "
+                                       "send no tool_calls or tool messages", param="messages")
         if len(messages) >= self.max_model_len:
             raise _too_long(self.max_model_len, len(messages), "messages")
-        self._check_chars(sum(len(m["role"]) + len(m["content"]) + len(m.get("name", "")) + MESSAGE_FRAMING_CHARS
-                              for m in messages), "messages")
-        return await self._in_prompt_thread(tenant, self._render_and_encode, list(messages))
+        self._check_chars(sum(_message_chars(m) for m in messages)
+                          + (len(json.dumps(list(tools), ensure_ascii=False)) if tools else 0), "messages")
+        return await self._in_prompt_thread(tenant, self._render_and_encode, list(messages), tools)
 
     async def text_prompt(self, text: str, tenant: str = "") -> tuple[str, list[int]]:
         """A /v1/completions text prompt -> (the text, its ids with the tokenizer's special tokens added), as
@@ -373,8 +390,9 @@ class Engine:
                 param=param,
             )
 
-    def _render_and_encode(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
-        text = self.render_chat(messages)
+    def _render_and_encode(self, messages: list[dict[str, Any]],
+                           tools: Sequence[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+        text = self.render_chat(messages, tools)
         return text, self.encode(text)
 
     def encode_text_prompt(self, text: str) -> list[int]:
@@ -386,16 +404,37 @@ class Engine:
         """Text -> token ids, without adding special tokens (a chat template has already placed them)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
-        """The tokenizer's chat template applied to `messages`, with the assistant turn opened. A `developer`
-        message (OpenAI's newer name for system) becomes `system` unless the template knows the role, as
-        vLLM does."""
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """The tokenizer's chat template applied to `messages` (and `tools`, which it shows the model), with the
+        assistant turn opened. A `developer` message (OpenAI's newer name for system) becomes `system` unless
+        the template knows the role, as vLLM does."""
         if not self._developer_role:
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+        extra = {"tools": list(tools)} if tools else {}
         try:
-            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
+                                                      **extra)
         except Exception as e:  # jinja raises its own types (TemplateError, UndefinedError, TypeError, ...)
             raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from e
+
+    def _template_shows_tools(self) -> tuple[bool, bool]:
+        """(whether the chat template shows the model a request's tools, whether it shows tool calls and
+        results), tried once on a made-up tool: a template that leaves them out would have the model answer
+        as if they had not been sent (tool calling is then refused, not served blind)."""
+        tool = {"type": "function", "function": {"name": _PROBE_TOOL, "description": "",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+        turns = [{"role": "user", "content": "?"},
+                 {"role": "assistant", "content": None, "tool_calls": [
+                     {"id": "call_0", "type": "function", "function": {"name": _PROBE_TOOL, "arguments": "{}"}}]},
+                 {"role": "tool", "tool_call_id": "call_0", "content": _PROBE_RESULT}]
+        shown = []
+        for messages, tools, marks in (([turns[0]], [tool], (_PROBE_TOOL,)), (turns, None, (_PROBE_TOOL, _PROBE_RESULT))):
+            try:
+                text = self.render_chat(messages, tools)
+            except BadRequest:
+                text = ""
+            shown.append(all(mark in text for mark in marks))
+        return shown[0], shown[1]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Token ids (a prompt given as ids) -> text; BadRequest for ids the tokenizer does not have."""
@@ -598,18 +637,29 @@ def _sampling_params(sampling: Sampling):
 
 
 def _param_of(e: Exception, sampling: Sampling) -> str | None:
-    """The request field a vLLM validation error is about: the one it names, else `response_format` for an
-    error about a structured output's schema or grammar (which vLLM names no field for)."""
+    """The request field a vLLM validation error is about: the one it names, else, for an error about a
+    structured output's schema or grammar (which vLLM names no field for), where that schema came from:
+    `tools` for a forced call's, `response_format` otherwise."""
     named = getattr(e, "parameter", None)
     if named or sampling.structured is None:
         return named
     text = str(e).lower()
-    return "response_format" if any(word in text for word in ("schema", "json", "grammar", "structured")) else None
+    if not any(word in text for word in ("schema", "json", "grammar", "structured")):
+        return None
+    return "tools" if sampling.structured[0] == "tool_calls" else "response_format"
 
 
 def greedy(sampling: Sampling) -> bool:
     """Temperature 0: one answer, which vLLM runs once (n = 1) and `stream` copies to every choice."""
     return sampling.temperature == 0
+
+
+def _message_chars(message: dict[str, Any]) -> int:
+    """A message's characters as its template shows them, at least: role, name, content, calls, framing."""
+    calls = message.get("tool_calls") or ()
+    return (len(message["role"]) + len(message.get("content") or "") + len(message.get("name", ""))
+            + sum(len(c["function"]["name"]) + len(c["function"]["arguments"]) for c in calls)
+            + MESSAGE_FRAMING_CHARS)
 
 
 def _too_long(max_model_len: int, tokens: int, param: str) -> ContextLengthExceeded:

@@ -6,13 +6,13 @@ malformed body becomes one 400 listing every bad field, `param` naming the first
 string or key holding an unpaired UTF-16 surrogate (JSON can escape one, "\\udc00") is refused wherever it
 is, since vLLM, the tokenizer and the event log would each fail on it later. Fields OpenAI or vLLM's OpenAI
 server define that clora does not implement are refused (400 `unsupported_parameter`, `param` the field)
-rather than silently dropped, so a client never gets an answer that ignored its request: tool calling (any
-`tools`/`functions`, whatever `tool_choice`/`function_call` says, and a choice that demands a call),
-`response_format` other than text, JSON object or JSON schema, `echo`, `suffix`, `best_of` other than `n`, and the
+rather than silently dropped, so a client never gets an answer that ignored its request: the deprecated
+`functions`/`function_call` (tools are served: serving/tools.py), `response_format` other than text, JSON
+object or JSON schema, `echo`, `suffix`, `best_of` other than `n`, and the
 fields of `NOT_IMPLEMENTED` (guided decoding, chat template options, prompt logprobs, audio, ...) unless
 they hold the value that asks for what clora does anyway (`"add_generation_prompt": true`). OpenAI's
-metadata fields that change no answer (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`
-without tools, ...) are taken, as are vLLM's `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`
+metadata fields that change no answer (`user`, `metadata`, `store`, `service_tier`, ...) are taken, as are
+vLLM's `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`
 and `ignore_eos`, which the engine applies. Two samplings vLLM refuses are taken, as OpenAI takes them:
 `temperature: 0` with `n` > 1 gets n copies of the one greedy answer (the engine runs it once), and
 `top_p: 0` keeps the most likely token only, sampled as `top_k: 1`. A completions body too large to parse is still
@@ -46,6 +46,8 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, Strict, Validat
 from serving.engine import MIN_TEMPERATURE as MIN_TEMPERATURE  # the engine's; clora's config check reads it here
 from serving.engine import Choice, Delta, Sampling, TokenLogprob
 from serving.errors import BadRequest, UnsupportedParameter
+from serving.tools import ToolUse
+from serving.tools import tool_use as read_tools
 
 MAX_N = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM default it
@@ -314,9 +316,24 @@ class _Request(BaseModel):
         )
 
 
-TOOL_MESSAGE_FIELDS = ("tool_calls", "function_call", "tool_call_id")
-TOOL_ROLES = ("tool", "function")
-ROLES = ("system", "developer", "user", "assistant")  # OpenAI's, less TOOL_ROLES (refused as tool calling)
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's, less the deprecated "function"
+
+
+class ToolCall(BaseModel):
+    """An assistant turn's call, as the answer gave it: `arguments` is JSON text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+    @field_validator("function")
+    @classmethod
+    def _named(cls, v: dict[str, str]) -> dict[str, str]:
+        if not v.get("name") or "arguments" not in v:
+            raise ValueError("a tool call's function needs a name and arguments (JSON text)")
+        return v
 
 
 class ChatMessage(BaseModel):
@@ -325,19 +342,40 @@ class ChatMessage(BaseModel):
     role: str = Field(min_length=1)
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None  # the speaker's, handed to the chat template as vLLM does (Qwen's ignores it)
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's: the call it answers
 
     @model_validator(mode="before")
     @classmethod
-    def _no_tool_turns(cls, data: Any) -> Any:
-        """A conversation with tool calls or tool results is refused, not sent with those parts dropped (the
-        model would see an empty assistant turn and an orphaned result)."""
-        if isinstance(data, dict):
-            used = [k for k in TOOL_MESSAGE_FIELDS if data.get(k) not in (None, [])]
-            if used or data.get("role") in TOOL_ROLES:
-                what = f"{used[0]!r}" if used else f"role {data.get('role')!r}"
-                raise UnsupportedParameter(f"messages with {what} are not supported by this server (tool calling is "
-                                           "not implemented)", param="messages")
+    def _no_function_turns(cls, data: Any) -> Any:
+        """The deprecated function-calling turns are refused, not sent with those parts dropped (the model
+        would see an empty assistant turn and an orphaned result)."""
+        if isinstance(data, dict) and (data.get("role") == "function" or data.get("function_call") is not None):
+            raise UnsupportedParameter("function-calling turns (role 'function', function_call) are not supported "
+                                       "by this server: send tools, and their turns as tool_calls and role 'tool'",
+                                       param="messages")
         return data
+
+    @model_validator(mode="after")
+    def _tool_turns(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only an assistant message has tool_calls, not a {self.role!r} one")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
+    def plain(self) -> dict[str, Any]:
+        """The message as the chat template and the interaction event take it."""
+        plain: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            plain["name"] = self.name
+        if self.tool_calls:
+            plain["content"] = self.text() if self.content is not None else None
+            plain["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function["name"],
+                                    "arguments": c.function["arguments"]}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            plain["tool_call_id"] = self.tool_call_id
+        return plain
 
     def text(self) -> str:
         """The content as text: a string, or the text parts of a content list joined with newlines (as vLLM
@@ -355,13 +393,6 @@ class ChatMessage(BaseModel):
         return "\n".join(parts)
 
 
-def _uses(tools: list[Any] | None, choice: Any) -> bool:
-    """Whether the request asks for tools: definitions (even with a choice of "none", under which OpenAI's
-    model still sees them, in its prompt, where this server would leave them out), or a choice that demands
-    a call ("required", a named function), which without tools OpenAI refuses too."""
-    return bool(tools) or choice not in (None, "none", "auto")
-
-
 class ChatRequest(_Request):
     not_implemented: ClassVar[dict[str, tuple[str, Any]]] = CHAT_NOT_IMPLEMENTED
     messages: list[ChatMessage] = Field(min_length=1)
@@ -370,25 +401,44 @@ class ChatRequest(_Request):
     top_logprobs: int | None = _count(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: Any = None
     functions: list[Any] | None = None  # the deprecated form of tools
     function_call: str | dict[str, Any] | None = None
+    _tools: ToolUse | None = PrivateAttr(None)  # read_tools(), as the validator found it
 
     @model_validator(mode="after")
-    def _no_tool_calling(self):
-        for what, defined, field, choice, choice_field in (
-            ("tool", self.tools, "tools", self.tool_choice, "tool_choice"),
-            ("function", self.functions, "functions", self.function_call, "function_call"),
-        ):
-            if not _uses(defined, choice):
-                continue
-            if not defined:  # a choice demanding a call, with nothing to call
-                raise UnsupportedParameter(
-                    f"{what} calling is not supported by this server: {choice_field} {choice!r} demands a call; "
-                    f'leave {choice_field} out (or "none", "auto")', param=choice_field)
-            raise UnsupportedParameter(
-                f"{what} calling is not supported by this server, nor {what} definitions (the model would not see "
-                f"them, whatever {choice_field} says); send no {field}", param=field)
+    def _no_function_calling(self):
+        """The deprecated `functions` are refused, not dropped (even with a choice of "none", OpenAI's model
+        sees them); a `function_call` demanding a call without them too."""
+        if self.functions or self.function_call not in (None, "none", "auto"):
+            field = "functions" if self.functions else "function_call"
+            raise UnsupportedParameter(f"{field} is not supported by this server (the deprecated form of tool "
+                                       "calling): send tools and tool_choice", param=field)
         return self
+
+    def structured(self) -> tuple[str, str] | None:
+        """`response_format`'s structured output, or the call a `tool_choice` of "required" or a named function
+        forces (serving/tools.py); both at once is a 400, as are min_tokens and ignore_eos with a forced call."""
+        self._tools = read_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        fmt = super().structured()
+        if self._tools is None or not self._tools.forced:
+            return fmt
+        if fmt is not None:
+            raise BadRequest("response_format cannot be a JSON format with a tool_choice that forces a call",
+                             param="response_format")
+        for name in ("min_tokens", "ignore_eos"):
+            if getattr(self, name):
+                raise BadRequest(f"{name} cannot be set with a tool_choice that forces a call", param=name)
+        schema = self._tools.schema()
+        if len(schema) > MAX_SCHEMA_CHARS:
+            raise BadRequest(f"the forced call's schema is {len(schema)} characters as JSON; this server takes at most "
+                             f"{MAX_SCHEMA_CHARS}", param="tools")
+        return ("tool_calls", schema)
+
+    @property
+    def tool_use(self) -> ToolUse | None:
+        """The request's tools and how its answer is read; None without tools."""
+        return self._tools
 
     @model_validator(mode="after")
     def _known_roles(self):
@@ -403,9 +453,8 @@ class ChatRequest(_Request):
                                  param=f"messages.[{i}].role")
         return self
 
-    def plain_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
-                for m in self.messages]
+    def plain_messages(self) -> list[dict[str, Any]]:
+        return [m.plain() for m in self.messages]
 
     def sampling(self, default_max_tokens: int | None = None) -> Sampling:
         """`default_max_tokens` applies when the request sets no length; None: the room the context leaves."""
@@ -655,26 +704,32 @@ def _with_token_ids(choice: dict[str, Any], token_ids: list[int], wanted: bool,
 
 def chat_response(
     response_id: str, model: str, choices: list[Choice], prompt_tokens: int, with_logprobs: bool,
-    token_ids: bool = False, prompt_token_ids: Callable[[int], list[int]] | None = None,
+    token_ids: bool = False, prompt_token_ids: Callable[[int], list[int]] | None = None, tools: ToolUse | None = None,
 ) -> dict[str, Any]:
-    """`prompt_token_ids(choice index)`: with `token_ids`, the prompt's ids, as vLLM answers them (top level)."""
+    """`prompt_token_ids(choice index)`: with `token_ids`, the prompt's ids, as vLLM answers them (top level).
+    `tools`: the request's, by which each choice's text is read for calls (serving/tools.py)."""
     return {
         **({"prompt_token_ids": list(prompt_token_ids(0))} if token_ids and prompt_token_ids else {}),
         "id": response_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            _with_token_ids({
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c.logprobs) if with_logprobs else None,
-                "finish_reason": c.finish_reason,
-            }, c.token_ids, token_ids)
-            for c in choices
-        ],
+        "choices": [_chat_choice(c, with_logprobs, token_ids, tools) for c in choices],
         "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
     }
+
+
+def _chat_choice(c: Choice, with_logprobs: bool, token_ids: bool, tools: ToolUse | None) -> dict[str, Any]:
+    content, calls, finish_reason = tools.answer(c.text, c.finish_reason) if tools else (c.text, [], c.finish_reason)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    return _with_token_ids({
+        "index": c.index,
+        "message": message,
+        "logprobs": chat_logprobs(c.logprobs) if with_logprobs else None,
+        "finish_reason": finish_reason,
+    }, c.token_ids, token_ids)
 
 
 def completion_response(
@@ -703,13 +758,18 @@ def completion_response(
 def chat_chunk(
     response_id: str, model: str, created: int, delta: Delta | None, *, index: int = 0, role: bool = False,
     with_logprobs: bool = False, token_ids: bool = False, prompt_token_ids: list[int] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One `chat.completion.chunk`: the opening one (`role`), a content delta, or (delta None) usage only.
-    `prompt_token_ids` (the stream's first chunk, with `token_ids`): the prompt's ids, as vLLM sends them."""
+    `prompt_token_ids` (the stream's first chunk, with `token_ids`): the prompt's ids, as vLLM sends them.
+    `tool_calls`: the delta's calls, whole (tools.stream_calls); its content then only if it has some."""
     if delta is None and not role:
         choices = []
     else:
         content: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": delta.text}
+        if tool_calls:
+            content = {"content": delta.text} if delta.text else {}
+            content["tool_calls"] = tool_calls
         choices = [
             _with_token_ids({
                 "index": index if delta is None else delta.index,

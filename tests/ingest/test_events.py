@@ -44,6 +44,19 @@ def test_interaction_with_messages():
     assert ev.rendered_prompt == "user: 2+2?"
 
 
+def test_a_conversation_with_tool_calls_and_results_is_taken_and_rendered_with_its_calls():
+    """Serving answers tool calls: an assistant turn that only calls has a null content, as OpenAI writes it."""
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+    messages = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    ev = decode(raw(interaction(messages=messages)), max_bytes=MAX)
+    assert isinstance(ev, InteractionEvent) and ev.messages == messages
+    assert decode(encode(ev), max_bytes=MAX) == ev
+    assert ev.rendered_prompt == f"user: weather?\nassistant: {json.dumps(calls)}\ntool: sunny"
+    dl = decode(raw(interaction(messages=[{"role": "assistant", "content": None}])), max_bytes=MAX)
+    assert isinstance(dl, DeadLetter) and dl.reason == "bad_field" and "null only beside tool_calls" in dl.detail
+
+
 def test_interaction_with_prompt_and_all_optional_fields():
     ev = decode(raw(interaction(messages=..., prompt="2+2=", ts=1740832215123, completion_token_ids=[19, 7],
                                 completion_logprobs=[-0.5, 0], reward=1)), max_bytes=MAX)

@@ -304,50 +304,218 @@ def test_completions_without_max_tokens_get_16_as_openai_and_vllm_give():
     assert [c.params.max_tokens for c in w.llm.calls] == [16, 40]
 
 
+TOOL_TURNS = [{"role": "user", "content": "x"},
+              {"role": "assistant", "content": None,
+               "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+              {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    # with a choice of "none" OpenAI's model still sees the definitions; this template would not show them
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, "tools"),
+    ({"messages": TOOL_TURNS}, "messages"),
+])
+def test_tools_and_tool_turns_are_refused_for_a_template_that_would_not_show_them(extra, param):
+    """A chat template that leaves tools out (this fake's, and many base models') would have the model answer
+    as if they had not been sent; dropped tool turns, an empty assistant turn and an orphaned result."""
+    w = World()
+    r = w.post("/v1/chat/completions", chat(**extra))
+    assert r.status_code == 400 and error(r)["param"] == param and error(r)["code"] == "unsupported_parameter"
+    assert "chat template does not show" in error(r)["message"]
+    assert w.llm.calls == []
+
+
 @pytest.mark.parametrize("messages", [
-    [{"role": "user", "content": "x"},
-     {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
-                                                             "function": {"name": "f", "arguments": "{}"}}]},
-     {"role": "tool", "tool_call_id": "c1", "content": "42"}],
-    [{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}],
     [{"role": "user", "content": "x"}, {"role": "function", "name": "f", "content": "42"}],
     [{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}],
 ])
-def test_tool_turns_in_the_messages_are_refused_not_dropped(messages):
-    """Dropped, the model saw an empty assistant turn followed by an orphaned tool result."""
+def test_deprecated_function_turns_are_refused_not_dropped(messages):
     w = World()
     r = w.post("/v1/chat/completions", {"model": "acme", "messages": messages})
     assert r.status_code == 400 and error(r)["param"] == "messages" and error(r)["code"] == "unsupported_parameter"
     assert w.llm.calls == []
 
 
-def test_an_unknown_role_is_a_400_before_any_work_and_tool_roles_stay_unsupported():
+def test_an_unknown_role_is_a_400_before_any_work_and_a_tool_turn_needs_its_call_id():
     w = World()
     r = w.post("/v1/chat/completions", chat(messages=[{"role": "bot", "content": "x"}]))
     assert r.status_code == 400 and error(r)["param"] == "messages.[0].role" and "'bot'" in error(r)["message"]
     r = w.post("/v1/chat/completions", chat(messages=[{"role": "tool", "content": "x"}]))
-    assert error(r)["code"] == "unsupported_parameter" and "tool calling" in error(r)["message"]
+    assert r.status_code == 400 and "tool_call_id" in error(r)["message"] and error(r)["param"] == "messages"
+    r = w.post("/v1/chat/completions", chat(messages=[{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]))
+    assert r.status_code == 400 and "only an assistant message has tool_calls" in error(r)["message"]
     assert w.llm.calls == [] and w.llm.tokenizer.threads == []
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"tool_choice": "required"}, "tool_choice"),  # a call demanded with no tools: the choice is what to change
-    ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"function_call": {"name": "f"}}, "function_call"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function"}}, "tools"),
-    ({"functions": [{"name": "f"}]}, "functions"),
-    # definitions with a choice of "none": OpenAI's model still sees them; this server's would not
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, "tools"),
-    ({"functions": [{"name": "f"}], "function_call": "none"}, "functions"),
-    ({"response_format": {"type": "regex", "regex": "a+"}}, "response_format"),  # vLLM's own, not OpenAI's
+F = {"type": "function", "function": {"name": "f"}}
+
+
+@pytest.mark.parametrize("extra, param, code", [
+    ({"tool_choice": "required"}, "tool_choice", "invalid_request"),  # a call demanded, with nothing to call
+    ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "invalid_request"),
+    ({"tools": [F], "tool_choice": {"type": "function"}}, "tool_choice", "invalid_request"),
+    ({"tools": [F], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "invalid_request"),
+    ({"tools": [F], "tool_choice": "sometimes"}, "tool_choice", "invalid_request"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools", "invalid_request"),
+    ({"tools": [F, F]}, "tools", "invalid_request"),
+    ({"tools": [{"type": "web_search"}]}, "tools", "invalid_request"),
+    ({"tools": [F] * 129}, "tools", "invalid_request"),
+    ({"tools": [F], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "invalid_request"),
+    ({"tools": [F], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+     "invalid_request"),
+    ({"tools": [F], "tool_choice": "required", "min_tokens": 2}, "min_tokens", "invalid_request"),
+    ({"function_call": {"name": "f"}}, "function_call", "unsupported_parameter"),
+    ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+    ({"functions": [{"name": "f"}], "function_call": "none"}, "functions", "unsupported_parameter"),
+    ({"response_format": {"type": "regex", "regex": "a+"}}, "response_format", "unsupported_parameter"),  # vLLM's
 ])
-def test_tool_calling_and_other_structured_outputs_are_refused_not_dropped(extra, param):
-    r = World().post("/v1/chat/completions", chat(**extra))
+def test_tool_requests_openai_refuses_and_deprecated_functions_are_a_400_naming_the_field(extra, param, code):
+    w = World()
+    r = w.post("/v1/chat/completions", chat(**extra))
     assert r.status_code == 400
     e = error(r)
-    assert e["param"] == param and e["code"] == "unsupported_parameter" and "not supported" in e["message"]
+    assert (e["param"], e["code"]) == (param, code), e
+    assert w.llm.calls == []
+
+
+class FakeToolTokenizer(FakeTokenizer):
+    """FakeTokenizer whose template shows tools and tool turns, as Qwen's does (in a short format of its own)."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, tools=None):
+        shown = "".join(f"<tool {t['function']['name']}>" for t in tools or ())
+        for m in messages:
+            calls = "".join(f"<call {c['function']['name']} {c['function']['arguments']}>"
+                            for c in m.get("tool_calls") or ())
+            shown += f"<{m['role']}>{m['content'] or ''}{calls}"
+        return shown + "<assistant>"
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "today's weather",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+CALLED = 'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def tool_world(reply: str) -> World:
+    """A World whose template shows tools, every choice answering `reply` (one token per character)."""
+    llm = FakeLLM()
+    llm.tokenizer = FakeToolTokenizer()
+    llm.reply = [ord(c) for c in reply]
+    w = World()
+    w.llm, w.engine = llm, Engine(llm, max_model_len=1024)
+    w.api.engine = w.engine
+    return w
+
+
+def test_a_call_in_the_models_text_is_answered_as_tool_calls_and_the_event_keeps_the_text():
+    """tool_choice "auto" (the default with tools): the model's Hermes call becomes OpenAI's tool_calls, the
+    text before it the content; the template was shown the tools and the tool turns; the event keeps the
+    model's own text, which the learner trains on."""
+    w = tool_world(CALLED)
+    r = w.post("/v1/chat/completions", chat(tools=[WEATHER], messages=TOOL_TURNS, logprobs=True))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me look."
+    [call] = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_") and len(call["id"]) == 29
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert len(choice["logprobs"]["content"]) == len(CALLED)  # every token's, the call's too
+    prompt = w.llm.calls[0].prompt["prompt_token_ids"]
+    assert "".join(map(chr, prompt)) == "<tool get_weather><user>x<assistant><call f {}><tool>42<assistant>"
+    [event] = w.events.logged
+    assert event.completion == CALLED and event.metadata["finish_reason"] == "stop"
+    assert event.messages == TOOL_TURNS
+
+
+def test_a_streamed_call_is_held_from_its_first_character_and_sent_whole_with_the_content_before_it():
+    """The stream sends content as it comes, but not text that may be a call's start ("<", "<tool"...): the
+    call goes in one chunk with its id, name and arguments, which the SDK's accumulators read as they read
+    OpenAI's; every token's log-prob and id is sent once."""
+    w = tool_world(CALLED)
+    r = w.post("/v1/chat/completions", chat(tools=[WEATHER], stream=True, logprobs=True, return_token_ids=True))
+    events = sse_events(r)
+    deltas = [e["choices"][0] for e in events[1:-1]]
+    content = "".join(d["delta"].get("content") or "" for d in deltas)
+    assert content == "Let me look."
+    assert all("<" not in (d["delta"].get("content") or "") for d in deltas)
+    [last] = [d for d in deltas if "tool_calls" in d["delta"]]
+    assert last is deltas[-1] and last["finish_reason"] == "tool_calls"
+    [call] = last["delta"]["tool_calls"]
+    assert call["index"] == 0 and call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert [t for d in deltas for t in d["token_ids"]] == [ord(c) for c in CALLED]
+    assert [lp["token"] for d in deltas for lp in d["logprobs"]["content"]] == list(CALLED)
+    assert [d["finish_reason"] for d in deltas[:-1]] == [None] * (len(deltas) - 1)
+
+
+@pytest.mark.parametrize("reply", [
+    "a < b, and <tool is a word",  # looked like a call's start, twice, and was not
+    '<tool_call>{"name": "get_weather", "arguments": ',  # cut short: no whole call
+    '<tool_call>{"name": "launch", "arguments": {}}</tool_call>',  # a function the request did not define
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_that_holds_no_call_is_the_content_whole(reply, stream):
+    """Nothing is dropped: what does not parse as a call of one of the request's tools is content."""
+    w = tool_world(reply)
+    r = w.post("/v1/chat/completions", chat(tools=[WEATHER], stream=stream))
+    if stream:
+        deltas = [e["choices"][0] for e in sse_events(r)[1:-1]]
+        assert "".join(d["delta"]["content"] for d in deltas) == reply
+        assert not any("tool_calls" in d["delta"] for d in deltas) and deltas[-1]["finish_reason"] == "stop"
+    else:
+        choice = r.json()["choices"][0]
+        assert choice["message"] == {"role": "assistant", "content": reply} and choice["finish_reason"] == "stop"
+
+
+def test_tool_choice_none_reads_no_calls_and_parallel_false_keeps_the_first():
+    two = CALLED + '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    w = tool_world(two)
+    none = w.post("/v1/chat/completions", chat(tools=[WEATHER], tool_choice="none")).json()["choices"][0]
+    assert none["message"] == {"role": "assistant", "content": two} and none["finish_reason"] == "stop"
+    both = w.post("/v1/chat/completions", chat(tools=[WEATHER])).json()["choices"][0]["message"]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"])["city"] for c in both] == ["Paris", "Rome"]
+    assert len({c["id"] for c in both}) == 2
+    one = w.post("/v1/chat/completions", chat(tools=[WEATHER], parallel_tool_calls=False)).json()
+    assert [c["function"]["arguments"] for c in one["choices"][0]["message"]["tool_calls"]] == ['{"city": "Paris"}']
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_choice_forces_its_arguments_through_the_engines_structured_outputs(stream):
+    w = tool_world('{"city": "Oslo"}')
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = w.post("/v1/chat/completions", chat(tools=[WEATHER], tool_choice=named, stream=stream))
+    assert w.llm.calls[0].params.structured_outputs.json == WEATHER["function"]["parameters"]
+    if stream:
+        deltas = [e["choices"][0] for e in sse_events(r)[1:-1]]
+        [last] = deltas  # held whole: the text is the call
+        message, finish = last["delta"], last["finish_reason"]
+        message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in message["tool_calls"]]
+    else:
+        choice = r.json()["choices"][0]
+        message, finish = choice["message"], choice["finish_reason"]
+        assert message["content"] is None
+    assert finish == "stop"  # as OpenAI answers a named choice
+    assert [c["function"] for c in message["tool_calls"]] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    sampling = w.events.logged[0].metadata["sampling"]
+    assert sampling["structured"]["type"] == "tool_calls"  # drawn under a grammar: the learner reads it so
+
+
+def test_tool_choice_required_forces_a_list_of_calls_of_the_requests_tools():
+    other = {"type": "function", "function": {"name": "get_time"}}
+    w = tool_world('[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Rome"}}]')
+    r = w.post("/v1/chat/completions", chat(tools=[WEATHER, other], tool_choice="required"))
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "get_time", "arguments": "{}"}, {"name": "get_weather", "arguments": '{"city": "Rome"}'}]
+    schema = w.llm.calls[0].params.structured_outputs.json
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    names = [option["properties"]["name"]["enum"] for option in schema["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    w.post("/v1/chat/completions", chat(tools=[WEATHER, other], tool_choice="required", parallel_tool_calls=False))
+    assert w.llm.calls[1].params.structured_outputs.json["maxItems"] == 1
 
 
 @pytest.mark.parametrize("extra", [

@@ -83,8 +83,8 @@ def test_a_role_openai_does_not_define_is_refused_naming_the_message(role):
     with pytest.raises(BadRequest) as e:
         protocol.parse(protocol.ChatRequest, json.dumps(body).encode())
     assert e.value.param == "messages.[1].role" and e.value.code == "invalid_request"
-    assert e.value.message == (f"Invalid value: '{role}'. Supported values are: 'system', 'developer', 'user', and "
-                               "'assistant'.")
+    assert e.value.message == (f"Invalid value: '{role}'. Supported values are: 'system', 'developer', 'user', "
+                               "'assistant', and 'tool'.")
     for known in ("system", "developer", "user", "assistant"):
         body["messages"][1]["role"] = known
         assert protocol.parse(protocol.ChatRequest, json.dumps(body).encode()).messages[1].role == known

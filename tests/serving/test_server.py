@@ -208,8 +208,9 @@ def test_openai_fields_reach_the_real_engine(server):
         c.models.retrieve("acme")
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="base", messages=MESSAGES, max_tokens=2,
-                                  tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert e.value.body["param"] == "tools"
+                                  tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                                  tool_choice={"type": "function", "function": {"name": "g"}})
+    assert e.value.body["param"] == "tool_choice"
     lost = httpx.get(server.base_url + "/v1/nope")
     assert lost.status_code == 404 and set(lost.json()["error"]) == {"message", "type", "param", "code"}
 
@@ -230,6 +231,45 @@ def test_a_json_schema_response_format_gives_json_of_that_schema_from_the_real_e
     # The log-probs are taken after the grammar's mask (what logs mode trusts them for): the first token is
     # one of the few that open an object, where the random model alone gives any token ~log(1/2048) = -7.6.
     assert answer.choices[0].logprobs.content[0].logprob > -3.0, answer.choices[0].logprobs.content[0]
+
+
+def test_tool_calls_forced_on_the_real_engine_come_back_through_the_sdk_and_the_template_shows_the_tools(server):
+    """The tiny model's text is noise, so only a forced call can be checked whole on the real engine: a named
+    tool_choice and "required" give calls whose arguments hold what the schema requires. The tools reach the
+    prompt (the template lists them), and a conversation with a call and its result is answered."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {  # the test context is small
+        "type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}}}
+    _, plain = chat(server, "initech", model="base", max_tokens=2)
+    _, answer = chat(server, "initech", model="base", max_tokens=64, tools=[weather],
+                     tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = answer.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None, choice
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Oslo", "Rome")
+    assert answer.usage.prompt_tokens > plain.usage.prompt_tokens + 30  # the template listed the tool
+    turns = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+             {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    c = client(server, "initech")
+    required = c.chat.completions.create(model="base", messages=turns, tools=[weather], tool_choice="required",
+                                         parallel_tool_calls=False, max_tokens=64, temperature=0)
+    assert required.choices[0].finish_reason == "tool_calls", required.choices[0]
+    [again] = required.choices[0].message.tool_calls
+    assert json.loads(again.function.arguments)["city"] in ("Oslo", "Rome")
+    streamed = c.chat.completions.create(model="base", messages=MESSAGES, tools=[weather], tool_choice="required",
+                                         parallel_tool_calls=False, max_tokens=64, temperature=0, stream=True)
+    calls = [tc for chunk in streamed for ch in chunk.choices for tc in (ch.delta.tool_calls or [])]
+    assert len(calls) == 1 and json.loads(calls[0].function.arguments)["city"] in ("Oslo", "Rome")
+    # a schema the engine cannot compile is a 400 naming where it came from
+    broken = {"type": "object", "properties": {"city": {"type": "no-such-type"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="base", messages=MESSAGES, max_tokens=4, tool_choice="required",
+                                  tools=[{"type": "function", "function": {"name": "f", "parameters": broken}}])
+    assert e.value.body["param"] == "tools", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="base", messages=MESSAGES, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "f", "schema": broken}})
+    assert e.value.body["param"] == "response_format", e.value.body
 
 
 def test_a_production_request_is_started_before_waiting_requests_of_a_lower_priority(server):
