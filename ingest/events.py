@@ -185,15 +185,16 @@ class DeadLetter:
 Event = InteractionEvent | FeedbackEvent
 
 
-def render_messages(messages: list[dict[str, Any]]) -> str:
-    """One "role: content" line per message; an assistant's calls follow its content as their JSON."""
-    return "\n".join([f"{m['role']}: {_shown_content(m)}" for m in messages])
+def render_messages(messages: list[dict[str, Any]], calls: bool = True) -> str:
+    """One "role: content" line per message; an assistant's calls follow its content as their JSON (not with
+    `calls` False: how ingest rendered them before it took calls)."""
+    return "\n".join([f"{m['role']}: {_shown_content(m, calls)}" for m in messages])
 
 
-def _shown_content(message: dict[str, Any]) -> str:
+def _shown_content(message: dict[str, Any], with_calls: bool) -> str:
     content, calls = message["content"], message.get("tool_calls")
-    if not calls:
-        return content
+    if not calls or not with_calls:
+        return content if content is not None else ""
     return " ".join(part for part in (content, json.dumps(calls, ensure_ascii=False)) if part)
 
 

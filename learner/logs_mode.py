@@ -212,7 +212,8 @@ def prompt_text(row: dict, tokenizer) -> str | None:
     prompt = row.get("prompt")
     if prompt:
         try:
-            derived = messages is not None and prompt == render_messages(messages)
+            # rows stored before ingest wrote an assistant's calls into these lines have them without
+            derived = messages is not None and prompt in (render_messages(messages), render_messages(messages, False))
         except (KeyError, TypeError):  # not the shape ingest renders: the stored prompt is the app's own
             derived = False
         if not derived:

@@ -493,8 +493,10 @@ class Api:
         try:
             if endpoint == "chat":
                 messages = body.plain_messages()
-                tools = body.tool_use.tools if body.tool_use else None
-                prompts = [self._prompt(await self.engine.chat_prompt(messages, tenant, tools), sampling, "messages")]
+                use = body.tool_use
+                rendered = await self.engine.chat_prompt(messages, tenant, use.tools if use else None,
+                                                         reads_calls=use is not None and use.choice == "auto")
+                prompts = [self._prompt(rendered, sampling, "messages")]
             else:
                 messages = None
                 prompts = []

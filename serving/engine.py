@@ -230,8 +230,9 @@ def build_engine(
         scheduling_policy="priority",  # a request's `priority` orders the queue (protocol.py); all 0: first come
         # JSON outputs (response_format, forced tool calls) without whitespace between their tokens: allowed
         # it, a model can fill its whole length limit with whitespace inside a grammar (the tiny model does,
-        # at any temperature), and the answer comes back cut and unparsable
-        structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
+        # at any temperature), and the answer comes back cut and unparsable. vLLM takes that only with a
+        # backend named; llguidance takes more of JSON Schema than xgrammar (a string's format with a length)
+        structured_outputs_config=StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True),
         use_tqdm_on_load=sys.stderr.isatty(),  # its weight-loading bar garbles logs (`clora up`'s prefixed output)
         **chunking,
         **lora_args,
@@ -303,9 +304,12 @@ class Engine:
         # with the last: tenants that came and went, a config re-read's, leave nothing)
         self._prompt_turns: dict[str, list] = {}
         self._developer_role = "developer" in str(getattr(self.tokenizer, "chat_template", None) or "")
-        self.shows_tools, self.shows_tool_turns = self._template_shows_tools()
+        self.shows_tools, self.shows_tool_turns, self.writes_hermes_calls = self._template_shows_tools()
         if not self.shows_tools:
             logger.info("the chat template does not show tools to the model: requests with tools are refused")
+        elif not self.writes_hermes_calls:
+            logger.info("the chat template does not write tool calls in the Hermes format: tool_choice \"auto\" is "
+                        "refused (the model's calls would come back as text)")
         self.token_bytes = TokenBytes(self.tokenizer)
         # Whether the tokenizer adds tokens of its own to a text (a BOS: Llama, Mistral, Gemma; not Qwen).
         self.adds_special_tokens = (list(self.tokenizer.encode("a", add_special_tokens=True))
@@ -333,14 +337,21 @@ class Engine:
 
     # --- prompts ------------------------------------------------------------------------------------------
     async def chat_prompt(self, messages: Sequence[dict[str, Any]], tenant: str = "",
-                          tools: Sequence[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+                          tools: Sequence[dict[str, Any]] | None = None, *,
+                          reads_calls: bool = False) -> tuple[str, list[int]]:
         """Messages (and the request's tools) -> (rendered prompt, its token ids), in the prompt thread; refuses
-        text far too long first, and tools or tool turns a chat template would not show the model. Each message
-        counts its role, name, calls and the template's framing too, so many empty messages (or a long role)
-        cannot render into a huge prompt past the check; and a message takes at least one token."""
+        text far too long first, and tools or tool turns a chat template would not show the model, or calls
+        to be read from the text (`reads_calls`: tool_choice "auto") that it teaches in another format than
+        Hermes (serving/tools.py reads that one only). Each message counts its role, name, calls and the
+        template's framing too, so many empty messages (or a long role) cannot render into a huge prompt past
+        the check; and a message takes at least one token."""
         if tools and not self.shows_tools:
             raise UnsupportedParameter("this model's chat template does not show tools to the model, so it could not "
                                        "call them: send no tools", param="tools")
+        if tools and reads_calls and not self.writes_hermes_calls:
+            raise UnsupportedParameter("this model's chat template teaches tool calls in another format than Hermes "
+                                       "(<tool_call>...</tool_call>), which this server cannot read from its text: "
+                                       'send tool_choice "required", a named function, or "none"', param="tool_choice")
         if not self.shows_tool_turns and any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
             raise UnsupportedParameter("this model's chat template does not show tool calls and results to the model: "
                                        "send no tool_calls or tool messages", param="messages")
@@ -410,6 +421,7 @@ class Engine:
         the template knows the role, as vLLM does."""
         if not self._developer_role:
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+        messages = [_arguments_as_objects(m) if m.get("tool_calls") else m for m in messages]
         extra = {"tools": list(tools)} if tools else {}
         try:
             return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
@@ -417,10 +429,11 @@ class Engine:
         except Exception as e:  # jinja raises its own types (TemplateError, UndefinedError, TypeError, ...)
             raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from e
 
-    def _template_shows_tools(self) -> tuple[bool, bool]:
+    def _template_shows_tools(self) -> tuple[bool, bool, bool]:
         """(whether the chat template shows the model a request's tools, whether it shows tool calls and
-        results), tried once on a made-up tool: a template that leaves them out would have the model answer
-        as if they had not been sent (tool calling is then refused, not served blind)."""
+        results, whether it writes calls in the Hermes format), tried once on a made-up tool: a template that
+        leaves them out would have the model answer as if they had not been sent (tool calling is then
+        refused, not served blind)."""
         tool = {"type": "function", "function": {"name": _PROBE_TOOL, "description": "",
                                                  "parameters": {"type": "object", "properties": {}}}}
         turns = [{"role": "user", "content": "?"},
@@ -434,7 +447,7 @@ class Engine:
             except BadRequest:
                 text = ""
             shown.append(all(mark in text for mark in marks))
-        return shown[0], shown[1]
+        return shown[0], shown[1], shown[1] and "<tool_call>" in text
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Token ids (a prompt given as ids) -> text; BadRequest for ids the tokenizer does not have."""
@@ -652,6 +665,21 @@ def _param_of(e: Exception, sampling: Sampling) -> str | None:
 def greedy(sampling: Sampling) -> bool:
     """Temperature 0: one answer, which vLLM runs once (n = 1) and `stream` copies to every choice."""
     return sampling.temperature == 0
+
+
+def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant turn's calls with their arguments as objects, for the chat template (as vLLM hands them
+    over: templates that write `arguments | tojson` would show a string of JSON); arguments that are not the
+    JSON of an object become {}. The event keeps the text."""
+    calls = []
+    for call in message["tool_calls"]:
+        try:
+            arguments = json.loads(call["function"]["arguments"])
+        except ValueError:
+            arguments = {}
+        calls.append({**call, "function": {**call["function"],
+                                           "arguments": arguments if isinstance(arguments, dict) else {}}})
+    return {**message, "tool_calls": calls}
 
 
 def _message_chars(message: dict[str, Any]) -> int:

@@ -319,21 +319,22 @@ class _Request(BaseModel):
 ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's, less the deprecated "function"
 
 
+class CalledFunction(BaseModel):
+    # ignored: what the SDK adds when it sends back an answer's message (`parsed_arguments`, after .parse())
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text, as the answer gave it
+
+
 class ToolCall(BaseModel):
-    """An assistant turn's call, as the answer gave it: `arguments` is JSON text."""
+    """An assistant turn's call, as the answer gave it."""
 
     model_config = ConfigDict(extra="ignore")
 
     id: str = Field(min_length=1)
     type: Literal["function"] = "function"
-    function: dict[str, str]
-
-    @field_validator("function")
-    @classmethod
-    def _named(cls, v: dict[str, str]) -> dict[str, str]:
-        if not v.get("name") or "arguments" not in v:
-            raise ValueError("a tool call's function needs a name and arguments (JSON text)")
-        return v
+    function: CalledFunction
 
 
 class ChatMessage(BaseModel):
@@ -371,8 +372,8 @@ class ChatMessage(BaseModel):
             plain["name"] = self.name
         if self.tool_calls:
             plain["content"] = self.text() if self.content is not None else None
-            plain["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function["name"],
-                                    "arguments": c.function["arguments"]}} for c in self.tool_calls]
+            plain["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                    "arguments": c.function.arguments}} for c in self.tool_calls]
         if self.tool_call_id is not None:
             plain["tool_call_id"] = self.tool_call_id
         return plain
@@ -401,7 +402,7 @@ class ChatRequest(_Request):
     top_logprobs: int | None = _count(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: bool | None = Field(None, strict=True)
     functions: list[Any] | None = None  # the deprecated form of tools
     function_call: str | dict[str, Any] | None = None
     _tools: ToolUse | None = PrivateAttr(None)  # read_tools(), as the validator found it

@@ -5,9 +5,11 @@ for a template that would not), and its `tool_choice` decides how the answer is 
 
 - "none": the text is the content, whatever it holds.
 - "auto" (the default with tools): the model writes its calls in the Hermes format that Qwen's templates
-  teach, each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; the text before the first one is
-  the content. Calls that do not parse, or name a function the request did not define, are no calls: the
-  whole text is the content (as vLLM's parser answers, and nothing is dropped).
+  teach, each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the last one may stop before its
+  closing tag, as vLLM reads it); the text before the first one is the content, and text after a call is
+  left out of the answer, as vLLM leaves it. A block that is not such a call (not JSON, arguments that are
+  not an object, a function the request did not define) means no calls: the whole text is the content, as
+  vLLM's parser answers.
 - "required" or a named function: the engine's structured outputs force the call (a JSON array of
   `{"name", "parameters"}`, or the named function's arguments), as vLLM forces them; the text is the call.
 
@@ -54,16 +56,28 @@ class ToolUse:
         return self.choice in ("required", "function")
 
     def schema(self) -> str | None:
-        """The JSON schema (as JSON text) the engine forces for "required" or a named function; else None."""
+        """The JSON schema (as JSON text) the engine forces for "required" or a named function; else None.
+        "required"'s list nests each tool's parameters, so their `$defs` (every nested pydantic model's) move
+        to the list's root, where their `$ref`s ("#/$defs/...") point, as vLLM moves them; two tools defining
+        one name differently are a 400."""
         if self.choice == "function":
             return json.dumps(_parameters(self._tool(self.name)), separators=(",", ":"))
         if self.choice != "required":
             return None
-        one = {"anyOf": [{"type": "object",
-                          "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                         "parameters": _parameters(t)},
-                          "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]}
-        array = {"type": "array", "minItems": 1, "items": one, **({} if self.parallel else {"maxItems": 1})}
+        defs: dict[str, Any] = {}
+        options = []
+        for t in self.tools:
+            parameters = dict(_parameters(t))
+            for name, definition in (parameters.pop("$defs", None) or {}).items():
+                if defs.setdefault(name, definition) != definition:
+                    raise BadRequest(f"two tools define $defs.{name} differently; tool_choice \"required\" puts "
+                                     "every tool's $defs in one schema", param="tools")
+            options.append({"type": "object",
+                            "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                           "parameters": parameters},
+                            "required": ["name", "parameters"], "additionalProperties": False})
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": options},
+                 **({} if self.parallel else {"maxItems": 1}), **({"$defs": defs} if defs else {})}
         return json.dumps(array, separators=(",", ":"))
 
     def answer(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict[str, Any]], str | None]:
@@ -99,7 +113,7 @@ def tool_use(tools: list[Any] | None, choice: Any, parallel: bool | None) -> Too
         return None
     if len(tools) > MAX_TOOLS:
         raise BadRequest(f"at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
-    names: set[str] = set()
+    defined = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
@@ -110,22 +124,23 @@ def tool_use(tools: list[Any] | None, choice: Any, parallel: bool | None) -> Too
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise BadRequest(f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', got "
                              f"{_shown(name)}", param="tools")
-        if name in names:
+        if any(t["function"]["name"] == name for t in defined):
             raise BadRequest(f"{where}: a second function named {name!r}", param="tools")
-        names.add(name)
-        if not isinstance(fn.get("description", ""), (str, type(None))):
+        description, parameters = fn.get("description"), fn.get("parameters")
+        if not isinstance(description, (str, type(None))):
             raise BadRequest(f"{where}.function.description must be a string", param="tools")
-        if not isinstance(fn.get("parameters", {}), (dict, type(None))):
-            raise BadRequest(f"{where}.function.parameters must be a JSON Schema object", param="tools")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise BadRequest(f"parallel_tool_calls must be true or false, got {_shown(parallel)}",
-                         param="parallel_tool_calls")
-    use = ToolUse(tuple(tools), "auto", None, parallel is not False)
+        if parameters is not None and (not isinstance(parameters, dict) or parameters.get("type", "object") != "object"):
+            raise BadRequest(f"{where}.function.parameters must be a JSON Schema of an object (the call's arguments)",
+                             param="tools")
+        # what the template shows the model: OpenAI's fields only (a client's own keys stay out of the prompt)
+        defined.append({"type": "function", "function": {"name": name, **({"description": description}
+                        if description is not None else {}), **({"parameters": parameters} if parameters else {})}})
+    use = ToolUse(tuple(defined), "auto", None, parallel is not False)
     if choice is None or choice in CHOICES:
         return replace(use, choice=choice or "auto")
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
-        if name not in names:
+        if not isinstance(name, str) or not any(t["function"]["name"] == name for t in defined):
             raise BadRequest(f"tool_choice names {_shown(name)}, which is not among the tools", param="tool_choice")
         return replace(use, choice="function", name=name)
     raise BadRequest(f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": '
@@ -146,11 +161,42 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
             "function": {"name": name, "arguments": arguments}}
 
 
+def _strict(text: str) -> Any:
+    """JSON without NaN or Infinity (json.loads takes them; no client's parser does)."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _arguments(value: Any) -> str | None:
-    """A call's arguments as OpenAI's JSON text: an object is written out, a string kept (it is that text)."""
-    if isinstance(value, dict):
-        return json.dumps(value, ensure_ascii=False)
-    return value if isinstance(value, str) else None
+    """A call's arguments as OpenAI's JSON text of an object: an object is written out, a string kept when it
+    is the JSON of one; None for anything else. Written as UTF-8 where it can be: an escaped lone surrogate
+    ("\\ud800") stays escaped, since as a character it could not be sent."""
+    if isinstance(value, str):
+        try:
+            parsed = _strict(value)
+        except ValueError:
+            return None
+        if not isinstance(parsed, dict):
+            return None
+        text = value
+    elif isinstance(value, dict):
+        text = json.dumps(value, ensure_ascii=False)
+    else:
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(_strict(text) if isinstance(value, str) else value)
+    return text
+
+
+def _named(call: Any, names: set[str]) -> str | None:
+    """The called function's name, when `call` names one of `names`."""
+    name = call.get("name") if isinstance(call, dict) else None
+    return name if isinstance(name, str) and name in names else None
 
 
 def _hermes(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]] | None:
@@ -161,31 +207,32 @@ def _hermes(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]
     calls = []
     for match in _CALL.finditer(text, start):
         try:
-            call = json.loads(match.group(1) if match.group(1) is not None else match.group(2))
+            call = _strict(match.group(1) if match.group(1) is not None else match.group(2))
         except ValueError:
             return None
-        arguments = _arguments(call.get("arguments", {})) if isinstance(call, dict) else None
-        if arguments is None or call.get("name") not in names:
+        name = _named(call, names)
+        arguments = _arguments(call.get("arguments", {})) if name else None
+        if arguments is None:
             return None
-        calls.append(_call(call["name"], arguments))
-    content = text[:start]
-    return (content if content.strip() else None), calls
+        calls.append(_call(name, arguments))
+    return text[:start] or None, calls
 
 
 def _listed(text: str, names: set[str]) -> tuple[None, list[dict[str, Any]]] | None:
     """The calls of "required"'s JSON array; None when it is not whole (cut at the length limit)."""
     try:
-        listed = json.loads(text)
+        listed = _strict(text)
     except ValueError:
         return None
     if not isinstance(listed, list) or not listed:
         return None
     calls = []
     for item in listed:
-        arguments = _arguments(item.get("parameters")) if isinstance(item, dict) else None
-        if arguments is None or item.get("name") not in names:
+        name = _named(item, names)
+        arguments = _arguments(item.get("parameters")) if name else None
+        if arguments is None:
             return None
-        calls.append(_call(item["name"], arguments))
+        calls.append(_call(name, arguments))
     return None, calls
 
 
@@ -232,13 +279,15 @@ class ToolStream:
         return [(out, None)]
 
     def _end(self, finish_reason: str) -> list[tuple[Delta, list[dict[str, Any]] | None]]:
+        """The held text, as content or as calls; calls are followed by a chunk of their own with the finish
+        reason, as OpenAI sends it (the SDK's stream events close the last call on that chunk)."""
         content, calls, finish = self.use.answer(self.text, finish_reason)
         held, self.held = self.held, []
         if not calls:
             return [(_joined(held, finish_reason, self.text[self.sent:]), None)]
         rest = (content or "")[self.sent:]
         self.sent = len(self.text)
-        return [(_joined(held, finish, rest), stream_calls(calls))]
+        return [(_joined(held, None, rest), stream_calls(calls)), (Delta(held[0].index, "", [], [], finish), None)]
 
 
 def _joined(deltas: list[Delta], finish_reason: str | None, text: str) -> Delta:

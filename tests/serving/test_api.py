@@ -386,7 +386,7 @@ class FakeToolTokenizer(FakeTokenizer):
     def apply_chat_template(self, messages, add_generation_prompt, tokenize, tools=None):
         shown = "".join(f"<tool {t['function']['name']}>" for t in tools or ())
         for m in messages:
-            calls = "".join(f"<call {c['function']['name']} {c['function']['arguments']}>"
+            calls = "".join(f"<tool_call>{c['function']['name']} {json.dumps(c['function']['arguments'])}</tool_call>"
                             for c in m.get("tool_calls") or ())
             shown += f"<{m['role']}>{m['content'] or ''}{calls}"
         return shown + "<assistant>"
@@ -424,7 +424,8 @@ def test_a_call_in_the_models_text_is_answered_as_tool_calls_and_the_event_keeps
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert len(choice["logprobs"]["content"]) == len(CALLED)  # every token's, the call's too
     prompt = w.llm.calls[0].prompt["prompt_token_ids"]
-    assert "".join(map(chr, prompt)) == "<tool get_weather><user>x<assistant><call f {}><tool>42<assistant>"
+    # the call's arguments reach the template as an object, as vLLM hands them over
+    assert "".join(map(chr, prompt)) == "<tool get_weather><user>x<assistant><tool_call>f {}</tool_call><tool>42<assistant>"
     [event] = w.events.logged
     assert event.completion == CALLED and event.metadata["finish_reason"] == "stop"
     assert event.messages == TOOL_TURNS
@@ -432,8 +433,9 @@ def test_a_call_in_the_models_text_is_answered_as_tool_calls_and_the_event_keeps
 
 def test_a_streamed_call_is_held_from_its_first_character_and_sent_whole_with_the_content_before_it():
     """The stream sends content as it comes, but not text that may be a call's start ("<", "<tool"...): the
-    call goes in one chunk with its id, name and arguments, which the SDK's accumulators read as they read
-    OpenAI's; every token's log-prob and id is sent once."""
+    call goes in one chunk with its id, name and arguments, and the finish reason in one of its own after
+    it, as OpenAI sends them (the SDK's stream events close the last call on it); every token's log-prob
+    and id is sent once."""
     w = tool_world(CALLED)
     r = w.post("/v1/chat/completions", chat(tools=[WEATHER], stream=True, logprobs=True, return_token_ids=True))
     events = sse_events(r)
@@ -441,12 +443,13 @@ def test_a_streamed_call_is_held_from_its_first_character_and_sent_whole_with_th
     content = "".join(d["delta"].get("content") or "" for d in deltas)
     assert content == "Let me look."
     assert all("<" not in (d["delta"].get("content") or "") for d in deltas)
-    [last] = [d for d in deltas if "tool_calls" in d["delta"]]
-    assert last is deltas[-1] and last["finish_reason"] == "tool_calls"
-    [call] = last["delta"]["tool_calls"]
+    [calls] = [d for d in deltas if "tool_calls" in d["delta"]]
+    assert calls is deltas[-2] and calls["finish_reason"] is None
+    assert deltas[-1]["delta"] == {"content": ""} and deltas[-1]["finish_reason"] == "tool_calls"
+    [call] = calls["delta"]["tool_calls"]
     assert call["index"] == 0 and call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert [t for d in deltas for t in d["token_ids"]] == [ord(c) for c in CALLED]
-    assert [lp["token"] for d in deltas for lp in d["logprobs"]["content"]] == list(CALLED)
+    assert [lp["token"] for d in deltas for lp in (d["logprobs"] or {"content": []})["content"]] == list(CALLED)
     assert [d["finish_reason"] for d in deltas[:-1]] == [None] * (len(deltas) - 1)
 
 
@@ -489,8 +492,8 @@ def test_a_named_tool_choice_forces_its_arguments_through_the_engines_structured
     assert w.llm.calls[0].params.structured_outputs.json == WEATHER["function"]["parameters"]
     if stream:
         deltas = [e["choices"][0] for e in sse_events(r)[1:-1]]
-        [last] = deltas  # held whole: the text is the call
-        message, finish = last["delta"], last["finish_reason"]
+        calls, last = deltas  # held whole (the text is the call), then the finish reason
+        message, finish = calls["delta"], last["finish_reason"]
         message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in message["tool_calls"]]
     else:
         choice = r.json()["choices"][0]
@@ -500,6 +503,41 @@ def test_a_named_tool_choice_forces_its_arguments_through_the_engines_structured
     assert [c["function"] for c in message["tool_calls"]] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
     sampling = w.events.logged[0].metadata["sampling"]
     assert sampling["structured"]["type"] == "tool_calls"  # drawn under a grammar: the learner reads it so
+
+
+class FakeJsonCallsTokenizer(FakeToolTokenizer):
+    """A template that shows tools but teaches calls as bare JSON (Llama 3.1's way), not Hermes."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, tools=None):
+        text = super().apply_chat_template(messages, add_generation_prompt, tokenize, tools)
+        return text.replace("<tool_call>", "").replace("</tool_call>", "")
+
+
+def test_auto_is_refused_for_a_template_that_teaches_calls_in_another_format_and_forced_calls_are_served():
+    """Its calls would come back as text with finish_reason "stop", which an agent takes for a final answer."""
+    w = tool_world('{"city": "Oslo"}')
+    w.llm.tokenizer = FakeJsonCallsTokenizer()
+    w.engine = w.api.engine = Engine(w.llm, max_model_len=1024)
+    r = w.post("/v1/chat/completions", chat(tools=[WEATHER]))
+    assert r.status_code == 400 and error(r)["param"] == "tool_choice" and "Hermes" in error(r)["message"]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = w.post("/v1/chat/completions", chat(tools=[WEATHER], tool_choice=named))
+    assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+    assert w.post("/v1/chat/completions", chat(tools=[WEATHER], tool_choice="none")).status_code == 200
+
+
+def test_an_assistant_message_the_sdk_sends_back_is_taken_with_what_it_adds():
+    """The SDK's stream helper and .parse() put `parsed_arguments` (null, or an object) in each call."""
+    w = tool_world("fine")
+    turns = [{"role": "user", "content": "x"},
+             {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
+                 {"id": "c1", "type": "function",
+                  "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}', "parsed_arguments": {"city": "Oslo"}}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    r = w.post("/v1/chat/completions", chat(tools=[WEATHER], messages=turns))
+    assert r.status_code == 200, r.text
+    assert w.events.logged[0].messages[1]["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                                          "arguments": '{"city": "Oslo"}'}
 
 
 def test_tool_choice_required_forces_a_list_of_calls_of_the_requests_tools():

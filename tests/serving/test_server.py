@@ -228,6 +228,13 @@ def test_a_json_schema_response_format_gives_json_of_that_schema_from_the_real_e
     _, answer = chat(server, "initech", model="base", max_tokens=64, response_format={"type": "json_object"},
                      logprobs=True)
     assert answer.choices[0].message.content.lstrip().startswith("{")  # the noise, inside a JSON object
+    # JSON Schema that pydantic models give and xgrammar cannot take (a string's format with a length: HttpUrl)
+    tags = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+                                             "site": {"type": "string", "format": "uri", "minLength": 1, "maxLength": 20}},
+            "required": ["tags"], "additionalProperties": False}
+    _, tagged = chat(server, "initech", model="base", max_tokens=64,
+                     response_format={"type": "json_schema", "json_schema": {"name": "tags", "schema": tags}})
+    assert tagged.choices[0].message.content.startswith("{"), tagged
     # The log-probs are taken after the grammar's mask (what logs mode trusts them for): the first token is
     # one of the few that open an object, where the random model alone gives any token ~log(1/2048) = -7.6.
     assert answer.choices[0].logprobs.content[0].logprob > -3.0, answer.choices[0].logprobs.content[0]

@@ -20,9 +20,11 @@ def calls_of(text, finish="stop", use=AUTO):
 
 
 def test_hermes_calls_are_read_with_the_content_before_them():
-    text = '\n\n<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}\n</tool_call>\n'
-    # whitespace alone before the call is no content; arguments given as JSON text are kept as that text
+    text = '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}\n</tool_call>\n'
+    # arguments given as the JSON text of an object are kept as that text
     assert calls_of(text) == (None, [("get_weather", '{"city": "Oslo"}')], "tool_calls")
+    # the text before the call is the content, whitespace too (as the stream sends it)
+    assert calls_of("\n\n" + text)[0] == "\n\n"
     unclosed = 'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Köln"}}'
     assert calls_of(unclosed) == ("Sure.", [("get_weather", '{"city": "Köln"}')], "tool_calls")
     no_arguments = '<tool_call>{"name": "get_weather"}</tool_call>'
@@ -33,6 +35,9 @@ def test_hermes_calls_are_read_with_the_content_before_them():
 
 @pytest.mark.parametrize("text", [
     '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": "not json"}</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": {"t": NaN}}</tool_call>',  # no client's parser takes NaN
+    '<tool_call>{"name": {"a": 1}, "arguments": {}}</tool_call>',  # a name that is no string: no call, no crash
     '<tool_call>["get_weather"]</tool_call>',
     '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call><tool_call>oops</tool_call>',
 ])
@@ -67,11 +72,12 @@ def streamed(pieces, use=AUTO, finish="stop"):
 
 def test_a_call_split_over_deltas_is_held_from_its_possible_start():
     out = streamed(["Hi", " <", "tool", '_call>{"name": "get_weather", "arguments": {}}', "</tool_call>"])
-    # deltas are held whole: " <" goes with the call, as the content before it
-    assert [(d.text, calls is not None) for d, calls in out] == [("Hi", False), (" ", True)]
+    # deltas are held whole: " <" goes with the call, as the content before it; the finish in a chunk of its own
+    assert [(d.text, calls is not None) for d, calls in out] == [("Hi", False), (" ", True), ("", False)]
     # the held deltas' tokens go with the call: every token once, in order
     assert [t for d, _ in out for t in d.token_ids] == [0, 1, 2, 3, 4]
-    assert out[-1][0].finish_reason == "tool_calls" and out[-1][1][0]["function"]["name"] == "get_weather"
+    assert out[1][1][0]["function"]["name"] == "get_weather" and out[1][0].finish_reason is None
+    assert out[2][0].finish_reason == "tool_calls"
 
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
@@ -90,11 +96,53 @@ def test_a_stream_sends_every_token_once_and_the_content_the_whole_answer_gives(
     assert "".join(d.text for d, _ in out) == (content or "")
     assert [t for d, _ in out for t in d.token_ids] == list(range(len(pieces)))
     assert [d.finish_reason for d, _ in out] == [None] * (len(out) - 1) + [finish]
-    assert bool(out[-1][1]) == bool(calls)
+    assert [c["function"]["name"] for _, sent in out for c in sent or ()] == [c["function"]["name"] for c in calls]
 
 
 def test_a_forced_call_is_held_whole():
     named = tool_use([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
     out = streamed(['{"ci', 'ty": 1}'], use=named)
-    assert len(out) == 1 and out[0][0].finish_reason == "stop"
+    assert [(d.text, d.finish_reason) for d, _ in out] == [("", None), ("", "stop")]
     assert json.loads(out[0][1][0]["function"]["arguments"]) == {"city": 1}
+
+
+def test_arguments_that_unescape_to_a_lone_surrogate_stay_escaped_so_the_answer_can_be_sent():
+    """'\\ud800' in the model's JSON is plain ASCII; unescaped and written back as UTF-8 it could not be
+    encoded, and the answer (or the stream) failed with a 500."""
+    content, calls, _ = AUTO.answer('<tool_call>{"name": "get_weather", "arguments": {"q": "\\ud800"}}</tool_call>',
+                                    "stop")
+    arguments = calls[0]["function"]["arguments"]
+    arguments.encode("utf-8")
+    assert json.loads(arguments) == {"q": "\ud800"}
+
+
+def test_required_moves_every_tools_defs_to_the_root_where_their_refs_point():
+    """Nested pydantic models (the SDK's pydantic_function_tool, LangChain's bind_tools) come with $defs."""
+    inner = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    nested = {"type": "object", "properties": {"inner": {"$ref": "#/$defs/Inner"}}, "$defs": {"Inner": inner}}
+    tools = [{"type": "function", "function": {"name": "a", "parameters": nested}},
+             {"type": "function", "function": {"name": "b", "parameters": nested}}]
+    schema = json.loads(tool_use(tools, "required", None).schema())
+    assert schema["$defs"] == {"Inner": inner}
+    assert all("$defs" not in option["properties"]["parameters"] for option in schema["items"]["anyOf"])
+    clash = [tools[0], {"type": "function", "function": {"name": "b", "parameters": {
+        **nested, "$defs": {"Inner": {"type": "string"}}}}}]
+    with pytest.raises(BadRequest) as e:
+        tool_use(clash, "required", None).schema()
+    assert e.value.param == "tools" and "Inner" in e.value.message
+
+
+@pytest.mark.parametrize("tools, choice, param", [
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], None, "tools"),
+    ([WEATHER], {"type": "function", "function": {"name": ["get_weather"]}}, "tool_choice"),
+    ([WEATHER], {"type": "function", "function": {"name": {"a": 1}}}, "tool_choice"),
+])
+def test_what_openai_refuses_in_tools_is_a_400_naming_the_field(tools, choice, param):
+    with pytest.raises(BadRequest) as e:
+        tool_use(tools, choice, None)
+    assert e.value.param == param
+
+
+def test_the_template_is_shown_openais_fields_of_a_tool_only():
+    tool = {"type": "function", "extra": 1, "function": {"name": "f", "strict": True, "x-internal": "secret"}}
+    assert tool_use([tool], None, None).tools == ({"type": "function", "function": {"name": "f"}},)
