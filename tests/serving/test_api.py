@@ -505,6 +505,41 @@ def test_a_named_tool_choice_forces_its_arguments_through_the_engines_structured
     assert sampling["structured"]["type"] == "tool_calls"  # drawn under a grammar: the learner reads it so
 
 
+def test_the_openai_sdks_stream_helper_and_agent_loop_read_streamed_calls_as_they_read_openais():
+    """The SDK's `chat.completions.stream`: each call's arguments-done event fires (the last one on the finish
+    chunk), the final completion holds both calls, and that message, sent back with the tools' results as
+    an agent loop sends it, is answered."""
+    import openai
+
+    two = CALLED + '\n<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    w = tool_world(two)
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=w.app)) as http:
+            client = openai.AsyncOpenAI(api_key=KEYS["acme"], base_url="http://clora/v1", http_client=http)
+            done = []
+            async with client.chat.completions.stream(model="acme", messages=MESSAGES, tools=[WEATHER]) as stream:
+                async for event in stream:
+                    if event.type == "tool_calls.function.arguments.done":
+                        done.append((event.index, event.arguments))
+                final = await stream.get_final_completion()
+            message = final.choices[0].message
+            results = [{"role": "tool", "tool_call_id": c.id, "content": "sunny"} for c in message.tool_calls]
+            again = await client.chat.completions.create(
+                model="acme", tools=[WEATHER], messages=[*MESSAGES, message.model_dump(exclude_none=True), *results])
+            return done, final, again
+
+    done, final, again = asyncio.run(scenario())
+    assert done == [(0, '{"city": "Paris"}'), (1, '{"city": "Rome"}')]
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather", "get_weather"]
+    assert again.choices[0].message.tool_calls is not None  # the fake answers every request with the calls
+    sent_back = w.events.logged[-1].messages
+    assert [m["role"] for m in sent_back] == ["user", "assistant", "tool", "tool"]
+    assert sent_back[1]["tool_calls"][1]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+
+
 class FakeJsonCallsTokenizer(FakeToolTokenizer):
     """A template that shows tools but teaches calls as bare JSON (Llama 3.1's way), not Hermes."""
 
