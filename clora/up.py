@@ -534,8 +534,9 @@ def setup_warnings(cfg) -> list[str]:
     """What works but wastes or exposes something, one line each: no tenants (every request with an API key is
     a 401, and nothing is trained); more ingest processes than the topics clora creates have partitions (a
     consumer group gives each partition to one member, so the rest wait idle); serving on an address other
-    hosts reach without an admin key; the example's placeholder keys; versions deleted while their samples may
-    still be trained."""
+    hosts reach without an admin key, and the embedded broker or a metrics endpoint on such an address (they
+    have no authentication); the example's placeholder keys; versions deleted while their samples may still
+    be trained."""
     warnings = []
     if not cfg.tenants:
         warnings.append("no tenants are configured: every API key gets 401 and nothing is trained; add a "
@@ -553,6 +554,14 @@ def setup_warnings(cfg) -> list[str]:
         warnings.append(f"serving.host {host} is reachable from other hosts and serving.admin_key is unset: /metrics "
                         "and /health's details (every tenant's name, versions and traffic) are open to whoever reaches "
                         f"port {cfg.serving.port}; set serving.admin_key (or $CLORA_ADMIN_KEY)")
+    if cfg.broker.embedded and not is_loopback(cfg.broker.host):
+        warnings.append(f"broker.host {cfg.broker.host} is reachable from other hosts, and the embedded broker has no "
+                        "authentication: whoever reaches it can read every tenant's prompts and completions and send "
+                        "events for any tenant; keep it on 127.0.0.1, or use a Kafka with TLS and SASL (kafka.*)")
+    for name, metrics_host in (("ingest", cfg.ingest.metrics_host), ("learner", cfg.learner.metrics_host)):
+        if not is_loopback(metrics_host):
+            warnings.append(f"{name}.metrics_host {metrics_host} is reachable from other hosts: its metrics (every "
+                            "tenant's name and traffic) are open to whoever reaches them, with no key")
     keep, staleness = cfg.learner.keep_versions, cfg.learner.max_staleness
     if keep <= staleness:
         warnings.append(

@@ -347,7 +347,12 @@ class Processor:
                 if stored and key in scored:  # a replay or a resend: nothing left to derive
                     out.duplicates += 1
                     continue
-                row = interaction_row(ev, rec, now_ms)
+                try:
+                    row = interaction_row(ev, rec, now_ms)
+                except RecursionError:  # parsed near the parser's depth limit, too deep to write back from here
+                    reject(DeadLetter("bad_field", "messages or metadata are nested too deeply to store", ev.tenant,
+                                      ev.id), raw, rec)
+                    continue
                 reward = None
                 if function is not None and key not in scored:
                     if not stored and store.dead_letters.get((rec.topic, rec.partition, rec.offset)) == SCORER_FAILED:

@@ -126,7 +126,7 @@ def row_metadata(metadata_json: str | None) -> dict:
         return {}
     try:
         meta = json.loads(metadata_json)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the parser's depth here: unreadable as any other
         return {}
     return meta if isinstance(meta, dict) else {}
 
@@ -207,14 +207,14 @@ def prompt_text(row: dict, tokenizer) -> str | None:
     if row.get("messages_json"):
         try:
             messages = json.loads(row["messages_json"])
-        except ValueError:
+        except (ValueError, RecursionError):
             messages = None
     prompt = row.get("prompt")
     if prompt:
         try:
             # rows stored before ingest wrote an assistant's calls into these lines have them without
             derived = messages is not None and prompt in (render_messages(messages), render_messages(messages, False))
-        except (KeyError, TypeError):  # not the shape ingest renders: the stored prompt is the app's own
+        except (KeyError, TypeError, RecursionError):  # not the shape ingest renders: the stored prompt is the app's own
             derived = False
         if not derived:
             return prompt

@@ -7,10 +7,11 @@ tenants is `set_adapter` (pointer moves, no copies; `clora bench learner` measur
 are frozen and shared; KL to the base is computed by running the same model with its LoRA layers switched
 off (`Policy.adapter(None)`), so no second copy of the base is ever held.
 
-Adapter names: torch module names cannot contain ".", which tenant names may, and peft strips the
-adapter name from state-dict keys by plain substring replacement; so each tenant's adapter is called
-`clora_<tenant with non [A-Za-z0-9_] replaced>` (plus a hash suffix when anything was replaced), a name
-that cannot occur inside a module path.
+Adapter names: torch module names cannot contain ".", which tenant names may, and peft finds and strips
+an adapter's name in state-dict keys by plain substring matching; so each tenant's adapter is called
+`clora_<16 hex digits of the tenant's SHA-256>`: every name of one length, none can occur inside a module
+path or inside another's (a readable prefix could: tenant `a_<that tenant's digest>` held tenant `a`'s
+name, and one of the two could not be loaded).
 
 Files (PEFT format, as `vllm serve --lora-modules` and `PeftModel.from_pretrained` read them):
     adapter_config.json          the tenant's LoraConfig (inference_mode true)
@@ -29,7 +30,6 @@ import copy
 import hashlib
 import json
 import logging
-import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -64,10 +64,7 @@ class DamagedFile(PolicyError):
 
 def adapter_name(tenant: str) -> str:
     """The peft adapter name of `tenant` (see the module note)."""
-    safe = re.sub(r"[^A-Za-z0-9_]", "_", tenant)
-    if safe != tenant:
-        safe += "_" + hashlib.sha256(tenant.encode()).hexdigest()[:8]
-    return f"clora_{safe}"
+    return f"clora_{hashlib.sha256(tenant.encode()).hexdigest()[:16]}"
 
 
 def tenant_seed(tenant: str, seed: int) -> int:

@@ -675,7 +675,7 @@ def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
     for call in message["tool_calls"]:
         try:
             arguments = json.loads(call["function"]["arguments"])
-        except ValueError:
+        except (ValueError, RecursionError):  # "[" * 2000 is no object either
             arguments = {}
         calls.append({**call, "function": {**call["function"],
                                            "arguments": arguments if isinstance(arguments, dict) else {}}})

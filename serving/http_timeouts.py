@@ -1,5 +1,5 @@
-"""uvicorn's HTTP protocol (httptools), with a time limit on a request's headers, and its refusal past the
-connection limit in OpenAI's error shape.
+"""uvicorn's HTTP protocol (httptools), with a time and a size limit on a request's headers, and its refusal
+past the connection limit in OpenAI's error shape.
 
 uvicorn closes a connection idle after an answer (keep-alive), and serving's handler gives a body 30 s
 (api.BODY_TIMEOUT_S); nothing limited the time before the handler runs. A client that connects and sends
@@ -10,6 +10,15 @@ limit) for as long as it liked: enough of them fill the limit, and every other c
 the connection opening (the first request) or of the request's first byte (a later request on a kept-alive
 connection; the wait before that byte is the keep-alive timeout's). Nothing is answered: the client never
 finished asking.
+
+Nor did anything limit the headers' size: httptools gathers a header's value (and uvicorn the URL) by
+appending each piece read to what it has, on the event loop, before any check of the connection limit or
+the key, so one connection sending a header of 100 MiB within the time limit held every other request and
+stream for seconds (the work grows with the square of the size). A request whose headers are still not
+whole past MAX_HEADER_BYTES is answered 431 in OpenAI's error shape and its connection closed. The bytes
+are counted as they come, while a request's headers are incomplete; a chunk read in which another request
+ended and this one began is not counted (it holds that request's body too), so at most one read (256 KiB)
+more than the limit is ever parsed.
 
 Past the connection limit uvicorn answers 503 with a plain-text body ("Service Unavailable"), no Retry-After
 and no request id; `busy` answers it as every other refusal of serving is answered (errors.ServerBusy:
@@ -39,6 +48,7 @@ if not hasattr(HttpToolsProtocol, "_start_asgi_task"):
 logger = logging.getLogger(__name__)
 
 HEADER_TIMEOUT_S = 30.0  # a request's headers must be whole within this
+MAX_HEADER_BYTES = 64 * 1024  # and hold at most this (the request line too); an SDK's are under 2 KiB
 ALWAYS_ANSWERED = frozenset({"/health", "/metrics"})
 
 
@@ -54,8 +64,18 @@ async def busy(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+def headers_too_large() -> bytes:
+    """The raw 431 answer to a request whose headers are past MAX_HEADER_BYTES (its connection then closes)."""
+    body = json.dumps({"error": {
+        "message": f"the request's headers are larger than this server takes ({MAX_HEADER_BYTES} bytes)",
+        "type": "invalid_request_error", "param": None, "code": "headers_too_large"}}).encode()
+    return (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+
+
 class HeaderTimeoutProtocol(HttpToolsProtocol):
     header_timeout_s = HEADER_TIMEOUT_S
+    max_header_bytes = MAX_HEADER_BYTES
     on_refused = None  # called for each request answered `busy` (a subclass's: serving's counter)
 
     def _start_asgi_task(self, cycle, app) -> None:  # type: ignore[override]
@@ -73,6 +93,20 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         self._headers_timer: asyncio.TimerHandle | None = None
         self._start_headers_timer()
 
+    def data_received(self, data: bytes) -> None:
+        waiting = self._headers_timer  # set: a request's headers were awaited before this read
+        super().data_received(data)
+        if self._headers_timer is None or self.transport.is_closing():
+            return  # the headers are whole (or the parser closed the connection)
+        if self._headers_timer is waiting:  # every byte of this read is the incomplete headers'
+            self._header_bytes += len(data)
+            if self._header_bytes > self.max_header_bytes:
+                self._stop_headers_timer()
+                logger.debug("closing a connection from %s: its request headers are past %d bytes", self.client,
+                             self.max_header_bytes)
+                self.transport.write(headers_too_large())
+                self.transport.close()
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
         if self._headers_timer is None:  # a later request on this connection: its headers from its first byte
@@ -88,6 +122,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def _start_headers_timer(self) -> None:
         self._headers_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+        self._header_bytes = 0
 
     def _stop_headers_timer(self) -> None:
         if self._headers_timer is not None:

@@ -454,6 +454,14 @@ def test_config_check_warns_of_an_open_admin_surface_and_placeholder_keys(tmp_pa
     assert setup_warnings(load_config(config, environ={"CLORA_ADMIN_KEY": "sk-admin-secret"})) == warnings[1:]
     config.write_text(f'[serving]\nhost = "0.0.0.0"\nadmin_key = "sk-admin-secret"\n{tenants.replace("change-me", "k3y-x9")}')
     assert setup_warnings(load_config(config, environ={})) == []
+    # the embedded broker and the metrics endpoints have no key at all
+    config.write_text(f'[broker]\nhost = "0.0.0.0"\n[ingest]\nmetrics_host = "0.0.0.0"\n'
+                      f'{tenants.replace("change-me", "k3y-x9")}')
+    broker, metrics = setup_warnings(load_config(config, environ={}))
+    assert broker.startswith("broker.host 0.0.0.0 is reachable from other hosts, and the embedded broker has no auth")
+    assert metrics.startswith("ingest.metrics_host 0.0.0.0 is reachable from other hosts")
+    config.write_text(config.read_text().replace("[broker]", "[broker]\nembedded = false"))
+    assert len(setup_warnings(load_config(config, environ={}))) == 1  # an external broker is its own matter
 
 
 def test_config_check_warns_when_versions_are_deleted_while_their_samples_may_still_be_trained(tmp_path):

@@ -422,6 +422,25 @@ def test_scorer_failure_and_unknown_tenant_are_dead_letters(data_dir):
     assert h.table("interactions").column("id").to_pylist() == ["c"]
 
 
+def test_an_event_too_deep_to_write_back_is_a_dead_letter_and_ingest_goes_on(data_dir, monkeypatch):
+    """JSON nested just under the parser's depth limit parses, but its row's JSON cannot always be written
+    back from deeper in the stack (a band of a few levels, where the RecursionError went up out of the
+    batch: ingest stopped, and again at every replay). Here the row builder is wrapped by a fake that
+    raises as that band does, for one event."""
+    import ingest.batch as batch_module
+
+    real = batch_module.interaction_row
+    monkeypatch.setattr(batch_module, "interaction_row",
+                        lambda ev, *a: (_ for _ in ()).throw(RecursionError("maximum recursion depth exceeded"))
+                        if ev.id == "deep" else real(ev, *a))
+    h = Harness(data_dir)
+    out = h.feed(inter("deep"), inter("b"), fb("b", 0.5))
+    assert out.reasons == {"bad_field": 1}
+    (detail,) = h.table("dead_letters").column("detail").to_pylist()
+    assert "nested too deeply" in detail
+    assert h.rewards() == [("b", 0.5, "feedback")]
+
+
 def test_a_scorer_out_of_memory_is_a_dead_letter_and_ingest_goes_on(data_dir):
     """numpy's "Unable to allocate" (a MemoryError) went up out of the batch: ingest stopped, and again at
     every replay of it."""

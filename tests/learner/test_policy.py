@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -56,10 +57,12 @@ def small_batch(policy, completions=("12 cats", "x", "hello there friend")):
     return pack(p_ids, c_ids, pad_id=policy.pad_token_id, max_len=256), p_ids, c_ids
 
 
-def test_adapter_names_are_module_safe_and_distinct():
-    assert adapter_name("acme") == "clora_acme"
-    assert "." not in adapter_name("beta.prod") and "-" not in adapter_name("a-b")
-    assert adapter_name("a.b") != adapter_name("a_b")
+def test_adapter_names_are_module_safe_and_none_holds_another():
+    """peft matches adapter names in state-dict keys by substring: a readable name let tenant
+    `acme_prod_d2836b7d` (which a Kafka producer may create) hold `acme-prod`'s name."""
+    names = [adapter_name(t) for t in ("acme", "beta.prod", "a-b", "a.b", "a_b", "acme-prod", "acme_prod_d2836b7d")]
+    assert all(re.fullmatch(r"clora_[0-9a-f]{16}", n) for n in names) and len(set(names)) == len(names)
+    assert not any(a in b for a in names for b in names if a != b)
 
 
 def test_padded_batch_gives_the_same_logprobs_as_each_row_alone(policy):

@@ -204,6 +204,47 @@ def test_refusals_past_the_connection_limit_are_one_log_line_a_minute():
     assert refusals.filter(other) and other.getMessage() == "something else"
 
 
+def test_request_headers_past_the_size_limit_get_a_431_and_the_connection_closes():
+    """httptools gathers a header's value piece by piece on the event loop (work growing with the square of
+    its size), before the connection limit or the key is looked at: one connection sending a header of
+    100 MiB held every request and stream for seconds. Headers near the limit, a kept-alive connection's
+    next request and a body far larger than the limit are served."""
+    from serving.http_timeouts import MAX_HEADER_BYTES
+
+    async def scenario():
+        async with ok_server(connections=100) as (_, port):
+            big, big_writer = await asyncio.open_connection("127.0.0.1", port)
+            big_writer.write(b"GET / HTTP/1.1\r\nHost: clora\r\nX-A: ")
+            refused = b""
+            for _ in range(64):  # 4 MiB, unless the server closes first
+                try:
+                    big_writer.write(b"a" * 65536)
+                    await big_writer.drain()
+                except ConnectionError:
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    refused += await asyncio.wait_for(big.read(), 0.01)
+                    if big.at_eof():
+                        break
+            with contextlib.suppress(ConnectionError):
+                refused += await asyncio.wait_for(big.read(), 5)
+            near = b"GET / HTTP/1.1\r\nHost: clora\r\nX-A: " + b"a" * (MAX_HEADER_BYTES - 1024) + b"\r\n\r\n"
+            body = b"b" * (4 * MAX_HEADER_BYTES)
+            posted = (b"POST / HTTP/1.1\r\nHost: clora\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n"
+                      + body)
+            kept, kept_writer = await asyncio.open_connection("127.0.0.1", port)
+            answers = []
+            for request in (near, posted, posted, near):
+                kept_writer.write(request)
+                answers.append(await asyncio.wait_for(kept.readuntil(b"ok"), 5))
+            return refused, answers
+
+    refused, answers = asyncio.run(scenario())
+    assert refused.startswith(b"HTTP/1.1 431 "), refused[:200]
+    assert json.loads(refused.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "headers_too_large"
+    assert len(answers) == 4 and all(a.startswith(b"HTTP/1.1 200 OK") for a in answers)
+
+
 def test_a_connection_whose_request_headers_do_not_come_whole_in_time_is_closed(monkeypatch):
     """uvicorn held a connection that never sent a request, or sent its headers a byte at a time, for as long as
     the client liked (each one a place under the connection limit). A kept-alive connection idle between
