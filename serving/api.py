@@ -86,7 +86,7 @@ from serving.errors import (
 )
 from serving.events_log import EventLog
 from serving.metrics import ServingMetrics
-from serving.tools import ToolStream
+from serving.tools import ToolStream, ToolUse
 
 logger = logging.getLogger(__name__)
 
@@ -797,6 +797,7 @@ class Api:
         """Logs one interaction event per choice and counts the request."""
         seconds = time.monotonic() - call.arrived
         completion_tokens = sum(len(c.token_ids) for c in choices)
+        use = call.body.tool_use if call.endpoint == "chat" else None
         for c in choices:
             prompt = call.prompts[c.index // call.body.n]
             sampling = prompt.sampling
@@ -824,6 +825,8 @@ class Api:
                         "sampling": _sampling_metadata(sampling, c.index % sampling.n),
                         "logprobs": "raw",
                         "stream": bool(call.body.stream),
+                        # how the answer read the text (the event keeps the text): the calls it found
+                        **({"tools": _tools_metadata(use, c)} if use is not None else {}),
                     },
                 )
             )
@@ -926,6 +929,14 @@ class Api:
         # On a worker thread: with per-tenant series, a scrape renders megabytes (~1 s at 1,000 tenants),
         # which on the event loop held every request and stream for as long.
         return Response(await asyncio.to_thread(self.metrics.render), media_type=self.metrics.content_type)
+
+
+def _tools_metadata(use: ToolUse, choice: Choice) -> dict[str, Any]:
+    """The event's record of a request's tools: how many, the tool_choice, and the calls its answer gave (the
+    finish reason it answered: "tool_calls" where the event's own says "stop")."""
+    _, calls, finish_reason = use.answer(choice.text, choice.finish_reason)
+    return {"defined": len(use.tools), "choice": use.name if use.choice == "function" else use.choice,
+            "called": [c["function"]["name"] for c in calls], "finish_reason": finish_reason}
 
 
 def _sampling_metadata(sampling: Sampling, sample: int = 0) -> dict[str, Any]:

@@ -428,6 +428,8 @@ def test_a_call_in_the_models_text_is_answered_as_tool_calls_and_the_event_keeps
     assert "".join(map(chr, prompt)) == "<tool get_weather><user>x<assistant><tool_call>f {}</tool_call><tool>42<assistant>"
     [event] = w.events.logged
     assert event.completion == CALLED and event.metadata["finish_reason"] == "stop"
+    assert event.metadata["tools"] == {"defined": 1, "choice": "auto", "called": ["get_weather"],
+                                       "finish_reason": "tool_calls"}  # for queries: which answers called what
     assert event.messages == TOOL_TURNS
 
 
