@@ -558,8 +558,9 @@ def setup_warnings(cfg) -> list[str]:
         warnings.append(f"broker.host {cfg.broker.host} is reachable from other hosts, and the embedded broker has no "
                         "authentication: whoever reaches it can read every tenant's prompts and completions and send "
                         "events for any tenant; keep it on 127.0.0.1, or use a Kafka with TLS and SASL (kafka.*)")
-    for name, metrics_host in (("ingest", cfg.ingest.metrics_host), ("learner", cfg.learner.metrics_host)):
-        if not is_loopback(metrics_host):
+    for name, section in (("ingest", cfg.ingest), ("learner", cfg.learner)):
+        metrics_host = section.metrics_host
+        if section.metrics_port and not is_loopback(metrics_host):
             warnings.append(f"{name}.metrics_host {metrics_host} is reachable from other hosts: its metrics (every "
                             "tenant's name and traffic) are open to whoever reaches them, with no key")
     keep, staleness = cfg.learner.keep_versions, cfg.learner.max_staleness

@@ -43,6 +43,7 @@ import json
 import logging
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, ClassVar
@@ -183,6 +184,26 @@ class DeadLetter:
 
 
 Event = InteractionEvent | FeedbackEvent
+
+
+def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` as a chat template takes them, as vLLM hands them over: each call's arguments an object
+    (templates that write `arguments | tojson` would show a string of JSON), {} where they are not the strict
+    JSON of one (msgspec: no NaN, no escaped lone surrogate, which the tokenizer could not encode). The
+    serving tier renders its prompts with these, and the learner a row that came with messages only."""
+    return [m if not m.get("tool_calls") else {**m, "tool_calls": [
+        {**call, "function": {**call["function"], "arguments": _arguments_object(call["function"].get("arguments"))}}
+        for call in m["tool_calls"]]} for m in messages]
+
+
+def _arguments_object(arguments: Any) -> dict[str, Any]:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = _strict_loads(arguments) if isinstance(arguments, str) else None
+    except (ValueError, RecursionError):  # msgspec.DecodeError is a ValueError
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
 
 
 def render_messages(messages: list[dict[str, Any]], calls: bool = True) -> str:

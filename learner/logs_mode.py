@@ -73,7 +73,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from ingest.events import render_messages
+from ingest.events import render_messages, template_messages
 from learner import maths
 from learner.batch import TokenBatch, pack, pad_values
 from learner.policy import Policy, PolicyError
@@ -220,7 +220,7 @@ def prompt_text(row: dict, tokenizer) -> str | None:
             return prompt
     if messages:
         try:
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=True)
         except Exception as e:  # a template with rules of its own (roles that must alternate, ...): unusable
             logger.debug("chat template refused the messages of %s: %s", row.get("id"), e)
             return None

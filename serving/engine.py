@@ -67,6 +67,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ingest.events import template_messages
 from serving.errors import BadRequest, ContextLengthExceeded, EngineStopped, GenerationFailed, UnsupportedParameter
 from serving.lora_slots import LoraSlots
 
@@ -421,7 +422,7 @@ class Engine:
         the template knows the role, as vLLM does."""
         if not self._developer_role:
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
-        messages = [_arguments_as_objects(m) if m.get("tool_calls") else m for m in messages]
+        messages = template_messages(messages)
         extra = {"tools": list(tools)} if tools else {}
         try:
             return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
@@ -440,14 +441,15 @@ class Engine:
                  {"role": "assistant", "content": None, "tool_calls": [
                      {"id": "call_0", "type": "function", "function": {"name": _PROBE_TOOL, "arguments": "{}"}}]},
                  {"role": "tool", "tool_call_id": "call_0", "content": _PROBE_RESULT}]
-        shown = []
-        for messages, tools, marks in (([turns[0]], [tool], (_PROBE_TOOL,)), (turns, None, (_PROBE_TOOL, _PROBE_RESULT))):
+        rendered = []
+        for messages, tools in (([turns[0]], [tool]), (turns, None)):
             try:
-                text = self.render_chat(messages, tools)
+                rendered.append(self.render_chat(messages, tools))
             except BadRequest:
-                text = ""
-            shown.append(all(mark in text for mark in marks))
-        return shown[0], shown[1], shown[1] and "<tool_call>" in text
+                rendered.append("")
+        with_tools, with_turns = rendered
+        shows_turns = _PROBE_TOOL in with_turns and _PROBE_RESULT in with_turns
+        return _PROBE_TOOL in with_tools, shows_turns, shows_turns and "<tool_call>" in with_turns
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Token ids (a prompt given as ids) -> text; BadRequest for ids the tokenizer does not have."""
@@ -665,21 +667,6 @@ def _param_of(e: Exception, sampling: Sampling) -> str | None:
 def greedy(sampling: Sampling) -> bool:
     """Temperature 0: one answer, which vLLM runs once (n = 1) and `stream` copies to every choice."""
     return sampling.temperature == 0
-
-
-def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
-    """An assistant turn's calls with their arguments as objects, for the chat template (as vLLM hands them
-    over: templates that write `arguments | tojson` would show a string of JSON); arguments that are not the
-    JSON of an object become {}. The event keeps the text."""
-    calls = []
-    for call in message["tool_calls"]:
-        try:
-            arguments = json.loads(call["function"]["arguments"])
-        except (ValueError, RecursionError):  # "[" * 2000 is no object either
-            arguments = {}
-        calls.append({**call, "function": {**call["function"],
-                                           "arguments": arguments if isinstance(arguments, dict) else {}}})
-    return {**message, "tool_calls": calls}
 
 
 def _message_chars(message: dict[str, Any]) -> int:

@@ -35,7 +35,7 @@ class BadRequest(ServingError):
 
 
 class UnsupportedParameter(BadRequest):
-    """A field OpenAI defines that this server does not implement (tools, structured outputs, ...)."""
+    """A field OpenAI defines that this server does not implement (audio, `echo`, the deprecated functions...)."""
 
     code = "unsupported_parameter"
 
@@ -124,6 +124,15 @@ class Unavailable(ServingError):
     type = "server_error"
     code = "engine_unavailable"
     default_headers = {"Retry-After": "1"}
+
+
+class HeadersTooLarge(ServingError):
+    """Request headers (or a chunked body's trailers) past the size limit: answered by the HTTP server itself,
+    before the app (http_timeouts.py), and the connection closed."""
+
+    status = 431
+    code = "headers_too_large"
+    default_headers = {"connection": "close"}
 
 
 class ServerBusy(Unavailable):

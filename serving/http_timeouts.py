@@ -14,11 +14,18 @@ finished asking.
 Nor did anything limit the headers' size: httptools gathers a header's value (and uvicorn the URL) by
 appending each piece read to what it has, on the event loop, before any check of the connection limit or
 the key, so one connection sending a header of 100 MiB within the time limit held every other request and
-stream for seconds (the work grows with the square of the size). A request whose headers are still not
-whole past MAX_HEADER_BYTES is answered 431 in OpenAI's error shape and its connection closed. The bytes
-are counted as they come, while a request's headers are incomplete; a chunk read in which another request
-ended and this one began is not counted (it holds that request's body too), so at most one read (256 KiB)
-more than the limit is ever parsed.
+stream for seconds (the work grows with the square of the size). Headers still incomplete past
+MAX_HEADER_BYTES are answered 431 in OpenAI's error shape and the connection closed (the answer is left
+out when another request's answer is still going out on that connection: it would land inside it). The
+bytes are counted read by read while a request's headers are incomplete, but not in the read where they
+began (it may hold the previous request's body too), so at most two reads (uvloop reads 256 KiB) past the
+limit are ever parsed; headers that are whole within the read they began in are not counted at all. A
+chunked body's trailers are headers too: from its last chunk's size line they are held to the same time
+and size limits.
+
+A connection idle between requests whose client sends bare line ends: uvicorn stops its keep-alive timer on
+any read, and the parser skips line ends between requests without starting one, so it was held for good;
+the timer is started again after a read that began no request.
 
 Past the connection limit uvicorn answers 503 with a plain-text body ("Service Unavailable"), no Retry-After
 and no request id; `busy` answers it as every other refusal of serving is answered (errors.ServerBusy:
@@ -37,7 +44,7 @@ import uuid
 from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from serving.errors import ServerBusy
+from serving.errors import HeadersTooLarge, ServerBusy
 
 # The method extended below is uvicorn's own (0.45 and later): renamed, serving would answer past the
 # connection limit in plain text and refuse /health, silently. Checked at import, so a start fails instead.
@@ -64,13 +71,14 @@ async def busy(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def headers_too_large() -> bytes:
-    """The raw 431 answer to a request whose headers are past MAX_HEADER_BYTES (its connection then closes)."""
-    body = json.dumps({"error": {
-        "message": f"the request's headers are larger than this server takes ({MAX_HEADER_BYTES} bytes)",
-        "type": "invalid_request_error", "param": None, "code": "headers_too_large"}}).encode()
-    return (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+def headers_too_large(limit: int) -> bytes:
+    """The raw 431 answer to a request whose headers are past `limit` bytes (its connection then closes)."""
+    error = HeadersTooLarge(f"the request's headers are larger than this server takes ({limit} bytes)")
+    body = json.dumps(error.body()).encode()
+    head = [b"HTTP/1.1 431 Request Header Fields Too Large", b"content-type: application/json",
+            b"content-length: " + str(len(body)).encode(), b"x-request-id: " + uuid.uuid4().hex.encode(),
+            *(f"{k.lower()}: {v}".encode() for k, v in error.headers.items())]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
 
 
 class HeaderTimeoutProtocol(HttpToolsProtocol):
@@ -94,23 +102,44 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         self._start_headers_timer()
 
     def data_received(self, data: bytes) -> None:
-        waiting = self._headers_timer  # set: a request's headers were awaited before this read
-        super().data_received(data)
-        if self._headers_timer is None or self.transport.is_closing():
-            return  # the headers are whole (or the parser closed the connection)
-        if self._headers_timer is waiting:  # every byte of this read is the incomplete headers'
-            self._header_bytes += len(data)
-            if self._header_bytes > self.max_header_bytes:
-                self._stop_headers_timer()
-                logger.debug("closing a connection from %s: its request headers are past %d bytes", self.client,
-                             self.max_header_bytes)
-                self.transport.write(headers_too_large())
-                self.transport.close()
+        waiting = self._headers_timer  # set: a request's headers (or trailers) were awaited before this read
+        idle = self.timeout_keep_alive_task is not None  # between requests, on the keep-alive timer
+        self._began = False
+        super().data_received(data)  # stops the keep-alive timer
+        if self.transport.is_closing():
+            return
+        if idle and not self._began and self._headers_timer is None:  # bare line ends: still idle
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+        if self._headers_timer is None or self._headers_timer is not waiting:
+            return  # whole, or begun in this read (which may hold the previous request's body): not counted
+        self._header_bytes += len(data)  # every byte of this read is the incomplete headers'
+        if self._header_bytes > self.max_header_bytes:
+            self._stop_headers_timer()
+            logger.debug("closing a connection from %s: its request headers are past %d bytes", self.client,
+                         self.max_header_bytes)
+            if self.cycle is None or self.cycle.response_complete:  # not inside another request's answer
+                self.transport.write(headers_too_large(self.max_header_bytes))
+            self.transport.close()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._began = True
         if self._headers_timer is None:  # a later request on this connection: its headers from its first byte
             self._start_headers_timer()
+
+    def on_chunk_header(self) -> None:
+        """A chunk's size line (httptools calls it when the protocol has it): after the last one (size 0) come
+        the trailers, which the parser gathers as it gathers headers."""
+        if self._headers_timer is None:
+            self._start_headers_timer()
+
+    def on_body(self, body: bytes) -> None:
+        self._stop_headers_timer()  # a chunk's data: no trailers
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._stop_headers_timer()
+        super().on_message_complete()
 
     def on_headers_complete(self) -> None:
         self._stop_headers_timer()

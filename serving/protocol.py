@@ -46,8 +46,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, Strict, Validat
 from serving.engine import MIN_TEMPERATURE as MIN_TEMPERATURE  # the engine's; clora's config check reads it here
 from serving.engine import Choice, Delta, Sampling, TokenLogprob
 from serving.errors import BadRequest, UnsupportedParameter
-from serving.tools import ToolUse
-from serving.tools import tool_use as read_tools
+from serving.tools import ToolUse, read_tools
 
 MAX_N = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM default it
@@ -66,6 +65,9 @@ MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key: past any vocabulary (int() of a ke
 # A response_format's JSON schema, as JSON: vLLM compiles it as the request goes in, on the event loop every
 # stream shares (~0.2 s for 0.9 MB); tools' and apps' schemas are a few KiB.
 MAX_SCHEMA_CHARS = 64 * 1024
+# How deep a schema (response_format's, a tool's parameters) may nest: writing one back as JSON near the
+# parser's own limit raised RecursionError (a 500); real schemas nest a few levels.
+MAX_JSON_DEPTH = 64
 
 
 NOTHING = object()  # no value of the field asks for what clora does
@@ -278,6 +280,9 @@ class _Request(BaseModel):
         if not isinstance(schema, dict):
             raise BadRequest("response_format.json_schema.schema must be a JSON Schema object",
                              param="response_format.json_schema.schema")
+        if _deeper_than(schema, MAX_JSON_DEPTH):
+            raise BadRequest(f"response_format.json_schema.schema is nested deeper than {MAX_JSON_DEPTH} levels",
+                             param="response_format.json_schema.schema")
         text = json.dumps(schema, separators=(",", ":"))
         if len(text) > MAX_SCHEMA_CHARS:  # the engine checks it as the request goes in, on the event loop
             raise BadRequest(f"response_format.json_schema.schema is {len(text)} characters as JSON; this server "
@@ -405,7 +410,7 @@ class ChatRequest(_Request):
     parallel_tool_calls: bool | None = Field(None, strict=True)
     functions: list[Any] | None = None  # the deprecated form of tools
     function_call: str | dict[str, Any] | None = None
-    _tools: ToolUse | None = PrivateAttr(None)  # read_tools(), as the validator found it
+    _tools: tuple[ToolUse | None] | None = PrivateAttr(None)  # (read_tools(),) once read
 
     @model_validator(mode="after")
     def _no_function_calling(self):
@@ -420,9 +425,8 @@ class ChatRequest(_Request):
     def structured(self) -> tuple[str, str] | None:
         """`response_format`'s structured output, or the call a `tool_choice` of "required" or a named function
         forces (serving/tools.py); both at once is a 400, as are min_tokens and ignore_eos with a forced call."""
-        self._tools = read_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
-        fmt = super().structured()
-        if self._tools is None or not self._tools.forced:
+        use, fmt = self.tool_use, super().structured()
+        if use is None or not use.forced:
             return fmt
         if fmt is not None:
             raise BadRequest("response_format cannot be a JSON format with a tool_choice that forces a call",
@@ -430,7 +434,7 @@ class ChatRequest(_Request):
         for name in ("min_tokens", "ignore_eos"):
             if getattr(self, name):
                 raise BadRequest(f"{name} cannot be set with a tool_choice that forces a call", param=name)
-        schema = self._tools.schema()
+        schema = use.schema()
         if len(schema) > MAX_SCHEMA_CHARS:
             raise BadRequest(f"the forced call's schema is {len(schema)} characters as JSON; this server takes at most "
                              f"{MAX_SCHEMA_CHARS}", param="tools")
@@ -438,8 +442,13 @@ class ChatRequest(_Request):
 
     @property
     def tool_use(self) -> ToolUse | None:
-        """The request's tools and how its answer is read; None without tools."""
-        return self._tools
+        """The request's tools and how its answer is read; None without tools. Read (and checked: BadRequest)
+        on first use, which the model's validation makes (`structured`)."""
+        if self._tools is None:
+            if _deeper_than(self.tools, MAX_JSON_DEPTH):
+                raise BadRequest(f"tools are nested deeper than {MAX_JSON_DEPTH} levels", param="tools")
+            self._tools = (read_tools(self.tools, self.tool_choice, self.parallel_tool_calls),)
+        return self._tools[0]
 
     @model_validator(mode="after")
     def _known_roles(self):
@@ -522,6 +531,20 @@ _strict_loads = msgspec.json.Decoder().decode
 _SURROGATE = re.compile("[\ud800-\udfff]")
 # What in a body's text can become one: a surrogate's escape, or a surrogate itself (decoded with surrogatepass).
 _SURROGATE_IN_TEXT = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|[\ud800-\udfff]")
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether a parsed JSON value nests lists and objects more than `limit` deep (iterative: any depth)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if items is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((item, depth + 1) for item in items)
+    return False
 
 
 def _loads(raw: bytes) -> Any:

@@ -25,6 +25,8 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
+import msgspec
+
 from serving.engine import Delta
 from serving.errors import BadRequest
 
@@ -53,6 +55,7 @@ class ToolUse:
 
     @property
     def forced(self) -> bool:
+        """Whether the engine forces the call (its text is the call, as JSON)."""
         return self.choice in ("required", "function")
 
     def schema(self) -> str | None:
@@ -104,7 +107,7 @@ class ToolUse:
         return next(t for t in self.tools if t["function"]["name"] == name)
 
 
-def tool_use(tools: list[Any] | None, choice: Any, parallel: bool | None) -> ToolUse | None:
+def read_tools(tools: list[Any] | None, choice: Any, parallel: bool | None) -> ToolUse | None:
     """The request's ToolUse (None without tools); BadRequest naming the field for what OpenAI refuses."""
     if choice is not None and not tools and choice not in ("none", "auto"):
         raise BadRequest(f"tool_choice {_shown(choice)} needs tools to call; send tools, or leave tool_choice out",
@@ -161,36 +164,24 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
             "function": {"name": name, "arguments": arguments}}
 
 
-def _strict(text: str) -> Any:
-    """JSON without NaN or Infinity (json.loads takes them; no client's parser does)."""
-    return json.loads(text, parse_constant=_no_constant)
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
+# Strict JSON: no NaN or Infinity (no client's parser takes them), and no escaped lone surrogate ("\\ud800"),
+# which unescaped could not be sent (or rendered, when a client sends the call back); msgspec refuses both.
+# Nested past the interpreter's depth it raises RecursionError: not a call either.
+_strict = msgspec.json.Decoder().decode
+NOT_JSON = (ValueError, RecursionError)  # msgspec.DecodeError is a ValueError
 
 
 def _arguments(value: Any) -> str | None:
     """A call's arguments as OpenAI's JSON text of an object: an object is written out, a string kept when it
-    is the JSON of one; None for anything else. Written as UTF-8 where it can be: an escaped lone surrogate
-    ("\\ud800") stays escaped, since as a character it could not be sent."""
-    if isinstance(value, str):
-        try:
-            parsed = _strict(value)
-        except ValueError:
-            return None
-        if not isinstance(parsed, dict):
-            return None
-        text = value
-    elif isinstance(value, dict):
-        text = json.dumps(value, ensure_ascii=False)
-    else:
+    is the strict JSON of one; None for anything else."""
+    if isinstance(value, dict):
+        return json.dumps(value, ensure_ascii=False)
+    if not isinstance(value, str):
         return None
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return json.dumps(_strict(text) if isinstance(value, str) else value)
-    return text
+        return value if isinstance(_strict(value), dict) else None
+    except NOT_JSON:
+        return None
 
 
 def _named(call: Any, names: set[str]) -> str | None:
@@ -208,7 +199,7 @@ def _hermes(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]
     for match in _CALL.finditer(text, start):
         try:
             call = _strict(match.group(1) if match.group(1) is not None else match.group(2))
-        except ValueError:
+        except NOT_JSON:
             return None
         name = _named(call, names)
         arguments = _arguments(call.get("arguments", {})) if name else None
@@ -222,7 +213,7 @@ def _listed(text: str, names: set[str]) -> tuple[None, list[dict[str, Any]]] | N
     """The calls of "required"'s JSON array; None when it is not whole (cut at the length limit)."""
     try:
         listed = _strict(text)
-    except ValueError:
+    except NOT_JSON:
         return None
     if not isinstance(listed, list) or not listed:
         return None
@@ -291,5 +282,6 @@ class ToolStream:
 
 
 def _joined(deltas: list[Delta], finish_reason: str | None, text: str) -> Delta:
+    """One delta of `deltas`' tokens and log-probs, with `text` (what of theirs is sent as content)."""
     return Delta(deltas[0].index, text, [t for d in deltas for t in d.token_ids],
                  [lp for d in deltas for lp in d.logprobs], finish_reason)

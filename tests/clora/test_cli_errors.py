@@ -455,8 +455,8 @@ def test_config_check_warns_of_an_open_admin_surface_and_placeholder_keys(tmp_pa
     config.write_text(f'[serving]\nhost = "0.0.0.0"\nadmin_key = "sk-admin-secret"\n{tenants.replace("change-me", "k3y-x9")}')
     assert setup_warnings(load_config(config, environ={})) == []
     # the embedded broker and the metrics endpoints have no key at all
-    config.write_text(f'[broker]\nhost = "0.0.0.0"\n[ingest]\nmetrics_host = "0.0.0.0"\n'
-                      f'{tenants.replace("change-me", "k3y-x9")}')
+    config.write_text(f'[broker]\nhost = "0.0.0.0"\n[ingest]\nmetrics_host = "0.0.0.0"\nmetrics_port = 9464\n'
+                      f'[learner]\nmetrics_host = "0.0.0.0"\n{tenants.replace("change-me", "k3y-x9")}')  # no learner port
     broker, metrics = setup_warnings(load_config(config, environ={}))
     assert broker.startswith("broker.host 0.0.0.0 is reachable from other hosts, and the embedded broker has no auth")
     assert metrics.startswith("ingest.metrics_host 0.0.0.0 is reachable from other hosts")

@@ -251,13 +251,16 @@ def test_an_event_with_messages_only_is_trained_and_sampled_on_the_chat_template
     ])
     (m1, s1), unusable = to_examples(rows, tok)
     assert unusable == {} and m1.group == template and s1.group == chat_prompt("q")
-    # a tool-calling conversation: ingest's lines now carry the calls, and a row stored before they did is
-    # still known for ingest's text
-    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    # a tool-calling conversation: rendered as serving renders it (the calls' arguments handed to the template
+    # as objects); ingest's lines now carry the calls, and a row stored before they did is still known for
+    # ingest's text
+    from ingest.events import template_messages
+
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city":"Oslo"}'}}]
     turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": calls},
              {"role": "tool", "tool_call_id": "c1", "content": "1"}]
-    with_calls = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    assert "<tool_call>" in with_calls
+    with_calls = tok.apply_chat_template(template_messages(turns), tokenize=False, add_generation_prompt=True)
+    assert '"arguments": {"city": "Oslo"}' in with_calls
     for lines in ("user: q\nassistant: " + json.dumps(calls) + "\ntool: 1", "user: q\nassistant: \ntool: 1"):
         row = trajectories("acme", [{"id": "t1", "prompt": lines, "messages_json": json.dumps(turns),
                                      "completion": "ok", "reward": 1.0}])

@@ -352,6 +352,14 @@ def test_an_unknown_role_is_a_400_before_any_work_and_a_tool_turn_needs_its_call
 F = {"type": "function", "function": {"name": "f"}}
 
 
+def nested(depth: int) -> dict:
+    """A JSON Schema object nesting `depth` levels of properties."""
+    schema: dict = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return schema
+
+
 @pytest.mark.parametrize("extra, param, code", [
     ({"tool_choice": "required"}, "tool_choice", "invalid_request"),  # a call demanded, with nothing to call
     ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "invalid_request"),
@@ -370,6 +378,11 @@ F = {"type": "function", "function": {"name": "f"}}
     ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
     ({"functions": [{"name": "f"}], "function_call": "none"}, "functions", "unsupported_parameter"),
     ({"response_format": {"type": "regex", "regex": "a+"}}, "response_format", "unsupported_parameter"),  # vLLM's
+    # nested near the parser's own depth, writing the forced call's schema back as JSON raised (a 500)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": nested(400)}}], "tool_choice": "required"},
+     "tools", "invalid_request"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": nested(400)}}},
+     "response_format.json_schema.schema", "invalid_request"),
 ])
 def test_tool_requests_openai_refuses_and_deprecated_functions_are_a_400_naming_the_field(extra, param, code):
     w = World()

@@ -204,6 +204,28 @@ def test_refusals_past_the_connection_limit_are_one_log_line_a_minute():
     assert refusals.filter(other) and other.getMessage() == "something else"
 
 
+async def flood(port: int, head: bytes) -> bytes:
+    """What the server answers to `head` followed by 4 MiB of one header's value (until it closes)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head)
+    answer = b""
+    for _ in range(64):
+        try:
+            writer.write(b"a" * 65536)
+            await writer.drain()
+        except ConnectionError:
+            break
+        with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
+            answer += await asyncio.wait_for(reader.read(65536), 0.01)
+        if reader.at_eof():
+            break
+    with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
+        while not reader.at_eof():
+            answer += await asyncio.wait_for(reader.read(65536), 5)
+    writer.close()
+    return answer
+
+
 def test_request_headers_past_the_size_limit_get_a_431_and_the_connection_closes():
     """httptools gathers a header's value piece by piece on the event loop (work growing with the square of
     its size), before the connection limit or the key is looked at: one connection sending a header of
@@ -213,21 +235,7 @@ def test_request_headers_past_the_size_limit_get_a_431_and_the_connection_closes
 
     async def scenario():
         async with ok_server(connections=100) as (_, port):
-            big, big_writer = await asyncio.open_connection("127.0.0.1", port)
-            big_writer.write(b"GET / HTTP/1.1\r\nHost: clora\r\nX-A: ")
-            refused = b""
-            for _ in range(64):  # 4 MiB, unless the server closes first
-                try:
-                    big_writer.write(b"a" * 65536)
-                    await big_writer.drain()
-                except ConnectionError:
-                    break
-                with contextlib.suppress(asyncio.TimeoutError):
-                    refused += await asyncio.wait_for(big.read(), 0.01)
-                    if big.at_eof():
-                        break
-            with contextlib.suppress(ConnectionError):
-                refused += await asyncio.wait_for(big.read(), 5)
+            refused = await flood(port, b"GET / HTTP/1.1\r\nHost: clora\r\nX-A: ")
             near = b"GET / HTTP/1.1\r\nHost: clora\r\nX-A: " + b"a" * (MAX_HEADER_BYTES - 1024) + b"\r\n\r\n"
             body = b"b" * (4 * MAX_HEADER_BYTES)
             posted = (b"POST / HTTP/1.1\r\nHost: clora\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n"
@@ -237,12 +245,36 @@ def test_request_headers_past_the_size_limit_get_a_431_and_the_connection_closes
             for request in (near, posted, posted, near):
                 kept_writer.write(request)
                 answers.append(await asyncio.wait_for(kept.readuntil(b"ok"), 5))
-            return refused, answers
+            # a chunked body's trailers are headers too, gathered the same way (here after the answer went out)
+            trailed = await flood(port, b"POST / HTTP/1.1\r\nHost: clora\r\ntransfer-encoding: chunked\r\n\r\n"
+                                        b"5\r\nhello\r\n0\r\nX-T: ")
+            return refused, answers, trailed
 
-    refused, answers = asyncio.run(scenario())
+    refused, answers, trailed = asyncio.run(scenario())
     assert refused.startswith(b"HTTP/1.1 431 "), refused[:200]
-    assert json.loads(refused.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "headers_too_large"
+    head, body = refused.split(b"\r\n\r\n", 1)
+    assert json.loads(body)["error"]["code"] == "headers_too_large" and b"x-request-id: " in head
     assert len(answers) == 4 and all(a.startswith(b"HTTP/1.1 200 OK") for a in answers)
+    assert trailed.startswith(b"HTTP/1.1 200 OK") and b"HTTP/1.1 431 " in trailed, trailed[:300]
+
+
+def test_a_connection_idle_after_an_answer_is_closed_on_time_though_its_client_sends_line_ends():
+    """uvicorn stops the keep-alive timer on any read, and the parser skips line ends between requests
+    without beginning one: one "\\r\\n" after an answer held the connection (a place under the limit) for good."""
+
+    async def scenario():
+        async with ok_server(connections=100) as (server, port):
+            server.config.timeout_keep_alive = 0.5
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: clora\r\n\r\n")
+            await asyncio.wait_for(reader.readuntil(b"ok"), 5)
+            writer.write(b"\r\n")
+            try:
+                return await asyncio.wait_for(reader.read(), 5) == b""
+            except asyncio.TimeoutError:
+                return False
+
+    assert asyncio.run(scenario())
 
 
 def test_a_connection_whose_request_headers_do_not_come_whole_in_time_is_closed(monkeypatch):

@@ -8,10 +8,10 @@ from hypothesis import strategies as st
 
 from serving.engine import Delta
 from serving.errors import BadRequest
-from serving.tools import ToolStream, tool_use
+from serving.tools import ToolStream, read_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
-AUTO = tool_use([WEATHER], None, None)
+AUTO = read_tools([WEATHER], None, None)
 
 
 def calls_of(text, finish="stop", use=AUTO):
@@ -46,7 +46,7 @@ def test_text_with_one_block_that_is_no_call_is_content_whole(text):
 
 
 def test_required_reads_the_forced_list_and_a_list_cut_short_is_content():
-    required = tool_use([WEATHER], "required", None)
+    required = read_tools([WEATHER], "required", None)
     assert calls_of('[{"name": "get_weather", "parameters": {"a": 1}}]', use=required) == (
         None, [("get_weather", '{"a": 1}')], "tool_calls")
     assert calls_of('[{"name": "get_weather", "param', "length", use=required) == (
@@ -54,10 +54,10 @@ def test_required_reads_the_forced_list_and_a_list_cut_short_is_content():
 
 
 def test_tool_use_is_none_without_tools_and_checks_what_it_is_given():
-    assert tool_use(None, None, None) is None and tool_use([], "none", True) is None
-    assert tool_use([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, False).name == "get_weather"
+    assert read_tools(None, None, None) is None and read_tools([], "none", True) is None
+    assert read_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, False).name == "get_weather"
     with pytest.raises(BadRequest) as e:
-        tool_use([{"type": "function", "function": {"name": "f", "parameters": "object"}}], None, None)
+        read_tools([{"type": "function", "function": {"name": "f", "parameters": "object"}}], None, None)
     assert e.value.param == "tools" and "parameters" in e.value.message
 
 
@@ -100,20 +100,21 @@ def test_a_stream_sends_every_token_once_and_the_content_the_whole_answer_gives(
 
 
 def test_a_forced_call_is_held_whole():
-    named = tool_use([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
+    named = read_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
     out = streamed(['{"ci', 'ty": 1}'], use=named)
     assert [(d.text, d.finish_reason) for d, _ in out] == [("", None), ("", "stop")]
     assert json.loads(out[0][1][0]["function"]["arguments"]) == {"city": 1}
 
 
-def test_arguments_that_unescape_to_a_lone_surrogate_stay_escaped_so_the_answer_can_be_sent():
-    """'\\ud800' in the model's JSON is plain ASCII; unescaped and written back as UTF-8 it could not be
-    encoded, and the answer (or the stream) failed with a 500."""
-    content, calls, _ = AUTO.answer('<tool_call>{"name": "get_weather", "arguments": {"q": "\\ud800"}}</tool_call>',
-                                    "stop")
-    arguments = calls[0]["function"]["arguments"]
-    arguments.encode("utf-8")
-    assert json.loads(arguments) == {"q": "\ud800"}
+@pytest.mark.parametrize("arguments", ['{"q": "\\ud800"}', '"{\\"q\\": \\"\\\\ud800\\"}"', "[" * 5000])
+def test_arguments_holding_an_escaped_lone_surrogate_or_nested_past_the_parser_are_no_call(arguments):
+    """'\\ud800' in the model's JSON is plain ASCII; unescaped, the answer could not be encoded (a 500), nor
+    the call rendered when a client sent it back. JSON nested past the interpreter's depth raised."""
+    text = '<tool_call>{"name": "get_weather", "arguments": ' + arguments + '}</tool_call>'
+    content, calls, finish = AUTO.answer(text, "stop")
+    assert (content, calls, finish) == (text, [], "stop")
+    content.encode("utf-8")
+    assert read_tools([WEATHER], "required", None).answer("[" * 5000, "length")[1] == []
 
 
 def test_required_moves_every_tools_defs_to_the_root_where_their_refs_point():
@@ -122,13 +123,13 @@ def test_required_moves_every_tools_defs_to_the_root_where_their_refs_point():
     nested = {"type": "object", "properties": {"inner": {"$ref": "#/$defs/Inner"}}, "$defs": {"Inner": inner}}
     tools = [{"type": "function", "function": {"name": "a", "parameters": nested}},
              {"type": "function", "function": {"name": "b", "parameters": nested}}]
-    schema = json.loads(tool_use(tools, "required", None).schema())
+    schema = json.loads(read_tools(tools, "required", None).schema())
     assert schema["$defs"] == {"Inner": inner}
     assert all("$defs" not in option["properties"]["parameters"] for option in schema["items"]["anyOf"])
     clash = [tools[0], {"type": "function", "function": {"name": "b", "parameters": {
         **nested, "$defs": {"Inner": {"type": "string"}}}}}]
     with pytest.raises(BadRequest) as e:
-        tool_use(clash, "required", None).schema()
+        read_tools(clash, "required", None).schema()
     assert e.value.param == "tools" and "Inner" in e.value.message
 
 
@@ -139,10 +140,10 @@ def test_required_moves_every_tools_defs_to_the_root_where_their_refs_point():
 ])
 def test_what_openai_refuses_in_tools_is_a_400_naming_the_field(tools, choice, param):
     with pytest.raises(BadRequest) as e:
-        tool_use(tools, choice, None)
+        read_tools(tools, choice, None)
     assert e.value.param == param
 
 
 def test_the_template_is_shown_openais_fields_of_a_tool_only():
     tool = {"type": "function", "extra": 1, "function": {"name": "f", "strict": True, "x-internal": "secret"}}
-    assert tool_use([tool], None, None).tools == ({"type": "function", "function": {"name": "f"}},)
+    assert read_tools([tool], None, None).tools == ({"type": "function", "function": {"name": "f"}},)
