@@ -86,7 +86,7 @@ from serving.errors import (
 )
 from serving.events_log import EventLog
 from serving.metrics import ServingMetrics
-from serving.tools import ToolStream, ToolUse
+from serving.tools import Answer, ToolStream, ToolUse
 
 logger = logging.getLogger(__name__)
 
@@ -554,10 +554,11 @@ class Api:
         finally:
             release()
         done = [choices[k] for k in range(call.choices)]
-        await self._log_finished(call, done)
+        answers = _answers(call, done)
+        await self._log_finished(call, done, answers)
         with_logprobs = bool(body.logprobs) if endpoint == "chat" else body.logprobs is not None
         if endpoint == "chat":
-            build = functools.partial(protocol.chat_response, tools=body.tool_use)
+            build = functools.partial(protocol.chat_response, answers=answers)
         else:
             build = protocol.completion_response
 
@@ -718,11 +719,11 @@ class Api:
             started: set[int] = set() if body.return_token_ids and not chat else set(choices)
             # chat with tools that may be called: each choice's text is read for calls as it comes (tools.py)
             use = body.tool_use if chat else None
-            calls = {i: ToolStream(use) for i in choices} if use is not None and use.calls else None
+            readers = {i: ToolStream(use) for i in choices} if use is not None and use.calls else None
             async for delta in _chain_first(first, deltas):
                 choices[delta.index].add(delta)
-                if calls is not None:
-                    for shown, tool_calls in calls[delta.index].feed(delta):
+                if readers is not None:
+                    for shown, tool_calls in readers[delta.index].feed(delta):
                         sent = True
                         yield event(protocol.chat_chunk(
                             call.response_id, label, created, shown, with_logprobs=bool(body.logprobs),
@@ -776,25 +777,29 @@ class Api:
             await deltas.aclose()  # aborts the engine's request if the stream ended early
             call.release()
             if finished:
-                await self._log_finished(call, [choices[i] for i in range(call.choices)])
+                done = [choices[i] for i in range(call.choices)]
+                # the calls the stream sent, read once (their ids the client has), else read here
+                answers = [readers[i].answer for i in range(call.choices)] if readers else _answers(call, done)
+                await self._log_finished(call, done, answers)
             if call.ticket is not None:
                 if finished:
                     call.ticket.keep(call.headers, kept, stream=True)
                 else:  # refused, failed or left: nothing was logged, so the request sent again runs
                     call.ticket.abandon()
 
-    async def _log_finished(self, call: _Call, choices: list[Choice]) -> None:
+    async def _log_finished(self, call: _Call, choices: list[Choice], answers: list[Answer] | None) -> None:
         """`_finished`, in a worker thread when its events are large: their JSON (every token id and log-prob
         of every choice) takes ~0.5 µs a token (18 ms for 64 choices of 512 tokens, over a second at the most
         one request may ask for), which every other request and stream would wait for on the event loop."""
         tokens = sum(len(c.token_ids) for c in choices) + sum(len(p.ids) for p in call.prompts if p.log_ids)
         if tokens > LOG_IN_THREAD_TOKENS:
-            await asyncio.to_thread(self._finished, call, choices)  # runs to its end even if this is cancelled
+            await asyncio.to_thread(self._finished, call, choices, answers)  # runs to its end even if cancelled
         else:
-            self._finished(call, choices)
+            self._finished(call, choices, answers)
 
-    def _finished(self, call: _Call, choices: list[Choice]) -> None:
-        """Logs one interaction event per choice and counts the request."""
+    def _finished(self, call: _Call, choices: list[Choice], answers: list[Answer] | None) -> None:
+        """Logs one interaction event per choice and counts the request. `answers`: with tools, each choice's
+        as the client got it."""
         seconds = time.monotonic() - call.arrived
         completion_tokens = sum(len(c.token_ids) for c in choices)
         use = call.body.tool_use if call.endpoint == "chat" else None
@@ -826,7 +831,7 @@ class Api:
                         "logprobs": "raw",
                         "stream": bool(call.body.stream),
                         # how the answer read the text (the event keeps the text): the calls it found
-                        **({"tools": _tools_metadata(use, c)} if use is not None else {}),
+                        **({"tools": _tools_metadata(use, answers[c.index])} if use is not None else {}),
                     },
                 )
             )
@@ -931,10 +936,16 @@ class Api:
         return Response(await asyncio.to_thread(self.metrics.render), media_type=self.metrics.content_type)
 
 
-def _tools_metadata(use: ToolUse, choice: Choice) -> dict[str, Any]:
+def _answers(call: _Call, choices: list[Choice]) -> list[Answer] | None:
+    """Each choice's text as the chat request's tools read it; None without tools."""
+    use = call.body.tool_use if call.endpoint == "chat" else None
+    return None if use is None else [use.answer(c.text, c.finish_reason) for c in choices]
+
+
+def _tools_metadata(use: ToolUse, answer: Answer) -> dict[str, Any]:
     """The event's record of a request's tools: how many, the tool_choice, and the calls its answer gave (the
     finish reason it answered: "tool_calls" where the event's own says "stop")."""
-    _, calls, finish_reason = use.answer(choice.text, choice.finish_reason)
+    _, calls, finish_reason = answer
     return {"defined": len(use.tools), "choice": use.name if use.choice == "function" else use.choice,
             "called": [c["function"]["name"] for c in calls], "finish_reason": finish_reason}
 

@@ -46,7 +46,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, Strict, Validat
 from serving.engine import MIN_TEMPERATURE as MIN_TEMPERATURE  # the engine's; clora's config check reads it here
 from serving.engine import Choice, Delta, Sampling, TokenLogprob
 from serving.errors import BadRequest, UnsupportedParameter
-from serving.tools import ToolUse, read_tools
+from serving.tools import Answer, ToolUse, read_tools
 
 MAX_N = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM default it
@@ -728,23 +728,25 @@ def _with_token_ids(choice: dict[str, Any], token_ids: list[int], wanted: bool,
 
 def chat_response(
     response_id: str, model: str, choices: list[Choice], prompt_tokens: int, with_logprobs: bool,
-    token_ids: bool = False, prompt_token_ids: Callable[[int], list[int]] | None = None, tools: ToolUse | None = None,
+    token_ids: bool = False, prompt_token_ids: Callable[[int], list[int]] | None = None,
+    answers: list[Answer] | None = None,
 ) -> dict[str, Any]:
     """`prompt_token_ids(choice index)`: with `token_ids`, the prompt's ids, as vLLM answers them (top level).
-    `tools`: the request's, by which each choice's text is read for calls (serving/tools.py)."""
+    `answers`: each choice's text as the request's tools read it (serving/tools.py); None: the text is the content."""
     return {
         **({"prompt_token_ids": list(prompt_token_ids(0))} if token_ids and prompt_token_ids else {}),
         "id": response_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [_chat_choice(c, with_logprobs, token_ids, tools) for c in choices],
+        "choices": [_chat_choice(c, with_logprobs, token_ids, answers[i] if answers else None)
+                    for i, c in enumerate(choices)],
         "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
     }
 
 
-def _chat_choice(c: Choice, with_logprobs: bool, token_ids: bool, tools: ToolUse | None) -> dict[str, Any]:
-    content, calls, finish_reason = tools.answer(c.text, c.finish_reason) if tools else (c.text, [], c.finish_reason)
+def _chat_choice(c: Choice, with_logprobs: bool, token_ids: bool, answer: Answer | None) -> dict[str, Any]:
+    content, calls, finish_reason = answer or (c.text, [], c.finish_reason)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = calls

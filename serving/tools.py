@@ -38,6 +38,11 @@ CHOICES = ("none", "auto", "required")
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE) + "|" + re.escape(OPEN) + r"(.*)\Z", re.DOTALL)
 
 
+# A choice's text as its answer reads it: (content, tool_calls, finish_reason). Read once per choice (each call
+# gets a fresh id), then shown to the client and recorded in the event.
+Answer = tuple[str | None, list[dict[str, Any]], str | None]
+
+
 @dataclass(frozen=True)
 class ToolUse:
     """A request's tools (OpenAI's definitions, as the template takes them) and how its answer is read:
@@ -83,7 +88,7 @@ class ToolUse:
                  **({} if self.parallel else {"maxItems": 1}), **({"$defs": defs} if defs else {})}
         return json.dumps(array, separators=(",", ":"))
 
-    def answer(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict[str, Any]], str | None]:
+    def answer(self, text: str, finish_reason: str | None) -> Answer:
         """(content, tool_calls, finish_reason) of a whole choice's text."""
         if not self.calls:
             return text, [], finish_reason
@@ -244,6 +249,7 @@ class ToolStream:
         self.sent = 0  # characters of `text` sent as content
         self.held: list[Delta] = []
         self.calling = use.forced
+        self.answer: Answer | None = None  # the whole text's, once its last delta is in
 
     def feed(self, delta: Delta) -> list[tuple[Delta, list[dict[str, Any]] | None]]:
         """What to send for `delta`: (delta, its tool_calls or None) pairs, none while text is held."""
@@ -272,7 +278,7 @@ class ToolStream:
     def _end(self, finish_reason: str) -> list[tuple[Delta, list[dict[str, Any]] | None]]:
         """The held text, as content or as calls; calls are followed by a chunk of their own with the finish
         reason, as OpenAI sends it (the SDK's stream events close the last call on that chunk)."""
-        content, calls, finish = self.use.answer(self.text, finish_reason)
+        self.answer = content, calls, finish = self.use.answer(self.text, finish_reason)
         held, self.held = self.held, []
         if not calls:
             return [(_joined(held, finish_reason, self.text[self.sent:]), None)]
