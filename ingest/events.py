@@ -197,13 +197,19 @@ def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]
 
 
 def _arguments_object(arguments: Any) -> dict[str, Any]:
-    if isinstance(arguments, dict):
-        return arguments
+    return arguments if isinstance(arguments, dict) else json_object(arguments) or {}
+
+
+def json_object(text: Any) -> dict[str, Any] | None:
+    """The object `text` is the strict JSON of (msgspec: no NaN, no escaped lone surrogate); None when it is
+    not text, not JSON, not an object, or nested past the interpreter's depth."""
+    if not isinstance(text, str):
+        return None
     try:
-        parsed = _strict_loads(arguments) if isinstance(arguments, str) else None
+        parsed = _strict_loads(text)
     except (ValueError, RecursionError):  # msgspec.DecodeError is a ValueError
-        return {}
-    return parsed if isinstance(parsed, dict) else {}
+        return None
+    return parsed if isinstance(parsed, dict) else None
 
 
 def render_messages(messages: list[dict[str, Any]], calls: bool = True) -> str:

@@ -213,7 +213,8 @@ def prompt_text(row: dict, tokenizer) -> str | None:
     if prompt:
         try:
             # rows stored before ingest wrote an assistant's calls into these lines have them without
-            derived = messages is not None and prompt in (render_messages(messages), render_messages(messages, False))
+            derived = messages is not None and (prompt == render_messages(messages) or (
+                any(m.get("tool_calls") for m in messages) and prompt == render_messages(messages, False)))
         except (KeyError, TypeError, RecursionError):  # not the shape ingest renders: the stored prompt is the app's own
             derived = False
         if not derived:

@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from ingest.events import json_object
 from serving.engine import Delta
 from serving.errors import BadRequest
 
@@ -181,12 +182,7 @@ def _arguments(value: Any) -> str | None:
     is the strict JSON of one; None for anything else."""
     if isinstance(value, dict):
         return json.dumps(value, ensure_ascii=False)
-    if not isinstance(value, str):
-        return None
-    try:
-        return value if isinstance(_strict(value), dict) else None
-    except NOT_JSON:
-        return None
+    return value if json_object(value) is not None else None
 
 
 def _named(call: Any, names: set[str]) -> str | None:
