@@ -316,12 +316,21 @@ class ServingConfig(_Strict):
     )
 
 
+BATCH_OVERHEAD_BYTES = 64 << 10  # a record batch's header, one record's framing, key and headers
+
+
 class IngestConfig(_Strict):
     flush_rows: int = Field(5000, ge=1, description="Write Parquet once this many events are buffered.")
     flush_seconds: float = Field(
         1.0, ge=MIN_POLL_SECONDS, description="Write Parquet at least this often (freshness bound; at least 0.01 s)."
     )
     max_message_bytes: int = Field(1_000_000, ge=64, description="Larger messages are dead-lettered.")
+    max_batch_bytes: int = Field(
+        64 << 20, ge=64, description="The most one Kafka record batch may decompress to: a larger one (a "
+        "decompression bomb, or a producer's batches set far larger than usual) is one dead letter "
+        "(batch_too_large) holding the batch as stored, its records not read. Bounds ingest's memory per batch; "
+        "at least max_message_bytes + 64 KiB, so a batch of one largest message fits."
+    )
     max_batch_scoring_seconds: float = Field(
         30.0, gt=0, description="A batch whose scorer functions have run this long ends before its next scorer call: "
         "what was processed is written and committed, the rest is read again for the next batch. Keeps a slow "
@@ -350,6 +359,15 @@ class IngestConfig(_Strict):
         "join, so one tenant's flood does not take the others' room."
     )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port of the ingest process (0: none).")
+
+    @model_validator(mode="after")
+    def _batch_holds_a_message(self) -> IngestConfig:
+        if self.max_batch_bytes < self.max_message_bytes + BATCH_OVERHEAD_BYTES:
+            raise ValueError(f"max_batch_bytes ({self.max_batch_bytes}) must be at least max_message_bytes "
+                             f"({self.max_message_bytes}) + {BATCH_OVERHEAD_BYTES}: a batch of one message that "
+                             "large would be dead-lettered whole")
+        return self
+
     metrics_host: str = Field(
         "127.0.0.1", description="Address the ingest metrics listen on (0.0.0.0: every address, for a Prometheus "
         "in another container or host)."

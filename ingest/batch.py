@@ -315,6 +315,7 @@ class Processor:
             if dl.tenant is not None and not self._known(dl.tenant):  # no partition for a name anyone can claim
                 detail = dl.detail if dl.reason == "unknown_tenant" else f"{dl.detail} (tenant {dl.tenant!r}, not configured)"
                 dl = DeadLetter(dl.reason, detail, None, dl.id)
+            raw = bytes(raw)  # a SkippedBatch's plain bytes (the producer takes no subclass); a bytes is itself
             rejected = Rejected(dead_letter_row(dl, raw, at, now_ms), raw, at)
             if at in store.dead_letters:
                 # In dead_letters/ already: a replay after a crash that may have come before this batch's

@@ -87,6 +87,7 @@ from kafka.errors import (
 from kafka.producer.future import FutureRecordMetadata
 from kafka.structs import OffsetAndMetadata
 
+from ingest import record_batches
 from ingest.batch import Output, Processor, Record, Rejected, offset_ranges
 from ingest.broker import BrokerError
 from ingest.events import utc_now
@@ -117,6 +118,7 @@ WRITING_POLL_MS = 10  # while a write is in flight: poll briefly, so its commit 
 # A batch is flushed at this many bytes of message values too: at flush_rows alone, 5,000 messages of up to
 # ingest.max_message_bytes (1 MB) could hold 5 GB in memory, and its decoded rows and Arrow tables several times more.
 FLUSH_BYTES = 64 << 20
+MAX_BATCH_BYTES = 64 << 20  # ingest.max_batch_bytes's default: the most one record batch may decompress to
 # In the state dir: per topic, the broker's id for it and since when ingest reads that incarnation
 # (`_topics_since`).
 TOPICS_FILE = "ingest-topics.json"
@@ -317,12 +319,14 @@ class Ingest:
         metrics: IngestMetrics,
         max_pending_per_tenant: int = MAX_PENDING_PER_TENANT,
         max_pending: int | None = MAX_PENDING,
+        max_batch_bytes: int = MAX_BATCH_BYTES,
         name: str = "ingest",
         client_options: dict | None = None,
         follow: Callable[[], None] | None = None,
     ) -> None:
         """`follow`: called from the loop every FOLLOW_EVERY_S, between batches (ingest.process reads the
-        config again there and hands its tenants to the processor)."""
+        config again there and hands its tenants to the processor). `max_batch_bytes`: the most one record
+        batch may decompress to (ingest.record_batches: past it, or unreadable, a batch is a dead letter)."""
         self.root = root
         self.follow = follow
         self.followed_at = time.monotonic()
@@ -336,6 +340,7 @@ class Ingest:
         self.processor = processor
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
+        self.max_batch_bytes = max_batch_bytes
         self.expiry_ms = expiry_ms
         self.max_pending_per_tenant = max_pending_per_tenant
         self.max_pending = max_pending
@@ -379,6 +384,7 @@ class Ingest:
         """Consumes until `stop` is set (or `once` finds every partition read to its end, or `max_seconds`
         pass). Setting `drain` turns on `once` from then on: read what is there, commit it, exit."""
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        record_batches.install(self.max_batch_bytes)
         with contextlib.ExitStack() as resources:
             with _bootstrap_errors(self.bootstrap):
                 self.producer = KafkaProducer(
@@ -866,9 +872,11 @@ def _bootstrap_errors(bootstrap: str) -> Iterator[None]:
 @contextlib.contextmanager
 def _group_errors(group_id: str, session_timeout_ms: int) -> Iterator[None]:
     """What the broker refuses for good when the consumer joins its group or reads (kafka-python raises them
-    from `poll`; none is retried), and a batch that cannot be read (a codec not installed, a failed
-    checksum), is a BrokerError naming what to change, not a kafka-python traceback. Nothing is lost: what
-    was read and not committed is read again by the next run."""
+    from `poll`; none is retried), and a batch that cannot be read for want of its codec, is a BrokerError
+    naming what to change, not a kafka-python traceback. Nothing is lost: what was read and not committed is
+    read again by the next run. (A batch that cannot be read for what it holds is a dead letter instead:
+    ingest.record_batches; a CorruptRecordError still comes from a message inside an old-format message set
+    failing its own checksum.)"""
     try:
         yield
     except InvalidSessionTimeoutError as e:

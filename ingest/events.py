@@ -71,7 +71,22 @@ REASONS: dict[str, str] = {
     "key_mismatch": "the Kafka message key is set and is not the event's tenant",
     "unknown_tenant": "the tenant is not configured and ingest.unknown_tenant is \"reject\"",
     "scorer_error": "the tenant's scorer raised or returned a bad value (the detail has the traceback summary)",
+    "batch_too_large": "a Kafka record batch decompresses to more than ingest.max_batch_bytes (one dead letter, at "
+                       "its last offset, holds the batch as stored)",
+    "bad_batch": "a Kafka record batch cannot be read: its data does not decompress, a record does not parse, or its "
+                 "checksum fails (one dead letter, at its last offset, holds the batch as stored)",
 }
+
+
+class SkippedBatch(bytes):
+    """A Kafka record batch ingest did not read (ingest.record_batches), as a message value: its bytes are
+    the batch as the broker stored it; `reason` and `detail` are its dead letter's. Only the consumer makes
+    one: no message a producer sends can be one."""
+
+    def __new__(cls, stored: bytes, reason: str, detail: str) -> SkippedBatch:
+        value = super().__new__(cls, stored)
+        value.reason, value.detail = reason, detail
+        return value
 
 MAX_ID_CHARS = 256
 INT32_MAX = 2**31 - 1
@@ -456,6 +471,8 @@ def decode(raw: bytes, *, max_bytes: int) -> Event | DeadLetter:
 
 
 def _decode(raw: bytes, max_bytes: int) -> Event | DeadLetter:
+    if type(raw) is SkippedBatch:
+        return DeadLetter(raw.reason, raw.detail)
     if len(raw) > max_bytes:
         return DeadLetter("too_large", f"{len(raw)} bytes is more than the limit of {max_bytes}")
     try:

@@ -142,6 +142,7 @@ def build(cfg: Config, metrics: IngestMetrics | None = None, *, member: int | No
         processor=processor,
         flush_rows=cfg.ingest.flush_rows,
         flush_seconds=cfg.ingest.flush_seconds,
+        max_batch_bytes=cfg.ingest.max_batch_bytes,
         expiry_ms=int(cfg.ingest.pending_expiry_hours * 3_600_000),
         max_pending_per_tenant=cfg.ingest.max_pending_feedback_per_tenant,
         max_pending=cfg.ingest.max_pending_feedback,

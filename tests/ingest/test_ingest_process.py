@@ -11,6 +11,7 @@ import json
 import os
 import random
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -404,6 +405,62 @@ def test_batches_compressed_with_every_kafka_codec_are_ingested(setup_factory):
     assert proc.wait(timeout=120) == 0, proc.log_path.read_text()[-3000:]
     ids = read_dataset(s.data_dir, "interactions").column("id").to_pylist()
     assert sorted(ids) == sorted(f"{codec}-{i}" for codec in codecs for i in range(50))
+
+
+def test_batches_past_max_batch_bytes_or_unreadable_are_one_dead_letter_each_and_ingest_goes_on(setup_factory, monkeypatch):
+    """A decompression bomb (kafka-python decompressed a batch whole: ingest died of it at every start), and
+    batches the embedded broker stored as a producer sent them (data that is not zstd's, a wrong checksum;
+    kafka-python raised at their offset at every start): each is one dead letter at its last offset, holding
+    the batch as stored, and the events around them are ingested once. The damaged batches come from
+    kafka-python's own producer with its zstd encoder or its checksum replaced while it writes them."""
+    from kafka.record import default_records
+
+    s = setup_factory(max_message_bytes=8192, ingest_settings=["max_batch_bytes = 200000"])
+
+    def one_batch(values: list[bytes], **replaced) -> list:
+        for name, function in replaced.items():
+            monkeypatch.setattr(default_records, name, function)
+        producer = KafkaProducer(bootstrap_servers=s.bootstrap, compression_type="zstd", linger_ms=2000,
+                                 batch_size=4 << 20, max_request_size=4 << 20)
+        futures = [producer.send(s.interactions, key=b"acme", value=value) for value in values]
+        producer.flush()
+        producer.close()
+        monkeypatch.undo()
+        return [f.get(timeout=10) for f in futures]
+
+    def valid(tag: str) -> list[bytes]:
+        return [encode(InteractionEvent(id=f"{tag}-{i}", tenant="acme", prompt="p", completion="c")) for i in range(10)]
+
+    one_batch(valid("before"))
+    bomb = one_batch([b'{"tenant": "acme", "x": "' + b"a" * 50_000 + b'"}'] * 40)  # 2 MB in a few KB
+    garbage = one_batch(valid("garbage")[:3], zstd_encode=lambda data: b"\x28\xb5\x2f\xfdjunk")
+    checksum = one_batch(valid("checksum")[:3], calc_crc32c=lambda data: 12345)
+    one_batch(valid("after"))
+    assert len({m.partition for m in bomb + garbage + checksum}) == 1
+
+    proc = s.start("--once")
+    assert proc.wait(timeout=120) == 0, proc.log_path.read_text()[-3000:]
+    ids = read_dataset(s.data_dir, "interactions").column("id").to_pylist()
+    assert sorted(ids) == sorted(f"{tag}-{i}" for tag in ("before", "after") for i in range(10))
+    dead = sorted(read_dataset(s.data_dir, "dead_letters").to_pylist(), key=lambda d: d["kafka_offset"])
+    expected = [(bomb, "batch_too_large", "decompress to more than ingest.max_batch_bytes (200000)"),
+                (garbage, "bad_batch", "does not parse"), (checksum, "bad_batch", "failed its CRC-32C checksum")]
+    assert len(dead) == len(expected)
+    for row, (metas, reason, said) in zip(dead, expected):
+        first, last = metas[0].offset, metas[-1].offset
+        assert (row["reason"], row["kafka_offset"], row["tenant"]) == (reason, last, "_unknown")
+        assert row["detail"].startswith(f"the record batch at offsets {first}..{last}: ") and said in row["detail"]
+        base_offset, _, _, magic = struct.unpack_from(">qiib", row["raw"])  # the batch as stored (v2 format)
+        assert (base_offset, magic) == (first, 2)
+    letters = {int(dict(r.headers)["clora.source"].decode().rsplit(":", 1)[1]): r for r in read_topic(s.bootstrap, s.dead)}
+    assert sorted(letters) == [row["kafka_offset"] for row in dead]
+    for row in dead:
+        letter = letters[row["kafka_offset"]]
+        assert letter.value[:4096] == row["raw"] and dict(letter.headers)["clora.reason"].decode() == row["reason"]
+
+    again = s.start("--once")  # committed past them: nothing is read twice
+    assert again.wait(timeout=120) == 0, again.log_path.read_text()[-3000:]
+    assert (s.count("interactions"), s.count("dead_letters")) == (20, 3)
 
 
 def test_a_slow_scorer_cuts_batches_at_the_scoring_budget_and_every_event_lands_once(setup_factory, tmp_path):
