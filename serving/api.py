@@ -64,7 +64,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ingest.events import FeedbackEvent, InteractionEvent, utc_now
-from serving import idempotency, protocol
+from serving import idempotency, protocol, responses
 from serving.adapters import AdapterSet, Lease
 from serving.auth import Authenticator, is_admin, resolve_model
 from serving.engine import MAX_CHARS_PER_TOKEN, Choice, Delta, Engine, Sampling, greedy
@@ -92,8 +92,14 @@ logger = logging.getLogger(__name__)
 
 REQUEST_ID = "x-request-id"
 ADAPTER_VERSION = "x-clora-adapter-version"
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/feedback": "feedback",
-             "/v1/models": "models"}
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",
+             "/v1/feedback": "feedback", "/v1/models": "models"}
+# The generation endpoints, by the name their metrics and events carry: how a body is parsed, and what its
+# prompt field is called (a body too large names it). /v1/responses is a chat request (serving/responses.py).
+GENERATIONS = {"chat": (functools.partial(protocol.parse, protocol.ChatRequest), "messages"),
+               "completions": (functools.partial(protocol.parse, protocol.CompletionRequest), "prompt"),
+               "responses": (responses.parse, "input")}
+RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-", "responses": "resp_"}
 RETRY_AFTER_SECONDS = 1  # what a tenant over its in-flight limit is told to wait
 FEEDBACK_RETRY_AFTER_S = 5  # what a client whose feedback the full event log refused is told to wait
 LOG_IN_THREAD_TOKENS = 4096  # a finished request's events with more token ids than this are encoded off the loop
@@ -135,7 +141,7 @@ class _Prompt:
 class _Call:
     """One generation request after the edge: who, what, on which adapter, with which prompts."""
 
-    endpoint: str  # "chat" or "completions"
+    endpoint: str  # "chat", "completions" or "responses" (a chat request answered in Responses' form)
     tenant: str
     response_id: str
     body: Any  # ChatRequest | CompletionRequest
@@ -422,17 +428,21 @@ class Api:
 
     # --- generation ---------------------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
-        return await self._generate(request, "chat", protocol.ChatRequest)
+        return await self._generate(request, "chat")
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, "completions", protocol.CompletionRequest)
+        return await self._generate(request, "completions")
 
-    async def _generate(self, request: Request, endpoint: str, model: type) -> Response:
+    async def responses(self, request: Request) -> Response:
+        return await self._generate(request, "responses")
+
+    async def _generate(self, request: Request, endpoint: str) -> Response:
         arrived, arrived_at = time.monotonic(), utc_now()
         tenant = self.auth.tenant(request.headers.get("authorization"))
         request.state.tenant = tenant
-        raw = await self._body(request, "messages" if endpoint == "chat" else "prompt")
-        body = protocol.parse(model, raw)
+        parse, prompt_field = GENERATIONS[endpoint]
+        raw = await self._body(request, prompt_field)
+        body = parse(raw)
         key = request.headers.get(idempotency.HEADER)
         if key is None or not self.keys.enabled:
             return await self._run(request, endpoint, tenant, body, arrived, arrived_at, None)
@@ -448,7 +458,7 @@ class Api:
         if isinstance(claimed, idempotency.Answer):
             return self._replay(tenant, endpoint, claimed)
         if body is None:
-            body = protocol.parse(model, raw)
+            body = parse(raw)
         try:
             response = await self._run(request, endpoint, tenant, body, arrived, arrived_at, claimed)
         except BaseException:
@@ -476,7 +486,8 @@ class Api:
         """A parsed generation request, from its model to its answer (the module note's steps after parsing)."""
         choice = resolve_model(body.model, tenant=tenant, base_name=self.base_name)
         sampling = body.sampling(self.default_max_tokens)
-        given = [None] if endpoint == "chat" else body.prompts()
+        chat = endpoint != "completions"
+        given = [None] if chat else body.prompts()
         sequences = len(given) * body.n
         if self.inflight.must_wait(tenant, sequences):  # for room: its client may leave meanwhile
             got = []
@@ -491,7 +502,7 @@ class Api:
         else:
             give_back = await self.inflight.acquire(tenant, sequences, body.priority)  # before the prompt work
         try:
-            if endpoint == "chat":
+            if chat:
                 messages = body.plain_messages()
                 use = body.tool_use
                 rendered = await self.engine.chat_prompt(messages, tenant, use.tools if use else None,
@@ -518,8 +529,7 @@ class Api:
             lease.release()
             give_back()
 
-        prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
-        call = _Call(endpoint, tenant, f"{prefix}-{request.state.request_id}", body, messages, prompts, lease,
+        call = _Call(endpoint, tenant, f"{RESPONSE_ID_PREFIX[endpoint]}{request.state.request_id}", body, messages, prompts, lease,
                      release, arrived, arrived_at, ticket)
         headers = call.headers
         if body.stream:
@@ -556,8 +566,10 @@ class Api:
         done = [choices[k] for k in range(call.choices)]
         answers = _answers(call, done)
         await self._log_finished(call, done, answers)
-        with_logprobs = bool(body.logprobs) if endpoint == "chat" else body.logprobs is not None
-        if endpoint == "chat":
+        with_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
+        if endpoint == "responses":
+            build = functools.partial(responses.response, answers=answers, body=body)
+        elif chat:
             build = functools.partial(protocol.chat_response, answers=answers)
         else:
             build = protocol.completion_response
@@ -689,18 +701,25 @@ class Api:
     async def _stream(self, call: _Call) -> AsyncIterator[bytes]:
         """The answer's server-sent events. With an Idempotency-Key, a copy of every event is kept, and once
         the stream is whole (even if its client leaves during the last events) the key's answer is that copy."""
-        body, chat = call.body, call.endpoint == "chat"
+        body, chat = call.body, call.endpoint != "completions"
         created = int(time.time())
         label = call.lease.label
         choices = {i: Choice(i) for i in range(call.choices)}
         finished = sent = False
         deltas = self._deltas(call)
         kept: list[bytes] | None = None if call.ticket is None else []
+        # /v1/responses: the chat chunks below become Responses' typed events
+        typed = responses.ResponseEvents(call.response_id, label, body) if call.endpoint == "responses" else None
 
         def event(chunk: Any) -> bytes:
             if body.include_usage and isinstance(chunk, dict):
                 chunk.setdefault("usage", None)  # OpenAI's: every chunk has the key, null but in the last
-            data = protocol.sse(chunk)
+            if typed is None:
+                data = protocol.sse(chunk)
+            elif chunk == "[DONE]":
+                data = typed.done(call.prompt_tokens, sum(len(c.token_ids) for c in choices.values()))
+            else:
+                data = typed.chunk(chunk)
             if kept is not None:
                 kept.append(data)
             return data
@@ -757,6 +776,9 @@ class Api:
             if not sent:
                 raise  # nothing answered yet: the app's handler gives it its own status
             self.metrics.request_answered(call.tenant, call.endpoint, e.status)
+            if typed is not None:
+                yield typed.failed(e.body())
+                return
             yield protocol.sse(e.body())
             yield protocol.sse("[DONE]")
         except (asyncio.CancelledError, GeneratorExit):
@@ -771,6 +793,9 @@ class Api:
                 raise
             logger.exception("request %s: the stream failed", call.response_id)
             self.metrics.request_answered(call.tenant, call.endpoint, 500)
+            if typed is not None:
+                yield typed.failed(internal_error_body(e))
+                return
             yield protocol.sse(internal_error_body(e))
             yield protocol.sse("[DONE]")
         finally:
@@ -802,7 +827,7 @@ class Api:
         as the client got it."""
         seconds = time.monotonic() - call.arrived
         completion_tokens = sum(len(c.token_ids) for c in choices)
-        use = call.body.tool_use if call.endpoint == "chat" else None
+        use = call.body.tool_use if call.endpoint != "completions" else None
         for c in choices:
             prompt = call.prompts[c.index // call.body.n]
             sampling = prompt.sampling
@@ -938,7 +963,7 @@ class Api:
 
 def _answers(call: _Call, choices: list[Choice]) -> list[Answer] | None:
     """Each choice's text as the chat request's tools read it; None without tools."""
-    use = call.body.tool_use if call.endpoint == "chat" else None
+    use = call.body.tool_use if call.endpoint != "completions" else None
     return None if use is None else [use.answer(c.text, c.finish_reason) for c in choices]
 
 
@@ -1064,6 +1089,7 @@ def create_app(api: Api) -> FastAPI:
     app = FastAPI(title="clora serving", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/responses", api.responses, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])  # base names may hold "/"
     app.add_api_route("/v1/feedback", api.feedback, methods=["POST"])

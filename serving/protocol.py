@@ -639,9 +639,19 @@ def lists_several_prompts(head: bytes) -> bool:
 
 def parse(model: type[BaseModel], raw: bytes) -> Any:
     """Bytes of a JSON body -> the request model; one BadRequest listing every problem otherwise."""
+    return validate(model, loads_object(raw))
+
+
+def loads_object(raw: bytes) -> dict[str, Any]:
+    """Bytes of a JSON body -> its object (checked as `_loads` checks it); a BadRequest otherwise."""
     data = _loads(raw or b"null")
     if not isinstance(data, dict):
         raise BadRequest("the request body must be a JSON object")
+    return data
+
+
+def validate(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    """A request's JSON object -> the request model; one BadRequest listing every problem otherwise."""
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -279,6 +279,66 @@ def test_tool_calls_forced_on_the_real_engine_come_back_through_the_sdk_and_the_
     assert e.value.body["param"] == "response_format", e.value.body
 
 
+def test_the_responses_api_is_the_chat_path_answered_in_its_form_through_the_sdk(server):
+    """/v1/responses on the real engine: the same prompt and tokens as the chat request it reads as (so the
+    same answer at temperature 0), Responses' output items and typed stream events as the openai SDK reads
+    them (its stream helper checks their order and identities), a forced function call and the turn that
+    sends its result back, and the interaction event the learner gets."""
+    c = client(server, "initech")
+    asked = {"model": "base", "max_output_tokens": 6, "temperature": 0}
+    chat_answer = c.chat.completions.create(model="base", max_tokens=6, temperature=0, messages=[
+        {"role": "system", "content": "Answer briefly."}, *MESSAGES])
+    r = c.responses.create(instructions="Answer briefly.", input=MESSAGES[0]["content"], **asked)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model.startswith("base")
+    [message] = r.output
+    assert (message.type, message.role, message.content[0].type) == ("message", "assistant", "output_text")
+    assert r.output_text == chat_answer.choices[0].message.content and r.output_text
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat_answer.usage.prompt_tokens, 6)
+    assert (r.status, r.incomplete_details.reason) == ("incomplete", "max_output_tokens")  # 6 tokens, cut
+    assert (r.instructions, r.max_output_tokens, r.store) == ("Answer briefly.", 6, False)
+
+    events = list(c.responses.create(instructions="Answer briefly.", input=MESSAGES, stream=True, **asked))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"], kinds
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"], kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text and events[-1].response.usage.output_tokens == 6
+
+    weather = {"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}}
+    forced = c.responses.create(model="base", input=MESSAGES, tools=[weather], temperature=0, max_output_tokens=64,
+                                tool_choice={"type": "function", "name": "get_weather"})
+    [call] = forced.output
+    assert (call.type, call.name, forced.status) == ("function_call", "get_weather", "completed")
+    assert json.loads(call.arguments)["city"] in ("Oslo", "Rome") and call.call_id
+    turns = [*MESSAGES, call.model_dump(exclude_none=True),
+             {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
+    with c.responses.stream(model="base", input=turns, tools=[weather], tool_choice="required", temperature=0,
+                            max_output_tokens=64, parallel_tool_calls=False) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    [again] = final.output
+    assert again.type == "function_call" and json.loads(again.arguments)["city"] in ("Oslo", "Rome")
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+
+    logged = read_events(server.bootstrap, "clora.interactions", {r.id, forced.id})
+    assert logged[r.id]["completion"] == r.output_text and logged[r.id]["metadata"]["endpoint"] == "responses"
+    assert logged[r.id]["messages"] == [{"role": "system", "content": "Answer briefly."}, *MESSAGES]
+    assert logged[forced.id]["metadata"]["tools"]["called"] == ["get_weather"]
+
+    for refused, param in [({"previous_response_id": r.id}, "previous_response_id"),
+                           ({"tools": [{"type": "web_search"}]}, "tools"),
+                           ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                            "input")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.responses.create(**{"model": "base", "input": "hi", **refused})
+        assert e.value.body["param"] == param, e.value.body
+
+
 def test_a_production_request_is_started_before_waiting_requests_of_a_lower_priority(server):
     """The engine's queue is ordered by `priority`: a full engine (one request of 16 choices fills the test
     server's 16 sequences) with 16 more choices of priority 5 waiting takes a priority-0 request that came

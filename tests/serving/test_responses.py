@@ -1,0 +1,190 @@
+"""/v1/responses read into a chat request, and its answers and stream events built from the chat path's
+pieces (serving/responses.py), without an engine. The same through the openai SDK on the real engine:
+test_server.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serving import protocol
+from serving.engine import Choice, Delta
+from serving.errors import BadRequest, UnsupportedParameter
+from serving.responses import ResponseEvents, parse, response
+
+pytestmark = pytest.mark.unit
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "now",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def request(**fields) -> bytes:
+    return json.dumps({"model": "base", "input": "hi", **fields}).encode()
+
+
+def test_instructions_and_input_items_become_the_chat_messages_of_one_conversation():
+    body = parse(request(instructions="Be brief.", input=[
+        {"role": "user", "content": "weather?"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Looking."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "rain"}]},
+        {"type": "function_call", "call_id": "call_3", "name": "get_weather", "arguments": "{}"},
+    ], tools=[WEATHER]))
+    assert body.plain_messages() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "Looking.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+        {"role": "tool", "content": "rain", "tool_call_id": "call_2"},
+        {"role": "assistant", "content": None, "tool_calls": [  # after a tool turn: a turn of its own
+            {"id": "call_3", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+    ]
+    assert body.tool_use.tools == ({"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}},)
+    assert parse(request(input="hello")).plain_messages() == [{"role": "user", "content": "hello"}]
+
+
+def test_fields_map_onto_their_chat_fields():
+    body = parse(request(max_output_tokens=7, temperature=0.5, top_p=0.9, tool_choice={"type": "function", "name": "get_weather"},
+                         tools=[WEATHER], parallel_tool_calls=False, metadata={"app": "x"}, user="u", seed=3,
+                         store=True, include=[], background=False, truncation="disabled", some_new_field=1))
+    sampling = body.sampling()
+    assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.seed) == (7, 0.5, 0.9, 3)
+    assert (body.tool_use.choice, body.tool_use.name, body.tool_use.parallel) == ("function", "get_weather", False)
+    assert body.metadata == {"app": "x"} and body.n == 1
+    with pytest.raises(BadRequest, match="text.format cannot be a JSON format with a tool_choice") as e:
+        parse(request(tools=[WEATHER], tool_choice="required", text={"format": {"type": "json_object"}}))
+    assert e.value.param == "text.format"  # the chat request's response_format, named as this request names it
+    assert parse(request(text={"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}})
+                 ).sampling().structured == ("json_schema", '{"type":"object"}')
+    assert parse(request(text={"format": {"type": "json_object"}})).sampling().structured == ("json_object", "")
+    assert parse(request(text={"format": {"type": "text"}})).sampling().structured is None
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"background": True}, "background"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"top_logprobs": 5}, "top_logprobs"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x"}]}]}, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+    ({"instructions": [{"role": "system", "content": "x"}]}, "instructions"),
+    ({"text": {"format": {"type": "grammar"}}}, "text.format"),
+])
+def test_what_this_server_does_not_do_is_a_400_naming_the_field(fields, param):
+    with pytest.raises(UnsupportedParameter) as e:
+        parse(request(**fields))
+    assert e.value.param == param
+
+
+@pytest.mark.parametrize("given", [[], 7, [{"role": "bot", "content": "x"}], ["text"],
+                                   [{"type": "function_call", "name": "f", "arguments": "{}"}],
+                                   [{"type": "function_call_output", "output": "x"}]])
+def test_malformed_input_is_a_400_naming_input(given):
+    with pytest.raises(BadRequest) as e:
+        parse(request(input=given))
+    assert e.value.param == "input"
+
+
+def test_an_answer_is_a_message_item_then_a_function_call_item_per_call():
+    body = parse(request(tools=[WEATHER]))
+    choice = Choice(0, text="Sure.<tool_call>…", token_ids=[1, 2, 3], finish_reason="stop")
+    call = {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}
+    answer = response("resp_abc", "base", [choice], 11, False, answers=[("Sure.", [call], "tool_calls")], body=body)
+    assert [item["type"] for item in answer["output"]] == ["message", "function_call"]
+    assert answer["output"][0]["content"][0]["text"] == "Sure." and answer["output"][0]["id"] == "msg_abc"
+    assert answer["output"][1] == {"type": "function_call", "id": "fc_call_9", "call_id": "call_9",
+                                   "name": "get_weather", "arguments": '{"city":"Oslo"}', "status": "completed"}
+    assert (answer["status"], answer["incomplete_details"], answer["store"]) == ("completed", None, False)
+    assert answer["usage"] == {"input_tokens": 11, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 3,
+                               "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 14}
+    assert (answer["tool_choice"], answer["tools"]) == ("auto", [WEATHER])  # as the request gave them
+    only_calls = response("resp_abc", "base", [choice], 11, False, answers=[(None, [call], "tool_calls")], body=body)
+    assert [item["type"] for item in only_calls["output"]] == ["function_call"]
+    cut = response("resp_abc", "base", [Choice(0, text="ab", finish_reason="length")], 1, False, answers=None, body=body)
+    assert (cut["status"], cut["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+    assert cut["output"][0]["status"] == "incomplete"
+
+
+def events_of(data: bytes) -> list[dict]:
+    """SSE bytes -> each event's data, checking its `event:` line names its type."""
+    out = []
+    for block in data.decode().split("\n\n"):
+        if block:
+            kind, payload = block.split("\n")
+            event = json.loads(payload.removeprefix("data: "))
+            assert kind == f"event: {event['type']}"
+            out.append(event)
+    return out
+
+
+def chunk(delta: dict, finish_reason: str | None = None) -> dict:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+
+
+def test_a_stream_of_chat_chunks_becomes_responses_typed_events_in_order():
+    events = ResponseEvents("resp_x", "base", parse(request(tools=[WEATHER])))
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    data = b"".join([events.chunk(chunk({"role": "assistant", "content": ""})), events.chunk(chunk({"content": "He"})),
+                     events.chunk(chunk({"content": "llo"})), events.chunk(chunk({"tool_calls": [call]})),
+                     events.chunk(chunk({}, "tool_calls")), events.done(5, 4)])
+    got = events_of(data)
+    assert [e["type"] for e in got] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    assert [e["sequence_number"] for e in got] == list(range(len(got)))
+    assert got[0]["response"]["status"] == "in_progress" and got[0]["response"]["output"] == []
+    assert got[6]["text"] == "Hello" and [got[9]["output_index"], got[12]["item"]["call_id"]] == [1, "call_1"]
+    final = got[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["message", "function_call"]
+    assert final["usage"]["output_tokens"] == 4 and final["status"] == "completed"
+
+
+def test_a_stream_cut_at_the_length_ends_incomplete_and_an_empty_one_still_has_its_message():
+    events = ResponseEvents("resp_x", "base", parse(request()))
+    got = events_of(events.chunk(chunk({"role": "assistant", "content": ""})) + events.chunk(chunk({"content": "ab"}, "length"))
+                    + events.done(3, 2))
+    assert got[-1]["type"] == "response.incomplete" and got[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert got[-2]["item"]["status"] == "incomplete"
+    empty = ResponseEvents("resp_y", "base", parse(request()))
+    got = events_of(empty.chunk(chunk({"role": "assistant", "content": ""})) + empty.chunk(chunk({}, "stop")) + empty.done(3, 0))
+    assert [e["type"] for e in got][2:] == ["response.output_item.added", "response.content_part.added",
+                                            "response.output_text.done", "response.content_part.done",
+                                            "response.output_item.done", "response.completed"]
+    assert got[-1]["response"]["output"][0]["content"][0]["text"] == ""
+
+
+def test_a_failure_once_streaming_is_an_error_event_then_response_failed():
+    events = ResponseEvents("resp_x", "base", parse(request()))
+    opening = events.chunk(chunk({"role": "assistant", "content": ""}))
+    got = events_of(opening + events.failed({"error": {"message": "stopping", "type": "server_error",
+                                                       "code": "server_stopping", "param": None}}))
+    assert [e["type"] for e in got[2:]] == ["error", "response.failed"]
+    assert (got[2]["code"], got[2]["message"]) == ("server_stopping", "stopping")
+    assert got[3]["response"]["status"] == "failed" and got[3]["response"]["error"]["code"] == "server_stopping"
+
+
+def test_the_body_is_checked_as_any_request_is():
+    with pytest.raises(BadRequest, match="the request body must be a JSON object"):
+        parse(b"[1]")
+    with pytest.raises(BadRequest) as e:
+        parse(request(temperature=3))
+    assert e.value.param == "temperature"
+    with pytest.raises(BadRequest) as e:
+        parse(request(max_output_tokens=0))
+    assert e.value.param == "max_output_tokens"
+    assert protocol.parse(protocol.ChatRequest, b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}')
