@@ -875,8 +875,7 @@ def _group_errors(group_id: str, session_timeout_ms: int) -> Iterator[None]:
     from `poll`; none is retried), and a batch that cannot be read for want of its codec, is a BrokerError
     naming what to change, not a kafka-python traceback. Nothing is lost: what was read and not committed is
     read again by the next run. (A batch that cannot be read for what it holds is a dead letter instead:
-    ingest.record_batches; a CorruptRecordError still comes from a message inside an old-format message set
-    failing its own checksum.)"""
+    ingest.record_batches.)"""
     try:
         yield
     except InvalidSessionTimeoutError as e:

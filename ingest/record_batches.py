@@ -8,17 +8,23 @@ producer sends) made kafka-python raise from `poll` at the same offset at every 
 stop ingest for good.
 
 `install(max_batch_bytes)` makes kafka-python's batches, in this process, read so:
-- compressed data is decompressed in chunks, and a batch past `max_batch_bytes` stops there;
-- a batch that cannot be read (too large, data that does not decompress, records that do not parse, a
-  failed checksum) yields, in place of the records not read, one record at the batch's last offset whose
-  value is a `SkippedBatch`: the batch as the broker stored it (Kafka's record-batch format), with the
-  dead-letter reason and detail. `ingest.events.decode` turns it into that dead letter; the consumer's
-  position moves past the batch as after any record, so the batch is read once and committed with the rest.
-- bytes left after a batch's last record are ignored (logged), as its records were read whole.
+- compressed data is decompressed in chunks, and a batch past `max_batch_bytes` stops there (snappy's
+  blocks state their lengths: all are checked before any is decompressed);
+- a batch that cannot be read (too large, data that does not decompress, records that do not parse or
+  whose offsets leave the batch's range, a failed checksum) yields, in place of the records not read, one
+  record at the batch's last offset whose value is a `SkippedBatch`: the batch as the broker stored it
+  (Kafka's record-batch format), with the dead-letter reason and detail. `ingest.events.decode` turns it
+  into that dead letter; the consumer's position moves past the batch as after any record, so the batch is
+  read once and committed with the rest (a header claiming a last offset before its first is read as
+  holding one record: the position would otherwise stay on it);
+- a transaction's control batch whose marker cannot be read marks no abort (the fetcher reads it itself);
+- bytes left after a batch's last record are ignored (logged), as its records were read whole; so is what
+  follows an lz4 batch's first frame, as kafka-python ignored it.
 
-Records read before a record that does not parse are kept: they are events like any other. Batches in the
-message formats before Kafka 0.11 (magic 0 and 1) are read within the same bounds, except that lz4 in the
-Kafka 0.8/0.9 framing is refused (`bad_batch`).
+Records read before a record that does not parse are kept: they are events like any other. Message sets
+in the formats before Kafka 0.11 (magic 0 and 1) are read within the same bounds, a message failing its
+own checksum, a message length too short for a message (kafka-python looped for ever on a negative one)
+and a codec id past lz4 included; lz4 in the Kafka 0.8/0.9 framing is refused (`bad_batch`).
 
 Only the consumer's reading changes: kafka-python's producers and what it writes are untouched. The
 patched methods are kafka-python 3's (checked at install: another version refuses to start, naming it).
@@ -39,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20  # decompressed per read: what a batch over the limit may allocate past it
 _CODECS = {1: "gzip", 2: "snappy", 3: "lz4", 4: "zstd"}
+_LAST_OFFSET_DELTA = 6  # in DefaultRecordBatch._header_data (HEADER_STRUCT's fields)
+_LEGACY_CODECS = (0, 1, 2, 3)  # none, gzip, snappy, lz4: the message formats before Kafka 0.11 have no zstd
 _XERIAL_HEADER = b"\x82SNAPPY\x00"  # snappy in Java's xerial framing (8 bytes of a 16-byte header)
 
 _limit = 64 << 20  # set by install(); one per process
@@ -84,21 +92,41 @@ def _varint(data: memoryview, pos: int = 0) -> int:
 
 
 def _snappy(snappy: Any, data: memoryview, compressed: int) -> bytearray:
-    if data[:8] == _XERIAL_HEADER:  # 16-byte header, then blocks of [int32 length][raw snappy]
-        blocks, pos = [], 16
+    def blocks() -> Iterator[memoryview]:
+        if data[:8] != _XERIAL_HEADER:
+            yield data
+            return
+        pos = 16  # a 16-byte header, then blocks of [int32 length][raw snappy]
         while pos < len(data):
             (size,) = struct.unpack_from(">i", data, pos)
             if size < 0 or pos + 4 + size > len(data):
                 raise ValueError(f"a snappy block's length ({size}) runs past the data")
-            blocks.append(data[pos + 4:pos + 4 + size])
+            yield data[pos + 4:pos + 4 + size]
             pos += 4 + size
-    else:
-        blocks = [data]
-    if sum(_varint(b) for b in blocks) > _limit:  # each raw block states its length first: checked before any
-        raise _too_large("snappy", compressed)
+
+    total = 0
+    for block in blocks():  # each raw block states its length first: all are checked before any is decompressed
+        total += _varint(block)
+        if total > _limit:
+            raise _too_large("snappy", compressed)
     out = bytearray()
-    for block in blocks:
+    for block in blocks():
         out += snappy.decompress(block)
+    return out
+
+
+def _lz4(frame: Any, data: memoryview) -> bytearray:
+    """The first lz4 frame (what follows it is ignored, as kafka-python's lz4.frame.decompress ignores it)."""
+    decompressor, out = frame.LZ4FrameDecompressor(), bytearray()
+    out += decompressor.decompress(data, max_length=CHUNK_BYTES)
+    while not decompressor.eof:
+        if len(out) > _limit:
+            raise _too_large("lz4", len(data))
+        if decompressor.needs_input:
+            raise ValueError("the lz4 frame ends before its end mark")
+        out += decompressor.decompress(b"", max_length=CHUNK_BYTES)
+    if len(out) > _limit:
+        raise _too_large("lz4", len(data))
     return out
 
 
@@ -138,8 +166,7 @@ def _decompress(codec_id: int, data: memoryview, magic: int) -> bytearray:
         if codec == "lz4":
             if magic == 0:
                 raise _Unreadable("bad_batch", "lz4 in the framing of Kafka 0.8/0.9 (message format 0) is not read")
-            with module.LZ4FrameFile(io.BytesIO(data), "rb") as f:
-                return _read_stream(f, codec, len(data))
+            return _lz4(module, data)
         return _snappy(module, data, len(data))
     except (_Unreadable, MemoryError):
         raise
@@ -165,12 +192,13 @@ class _SkippedRecord:
         return True
 
 
-def _skipped(batch: Any, offset: int, raw: bytes, reason: str, detail: str) -> _SkippedRecord:
+def _skipped(batch: Any, offset: int, raw: Any, reason: str, detail: str) -> _SkippedRecord:
+    """The record standing for the rest of `batch`, at `offset`; `raw`: the batch as stored (bytes-like)."""
     if batch.magic == 2:
         where, timestamp = f"the record batch at offsets {batch.base_offset}..{offset}", batch.max_timestamp
     else:
         where, timestamp = f"the message set at offset {offset} (message format {batch.magic})", None
-    value = SkippedBatch(raw, reason, f"{where}: {detail}; its records were not read")
+    value = SkippedBatch(raw, reason, f"{where}: {detail}; its records (from there) were not read")
     logger.warning("ingest: %s (dead-lettered as %s)", value.detail, reason)
     return _SkippedRecord(offset, timestamp, batch.timestamp_type or 0, value)
 
@@ -179,9 +207,16 @@ def _v2_iter(batch: Any, next_record: Callable[[Any], Any]) -> Iterator[Any]:
     """A v2 batch's records (DefaultRecordBatch.__iter__ in its place)."""
     from kafka.errors import CorruptRecordError
 
-    stored, last = batch._buffer, batch.last_offset  # the batch as stored (bytes() of it only when skipped)
+    stored, last = batch._buffer, batch.last_offset  # the batch as stored (copied only when skipped)
+    if last < batch.base_offset:
+        # The fetcher moves its position to the batch's last offset + 1 once it is read: with a negative
+        # delta that is at or before the batch, read again at every fetch. Its header is read as holding one.
+        delta = last - batch.base_offset
+        batch._header_data = (*batch._header_data[:_LAST_OFFSET_DELTA], 0, *batch._header_data[_LAST_OFFSET_DELTA + 1:])
+        yield _skipped(batch, batch.base_offset, stored, "bad_batch", f"its last offset delta is {delta}")
+        return
     if batch._decompressed is _CRC_FAILED:
-        yield _skipped(batch, last, bytes(stored), "bad_batch", "it failed its CRC-32C checksum (damaged on the broker, "
+        yield _skipped(batch, last, stored, "bad_batch", "it failed its CRC-32C checksum (damaged on the broker, "
                                                       "or sent so by its producer)")
         return
     if not batch._decompressed:
@@ -189,20 +224,28 @@ def _v2_iter(batch: Any, next_record: Callable[[Any], Any]) -> Iterator[Any]:
             try:
                 data = _decompress(batch.compression_type, memoryview(batch._buffer)[batch._pos:], 2)
             except _Unreadable as e:
-                yield _skipped(batch, last, bytes(stored), e.reason, e.detail)
+                yield _skipped(batch, last, stored, e.reason, e.detail)
                 return
             batch._buffer, batch._pos = data, 0
         batch._decompressed = True
     count = batch.records_count
     if count < 0:
-        yield _skipped(batch, last, bytes(stored), "bad_batch", f"its record count is {count}")
+        yield _skipped(batch, last, stored, "bad_batch", f"its record count is {count}")
         return
+    previous = batch.base_offset - 1
     for i in range(count):
         try:
             record = next_record(batch)
         except CorruptRecordError as e:  # kafka-python's for a record that does not parse
-            yield _skipped(batch, last, bytes(stored), "bad_batch", f"its record {i + 1} of {count} does not parse ({e})"[:500])
+            yield _skipped(batch, max(last, previous + 1), stored, "bad_batch",
+                           f"its record {i + 1} of {count} does not parse ({e})"[:500])
             return
+        if not previous < record.offset <= last:  # offsets go up within the batch's own range
+            yield _skipped(batch, max(last, previous + 1), stored, "bad_batch",
+                           f"its record {i + 1} of {count} has offset {record.offset}, outside "
+                           f"{previous + 1}..{last}")
+            return
+        previous = record.offset
         yield record
     if batch._pos != len(batch._buffer):
         logger.warning("ingest: the record batch at offsets %d..%d has %d bytes after its %d records; ignored",
@@ -213,19 +256,42 @@ def _legacy_iter(batch: Any, original: Callable[[Any], Iterator[Any]]) -> Iterat
     """A message set's records in the formats before Kafka 0.11 (LegacyRecordBatch.__iter__ in its place)."""
     from kafka.errors import CorruptRecordError
 
-    raw, last = bytes(batch._buffer), batch._offset
+    stored, last = batch._buffer, batch._offset
     if batch._decompressed is _CRC_FAILED:
-        yield _skipped(batch, last, raw, "bad_batch", "it failed its CRC-32 checksum")
+        yield _skipped(batch, last, stored, "bad_batch", "it failed its CRC-32 checksum")
         return
-    read = 0
+    if batch.compression_type not in _LEGACY_CODECS:
+        yield _skipped(batch, last, stored, "bad_batch", f"its codec id {batch.compression_type} is not one of its format")
+        return
+    read, previous = 0, -1
     try:
         for record in original(batch):
-            read += 1
+            if not record.validate_crc():
+                raise CorruptRecordError(f"message at offset {record.offset} failed its CRC-32 checksum")
+            if not previous < record.offset <= last:
+                raise CorruptRecordError(f"offset {record.offset} is outside {previous + 1}..{last}")
+            read, previous = read + 1, record.offset
             yield record
     except _Unreadable as e:
-        yield _skipped(batch, last, raw, e.reason, e.detail)
+        yield _skipped(batch, last, stored, e.reason, e.detail)
     except (CorruptRecordError, ValueError, IndexError, AssertionError, struct.error) as e:  # kafka-python's parse errors
-        yield _skipped(batch, last, raw, "bad_batch", f"its message {read + 1} does not parse ({type(e).__name__}: {e})"[:500])
+        yield _skipped(batch, max(last, previous + 1), stored, "bad_batch",
+                       f"its message {read + 1} does not parse ({type(e).__name__}: {e})"[:500])
+
+
+def _legacy_headers(batch: Any) -> list[tuple[tuple, int]]:
+    """LegacyRecordBatch._read_all_headers, refusing a length that does not move past the message header
+    (kafka-python's loops forever on a negative one, growing its list)."""
+    from kafka.errors import CorruptRecordError
+
+    pos, headers = 0, []
+    while pos < len(batch._buffer):
+        header = batch._read_header(pos)
+        if header[1] < batch.RECORD_OVERHEAD_V0:  # the smallest message: no key, no value
+            raise CorruptRecordError(f"a message's length is {header[1]}")
+        headers.append((header, pos))
+        pos += batch.LOG_OVERHEAD + header[1]
+    return headers
 
 
 def _checked_crc(original: Callable[[Any], bool]) -> Callable[[Any], bool]:
@@ -241,6 +307,27 @@ def _checked_crc(original: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return validate_crc
 
 
+def _control_next(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """DefaultRecordBatch.__next__, which the fetcher calls itself on a transaction's control batch (to see
+    whether it marks an abort): one that cannot be read marks nothing (None, as kafka-python takes a marker
+    it does not find) rather than raising at that offset at every start."""
+    from kafka.errors import CorruptRecordError
+
+    def next_record(batch: Any) -> Any:
+        if not batch.is_control_batch:
+            return original(batch)
+        try:
+            record = original(batch)
+            record.abort  # noqa: B018 (reads the marker's key: a key of another length raises here)
+            return record
+        except (StopIteration, CorruptRecordError, ValueError, IndexError, struct.error) as e:
+            logger.warning("ingest: the control batch at offset %d cannot be read (%s: %s); taken as no abort marker",
+                           batch.base_offset, type(e).__name__, e)
+            return None
+
+    return next_record
+
+
 def install(max_batch_bytes: int) -> None:
     """Reads kafka-python's record batches in this process as the module docstring says; `max_batch_bytes`:
     the most a batch may decompress to (the last install's limit holds for every consumer in the process)."""
@@ -253,13 +340,17 @@ def install(max_batch_bytes: int) -> None:
 
     v2, legacy = default_records.DefaultRecordBatch, legacy_records.LegacyRecordBatch
     needed = [(v2, n) for n in ("__next__", "_read_msg", "validate_crc", "records_count", "last_offset",
-                                "max_timestamp")] + [(legacy, n) for n in ("__iter__", "_decompress", "validate_crc")]
+                                "max_timestamp", "is_control_batch")] + [
+        (legacy, n) for n in ("__iter__", "_decompress", "validate_crc", "_read_all_headers", "_read_header",
+                              "RECORD_OVERHEAD_V0", "LOG_OVERHEAD")]
     missing = [f"{cls.__name__}.{name}" for cls, name in needed if not hasattr(cls, name)]
     if missing or not kafka.__version__.startswith("3."):
         raise RuntimeError(f"kafka-python {kafka.__version__} is not the 3.x this ingest reads batches of "
                            f"(missing: {', '.join(missing) or 'none'}); install kafka-python 3")
     next_record, legacy_original = v2.__next__, legacy.__iter__
     v2.__iter__ = lambda batch: _v2_iter(batch, next_record)
+    v2.__next__ = _control_next(next_record)
+    legacy._read_all_headers = _legacy_headers
     v2.validate_crc = _checked_crc(v2.validate_crc)
     legacy.validate_crc = _checked_crc(legacy.validate_crc)
     legacy.__iter__ = lambda batch: _legacy_iter(batch, legacy_original)

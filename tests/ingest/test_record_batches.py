@@ -22,12 +22,12 @@ import pytest
 import snappy
 import zstandard
 from kafka.codec import gzip_encode, lz4_encode, snappy_encode, zstd_encode
-from kafka.consumer.fetcher import Fetcher
+from kafka.consumer.fetcher import Fetcher, IsolationLevel
 from kafka.errors import UnsupportedCodecError
 from kafka.record import MemoryRecords
 from kafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 from kafka.record.legacy_records import LegacyRecordBatchBuilder
-from kafka.record.util import calc_crc32c
+from kafka.record.util import calc_crc32, calc_crc32c
 from kafka.structs import TopicPartition
 
 from clora.config import Config, ConfigError, load_config
@@ -229,6 +229,78 @@ def test_the_older_message_formats_are_read_within_the_same_bounds():
     assert (record.offset, next_offset) == (BASE + 15, BASE + 16) and record.value == bomb
     dead = decode(record.value, max_bytes=1000)
     assert dead.reason == "batch_too_large" and "the message set at offset 115 (message format 1)" in dead.detail
+
+
+def test_an_unreadable_transaction_marker_is_taken_as_no_abort_and_reading_goes_on(caplog):
+    """Reading committed records only, the fetcher reads a control batch's marker itself: one that did not
+    parse raised at that offset at every start."""
+    good_values = events(2)
+    good = bytearray(v2_batch(records_section(good_values), codec=0, count=2))
+    struct.pack_into(">q", good, 0, BASE + 1)
+    for payload, count in [(b"\x10junkjunkjunk", 1), (b"", 0), (records_section([b"x"]), 1)]:  # its key: not 4 bytes
+        control = bytearray(v2_batch(payload, codec=0x30, count=count))  # the control and transactional bits
+        struct.pack_into(">qh", control, 43, 7, 0)  # a producer id and epoch, as a transaction's
+        struct.pack_into(">I", control, DefaultRecordBatch.CRC_OFFSET,
+                         calc_crc32c(bytes(control[DefaultRecordBatch.ATTRIBUTES_OFFSET:])))
+        partition = Fetcher.PartitionRecords(BASE, TP, MemoryRecords(bytes(control) + bytes(good)),
+                                             isolation_level=IsolationLevel.READ_COMMITTED)
+        assert [r.value for r in partition.take()] == good_values and partition.next_fetch_offset == BASE + 3
+    assert "taken as no abort marker" in caplog.text
+
+
+def test_offsets_outside_the_batch_end_it_and_a_negative_last_offset_moves_the_position_past_it():
+    values = events(3)
+    records, next_offset = fetch(v2_batch(records_section(values), codec=0, count=3, last_delta=1))
+    assert [r.value for r in records[:2]] == values[:2] and "has offset 102, outside 102..101" in records[2].value.detail
+    (record,), next_offset = fetch(v2_batch(b"junk", codec=ZSTD, count=3, last_delta=-1))
+    assert (record.offset, next_offset) == (BASE, BASE + 1)  # not BASE: the same batch read again, for ever
+    assert "its last offset delta is -1" in record.value.detail
+
+
+def test_snappy_in_tiny_blocks_is_bounded_by_the_limit_not_by_its_block_count():
+    """A view per block was held before any was decompressed: ~40 bytes of memory per byte of the batch."""
+    header = snappy_encode(b"x")[:16]
+    batch = v2_batch(header + (struct.pack(">i", 1) + b"\x00") * 20_000, codec=SNAPPY, count=1)
+    tracemalloc.start()
+    try:
+        (record,), _ = fetch(batch)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * len(batch) and record.value.reason == "bad_batch"
+
+
+def test_lz4_data_after_the_first_frame_is_ignored_as_kafka_python_ignored_it():
+    values = events(20)
+    section = records_section(values)
+    for tail in (b"\x00" * 8, b"junk", lz4_encode(b"another frame")):
+        records, _ = fetch(v2_batch(lz4_encode(section) + tail, codec=LZ4, count=20))
+        assert [r.value for r in records] == values
+
+
+def test_a_message_set_with_a_damaged_message_a_bad_length_or_no_such_codec_is_a_dead_letter():
+    """The format before Kafka 0.11: a message failing its own checksum raised at every start, a negative
+    length looped for ever (growing a list), codec ids past lz4 asked for a codec to be installed."""
+    def wrapper(inner: bytes, codec: int) -> bytes:
+        value = gzip_encode(inner) if codec == GZIP else inner
+        body = struct.pack(">bbqii", 1, codec, 1_700_000_000_000, -1, len(value)) + value
+        message = struct.pack(">I", calc_crc32(body)) + body
+        return struct.pack(">qi", BASE + 2, len(message)) + message
+
+    builder = LegacyRecordBatchBuilder(magic=1, compression_type=0, batch_size=1 << 30)
+    values = events(3)
+    for i, value in enumerate(values):
+        builder.append(i, timestamp=1_700_000_000_000, key=None, value=value)
+    damaged = bytearray(builder.build())
+    damaged[-2] ^= 0xFF  # inside the third message's value
+    records, next_offset = fetch(wrapper(bytes(damaged), GZIP))
+    assert [r.value for r in records[:2]] == values[:2] and next_offset == BASE + 3
+    assert "failed its CRC-32 checksum" in records[2].value.detail
+    negative = struct.pack(">qiIbbq", 0, -12, 0, 1, 0, 1) + struct.pack(">ii", -1, 1) + b"x"
+    (record,), _ = fetch(wrapper(negative, GZIP))
+    assert record.value.reason == "bad_batch" and "a message's length is -12" in record.value.detail
+    (record,), _ = fetch(wrapper(b"whatever", ZSTD))
+    assert record.value.reason == "bad_batch" and "codec id 4" in record.value.detail
 
 
 def test_a_codec_library_not_installed_stops_ingest_rather_than_dead_letter_a_readable_batch(monkeypatch):
