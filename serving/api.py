@@ -202,11 +202,17 @@ class InflightLimit:
     requests of a tenant wait (more: 429 at once): each holds a connection, and one tenant's flood must not
     fill the server's connection limit for every other tenant.
 
+    A quarter of each tenant's room (`reserve`, none below a limit of 4) is production's: a request of a
+    `priority` above 0 (the learner's rollouts) takes room only while it leaves that much free, or when the
+    tenant holds nothing (so a large one still runs). Without it, a step's rollouts filled the tenant's room
+    and an app's request waited for a rollout to finish before the engine saw it.
+
     Runs on the event loop only, like the rest of the API: no lock.
     """
 
     def __init__(self, limit: int, wait_s: float = 0.0) -> None:
         self.limit = limit
+        self.reserve = limit // 4
         self.wait_s = wait_s
         self._held: dict[str, int] = {}
         # tenant -> its waiting requests (priority, arrival, sequences, granted), in the order they get room
@@ -219,17 +225,25 @@ class InflightLimit:
     def waiting(self, tenant: str) -> int:
         return len(self._waiting.get(tenant, ()))
 
-    def must_wait(self, tenant: str, sequences: int) -> bool:
+    def must_wait(self, tenant: str, sequences: int, priority: int = 0) -> bool:
         """Whether `acquire` would wait (rather than take at once, or refuse)."""
         try:
-            return not self._fits_now(tenant, sequences)
+            return not self._fits_now(tenant, sequences, priority)
         except (BadRequest, RateLimited):
             return False
 
-    def _fits_now(self, tenant: str, sequences: int) -> bool:
+    def _room(self, tenant: str, sequences: int, priority: int) -> bool:
+        """Whether the tenant has room for the request now (a rollout's leaves production's reserve)."""
+        held = self.held(tenant)
+        if priority > 0 and held:
+            return held + sequences <= self.limit - self.reserve
+        return held + sequences <= self.limit
+
+    def _fits_now(self, tenant: str, sequences: int, priority: int = 0) -> bool:
         """Whether the request takes its room at once (False: it waits for room); raises when it is refused."""
         self._check(sequences)
-        if not self._waiting.get(tenant) and self.held(tenant) + sequences <= self.limit:
+        ahead = any(waiting_priority <= priority for waiting_priority, *_ in self._waiting.get(tenant, ()))
+        if not ahead and self._room(tenant, sequences, priority):  # production passes waiting rollouts
             return True
         if self.wait_s <= 0:
             raise self._over(tenant, sequences)
@@ -240,7 +254,7 @@ class InflightLimit:
     async def acquire(self, tenant: str, sequences: int, priority: int = 0) -> Callable[[], None]:
         """`take`, waiting for room up to `wait_s` behind the tenant's requests of a smaller `priority` (the
         engine's order: production traffic, 0, before the learner's rollouts) or of the same that waited first."""
-        if self._fits_now(tenant, sequences):
+        if self._fits_now(tenant, sequences, priority):
             return self.take(tenant, sequences)
         granted = asyncio.get_running_loop().create_future()
         waiter = (priority, next(self._arrivals), sequences, granted)
@@ -284,7 +298,7 @@ class InflightLimit:
     def _grant(self, tenant: str) -> None:
         """Gives room to the tenant's first waiting requests that fit now, in their order."""
         queue = self._waiting.get(tenant)
-        while queue and self.held(tenant) + queue[0][2] <= self.limit:
+        while queue and self._room(tenant, queue[0][2], queue[0][0]):
             _, _, sequences, granted = queue.pop(0)
             if not granted.done():
                 granted.set_result(self.take(tenant, sequences))
@@ -489,7 +503,7 @@ class Api:
         chat = endpoint != "completions"
         given = [None] if chat else body.prompts()
         sequences = len(given) * body.n
-        if self.inflight.must_wait(tenant, sequences):  # for room: its client may leave meanwhile
+        if self.inflight.must_wait(tenant, sequences, body.priority):  # for room: its client may leave meanwhile
             got = []
 
             async def wait() -> None:

@@ -1449,6 +1449,32 @@ def test_the_in_flight_wait_is_first_come_first_served_bounded_and_left_by_a_cli
     asyncio.run(scenario())
 
 
+def test_the_learners_rollouts_leave_a_quarter_of_a_tenants_room_to_its_production_requests():
+    """A step's rollouts (priority 1) filled the tenant's room: an app's request then waited for a rollout to
+    finish before the engine saw it."""
+    from serving.api import InflightLimit
+
+    async def scenario():
+        limit = InflightLimit(8, wait_s=30.0)
+        rollouts = [limit.take("acme", 1) for _ in range(6)]  # held already: the reserve is 2
+        waiting = asyncio.create_task(limit.acquire("acme", 1, priority=1))
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and limit.must_wait("acme", 1, priority=1)
+        assert not limit.must_wait("acme", 2)  # production takes the reserve at once
+        production = await limit.acquire("acme", 2)
+        production()
+        rollouts.pop()()  # a rollout ends: the one waiting takes its place, the reserve stays free
+        (await waiting)()
+        for release in rollouts:
+            release()
+        alone = await limit.acquire("acme", 8, priority=1)  # one as large as the room runs when nothing is held
+        assert limit.held("acme") == 8
+        alone()
+        assert InflightLimit(3).reserve == 0  # below 4: no reserve
+
+    asyncio.run(scenario())
+
+
 def test_each_tenant_salts_the_prefix_cache():
     w = World()
     w.post("/v1/chat/completions", chat())
