@@ -76,10 +76,12 @@ What this module does not do: decide what to train (the learner's scheduler) or 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
+import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -547,7 +549,19 @@ class Cursors:
         target = self.dd.damaged_checkpoints(tenant) / f"{_step_name(int(step))}-{stamp}"
         with FileLock(self._lock_path(tenant)):
             ensure_dir(target.parent)
-            os.rename(source, target)
+            try:
+                os.rename(source, target)
+            except OSError as e:
+                if e.errno != errno.EXDEV:
+                    raise
+                # state/ on another filesystem than cursors/: copied whole (and durable) under a hidden name,
+                # then renamed into place, and only then removed from the cursor
+                partial = target.with_name(f".{target.name}.partial")
+                remove_tree(partial)
+                shutil.copytree(source, partial)
+                fsync_tree(partial)
+                os.rename(partial, target)
+                remove_tree(source)
             fsync_dir(target.parent)  # its new entry durable before the old one's removal
             fsync_dir(source.parent)
             by_time = sorted(target.parent.iterdir(), key=lambda p: p.name.rsplit("-", 1)[-1])  # step-<n>-<utc>

@@ -687,6 +687,30 @@ def test_a_damaged_checkpoint_set_aside_leaves_the_step_committed_and_few_are_ke
     assert (aside[-1] / "optimizer.pt").read_bytes() == b"adam s2"
 
 
+def test_a_damaged_checkpoint_is_set_aside_when_state_is_on_another_filesystem(data_dir, monkeypatch):
+    """os.rename cannot cross filesystems (EXDEV): with state/ mounted apart from cursors/, setting a damaged
+    checkpoint aside raised, and the learner with it, at every start."""
+    import errno
+    import os
+
+    import storage.cursors as cursors_module
+
+    cursors = Cursors(data_dir, keep_checkpoints=10)
+    for step in (1, 2):
+        cursors.commit("acme", step=step, ids=[f"i{step}"], checkpoint=_checkpoint(f"s{step}"))
+    real_rename = os.rename
+
+    def rename(source, target):
+        if "cursors" in str(source) and "damaged-checkpoints" in str(target):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_rename(source, target)
+
+    monkeypatch.setattr(cursors_module.os, "rename", rename)
+    aside = cursors.set_aside_checkpoint("acme", 2)
+    assert (aside / "optimizer.pt").read_bytes() == b"adam s2" and cursors.latest_checkpoint("acme")[0] == 1
+    assert [p.name for p in aside.parent.iterdir()] == [aside.name]  # no partial copy left beside it
+
+
 @pytest.mark.parametrize("damage", ["truncated", "corrupt page"])
 def test_a_damaged_trajectories_file_is_left_out_and_read_again_once_restored_in_place(data_dir, make_trajectories,
                                                                                        damage):
