@@ -258,8 +258,8 @@ def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None) -> tup
         eos_appended = False
         if row.get("completion_token_ids"):
             completion_ids = [int(t) for t in row["completion_token_ids"]]
-        else:
-            completion_ids, eos_appended = retokenised_completion(row, tokenizer)
+        else:  # a prompt the chat template made (not the row's own text): its turn ends as the template ends one
+            completion_ids, eos_appended = retokenised_completion(row, tokenizer, chat=prompt != row.get("prompt"))
         if not prompt_ids or not completion_ids:
             unusable[row["id"]] = "empty prompt or completion"
             continue
@@ -473,10 +473,12 @@ class BehaviourFromLogits:
         return out
 
 
-def retokenised_completion(row: dict, tokenizer) -> tuple[list[int], bool]:
+def retokenised_completion(row: dict, tokenizer, *, chat: bool = False) -> tuple[list[int], bool]:
     """(token ids, whether the end-of-sequence token was appended) of a row without `completion_token_ids`
     (an app producing to Kafka itself; serving's rows carry the ids it sampled): the completion's text
-    tokenized, and the tokenizer's end-of-sequence token appended. An app's logged answer is a whole answer,
+    tokenized, and the tokenizer's end-of-sequence token appended; for a `chat` prompt (the chat template's),
+    the token the template closes an assistant's turn with (`turn_end_id`: Gemma's `<end_of_turn>`, Phi-3's
+    `<|end|>`, where the tokenizer's end-of-sequence token is another, which the model never writes there). An app's logged answer is a whole answer,
     which ended there; without the token the policy learns every token of a good answer but never to stop
     after it, which serving's rows (their sampled ids end with it) and rollouts (`rollouts.completion_tokens`,
     for a sample that finished) do teach. Not appended to an empty text (still no completion to train), to
@@ -487,11 +489,42 @@ def retokenised_completion(row: dict, tokenizer) -> tuple[list[int], bool]:
     appended token's is then unknown: NaN, weight 1 there) or one more (the app logged its stop token's
     too, as vLLM's `token_logprobs` have it)."""
     ids = list(tokenizer(row.get("completion") or "", add_special_tokens=False).input_ids)
-    eos = tokenizer.eos_token_id
+    eos = turn_end_id(tokenizer) if chat else tokenizer.eos_token_id
     cut = row_metadata(row.get("metadata_json")).get("finish_reason") == "length"
     if not ids or eos is None or ids[-1] == eos or cut:
         return ids, False
     return ids + [eos], True
+
+
+TURN_MARK = "Zq7clora-turn-mark"  # an assistant's content no template changes, found again in its rendering
+
+
+def turn_end_id(tokenizer) -> int | None:
+    """The token the tokenizer's chat template closes an assistant's turn with: the first token after an
+    assistant message's content in a rendered conversation, when it is a special token (an added one);
+    otherwise, or without a template, the tokenizer's end-of-sequence token. Worked out once per tokenizer
+    and template."""
+    key = (id(tokenizer), str(getattr(tokenizer, "chat_template", None)))
+    cached = _turn_ends.get(key)
+    if cached is not None and cached[0] is tokenizer:
+        return cached[1]
+    end = tokenizer.eos_token_id
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": TURN_MARK}],
+                                             tokenize=False)
+    except Exception as e:  # no template, or one with rules of its own: the end-of-sequence token
+        logger.debug("the chat template did not render a conversation (%s); turns end with eos", e)
+        text = ""
+    if TURN_MARK in text:
+        after = tokenizer(text.split(TURN_MARK, 1)[1], add_special_tokens=False).input_ids
+        special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
+        if after and after[0] in special:
+            end = after[0]
+    _turn_ends[key] = (tokenizer, end)
+    return end
+
+
+_turn_ends: dict[tuple[int, str], tuple[object, int | None]] = {}
 
 
 def within_reward_range(examples: Sequence[Example], max_abs: float) -> tuple[list[Example], dict[str, str]]:

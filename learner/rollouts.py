@@ -82,6 +82,7 @@ from learner.logs_mode import (
     prompt_text,
     row_metadata,
     stale_reason,
+    turn_end_id,
     version_number,
 )
 from learner.policy import Policy, picked_logprobs
@@ -649,8 +650,8 @@ def completion_tokens(policy: Policy, sample: Sample) -> tuple[list[int], tuple[
     the sampler gave them (and they are in the vocabulary), else the re-tokenised text (see the module note)."""
     if sample.token_ids is not None and all(t < policy.vocab_size for t in sample.token_ids):
         return list(sample.token_ids), sample.logprobs
-    ids = policy.tokenizer(sample.text, add_special_tokens=False).input_ids
-    return (ids + [policy.eos_token_id] if sample.finished else ids), None
+    ids = policy.tokenizer(sample.text, add_special_tokens=False).input_ids  # the prompt is the chat template's
+    return (ids + [turn_end_id(policy.tokenizer)] if sample.finished else ids), None
 
 
 def train_step(

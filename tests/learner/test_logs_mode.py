@@ -203,6 +203,30 @@ def test_a_completion_logged_as_text_is_trained_to_its_end_unless_cut_at_the_len
     assert got["ids"].completion_ids == (19, 20) and got["ids"].behaviour_logprobs == (-1.0, -2.0)
 
 
+def test_a_chat_answer_logged_as_text_ends_with_the_token_its_template_closes_a_turn_with(tiny_model):
+    """Gemma's template closes a turn with <end_of_turn>, Phi-3's with <|end|>, while their tokenizers' end of
+    sequence is another token: appending that one taught the policy to end its answers with a token the
+    model never writes there. A plain prompt's answer still ends with the end-of-sequence token."""
+    from transformers import AutoTokenizer
+
+    from learner.logs_mode import turn_end_id
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    assert turn_end_id(tok) == tok.eos_token_id == 2  # the tiny model's ChatML: <|im_end|> both
+    tok.chat_template = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|endoftext|>' }}"
+                         "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    assert turn_end_id(tok) == 0 != tok.eos_token_id
+    text = tuple(tok("12 cats", add_special_tokens=False).input_ids)
+    rows = trajectories("acme", [
+        {"id": "chat", "messages_json": json.dumps([{"role": "user", "content": "q"}]), "completion": "12 cats",
+         "reward": 1.0},
+        {"id": "plain", "prompt": "q:", "completion": "12 cats", "reward": 1.0},
+    ])
+    examples, unusable = to_examples(rows, tok, vocab_size=len(tok))
+    got = {e.id: e.completion_ids for e in examples}
+    assert unusable == {} and got == {"chat": (*text, 0), "plain": (*text, tok.eos_token_id)}
+
+
 def test_a_prompt_sent_as_token_ids_is_trained_on_those_ids_not_on_its_text_re_tokenized(tiny_model):
     """ids [74, 71, 78, 78, 81] decode to "hello", which re-encodes as [261, 300, 81]: the model saw the first,
     and the behaviour log-probs were sampled under them, so the learner trains on the stored ids."""
