@@ -521,7 +521,7 @@ class Api:
                 use = body.tool_use
                 rendered = await self.engine.chat_prompt(messages, tenant, use.tools if use else None,
                                                          reads_calls=use is not None and use.choice == "auto")
-                prompts = [self._prompt(rendered, sampling, "messages")]
+                prompts = [self._prompt(rendered, sampling, GENERATIONS[endpoint][1])]
             else:
                 messages = None
                 prompts = []

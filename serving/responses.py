@@ -39,12 +39,13 @@ REFUSED = {
     "conversation": "conversations are not stored: send the whole conversation in input",
     "background": "responses run in the foreground only",
     "prompt": "stored prompt templates are not supported: send instructions and input",
-    "reasoning": "reasoning options are not supported",
-    "include": "no extra output is included",
     "top_logprobs": "log-probabilities are not returned by /v1/responses (use /v1/chat/completions)",
     "max_tool_calls": "the number of tool calls is not limited",
 }
-HARMLESS = {"background": False, "include": [], "reasoning": {}, "top_logprobs": 0}
+HARMLESS = {"background": False, "top_logprobs": 0}
+# `include` values that ask for output this server has none of (hosted tools' results, encrypted reasoning,
+# which stateless clients ask for every turn): nothing to include. Log-probabilities would be left out.
+INCLUDE_REFUSED = ("message.output_text.logprobs",)
 # The chat request's names of fields a Responses request names otherwise (in a 400's message and param).
 CHAT_NAMES = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens", "messages": "input"}
 # Fields taken as they are by the chat path (vLLM's sampling extensions among them).
@@ -69,6 +70,15 @@ def parse(raw: bytes) -> ResponsesRequest:
         value = data.get(name)
         if value is not None and value != HARMLESS.get(name, None):
             raise UnsupportedParameter(f"{name} is not supported by this server: {why}", param=name)
+    include = data.get("include")
+    if include is not None and (not isinstance(include, list) or any(i in INCLUDE_REFUSED for i in include)):
+        raise UnsupportedParameter("include is not supported by this server for log-probabilities (use "
+                                   "/v1/chat/completions); other values include nothing here", param="include")
+    reasoning = data.get("reasoning")
+    if reasoning is not None and (not isinstance(reasoning, dict) or reasoning.get("effort") not in (None, "none")
+                                  or reasoning.get("summary") is not None):
+        raise UnsupportedParameter("reasoning is not supported by this server (its models do not reason "
+                                   "apart): only effort \"none\" or null", param="reasoning")
     if data.get("truncation") not in (None, "disabled"):
         raise UnsupportedParameter("truncation is not supported by this server: a prompt past the context is a 400 "
                                    "(truncation \"disabled\")", param="truncation")
@@ -80,7 +90,8 @@ def parse(raw: bytes) -> ResponsesRequest:
         chat["tools"] = _tools(data["tools"])
     if data.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(data["tool_choice"])
-    text_format = _text_format(data.get("text"))
+    given_format = _given_format(data.get("text"))
+    text_format = _text_format(given_format)
     if text_format is not None:
         chat["response_format"] = text_format
     try:
@@ -101,7 +112,7 @@ def parse(raw: bytes) -> ResponsesRequest:
         "top_p": request.top_p,
         "tool_choice": data.get("tool_choice") or ("auto" if data.get("tools") else "none"),
         "tools": data.get("tools") or [],
-        "text": {"format": (data.get("text") or {}).get("format") or {"type": "text"}},
+        "text": {"format": given_format or {"type": "text"}},
         "user": data.get("user"),
     }
     return request
@@ -192,10 +203,20 @@ def _tool_choice(choice: Any) -> Any:
                                "required, or a function)", param="tool_choice")
 
 
-def _text_format(text: Any) -> dict[str, Any] | None:
+def _given_format(text: Any) -> dict[str, Any] | None:
+    """`text.format` as given (None: not given); a `text` or format that is no object is a 400."""
     if text is None:
         return None
-    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict):
+        raise BadRequest("text must be an object", param="text")
+    fmt = text.get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise BadRequest("text.format must be an object", param="text.format")
+    return fmt
+
+
+def _text_format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The chat request's response_format for a `text.format`."""
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_schema":  # flat in Responses, nested in chat
@@ -209,7 +230,7 @@ def _text_format(text: Any) -> dict[str, Any] | None:
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt_tokens + completion_tokens}
 
@@ -267,7 +288,8 @@ class ResponseEvents:
         self.sequence = 0
         self.output: list[dict[str, Any]] = []  # the finished items
         self.text: str | None = None  # the message item's text while it is open
-        self.message_id = f"msg_{response_id.removeprefix('resp_')}"
+        self.message_id = ""  # the open message item's (each has its own: _open_text)
+        self.messages = 0
         self.finish_reason: str | None = None
 
     def _event(self, kind: str, **data: Any) -> bytes:
@@ -299,6 +321,8 @@ class ResponseEvents:
 
     def _open_text(self) -> list[bytes]:
         index, self.text = len(self.output), ""
+        self.messages += 1
+        self.message_id = f"msg_{self.response_id.removeprefix('resp_')}" + (f"_{self.messages}" if self.messages > 1 else "")
         return [self._event("response.output_item.added", output_index=index,
                             item={**_message_item(self.message_id, "", "in_progress"), "content": []}),
                 self._event("response.content_part.added", item_id=self.message_id, output_index=index,
@@ -351,6 +375,8 @@ class ResponseEvents:
         """A failure after the stream began (`error`: an OpenAI error body): `error`, then `response.failed`."""
         detail = error.get("error", error)
         code, message = detail.get("code") or detail.get("type") or "server_error", detail.get("message", "")
+        # the response's error code is one of Responses' own few; the event before it keeps clora's
+        kind = "rate_limit_exceeded" if code == "rate_limit_exceeded" else "server_error"
         return (self._event("error", code=code, message=message, param=detail.get("param"))
-                + self._event("response.failed", response=self._snapshot("failed", error={"code": code,
+                + self._event("response.failed", response=self._snapshot("failed", error={"code": kind,
                                                                                           "message": message})))

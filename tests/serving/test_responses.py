@@ -7,11 +7,16 @@ from __future__ import annotations
 import json
 
 import pytest
+from openai.types.responses import Response
+from openai.types.responses import ResponseStreamEvent as StreamEvent
+from pydantic import TypeAdapter
 
 from serving import protocol
 from serving.engine import Choice, Delta
 from serving.errors import BadRequest, UnsupportedParameter
 from serving.responses import ResponseEvents, parse, response
+
+ResponseStreamEvent = TypeAdapter(StreamEvent)  # the openai SDK's union of Responses' stream events
 
 pytestmark = pytest.mark.unit
 
@@ -69,8 +74,9 @@ def test_fields_map_onto_their_chat_fields():
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"truncation": "auto"}, "truncation"),
     ({"top_logprobs": 5}, "top_logprobs"),
@@ -85,6 +91,22 @@ def test_fields_map_onto_their_chat_fields():
 def test_what_this_server_does_not_do_is_a_400_naming_the_field(fields, param):
     with pytest.raises(UnsupportedParameter) as e:
         parse(request(**fields))
+    assert e.value.param == param
+
+
+def test_options_that_ask_for_nothing_this_server_lacks_are_taken():
+    """What stateless agent clients send every turn: encrypted reasoning to include (there is none), reasoning
+    off, hosted tools' results (no hosted tools)."""
+    parse(request(include=["reasoning.encrypted_content", "file_search_call.results"], reasoning={"effort": "none"},
+                  top_logprobs=0, background=False))
+    parse(request(reasoning={"effort": None, "summary": None}, include=None, text={"verbosity": "low"}))
+
+
+@pytest.mark.parametrize(("text", "param"), [("hello", "text"), ([1], "text"), ({"format": "json_object"}, "text.format"),
+                                             ({"format": ["x"]}, "text.format")])
+def test_a_text_or_format_that_is_no_object_is_a_400(text, param):
+    with pytest.raises(BadRequest) as e:
+        parse(request(text=text))
     assert e.value.param == param
 
 
@@ -107,11 +129,14 @@ def test_an_answer_is_a_message_item_then_a_function_call_item_per_call():
     assert answer["output"][1] == {"type": "function_call", "id": "fc_call_9", "call_id": "call_9",
                                    "name": "get_weather", "arguments": '{"city":"Oslo"}', "status": "completed"}
     assert (answer["status"], answer["incomplete_details"], answer["store"]) == ("completed", None, False)
-    assert answer["usage"] == {"input_tokens": 11, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 3,
+    assert answer["usage"] == {"input_tokens": 11, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                               "output_tokens": 3,
                                "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 14}
     assert (answer["tool_choice"], answer["tools"]) == ("auto", [WEATHER])  # as the request gave them
     only_calls = response("resp_abc", "base", [choice], 11, False, answers=[(None, [call], "tool_calls")], body=body)
     assert [item["type"] for item in only_calls["output"]] == ["function_call"]
+    for built in (answer, only_calls):
+        Response.model_validate(built)  # as the openai SDK types it, strictly
     cut = response("resp_abc", "base", [Choice(0, text="ab", finish_reason="length")], 1, False, answers=None, body=body)
     assert (cut["status"], cut["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
     assert cut["output"][0]["status"] == "incomplete"
@@ -152,6 +177,13 @@ def test_a_stream_of_chat_chunks_becomes_responses_typed_events_in_order():
     final = got[-1]["response"]
     assert [i["type"] for i in final["output"]] == ["message", "function_call"]
     assert final["usage"]["output_tokens"] == 4 and final["status"] == "completed"
+    for event in got:
+        ResponseStreamEvent.validate_python(event)  # as the openai SDK types them, strictly
+    again = ResponseEvents("resp_x", "base", parse(request(tools=[WEATHER])))  # text, a call, text: two messages
+    data = b"".join([again.chunk(chunk({"role": "assistant", "content": ""})), again.chunk(chunk({"content": "a"})),
+                     again.chunk(chunk({"tool_calls": [call]})), again.chunk(chunk({"content": "b"})), again.done(1, 3)])
+    items = events_of(data)[-1]["response"]["output"]
+    assert [i["type"] for i in items] == ["message", "function_call", "message"] and items[0]["id"] != items[2]["id"]
 
 
 def test_a_stream_cut_at_the_length_ends_incomplete_and_an_empty_one_still_has_its_message():
@@ -175,7 +207,10 @@ def test_a_failure_once_streaming_is_an_error_event_then_response_failed():
                                                        "code": "server_stopping", "param": None}}))
     assert [e["type"] for e in got[2:]] == ["error", "response.failed"]
     assert (got[2]["code"], got[2]["message"]) == ("server_stopping", "stopping")
-    assert got[3]["response"]["status"] == "failed" and got[3]["response"]["error"]["code"] == "server_stopping"
+    # the response's error code is one of Responses' own (the SDK's type has a fixed list); the event keeps clora's
+    assert got[3]["response"]["status"] == "failed" and got[3]["response"]["error"]["code"] == "server_error"
+    for event in got:
+        ResponseStreamEvent.validate_python(event)
 
 
 def test_the_body_is_checked_as_any_request_is():
