@@ -182,10 +182,13 @@ def _digest(prompt: str) -> str:
     return hashlib.sha256(prompt.encode()).hexdigest()
 
 
-def update_probes(current: Sequence[str], seen: Iterable[str], k: int) -> tuple[str, ...]:
-    """The k prompts with the smallest SHA-256 among `current` and `seen` (deterministic, rarely changing)."""
+def update_probes(current: Sequence[str], seen: Iterable[str], k: int,
+                  fits: Callable[[str], bool] = lambda prompt: True) -> tuple[str, ...]:
+    """The k prompts with the smallest SHA-256 among `current` and `seen` (deterministic, rarely changing)
+    that `fits`: a probe decodes its whole prompt (training cuts rows to the context), so one prompt of
+    100,000 tokens an app logged cost every step of its tenant gigabytes, or the step itself."""
     pool = {p for p in (*current, *seen) if p}
-    return tuple(sorted(pool, key=_digest)[:k])
+    return tuple([p for p in sorted(pool, key=_digest) if fits(p)][:k])
 
 
 def probe_rewards(

@@ -80,7 +80,7 @@ from learner.policy import Policy, PolicyError
 from learner.types import Example, SampledWith
 from learner.update import UpdateResult, pg_update
 
-_VERSION = re.compile(r"^(?P<tenant>.+)@(?P<number>[0-9]+)$")
+_VERSION = re.compile(r"^(?P<tenant>.+)@(?P<number>[0-9]{1,18})$")  # past 18 digits: no version clora made
 # Metadata keys clora's serving tier has set on every interaction it logs since its first version
 # (serving/api.py): all of them together tell its rows from an app's own, whose metadata may well have one.
 SERVING_KEYS = ("served_by", "endpoint", "latency_ms", "usage", "sampling")
@@ -228,6 +228,10 @@ def prompt_text(row: dict, tokenizer) -> str | None:
     return prompt or None
 
 
+LIST_COLUMNS = ("prompt_token_ids", "completion_token_ids", "completion_logprobs")
+MAX_LOGPROB = 1e-3  # a logged log-prob above it is none (float error may put a certain token's a hair above 0)
+
+
 def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None) -> tuple[list[Example], dict[str, str]]:
     """Examples for every usable row, and id -> reason for the rows that cannot be trained on (among them
     prompt or completion token ids outside the model's `vocab_size` rows: an app's own ids, or rows logged
@@ -236,8 +240,12 @@ def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None) -> tup
     A row with `prompt_token_ids` trains on those ids, and its `group` is their decoded text: a function of
     the ids alone, so rows with the same prompt ids are one group whatever text they stored, and still a
     text (the loop hands groups to the gate as probe prompts)."""
-    examples, unusable = [], {}
+    examples, unusable, positive = [], {}, []
     for row in rows.to_pylist():
+        holes = [name for name in LIST_COLUMNS if None in (row.get(name) or ())]
+        if holes:  # ingest writes none; another writer of the dataset might (each step failed on it)
+            unusable[row["id"]] = f"{holes[0]} holds a null"
+            continue
         stored_ids = row.get("prompt_token_ids")
         if stored_ids:
             prompt_ids = [int(t) for t in stored_ids]
@@ -268,6 +276,9 @@ def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None) -> tup
             continue
         behaviour = row.get("completion_logprobs")
         drawn = sampled_with(row)
+        if behaviour and any(x > MAX_LOGPROB for x in behaviour):  # no log-prob: probabilities, or their negation
+            positive.append(row["id"])
+            behaviour = None
         if drawn is not None or not behaviour or not all(math.isfinite(x) for x in behaviour):
             behaviour = None  # recomputed (SampledWith), unknown (a reason) or none logged
         elif eos_appended and len(behaviour) == len(completion_ids) - 1:
@@ -285,6 +296,10 @@ def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None) -> tup
                 sampled_with=drawn if isinstance(drawn, SampledWith) else None,
             )
         )
+    if positive:
+        logger.warning("%d rows (the first %s) logged completion_logprobs above 0, which no log-probability is "
+                       "(probabilities, or negative log-likelihoods?): trained with weight 1, as without them",
+                       len(positive), positive[0])
     return examples, unusable
 
 
@@ -342,17 +357,23 @@ def sampled_with(row: dict) -> SampledWith | str | None:
 
 
 def _number(value, *, low: float = -math.inf, high: float = math.inf) -> float:
-    """A sampling record's number: not a bool, finite, within [low, high]."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not low <= value <= high:
-        raise ValueError(f"{value!r} is not a number in [{low:g}, {high:g}]")
-    return float(value)
+    """A sampling record's number: not a bool, finite as a float, within [low, high]."""
+    try:
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an integer past a float's range (10**400): JSON holds any
+        number = math.nan
+    if not math.isfinite(number) or not low <= number <= high:
+        raise ValueError(f"{str(value)[:40]} is not a number in [{low:g}, {high:g}]")
+    return number
+
+
+MAX_WHOLE = 2**31 - 1  # the largest top_k, token id or count a sampling record may hold (a tensor's int64 is wider)
 
 
 def _whole(value, *, low: int = -1) -> int:
-    """A sampling record's whole number (top_k, a token id), at least `low`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{value!r} is not a whole number from {low}")
+    """A sampling record's whole number (top_k, a token id), in [low, MAX_WHOLE]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_WHOLE:
+        raise ValueError(f"{str(value)[:40]} is not a whole number in [{low}, {MAX_WHOLE}]")
     return value
 
 

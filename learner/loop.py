@@ -192,6 +192,7 @@ class StepRecord:
 # "sampling", the sampler's time for the step's rollouts (it ran in the background, overlapping other work,
 # and only "wait" of it held up this step).
 PHASES = ("wait", "score", "train", "probe", "publish", "other")
+PROBE_CHARS_PER_TOKEN = 16  # a prompt longer than this many characters a token of its room is not tokenized
 
 
 @dataclass(frozen=True)
@@ -761,7 +762,7 @@ class Learner:
         collected = time.monotonic()
         yield Collected(name)  # a round takes the others' work now (`Collected`); the wait is not this step's
         rt.round_wait += time.monotonic() - collected
-        rt.probes = gate.update_probes(rt.probes, work.prompts, self.settings.gate_prompts)
+        rt.probes = gate.update_probes(rt.probes, work.prompts, self.settings.gate_prompts, self._probe_fits)
         scorer = tenant_scorer(rt.spec)
         with clock("probe"):
             parent_probe = self._parent_probe(rt, scorer)
@@ -985,7 +986,8 @@ class Learner:
         rows = self.cursors.untrained(rt.spec.name, limit=n_prompts * (rt.spec.group_size + 1) * 2)
         file_prompts = self._file_prompts(rt) if rt.spec.prompts_file is not None else ()
         plan = rollouts.plan_from_rows(rows, n_prompts, file_prompts=file_prompts, step=rt.step + 1,
-                                       own_rollouts=rt.rollout_ids, tokenizer=self.policy.tokenizer)
+                                       own_rollouts=rt.rollout_ids, tokenizer=self.policy.tokenizer,
+                                       max_prompt_tokens=self.max_len - 1)
         return plan if plan.prompts or plan.consumed_ids else None
 
     def _file_plan(self, rt: TenantRuntime, step: int) -> RolloutPlan:
@@ -1013,6 +1015,14 @@ class Learner:
         cached = self._prompts_cache.get(rt.spec.name)
         if key is None or cached is None or cached[0] != key:
             rendered = [rollouts.render_user_prompt(self.policy.tokenizer, p) for p in rollouts.read_prompts_file(path)]
+            fitting = [p for p in rendered if len(self.policy.tokenizer(p).input_ids) < self.max_len]  # as serving counts
+            if len(fitting) < len(rendered):  # each would fail its step at serving, at every turn of the file
+                logger.warning("tenant %r: %d of the %d prompts in %s are longer than the context (%d tokens) "
+                               "leaves room for; they are skipped", rt.spec.name, len(rendered) - len(fitting),
+                               len(rendered), path, self.max_len)
+            if not fitting:
+                raise rollouts.SamplingError(f"no prompt in prompts_file {path} fits the context of {self.max_len} tokens")
+            rendered = fitting
             cached = self._prompts_cache[rt.spec.name] = (key, rendered)
         return cached[1]
 
@@ -1166,6 +1176,13 @@ class Learner:
                 return answer.rewards
             rt.probe_cache = {key: answer.rewards}
         return rt.probe_cache[key]
+
+    def _probe_fits(self, prompt: str) -> bool:
+        """Whether a gate probe's prompt leaves room in the context for its completion."""
+        room = self.max_len - self.settings.max_new_tokens
+        if len(prompt) > room * PROBE_CHARS_PER_TOKEN:  # too long, near enough, whatever it tokenizes to
+            return False
+        return len(self.policy.tokenizer(prompt, add_special_tokens=False).input_ids) <= room
 
     def _probe_key(self, rt: TenantRuntime) -> tuple:
         """What a probe's rewards depend on: the adapter state, the prompts, the scorer and the decode length.

@@ -152,6 +152,7 @@ def plan_from_rows(
     step: int = 0,
     own_rollouts: Collection[str] = (),
     tokenizer=None,
+    max_prompt_tokens: int | None = None,
 ) -> RolloutPlan:
     """The step's prompts: `n_prompts` from `file_prompts` (rotating with `step`) when given, else the
     rendered prompts of the untrained production rows (rows that are the learner's own rollouts, by id
@@ -159,7 +160,9 @@ def plan_from_rows(
     which renders a messages-only row with `tokenizer`'s chat template; without a tokenizer, the stored
     text). A row with `prompt_token_ids` (a prompt whose text does not re-tokenize to what was served: sent
     as ids, or given a BOS by serving) gets those ids decoded, special tokens kept as text, which the
-    learner's tokenizer reads back as the same special tokens. Every row looked at is consumed."""
+    learner's tokenizer reads back as the same special tokens. Every row looked at is consumed. A prompt of
+    more than `max_prompt_tokens` tokens (with `tokenizer`) is skipped, consumed: serving would refuse it as
+    past the context, failing the step, and the next step would plan from the same rows."""
     consumed, prompts = [], []
     columns = ["id", "prompt", "messages_json", "metadata_json"]
     columns += ["prompt_token_ids"] if "prompt_token_ids" in rows.column_names else []
@@ -171,6 +174,12 @@ def plan_from_rows(
             prompt = tokenizer.decode(row["prompt_token_ids"])
         else:
             prompt = prompt_text(row, tokenizer) if tokenizer else row["prompt"]
+        # counted as serving counts a text prompt: with the tokenizer's special tokens (a BOS)
+        if prompt and max_prompt_tokens is not None and tokenizer is not None and (
+                len(tokenizer(prompt).input_ids) > max_prompt_tokens):
+            logger.info("rollouts: the prompt of %s is longer than the context leaves room for (%d tokens); skipped",
+                        row["id"], max_prompt_tokens)
+            prompt = None
         if not prompt:
             consumed.append(row["id"])
         elif len(prompts) < n_prompts:

@@ -110,6 +110,11 @@ def test_probe_set_is_the_k_smallest_hashes_and_stable():
     assert update_probes(probes, seen[:5], 4) == probes
     assert update_probes((), ["", "a"], 4) == ("a",)
     assert update_probes(probes, seen, 0) == ()
+    # a probe decodes its whole prompt: one too long for the context (an app's logged 100,000 tokens) is no probe,
+    # nor one picked before
+    long = "x" * 1000
+    kept = update_probes((*probes[:3], long), [*seen, long], 4, fits=lambda p: len(p) < 100)
+    assert long not in kept and len(kept) == 4 and kept == update_probes((), seen, 4)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -29,6 +29,34 @@ def test_version_numbers():
     assert version_number("a.b@2", "a.b") == 2
     assert version_number("beta@7", "acme") is None  # another tenant's adapter
     assert version_number("acme", "acme") is None
+    assert version_number("acme@" + "9" * 5000, "acme") is None  # int() of it raised, failing every step
+
+
+def test_rows_any_producer_can_write_train_or_are_left_out_but_never_fail_the_step(tiny_model):
+    """Values ingest takes that broke every step of their tenant (from a review): a sampling record's number
+    past a float's or an int64's range, log-probs above 0 (an app logging probabilities or negative
+    log-likelihoods: their weights came out ~0, the rows training nothing while counted), and a null inside a
+    list column (a writer other than ingest)."""
+    from transformers import AutoTokenizer
+
+    from learner.logs_mode import sampled_with
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    served = {"served_by": "acme@1", "endpoint": "chat", "latency_ms": 1, "usage": {}}
+    for sampling in ({"temperature": 10**400}, {"top_p": 10**400}, {"logit_bias": {"5": 10**400}},
+                     {"top_k": 2**70}, {"min_tokens": 2**70}, {"stop_token_ids": [2**70]}):
+        row = {"tenant": "acme", "adapter_version": "acme@1", "metadata_json": json.dumps({**served, "sampling": sampling})}
+        assert sampled_with(row).startswith("unreadable sampling record"), sampling  # weight 1, not an exception
+    text = tok("12 cats", add_special_tokens=False).input_ids
+    rows = trajectories("acme", [
+        {"id": "probabilities", "prompt": "q", "completion": "12 cats", "reward": 1.0,
+         "completion_token_ids": text, "completion_logprobs": [0.5, 0.9, 0.1, 0.7]},
+        {"id": "hole", "prompt": "q", "completion": "12 cats", "reward": 1.0,
+         "completion_token_ids": [text[0], None, *text[2:]]},
+    ])
+    examples, unusable = to_examples(rows, tok, vocab_size=len(tok))
+    assert [e.id for e in examples] == ["probabilities"] and examples[0].behaviour_logprobs is None
+    assert unusable == {"hole": "completion_token_ids holds a null"}
 
 
 def test_staleness_is_counted_in_version_numbers():
@@ -291,6 +319,11 @@ def test_an_event_with_messages_only_is_trained_and_sampled_on_the_chat_template
         (t1,), _ = to_examples(row, tok)
         assert t1.group == with_calls, lines
     assert plan_from_rows(rows, 2, tokenizer=tok).prompts == (template, chat_prompt("q"))
+    # a prompt serving would refuse as past the context is skipped, consumed: the step does not fail on it again
+    long = trajectories("acme", [{"id": "long", "prompt": "word " * 600, "completion": "x", "reward": 1.0},
+                                 {"id": "short", "prompt": "hi", "completion": "x", "reward": 1.0}])
+    plan = plan_from_rows(long, 2, tokenizer=tok, max_prompt_tokens=511)
+    assert plan.prompts == ("hi",) and plan.consumed_ids == ("long", "short")
     # a row served with ids its text does not re-tokenize to (sent as ids, or a BOS serving added): the
     # rollouts prompt is those ids, special tokens included, as the tokenizer reads them back
     eos = tok.convert_ids_to_tokens(tok.eos_token_id)
