@@ -229,13 +229,19 @@ def prompt_text(row: dict, tokenizer) -> str | None:
 
 
 LIST_COLUMNS = ("prompt_token_ids", "completion_token_ids", "completion_logprobs")
+CHARS_PER_TOKEN = 16  # at most, in the vocabularies clora serves (serving's bound on a prompt's text)
 MAX_LOGPROB = 1e-3  # a logged log-prob above it is none (float error may put a certain token's a hair above 0)
 
 
-def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None) -> tuple[list[Example], dict[str, str]]:
+def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None,
+                max_len: int | None = None) -> tuple[list[Example], dict[str, str]]:
     """Examples for every usable row, and id -> reason for the rows that cannot be trained on (among them
     prompt or completion token ids outside the model's `vocab_size` rows: an app's own ids, or rows logged
     for another base model, would otherwise fail every step of the tenant).
+
+    With `max_len`, each example holds what training keeps of it (batch.truncate: the completion's first
+    max_len - 1 tokens, the prompt's last max_len), and a completion logged as text is cut to what those
+    tokens can span before it is tokenized: rows of a megabyte each held gigabytes before a step cut them.
 
     A row with `prompt_token_ids` trains on those ids, and its `group` is their decoded text: a function of
     the ids alone, so rows with the same prompt ids are one group whatever text they stored, and still a
@@ -267,7 +273,11 @@ def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None) -> tup
         if row.get("completion_token_ids"):
             completion_ids = [int(t) for t in row["completion_token_ids"]]
         else:  # a prompt the chat template made (not the row's own text): its turn ends as the template ends one
-            completion_ids, eos_appended = retokenised_completion(row, tokenizer, chat=prompt != row.get("prompt"))
+            text, logged = row.get("completion") or "", row
+            if max_len is not None and len(text) > max_len * CHARS_PER_TOKEN:  # past what training keeps of it
+                logged = {**row, "completion": text[: max_len * CHARS_PER_TOKEN],
+                          "metadata_json": json.dumps({"finish_reason": "length"})}  # cut: no end token after it
+            completion_ids, eos_appended = retokenised_completion(logged, tokenizer, chat=prompt != row.get("prompt"))
         if not prompt_ids or not completion_ids:
             unusable[row["id"]] = "empty prompt or completion"
             continue
@@ -285,6 +295,10 @@ def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None) -> tup
             behaviour = [*behaviour, math.nan]  # the text's tokens': the appended stop token's is unknown (w = 1)
         elif len(behaviour) != len(completion_ids):
             behaviour = None
+        if max_len is not None:  # what batch.truncate keeps
+            completion_ids = completion_ids[: max_len - 1]
+            behaviour = None if behaviour is None else behaviour[: max_len - 1]
+            prompt_ids = prompt_ids[-(max_len - len(completion_ids)):]
         examples.append(
             Example(
                 id=row["id"],

@@ -909,7 +909,8 @@ class Learner:
             production = rows.filter(pc.invert(pc.is_in(rows.column("id"), pa.array(list(own), pa.string()))))
         selection = logs_mode.select_fresh(production, rt.spec.name, rt.version, self.settings.max_staleness,
                                            rt.served, rt.withdrawn)
-        examples, unusable = logs_mode.to_examples(selection.kept, self.policy.tokenizer, self.policy.vocab_size)
+        examples, unusable = logs_mode.to_examples(selection.kept, self.policy.tokenizer, self.policy.vocab_size,
+                                                   self.max_len)
         dropped = {**own, **selection.dropped, **unusable}
         if dropped:
             logger.info("tenant %s: %d of %d trajectories not trained (%s)", rt.spec.name, len(dropped), rows.num_rows, next(iter(dropped.values())))

@@ -57,6 +57,15 @@ def test_rows_any_producer_can_write_train_or_are_left_out_but_never_fail_the_st
     examples, unusable = to_examples(rows, tok, vocab_size=len(tok))
     assert [e.id for e in examples] == ["probabilities"] and examples[0].behaviour_logprobs is None
     assert unusable == {"hole": "completion_token_ids holds a null"}
+    # what training keeps of a row (batch.truncate), and no more: a megabyte of text is cut before it is tokenized
+    huge = trajectories("acme", [{"id": "huge", "prompt": "q " * 2000, "completion": "cats " * 200_000, "reward": 1.0},
+                                 {"id": "ids", "prompt": "q", "completion": "x", "reward": 1.0,
+                                  "completion_token_ids": text * 100, "completion_logprobs": [-1.0] * 400}])
+    examples, _ = to_examples(huge, tok, vocab_size=len(tok), max_len=64)
+    for e in examples:
+        assert len(e.completion_ids) == 63 and len(e.prompt_ids) == 1, e.id
+    assert examples[1].behaviour_logprobs == (-1.0,) * 63
+    assert examples[0].completion_ids == tuple(tok("cats " * 200, add_special_tokens=False).input_ids[:63])
 
 
 def test_staleness_is_counted_in_version_numbers():
