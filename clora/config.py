@@ -326,7 +326,7 @@ class IngestConfig(_Strict):
     )
     max_message_bytes: int = Field(1_000_000, ge=64, description="Larger messages are dead-lettered.")
     max_batch_bytes: int = Field(
-        64 << 20, ge=64, description="The most one Kafka record batch may decompress to: a larger one (a "
+        64 << 20, description="The most one Kafka record batch may decompress to: a larger one (a "
         "decompression bomb, or a producer's batches set far larger than usual) is one dead letter "
         "(batch_too_large) holding the batch as stored, its records not read. Bounds ingest's memory per batch; "
         "at least max_message_bytes + 64 KiB, so a batch of one largest message fits."
@@ -359,15 +359,6 @@ class IngestConfig(_Strict):
         "join, so one tenant's flood does not take the others' room."
     )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port of the ingest process (0: none).")
-
-    @model_validator(mode="after")
-    def _batch_holds_a_message(self) -> IngestConfig:
-        if self.max_batch_bytes < self.max_message_bytes + BATCH_OVERHEAD_BYTES:
-            raise ValueError(f"max_batch_bytes ({self.max_batch_bytes}) must be at least max_message_bytes "
-                             f"({self.max_message_bytes}) + {BATCH_OVERHEAD_BYTES}: a batch of one message that "
-                             "large would be dead-lettered whole")
-        return self
-
     metrics_host: str = Field(
         "127.0.0.1", description="Address the ingest metrics listen on (0.0.0.0: every address, for a Prometheus "
         "in another container or host)."
@@ -377,6 +368,14 @@ class IngestConfig(_Strict):
         "the partitions between them (`clora ingest --member K`); beyond one per partition the rest wait idle. "
         "With metrics_port set, process K serves its metrics on metrics_port + K."
     )
+
+    @model_validator(mode="after")
+    def _batch_holds_a_message(self) -> IngestConfig:
+        if self.max_batch_bytes < self.max_message_bytes + BATCH_OVERHEAD_BYTES:
+            raise ValueError(f"max_batch_bytes ({self.max_batch_bytes}) must be at least max_message_bytes "
+                             f"({self.max_message_bytes}) + {BATCH_OVERHEAD_BYTES}: a batch of one message that "
+                             "large would be dead-lettered whole")
+        return self
 
 
 MAX_RETENTION_DAYS = 100_000.0  # some 270 years; beyond it the cutoff overflows a timestamp
@@ -827,9 +826,11 @@ def _between_fields(c: Any) -> list[tuple[tuple[str | int, ...], str]]:
             if t.group_size > MAX_N:
                 problems.append((("tenants", i, "group_size"), f"tenant {_shown(t.name, i)}: group_size "
                                  f"{t.group_size} is more than the {MAX_N} completions a serving request may ask for (n)"))
-            if _known(inflight) and t.group_size > inflight:
+            if _known(inflight) and t.group_size > inflight - inflight // 4:
                 problems.append((("tenants", i, "group_size"), f"tenant {_shown(t.name, i)}: group_size "
-                                 f"{t.group_size} is more than serving.max_inflight_per_tenant {inflight}"))
+                                 f"{t.group_size} is more than serving.max_inflight_per_tenant {inflight} less the "
+                                 f"quarter kept for production requests ({inflight // 4}): a rollout request that "
+                                 "large waits until the tenant holds nothing"))
             if t.group_size > 1:
                 sampled.append(t.group_size)
         if sampled and _known(temperature) and not MIN_TEMPERATURE <= temperature <= 2:
@@ -837,6 +838,10 @@ def _between_fields(c: Any) -> list[tuple[tuple[str | int, ...], str]]:
                    if temperature < MIN_TEMPERATURE else "serving samples at temperatures up to 2")
             problems.append((("learner", "temperature"),
                              f"learner.temperature {temperature:g} is outside {MIN_TEMPERATURE:g} to 2 ({why})"))
+    new_tokens, context = c.learner.max_new_tokens, c.serving.max_model_len
+    if _known(new_tokens, context) and new_tokens >= context:
+        problems.append((("learner", "max_new_tokens"), f"learner.max_new_tokens {new_tokens} leaves no room in "
+                         f"serving.max_model_len {context} for a prompt (rollouts and the gate's probes)"))
     days, every = c.retention.days, c.compaction.every_seconds
     if _known(days, every) and days > 0 and every == 0:
         problems.append((("retention", "days"),

@@ -118,7 +118,6 @@ WRITING_POLL_MS = 10  # while a write is in flight: poll briefly, so its commit 
 # A batch is flushed at this many bytes of message values too: at flush_rows alone, 5,000 messages of up to
 # ingest.max_message_bytes (1 MB) could hold 5 GB in memory, and its decoded rows and Arrow tables several times more.
 FLUSH_BYTES = 64 << 20
-MAX_BATCH_BYTES = 64 << 20  # ingest.max_batch_bytes's default: the most one record batch may decompress to
 # In the state dir: per topic, the broker's id for it and since when ingest reads that incarnation
 # (`_topics_since`).
 TOPICS_FILE = "ingest-topics.json"
@@ -319,7 +318,7 @@ class Ingest:
         metrics: IngestMetrics,
         max_pending_per_tenant: int = MAX_PENDING_PER_TENANT,
         max_pending: int | None = MAX_PENDING,
-        max_batch_bytes: int = MAX_BATCH_BYTES,
+        max_batch_bytes: int = record_batches.DEFAULT_MAX_BATCH_BYTES,
         name: str = "ingest",
         client_options: dict | None = None,
         follow: Callable[[], None] | None = None,

@@ -49,7 +49,8 @@ _LAST_OFFSET_DELTA = 6  # in DefaultRecordBatch._header_data (HEADER_STRUCT's fi
 _LEGACY_CODECS = (0, 1, 2, 3)  # none, gzip, snappy, lz4: the message formats before Kafka 0.11 have no zstd
 _XERIAL_HEADER = b"\x82SNAPPY\x00"  # snappy in Java's xerial framing (8 bytes of a 16-byte header)
 
-_limit = 64 << 20  # set by install(); one per process
+DEFAULT_MAX_BATCH_BYTES = 64 << 20  # ingest.max_batch_bytes's default
+_limit = DEFAULT_MAX_BATCH_BYTES  # set by install(); one per process
 _CRC_FAILED = object()  # a batch's `_decompressed` once its checksum failed (_checked_crc)
 _installed = False
 

@@ -45,6 +45,7 @@ checks), never counted 0.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -185,10 +186,9 @@ def _digest(prompt: str) -> str:
 def update_probes(current: Sequence[str], seen: Iterable[str], k: int,
                   fits: Callable[[str], bool] = lambda prompt: True) -> tuple[str, ...]:
     """The k prompts with the smallest SHA-256 among `current` and `seen` (deterministic, rarely changing)
-    that `fits`: a probe decodes its whole prompt (training cuts rows to the context), so one prompt of
-    100,000 tokens an app logged cost every step of its tenant gigabytes, or the step itself."""
+    that `fits`: a probe decodes its whole prompt, where training cuts a row to the context."""
     pool = {p for p in (*current, *seen) if p}
-    return tuple([p for p in sorted(pool, key=_digest) if fits(p)][:k])
+    return tuple(itertools.islice((p for p in sorted(pool, key=_digest) if fits(p)), k))
 
 
 def probe_rewards(

@@ -66,6 +66,7 @@ import json
 import logging
 import math
 import re
+import weakref
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -75,7 +76,7 @@ import torch
 
 from ingest.events import render_messages, template_messages
 from learner import maths
-from learner.batch import TokenBatch, pack, pad_values
+from learner.batch import TokenBatch, pack, pad_values, truncate
 from learner.policy import Policy, PolicyError
 from learner.types import Example, SampledWith
 from learner.update import UpdateResult, pg_update
@@ -230,6 +231,13 @@ def prompt_text(row: dict, tokenizer) -> str | None:
 
 LIST_COLUMNS = ("prompt_token_ids", "completion_token_ids", "completion_logprobs")
 CHARS_PER_TOKEN = 16  # at most, in the vocabularies clora serves (serving's bound on a prompt's text)
+
+
+def fits(tokenizer, text: str, tokens: int) -> bool:
+    """Whether `text` is at most `tokens` tokens (without special tokens, as the learner sends and decodes
+    prompts); text longer than that many tokens could span is not tokenized."""
+    return tokens > 0 and len(text) <= tokens * CHARS_PER_TOKEN and \
+        len(tokenizer(text, add_special_tokens=False).input_ids) <= tokens
 MAX_LOGPROB = 1e-3  # a logged log-prob above it is none (float error may put a certain token's a hair above 0)
 
 
@@ -239,9 +247,10 @@ def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None,
     prompt or completion token ids outside the model's `vocab_size` rows: an app's own ids, or rows logged
     for another base model, would otherwise fail every step of the tenant).
 
-    With `max_len`, each example holds what training keeps of it (batch.truncate: the completion's first
-    max_len - 1 tokens, the prompt's last max_len), and a completion logged as text is cut to what those
-    tokens can span before it is tokenized: rows of a megabyte each held gigabytes before a step cut them.
+    With `max_len`, each example holds what training keeps of it (batch.truncate), and a completion logged as
+    text is cut to what those tokens can span before it is tokenized (a row of a megabyte is otherwise held
+    whole until the step's pack cuts it). A row drawn with a sampling record keeps its whole prompt, which
+    its repetition penalty's recompute reads (`_history`)
 
     A row with `prompt_token_ids` trains on those ids, and its `group` is their decoded text: a function of
     the ids alone, so rows with the same prompt ids are one group whatever text they stored, and still a
@@ -249,7 +258,7 @@ def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None,
     examples, unusable, positive = [], {}, []
     for row in rows.to_pylist():
         holes = [name for name in LIST_COLUMNS if None in (row.get(name) or ())]
-        if holes:  # ingest writes none; another writer of the dataset might (each step failed on it)
+        if holes:  # ingest writes none; another writer of the dataset might
             unusable[row["id"]] = f"{holes[0]} holds a null"
             continue
         stored_ids = row.get("prompt_token_ids")
@@ -272,12 +281,15 @@ def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None,
         eos_appended = False
         if row.get("completion_token_ids"):
             completion_ids = [int(t) for t in row["completion_token_ids"]]
-        else:  # a prompt the chat template made (not the row's own text): its turn ends as the template ends one
+        else:
             text, logged = row.get("completion") or "", row
-            if max_len is not None and len(text) > max_len * CHARS_PER_TOKEN:  # past what training keeps of it
+            cut = max_len is not None and len(text) > max_len * CHARS_PER_TOKEN  # past what training keeps of it
+            if cut:
                 logged = {**row, "completion": text[: max_len * CHARS_PER_TOKEN],
                           "metadata_json": json.dumps({"finish_reason": "length"})}  # cut: no end token after it
-            completion_ids, eos_appended = retokenised_completion(logged, tokenizer, chat=prompt != row.get("prompt"))
+            # a prompt the chat template made of the row's messages: its turn ends as the template ends one
+            chat = not stored_ids and prompt != row.get("prompt")
+            completion_ids, eos_appended = retokenised_completion(logged, tokenizer, chat=chat)
         if not prompt_ids or not completion_ids:
             unusable[row["id"]] = "empty prompt or completion"
             continue
@@ -293,12 +305,15 @@ def to_examples(rows: pa.Table, tokenizer, vocab_size: int | None = None,
             behaviour = None  # recomputed (SampledWith), unknown (a reason) or none logged
         elif eos_appended and len(behaviour) == len(completion_ids) - 1:
             behaviour = [*behaviour, math.nan]  # the text's tokens': the appended stop token's is unknown (w = 1)
+        elif not row.get("completion_token_ids") and cut and len(behaviour) >= len(completion_ids):
+            behaviour = behaviour[: len(completion_ids)]  # the cut text's tokens: the first ones, far from the cut
         elif len(behaviour) != len(completion_ids):
             behaviour = None
-        if max_len is not None:  # what batch.truncate keeps
-            completion_ids = completion_ids[: max_len - 1]
-            behaviour = None if behaviour is None else behaviour[: max_len - 1]
-            prompt_ids = prompt_ids[-(max_len - len(completion_ids)):]
+        if max_len is not None:
+            kept_prompt, completion_ids = truncate(prompt_ids, completion_ids, max_len)
+            behaviour = None if behaviour is None else behaviour[: len(completion_ids)]
+            if not isinstance(drawn, SampledWith):
+                prompt_ids = kept_prompt
         examples.append(
             Example(
                 id=row["id"],
@@ -539,9 +554,9 @@ def turn_end_id(tokenizer) -> int | None:
     assistant message's content in a rendered conversation, when it is a special token (an added one);
     otherwise, or without a template, the tokenizer's end-of-sequence token. Worked out once per tokenizer
     and template."""
-    key = (id(tokenizer), str(getattr(tokenizer, "chat_template", None)))
-    cached = _turn_ends.get(key)
-    if cached is not None and cached[0] is tokenizer:
+    template = str(getattr(tokenizer, "chat_template", None))
+    cached = _turn_ends.get(tokenizer)
+    if cached is not None and cached[0] == template:
         return cached[1]
     end = tokenizer.eos_token_id
     try:
@@ -555,11 +570,11 @@ def turn_end_id(tokenizer) -> int | None:
         special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
         if after and after[0] in special:
             end = after[0]
-    _turn_ends[key] = (tokenizer, end)
+    _turn_ends[tokenizer] = (template, end)
     return end
 
 
-_turn_ends: dict[tuple[int, str], tuple[object, int | None]] = {}
+_turn_ends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its template, the token)
 
 
 def within_reward_range(examples: Sequence[Example], max_abs: float) -> tuple[list[Example], dict[str, str]]:

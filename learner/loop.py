@@ -192,7 +192,6 @@ class StepRecord:
 # "sampling", the sampler's time for the step's rollouts (it ran in the background, overlapping other work,
 # and only "wait" of it held up this step).
 PHASES = ("wait", "score", "train", "probe", "publish", "other")
-PROBE_CHARS_PER_TOKEN = 16  # a prompt longer than this many characters a token of its room is not tokenized
 
 
 @dataclass(frozen=True)
@@ -284,6 +283,7 @@ class Learner:
         self._status_failing = False  # the status file could not be written (logged once until it can)
         self._listing_error: str | None = None  # why the trajectories could not be listed (logged once until they can)
         self._prompts_cache: dict[str, tuple[tuple | None, list[str]]] = {}  # tenant -> (file identity, rendered)
+        self._few_probes: set[str] = set()  # tenants told their gate probes are fewer for long prompts
         self._base_shapes: dict | None = None  # the base model's linear layers, for _check_servable
         self._servable: set[tuple] = set()  # (tenant, adapter shape) that passed _check_servable
         self._stepping: set[str] = set()  # tenants with a step in progress: never unloaded (`_make_room`)
@@ -762,7 +762,22 @@ class Learner:
         collected = time.monotonic()
         yield Collected(name)  # a round takes the others' work now (`Collected`); the wait is not this step's
         rt.round_wait += time.monotonic() - collected
-        rt.probes = gate.update_probes(rt.probes, work.prompts, self.settings.gate_prompts, self._probe_fits)
+        probe_room = self.max_len - self.settings.max_new_tokens  # a probe decodes its prompt, then this many
+        too_long = []
+
+        def probe_fits(prompt: str) -> bool:
+            if logs_mode.fits(self.policy.tokenizer, prompt, probe_room):
+                return True
+            too_long.append(prompt)
+            return False
+
+        rt.probes = gate.update_probes(rt.probes, work.prompts, self.settings.gate_prompts, probe_fits)
+        if too_long and len(rt.probes) < self.settings.gate_prompts and name not in self._few_probes:
+            self._few_probes.add(name)  # said once per run
+            logger.warning("tenant %r: %d gate probes of learner.gate_prompts %d: %d prompts seen are too long for "
+                           "the context (%d tokens) to hold them and learner.max_new_tokens (%d)", name,
+                           len(rt.probes), self.settings.gate_prompts, len(too_long), self.max_len,
+                           self.settings.max_new_tokens)
         scorer = tenant_scorer(rt.spec)
         with clock("probe"):
             parent_probe = self._parent_probe(rt, scorer)
@@ -988,7 +1003,7 @@ class Learner:
         file_prompts = self._file_prompts(rt) if rt.spec.prompts_file is not None else ()
         plan = rollouts.plan_from_rows(rows, n_prompts, file_prompts=file_prompts, step=rt.step + 1,
                                        own_rollouts=rt.rollout_ids, tokenizer=self.policy.tokenizer,
-                                       max_prompt_tokens=self.max_len - 1)
+                                       max_prompt_tokens=self.max_len - 1)  # serving leaves the rest to the answer
         return plan if plan.prompts or plan.consumed_ids else None
 
     def _file_plan(self, rt: TenantRuntime, step: int) -> RolloutPlan:
@@ -1016,7 +1031,7 @@ class Learner:
         cached = self._prompts_cache.get(rt.spec.name)
         if key is None or cached is None or cached[0] != key:
             rendered = [rollouts.render_user_prompt(self.policy.tokenizer, p) for p in rollouts.read_prompts_file(path)]
-            fitting = [p for p in rendered if len(self.policy.tokenizer(p).input_ids) < self.max_len]  # as serving counts
+            fitting = [p for p in rendered if logs_mode.fits(self.policy.tokenizer, p, self.max_len - 1)]
             if len(fitting) < len(rendered):  # each would fail its step at serving, at every turn of the file
                 logger.warning("tenant %r: %d of the %d prompts in %s are longer than the context (%d tokens) "
                                "leaves room for; they are skipped", rt.spec.name, len(rendered) - len(fitting),
@@ -1177,13 +1192,6 @@ class Learner:
                 return answer.rewards
             rt.probe_cache = {key: answer.rewards}
         return rt.probe_cache[key]
-
-    def _probe_fits(self, prompt: str) -> bool:
-        """Whether a gate probe's prompt leaves room in the context for its completion."""
-        room = self.max_len - self.settings.max_new_tokens
-        if len(prompt) > room * PROBE_CHARS_PER_TOKEN:  # too long, near enough, whatever it tokenizes to
-            return False
-        return len(self.policy.tokenizer(prompt, add_special_tokens=False).input_ids) <= room
 
     def _probe_key(self, rt: TenantRuntime) -> tuple:
         """What a probe's rewards depend on: the adapter state, the prompts, the scorer and the decode length.

@@ -78,6 +78,7 @@ from learner import maths
 from learner.batch import pack, pad_values
 from learner.logs_mode import (
     BehaviourFromLogits,
+    fits,
     known_logprob,
     prompt_text,
     row_metadata,
@@ -174,9 +175,9 @@ def plan_from_rows(
             prompt = tokenizer.decode(row["prompt_token_ids"])
         else:
             prompt = prompt_text(row, tokenizer) if tokenizer else row["prompt"]
-        # counted as serving counts a text prompt: with the tokenizer's special tokens (a BOS)
-        if prompt and max_prompt_tokens is not None and tokenizer is not None and (
-                len(tokenizer(prompt).input_ids) > max_prompt_tokens):
+        # sent as ids without special tokens (loop._requests): counted so
+        if prompt and len(prompts) < n_prompts and max_prompt_tokens is not None and tokenizer is not None \
+                and not fits(tokenizer, prompt, max_prompt_tokens):
             logger.info("rollouts: the prompt of %s is longer than the context leaves room for (%d tokens); skipped",
                         row["id"], max_prompt_tokens)
             prompt = None
@@ -659,7 +660,9 @@ def completion_tokens(policy: Policy, sample: Sample) -> tuple[list[int], tuple[
     the sampler gave them (and they are in the vocabulary), else the re-tokenised text (see the module note)."""
     if sample.token_ids is not None and all(t < policy.vocab_size for t in sample.token_ids):
         return list(sample.token_ids), sample.logprobs
-    ids = policy.tokenizer(sample.text, add_special_tokens=False).input_ids  # the prompt is the chat template's
+    ids = policy.tokenizer(sample.text, add_special_tokens=False).input_ids
+    # the turn's end, as the chat template ends one: rollout prompts are the template's (a prompts file's, and
+    # serving's rows'), but for an app's row with a prompt of its own
     return (ids + [turn_end_id(policy.tokenizer)] if sample.finished else ids), None
 
 

@@ -154,6 +154,11 @@ class _Call:
     ticket: idempotency.Ticket | None = None  # the request's Idempotency-Key, when it is the key's first
 
     @property
+    def chat(self) -> bool:
+        """Whether the request is a chat one (chat completions, or a Responses request read as one)."""
+        return self.endpoint != "completions"
+
+    @property
     def headers(self) -> dict[str, str]:
         return {REQUEST_ID: self.response_id, ADAPTER_VERSION: self.lease.label}
 
@@ -264,7 +269,7 @@ class InflightLimit:
         except asyncio.TimeoutError:
             if granted.done():  # room came as the wait ran out: taken
                 return granted.result()
-            raise self._over(tenant, sequences, waited=True) from None
+            raise self._over(tenant, sequences, waited=True, priority=priority) from None
         except BaseException:  # the client left (cancelled): a place given meanwhile goes back
             if granted.done() and not granted.cancelled():
                 granted.result()()
@@ -324,12 +329,16 @@ class InflightLimit:
                 f"this request asks for {sequences} completions at once (prompts x n); this server runs at most "
                 f"{self.limit} per tenant", param="n")
 
-    def _over(self, tenant: str, sequences: int, *, waited: bool = False, queue_full: bool = False) -> RateLimited:
+    def _over(self, tenant: str, sequences: int, *, waited: bool = False, queue_full: bool = False,
+              priority: int = 0) -> RateLimited:
         waited_for = f" after waiting {self.wait_s:g} s for room" if waited else ""
         if queue_full:
             waited_for = f", and {self.waiting(tenant)} requests wait for room already"
+        most = f"at most {self.limit} at once"
+        if priority > 0 and self.reserve:
+            most += f", {self.reserve} of them kept for production requests (priority 0)"
         return RateLimited(
-            f"tenant {tenant!r} has {self.held(tenant)} completions in flight; at most {self.limit} at once "
+            f"tenant {tenant!r} has {self.held(tenant)} completions in flight; {most} "
             f"(this request asks for {sequences}){waited_for}. Retry after the running requests finish.",
             headers={"retry-after": str(RETRY_AFTER_SECONDS)})
 
@@ -715,7 +724,7 @@ class Api:
     async def _stream(self, call: _Call) -> AsyncIterator[bytes]:
         """The answer's server-sent events. With an Idempotency-Key, a copy of every event is kept, and once
         the stream is whole (even if its client leaves during the last events) the key's answer is that copy."""
-        body, chat = call.body, call.endpoint != "completions"
+        body, chat = call.body, call.chat
         created = int(time.time())
         label = call.lease.label
         choices = {i: Choice(i) for i in range(call.choices)}
@@ -841,7 +850,7 @@ class Api:
         as the client got it."""
         seconds = time.monotonic() - call.arrived
         completion_tokens = sum(len(c.token_ids) for c in choices)
-        use = call.body.tool_use if call.endpoint != "completions" else None
+        use = call.body.tool_use if call.chat else None
         for c in choices:
             prompt = call.prompts[c.index // call.body.n]
             sampling = prompt.sampling
@@ -977,7 +986,7 @@ class Api:
 
 def _answers(call: _Call, choices: list[Choice]) -> list[Answer] | None:
     """Each choice's text as the chat request's tools read it; None without tools."""
-    use = call.body.tool_use if call.endpoint != "completions" else None
+    use = call.body.tool_use if call.chat else None
     return None if use is None else [use.answer(c.text, c.finish_reason) for c in choices]
 
 

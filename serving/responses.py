@@ -5,8 +5,8 @@ is a string (one user message) or a list of items: messages (`role` user, assist
 `content` a string or `input_text`/`output_text` parts), `function_call` items (an assistant turn's calls,
 joined to the assistant message just before them) and `function_call_output` items (a `tool` turn). Function
 `tools` (Responses' flat form), `tool_choice`, `parallel_tool_calls`, `max_output_tokens`, `temperature`,
-`top_p`, `text.format` (text, JSON object, JSON schema), `metadata`, `user` and `stream` map onto their
-chat fields, so everything the chat path does (the chat template, tool calling, structured outputs,
+`top_p`, `text.format` (text, JSON object, JSON schema), `include: ["message.output_text.logprobs"]` with
+`top_logprobs`, `metadata`, `user` and `stream` map onto their chat fields, so everything the chat path does (the chat template, tool calling, structured outputs,
 adapters, the interaction event the learner trains on) applies as it is; the answer is one `response`
 object: a `message` item with the text, then one `function_call` item per call. A stream is Responses' typed
 events (`response.created`, `response.output_text.delta`, ..., `response.completed`), each with its
@@ -15,8 +15,10 @@ events (`response.created`, `response.output_text.delta`, ..., `response.complet
 Nothing is stored (the answer says `"store": false`): `previous_response_id`, `conversation` and retrieving
 a response are refused or absent, so a conversation goes back whole in `input`, as with chat. Refused with a
 400 naming the field: hosted tools (web search, file search, ...), input items other than the three above
-(images, files, reasoning, item references), `background`, `prompt` templates, `reasoning`, `include`,
-`truncation` "auto", `top_logprobs`, `max_tool_calls`. Unknown fields are ignored, as in chat.
+(images, files, reasoning, item references), `background`, `prompt` templates, `reasoning` (but effort
+"none"), `truncation` "auto", `max_tool_calls`. `include` values other than log-probabilities ask for output
+this server has none of (hosted tools' results, encrypted reasoning) and add nothing. Unknown fields are
+ignored, as in chat.
 """
 
 from __future__ import annotations
@@ -39,13 +41,10 @@ REFUSED = {
     "conversation": "conversations are not stored: send the whole conversation in input",
     "background": "responses run in the foreground only",
     "prompt": "stored prompt templates are not supported: send instructions and input",
-    "top_logprobs": "log-probabilities are not returned by /v1/responses (use /v1/chat/completions)",
     "max_tool_calls": "the number of tool calls is not limited",
 }
-HARMLESS = {"background": False, "top_logprobs": 0}
-# `include` values that ask for output this server has none of (hosted tools' results, encrypted reasoning,
-# which stateless clients ask for every turn): nothing to include. Log-probabilities would be left out.
-INCLUDE_REFUSED = ("message.output_text.logprobs",)
+HARMLESS = {"background": False}
+LOGPROBS = "message.output_text.logprobs"  # the one `include` value served: each output text token's log-prob
 # The chat request's names of fields a Responses request names otherwise (in a 400's message and param).
 CHAT_NAMES = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens", "messages": "input"}
 # Fields taken as they are by the chat path (vLLM's sampling extensions among them).
@@ -71,9 +70,8 @@ def parse(raw: bytes) -> ResponsesRequest:
         if value is not None and value != HARMLESS.get(name, None):
             raise UnsupportedParameter(f"{name} is not supported by this server: {why}", param=name)
     include = data.get("include")
-    if include is not None and (not isinstance(include, list) or any(i in INCLUDE_REFUSED for i in include)):
-        raise UnsupportedParameter("include is not supported by this server for log-probabilities (use "
-                                   "/v1/chat/completions); other values include nothing here", param="include")
+    if include is not None and not isinstance(include, list):
+        raise BadRequest("include must be a list", param="include")
     reasoning = data.get("reasoning")
     if reasoning is not None and (not isinstance(reasoning, dict) or reasoning.get("effort") not in (None, "none")
                                   or reasoning.get("summary") is not None):
@@ -86,6 +84,12 @@ def parse(raw: bytes) -> ResponsesRequest:
     chat["messages"] = _messages(data.get("instructions"), data.get("input"))
     if data.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = data["max_output_tokens"]
+    top = data.get("top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= protocol.MAX_TOP_LOGPROBS):
+        raise BadRequest(f"top_logprobs must be an integer from 0 to {protocol.MAX_TOP_LOGPROBS}", param="top_logprobs")
+    if LOGPROBS in (include or ()):  # top_logprobs alone returns nothing, as OpenAI answers it
+        chat["logprobs"] = True
+        chat["top_logprobs"] = top
     if data.get("tools") is not None:
         chat["tools"] = _tools(data["tools"])
     if data.get("tool_choice") is not None:
@@ -112,6 +116,7 @@ def parse(raw: bytes) -> ResponsesRequest:
         "top_p": request.top_p,
         "tool_choice": data.get("tool_choice") or ("auto" if data.get("tools") else "none"),
         "tools": data.get("tools") or [],
+        "top_logprobs": data.get("top_logprobs") or 0,
         "text": {"format": given_format or {"type": "text"}},
         "user": data.get("user"),
     }
@@ -142,7 +147,7 @@ def _messages(instructions: Any, given: Any) -> list[dict[str, Any]]:
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_call_id" not in last:
+            if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)  # the calls of the turn whose text came just before
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
@@ -235,9 +240,14 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+def _message_item(item_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
+
+
+def _message_id(response_id: str, k: int) -> str:
+    """The id of the answer's k-th message item (k from 1)."""
+    return f"msg_{response_id.removeprefix('resp_')}" + (f"_{k}" if k > 1 else "")
 
 
 def _call_item(call: dict[str, Any], status: str, arguments: str | None = None) -> dict[str, Any]:
@@ -272,8 +282,9 @@ def response(response_id: str, model: str, choices: list[Choice], prompt_tokens:
     content, calls, finish_reason = answers[0] if answers else (choice.text, [], choice.finish_reason)
     status, incomplete = _status(finish_reason)
     output = []
-    if content or not calls:
-        output.append(_message_item(f"msg_{response_id.removeprefix('resp_')}", content or "", status))
+    if content or not calls:  # log-probs as chat's: each token's, with its bytes and its top alternatives
+        logprobs = protocol.chat_logprobs(choice.logprobs)["content"] if with_logprobs else []
+        output.append(_message_item(_message_id(response_id, 1), content or "", status, logprobs))
     output += [_call_item(call, "completed") for call in calls]
     return response_object(response_id, model, time.time(), body, output=output, status=status,
                            usage=_usage(prompt_tokens, len(choice.token_ids)), incomplete=incomplete)
@@ -288,6 +299,7 @@ class ResponseEvents:
         self.sequence = 0
         self.output: list[dict[str, Any]] = []  # the finished items
         self.text: str | None = None  # the message item's text while it is open
+        self.logprobs: list[dict[str, Any]] = []  # and its tokens' log-probs, when asked for
         self.message_id = ""  # the open message item's (each has its own: _open_text)
         self.messages = 0
         self.finish_reason: str | None = None
@@ -310,8 +322,9 @@ class ResponseEvents:
                 out += [self._event("response.created", response=self._snapshot("in_progress")),
                         self._event("response.in_progress", response=self._snapshot("in_progress"))]
                 continue
-            if delta.get("content"):
-                out += self._text(delta["content"])
+            logprobs = (choice.get("logprobs") or {}).get("content") or []
+            if delta.get("content") or logprobs:
+                out += self._text(delta.get("content") or "", logprobs)
             for call in delta.get("tool_calls") or []:
                 out += self._close_text()
                 out += self._call(call)
@@ -320,29 +333,30 @@ class ResponseEvents:
         return b"".join(out)
 
     def _open_text(self) -> list[bytes]:
-        index, self.text = len(self.output), ""
+        index, self.text, self.logprobs = len(self.output), "", []
         self.messages += 1
-        self.message_id = f"msg_{self.response_id.removeprefix('resp_')}" + (f"_{self.messages}" if self.messages > 1 else "")
+        self.message_id = _message_id(self.response_id, self.messages)
         return [self._event("response.output_item.added", output_index=index,
                             item={**_message_item(self.message_id, "", "in_progress"), "content": []}),
                 self._event("response.content_part.added", item_id=self.message_id, output_index=index,
                             content_index=0, part={"type": "output_text", "text": "", "annotations": [],
                                                    "logprobs": []})]
 
-    def _text(self, piece: str) -> list[bytes]:
+    def _text(self, piece: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
         out = self._open_text() if self.text is None else []
         self.text += piece
+        self.logprobs += logprobs
         out.append(self._event("response.output_text.delta", item_id=self.message_id, output_index=len(self.output),
-                               content_index=0, delta=piece, logprobs=[]))
+                               content_index=0, delta=piece, logprobs=logprobs))
         return out
 
     def _close_text(self, status: str = "completed") -> list[bytes]:
         if self.text is None:
             return []
-        index, item = len(self.output), _message_item(self.message_id, self.text, status)
+        index, item = len(self.output), _message_item(self.message_id, self.text, status, self.logprobs)
         part = item["content"][0]
         out = [self._event("response.output_text.done", item_id=self.message_id, output_index=index,
-                           content_index=0, text=self.text, logprobs=[]),
+                           content_index=0, text=self.text, logprobs=self.logprobs),
                self._event("response.content_part.done", item_id=self.message_id, output_index=index,
                            content_index=0, part=part),
                self._event("response.output_item.done", output_index=index, item=item)]

@@ -549,22 +549,26 @@ class Cursors:
         target = self.dd.damaged_checkpoints(tenant) / f"{_step_name(int(step))}-{stamp}"
         with FileLock(self._lock_path(tenant)):
             ensure_dir(target.parent)
+            copied = False
             try:
                 os.rename(source, target)
             except OSError as e:
                 if e.errno != errno.EXDEV:
                     raise
                 # state/ on another filesystem than cursors/: copied whole (and durable) under a hidden name,
-                # then renamed into place, and only then removed from the cursor
-                partial = target.with_name(f".{target.name}.partial")
+                # then renamed into place; removed from the cursor once that is durable
+                partial = target.with_name(f".{_step_name(int(step))}.partial")  # a crash's leftover: replaced
                 remove_tree(partial)
                 shutil.copytree(source, partial)
                 fsync_tree(partial)
                 os.rename(partial, target)
-                remove_tree(source)
+                copied = True
             fsync_dir(target.parent)  # its new entry durable before the old one's removal
+            if copied:
+                remove_tree(source)
             fsync_dir(source.parent)
-            by_time = sorted(target.parent.iterdir(), key=lambda p: p.name.rsplit("-", 1)[-1])  # step-<n>-<utc>
+            set_aside = [p for p in target.parent.iterdir() if not p.name.startswith(".")]
+            by_time = sorted(set_aside, key=lambda p: p.name.rsplit("-", 1)[-1])  # step-<n>-<utc>
             for old in by_time[:-KEEP_DAMAGED]:
                 remove_tree(old)
         return target

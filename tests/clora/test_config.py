@@ -563,6 +563,12 @@ def test_rollouts_through_serving_ask_only_for_what_serving_allows(tmp_path):
     assert "group_size 32 is more than the 16 completions" in str(e.value)
     with pytest.raises(ConfigError, match="serving.max_inflight_per_tenant 4"):
         Config_of(tenants=[tenant(group_size=8)], serving={"max_inflight_per_tenant": 4})
+    # a quarter of the room is kept for production requests: a rollout request that large would wait for an idle tenant
+    with pytest.raises(ConfigError, match=r"group_size 4 is more than serving.max_inflight_per_tenant 4 less the quarter"):
+        Config_of(tenants=[tenant(group_size=4)], serving={"max_inflight_per_tenant": 4})
+    Config_of(tenants=[tenant(group_size=3)], serving={"max_inflight_per_tenant": 4})
+    with pytest.raises(ConfigError, match="learner.max_new_tokens 512 leaves no room in serving.max_model_len 512"):
+        Config_of(tenants=[tenant()], learner={"max_new_tokens": 512})
     with pytest.raises(ConfigError, match="learner.temperature 1e-06 is outside"):
         Config_of(tenants=[tenant()], learner={"temperature": 1e-6})
     # the learner's own sampler has no such limits

@@ -33,7 +33,7 @@ def test_version_numbers():
 
 
 def test_rows_any_producer_can_write_train_or_are_left_out_but_never_fail_the_step(tiny_model):
-    """Values ingest takes that broke every step of their tenant (from a review): a sampling record's number
+    """Values ingest takes that broke every step of their tenant: a sampling record's number
     past a float's or an int64's range, log-probs above 0 (an app logging probabilities or negative
     log-likelihoods: their weights came out ~0, the rows training nothing while counted), and a null inside a
     list column (a writer other than ingest)."""
@@ -66,6 +66,12 @@ def test_rows_any_producer_can_write_train_or_are_left_out_but_never_fail_the_st
         assert len(e.completion_ids) == 63 and len(e.prompt_ids) == 1, e.id
     assert examples[1].behaviour_logprobs == (-1.0,) * 63
     assert examples[0].completion_ids == tuple(tok("cats " * 200, add_special_tokens=False).input_ids[:63])
+    # the cut text's first tokens are the whole text's: its logged log-probs still line up with them
+    whole = tok("cats " * 400, add_special_tokens=False).input_ids
+    logged = trajectories("acme", [{"id": "lp", "prompt": "q", "completion": "cats " * 400, "reward": 1.0,
+                                    "completion_logprobs": [-0.5 - i / 1000 for i in range(len(whole))]}])
+    (example,), _ = to_examples(logged, tok, vocab_size=len(tok), max_len=64)
+    assert example.behaviour_logprobs == pytest.approx([-0.5 - i / 1000 for i in range(63)], abs=1e-6)
 
 
 def test_staleness_is_counted_in_version_numbers():

@@ -5,6 +5,7 @@ and rollouts mode with the learner's own sampler."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -1194,9 +1195,10 @@ def test_trajectories_that_cannot_be_listed_stop_no_one(tiny_model, data_dir, mo
     learner.close()
 
 
-def test_rollouts_mode_with_a_prompts_file_and_the_local_sampler(tiny_model, data_dir, tmp_path):
+def test_rollouts_mode_with_a_prompts_file_and_the_local_sampler(tiny_model, data_dir, tmp_path, caplog):
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("Write a number.\nTell me about cats.\n\nhello\n")
+    # the last line is longer than the context: serving would refuse it, failing its step at every turn of the file
+    prompts.write_text("Write a number.\nTell me about cats.\n\nhello\n" + "word " * 600 + "\n")
     # length:48: the tiny model's 12-token completions run ~30-60 characters, so rewards differ within a
     # group and every step trains (with length:20 most scored 0 and one run in five trained nothing)
     cfg = make_config(
@@ -1211,7 +1213,9 @@ def test_rollouts_mode_with_a_prompts_file_and_the_local_sampler(tiny_model, dat
         gate_reward_tolerance=1.0,
         max_staleness=0,  # the local sampler samples with the adapter being trained: never stale
     )
-    learn(cfg, tiny_model, until_idle=False, max_steps=3)
+    with caplog.at_level(logging.WARNING, logger="learner.loop"):
+        learn(cfg, tiny_model, until_idle=False, max_steps=3)
+    assert "1 of the 4 prompts in" in caplog.text and "they are skipped" in caplog.text
     steps = read_dataset(data_dir, "train_steps").to_pylist()
     assert [r["step"] for r in sorted(steps, key=lambda r: r["step"])] == [1, 2, 3]
     assert {r["mode"] for r in steps} == {"rollouts"} and all(r["n_trajectories"] == 8 for r in steps), steps

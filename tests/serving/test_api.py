@@ -1464,7 +1464,9 @@ def test_the_learners_rollouts_leave_a_quarter_of_a_tenants_room_to_its_producti
         production = await limit.acquire("acme", 2)
         production()
         rollouts.pop()()  # a rollout ends: the one waiting takes its place, the reserve stays free
-        (await waiting)()
+        granted = await waiting
+        assert limit.held("acme") == 6 and not limit.must_wait("acme", 2)
+        granted()
         for release in rollouts:
             release()
         alone = await limit.acquire("acme", 8, priority=1)  # one as large as the room runs when nothing is held

@@ -12,7 +12,7 @@ from openai.types.responses import ResponseStreamEvent as StreamEvent
 from pydantic import TypeAdapter
 
 from serving import protocol
-from serving.engine import Choice, Delta
+from serving.engine import Choice, Delta, TokenLogprob
 from serving.errors import BadRequest, UnsupportedParameter
 from serving.responses import ResponseEvents, parse, response
 
@@ -76,10 +76,8 @@ def test_fields_map_onto_their_chat_fields():
     ({"background": True}, "background"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"reasoning": {"summary": "auto"}}, "reasoning"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"truncation": "auto"}, "truncation"),
-    ({"top_logprobs": 5}, "top_logprobs"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x"}]}]}, "input"),
@@ -100,6 +98,41 @@ def test_options_that_ask_for_nothing_this_server_lacks_are_taken():
     parse(request(include=["reasoning.encrypted_content", "file_search_call.results"], reasoning={"effort": "none"},
                   top_logprobs=0, background=False))
     parse(request(reasoning={"effort": None, "summary": None}, include=None, text={"verbosity": "low"}))
+
+
+def test_log_probabilities_are_asked_for_by_include_as_openai_asks_for_them():
+    body = parse(request(include=["message.output_text.logprobs"], top_logprobs=3))
+    assert (body.logprobs, body.top_logprobs, body.sampling().top_logprobs) == (True, 3, 3)
+    body = parse(request(top_logprobs=3))  # without the include, none are returned
+    assert (body.logprobs, body.sampling().top_logprobs) == (False, 0)
+    for top in (21, -1, 2.5, True):
+        with pytest.raises(BadRequest) as e:
+            parse(request(top_logprobs=top))
+        assert e.value.param == "top_logprobs"
+    with pytest.raises(BadRequest) as e:
+        parse(request(include="message.output_text.logprobs"))
+    assert e.value.param == "include"
+
+    # in the answer: chat's entries (token, logprob, bytes, top_logprobs) on the output text
+    body = parse(request(include=["message.output_text.logprobs"], top_logprobs=1))
+    tokens = [TokenLogprob(5, b"He", -0.5, ((5, b"He", -0.5),)), TokenLogprob(6, b"y", -1.5, ((7, b"l", -0.2),))]
+    answer = response("resp_a", "base", [Choice(0, "Hey", [5, 6], tokens, "stop")], 2, True, answers=None, body=body)
+    Response.model_validate(answer)
+    (part,) = answer["output"][0]["content"]
+    assert [(lp["token"], lp["logprob"], lp["bytes"]) for lp in part["logprobs"]] == [("He", -0.5, [72, 101]), ("y", -1.5, [121])]
+    assert part["logprobs"][1]["top_logprobs"] == [{"token": "l", "logprob": -0.2, "bytes": [108]}]
+    assert answer["top_logprobs"] == 1
+    events = ResponseEvents("resp_a", "base", body)
+    opening = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+    streamed = events_of(events.chunk(opening) + b"".join(
+        events.chunk(protocol.chat_chunk("resp_a", "base", 0, Delta(0, text, [i], [lp], None), with_logprobs=True))
+        for i, (text, lp) in enumerate(zip(["He", "y"], tokens))) + events.done(2, 2))
+    deltas = [e for e in streamed if e["type"] == "response.output_text.delta"]
+    assert [d["logprobs"][0]["token"] for d in deltas] == ["He", "y"]
+    (done,) = [e for e in streamed if e["type"] == "response.output_text.done"]
+    assert done["logprobs"] == part["logprobs"]
+    for event in streamed:
+        ResponseStreamEvent.validate_python(event)
 
 
 @pytest.mark.parametrize(("text", "param"), [("hello", "text"), ([1], "text"), ({"format": "json_object"}, "text.format"),

@@ -296,6 +296,12 @@ def test_the_responses_api_is_the_chat_path_answered_in_its_form_through_the_sdk
     assert (r.usage.input_tokens, r.usage.output_tokens) == (chat_answer.usage.prompt_tokens, 6)
     assert (r.status, r.incomplete_details.reason) == ("incomplete", "max_output_tokens")  # 6 tokens, cut
     assert (r.instructions, r.max_output_tokens, r.store) == ("Answer briefly.", 6, False)
+    with_logprobs = c.responses.create(instructions="Answer briefly.", input=MESSAGES[0]["content"],
+                                       include=["message.output_text.logprobs"], top_logprobs=2, **asked)
+    [part] = with_logprobs.output[0].content
+    assert part.text == r.output_text and len(part.logprobs) == 6  # each token's, as chat gives them
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in part.logprobs)
+    assert bytes(b for lp in part.logprobs for b in lp.bytes).decode() == r.output_text
 
     events = list(c.responses.create(instructions="Answer briefly.", input=MESSAGES, stream=True, **asked))
     kinds = [e.type for e in events]
