@@ -6,8 +6,9 @@ is a string (one user message) or a list of items: messages (`role` user, assist
 joined to the assistant message just before them) and `function_call_output` items (a `tool` turn). Function
 `tools` (Responses' flat form), `tool_choice`, `parallel_tool_calls`, `max_output_tokens`, `temperature`,
 `top_p`, `text.format` (text, JSON object, JSON schema), `include: ["message.output_text.logprobs"]` with
-`top_logprobs`, `metadata`, `user` and `stream` map onto their chat fields, so everything the chat path does (the chat template, tool calling, structured outputs,
-adapters, the interaction event the learner trains on) applies as it is; the answer is one `response`
+`top_logprobs`, `metadata`, `user` and `stream` map onto their chat fields, so everything the chat path
+does (the chat template, tool calling, structured outputs, adapters, the interaction event the learner
+trains on) applies as it is; the answer is one `response`
 object: a `message` item with the text, then one `function_call` item per call. A stream is Responses' typed
 events (`response.created`, `response.output_text.delta`, ..., `response.completed`), each with its
 `sequence_number`; a failure after the first event is an `error` event then `response.failed`.
@@ -15,8 +16,8 @@ events (`response.created`, `response.output_text.delta`, ..., `response.complet
 Nothing is stored (the answer says `"store": false`): `previous_response_id`, `conversation` and retrieving
 a response are refused or absent, so a conversation goes back whole in `input`, as with chat. Refused with a
 400 naming the field: hosted tools (web search, file search, ...), input items other than the three above
-(images, files, reasoning, item references), `background`, `prompt` templates, `reasoning` (but effort
-"none"), `truncation` "auto", `max_tool_calls`. `include` values other than log-probabilities ask for output
+(images, files, reasoning, item references), `background: true`, `prompt` templates, `reasoning` (but
+effort "none"), `truncation` "auto", `max_tool_calls`. `include` values other than log-probabilities ask for output
 this server has none of (hosted tools' results, encrypted reasoning) and add nothing. Unknown fields are
 ignored, as in chat.
 """
