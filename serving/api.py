@@ -107,7 +107,7 @@ LOG_IN_THREAD_TOKENS = 4096  # a finished request's events with more token ids t
 # its default buffering hands the client the whole stream at its end).
 STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 BODY_TIMEOUT_S = 30.0  # a request's whole body must arrive within this (a slow upload of the largest body fits)
-SEND_TIMEOUT_S = 60.0  # a client that reads nothing of its answer (a stream's next event) this long has left
+SEND_TIMEOUT_S = 60.0  # a stream whose client reads nothing for this long is taken as left
 MIN_REQUEST_BYTES = 1 << 20
 REQUEST_BYTES_PER_TOKEN = 6 * MAX_CHARS_PER_TOKEN  # the most characters a token may stand for, JSON-escaped ("\u00e9")
 
@@ -1037,7 +1037,7 @@ async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[by
 
 
 class _ClientStalled(Exception):
-    """A send of an answer (or of a stream's event) that did not complete within SEND_TIMEOUT_S."""
+    """A stream's send that did not complete within SEND_TIMEOUT_S."""
 
 
 class _ClosingStream(StreamingResponse):
@@ -1083,12 +1083,7 @@ def _model_card(model_id: str, created: int, parent: str | None = None) -> dict[
 
 
 class RequestIdMiddleware:
-    """Gives every request an id (`request.state.request_id`) and every response an `x-request-id` header.
-
-    And a time limit on sending an answer sent whole (not streamed: `_ClosingStream` limits its own): a
-    client that stops reading leaves uvicorn's send waiting for ever, holding the connection and the answer
-    (tens of MiB with log-probs). Past SEND_TIMEOUT_S the send is given up and the app returns unfinished,
-    which makes uvicorn close the connection (it logs the unfinished answer as an error)."""
+    """Gives every request an id (`request.state.request_id`) and every response an `x-request-id` header."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -1099,31 +1094,16 @@ class RequestIdMiddleware:
             return
         request_id = uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
-        bodies = 0
 
         async def send_with_id(message) -> None:
-            nonlocal bodies
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
                 if not any(k.lower() == REQUEST_ID.encode() for k, _ in headers):
                     headers.append((REQUEST_ID.encode(), request_id.encode()))
                 message = {**message, "headers": headers}
-            elif message["type"] == "http.response.body":
-                bodies += 1
-                if bodies == 1 and not message.get("more_body"):  # an answer sent whole
-                    try:
-                        async with asyncio.timeout(SEND_TIMEOUT_S):
-                            await send(message)
-                    except TimeoutError:
-                        raise _ClientStalled() from None
-                    return
             await send(message)
 
-        try:
-            await self.app(scope, receive, send_with_id)
-        except _ClientStalled:
-            logger.info("request %s: its client read nothing of its answer for %gs; the connection is closed",
-                        request_id, SEND_TIMEOUT_S)
+        await self.app(scope, receive, send_with_id)
 
 
 def create_app(api: Api) -> FastAPI:
