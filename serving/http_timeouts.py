@@ -23,6 +23,13 @@ limit are ever parsed; headers that are whole within the read they began in are 
 chunked body's trailers are headers too: from its last chunk's size line they are held to the same time
 and size limits.
 
+A client that stops reading an answer (connected, its TCP window full) held the connection and the answer's
+bytes in the transport's buffer for as long as it stayed connected (uvicorn's send writes a whole answer into
+the buffer and returns; tens of MiB with log-probs). While the buffer is over its high-water mark, it is
+looked at every WRITE_TIMEOUT_S: when none of it went out since the last look, the connection is aborted
+(the buffer dropped; the request's handler sees the client gone). A slow reader that takes something in each
+period is left alone.
+
 A connection idle between requests whose client sends bare line ends: uvicorn stops its keep-alive timer on
 any read, and the parser skips line ends between requests without starting one, so it was held for good;
 the timer is started again after a read that began no request.
@@ -55,6 +62,7 @@ if not hasattr(HttpToolsProtocol, "_start_asgi_task"):
 logger = logging.getLogger(__name__)
 
 HEADER_TIMEOUT_S = 30.0  # a request's headers must be whole within this
+WRITE_TIMEOUT_S = 60.0  # an answer's buffered bytes not one of which the client took in this long: it has left
 MAX_HEADER_BYTES = 64 * 1024  # and hold at most this (the request line too); an SDK's are under 2 KiB
 ALWAYS_ANSWERED = frozenset({"/health", "/metrics"})
 
@@ -83,6 +91,7 @@ def headers_too_large(limit: int) -> bytes:
 
 class HeaderTimeoutProtocol(HttpToolsProtocol):
     header_timeout_s = HEADER_TIMEOUT_S
+    write_timeout_s = WRITE_TIMEOUT_S
     max_header_bytes = MAX_HEADER_BYTES
     on_refused = None  # called for each request answered `busy` (a subclass's: serving's counter)
 
@@ -99,7 +108,36 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._headers_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
         self._start_headers_timer()
+
+    def pause_writing(self) -> None:
+        """The transport's buffer went over its high-water mark: watched until it drains (`_write_watch`)."""
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.write_timeout_s, self._write_watch,
+                                                     self.transport.get_write_buffer_size())
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_write_timer()
+
+    def _write_watch(self, before: int) -> None:
+        self._write_timer = None
+        if self.transport.is_closing():
+            return
+        now = self.transport.get_write_buffer_size()
+        if now < before:  # the client took some in: watched on
+            self._write_timer = self.loop.call_later(self.write_timeout_s, self._write_watch, now)
+            return
+        logger.info("aborting a connection from %s: its client took none of %d bytes of its answer in %gs",
+                    self.client, now, self.write_timeout_s)
+        self.transport.abort()
+
+    def _stop_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
 
     def data_received(self, data: bytes) -> None:
         waiting = self._headers_timer  # set: a request's headers (or trailers) were awaited before this read
@@ -147,6 +185,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_headers_timer()
+        self._stop_write_timer()
         super().connection_lost(exc)
 
     def _start_headers_timer(self) -> None:

@@ -314,3 +314,58 @@ def test_a_connection_whose_request_headers_do_not_come_whole_in_time_is_closed(
     silent_closed, slow_closed, answers = asyncio.run(scenario())
     assert silent_closed and slow_closed
     assert len(answers) == 3 and all(a.startswith(b"HTTP/1.1 200 OK") for a in answers)
+
+
+BIG = 16 << 20  # an answer far past the sockets' buffers (a few MiB at most here)
+
+
+async def answer_big(scope, receive, send):
+    """An ASGI app answering every HTTP request with BIG bytes, whole in one send (as a non-streamed answer)."""
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(BIG).encode())]})
+        await send({"type": "http.response.body", "body": b"x" * BIG})
+
+
+def test_an_answer_its_client_stops_reading_is_dropped_but_a_slow_reader_gets_it_whole(monkeypatch):
+    """uvicorn's send writes a whole answer into the transport's buffer and returns: a client that stopped
+    reading held the connection and the answer's bytes for as long as it stayed connected. With nothing taken
+    in for the write timeout the connection is aborted; a client that takes some in each period is not."""
+    from serving.__main__ import http_server, listen
+    from serving.http_timeouts import HeaderTimeoutProtocol
+
+    monkeypatch.setattr(HeaderTimeoutProtocol, "write_timeout_s", 1.0)
+
+    async def scenario():
+        sock = listen("127.0.0.1", 0)
+        port = sock.getsockname()[1]
+        server = http_server(answer_big, "127.0.0.1", port, connections=10, grace=1)
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            request = b"GET / HTTP/1.1\r\nHost: clora\r\n\r\n"
+            stalled, stalled_writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 16)
+            stalled_writer.write(request)
+            slow, slow_writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
+            slow_writer.write(request)
+            got = 0
+            while got < BIG:  # a reader with pauses, taking something in each period
+                chunk = await asyncio.wait_for(slow.read(1 << 20), 5)
+                assert chunk, f"the slow reader's connection closed after {got} bytes"
+                got += len(chunk)
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(2.5)  # the stalled client has read nothing for over two write timeouts
+            dropped = 0
+            try:
+                while chunk := await asyncio.wait_for(stalled.read(1 << 20), 5):
+                    dropped += len(chunk)
+            except ConnectionResetError:
+                pass
+            return got, dropped
+        finally:
+            server.should_exit = True
+            await serving
+
+    got, dropped = asyncio.run(scenario())
+    assert got >= BIG  # headers and the whole body
+    assert dropped < BIG, "the stalled client's answer was kept whole for it"
