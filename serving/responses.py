@@ -246,6 +246,17 @@ def _message_item(item_id: str, text: str, status: str, logprobs: list[dict[str,
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
+def _within(logprobs: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """The first of `logprobs` whose tokens' bytes make up `text` (a call's tokens follow them)."""
+    room, kept = len(text.encode()), []
+    for entry in logprobs:
+        room -= len(entry["bytes"])
+        if room < 0:
+            break
+        kept.append(entry)
+    return kept
+
+
 def _message_id(response_id: str, k: int) -> str:
     """The id of the answer's k-th message item (k from 1)."""
     return f"msg_{response_id.removeprefix('resp_')}" + (f"_{k}" if k > 1 else "")
@@ -285,6 +296,8 @@ def response(response_id: str, model: str, choices: list[Choice], prompt_tokens:
     output = []
     if content or not calls:  # log-probs as chat's: each token's, with its bytes and its top alternatives
         logprobs = protocol.chat_logprobs(choice.logprobs)["content"] if with_logprobs else []
+        if calls:  # the message's text is what came before the first call: its tokens only
+            logprobs = _within(logprobs, content or "")
         output.append(_message_item(_message_id(response_id, 1), content or "", status, logprobs))
     output += [_call_item(call, "completed") for call in calls]
     return response_object(response_id, model, time.time(), body, output=output, status=status,
@@ -324,6 +337,8 @@ class ResponseEvents:
                         self._event("response.in_progress", response=self._snapshot("in_progress"))]
                 continue
             logprobs = (choice.get("logprobs") or {}).get("content") or []
+            if delta.get("tool_calls"):  # the held text's tokens come with the calls: the text's only
+                logprobs = _within(logprobs, delta.get("content") or "")
             if delta.get("content") or logprobs:
                 out += self._text(delta.get("content") or "", logprobs)
             for call in delta.get("tool_calls") or []:

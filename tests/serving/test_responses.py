@@ -134,6 +134,26 @@ def test_log_probabilities_are_asked_for_by_include_as_openai_asks_for_them():
     for event in streamed:
         ResponseStreamEvent.validate_python(event)
 
+    # with a call read from the text, the message's log-probs are its text's tokens, not the call's
+    tool_body = parse(request(include=["message.output_text.logprobs"], tools=[WEATHER]))
+    text = 'Hi<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    spoken = [TokenLogprob(5, b"Hi", -0.1), TokenLogprob(6, b"<tool_call>", -0.2), TokenLogprob(7, text[13:].encode(), -0.3)]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    answer = response("resp_t", "base", [Choice(0, text, [5, 6, 7], spoken, "stop")], 2, True,
+                      answers=[("Hi", [call], "tool_calls")], body=tool_body)
+    assert [lp["token"] for lp in answer["output"][0]["content"][0]["logprobs"]] == ["Hi"]
+    for shown in ("Hi", ""):  # streamed: the held tokens come with the calls; a call alone opens no message
+        events = ResponseEvents("resp_t", "base", tool_body)
+        chunk_with_calls = protocol.chat_chunk("resp_t", "base", 0, Delta(0, shown, [5, 6, 7], spoken, None),
+                                               with_logprobs=True, tool_calls=[{"index": 0, **call}])
+        got = events_of(events.chunk(opening) + events.chunk(chunk_with_calls) + events.done(2, 3))
+        items = got[-1]["response"]["output"]
+        if shown:
+            assert [i["type"] for i in items] == ["message", "function_call"]
+            assert [lp["token"] for lp in items[0]["content"][0]["logprobs"]] == ["Hi"]
+        else:
+            assert [i["type"] for i in items] == ["function_call"]
+
 
 @pytest.mark.parametrize(("text", "param"), [("hello", "text"), ([1], "text"), ({"format": "json_object"}, "text.format"),
                                              ({"format": ["x"]}, "text.format")])
