@@ -100,6 +100,7 @@ GENERATIONS = {"chat": (functools.partial(protocol.parse, protocol.ChatRequest),
                "completions": (functools.partial(protocol.parse, protocol.CompletionRequest), "prompt"),
                "responses": (responses.parse, "input")}
 RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-", "responses": "resp_"}
+CHAT_ENDPOINTS = frozenset({"chat", "responses"})  # a chat request (messages, the chat template, tools)
 RETRY_AFTER_SECONDS = 1  # what a tenant over its in-flight limit is told to wait
 FEEDBACK_RETRY_AFTER_S = 5  # what a client whose feedback the full event log refused is told to wait
 LOG_IN_THREAD_TOKENS = 4096  # a finished request's events with more token ids than this are encoded off the loop
@@ -156,7 +157,7 @@ class _Call:
     @property
     def chat(self) -> bool:
         """Whether the request is a chat one (chat completions, or a Responses request read as one)."""
-        return self.endpoint != "completions"
+        return self.endpoint in CHAT_ENDPOINTS
 
     @property
     def headers(self) -> dict[str, str]:
@@ -509,7 +510,7 @@ class Api:
         """A parsed generation request, from its model to its answer (the module note's steps after parsing)."""
         choice = resolve_model(body.model, tenant=tenant, base_name=self.base_name)
         sampling = body.sampling(self.default_max_tokens)
-        chat = endpoint != "completions"
+        chat = endpoint in CHAT_ENDPOINTS
         given = [None] if chat else body.prompts()
         sequences = len(given) * body.n
         if self.inflight.must_wait(tenant, sequences, body.priority):  # for room: its client may leave meanwhile
@@ -552,8 +553,8 @@ class Api:
             lease.release()
             give_back()
 
-        call = _Call(endpoint, tenant, f"{RESPONSE_ID_PREFIX[endpoint]}{request.state.request_id}", body, messages, prompts, lease,
-                     release, arrived, arrived_at, ticket)
+        response_id = f"{RESPONSE_ID_PREFIX[endpoint]}{request.state.request_id}"
+        call = _Call(endpoint, tenant, response_id, body, messages, prompts, lease, release, arrived, arrived_at, ticket)
         headers = call.headers
         if body.stream:
             chunks = self._stream(call)
@@ -734,6 +735,12 @@ class Api:
         # /v1/responses: the chat chunks below become Responses' typed events
         typed = responses.ResponseEvents(call.response_id, label, body) if call.endpoint == "responses" else None
 
+        def failure(error: dict[str, Any]) -> list[bytes]:
+            """A failure once the stream has begun: its last events."""
+            if typed is not None:
+                return [typed.failed(error)]
+            return [protocol.sse(error), protocol.sse("[DONE]")]
+
         def event(chunk: Any) -> bytes:
             if body.include_usage and isinstance(chunk, dict):
                 chunk.setdefault("usage", None)  # OpenAI's: every chunk has the key, null but in the last
@@ -799,11 +806,8 @@ class Api:
             if not sent:
                 raise  # nothing answered yet: the app's handler gives it its own status
             self.metrics.request_answered(call.tenant, call.endpoint, e.status)
-            if typed is not None:
-                yield typed.failed(e.body())
-                return
-            yield protocol.sse(e.body())
-            yield protocol.sse("[DONE]")
+            for data in failure(e.body()):
+                yield data
         except (asyncio.CancelledError, GeneratorExit):
             if not finished:
                 # Clients leave all the time (a user closing a tab): counted as 499, not logged at INFO per request.
@@ -816,11 +820,8 @@ class Api:
                 raise
             logger.exception("request %s: the stream failed", call.response_id)
             self.metrics.request_answered(call.tenant, call.endpoint, 500)
-            if typed is not None:
-                yield typed.failed(internal_error_body(e))
-                return
-            yield protocol.sse(internal_error_body(e))
-            yield protocol.sse("[DONE]")
+            for data in failure(internal_error_body(e)):
+                yield data
         finally:
             await deltas.aclose()  # aborts the engine's request if the stream ended early
             call.release()
