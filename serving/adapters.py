@@ -29,7 +29,11 @@ Requests take a `Lease` (`acquire`) for the whole generation and give it back wh
 (`release`): a generation never changes adapter mid-way, because the engine request carries its own
 `AdapterHandle`. Every loaded version counts its leases; a version that is no longer current leaves the
 engine when its last lease is released (or at once if it had none). Explicitly requested older
-versions (`<tenant>@<n>`) are loaded on demand the same way and leave when unused. A version asked for by
+versions (`<tenant>@<n>`) are loaded on demand the same way. A version asked for by name stays loaded for
+`keep_idle_s` (IDLE_KEEP_S) after its last request ends, at most IDLE_PER_TENANT of them per tenant (the
+most recently used), so that a client comparing versions request by request does not pay a copy, a
+validation and an engine load for each (nor make the engine drop and read the adapter again); idle ones go
+at the next poll or release past that time, at once when found retired or replaced. A version asked for by
 name, the current one included, is served only while the registry had it published at its last read
 (`checked`, against `_seen`): retired, it is refused from the next poll on, even while it still serves.
 
@@ -83,6 +87,8 @@ RETRY_MAX_S = 30.0
 # An engine load that has not answered by then fails like any transient load failure (backing off, tried
 # again): one that never returned held the registry poll, and with it every tenant's swap, for good.
 LOAD_TIMEOUT_S = 120.0
+IDLE_KEEP_S = 60.0  # how long a version asked for by name stays loaded after its last request (see above)
+IDLE_PER_TENANT = 2  # idle versions asked for by name kept per tenant, the most recently used
 IPC_PREFIX = "clora-vllm-ipc-"  # + host hash, pid and a random part: ipc_directory
 
 _Outcome = Literal["served", "refused", "failing"]  # of one version's swap: see AdapterSet._swap_in
@@ -116,6 +122,7 @@ class _Loaded:
     leases: int = 0
     current: bool = False
     checked: int | None = None  # registry generation at which it was last found published (refresh, or a request)
+    asked: bool = False  # asked for by name (`<tenant>@<n>`): kept a while once idle
 
 
 @dataclass
@@ -155,14 +162,17 @@ class AdapterSet:
         monotonic: Callable[[], float] = time.monotonic,
         stage_dir: Path | None = None,
         load_timeout_s: float = LOAD_TIMEOUT_S,
+        keep_idle_s: float = IDLE_KEEP_S,
     ) -> None:
         """`check(path)` validates an adapter directory and raises `AdapterRejected` (adapter_check.py);
         `base_name` (the config's `model.name`) labels what the base model serves, so a client can send the
         label back as `model`; `stage_dir` (this process's, from `stage_directory`) holds the copies versions
         are loaded from (None: loaded from the registry's files, for tests whose registry deletes nothing);
-        `load_timeout_s`: how long the engine may take to load one version before the load counts as failed."""
+        `load_timeout_s`: how long the engine may take to load one version before the load counts as failed;
+        `keep_idle_s`: how long a version asked for by name stays loaded once no request runs on it."""
         self.engine = engine
         self.load_timeout_s = load_timeout_s
+        self.keep_idle_s = keep_idle_s
         self.stage_dir = stage_dir
         self._staged = 0  # copies made: each has its own directory, so a copy is never reused
         self.base_name = base_name
@@ -177,6 +187,7 @@ class AdapterSet:
         self._refused: dict[tuple[str, int], tuple[str, datetime | None]] = {}  # -> (why, the version's created_at)
         self._failing: dict[tuple[str, int], _Failing] = {}  # version -> its swap to try again, and when
         self._loading: dict[tuple[str, int], asyncio.Future] = {}
+        self._idle: dict[tuple[str, int], float] = {}  # versions asked for by name, no request on them -> since when
         self._generation: int | None = None  # the registry generation every tenant's swap has settled at
         self._started = False  # a refresh has run: what it found was published before this process
         # The registry generation last read, settled or not (a swap backing off keeps _generation behind): what
@@ -205,6 +216,8 @@ class AdapterSet:
             self.tenants = tenants
             for tenant in gone:
                 self._set_current(tenant, None)
+                for key in [k for k in self._idle if k[0] == tenant]:
+                    self._unload_idle(key)
                 self._forget_failures(tenant)
                 self._fell_back.pop(tenant, None)
                 self._unlisted.pop(tenant, None)
@@ -252,10 +265,12 @@ class AdapterSet:
             # Loaded (the current version too), but the registry changed since it was last found published (it
             # may be retired now): ask the registry again, once per registry change.
             loaded = await self._load_explicit(tenant, version)
+        loaded.asked = True
         return self._lease(loaded)  # no await since the load: nothing can unload it in between
 
     def _lease(self, loaded: _Loaded) -> Lease:
         loaded.leases += 1
+        self._idle.pop((loaded.tenant, loaded.number), None)
         return Lease(loaded.handle, loaded.handle.name, lambda: self._release(loaded))
 
     def _release(self, loaded: _Loaded) -> None:
@@ -279,6 +294,7 @@ class AdapterSet:
         """Makes every tenant's newest published version current (validated and loaded first)."""
         from storage.registry import UnreadableRecord
 
+        self._sweep_idle()
         async with self._refresh_lock:
             try:
                 generation = await asyncio.to_thread(self.registry.generation)
@@ -409,6 +425,7 @@ class AdapterSet:
         or another version of its number is still in the engine (see the module notes)."""
         old = self._loaded.get(key)
         if old is not None and old.created != created:
+            self._unload_idle(key)  # kept only for requests naming it: the registry's new files win
             return True
         failing = self._failing.get(key)
         return failing is not None and failing.created == created and self.monotonic() < failing.retry_at
@@ -471,6 +488,7 @@ class AdapterSet:
         if loaded is not None:
             loaded.current = True
             self._current[tenant] = loaded
+            self._idle.pop((tenant, loaded.number), None)
         else:
             self.metrics.adapter_version.labels(tenant).set(0)
         if old is not None and old is not loaded:
@@ -494,6 +512,8 @@ class AdapterSet:
         while another version of its number (another `created`) is loaded: see the module notes."""
         key = (tenant, number)
         if key in self._loaded:
+            if self._loaded[key].created != created:
+                self._unload_idle(key)  # kept only for requests naming it: the registry's new files win
             return _same(self._loaded[key], created)
         pending = self._loading.get(key)
         if pending is not None:
@@ -551,6 +571,10 @@ class AdapterSet:
             self.registry.log_unreadable(e, f"model {name!r} cannot be served until it is mended")
             raise UnknownVersion(f"model {name!r} cannot be served: its registry record cannot be read") from None
         if version.status != "published":
+            loaded = self._loaded.get((tenant, number))
+            if loaded is not None:  # not kept once idle: no request may have it again
+                loaded.asked = False
+                self._unload_idle((tenant, number))
             raise UnknownVersion(f"model {name!r} is {version.status}, not published")
         created = _created(version)
         refused = self._refused.get((tenant, number))
@@ -575,8 +599,31 @@ class AdapterSet:
         key = (loaded.tenant, loaded.number)
         if self._loaded.get(key) is not loaded:
             return
+        if loaded.asked and self.keep_idle_s > 0:
+            self._idle.pop(key, None)
+            self._idle[key] = self.monotonic()
+            kept = [k for k in self._idle if k[0] == loaded.tenant]  # in the order they became idle
+            for oldest in kept[:-IDLE_PER_TENANT]:
+                self._unload_idle(oldest)
+            self._sweep_idle()
+            return
         del self._loaded[key]
         self._spawn(self._unload(loaded.handle))
+
+    def _unload_idle(self, key: tuple[str, int]) -> None:
+        """Unloads version `key` now if it is only kept idle (no request on it, not current)."""
+        if self._idle.pop(key, None) is None:
+            return
+        loaded = self._loaded.get(key)
+        if loaded is not None and not loaded.current and loaded.leases == 0:
+            del self._loaded[key]
+            self._spawn(self._unload(loaded.handle))
+
+    def _sweep_idle(self) -> None:
+        """Unloads the versions kept idle for `keep_idle_s` or longer."""
+        now = self.monotonic()
+        for key in [k for k, since in self._idle.items() if now - since >= self.keep_idle_s]:
+            self._unload_idle(key)
 
     async def _unload(self, handle: AdapterHandle) -> None:
         try:

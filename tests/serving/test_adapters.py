@@ -179,15 +179,75 @@ def test_explicit_versions_load_on_demand_and_unknown_ones_are_404(world):
         old.release()
         again.release()
         await adapters.drain()
-        assert set(engine.loaded.values()) == {"acme@2"}
+        assert set(engine.loaded.values()) == {"acme@1", "acme@2"}, "kept a while for the next request naming it"
         current = await adapters.acquire("acme", 2)
         assert current.adapter.name == "acme@2"
         for missing in (3, 99):
             with pytest.raises(UnknownVersion, match="does not exist"):
                 await adapters.acquire("acme", missing)
         registry.retire("acme", 1)
+        await adapters.refresh()  # the watcher sees the registry change
         with pytest.raises(UnknownVersion, match="retired"):
             await adapters.acquire("acme", 1)
+        await adapters.drain()
+        assert set(engine.loaded.values()) == {"acme@2"}, "found retired, it leaves at once"
+
+    run(scenario())
+
+
+def test_a_version_asked_for_by_name_stays_loaded_a_while_after_its_last_request(world):
+    """A client comparing versions request by request (`acme@1`, then `acme@1` again) loaded, checked and
+    unloaded the version for each request. It now stays until `keep_idle_s` after its last request, at most
+    IDLE_PER_TENANT per tenant (the most recently used), and goes at once when its tenant leaves."""
+    from serving.adapters import IDLE_PER_TENANT
+
+    registry, engine, adapters, publish = world
+    now = [1000.0]
+    adapters.monotonic = lambda: now[0]
+    loads = []
+    load = engine.load_adapter
+
+    async def counted(adapter):
+        loads.append(adapter.name)
+        await load(adapter)
+    engine.load_adapter = counted
+
+    async def ask(number):
+        lease = await adapters.acquire("acme", number)
+        lease.release()
+        await adapters.drain()
+        return lease.adapter.lora_id
+
+    async def scenario():
+        for seed in range(1, 6):
+            publish("acme", seed=seed)
+        publish("globex", seed=9)
+        await adapters.refresh()  # acme@5 current
+        first = await ask(1)
+        now[0] += adapters.keep_idle_s - 1
+        assert await ask(1) == first and loads.count("acme@1") == 1, "loaded once for both requests"
+        now[0] += adapters.keep_idle_s - 1  # within the time kept since the last request, not the first
+        await adapters.refresh()
+        assert "acme@1" in engine.loaded.values()
+        now[0] += 2
+        await adapters.refresh()  # a poll past it
+        await adapters.drain()
+        assert "acme@1" not in engine.loaded.values()
+
+        for number in (1, 2, 3, 2):
+            await ask(number)
+        assert IDLE_PER_TENANT == 2
+        assert set(engine.loaded.values()) == {"acme@2", "acme@3", "acme@5", "globex@1"}, "the two used last"
+        assert loads.count("acme@2") == 1
+        leases = [await adapters.acquire("globex", 1) for _ in range(2)]
+        for lease in leases:
+            lease.release()
+        await adapters.drain()
+        assert "acme@2" in engine.loaded.values(), "another tenant's versions take none of its room"
+
+        await adapters.set_tenants(["globex"])
+        await adapters.drain()
+        assert set(engine.loaded.values()) == {"globex@1"}, "a tenant that left keeps nothing loaded"
 
     run(scenario())
 
@@ -477,7 +537,11 @@ def test_concurrent_requests_for_one_version_load_it_once(world):
         for lease in leases:
             lease.release()
         await adapters.drain()
-        assert engine.loaded == {}
+        assert list(engine.loaded.values()) == ["globex@1"], "kept a while for the next request naming it"
+        adapters.keep_idle_s = 0.0
+        await adapters.refresh()  # a poll past the time kept (it also makes globex@2 current)
+        await adapters.drain()
+        assert list(engine.loaded.values()) == ["globex@2"]
 
     run(scenario())
 
