@@ -823,18 +823,23 @@ class Api:
             for data in failure(internal_error_body(e)):
                 yield data
         finally:
-            await deltas.aclose()  # aborts the engine's request if the stream ended early
-            call.release()
+            # Each await here can be cancelled (a client that left after [DONE]: Starlette cancels the body's
+            # task), so what must happen whatever comes is done before the awaits that may not finish: the
+            # slots and the key, settled before the events are logged (a thread that runs to its end).
+            try:
+                await deltas.aclose()  # aborts the engine's request if the stream ended early
+            finally:
+                call.release()
+                if call.ticket is not None:
+                    if finished:
+                        call.ticket.keep(call.headers, kept, stream=True)
+                    else:  # refused, failed or left: nothing was logged, so the request sent again runs
+                        call.ticket.abandon()
             if finished:
                 done = [choices[i] for i in range(call.choices)]
                 # the calls the stream sent, read once (their ids the client has), else read here
                 answers = [readers[i].answer for i in range(call.choices)] if readers else _answers(call, done)
                 await self._log_finished(call, done, answers)
-            if call.ticket is not None:
-                if finished:
-                    call.ticket.keep(call.headers, kept, stream=True)
-                else:  # refused, failed or left: nothing was logged, so the request sent again runs
-                    call.ticket.abandon()
 
     async def _log_finished(self, call: _Call, choices: list[Choice], answers: list[Answer] | None) -> None:
         """`_finished`, in a worker thread when its events are large: their JSON (every token id and log-prob

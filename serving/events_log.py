@@ -72,7 +72,9 @@ What can be lost: events still in memory when the process is killed without a ch
 (SIGKILL, power loss) — a few milliseconds' worth, at most twice `queue_bytes` plus the batch in flight
 (BATCH_MAX events and about BATCH_BYTES) and a spool segment being resent; while Kafka is slow
 or away and the spool cannot take events (a full disk: they stay queued, retried every SPILL_RETRY
-seconds), the events `log` drops past twice `queue_bytes`; and at a stop, what the spool then refuses. A
+seconds), the events `log` drops past twice `queue_bytes`; and at a stop, what the spool then refuses (an
+event logged once the thread has stopped, by a request that ended during the stop, is spooled by `log`
+itself). A
 normal stop (`close(timeout)`) drains the queue to Kafka or to the spool first, within its timeout: from the stop on,
 every wait for acknowledgements ends by a deadline a little before the timeout, the spool's backlog is
 left for the next start, and whatever is still queued at the deadline goes to the spool (a local append),
@@ -205,6 +207,7 @@ class EventLog:
         self._queued_bytes = 0
         self._spilling_bytes = 0  # taken off the queue by the thread, being written to the spool
         self._stopping = False
+        self._closed = False  # the thread took its last batch: what is logged later goes to the spool at once
         self._unreported_drops = 0  # dropped by log() since its last error line
         self._next_drop_report = 0.0
         # The thread's own.
@@ -239,6 +242,8 @@ class EventLog:
             return False
         size = len(message.value)
         with self._lock:
+            if self._closed:
+                return self._spool_late(message)
             held = self._queued_bytes + self._spilling_bytes
             if not held or held + size <= 2 * self.queue_bytes:  # an event alone is always taken
                 self._queue.append(message)
@@ -255,6 +260,23 @@ class EventLog:
             logger.error("dropped %d events: %d bytes of events in memory, twice queue_bytes, and the spool has "
                          "not taken them (Kafka is slow and the spool is failing, or behind)", report, held)
         return False
+
+    def _spool_late(self, message: Message) -> bool:
+        """An event logged once the thread has stopped (a request that ended during the stop, after the server
+        gave up waiting for it): nothing would take it from the queue, so it goes to the spool here, for the
+        next start (or a live peer sharing the spool) to send. Under the lock: late ones land in order."""
+        try:
+            self.spool.append([message])
+        except SpoolError:
+            logger.exception("an event logged after the stop could not be spooled; it is lost")
+            self._count([message], "dropped")
+            return False
+        self._spooled_now([message])
+        try:
+            self.spool.close()  # sealed and let go at once: a peer sharing the spool may send it before our exit
+        except OSError:  # left `.open`: the next start claims it once this process is gone
+            logger.warning("could not seal the spool segment of an event logged after the stop", exc_info=True)
+        return True
 
     def start(self) -> EventLog:
         self._thread.start()
@@ -297,9 +319,10 @@ class EventLog:
                 logger.exception("event log iteration failed")
         self._shutdown()
 
-    def _take(self, block_seconds: float) -> tuple[list[Message], bool]:
+    def _take(self, block_seconds: float, *, close_if_empty: bool = False) -> tuple[list[Message], bool]:
         """Up to BATCH_MAX queued messages (and about BATCH_BYTES), now the batch in flight; and whether the thread should stop
-        (a stop was asked for and the queue is empty)."""
+        (a stop was asked for and the queue is empty). `close_if_empty`: with nothing queued, this was the last
+        take (log() spools what comes after it itself)."""
         self._spill_if_full()
         with self._ready:
             if not self._queue and not self._stopping and block_seconds > 0:
@@ -307,6 +330,8 @@ class EventLog:
             batch = [self._queue.popleft() for _ in range(_batch_end(self._queue, 0))]
             self._queued_bytes -= sum(len(m.value) for m in batch)
             stopping = self._stopping and not self._queue
+            if close_if_empty and not batch:
+                self._closed = True
         self._in_flight = batch
         return batch, stopping
 
@@ -339,7 +364,7 @@ class EventLog:
 
     def _shutdown(self) -> None:
         while True:
-            leftovers, _ = self._take(block_seconds=0)
+            leftovers, _ = self._take(block_seconds=0, close_if_empty=True)
             if not leftovers:
                 break
             self._handle(leftovers)

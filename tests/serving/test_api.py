@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from datetime import datetime, timezone
 from types import SimpleNamespace
 
@@ -2285,6 +2286,50 @@ def test_a_stream_whose_sending_fails_gives_back_its_key_and_slots_at_once(fails
     finally:
         gc.enable()
     assert running == {} and held == 0
+
+
+def test_a_stream_whose_client_leaves_right_after_done_while_its_events_are_logged_keeps_its_key(monkeypatch):
+    """The openai SDK closes a stream's connection as soon as it reads [DONE]; Starlette then cancels the body,
+    and a large answer's events are logged on a thread the stream awaits after [DONE]. The key was settled
+    after that await, so the cancellation skipped it: the key stayed "running" for the process's life and
+    every retry with it waited for an answer that never came."""
+    import serving.api as api
+
+    monkeypatch.setattr(api, "LOG_IN_THREAD_TOKENS", 0)  # this small answer is logged on a thread, as large ones are
+    w = World()
+    log = w.events.log
+
+    def slow_log(event):  # encoding a large event takes a while
+        time.sleep(0.2)
+        return log(event)
+
+    w.events.log = slow_log
+    body = json.dumps(chat(stream=True)).encode()
+
+    async def scenario():
+        read, left = [], asyncio.Event()
+
+        async def receive():
+            if not read:
+                read.append(body)
+                return {"type": "http.request", "body": body, "more_body": False}
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.body" and b"[DONE]" in message.get("body", b""):
+                left.set()
+
+        scope = chat_scope(body)
+        scope["headers"] = [*scope["headers"], (b"idempotency-key", b"k-1")]
+        await asyncio.wait_for(w.app(scope, receive, send), 30)
+        await asyncio.sleep(0.4)  # the thread logs on
+        async with w.client() as c:  # a retry waited for good: bounded here
+            return await asyncio.wait_for(c.post("/v1/chat/completions", content=body, headers=keyed()), 30)
+
+    again = asyncio.run(scenario())
+    assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true"
+    assert len(w.llm.calls) == 1 and len(w.events.logged) == 1 and w.api.inflight.held("acme") == 0
 
 
 def test_the_openai_sdks_own_retries_carry_one_key_and_a_lost_answer_is_given_again():

@@ -162,6 +162,23 @@ def test_close_with_the_broker_away_keeps_everything_on_disk(tmp_path):
     assert sorted(r[2] for r in broker.received) == [f"i{i}" for i in range(5)]
 
 
+def test_an_event_logged_after_the_stop_is_spooled_for_the_next_start(tmp_path):
+    """A request that ends during the stop (the server gave up waiting for it; its events logged on a thread)
+    logs after the thread took its last batch: queued, nothing took it, and log() said it was kept."""
+    broker = FakeBroker()
+    log = make_log(tmp_path, broker)
+    log.log(interaction(1))
+    log.close(timeout=5)
+    spooled = log.metrics.events.labels("interaction", "spooled")
+    before = spooled._value.get()
+    assert log.log(interaction(2)) is True
+    assert spooled._value.get() == before + 1
+    again = make_log(tmp_path, broker)  # the next start sends it
+    wait_for(lambda: len(broker.received) == 2)
+    again.close()
+    assert [r[2] for r in broker.received] == ["i1", "i2"]
+
+
 def test_with_kafka_away_events_reach_the_disk_between_connection_attempts_not_a_batch_per_attempt(tmp_path):
     """A connection attempt to a broker that is away takes about as long as retry_seconds (kafka-python's
     bootstrap timeout): the next was due as soon as one failed, so the thread connected back to back and
