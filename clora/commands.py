@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import ssl
 import sys
 import time
 
@@ -100,12 +101,27 @@ def config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tls_context(kafka) -> ssl.SSLContext | None | bool:
+    """The TLS context kafka-python would use for `kafka` (a KafkaConfig); None without TLS; False when its
+    files cannot be read (reported on their own)."""
+    if kafka.security_protocol not in ("SSL", "SASL_SSL"):
+        return None
+    try:
+        context = ssl.create_default_context(cafile=kafka.ssl_cafile)
+        if kafka.ssl_certfile is not None:
+            context.load_cert_chain(kafka.ssl_certfile, kafka.ssl_keyfile)
+    except (OSError, ValueError, ssl.SSLError):
+        return False
+    context.check_hostname = kafka.ssl_check_hostname
+    return context
+
+
 def config_check(args: argparse.Namespace) -> int:
     """What the config alone cannot tell: whether what it names is there. One line per check, after the line
     naming the config file (or the defaults); then what `clora up` warns of, as warnings that pass."""
     from clora.cli import config_from_args, data_dir_error, model_path_problem, prepare_data_dir
     from clora.up import children_ports, config_line, embedded_broker_problem, port_clashes, ports_in_use, setup_warnings
-    from ingest.broker import unreachable
+    from ingest.broker import not_kafka, unreachable
     from ingest.scorers import ScorerSpecError, build_scorer, is_function
     from learner.rollouts import SamplingError, read_prompts_file
 
@@ -149,7 +165,14 @@ def config_check(args: argparse.Namespace) -> int:
     results += [("ports", problem) for problem in port_clashes(cfg)]
     results += [("ports", problem) for problem in ports_in_use(children_ports(cfg))]  # as `up` checks them
     why = unreachable(cfg.kafka.bootstrap)
-    if broker_problem is not None:  # the embedded broker would not listen where kafka.bootstrap points (above)
+    tls = _tls_context(cfg.kafka)
+    # A port open is not yet Kafka: another service may hold it (with TLS files that cannot be read, reported
+    # above, the port is all that can be checked).
+    other = None if why is not None or tls is False else not_kafka(cfg.kafka.bootstrap, tls=tls)
+    if other is not None:
+        results.append(("kafka.bootstrap", f"something holds {cfg.kafka.bootstrap} (kafka.bootstrap), but it is not "
+                        f"a Kafka broker: {other}"))
+    elif broker_problem is not None:  # the embedded broker would not listen where kafka.bootstrap points (above)
         if why is None:
             results.append((f"Kafka answers at {cfg.kafka.bootstrap}", None))
     elif why is None and cfg.broker.embedded:

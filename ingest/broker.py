@@ -15,6 +15,8 @@ import os
 import random
 import shutil
 import socket
+import ssl
+import struct
 import subprocess
 import time
 from collections.abc import Iterable
@@ -126,6 +128,47 @@ def unreachable(bootstrap: str, timeout: float = 1.0) -> str | None:
         except OSError as e:
             why = f"{host}:{port}: {e.strerror or e}"
     return why
+
+
+def not_kafka(bootstrap: str, *, tls: ssl.SSLContext | None = None, timeout: float = 2.0) -> str | None:
+    """None when one of the bootstrap servers answers a Kafka ApiVersions request (v0, which every broker
+    answers, before any SASL exchange too); otherwise why none did. An open port alone says nothing: another
+    service may hold it, and kafka-python's clients then retry it for ~30 s. `tls`: for SSL / SASL_SSL."""
+    from kafka.cluster import collect_hosts
+
+    correlation = 0x636C6F72
+    client = b"clora-check"
+    body = struct.pack(">hhih", 18, 0, correlation, len(client)) + client  # ApiVersions v0
+    request = struct.pack(">i", len(body)) + body
+    why = "no bootstrap server given"
+    for host, port, _ in collect_hosts(bootstrap, randomize=False):
+        where = f"{host}:{port}"
+        try:
+            with socket.create_connection((host, port), timeout=timeout) as raw:
+                conn = tls.wrap_socket(raw, server_hostname=host) if tls is not None else raw
+                conn.sendall(request)
+                head = _read_exactly(conn, 8)
+        except TimeoutError:
+            why = f"{where} took the connection but did not answer a Kafka request within {timeout:g}s"
+            continue
+        except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+            why = f"{where}: {e.strerror or e}" if isinstance(e, OSError) else f"{where}: {e}"
+            continue
+        size, got = struct.unpack(">ii", head)
+        if 4 <= size <= 1 << 20 and got == correlation:
+            return None
+        why = f"{where} answered, but not as a Kafka broker does (its first bytes: {head!r})"
+    return why
+
+
+def _read_exactly(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        piece = conn.recv(n - len(data))
+        if not piece:
+            raise ValueError(f"the connection closed after {len(data)} bytes of an answer")
+        data += piece
+    return data
 
 
 def wait_until_reachable(bootstrap: str, stop, timeout: float) -> str | None:

@@ -384,6 +384,28 @@ ssl_keyfile = "{tmp_path / 'client.key'}"
                             f"kafka.ssl_keyfile {tmp_path / 'client.key'}: No such file or directory"]
 
 
+@pytest.mark.parametrize("embedded", [False, True])
+def test_config_check_tells_a_port_held_by_something_else_from_kafka(tmp_path, capsys, embedded):
+    """A port that takes connections but answers no Kafka request (another service) passed as "Kafka answers";
+    ingest then retried it for a minute."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        config = write_config(tmp_path, f"""data_dir = "{tmp_path / 'data'}"
+[broker]
+embedded = {str(embedded).lower()}
+port = {port}
+[kafka]
+bootstrap = "127.0.0.1:{port}"
+""")
+        code, out, problems = _config_check(config, capsys)
+    assert code == 1 and not any("Kafka answers" in line for line in out)
+    assert [p for p in problems if "not a Kafka broker" in p] == [
+        f"something holds 127.0.0.1:{port} (kafka.bootstrap), but it is not a Kafka broker: 127.0.0.1:{port} took "
+        "the connection but did not answer a Kafka request within 2s"]
+
+
 def test_config_check_lists_what_the_config_names_that_is_not_there(tmp_path, capsys):
     port = closed_port()
     config = write_config(tmp_path, f"""data_dir = "{tmp_path / 'data'}"
@@ -510,8 +532,9 @@ def test_config_check_finds_an_embedded_broker_kafka_bootstrap_does_not_name(tmp
                         "the Kafka at kafka.bootstrap"]
 
 
-def test_config_check_finds_the_embedded_brokers_port_held_by_a_running_kafka(tmp_path, capsys):
-    """`clora up` refuses to start the embedded broker on a port another process holds; the check passed it."""
+def test_config_check_finds_the_embedded_brokers_port_held_by_another_process(tmp_path, capsys):
+    """`clora up` refuses to start the embedded broker on a port another process holds; the check passed it.
+    (Held by a running Kafka: tests/ingest/test_broker.py.)"""
     with held_port() as port:
         (tmp_path / "data").mkdir()
         config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[broker]\nport = {port}\n'
@@ -519,7 +542,8 @@ def test_config_check_finds_the_embedded_brokers_port_held_by_a_running_kafka(tm
         assert main(["config", "check", "--config", str(config)]) == 1
     out = capsys.readouterr().out
     problems = [line.split("PROBLEM", 1)[1].strip() for line in out.splitlines() if "PROBLEM" in line]
-    assert len(problems) == 1 and problems[0].startswith(f"Kafka already answers at 127.0.0.1:{port}, where `clora up`")
+    assert len(problems) == 1 and problems[0].startswith(f"something holds 127.0.0.1:{port} (kafka.bootstrap), but "
+                                                         "it is not a Kafka broker")
     assert f"data_dir {tmp_path / 'data'} is writable" in out
 
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 from kafka import KafkaConsumer, KafkaProducer
 
-from ingest.broker import BrokerError, EmbeddedBroker, ensure_topics, free_port
+from ingest.broker import BrokerError, EmbeddedBroker, ensure_topics, free_port, not_kafka
 
 pytestmark = pytest.mark.integration
 
@@ -100,6 +100,42 @@ def test_round_trip_through_session_broker(broker):
             got.update({r.key: r.value for r in records})
     consumer.close()
     assert got == sent
+
+
+def test_the_broker_answers_as_kafka_and_another_service_on_a_port_does_not(broker):
+    """`clora config check` asks the bootstrap server a Kafka question; an open port alone passed as "Kafka
+    answers", and ingest then retried that port for a minute."""
+    assert not_kafka(broker.bootstrap) is None
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+
+        def answer_as_http():
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(64)
+                conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+
+        threading.Thread(target=answer_as_http, daemon=True).start()
+        why = not_kafka(f"127.0.0.1:{listener.getsockname()[1]}")
+    assert why is not None and "not as a Kafka broker does" in why and "HTTP" in why
+
+
+def test_config_check_finds_the_embedded_brokers_port_held_by_a_running_kafka(broker, tmp_path, capsys):
+    """`clora up` refuses to start the embedded broker on a port another process holds; with a Kafka there, the
+    check says to use it (broker.embedded = false), which then passes."""
+    from clora.cli import main
+
+    host, port = broker.bootstrap.rsplit(":", 1)
+    config = tmp_path / "clora.toml"
+    config.write_text(f'data_dir = "{tmp_path / "data"}"\n[broker]\nport = {port}\n'
+                      f'[kafka]\nbootstrap = "{broker.bootstrap}"\n')
+    assert main(["config", "check", "--config", str(config)]) == 1
+    problems = [line.split("PROBLEM", 1)[1].strip() for line in capsys.readouterr().out.splitlines() if "PROBLEM" in line]
+    assert len(problems) == 1 and problems[0].startswith(f"Kafka already answers at {broker.bootstrap}, where `clora up`")
+    config.write_text(config.read_text().replace("[broker]\n", "[broker]\nembedded = false\n"))
+    assert main(["config", "check", "--config", str(config)]) == 0
+    assert f"  ok       Kafka answers at {broker.bootstrap}" in capsys.readouterr().out
 
 
 def test_port_taken_is_a_clear_error():
