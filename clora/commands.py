@@ -138,6 +138,10 @@ def config_check(args: argparse.Namespace) -> int:
         results.append(("model: the tiny local model (built on first use)", None))
     else:
         results.append((f"model.path {cfg.model.path} is a model directory", model_path_problem(cfg.model.path)))
+    if cfg.learner.device not in ("auto", "cpu"):
+        from learner.policy import device_problem
+
+        results.append((f"learner.device {cfg.learner.device} is on this host", device_problem(cfg.learner.device)))
     for t in cfg.tenants:
         if is_function(t.scorer):
             try:

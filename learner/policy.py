@@ -81,9 +81,28 @@ class Snapshot:
 
 
 def pick_device(device: str) -> torch.device:
+    """The torch device `learner.device` names; PolicyError when this host has no such device (torch's own
+    error is an assertion deep in the first tensor moved there)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    problem = device_problem(device)
+    if problem is not None:
+        raise PolicyError(problem)
     return torch.device(device)
+
+
+def device_problem(device: str) -> str | None:
+    """Why this host cannot run the learner on `device` (learner.device), or None."""
+    if device in ("auto", "cpu"):
+        return None
+    kind, _, index = device.partition(":")
+    backend = getattr(torch, kind, None)
+    if backend is None or not backend.is_available():
+        return f"learner.device is {device!r}, but this host has no {kind} device torch can use (set it to auto or cpu)"
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if index and int(index) >= count:
+        return f"learner.device is {device!r}, but this host has {count} {kind} device(s), numbered from 0"
+    return None
 
 
 class Policy:

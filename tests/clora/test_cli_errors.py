@@ -406,6 +406,22 @@ bootstrap = "127.0.0.1:{port}"
         "the connection but did not answer a Kafka request within 2s"]
 
 
+def test_a_learner_device_this_host_lacks_is_one_line_and_config_check_finds_it(tmp_path, capsys, caplog):
+    """`learner.device = "cuda"` on a host without CUDA was a 40-line assertion traceback from torch, and config
+    check passed it."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA: the device is there")
+    config = write_config(tmp_path, f'data_dir = "{tmp_path / "data"}"\n[broker]\nembedded = false\n'
+                                    f'[kafka]\nbootstrap = "127.0.0.1:{closed_port()}"\n[learner]\ndevice = "cuda:1"\n')
+    code, out, problems = _config_check(config, capsys)
+    assert code == 1 and problems[0] == ("learner.device is 'cuda:1', but this host has no cuda device torch can use "
+                                         "(set it to auto or cpu)")
+    assert main(["learn", "--once", "--config", str(config)]) == 2
+    assert "clora learn: learner.device is 'cuda:1', but this host has no cuda device" in caplog.text
+
+
 def test_config_check_lists_what_the_config_names_that_is_not_there(tmp_path, capsys):
     port = closed_port()
     config = write_config(tmp_path, f"""data_dir = "{tmp_path / 'data'}"
