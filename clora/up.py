@@ -454,7 +454,17 @@ def setup_problems(cfg) -> list[str]:
     embedded broker somewhere else than kafka.bootstrap says (serving and ingest would never reach it), two
     of its children given one port (port_clashes), and ports another process already holds (a child that
     cannot bind its port exits, and a health check would see the other process answering)."""
-    problems = [p for p in [embedded_broker_problem(cfg)] if p is not None] + port_clashes(cfg)
+    return config_problems(cfg) + held_ports(cfg)
+
+
+def config_problems(cfg) -> list[str]:
+    """The part of `setup_problems` the config alone decides (exit 2: the config must change)."""
+    return [p for p in [embedded_broker_problem(cfg)] if p is not None] + port_clashes(cfg)
+
+
+def held_ports(cfg) -> list[str]:
+    """The part of `setup_problems` another process causes: ports it holds now (exit 1: it may go away)."""
+    problems = []
     if cfg.broker.embedded:
         problems += ports_in_use([("broker.port and kafka.bootstrap", cfg.broker.host, cfg.broker.port)])
     return problems + ports_in_use(children_ports(cfg))
@@ -633,11 +643,12 @@ def up(cfg, config_path: str | None, *, until: Callable[[], bool] = lambda: Fals
     specs = [replace(s, keep_fds=keep_fds) for s in specs]
     sup = Supervisor(specs, order, emit=emit)
     sup.emit("up", config_line(cfg, config_path))  # first, whatever follows: which config the errors are of
-    problems = setup_problems(cfg)
+    wrong = config_problems(cfg)
+    problems = wrong + held_ports(cfg)
     if problems:
         for problem in problems:
             sup.emit("up", f"error: {problem}")
-        return 1
+        return 2 if wrong else 1  # the config must change; or another process holds a port (and may let it go)
     for warning in setup_warnings(cfg):
         sup.emit("up", f"warning: {warning}")
     # SIGHUP too: a closed terminal must stop the stack in order (ingest drains before the broker goes);

@@ -417,7 +417,7 @@ def test_up_refuses_an_embedded_broker_that_kafka_bootstrap_does_not_name(tmp_pa
     cfg = Config.model_validate({"data_dir": str(tmp_path), "broker": {"port": port}, "serving": {"port": free_port_but(port)}})
     monkeypatch.setattr(up_module, "stack_specs", lambda *_, **__: ([spec("a")], ["a"]))
     lines, emit = collect()
-    assert up_module.up(cfg, None, until=lambda: True, emit=emit) == 1
+    assert up_module.up(cfg, None, until=lambda: True, emit=emit) == 2  # a config problem, as `up --help` says
     (error,) = [line for n, line in lines if n == "up" and line.startswith("error")]
     assert f"kafka.bootstrap is '127.0.0.1:9092' but the embedded broker listens on 127.0.0.1:{port}" in error
     external = Config.model_validate({"data_dir": str(tmp_path), "broker": {"embedded": False, "port": port},
@@ -474,7 +474,7 @@ def test_up_refuses_serving_on_the_embedded_brokers_port(tmp_path, monkeypatch):
     monkeypatch.setattr(up_module, "stack_specs", lambda *_, **__: (
         [ChildSpec("a", SLEEPER, healthy=lambda pid: started.append(pid) or True, stop_timeout=5)], ["a"]))
     lines, emit = collect()
-    assert up_module.up(cfg, None, until=lambda: True, emit=emit) == 1
+    assert up_module.up(cfg, None, until=lambda: True, emit=emit) == 2  # a config problem
     assert not started, "no child may start"
     assert [line for n, line in lines if n == "up" and line.startswith("error")] == [
         f"error: serving.port and broker.port are both {port}, where serving and the embedded broker cannot both "
@@ -688,7 +688,7 @@ def test_up_under_nohup_keeps_ignoring_sighup(tmp_path, monkeypatch):
     from clora.config import Config
 
     monkeypatch.setattr(up_module, "stack_specs", lambda *_, **__: ([spec("a")], ["a"]))
-    monkeypatch.setattr(up_module, "setup_problems", lambda _cfg: [])
+    monkeypatch.setattr(up_module, "held_ports", lambda _cfg: [])  # the default ports may be in use here
     cfg = Config.model_validate({"data_dir": str(tmp_path)})
     seen = []
 
@@ -715,7 +715,7 @@ def test_hangups_start_the_stop_but_never_hurry_it(tmp_path, monkeypatch):
     from clora.config import Config
 
     monkeypatch.setattr(up_module, "stack_specs", lambda *_, **__: ([spec("a")], ["a"]))
-    monkeypatch.setattr(up_module, "setup_problems", lambda _cfg: [])
+    monkeypatch.setattr(up_module, "held_ports", lambda _cfg: [])  # the default ports may be in use here
     sup = Supervisor([spec("a")], ["a"], emit=collect()[1])
     monkeypatch.setattr(up_module, "Supervisor", lambda *a, **kw: sup)
 
@@ -741,7 +741,7 @@ def test_the_signal_handler_takes_no_lock(tmp_path, monkeypatch):
     from clora.config import Config
 
     monkeypatch.setattr(up_module, "stack_specs", lambda *_, **__: ([spec("a")], ["a"]))
-    monkeypatch.setattr(up_module, "setup_problems", lambda _cfg: [])
+    monkeypatch.setattr(up_module, "held_ports", lambda _cfg: [])  # the default ports may be in use here
     lock_calls, calls = [], []
 
     def until():
