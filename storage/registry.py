@@ -515,7 +515,9 @@ class Registry:
         check_tenant(tenant)
         removed = 0
         with nullcontext() if dry_run else self._locked():  # a dry run creates no lock file
-            index = self._read_index(tenant)
+            # an index that cannot be read for a reason of the disk's (EACCES, EIO) is an error to report,
+            # not "nothing settled": the run would say 0 and succeed while the tenant is never pruned
+            index = self._read_index(tenant, errors=True)
             if index is None:
                 return 0
             last, open_ = index
@@ -727,15 +729,22 @@ class Registry:
     def _index_path(self, tenant: str) -> Path:
         return self.dd.registry / tenant / "index.json"
 
-    def _read_index(self, tenant: str) -> tuple[int, list[int]] | None:
-        """(last, open) from the hint, or None when there is none or it is unreadable (then: a full listing)."""
+    def _read_index(self, tenant: str, *, errors: bool = False) -> tuple[int, list[int]] | None:
+        """(last, open) from the hint, or None when there is none or it is unreadable (then: a full listing).
+        `errors`: an OSError other than a missing file is raised."""
         try:
             data = json.loads(self._index_path(tenant).read_bytes())
             last, open_ = data["last"], data["open"]
             if data.get("format") != INDEX_FORMAT or not _is_count(last) or not all(_is_count(n) for n in open_):
                 return None
             return last, sorted(n for n in open_ if n <= last)
-        except (OSError, ValueError, TypeError, KeyError):
+        except FileNotFoundError:
+            return None
+        except OSError:
+            if errors:
+                raise
+            return None
+        except (ValueError, TypeError, KeyError):
             return None
 
     def _live(self, tenant: str) -> tuple[int, list[int]]:

@@ -153,6 +153,13 @@ def test_prune_deletes_old_settled_records_only_and_numbers_go_on(data_dir, peft
     assert _new(reg, peft_writer).number == 10  # numbers go on after the newest
     (data_dir / "registry" / "acme" / "index.json").unlink()  # without the hint nothing is settled for sure
     assert reg.prune("acme", before_s=time.time() + 60) == 0
+    # A hint the disk will not give (EACCES, EIO; here a directory in its place) is an error, not "nothing
+    # settled": `clora prune` said 0 and exited 0 while the tenant was never pruned again.
+    (data_dir / "registry" / "acme" / "index.json").mkdir()
+    for dry_run in (True, False):
+        with pytest.raises(IsADirectoryError):
+            reg.prune("acme", before_s=time.time() + 60, dry_run=dry_run)
+    assert reg.latest_published("acme").number == 8, "the registry's other readers fall back to a listing"
 
 
 def test_only_the_newest_rejected_versions_keep_their_files(data_dir, peft_writer):
