@@ -283,8 +283,8 @@ async def serve(cfg, host: str, port: int, reload=None) -> int:
     from storage.registry import Registry
 
     s = cfg.serving
-    warn_if_open(host, s.admin_key is not None)
     listener = listen(host, port)  # before the engine's long start: the port is ours, or we say so at once
+    warn_if_open(host, s.admin_key is not None)  # of a host it listens on (not one it cannot bind)
     model_path = base_model_dir(cfg)
     metrics = ServingMetrics()
     ipc = None
