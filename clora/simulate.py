@@ -155,6 +155,7 @@ class Simulator:
         self.outage_seconds = outage_seconds
         self.records: list[Record] = []  # one per finished exchange, answered or failed
         self.sent = 0  # requests sent
+        self.sent_by: dict[str, int] = {}  # requests sent, per tenant (some may have no record yet)
         self.not_sent = 0  # ticks that found `concurrency` requests awaiting answers
         self.stop = threading.Event()
         self.started: float | None = None  # monotonic time run() began
@@ -289,6 +290,7 @@ class Simulator:
                 prompt, seed = rng.choice(PROMPTS), rng.randrange(2**31)
                 if slots.acquire(blocking=False):
                     self.sent += 1
+                    self.sent_by[tenant.name] = self.sent_by.get(tenant.name, 0) + 1
                     threading.Thread(target=self._one, args=(t0, tenant, prompt, seed, slots),
                                      name=f"simulate-{i}", daemon=True).start()
                 else:
@@ -336,14 +338,18 @@ class Simulator:
         return line
 
     def summary(self) -> dict[str, dict]:
+        """`summarise` of the records so far, with the requests each tenant sent: after a Ctrl-C some of them
+        have no record yet (they are still awaiting their answers)."""
         with self._lock:  # request threads may still append (after a Ctrl-C)
             records = list(self.records)
-        return summarise(records, self.tenants)
+        return summarise(records, self.tenants, sent=dict(self.sent_by))
 
 
-def summarise(records: list[Record], tenants: list[SimTenant], window: float = 0.25) -> dict[str, dict]:
-    """Per tenant: requests, failures, the reward before learning and in the last `window` fraction of its
-    exchanges, and the adapter versions that answered, in order of first appearance.
+def summarise(records: list[Record], tenants: list[SimTenant], window: float = 0.25,
+              sent: dict[str, int] | None = None) -> dict[str, dict]:
+    """Per tenant: requests sent, finished ("requests") and failed, the reward before learning and in the last
+    `window` fraction of its exchanges, and the adapter versions that answered, in order of first appearance.
+    Without `sent` (requests per tenant), every request sent is taken to have finished.
 
     The reward before learning is the mean over the base model's answers (those that came before an
     adapter went live: a version label without "@", whatever model.name calls the base model), or over the
@@ -359,6 +365,7 @@ def summarise(records: list[Record], tenants: list[SimTenant], window: float = 0
         out[tenant.name] = {
             "preference": tenant.preference,
             "requests": len(recs),
+            "sent": max(len(recs), (sent or {}).get(tenant.name, 0)),
             "failed": len(recs) - len(ok),
             "reward_base": sum(r.score for r in before) / len(before) if before else float("nan"),
             "reward_last": sum(r.score for r in ok[-k:]) / k if ok else float("nan"),
@@ -369,10 +376,16 @@ def summarise(records: list[Record], tenants: list[SimTenant], window: float = 0
 
 def summary_lines(summary: dict[str, dict]) -> list[str]:
     """One line per tenant of a `summarise` result, as `clora simulate` prints them; a tenant without an answer
-    says so (its rewards are NaN, its versions none)."""
+    says so (its rewards are NaN, its versions none), and one with requests still unanswered (a Ctrl-C) says how
+    many it sent, as the traffic line does: `acme: 8 requests, 0 finished (0 failed), 8 unanswered, no answers`."""
     lines = []
     for name, s in summary.items():
-        line = f"{name}: {s['requests']} requests, {s['failed']} failed, "
+        sent = s.get("sent", s["requests"])
+        if sent > s["requests"]:
+            line = (f"{name}: {sent} requests, {s['requests']} finished ({s['failed']} failed), "
+                    f"{sent - s['requests']} unanswered, ")
+        else:
+            line = f"{name}: {s['requests']} requests, {s['failed']} failed, "
         if s["versions_seen"]:
             line += (f"reward {s['reward_base']:.3f} -> {s['reward_last']:.3f}, "
                      f"versions {', '.join(s['versions_seen'])}")

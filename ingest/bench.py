@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 from clora.argtypes import int_between, positive_int
+from clora.bench import BenchError
 from ingest.events import FeedbackEvent, InteractionEvent, encode
 
 logger = logging.getLogger(__name__)
@@ -282,10 +283,10 @@ def in_processes(side: str, processes: int, bootstrap: str, topics: dict[str, st
             except queue.Empty:
                 dead = [p.name for p in procs if not p.is_alive() and p.exitcode]
                 if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"benchmark processes {', '.join(dead) or 'timed out'}") from None
+                    raise BenchError(f"benchmark processes {', '.join(dead) or 'timed out'}") from None
                 continue
             if error is not None:
-                raise RuntimeError(f"benchmark process {side} {k}: {error}")
+                raise BenchError(f"benchmark process {side} {k}: {error}")
             got[k] = result
     finally:
         for proc in procs:
@@ -355,7 +356,7 @@ def rss_run(bootstrap: str, topics: dict[str, str], workdir: Path, name: str) ->
             samples.append((round(time.monotonic() - started, 2), round(rss, 1)))
         time.sleep(0.2)
     if proc.returncode != 0:
-        raise RuntimeError(f"python -m ingest exited with {proc.returncode} on the {name} stream")
+        raise BenchError(f"python -m ingest exited with {proc.returncode} on the {name} stream")
     return {"samples": samples, "peak_mb": max(r for _, r in samples), "seconds": time.monotonic() - started}
 
 

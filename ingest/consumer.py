@@ -94,7 +94,7 @@ from ingest.events import utc_now
 from ingest.metrics import IngestMetrics
 from ingest.pending import MAX_PENDING, MAX_PENDING_PER_TENANT, OwnedPartitions, PendingStore
 from ingest.rows import FEEDBACK_KEY, DeadLetterRow, FeedbackRow, InteractionRow, TrajectoryRow, epoch_ms, to_table
-from storage.files import FileLock, atomic_write_bytes, mark_ready
+from storage.files import FileLock, atomic_write_bytes, clear_ready, mark_ready
 from storage.layout import as_datadir
 from storage.parquet import write_dataset
 
@@ -427,6 +427,7 @@ class Ingest:
                 self.flush()
             self.metrics.set_lag(self.lag())
             self.metrics.log()
+        clear_ready(as_datadir(self.root).state, self.name)  # a clean stop: a mark left behind says otherwise
 
     def _loop(self, stop: threading.Event, once: bool, deadline: float | None, drain: threading.Event) -> None:
         while not stop.is_set():

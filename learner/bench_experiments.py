@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clora.argtypes import non_negative, non_negative_int, positive, positive_int, positive_int_list
-from clora.bench import machine
+from clora.bench import BenchError, BenchInputError, machine
 from clora.config import lora_rank_size
 from clora.processes import terminate
 
@@ -105,10 +105,6 @@ RATIO_AIM = 4.0
 LATENCY_FACTOR = 3.0  # per-step latency at the largest N under this times N = 1's
 HEALTH_TIMEOUT_S = 600
 _LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # its own serving: never via a proxy
-
-
-class BenchError(RuntimeError):
-    """A process of the benchmark failed (the message carries the tail of its log)."""
 
 
 @dataclass(frozen=True)
@@ -181,15 +177,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    if args.from_json is not None:
-        try:
-            result = json.loads(Path(args.from_json).read_text())
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"--from-json {args.from_json}: {e}") from e
-    else:
-        result = measure(args, out)
-    result = analyse(result)
-    (out / "experiments.json").write_text(json.dumps(result, indent=1) + "\n")
+    result = from_json(Path(args.from_json)) if args.from_json is not None else analyse(measure(args, out))
+    (out / "experiments.json").write_text(json.dumps(result, indent=1) + "\n")  # first: the runs are kept
     markdown = to_markdown(result)
     (out / "experiments.md").write_text(markdown)
     plot(result, out / "experiments.png")
@@ -197,6 +186,28 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(markdown)
     return 0
+
+
+def from_json(path: Path) -> dict:
+    """An earlier experiments.json analysed again; BenchInputError when the file cannot be read or is not such
+    a result (its table and markdown are made here once, so that nothing is written from a file that fails
+    half-way)."""
+    try:
+        result = json.loads(path.read_text())
+    except OSError as e:
+        raise BenchInputError(f"--from-json {path}: {e.strerror or e}") from e
+    except ValueError as e:
+        raise BenchInputError(f"--from-json {path}: not JSON: {e}") from e
+    if not isinstance(result, dict) or not isinstance(result.get("runs"), dict):
+        raise BenchInputError(f"--from-json {path}: not an experiments.json of this benchmark (it has no \"runs\")")
+    try:
+        result = analyse(result)
+        table(result)  # what they read beyond the runs: a field missing there fails here, not half-way through
+        to_markdown(result)
+        return result
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        what = f"no {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise BenchInputError(f"--from-json {path}: not an experiments.json of this benchmark ({what})") from e
 
 
 def measure(args: argparse.Namespace, out: Path) -> dict:
@@ -212,9 +223,9 @@ def measure(args: argparse.Namespace, out: Path) -> dict:
     except argparse.ArgumentTypeError:
         counts = []
     if not counts or counts[0] < 1 or args.steps < 1:
-        raise SystemExit(f"--n must list positive experiment counts (got {args.n!r}) and --steps be >= 1")
+        raise BenchInputError(f"--n must list positive experiment counts (got {args.n!r}) and --steps be >= 1")
     if args.learners < 1:
-        raise SystemExit(f"--learners must be >= 1 (got {args.learners})")
+        raise BenchInputError(f"--learners must be >= 1 (got {args.learners})")
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
     model = (args.model or base_model_dir(cfg)).resolve()

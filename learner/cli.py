@@ -128,7 +128,8 @@ def _model_random(args: argparse.Namespace) -> int:
 
     config_from_args(args)
     return _built(
-        "random", lambda: build_random(args.shape, args.out, dtype=args.dtype, seed=args.seed, overwrite=args.force),
+        "random", lambda: build_random(args.shape, args.out, dtype=args.dtype, seed=args.seed, overwrite=args.force,
+                                       progress=True),
         args.out,
     )
 

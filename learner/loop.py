@@ -106,7 +106,7 @@ from learner.scheduler import Ledger, after_round, charge, choose
 from learner.types import Shard, TenantSpec, learner_process_name
 from learner.update import UpdateResult
 from storage.cursors import KEEP_DAMAGED, CursorError, Cursors
-from storage.files import FileLock, HeldLock, atomic_write_bytes, mark_ready
+from storage.files import FileLock, HeldLock, atomic_write_bytes, clear_ready, mark_ready
 from storage.layout import DataDir, StorageError
 from storage.parquet import column_max, partition_tenants, write_dataset
 from storage.registry import RETIRED_BY_HAND, Registry, RegistryError, UnreadableRecord, VersionNotFound
@@ -1681,6 +1681,7 @@ def run(
                 break
     finally:
         learner.close()
+    clear_ready(learner.dd.state, learner.process_name)  # a clean stop: a mark left behind says otherwise
     return learner
 
 

@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -268,10 +269,12 @@ def write_random_weights(
     dtype: str,
     std: float,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: bool = False,
 ) -> int:
     """Writes the safetensors file(s) (and the index when sharded); returns the parameter count.
 
-    Only one shard's tensors are in memory at a time.
+    Only one shard's tensors are in memory at a time. `progress`: says on stderr how far it is (a real
+    shape's gigabytes take minutes).
     """
     import torch
     from safetensors.torch import save_file
@@ -289,15 +292,55 @@ def write_random_weights(
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     weight_map = {}
-    for file, names in zip(files, shards):
-        tensors = {n: random_tensor(n, shapes[n], seed=seed, std=std, dtype=dtype) for n in names}
+    report = _Progress(parameter_count(specs), sum(s for _, s in sizes), len(files)) if progress else None
+    size_of = dict(sizes)
+    for k, (file, names) in enumerate(zip(files, shards), 1):
+        tensors = {}
+        for n in names:
+            tensors[n] = random_tensor(n, shapes[n], seed=seed, std=std, dtype=dtype)
+            if report is not None:
+                report.tensor(size_of[n])
         save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
         weight_map.update({n: file for n in names})
         del tensors
+        if report is not None:
+            report.shard(k, file)
+    if report is not None:
+        report.close()
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(s for _, s in sizes)}, "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return parameter_count(specs)
+
+
+class _Progress:
+    """How far `write_random_weights` is, on stderr: a bar of the bytes made on a terminal, a line per file
+    written elsewhere (a log, where a bar is only its cursor moves)."""
+
+    def __init__(self, parameters: int, total_bytes: int, files: int) -> None:
+        self.total, self.files, self.done = total_bytes, files, 0
+        print(f"writing {parameters:,} random parameters ({total_bytes / 2**30:.1f} GiB in {files} file(s))",
+              file=sys.stderr, flush=True)
+        self.bar = None
+        if sys.stderr.isatty():  # decided here, not by TQDM_DISABLE (clora sets it for logs: they get the lines)
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="weights",
+                            file=sys.stderr, leave=False, disable=False)
+
+    def tensor(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.bar is not None:
+            self.bar.update(nbytes)
+
+    def shard(self, k: int, file: str) -> None:
+        if self.bar is None:
+            print(f"wrote {file} ({k} of {self.files}; {self.done / 2**30:.1f} of {self.total / 2**30:.1f} GiB)",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -424,8 +467,10 @@ def build_random(
     init_std: float = 0.02,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     overwrite: bool = False,
+    progress: bool = False,
 ) -> Path:
-    """Builds a random-weight model of a named shape (`RANDOM_SHAPES`) with the tiny tokenizer."""
+    """Builds a random-weight model of a named shape (`RANDOM_SHAPES`) with the tiny tokenizer; `progress`:
+    says on stderr how far the weights are."""
     if shape not in RANDOM_SHAPES:
         raise ValueError(f"unknown model shape {shape!r}; expected one of {', '.join(RANDOM_SHAPES)}")
     return _build(
@@ -438,6 +483,7 @@ def build_random(
         max_shard_bytes=max_shard_bytes,
         marker={"kind": "random", "shape": shape, "seed": seed, "init_std": init_std},
         overwrite=overwrite,
+        progress=progress,
     )
 
 
@@ -507,7 +553,10 @@ def _build(
     max_shard_bytes: int,
     marker: dict,
     overwrite: bool,
+    progress: bool = False,
 ) -> Path:
+    """Builds under a hidden temporary name beside `out`, then moves it into place. An OSError while it
+    writes is a ModelBuildError naming `out`, never the temporary name."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if tokenizer.get_vocab_size() > shape.vocab_size:
@@ -520,8 +569,13 @@ def _build(
                               f"remove it yourself or choose another --out")
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+    except FileExistsError as e:  # a file where a directory above `out` should be
+        raise ModelBuildError(f"cannot write {out}: {e.filename} is not a directory") from e
+    except OSError as e:
+        raise ModelBuildError(f"cannot write {out}: {e.strerror or e}") from e
     try:
         config = qwen3_config(shape, dtype)
         # Full config, plus the top-level rope_theta that transformers 4.x reads (5.x reads rope_parameters).
@@ -533,7 +587,7 @@ def _build(
             {"bos_token_id": PAD_ID, "eos_token_id": [EOS_ID, PAD_ID], "pad_token_id": PAD_ID},
         )
         parameters = write_random_weights(
-            config, tmp, seed=seed, dtype=dtype, std=std, max_shard_bytes=max_shard_bytes
+            config, tmp, seed=seed, dtype=dtype, std=std, max_shard_bytes=max_shard_bytes, progress=progress
         )
         write_tokenizer(tmp, tokenizer, shape.max_position_embeddings)
         for path in tmp.iterdir():
@@ -545,6 +599,9 @@ def _build(
         )
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
         _replace_dir(tmp, out, overwrite=overwrite)
+    except OSError as e:  # a full disk, a file system gone read-only: said of `out`, not of the temporary name
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelBuildError(f"cannot write {out}: {e.strerror or e}") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from clora.argtypes import positive_int, positive_int_list
+from clora.bench import BenchError
 
 MODES = ("mixed", "one-by-one", "zero-lora", "base")
 
@@ -92,7 +93,7 @@ async def timed(engine, jobs, sampling) -> float:
     seconds = time.perf_counter() - started
     generated = sum(len(c.token_ids) for choices in results for c in choices)
     if generated != len(jobs) * sampling.max_tokens:
-        raise RuntimeError(f"expected {len(jobs) * sampling.max_tokens} tokens, got {generated}")
+        raise BenchError(f"expected {len(jobs) * sampling.max_tokens} tokens, got {generated}")
     return seconds
 
 
@@ -158,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
     counts = args.tenants
     dtype = args.dtype or cfg.serving.dtype
     model_path = base_model_dir(cfg)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)  # before the measurement: a --out that cannot be made loses nothing
     print(f"clora bench serving: {model_path}, tenants {counts}, {args.prompts} prompts x {args.tokens} tokens "
           f"per tenant, rank {args.rank}, dtype {dtype}, CPU LoRA ops {args.cpu_lora_ops}"
           f"{', eager LoRA engine' if args.eager_lora else ''}", flush=True)
@@ -188,8 +191,6 @@ def run(args: argparse.Namespace) -> int:
           f"batch a further {last['mixed_over_zero_lora']:.2f}x; serving tenants one at a time instead takes "
           f"{last['one_by_one_over_mixed']:.2f}x the mixed time.")
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = {"benchmark": "serving", "model": str(model_path), "dtype": dtype, "prompts_per_tenant": args.prompts,
               "tokens_per_request": args.tokens, "rank": args.rank, "cpu_lora_ops": args.cpu_lora_ops, "eager_lora": args.eager_lora,
               "repeats": args.repeats, "rows": rows}

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clora.argtypes import positive, positive_int
+from clora.bench import BenchError
 from clora.processes import terminate
 
 
@@ -100,7 +101,7 @@ def _start_server(config: Path, port: int, log_path: Path, timeout: float = 300.
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"the serving process exited with {process.returncode}; see {log_path}")
+            raise BenchError(f"the serving process exited with {process.returncode}; see {log_path}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
                 return process
@@ -108,7 +109,7 @@ def _start_server(config: Path, port: int, log_path: Path, timeout: float = 300.
             pass
         time.sleep(0.5)
     _stop_server(process)
-    raise RuntimeError(f"the serving process was not healthy within {timeout:.0f}s; see {log_path}")
+    raise BenchError(f"the serving process was not healthy within {timeout:.0f}s; see {log_path}")
 
 
 def _stop_server(process: subprocess.Popen) -> None:
@@ -218,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     model_path = base_model_dir(cfg)
     shapes = base_linear_shapes(model_path)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)  # before the measurement: a --out that cannot be made loses nothing
     tenants = [f"t{i}" for i in range(args.tenants)]
     print(f"clora bench swap: {model_path}, {args.tenants} tenants, {args.concurrency} streams, "
           f"{args.publishes} publishes every {args.interval}s, registry poll {cfg.serving.registry_poll_seconds}s",
@@ -283,8 +286,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"requests {len(responses)} ({result['requests_per_s']}/s, {result['tokens_per_s']} tokens/s), "
           f"failed {failed}, versions never seen: {len(unseen)}")
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "swap.json").write_text(json.dumps(result, indent=2))
     _plot(to_headers, to_done, out / "swap.png")
     print(f"wrote {out / 'swap.json'} and {out / 'swap.png'}")

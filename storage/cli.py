@@ -55,20 +55,39 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
 
     p = sub.add_parser("adapters", parents=[common], help="list, inspect, roll back or retire adapter versions")
     actions = p.add_subparsers(dest="adapters_command", metavar="ACTION", required=True)
-    a = actions.add_parser("list", parents=[common], help="one line per version that can still change (--all: every one)")
+    a = actions.add_parser(
+        "list", parents=[common], help="one line per version that can still change (--all: every one)",
+        description="One line per adapter version that can still change: candidates, published versions that keep "
+        "their files, rejected ones kept to inspect. `latest` marks the version serving routes the tenant to "
+        "(registry/HEAD.json). --all lists the whole history, as far as retention has kept its records. Exit 1 "
+        "for a tenant with no versions that is not in the config.",
+    )
     a.add_argument("--tenant", type=_tenant, default=None, help="only this tenant's versions")
     a.add_argument("--all", action="store_true",
                    help="the whole history, retired and settled rejects too (a learner adds a version per step)")
     a.set_defaults(func=cmd_adapters_list)
-    a = actions.add_parser("show", parents=[common], help="every field of one version, as JSON")
+    a = actions.add_parser(
+        "show", parents=[common], help="every field of one version, as JSON",
+        description="Every field of one adapter version's registry record as JSON (status, parent, reason, gate "
+        "checks, metrics, times), with its files' path and whether they are still there. Exit 1 for a version "
+        "that does not exist.",
+    )
     a.add_argument("version", type=_version, help="tenant@n")
     a.set_defaults(func=cmd_adapters_show)
     a = actions.add_parser(
-        "rollback", parents=[common], help="serve an older version again (republished as a new newest version)"
+        "rollback", parents=[common], help="serve an older version again (republished as a new newest version)",
+        description="Copies an older version's files into a new newest published version whose parent is the old "
+        "one (history is never rewritten); serving picks it up at its next registry poll, and the learner goes "
+        "on from it. Refused for the version already served.",
     )
     a.add_argument("version", type=_version, help="tenant@n to roll back to")
     a.set_defaults(func=cmd_adapters_rollback)
-    a = actions.add_parser("retire", parents=[common], help="delete a version's files (its record stays)")
+    a = actions.add_parser(
+        "retire", parents=[common], help="delete a version's files (its record stays)",
+        description="Deletes a version's files; its record stays, with status retired, and the learner trains "
+        "none of its samples. Retiring the version served moves the tenant to its newest published version left, "
+        "or to the base model, from serving's next registry poll; the command says which.",
+    )
     a.add_argument("version", type=_version, help="tenant@n")
     a.set_defaults(func=cmd_adapters_retire)
 
@@ -592,11 +611,32 @@ def cmd_adapters_retire(args: argparse.Namespace) -> int:
         # Looked up first: retire takes the registry's lock, and a version that does not exist must not
         # leave a lock file (or a data dir) behind.
         registry.get(tenant, number)
+        before = _served(registry, tenant)  # None when it cannot be read: the retire goes on
         v = registry.retire(tenant, number)
     except (StorageError, *UNREADABLE) as e:
         return _fail("retire", e, f"retiring {tenant}@{number} failed")
-    print(f"{v.name} retired; its files are deleted")
+    after = _served(registry, tenant)
+    if after is None:  # the retire is done: only what follows from it cannot be said
+        print(f"{v.name} retired; its files are deleted (what {tenant} is served now cannot be read: "
+              f"clora adapters list --tenant {tenant})")
+    elif after == before:
+        print(f"{v.name} retired; its files are deleted; {tenant} is still served {after}")
+    else:
+        print(f"{v.name} retired; its files are deleted; {tenant} is now served {after} (from serving's next "
+              "registry poll)")
     return 0
+
+
+def _served(registry, tenant: str) -> str | None:
+    """What serving gives `tenant`: its newest published version's name, or "the base model"; None when the
+    registry cannot say (a record that cannot be read)."""
+    from storage.layout import StorageError
+
+    try:
+        v = registry.latest_published(tenant)
+    except (StorageError, *UNREADABLE):
+        return None
+    return "the base model" if v is None else v.name
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -684,7 +724,7 @@ def _compact_every(cfg, args: argparse.Namespace, grace: float) -> int:
     import time
 
     from clora.up import StopFlag
-    from storage.files import mark_ready
+    from storage.files import clear_ready, mark_ready
     from storage.layout import DataDir
 
     stop = StopFlag()  # not a threading.Event: its set() in a handler can deadlock against the loop's wait()
@@ -707,6 +747,7 @@ def _compact_every(cfg, args: argparse.Namespace, grace: float) -> int:
             except Exception as e:  # noqa: BLE001
                 print(f"clora compact: pruning failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         stop.wait(max(0.0, args.every - (time.monotonic() - started)))
+    clear_ready(DataDir(cfg.data_dir).state, "compactor")  # a clean stop: a mark left behind says otherwise
     print("compactor stopped", flush=True)
     return 0
 

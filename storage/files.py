@@ -244,12 +244,28 @@ class HeldLock:
 
 # ---------------------------------------------------------------------------------------------------------
 # Readiness: a long-running process says "I am ready" (model loaded, store loaded) with its pid, so a
-# supervisor tells this life of the process from an earlier one that left its file behind.
+# supervisor tells this life of the process from an earlier one that left its file behind. A process that
+# stops cleanly takes its mark away again: a mark whose pid no longer runs is then one that did not (killed,
+# crashed), which `clora status` could not otherwise tell from a Ctrl-C.
 
 
 def mark_ready(state_dir: Path, process: str) -> None:
-    """Records that this process (`learner`, `ingest`, ...) is ready: <state>/ready/<process>.json."""
+    """Records that this process (`learner`, `ingest`, ...) is ready: <state>/ready/<process>.json. Its clean
+    stop calls `clear_ready`."""
     atomic_write_bytes(Path(state_dir) / "ready" / f"{process}.json", json.dumps({"pid": os.getpid(), "at": time.time()}).encode())
+
+
+def clear_ready(state_dir: Path, process: str) -> bool:
+    """Removes this process's ready mark as it stops cleanly; returns whether there was one to remove. A mark
+    another process wrote since (a restart of it, ready already) is left alone, and so is one that cannot be
+    removed (a data dir gone read-only): a stop stays clean either way."""
+    if ready_pid(state_dir, process) != os.getpid():
+        return False
+    try:
+        (Path(state_dir) / "ready" / f"{process}.json").unlink()
+    except OSError:
+        return False
+    return True
 
 
 def ready_pid(state_dir: Path, process: str) -> int | None:

@@ -163,6 +163,21 @@ def test_a_tenant_without_answers_is_summarised_without_nan():
     assert summary_lines(summarise(answered, [t])) == ["acme: 1 requests, 0 failed, reward 0.500 -> 0.500, versions base"]
 
 
+def test_a_tenants_line_counts_the_requests_it_sent_that_have_not_finished():
+    """After a Ctrl-C, a tenant whose 8 requests awaited answers said "0 requests, 0 failed" under a traffic line
+    that said 8 were sent and unanswered."""
+    from clora.simulate import summary_lines
+
+    t = SimTenant("acme", "k" * 8, "digits")
+    answered = [Record(0, "acme", "r0", "base", 0.5, "", True), Record(1, "acme", "", "", 0.0, "", False, "boom")]
+    assert summary_lines(summarise([], [t], sent={"acme": 8})) == [
+        "acme: 8 requests, 0 finished (0 failed), 8 unanswered, no answers"]
+    assert summary_lines(summarise(answered, [t], sent={"acme": 5})) == [
+        "acme: 5 requests, 2 finished (1 failed), 3 unanswered, reward 0.500 -> 0.500, versions base"]
+    assert summary_lines(summarise(answered, [t], sent={"acme": 2})) == [
+        "acme: 2 requests, 1 failed, reward 0.500 -> 0.500, versions base"]
+
+
 def test_simulate_does_not_fail_for_a_tenant_that_got_no_request(tmp_path, monkeypatch, capsys):
     """A short run at a low rate reaches only some tenants (round robin): no request is no failure."""
     from clora import simulate as simulate_module
@@ -287,7 +302,7 @@ def test_ctrl_c_stops_simulate_at_once_with_the_partial_figures(tmp_path):
     assert "clora simulate: interrupted after" in err and "interrupted" not in out  # on stderr, as for `clora query`
     assert "8 requests sent, 0 finished (0 failed), 8 unanswered" in err
     assert "were awaiting answers, the most at once" in err  # the ticks not sent
-    assert "digits-app: 0 requests, 0 failed, no answers" in out
+    assert "digits-app: 8 requests, 0 finished (0 failed), 8 unanswered, no answers" in out  # not "0 requests"
 
 
 def test_a_tick_that_finds_every_slot_awaiting_an_answer_sends_nothing():

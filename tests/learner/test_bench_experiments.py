@@ -218,3 +218,25 @@ def test_the_learner_shards_timelines_merge_into_one_that_starts_at_the_first_re
     assert (merged["started"], merged["ready"], merged["finished"]) == (1.0, 5.0, 21.0)
     assert [(s["tenant"], s["t"]) for s in merged["steps"]] == [("exp-0", 7.0), ("exp-1", 8.0), ("exp-0", 9.0)]
     assert merged["errors"] == {"exp-1": "boom"}
+
+
+def test_from_json_rewrites_the_table_json_and_plot_of_earlier_runs(tmp_path, capsys):
+    """`--from-json` of an earlier result starts nothing and writes what the run wrote; one that is not such a
+    result is refused before anything is written (tests/clora/test_bench_cli.py)."""
+    rewards = {"exp-0": [[0.0, 0.2], [0.4, 0.6]]}
+    earlier = {
+        "date": "2026-01-02T03:04:05+00:00", "machine": "a test machine", "model": "/models/tiny-0", "steps": 2,
+        "final_window": 1, "bench_seconds": 99.0,
+        "settings": {"batch_size": 8, "group_size": 4, "max_tokens": 16, "sample_ahead": True, "gate_prompts": 0,
+                     "dtype": "float32", "device": "cpu", "rank": 8},
+        "runs": {"concurrent": {"1": record(["exp-0"], spawned=0.0, ready=30.0, step_times=[2.0, 4.0], rewards=rewards)},
+                 "alone": {"0": record(["exp-0"], spawned=100.0, ready=125.0, step_times=[1.0, 2.0], rewards=rewards)}},
+    }
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(earlier))
+    out = tmp_path / "out"
+    assert main(["bench", "experiments", "--from-json", str(old), "--out", str(out)]) == 0
+    result = json.loads((out / "experiments.json").read_text())
+    assert [r["n"] for r in result["rows"]] == [1] and result["runs"] == earlier["runs"]
+    assert (out / "experiments.png").stat().st_size > 0 and "| 1 |" in (out / "experiments.md").read_text()
+    assert "ratio (b)/(a)" in capsys.readouterr().out

@@ -56,6 +56,59 @@ def test_random_builds_the_named_shape(workdir, capsys):
     assert capsys.readouterr().out.splitlines()[0] == str(out)
 
 
+def test_random_says_how_far_it_is_on_stderr(workdir, capsys):
+    """A qwen3-4b build writes 7.5 GiB and printed nothing until it was done. Not a terminal here: a line per
+    file written."""
+    assert run(["model", "random", "--shape", "tiny-test", "--out", str(workdir / "r"), "--dtype", "float32"]) == 0
+    parameters = read_marker(workdir / "r")["parameters"]
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"writing {parameters:,} random parameters (0.0 GiB in 1 file(s))")
+    assert err[1] == "wrote model.safetensors (1 of 1; 0.0 of 0.0 GiB)"
+
+
+def test_random_on_a_terminal_shows_a_bar(workdir, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    assert run(["model", "random", "--shape", "tiny-test", "--out", str(workdir / "r"), "--dtype", "float32"]) == 0
+    err = capsys.readouterr().err
+    assert "weights:" in err and "wrote model.safetensors" not in err
+
+
+def test_random_into_a_place_it_cannot_write_names_out_not_its_temporary_name(workdir, capsys, monkeypatch):
+    import tempfile
+
+    def refused(prefix, dir):
+        raise PermissionError(1, "Operation not permitted", f"{dir}/{prefix}ee_x1t_p")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    out = workdir / "sys" / "x"
+    assert run(["model", "random", "--shape", "tiny-test", "--out", str(out)]) == 1
+    assert capsys.readouterr().err.strip() == f"clora model random: cannot write {out}: Operation not permitted"
+
+
+def test_random_under_a_file_says_so(workdir, capsys):
+    (workdir / "afile").write_text("")
+    out = workdir / "afile" / "x"
+    assert run(["model", "random", "--shape", "tiny-test", "--out", str(out)]) == 1
+    assert capsys.readouterr().err.strip() == (f"clora model random: cannot write {out}: {workdir / 'afile'} is not "
+                                               "a directory")
+
+
+def test_random_on_a_full_disk_names_out_and_leaves_nothing_behind(workdir, capsys, monkeypatch):
+    import safetensors.torch
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    out = workdir / "r"
+    assert run(["model", "random", "--shape", "tiny-test", "--out", str(out)]) == 1
+    assert capsys.readouterr().err.strip().endswith(f"clora model random: cannot write {out}: No space left on device")
+    assert list(workdir.iterdir()) == []  # the temporary build is gone
+
+
 def test_random_rejects_an_unknown_shape(workdir):
     with pytest.raises(SystemExit):
         run(["model", "random", "--shape", "llama-70b", "--out", str(workdir / "x")])

@@ -59,7 +59,13 @@ def test_two_learner_shards_split_the_tenants_and_train_every_trajectory_once(ti
     for i, tenant in enumerate([*TENANTS, "walk-in"]):  # walk-in: only in storage (ingest created it)
         write(data_dir, tenant, rows(tenant, 8, seed=i), f"{tenant}0")
     cfg = make_config(data_dir, tiny_model, [{"name": t, "batch_size": 8} for t in TENANTS])
-    learners = [run(cfg, model_path=tiny_model, until_idle=True, progress=False, shard=Shard(k, 2)) for k in range(2)]
+    marks = {}  # each shard's own readiness marker, looked at while it runs (a clean stop removes it)
+
+    def look(k):
+        return lambda record: marks.setdefault(k, (Path(data_dir) / "state" / "ready" / f"learner-{k}-of-2.json").exists())
+
+    learners = [run(cfg, model_path=tiny_model, until_idle=True, progress=False, shard=Shard(k, 2), on_step=look(k))
+                for k in range(2)]
     trained = [{name for name, rt in learner.tenants.items() if rt.step > 0} for learner in learners]
     assert trained[0].isdisjoint(trained[1])
     assert trained[0] | trained[1] == {*TENANTS, "walk-in"}
@@ -71,7 +77,7 @@ def test_two_learner_shards_split_the_tenants_and_train_every_trajectory_once(ti
     for k in range(2):  # each shard has its own status file and readiness marker
         status = json.loads((Path(data_dir) / "state" / "learner" / f"status-{k}-of-2.json").read_text())
         assert set(status) == trained[k]
-        assert (Path(data_dir) / "state" / "ready" / f"learner-{k}-of-2.json").exists()
+        assert marks[k] and not (Path(data_dir) / "state" / "ready" / f"learner-{k}-of-2.json").exists()
 
 
 def test_a_second_learner_waits_for_the_tenants_lock_and_then_takes_over(tiny_model, data_dir):

@@ -281,8 +281,9 @@ def test_a_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
         raise OSError("disk full (injected)")
 
     monkeypatch.setattr(tiny_model, "write_tokenizer", failing_tokenizer_writer)
-    with pytest.raises(OSError, match="injected"):
+    with pytest.raises(tiny_model.ModelBuildError) as e:
         build_tiny(tmp_path / "tiny-0")
+    assert str(e.value) == f"cannot write {tmp_path / 'tiny-0'}: disk full (injected)"  # not the hidden build name
     assert list(tmp_path.iterdir()) == []
 
 

@@ -105,9 +105,43 @@ def test_adapters_commands(clora, data_dir, peft_writer):
 
     code, out, _ = clora("adapters", "retire", "acme@2")
     assert code == 0 and Registry(data_dir).get("acme", 2).status == "retired"
+    assert out.strip() == "acme@2 retired; its files are deleted; acme is still served acme@3"
 
     code, _, err = clora("adapters", "show", "acme@9")
     assert code == 1 and "acme@9" in err
+
+
+def test_retiring_the_version_served_says_what_the_tenant_is_served_now(clora, data_dir, peft_writer):
+    """It said only "acme@3 retired; its files are deleted", leaving the operator to guess what acme got."""
+    reg = Registry(data_dir, keep_last=5)
+    for n in (1, 2, 3):
+        reg.create("acme", parent=None, write=peft_writer)
+        if n == 2:  # a rejected version is never served
+            reg.reject("acme", n, reason="gate")
+        else:
+            reg.publish("acme", n)
+    code, out, _ = clora("adapters", "retire", "acme@3")
+    assert code == 0
+    assert out.strip() == ("acme@3 retired; its files are deleted; acme is now served acme@1 (from serving's next "
+                           "registry poll)")
+    code, out, _ = clora("adapters", "retire", "acme@1")
+    assert code == 0
+    assert out.strip() == ("acme@1 retired; its files are deleted; acme is now served the base model (from "
+                           "serving's next registry poll)")
+
+
+@pytest.mark.parametrize("action, says", [
+    ("list", "One line per adapter version that can still change"),
+    ("show", "Every field of one adapter version's registry record as JSON"),
+    ("rollback", "Copies an older version's files into a new newest published version"),
+    ("retire", "Deletes a version's files; its record stays"),
+])
+def test_each_adapters_action_has_a_description(capsys, action, says):
+    with pytest.raises(SystemExit) as e:
+        build_parser(["storage.cli"]).parse_args(["adapters", action, "--help"])
+    assert e.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert says in help_text
 
 
 def test_compact_command(clora, data_dir, make_trajectories):
@@ -171,7 +205,7 @@ def test_compact_every_runs_until_sigterm_and_marks_itself_ready(tmp_path, data_
             merged = len(live_files(data_dir, "trajectories", "acme")) == 1 and on_disk() == 1
             if ready_pid(data_dir / "state", "compactor") == proc.pid and merged:
                 write_dataset(data_dir, "trajectories", make_trajectories(["late"], "acme", start=9), file_id="late")
-                late.append(True)
+                late.append(proc.pid)
             return False
         return on_disk() == 1
 
@@ -179,7 +213,8 @@ def test_compact_every_runs_until_sigterm_and_marks_itself_ready(tmp_path, data_
     assert code == 0, out
     assert late, out
     assert "compactor stopped" in out
-    assert ready_pid(data_dir / "state", "compactor") == pid
+    assert pid == late[0]  # it was ready, and its clean stop took the mark away: `clora status` lists it no more
+    assert not (data_dir / "state" / "ready" / "compactor.json").exists()
     assert sorted(read_dataset(data_dir, "trajectories").column("id").to_pylist()) == ["late", "x0", "x1", "x2", "x3"]
     assert len(list((data_dir / "trajectories" / "tenant=acme").glob("*.parquet"))) == 1
 
@@ -202,6 +237,7 @@ def test_the_compactor_loops_signal_handler_takes_no_lock(clora, data_dir, monke
     with handlers_restored():
         code, out, _ = clora("compact", "--every", "0.2")
     assert code == 0 and "compactor stopped" in out
+    assert not (data_dir / "state" / "ready" / "compactor.json").exists()  # marked ready, then cleared on the stop
     assert lock_calls == []
     assert len(runs) == 1, "the loop stopped on the signal"
 
