@@ -117,7 +117,7 @@ def _running(pid: int) -> bool:
 def table(report: dict) -> str:
     now = time.time()
     procs = ", ".join(
-        f"{p['process']} (pid {p['pid']}, {'running' if p['running'] else 'not running'}, ready "
+        f"{p['process']} (pid {p['pid']}, {'running' if p['running'] else 'not running, no clean stop'}, ready "
         f"{_ago(now - p['ready_at'])} ago)" for p in report["processes"]) or "none marked ready"
     lines = [f"data_dir {report['data_dir']}", f"processes: {procs}", ""]
     header = ("TENANT", "SERVED", "LEARNER", "STEP", "REWARD", "BACKLOG", "ERROR")

@@ -825,7 +825,7 @@ def test_status_says_each_tenants_served_version_learner_state_and_backlog(clora
     assert code == 1, "globex's last step failed"
     lines = out.splitlines()
     assert lines[0] == f"data_dir {data_dir}"
-    assert "ingest (pid 4206649, not running" in lines[1] and "learner (pid" in lines[1] and ", running, ready" in lines[1]
+    assert "ingest (pid 4206649, not running, no clean stop" in lines[1] and "learner (pid" in lines[1] and ", running, ready" in lines[1]
     table = [line.split() for line in lines[3:6]]
     assert table[0] == ["TENANT", "SERVED", "LEARNER", "STEP", "REWARD", "BACKLOG", "ERROR"]
     assert table[1] == ["acme", "*", "acme@1", "published", "3", "0.250", "2"]
