@@ -73,7 +73,16 @@ from ingest.rows import (
     interaction_row,
     trajectory_row,
 )
-from ingest.scorers import DEFAULT_TIME_LIMIT_S, Scorer, ScorerError, ScorerSpecError, apply, build_scorer, is_function
+from ingest.scorers import (
+    DEFAULT_TIME_LIMIT_S,
+    Scorer,
+    ScorerError,
+    ScorerSpecError,
+    Unbuilt,
+    apply,
+    build_scorer,
+    is_function,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +154,17 @@ def offset_ranges(records: Iterable[Record]) -> dict[tuple[str, int], tuple[int,
     return ranges
 
 
+def _build(tenant: str, spec: str, limit: float, *, log: bool = True) -> Scorer:
+    """`spec`'s function for `tenant`, or an Unbuilt saying why it cannot be built (logged with `log`)."""
+    try:
+        return build_scorer(spec, time_limit_s=limit)
+    except ScorerSpecError as e:
+        if log:
+            logger.error("tenant %r: its scorer cannot be built (its interactions are dead-lettered as scorer_error "
+                         "until it can; tried again every minute): %s", tenant, e)
+        return Unbuilt(spec, str(e))
+
+
 class Processor:
     """Holds what does not change between batches: the tenants' scorers and the edge limits, and which
     tenants not in the config were created on the fly."""
@@ -172,8 +192,9 @@ class Processor:
         self.auto: set[str] = set()  # tenants not configured that exist: created here or found on disk ("create")
         self._merged: frozenset[str] | None = None  # the store's tenants_on_disk last added to `auto`
         self._cap_logged = False
-        # Built once, so a scorer that cannot be built (say, a python scorer that does not import) fails at
-        # start, naming the tenant, rather than at the first event.
+        # Built once. One that cannot be built (a python scorer whose module does not import) is an Unbuilt:
+        # that tenant's interactions are dead-lettered saying so, and `retry_unbuilt` tries again; it stopped
+        # ingest for every tenant at each start.
         self.functions: dict[str, Scorer] = {}  # tenant -> its scorer function (tenants scored by one)
         self.limits = {t: (time_limits or {}).get(t, DEFAULT_TIME_LIMIT_S) for t in self.specs}
         built: dict[tuple[str, float], Scorer] = {}
@@ -181,11 +202,25 @@ class Processor:
             if is_function(spec):
                 limit = self.limits[tenant]
                 if (spec, limit) not in built:
-                    try:
-                        built[spec, limit] = build_scorer(spec, time_limit_s=limit)
-                    except ScorerSpecError as e:
-                        raise ScorerSpecError(f"tenant {tenant!r}: {e}") from e
+                    built[spec, limit] = _build(tenant, spec, limit)
                 self.functions[tenant] = built[spec, limit]
+
+    def unbuilt(self) -> dict[str, str]:
+        """tenant -> why its scorer cannot be built (its interactions are dead-lettered meanwhile)."""
+        return {t: f.error for t, f in self.functions.items() if isinstance(f, Unbuilt)}
+
+    def retry_unbuilt(self) -> list[str]:
+        """Tries again to build the scorers that could not be built; returns the tenants whose scorer now is."""
+        import importlib
+
+        importlib.invalidate_caches()  # a module installed since: its file is found
+        fixed = []
+        for tenant, function in sorted(self.functions.items()):
+            if isinstance(function, Unbuilt):
+                self.functions[tenant] = _build(tenant, function.spec, self.limits[tenant], log=False)
+                if not isinstance(self.functions[tenant], Unbuilt):
+                    fixed.append(tenant)
+        return fixed
 
     def follow(self, scorers: dict[str, str], time_limits: dict[str, float]) -> Followed:
         """Takes the tenants and scorers of a config read again (`scorers`, `time_limits`: as for the
@@ -207,11 +242,12 @@ class Processor:
                 done.at_restart.append(tenant)
                 continue
             if is_function(spec):
-                try:
-                    self.functions[tenant] = build_scorer(spec, time_limit_s=limit)
-                except ScorerSpecError as e:
-                    done.errors[tenant] = str(e)
-                    continue
+                function = _build(tenant, spec, limit, log=False)
+                if isinstance(function, Unbuilt):
+                    done.errors[tenant] = function.error
+                    if tenant in self.configured or tenant in self.auto:
+                        continue  # its scorer stays as it was (the change is not applied)
+                self.functions[tenant] = function  # a tenant new to the config: its interactions say why
             (done.rescored if tenant in self.configured else done.added).append(tenant)
             self.specs[tenant], self.limits[tenant] = spec, limit
             self.auto.discard(tenant)

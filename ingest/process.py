@@ -14,6 +14,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -31,6 +32,7 @@ from ingest.scorers import ScorerSpecError
 logger = logging.getLogger(__name__)
 
 
+RETRY_UNBUILT_S = 60.0  # how often a tenant's scorer that could not be built is tried again
 KAFKA_WAIT_S = 30.0  # how long start-up waits for an unreachable broker (say, one starting beside it)
 SWITCH_INTERVAL_S = 0.0005
 
@@ -65,16 +67,25 @@ class TenantFollower:
     """Called by the ingest loop every second or so: reads the config again (`rereads`: a change counts once
     two reads in a row agree; a config that does not load and other changed settings, which take effect at
     the next start, are logged there) and hands its tenants' scorers to the processor (Processor.follow).
-    Logs what changed, and a change that waits for a restart and a scorer that cannot be built (once each)."""
+    Logs what changed, and a change that waits for a restart and a scorer that cannot be built (once each).
+    Every RETRY_UNBUILT_S it tries again to build the scorers that could not be built (a module installed
+    since), whether or not the file changed; `rereads` None: that alone."""
 
-    def __init__(self, rereads: ConfigRereads, processor: Processor, cfg: Config) -> None:
+    def __init__(self, rereads: ConfigRereads | None, processor: Processor, cfg: Config, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.rereads = rereads
         self.processor = processor
         self.applied = cfg
         self.logged: set[tuple[str, str]] = set()  # (tenant, what) said already: at_restart, or a scorer error
+        self.clock = clock
+        self.retry_at = clock() + RETRY_UNBUILT_S
 
     def __call__(self) -> None:
-        cfg = self.rereads.follow()
+        if self.clock() >= self.retry_at:
+            self.retry_at = self.clock() + RETRY_UNBUILT_S
+            for tenant in self.processor.retry_unbuilt():
+                logger.info("tenant %r: its scorer builds now; its interactions are scored from here on", tenant)
+        cfg = None if self.rereads is None else self.rereads.follow()
         if cfg is None or cfg is self.applied:  # not settled, or the file unchanged since it was applied
             return
         self.applied = cfg
@@ -92,7 +103,12 @@ class TenantFollower:
                                "is loaded then); until then it is scored as before", tenant)
         for tenant, error in done.errors.items():
             said.add((tenant, error))
-            if (tenant, error) not in self.logged:
+            if (tenant, error) in self.logged:
+                continue
+            if tenant in done.added:
+                logger.error("tenant %r: its scorer cannot be built (its interactions are dead-lettered as "
+                             "scorer_error until it can; tried again every minute): %s", tenant, error)
+            else:
                 logger.error("tenant %r: its scorer cannot be built, so its change in the config is not applied: %s",
                              tenant, error)
         self.logged = said
@@ -122,11 +138,11 @@ def build(cfg: Config, metrics: IngestMetrics | None = None, *, member: int | No
         time_limits=time_limits,
         scoring_budget_s=cfg.ingest.max_batch_scoring_seconds,
     )
-    follow = None
+    rereads = None
     if config_file is not None:
         rereads = ConfigRereads(lambda: load_config(config_file), cfg, path=config_file, service="ingest",
                                 at_restart=(_at_restart, "the [ingest] or [kafka] settings or data_dir"))
-        follow = TenantFollower(rereads, processor, cfg)
+    follow = TenantFollower(rereads, processor, cfg)
     base = cfg.ingest.metrics_port
     if metrics is None:
         port = base + (member or 0) if base else 0

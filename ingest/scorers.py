@@ -74,6 +74,18 @@ class ScorerError(RuntimeError):
     """A scorer raised or returned something other than a finite number in [-1, 1]."""
 
 
+class Unbuilt:
+    """Stands for a tenant's scorer function that cannot be built now (a python: scorer whose module does not
+    import yet): each call is a ScorerError saying so, so the tenant's interactions are dead-lettered with
+    the reason, as a failing scorer's are, while the other tenants go on; ingest tries to build it again."""
+
+    def __init__(self, spec: str, error: str) -> None:
+        self.spec, self.error = spec, error
+
+    def __call__(self, completion: str, prompt: str) -> float:
+        raise ScorerError(f"the scorer cannot be built (ingest tries again every minute): {self.error}")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The scorers
 
@@ -331,7 +343,7 @@ def apply(scorer: Scorer, completion: str, prompt: str) -> float:
     """Runs `scorer`; returns its reward as a float, or raises ScorerError with a traceback summary."""
     try:
         reward = scorer(completion, prompt)
-    except KeyboardInterrupt:  # Ctrl-C, as far as anyone can tell (see the module docstring)
+    except (KeyboardInterrupt, ScorerError):  # Ctrl-C (see the module docstring); Unbuilt's own error
         raise
     except BaseException as e:  # a user's scorer may raise anything (sys.exit(), MemoryError): it must not stop the consumer
         summary = "".join(traceback.format_exception(e, limit=-3)).strip()

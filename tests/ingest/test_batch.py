@@ -666,11 +666,27 @@ def test_a_resent_feedback_event_is_stored_once(h):
     assert h.rewards() == [("a", 0.5, "thumbs")]
 
 
-def test_a_scorer_that_cannot_be_built_fails_at_start_naming_the_tenant():
-    from ingest.scorers import ScorerSpecError
-
-    with pytest.raises(ScorerSpecError, match="tenant 'acme'.*cannot import"):
-        Processor({"acme": "python:no_such_module_xyz:f"}, unknown_tenant="create", max_message_bytes=100)
+def test_a_scorer_that_cannot_be_built_dead_letters_its_tenants_interactions_until_it_can(data_dir, tmp_path,
+                                                                                          monkeypatch, caplog):
+    """One tenant's python scorer whose module does not import stopped ingest at every start, for every tenant
+    (`clora up` restarting it in a loop). Now that tenant's interactions are dead-lettered as a failing
+    scorer's are, naming the import error, the others go on, and once the module can be imported it scores."""
+    with caplog.at_level("ERROR", logger="ingest.batch"):
+        h = Harness(data_dir, scorers={"judged": "python:clora_judge_later:score", "dig": "digits"},
+                    unknown_tenant="reject")
+    assert "tenant 'judged': its scorer cannot be built" in caplog.text
+    assert list(h.processor.unbuilt()) == ["judged"]
+    out = h.feed(inter("a", tenant="judged"), inter("b", tenant="dig", completion="42"))
+    assert out.reasons == {"scorer_error": 1}
+    (detail,) = h.table("dead_letters").column("detail").to_pylist()
+    assert "the scorer cannot be built" in detail and "clora_judge_later" in detail
+    assert h.rewards() == [("b", 1.0, "digits")]
+    assert h.processor.retry_unbuilt() == []  # still not there
+    (tmp_path / "clora_judge_later.py").write_text("def score(completion, prompt):\n    return 0.25\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert h.processor.retry_unbuilt() == ["judged"] and h.processor.unbuilt() == {}
+    assert h.feed(inter("c", tenant="judged")).reasons == {}
+    assert ("c", 0.25, "python:clora_judge_later:score") in h.rewards()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -854,9 +870,11 @@ def test_a_config_read_again_leaves_for_a_restart_what_a_restart_would_do_differ
     assert (done.removed, done.at_restart) == ([], ["dig"])
     done = h.processor.follow({"newcomer": "contains:z", "dig": "digits", "broken": "python:no_such_module_xyz:f"}, {})
     assert list(done.errors) == ["broken"] and "no_such_module_xyz" in done.errors["broken"]
-    assert "broken" not in h.processor.configured
-    h.feed(inter("b", tenant="newcomer", completion="zz"), inter("c", tenant="broken"), fb("c", -0.5, tenant="broken"))
-    assert h.rewards() == [("a", 0.5, "feedback"), ("b", 1.0, "contains:z"), ("c", -0.5, "feedback")]
+    assert done.added == ["broken"] and list(h.processor.unbuilt()) == ["broken"]  # configured, not fed to feedback
+    out = h.feed(inter("b", tenant="newcomer", completion="zz"), inter("c", tenant="broken"),
+                 fb("c", -0.5, tenant="broken"))
+    assert out.reasons == {"scorer_error": 1}  # its interaction, saying why (its feedback is kept)
+    assert h.rewards() == [("a", 0.5, "feedback"), ("b", 1.0, "contains:z")]
     done = h.processor.follow({"newcomer": "contains:z"}, {})  # "create": a removed tenant goes on as created
-    assert (done.removed, done.at_restart) == ([], ["dig"])  # on the fly, but dig was scored by a function
-    assert "broken" in h.processor.auto and h.processor.configured == {"newcomer", "dig"}
+    assert (done.removed, done.at_restart) == ([], ["broken", "dig"])  # but both were scored by a function
+    assert h.processor.configured == {"newcomer", "dig", "broken"}

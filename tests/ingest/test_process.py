@@ -124,3 +124,23 @@ def test_a_group_the_broker_refuses_for_good_ends_ingest_naming_the_setting(tmp_
     # An aborted transaction's events are never stored (the embedded broker does not filter them, so only
     # the setting is checked): Kafka's default, read_uncommitted, took them.
     assert [(b["isolation_level"], b["enable_auto_commit"]) for b in built] == [("read_committed", False)]
+
+
+def test_a_scorer_that_could_not_be_built_is_tried_again_every_minute_without_a_config_change(tmp_path, monkeypatch,
+                                                                                              caplog):
+    """Installing the module a tenant's python scorer names fixed nothing until ingest restarted: the config
+    was only read again when its file changed."""
+    from ingest.batch import Processor
+    from ingest.process import RETRY_UNBUILT_S, TenantFollower
+
+    processor = Processor({"judged": "python:clora_judge_soon:score"}, unknown_tenant="reject", max_message_bytes=100)
+    now = [0.0]
+    follow = TenantFollower(None, processor, Config(data_dir=tmp_path), clock=lambda: now[0])
+    (tmp_path / "clora_judge_soon.py").write_text("def score(completion, prompt):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    follow()
+    assert list(processor.unbuilt()) == ["judged"], "not before its minute"
+    now[0] = RETRY_UNBUILT_S
+    with caplog.at_level("INFO", logger="ingest.process"):
+        follow()
+    assert processor.unbuilt() == {} and "tenant 'judged': its scorer builds now" in caplog.text
