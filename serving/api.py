@@ -433,6 +433,8 @@ class Api:
         for tenant in set(self.tenants) - set(tenants):
             self.metrics.forget(tenant)
             self.feedback_rate.forget(tenant)
+        for tenant in set(tenants) - set(self.tenants):
+            self.metrics.welcome(tenant)
         self.auth.replace(keys)
         self.tenants = tenants
 

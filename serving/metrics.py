@@ -38,6 +38,7 @@ class ServingMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.gone: set[str] = set()  # tenants a config re-read removed (forget): their requests are not counted
         self.requests = Counter(
             "clora_serving_requests", "Finished HTTP requests.", ["tenant", "endpoint", "status"], registry=r
         )
@@ -123,6 +124,8 @@ class ServingMetrics:
     def request_done(
         self, tenant: str, endpoint: str, status: int, seconds: float, prompt_tokens: int, completion_tokens: int
     ) -> None:
+        if tenant in self.gone:
+            return
         self.requests.labels(tenant, endpoint, str(status)).inc()
         self.latency.labels(tenant, endpoint).observe(seconds)
         self.prompt_tokens.labels(tenant).inc(prompt_tokens)
@@ -130,10 +133,14 @@ class ServingMetrics:
 
     def request_answered(self, tenant: str, endpoint: str, status: int) -> None:
         """A request that generated nothing: refused, failed, abandoned, or a models or feedback answer."""
+        if tenant in self.gone:
+            return
         self.requests.labels(tenant, endpoint, str(status)).inc()
 
     def replayed(self, tenant: str, endpoint: str) -> None:
         """A request answered again from its Idempotency-Key's kept answer (counted as a 200 too)."""
+        if tenant in self.gone:
+            return
         self.requests.labels(tenant, endpoint, "200").inc()
         self.replays.labels(tenant, endpoint).inc()
 
@@ -152,6 +159,13 @@ class ServingMetrics:
                        self.swap_seconds, self.publish_to_live, self.refused, self.load_failures, self.replays,
                        self.inflight):
             metric.remove_by_labels({"tenant": tenant})
+        # A request of it still running when it was removed ends later: counted, it made the series again,
+        # for good. Not counted until the tenant is back (`welcome`).
+        self.gone.add(tenant)
+
+    def welcome(self, tenant: str) -> None:
+        """A tenant a config re-read added (perhaps one removed before): its requests are counted."""
+        self.gone.discard(tenant)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -2539,6 +2539,14 @@ def test_a_tenant_removed_by_a_config_re_read_leaves_metrics_and_the_feedback_li
     metrics = w.api.metrics.render().decode()
     assert 'tenant="globex"' not in metrics and 'tenant="acme"' in metrics
     assert "globex" not in w.api.feedback_rate._buckets
+    # A request of globex still running at the removal ends afterwards: counted, it made the series again.
+    w.api.metrics.request_done("globex", "chat", 200, 0.5, 10, 5)
+    w.api.metrics.request_answered("globex", "chat", 499)
+    assert 'tenant="globex"' not in w.api.metrics.render().decode()
+    w.api.set_tenants(["acme", "globex"], [("acme", KEYS["acme"]), ("globex", KEYS["globex"])])  # back again
+    assert w.post("/v1/chat/completions", {**chat(), "model": "globex"}, tenant="globex").status_code == 200
+    assert 'clora_serving_requests_total{endpoint="chat",status="200",tenant="globex"} 1.0' in (
+        w.api.metrics.render().decode())
 
 
 @pytest.mark.parametrize("stream", [False, True])
