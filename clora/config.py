@@ -340,6 +340,11 @@ class IngestConfig(_Strict):
         "create", description="Events of tenants absent from the config: dead-letter them, or create the tenant "
         "(with the feedback scorer, up to max_auto_tenants)."
     )
+    removed_tenant_grace_seconds: float = Field(
+        300.0, ge=0, description="With unknown_tenant = \"reject\": how long a tenant a config re-read removed is "
+        "still stored. Serving reads the config again seconds later than ingest and answers the tenant meanwhile, "
+        "and its requests running then end later still: their events would be dead-lettered as unknown_tenant."
+    )
     max_auto_tenants: int = Field(
         64, ge=1, description="With unknown_tenant = \"create\": tenants absent from the config that may exist, those "
         "already on disk included; events of further new tenants are dead-lettered (unknown_tenant). Any Kafka "

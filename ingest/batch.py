@@ -53,7 +53,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -142,6 +142,7 @@ class Followed:
     removed: list[str] = field(default_factory=list)
     at_restart: list[str] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
+    leaving: list[str] = field(default_factory=list)  # removed, with "reject": still stored for removal_grace_s
 
 
 def offset_ranges(records: Iterable[Record]) -> dict[tuple[str, int], tuple[int, int]]:
@@ -178,12 +179,17 @@ class Processor:
         max_auto_tenants: int = MAX_AUTO_TENANTS,
         time_limits: dict[str, float] | None = None,
         scoring_budget_s: float | None = None,
+        removal_grace_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`scorers`: tenant -> scorer spec; `time_limits`: tenant -> its scorer's time limit per call
         (scorers.DEFAULT_TIME_LIMIT_S for a tenant not in it); `scoring_budget_s`: once a batch has taken
         this long, it ends before its next scorer call (Output.cut), so that slow scorers (a judge model
         behind a python: scorer) still let the loop write, commit and poll within Kafka's poll interval."""
         self.specs = dict(scorers)
+        self.clock = clock
+        self.removal_grace_s = removal_grace_s
+        self.leaving: dict[str, float] = {}  # tenant removed (with "reject") -> when it stops being stored
         self.scoring_budget_s = scoring_budget_s
         self.configured = frozenset(scorers)
         self.unknown_tenant = unknown_tenant
@@ -227,12 +233,15 @@ class Processor:
         constructor) where that changes nothing a restart would do differently: a tenant new to the config
         is served from its next event (one created on the fly, with the default scorer, is configured now);
         a scorer changed is used from the next event (an event read again after a crash is scored by it, as
-        after a restart); a tenant removed is dead-lettered as unknown from its next event, or, with
-        unknown_tenant = "create", goes on as a tenant created on the fly. Two changes wait for a restart:
+        after a restart); a tenant removed is dead-lettered as unknown from its next event once
+        `removal_grace_s` have passed (`settle_leaving`; see there), or, with unknown_tenant = "create", goes on
+        as a tenant created on the fly at once. Two changes wait for a restart:
         a tenant scored by a function before and by feedback now (the feedback that came while it was
         scored by a function is not waiting in memory; a restart loads it), and one removed so (with
         "create"). A scorer that cannot be built leaves its tenant as it was."""
         done = Followed()
+        for tenant in [t for t in self.leaving if t in scorers]:  # back before it left: as if never removed
+            del self.leaving[tenant]
         for tenant, spec in sorted(scorers.items()):
             limit = time_limits.get(tenant, DEFAULT_TIME_LIMIT_S)
             old = self.specs.get(tenant, DEFAULT_SCORER if tenant in self.auto else None)
@@ -255,15 +264,37 @@ class Processor:
             if self.unknown_tenant == "create" and tenant in self.functions:
                 done.at_restart.append(tenant)
                 continue
-            self.functions.pop(tenant, None)
-            self.limits.pop(tenant, None)
-            del self.specs[tenant]
-            if self.unknown_tenant == "create":  # as at a restart: a tenant that exists, with the default scorer
-                self.specs[tenant] = DEFAULT_SCORER
-                self.auto.add(tenant)
+            if self.unknown_tenant == "reject" and self.removal_grace_s > 0:  # stored a while yet: settle_leaving
+                if tenant not in self.leaving:
+                    self.leaving[tenant] = self.clock() + self.removal_grace_s
+                    done.leaving.append(tenant)
+                continue
+            self._remove(tenant)
             done.removed.append(tenant)
         self.configured = (self.configured | set(done.added)) - set(done.removed)
         return done
+
+    def settle_leaving(self) -> list[str]:
+        """Removes the tenants whose `removal_grace_s` since their removal from the config is over; returns them
+        (with "reject": serving reads the config again later than ingest, every 5 s against every second,
+        answering the tenant meanwhile, and its requests running then end later still; their events would be
+        dead-lettered as a tenant unknown)."""
+        now = self.clock()
+        gone = sorted(t for t, at in self.leaving.items() if now >= at)
+        for tenant in gone:
+            del self.leaving[tenant]
+            self._remove(tenant)
+        self.configured -= set(gone)
+        return gone
+
+    def _remove(self, tenant: str) -> None:
+        """A tenant no longer in the config: from its next event, unknown (or created on the fly, "create")."""
+        self.functions.pop(tenant, None)
+        self.limits.pop(tenant, None)
+        del self.specs[tenant]
+        if self.unknown_tenant == "create":  # as at a restart: a tenant that exists, with the default scorer
+            self.specs[tenant] = DEFAULT_SCORER
+            self.auto.add(tenant)
 
     def admit(self, tenant: str) -> str | None:
         """None when events of `tenant` may be stored (a tenant not configured is created when the mode and

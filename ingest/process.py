@@ -85,13 +85,18 @@ class TenantFollower:
             self.retry_at = self.clock() + RETRY_UNBUILT_S
             for tenant in self.processor.retry_unbuilt():
                 logger.info("tenant %r: its scorer builds now; its interactions are scored from here on", tenant)
+        for tenant in self.processor.settle_leaving():
+            logger.info("tenant %r removed from the config %.0f s ago: its events are dead-lettered as unknown_tenant "
+                        "from now on", tenant, self.processor.removal_grace_s)
         cfg = None if self.rereads is None else self.rereads.follow()
         if cfg is None or cfg is self.applied:  # not settled, or the file unchanged since it was applied
             return
         self.applied = cfg
         done = self.processor.follow(*_scorers(cfg))
         changes = [f"{what} {', '.join(names)}" for what, names in
-                   (("added", done.added), ("scorer changed for", done.rescored), ("removed", done.removed)) if names]
+                   (("added", done.added), ("scorer changed for", done.rescored), ("removed", done.removed),
+                    (f"removed (its events still stored for {self.processor.removal_grace_s:g} s: serving may "
+                     "still answer it)", done.leaving)) if names]
         if changes:
             logger.info("config re-read: %s", "; ".join(changes))
         said = set()
@@ -135,6 +140,7 @@ def build(cfg: Config, metrics: IngestMetrics | None = None, *, member: int | No
         unknown_tenant=cfg.ingest.unknown_tenant,
         max_message_bytes=cfg.ingest.max_message_bytes,
         max_auto_tenants=cfg.ingest.max_auto_tenants,
+        removal_grace_s=cfg.ingest.removed_tenant_grace_seconds,
         time_limits=time_limits,
         scoring_budget_s=cfg.ingest.max_batch_scoring_seconds,
     )

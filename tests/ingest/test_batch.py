@@ -852,9 +852,25 @@ def test_a_config_read_again_adds_rescores_and_removes_tenants_from_their_next_e
                   inter("d", tenant="dig", completion="11")).reasons == {}
     assert h.rewards() == [("b", 1.0, "contains:y"), ("c", 1.0, "contains:x"), ("d", 0.0, "contains:x")]
     assert h.processor.follow({"fb": "feedback", "dig": "contains:x", "late": "contains:y"}, {}) == type(done)()
+    # Removed: serving reads the config later, answering fb meanwhile, and requests running then end later
+    # still; their events are stored for REMOVAL_GRACE_S yet, then dead-lettered as a tenant unknown.
+    now = [0.0]
+    h.processor.clock = lambda: now[0]
+    h.processor.removal_grace_s = REMOVAL_GRACE_S = 300.0  # ingest.removed_tenant_grace_seconds' default
     done = h.processor.follow({"dig": "contains:x", "late": "contains:y"}, {})
-    assert done.removed == ["fb"]
-    assert h.feed(inter("e")).reasons == {"unknown_tenant": 1}, "fb is not configured any more"
+    assert (done.removed, done.leaving) == ([], ["fb"])
+    assert h.processor.follow({"dig": "contains:x", "late": "contains:y"}, {}) == type(done)(), "once"
+    now[0] = REMOVAL_GRACE_S - 1
+    assert h.processor.settle_leaving() == [] and h.feed(inter("e")).reasons == {}, "serving may still answer fb"
+    now[0] = REMOVAL_GRACE_S
+    assert h.processor.settle_leaving() == ["fb"] and "fb" not in h.processor.configured
+    assert h.feed(inter("f")).reasons == {"unknown_tenant": 1}, "fb is not configured any more"
+    done = h.processor.follow({"dig": "contains:x", "late": "contains:y", "fb": "feedback"}, {})
+    assert done.added == ["fb"]
+    h.processor.follow({"dig": "contains:x", "late": "contains:y"}, {})  # removed again, and back before it left:
+    assert h.processor.follow({"dig": "contains:x", "late": "contains:y", "fb": "feedback"}, {}) == type(done)()
+    now[0] += REMOVAL_GRACE_S
+    assert h.processor.settle_leaving() == [] and h.feed(inter("g")).reasons == {}
 
 
 def test_a_config_read_again_leaves_for_a_restart_what_a_restart_would_do_differently(data_dir):

@@ -659,7 +659,7 @@ def test_a_tenant_added_to_the_config_is_ingested_with_its_scorer_without_a_rest
     """Serving and the learner follow the config's tenants; ingest read them only at its start, so a tenant
     added was dead-lettered (unknown_tenant = "reject") or scored by feedback ("create") until a restart."""
     s = setup_factory(flush_rows=100, flush_seconds=0.2, tenants=[("acme", "feedback")],
-                      ingest_settings=['unknown_tenant = "reject"'])
+                      ingest_settings=['unknown_tenant = "reject"', "removed_tenant_grace_seconds = 3"])
     proc = s.start()
 
     def dead_letters() -> list:
@@ -681,9 +681,12 @@ def test_a_tenant_added_to_the_config_is_ingested_with_its_scorer_without_a_rest
     wait_for(lambda: len(rewards()) == 2, 60, "late's events scored", [proc])
     assert rewards() == [("l1", 1.0, "contains:yes"), ("l2", 0.0, "contains:yes")]
     assert len(dead_letters()) == 1
-    s.tenants = [("late", "contains:yes")]  # acme removed: "reject" dead-letters its events from now on
+    s.tenants = [("late", "contains:yes")]  # acme removed: "reject" dead-letters its events once the grace is over
     s.write_config(100, 0.2)
-    wait_for(lambda: "removed acme" in proc.log_path.read_text(), 30, "acme's removal", [proc])
+    wait_for(lambda: "removed (its events still stored for 3 s" in proc.log_path.read_text(), 30, "acme's removal",
+             [proc])
+    wait_for(lambda: "tenant 'acme' removed from the config 3 s ago" in proc.log_path.read_text(), 30,
+             "acme's grace to end", [proc])
     s.send(InteractionEvent(id="a0", tenant="acme", prompt="p", completion="c"))
     s.producer.flush()
     wait_for(lambda: len(dead_letters()) == 2, 60, "acme's event dead-lettered", [proc])
