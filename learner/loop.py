@@ -312,8 +312,9 @@ class Learner:
             if changed:
                 logger.warning("learner.%s changed in the config: takes effect when the learner starts again",
                                ", learner.".join(changed))
-        self.max_len = cfg.serving.max_model_len
-        self.max_lora_rank = cfg.serving.max_lora_rank
+        if before is None:  # serving reads them only when it starts: a rollout prompt past its context is refused
+            self.max_len = cfg.serving.max_model_len
+            self.max_lora_rank = cfg.serving.max_lora_rank
         self.scheduler = cfg.learner.scheduler
         self.limits = gate.GateLimits(
             max_kl=cfg.learner.gate_max_kl,
@@ -1642,7 +1643,8 @@ def run(
     served: set[str] = set()
     steps = 0
     reloaded_at = time.monotonic()
-    rereads = ConfigRereads(reload, cfg, service="the learner") if reload is not None else None
+    rereads = ConfigRereads(reload, cfg, service="the learner", at_restart=(
+        _at_restart, "data_dir, [model], [kafka] or serving.max_model_len / max_lora_rank")) if reload is not None else None
     try:
         while not stop.is_set():
             if rereads is not None and time.monotonic() - reloaded_at >= reload_seconds:
@@ -1687,6 +1689,11 @@ def run(
 
 # ---------------------------------------------------------------------------------------------------------
 # Helpers
+
+
+def _at_restart(cfg: Config) -> tuple:
+    """The settings outside [learner] and [[tenants]] the learner reads only when it starts."""
+    return cfg.data_dir, cfg.model, cfg.kafka, cfg.serving.max_model_len, cfg.serving.max_lora_rank
 
 
 class _Phases:

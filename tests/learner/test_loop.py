@@ -1694,6 +1694,13 @@ def test_a_config_re_read_applies_the_learner_settings_or_says_which_wait_for_a_
                                          serving_url="http://127.0.0.1:1", **settings))
     assert not learner.prefetcher.pending("lab")
     assert "learner.serving_url changed in the config: takes effect when the learner starts again" in caplog.text
+    # serving reads its context length only when it starts: applied here at once, rollout prompts serving
+    # still refuses as too long made the learner's steps fail
+    cfg = make_config(data_dir, tiny_model, [tenant], keep_versions=1, temperature=0.7, **settings)
+    longer = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"max_model_len": 4 * learner.max_len})})
+    before = learner.max_len
+    learner.apply_config(longer)
+    assert learner.max_len == before
     learner.close()
 
 
