@@ -283,6 +283,9 @@ class LocalSampler:
 RETRY_WAIT_S = 120.0
 RETRY_STATUSES = (429, 503)
 NETWORK_RETRY_S = 1.0  # the wait before asking again after a network error (there is no Retry-After to honour)
+# A 401 is asked again for this long after the first try: a tenant's api_key changed in the config reaches the
+# learner and serving each at its own re-read (every 5 s), and the learner's may come first.
+AUTH_RETRY_S = 15.0
 
 
 def _retry_after(resp) -> float:
@@ -345,12 +348,14 @@ class ServingSampler:
         #   503: the server is stopping for a restart (`server_stopping`) or its engine is not answering
         #        (`engine_unavailable`): wait as asked (1 s without a Retry-After);
         #   a network error (refused, reset: the server restarting): wait NETWORK_RETRY_S. A read that times
-        #        out (the client's `timeout`, longer than RETRY_WAIT_S) has used up the deadline already.
+        #        out (the client's `timeout`, longer than RETRY_WAIT_S) has used up the deadline already;
+        #   401, for AUTH_RETRY_S only: the tenant's new api_key, which serving has not read yet.
         # Any other answer fails at once: asking again would get the same.
         # One Idempotency-Key for every try: a request whose answer the network lost after serving generated
         # it gets that answer again, not a second generation and a second interaction event.
         headers = {"Authorization": f"Bearer {r.api_key}", "Idempotency-Key": f"rollout-{uuid.uuid4().hex}"}
-        deadline = time.monotonic() + RETRY_WAIT_S
+        first = time.monotonic()
+        deadline = first + RETRY_WAIT_S
         network_errors = 0
         while True:
             try:
@@ -368,6 +373,9 @@ class ServingSampler:
                 continue
             except httpx.HTTPError as e:  # a proxy's refusal, a malformed URL: asking again would not help
                 raise SamplingError(f"tenant {r.tenant!r}: rollout request to {self.base_url} failed: {e}") from e
+            if resp.status_code == 401 and time.monotonic() - first < AUTH_RETRY_S:
+                time.sleep(1.0)
+                continue
             if resp.status_code not in RETRY_STATUSES or time.monotonic() >= deadline:
                 break
             time.sleep(min(_retry_after(resp), max(0.0, deadline - time.monotonic())))

@@ -172,13 +172,28 @@ def test_a_503_or_network_error_past_the_wait_fails_its_step_naming_it(stand_in_
     assert answers.refusals["sk-acme-123"] >= 2  # it waited and asked again before giving up
 
 
-@pytest.mark.parametrize("status", [500, 400, 401])
+@pytest.mark.parametrize("status", [500, 400])
 def test_other_errors_fail_the_request_at_once(stand_in_server, status):
     url, answers = stand_in_server
     answers.append(status)
     with pytest.raises(SamplingError, match=f"answered {status}: "):
         ServingSampler(url).sample([request()])
     assert len(answers.bodies) == 1
+
+
+def test_a_401_is_asked_again_while_serving_may_not_have_read_a_new_key_yet(stand_in_server, monkeypatch):
+    """A tenant's api_key changed in the config reaches the learner and serving each at its own re-read: a
+    step's rollouts answered 401 in between failed it, its samples drawn so far thrown away."""
+    from learner import rollouts
+
+    url, answers = stand_in_server
+    monkeypatch.setattr(rollouts, "AUTH_RETRY_S", 1.5)
+    answers.append(401)
+    (samples,) = ServingSampler(url).sample([request()])
+    assert [s.text for s in samples] == [" 42"] and len(answers.bodies) == 2
+    answers.extend([401] * 5)  # a key serving never takes: refused once AUTH_RETRY_S is over
+    with pytest.raises(SamplingError, match="answered 401: "):
+        ServingSampler(url).sample([request()])
 
 
 @pytest.mark.parametrize("raw", [b"<html>a proxy's page</html>", b'{"choices": null}', b"[1, 2]"])
