@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import hashlib
 import json
 import logging
@@ -389,6 +390,11 @@ async def serve(cfg, host: str, port: int, reload=None) -> int:
             signal.signal(sig, lambda *_: None)
 
         monitor = asyncio.create_task(watch(server, engine, api, stop, grace=s.shutdown_grace_seconds))
+        # The ~640k objects of vLLM, torch and transformers loaded by now are never freed: out of the collector's
+        # reach, a full collection takes ~25 ms instead of ~280 ms, for which every stream and request stood
+        # still (as vLLM's own server does it).
+        gc.collect()
+        gc.freeze()
         await server.serve(sockets=[listener])
     finally:
         starting.end()

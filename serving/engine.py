@@ -616,9 +616,9 @@ def _lora_request(adapter: AdapterHandle):
 
 
 def _sampling_params(sampling: Sampling):
-    from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
-    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+    from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams  # not `from vllm`: its
+    # lazy __getattr__ imports again at every call (twice per prompt)
 
     structured = None
     if sampling.structured is not None:

@@ -838,7 +838,11 @@ def completion_chunk(
     return {"id": response_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
 
 
+_encode = msgspec.json.Encoder().encode  # compact UTF-8 JSON, ~10x the standard library's speed per chunk
+
+
 def sse(data: dict[str, Any] | Literal["[DONE]"]) -> bytes:
-    """One server-sent event, as OpenAI streams them."""
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {text}\n\n".encode()
+    """One server-sent event, as OpenAI streams them (encoded once per streamed chunk, on the event loop)."""
+    if isinstance(data, str):
+        return b"data: " + data.encode() + b"\n\n"
+    return b"data: " + _encode(data) + b"\n\n"
