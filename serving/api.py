@@ -52,7 +52,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -109,6 +109,7 @@ LOG_IN_THREAD_TOKENS = 4096  # a finished request's events with more token ids t
 STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 BODY_TIMEOUT_S = 30.0  # a request's whole body must arrive within this (a slow upload of the largest body fits)
 SEND_TIMEOUT_S = 60.0  # a stream whose client reads nothing for this long is taken as left
+SEND_WATCH_S = 1.0  # how often a stream's watchdog looks at the send under way
 MIN_REQUEST_BYTES = 1 << 20
 REQUEST_BYTES_PER_TOKEN = 6 * MAX_CHARS_PER_TOKEN  # the most characters a token may stand for, JSON-escaped ("\u00e9")
 
@@ -353,6 +354,7 @@ async def _chain_first(first, rest: AsyncIterator):
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client left (never sent: nobody reads it)
 STOPPING = "the server is stopping; send the request again"  # what stop_generations answers
+_STOPPING = object()  # put in a running generation's queue of outputs by stop_generations
 
 
 async def _unless_disconnected(request: Request, work) -> bool:
@@ -424,7 +426,7 @@ class Api:
         self.feedback_rate = RateLimit(max_feedback_per_second, burst=max(1, math.ceil(2 * max_feedback_per_second)))
         self.started = int(time.time())
         self._stopped = False  # stop_generations was called
-        self._waiting: set[asyncio.Timeout] = set()  # a generation's wait for its engine's next output, each
+        self._outputs: set[asyncio.Queue] = set()  # each running generation's queue of its engine's outputs
 
     def set_tenants(self, tenants: Iterable[str], keys: Iterable[tuple[str, str]]) -> None:
         """The tenants and their keys from now on (a config re-read; `AdapterSet.set_tenants` does the adapters):
@@ -446,11 +448,10 @@ class Api:
         if self._stopped:
             return
         self._stopped = True
-        if self._waiting:
-            logger.warning("stopping: %d generation(s) still running end with 503 server_stopping", len(self._waiting))
-        now = asyncio.get_running_loop().time()
-        for waiting in self._waiting:
-            waiting.reschedule(now)  # cancels that wait: `_next_output` raises ServerStopping
+        if self._outputs:
+            logger.warning("stopping: %d generation(s) still running end with 503 server_stopping", len(self._outputs))
+        for outputs in self._outputs:
+            outputs.put_nowait(_STOPPING)  # its reader raises ServerStopping: the engine's request is aborted
 
     # --- generation ---------------------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
@@ -681,19 +682,25 @@ class Api:
                 request_id = call.response_id if single else f"{call.response_id}-p{i}"
                 async for delta in self.engine.stream(p.ids, p.sampling, adapter, request_id,
                                                       cache_salt=call.tenant, priority=call.body.priority):
-                    queue.put_nowait(replace(delta, index=i * n + delta.index))
+                    queue.put_nowait(replace(delta, index=i * n + delta.index) if i else delta)
                 queue.put_nowait(end)
             except Exception as e:  # handed to the reader, which raises it
                 queue.put_nowait(e)
 
+        if self._stopped:
+            raise ServerStopping(STOPPING)
+        # `stop_generations` puts _STOPPING in the queue (a timeout per wait, to cancel, cost ~3 us an output)
+        self._outputs.add(queue)
         tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(call.prompts)]
         first = True
         try:
             running = len(tasks)
             while running:
-                item = await self._next_output(queue.get)
+                item = await queue.get()
                 if item is end:
                     running -= 1
+                elif item is _STOPPING:
+                    raise ServerStopping(STOPPING)
                 elif isinstance(item, Exception):
                     raise item
                 else:
@@ -702,27 +709,10 @@ class Api:
                         self.metrics.first_output(call.endpoint, time.monotonic() - call.arrived)
                     yield item
         finally:  # a failure, or the client gone: every prompt's engine request is aborted (before the lease goes)
+            self._outputs.discard(queue)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _next_output(self, wait: Callable[[], Awaitable[Any]]) -> Any:
-        """`await wait()`: a generation's wait for what its engine gives next, which `stop_generations` ends
-        with `ServerStopping` (by cancelling it: the engine's request is then aborted, as when a client leaves).
-        Entered and left in the one task that awaits it, as a generator's body may run in several."""
-        if self._stopped:
-            raise ServerStopping(STOPPING)
-        try:
-            async with asyncio.timeout(None) as waiting:
-                self._waiting.add(waiting)
-                try:
-                    return await wait()
-                finally:
-                    self._waiting.discard(waiting)
-        except TimeoutError:
-            if not waiting.expired():  # a timeout of the engine's own
-                raise
-            raise ServerStopping(STOPPING) from None
 
     async def _stream(self, call: _Call) -> AsyncIterator[bytes]:
         """The answer's server-sent events. With an Idempotency-Key, a copy of every event is kept, and once
@@ -1061,21 +1051,43 @@ class _ClosingStream(StreamingResponse):
         self.generator = generator
 
     async def __call__(self, scope, receive, send) -> None:
-        async def send_in_time(message) -> None:
-            # A client that stops reading (its TCP window full) is never seen to leave: the send waits for
-            # ever, holding the generator and all it holds. Past SEND_TIMEOUT_S, it has left.
-            try:
-                async with asyncio.timeout(SEND_TIMEOUT_S):
-                    await send(message)
-            except TimeoutError:
-                raise _ClientStalled() from None
+        # A client that stops reading (its TCP window full) is never seen to leave: the send waits for ever,
+        # holding the generator and all it holds. Past SEND_TIMEOUT_S, it has left. One watchdog per stream
+        # looks at the send under way every SEND_WATCH_S (a timer per send cost ~5 us a chunk).
+        loop = asyncio.get_running_loop()
+        sending: tuple[asyncio.Task, float] | None = None  # the send under way: its task, since when
+        stalled = False
 
+        def watch() -> None:
+            nonlocal watchdog, stalled
+            if sending is not None and loop.time() - sending[1] >= SEND_TIMEOUT_S:
+                stalled = True
+                sending[0].cancel()
+            else:
+                watchdog = loop.call_later(min(SEND_WATCH_S, SEND_TIMEOUT_S), watch)
+
+        async def send_in_time(message) -> None:
+            nonlocal sending
+            task = asyncio.current_task()
+            sending = (task, loop.time())
+            try:
+                await send(message)
+            except asyncio.CancelledError:
+                if not stalled:
+                    raise
+                task.uncancel()  # the watchdog's cancel, not the task's own: it goes on, as _ClientStalled
+                raise _ClientStalled() from None
+            finally:
+                sending = None
+
+        watchdog = loop.call_later(min(SEND_WATCH_S, SEND_TIMEOUT_S), watch)
         try:
             await super().__call__(scope, receive, send_in_time)
         except _ClientStalled:  # the generator's `finally` below aborts it as for a client that left
             logger.info("request %s: its client read nothing for %gs; taken as gone", self.headers.get(REQUEST_ID),
                         SEND_TIMEOUT_S)
         finally:
+            watchdog.cancel()
             await self.generator.aclose()
 
 
