@@ -22,13 +22,19 @@ must not hold a slot. A waiting request that is cancelled (its client left) leav
 requests on a GPU use no adapter and take no slot; on CPU the zero adapter stands in for the base model
 and takes one, as it does in vLLM's batch.
 
-Everything runs on the event loop (one thread): no locks.
+Everything runs on the event loop (one thread): no locks. The waiting requests are kept twice, in arrival
+order and in a heap by (priority, arrival), and admitted or cancelled ones are skipped when they reach the
+front of either: the first of them is found without a look at every one (a scan per enter and leave cost
+~0.1 ms per 1,000 waiting, on the event loop every request and stream shares).
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,7 +46,7 @@ class _Waiter:
     priority: int
     adapter_id: int
     since: float
-    future: asyncio.Future = field(repr=False)
+    future: asyncio.Future = field(repr=False)  # done: admitted, or its request cancelled (skipped from then on)
 
 
 class LoraSlots:
@@ -52,23 +58,27 @@ class LoraSlots:
         self.slots = slots
         self.clock = clock
         self.active: dict[int, int] = {}  # adapter id -> its requests in the engine
-        self._waiting: list[_Waiter] = []  # in arrival order: of equal rank, the first is taken first
+        self._arrivals: deque[_Waiter] = deque()  # waiting, in arrival order (the first to age is the first)
+        self._ranked: list[tuple[int, int, _Waiter]] = []  # heap of (priority, arrival number, waiter)
+        self._numbers = itertools.count()
+        self._count = 0  # waiting requests neither admitted nor cancelled
         self.on_wait: Callable[[float], None] = lambda seconds: None
 
     @property
     def waiting(self) -> int:
-        return sum(not w.future.done() for w in self._waiting)
+        return self._count
 
     async def enter(self, adapter_id: int, priority: int = 0) -> None:
         """Waits for a slot for `adapter_id` (see the module note); `leave` gives it back."""
-        self._drop_gone()
         first = self._first()
         ahead = first is not None and self._rank(first) <= priority
         if not ahead and self._fits(adapter_id):
             self.active[adapter_id] = self.active.get(adapter_id, 0) + 1
             return
         waiter = _Waiter(priority, adapter_id, self.clock(), asyncio.get_running_loop().create_future())
-        self._waiting.append(waiter)
+        self._arrivals.append(waiter)
+        heapq.heappush(self._ranked, (priority, next(self._numbers), waiter))
+        self._count += 1
         try:
             await waiter.future
             self.on_wait(self.clock() - waiter.since)
@@ -77,6 +87,7 @@ class LoraSlots:
                 self.leave(adapter_id)
             else:
                 waiter.future.cancel()
+                self._count -= 1
                 self._wake()  # it may have held up the ones behind it
             raise
 
@@ -93,19 +104,24 @@ class LoraSlots:
         return float("-inf") if self.clock() - waiter.since >= AGING_S else waiter.priority
 
     def _first(self) -> _Waiter | None:
-        return min(self._waiting, key=self._rank, default=None)  # min keeps the earliest of equal ranks
+        """The waiting request to admit next: the oldest once it has aged (the first to age is the oldest),
+        else the most urgent, the earliest of equal priority."""
+        arrivals, ranked = self._arrivals, self._ranked
+        while arrivals and arrivals[0].future.done():
+            arrivals.popleft()
+        while ranked and ranked[0][2].future.done():
+            heapq.heappop(ranked)
+        if not arrivals:
+            return None
+        oldest = arrivals[0]
+        return oldest if self._rank(oldest) == float("-inf") else ranked[0][2]
 
     def _fits(self, adapter_id: int) -> bool:
         return adapter_id in self.active or len(self.active) < self.slots
 
     def _wake(self) -> None:
         """Admits the waiting requests in order while the first of them fits."""
-        self._drop_gone()
         while (first := self._first()) is not None and self._fits(first.adapter_id):
-            self._waiting.remove(first)
             self.active[first.adapter_id] = self.active.get(first.adapter_id, 0) + 1
-            first.future.set_result(None)
-
-    def _drop_gone(self) -> None:
-        if any(w.future.done() for w in self._waiting):
-            self._waiting = [w for w in self._waiting if not w.future.done()]
+            self._count -= 1
+            first.future.set_result(None)  # done: skipped by `_first` from now on
