@@ -122,6 +122,11 @@ TARGET_BYTES = 64 * 1024 * 1024  # a merge writes at most about this much
 FINISHED_SHARE = 2 / 3
 STALE_TMP_S = 3600.0  # hidden temp files older than this belong to crashed writers
 GRACE_S = 60.0  # superseded inputs are deleted once the file superseding them is this old
+# The least time between a merged file's rename and its inputs' deletion, whatever grace_s says (0 included):
+# a reader lists a partition by reading its directory, then looking at each entry, so one whose reading came
+# before the rename and whose looks came after the deletion saw neither the inputs nor the merged file (rows
+# missing from `clora query`, from the learner's backlog, from ingest's view of what is stored).
+MIN_GRACE_S = 2.0
 DAY_MS = 86_400_000
 
 
@@ -183,6 +188,7 @@ def compact(
             results.append(
                 compact_partition(dd, ds, t, target_bytes=target_bytes, min_files=min_files, grace_s=grace_s)
             )
+    _remove_at_floor(dd, results, grace_s)
     if dataset is None and tenant != UNKNOWN_TENANT:  # dead letters without a tenant have no learner cursor
         cursors = Cursors(dd)
         try:
@@ -201,6 +207,25 @@ def compact(
             if folded:
                 logger.info("cursor of %s: folded %d step files into a snapshot", t, folded)
     return results
+
+
+def _remove_at_floor(dd, results: list[CompactionResult], grace_s: float) -> None:
+    """With a grace period under MIN_GRACE_S, this run's inputs are deleted at its end, MIN_GRACE_S after the
+    last merge (once for the whole run), so that `clora compact --grace 0` still returns with them gone."""
+    merged = [r for r in results if r.outputs and not r.error and r.waiting]
+    if grace_s >= MIN_GRACE_S or not merged:
+        return
+    time.sleep(MIN_GRACE_S)
+    for result in merged:
+        try:
+            with partition_lock(dd, result.dataset, result.tenant):
+                removed, result.waiting = _remove_superseded(dd, result.dataset, result.tenant, grace_s)
+                result.removed += removed
+        except LockBusy:  # another compaction of it now: that one deletes them
+            pass
+        except Exception as e:  # noqa: BLE001 (as compact_partition: reported, the others go on)
+            logger.debug("deleting the inputs of %s/tenant=%s failed", result.dataset, result.tenant, exc_info=True)
+            result.error = f"{type(e).__name__}: {e}"
 
 
 def partition_lock(dd, dataset: str, tenant: str):
@@ -451,6 +476,7 @@ def _remove_superseded(dd, dataset: str, tenant: str, grace_s: float) -> tuple[i
     superseded = listing.superseded
     now_ns = time.time_ns()
     doomed = [i for i in listing.on_disk if i.base_name in superseded]
+    grace_s = max(grace_s, MIN_GRACE_S)
     due = [i for i in doomed if (now_ns - superseded[i.base_name].since_ns) / 1e9 >= grace_s]
     for info in due:
         Path(info.path).unlink(missing_ok=True)

@@ -19,6 +19,13 @@ from storage.schema import SchemaMismatch
 pytestmark = pytest.mark.unit
 
 
+@pytest.fixture(autouse=True)
+def no_floor_on_the_grace(request, monkeypatch):
+    """These tests time the grace period themselves (0.3 s, 0); the floor under it has its own test."""
+    if "floor" not in request.node.name:
+        monkeypatch.setattr("storage.compact.MIN_GRACE_S", 0.0)
+
+
 def _write_files(data_dir, make_trajectories, n_files: int, per_file: int = 4, tenant: str = "acme", prefix: str = "f"):
     ids = []
     for f in range(n_files):
@@ -141,6 +148,23 @@ def test_inputs_stay_for_the_grace_period_but_are_not_read(data_dir, make_trajec
     later = compact_partition(data_dir, "trajectories", "acme", grace_s=0)
     assert (later.inputs, later.removed, later.waiting) == (0, 4, 0)
     assert len(_files_on_disk(data_dir)) == 1
+
+
+def test_inputs_go_no_sooner_than_the_floor_after_their_merge_even_with_no_grace(data_dir, make_trajectories):
+    """A reader lists a partition by reading the directory, then looking at each entry: deleted at once with
+    grace 0, the inputs of a merge were gone by its looks, and the merged file, renamed in after its reading,
+    was not there either. `clora compact --grace 0` still returns with them gone, MIN_GRACE_S later."""
+    from storage.compact import MIN_GRACE_S
+
+    _write_files(data_dir, make_trajectories, 4)
+    one = compact_partition(data_dir, "trajectories", "acme", grace_s=0)
+    assert (one.inputs, one.removed, one.waiting) == (4, 0, 4) and len(_files_on_disk(data_dir)) == 5
+    _write_files(data_dir, make_trajectories, 3, prefix="g")
+    started = time.monotonic()
+    (run,) = [r for r in compact(data_dir, "trajectories", grace_s=0) if r.tenant == "acme"]
+    assert time.monotonic() - started >= MIN_GRACE_S
+    assert (run.removed, run.waiting) == (4 + 4, 0) and len(_files_on_disk(data_dir)) == 1
+    assert read_dataset(data_dir, "trajectories").num_rows == 28
 
 
 def test_grace_period_counts_from_the_first_merge(data_dir, make_trajectories):
@@ -290,7 +314,10 @@ def test_files_a_newer_clora_wrote_are_left_out_not_stripped_of_what_this_versio
 
 CRASH_BETWEEN_RENAME_AND_DELETE = r"""
 import os, pathlib, sys
+import storage.compact
 from storage.compact import compact_partition
+
+storage.compact.MIN_GRACE_S = 0.0  # deleted in this run: it dies there
 
 unlink = pathlib.Path.unlink
 
@@ -322,9 +349,9 @@ def test_crash_between_merge_and_delete_double_counts_nothing(data_dir, make_tra
     # More data arrives; a compaction that (say) crashes again before cleaning up merges the old merged
     # file with it: the new file must also supersede the leftovers of the first one.
     more = _write_files(data_dir, make_trajectories, 2, prefix="g")
-    monkeypatch.setattr("storage.compact._remove_superseded", lambda *args: (0, 0))
-    compact_partition(data_dir, "trajectories", "acme", grace_s=0)
-    monkeypatch.undo()
+    with monkeypatch.context() as patched:
+        patched.setattr("storage.compact._remove_superseded", lambda *args: (0, 0))
+        compact_partition(data_dir, "trajectories", "acme", grace_s=0)
     assert len(live_files(data_dir, "trajectories")) == 1
     assert len(_files_on_disk(data_dir)) == 1 + 1 + 5 + 2, "both merged files and every input are on disk"
     assert {i for _, i in read_ids(data_dir, "trajectories")} == set(ids + more)
