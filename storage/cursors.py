@@ -82,6 +82,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -127,6 +128,9 @@ _NEWEST_COMMIT = b"clora.newest_commit_ms"  # snapshot metadata: the newest comm
 # A snapshot is forgotten only once its newest commit is this much older than the cutoff, so a row it
 # trained was ingested before the cutoff even if the learner's clock ran this much behind ingest's.
 FORGET_MARGIN_MS = 3_600_000
+# What a fold replaced (snapshots, step files) is deleted by a later compaction once the snapshot holding it
+# is this old (Cursors._remove_folded).
+FOLD_GRACE_S = 60.0
 # Snapshots are dated by the UTC day of their newest commit, and those of different days are never merged, so
 # retention can forget a whole day once it is old (see the module note).
 DAY_MS = 86_400_000
@@ -204,13 +208,23 @@ def _step_commit_ms(step_dir: Path) -> int:
 
 
 def _merged(tenant_dir: Path, run: list[_Snapshot]) -> _Snapshot:
-    """One snapshot holding the consecutive snapshots of `run`; they are deleted once it is durable (a crash
-    before leaves both, which readers and the next compaction handle)."""
+    """One snapshot holding the consecutive snapshots of `run`, written durably; they stay until a later
+    compaction finds it FOLD_GRACE_S old (Cursors.compact), which readers handle (the chain takes the
+    furthest-reaching snapshot)."""
     merged = _Snapshot(run[0].first, run[-1].last, tenant_dir / _snapshot_name(run[0].first, run[-1].last))
     _write_ids(merged.path, [snap.path for snap in run], max(_newest_commit_ms(snap.path) for snap in run))
-    for gone in run:
-        gone.path.unlink(missing_ok=True)
     return merged
+
+
+def _covered_long_enough(first: int, last: int, chain: list[_Snapshot], now_s: float) -> bool:
+    """Whether a snapshot of `chain` FOLD_GRACE_S old or older holds steps first..last."""
+    for snap in chain:
+        if snap.first <= first and last <= snap.last:
+            try:
+                return now_s - snap.path.stat().st_mtime >= FOLD_GRACE_S
+            except FileNotFoundError:
+                return False
+    return False
 
 
 def _id_batches(path: Path) -> Iterator[pa.Array]:
@@ -500,6 +514,7 @@ class Cursors:
             end = chain[-1].last if chain else horizon.through
             newer = [(s, p) for s, p in steps if s > end]
             if not newer or (len(newer) == 1 and not chain):
+                self._remove_folded(tenant, chain)  # what an earlier fold replaced, once old enough
                 return 0
             top = newer[-1][0]
             state = self._backlogs.get(tenant)
@@ -509,14 +524,23 @@ class Cursors:
             _write_ids(folded.path, [p / "ids.parquet" for _, p in newer], max(_step_commit_ms(p) for _, p in newer))
             chain.append(folded)
             chain = self._merge(tenant_dir, chain)
-            kept = {snap.path for snap in chain}
-            for snap in self._listing(tenant)[0]:  # what earlier crashes or older versions left
-                if snap.path not in kept and snap.last <= top:
-                    snap.path.unlink(missing_ok=True)
-            for s, path in self._steps(tenant):
-                if s <= top and not (path / "checkpoint").exists():
-                    remove_tree(path)
+            self._remove_folded(tenant, chain)
             return len(newer)
+
+    def _remove_folded(self, tenant: str, chain: list[_Snapshot]) -> None:
+        """Deletes the snapshots and step files the chain holds, once the snapshot holding them is FOLD_GRACE_S
+        old: a listing is read a piece at a time, and one that read past the new snapshot's name before it
+        appeared and reached the names it replaced after they went would see neither (a learner starting then
+        trained those ids again, for as long as it ran). What earlier crashes or older versions left goes too."""
+        now_s = time.time()
+        kept = {snap.path for snap in chain}
+        snapshots, steps = self._listing(tenant)
+        for snap in snapshots:
+            if snap.path not in kept and _covered_long_enough(snap.first, snap.last, chain, now_s):
+                snap.path.unlink(missing_ok=True)
+        for s, path in steps:
+            if not (path / "checkpoint").exists() and _covered_long_enough(s, s, chain, now_s):
+                remove_tree(path)
 
     @staticmethod
     def _merge(tenant_dir: Path, chain: list[_Snapshot]) -> list[_Snapshot]:
