@@ -174,8 +174,8 @@ def config_check(args: argparse.Namespace) -> int:
     # above, the port is all that can be checked).
     other = None if why is not None or tls is False else not_kafka(cfg.kafka.bootstrap, tls=tls)
     if other is not None:
-        results.append(("kafka.bootstrap", f"something holds {cfg.kafka.bootstrap} (kafka.bootstrap), but it is not "
-                        f"a Kafka broker: {other}"))
+        results.append(("kafka.bootstrap", f"something takes connections at {cfg.kafka.bootstrap} (kafka.bootstrap), "
+                        f"but does not answer a Kafka request: {other}"))
     elif broker_problem is not None:  # the embedded broker would not listen where kafka.bootstrap points (above)
         if why is None:
             results.append((f"Kafka answers at {cfg.kafka.bootstrap}", None))

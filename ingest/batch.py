@@ -155,14 +155,16 @@ def offset_ranges(records: Iterable[Record]) -> dict[tuple[str, int], tuple[int,
     return ranges
 
 
+UNBUILT_MEANS = "its interactions are dead-lettered as scorer_error until it can; tried again every minute"
+
+
 def _build(tenant: str, spec: str, limit: float, *, log: bool = True) -> Scorer:
     """`spec`'s function for `tenant`, or an Unbuilt saying why it cannot be built (logged with `log`)."""
     try:
         return build_scorer(spec, time_limit_s=limit)
     except ScorerSpecError as e:
         if log:
-            logger.error("tenant %r: its scorer cannot be built (its interactions are dead-lettered as scorer_error "
-                         "until it can; tried again every minute): %s", tenant, e)
+            logger.error("tenant %r: its scorer cannot be built (%s): %s", tenant, UNBUILT_MEANS, e)
         return Unbuilt(spec, str(e))
 
 
@@ -190,6 +192,7 @@ class Processor:
         self.clock = clock
         self.removal_grace_s = removal_grace_s
         self.leaving: dict[str, float] = {}  # tenant removed (with "reject") -> when it stops being stored
+        self.waiting_specs: dict[str, tuple[str, float]] = {}  # tenant -> a changed scorer that could not be built
         self.scoring_budget_s = scoring_budget_s
         self.configured = frozenset(scorers)
         self.unknown_tenant = unknown_tenant
@@ -226,6 +229,12 @@ class Processor:
                 self.functions[tenant] = _build(tenant, function.spec, self.limits[tenant], log=False)
                 if not isinstance(self.functions[tenant], Unbuilt):
                     fixed.append(tenant)
+        for tenant, (spec, limit) in sorted(self.waiting_specs.items()):  # a change left as it was: applied now
+            function = _build(tenant, spec, limit, log=False)
+            if not isinstance(function, Unbuilt):
+                del self.waiting_specs[tenant]
+                self.functions[tenant], self.specs[tenant], self.limits[tenant] = function, spec, limit
+                fixed.append(tenant)
         return fixed
 
     def follow(self, scorers: dict[str, str], time_limits: dict[str, float]) -> Followed:
@@ -242,6 +251,7 @@ class Processor:
         done = Followed()
         for tenant in [t for t in self.leaving if t in scorers]:  # back before it left: as if never removed
             del self.leaving[tenant]
+        self.waiting_specs.clear()  # what this read asks for replaces what an earlier one asked for
         for tenant, spec in sorted(scorers.items()):
             limit = time_limits.get(tenant, DEFAULT_TIME_LIMIT_S)
             old = self.specs.get(tenant, DEFAULT_SCORER if tenant in self.auto else None)
@@ -255,7 +265,8 @@ class Processor:
                 if isinstance(function, Unbuilt):
                     done.errors[tenant] = function.error
                     if tenant in self.configured or tenant in self.auto:
-                        continue  # its scorer stays as it was (the change is not applied)
+                        self.waiting_specs[tenant] = (spec, limit)  # tried again with the other unbuilt ones
+                        continue  # its scorer stays as it was until then
                 self.functions[tenant] = function  # a tenant new to the config: its interactions say why
             (done.rescored if tenant in self.configured else done.added).append(tenant)
             self.specs[tenant], self.limits[tenant] = spec, limit

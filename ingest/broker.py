@@ -144,14 +144,18 @@ def not_kafka(bootstrap: str, *, tls: ssl.SSLContext | None = None, timeout: flo
     for host, port, _ in collect_hosts(bootstrap, randomize=False):
         where = f"{host}:{port}"
         try:
-            with socket.create_connection((host, port), timeout=timeout) as raw:
-                conn = tls.wrap_socket(raw, server_hostname=host) if tls is not None else raw
+            raw = socket.create_connection((host, port), timeout=timeout)
+            # wrap_socket takes the raw socket over: closing the wrapped one closes it
+            with tls.wrap_socket(raw, server_hostname=host) if tls is not None else raw as conn:
                 conn.sendall(request)
                 head = _read_exactly(conn, 8)
         except TimeoutError:
             why = f"{where} took the connection but did not answer a Kafka request within {timeout:g}s"
             continue
-        except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+        except ssl.SSLError as e:  # a Kafka broker's certificate the configured CA refuses, say
+            why = f"{where}: TLS failed: {e}"
+            continue
+        except (OSError, ValueError) as e:
             why = f"{where}: {e.strerror or e}" if isinstance(e, OSError) else f"{where}: {e}"
             continue
         size, got = struct.unpack(">ii", head)

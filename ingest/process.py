@@ -22,7 +22,7 @@ import pyarrow as pa
 from clora.config import Config, ConfigRereads, load_config, resolve_config_path
 from clora.metrics_endpoint import MetricsPortError
 from clora.up import StopFlag
-from ingest.batch import Processor
+from ingest.batch import UNBUILT_MEANS, Processor
 from ingest.broker import BrokerError, ensure_topics, wait_until_reachable
 from ingest.cli import member_name
 from ingest.consumer import Ingest
@@ -111,11 +111,10 @@ class TenantFollower:
             if (tenant, error) in self.logged:
                 continue
             if tenant in done.added:
-                logger.error("tenant %r: its scorer cannot be built (its interactions are dead-lettered as "
-                             "scorer_error until it can; tried again every minute): %s", tenant, error)
+                logger.error("tenant %r: its scorer cannot be built (%s): %s", tenant, UNBUILT_MEANS, error)
             else:
-                logger.error("tenant %r: its scorer cannot be built, so its change in the config is not applied: %s",
-                             tenant, error)
+                logger.error("tenant %r: its scorer cannot be built, so its change in the config is not applied until "
+                             "it can (tried again every minute): %s", tenant, error)
         self.logged = said
 
 

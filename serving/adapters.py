@@ -512,9 +512,10 @@ class AdapterSet:
         while another version of its number (another `created`) is loaded: see the module notes."""
         key = (tenant, number)
         if key in self._loaded:
-            if self._loaded[key].created != created:
+            loaded = self._loaded[key]
+            if loaded.created != created:
                 self._unload_idle(key)  # kept only for requests naming it: the registry's new files win
-            return _same(self._loaded[key], created)
+            return _same(loaded, created)
         pending = self._loading.get(key)
         if pending is not None:
             loaded = await asyncio.shield(pending)
@@ -599,7 +600,7 @@ class AdapterSet:
         key = (loaded.tenant, loaded.number)
         if self._loaded.get(key) is not loaded:
             return
-        if loaded.asked and self.keep_idle_s > 0:
+        if loaded.asked and self.keep_idle_s > 0 and loaded.tenant in self.tenants:
             self._idle.pop(key, None)
             self._idle[key] = self.monotonic()
             kept = [k for k in self._idle if k[0] == loaded.tenant]  # in the order they became idle

@@ -697,10 +697,10 @@ class Api:
             running = len(tasks)
             while running:
                 item = await queue.get()
+                if self._stopped:  # not only at _STOPPING: outputs queued ahead of it would all be sent first
+                    raise ServerStopping(STOPPING)
                 if item is end:
                     running -= 1
-                elif item is _STOPPING:
-                    raise ServerStopping(STOPPING)
                 elif isinstance(item, Exception):
                     raise item
                 else:

@@ -401,9 +401,9 @@ bootstrap = "127.0.0.1:{port}"
 """)
         code, out, problems = _config_check(config, capsys)
     assert code == 1 and not any("Kafka answers" in line for line in out)
-    assert [p for p in problems if "not a Kafka broker" in p] == [
-        f"something holds 127.0.0.1:{port} (kafka.bootstrap), but it is not a Kafka broker: 127.0.0.1:{port} took "
-        "the connection but did not answer a Kafka request within 2s"]
+    assert [p for p in problems if "does not answer a Kafka request" in p] == [
+        f"something takes connections at 127.0.0.1:{port} (kafka.bootstrap), but does not answer a Kafka request: "
+        f"127.0.0.1:{port} took the connection but did not answer a Kafka request within 2s"]
 
 
 def test_a_learner_device_this_host_lacks_is_one_line_and_config_check_finds_it(tmp_path, capsys, caplog):
@@ -558,8 +558,8 @@ def test_config_check_finds_the_embedded_brokers_port_held_by_another_process(tm
         assert main(["config", "check", "--config", str(config)]) == 1
     out = capsys.readouterr().out
     problems = [line.split("PROBLEM", 1)[1].strip() for line in out.splitlines() if "PROBLEM" in line]
-    assert len(problems) == 1 and problems[0].startswith(f"something holds 127.0.0.1:{port} (kafka.bootstrap), but "
-                                                         "it is not a Kafka broker")
+    assert len(problems) == 1 and problems[0].startswith(f"something takes connections at 127.0.0.1:{port} "
+                                                         "(kafka.bootstrap), but does not answer a Kafka request")
     assert f"data_dir {tmp_path / 'data'} is writable" in out
 
 

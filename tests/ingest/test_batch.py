@@ -687,6 +687,14 @@ def test_a_scorer_that_cannot_be_built_dead_letters_its_tenants_interactions_unt
     assert h.processor.retry_unbuilt() == ["judged"] and h.processor.unbuilt() == {}
     assert h.feed(inter("c", tenant="judged")).reasons == {}
     assert ("c", 0.25, "python:clora_judge_later:score") in h.rewards()
+    # A change to a scorer that cannot be built yet leaves the old one scoring, and is applied once it can be.
+    done = h.processor.follow({"judged": "python:clora_judge_v2:score", "dig": "digits"}, {})
+    assert list(done.errors) == ["judged"] and h.processor.specs["judged"] == "python:clora_judge_later:score"
+    assert h.processor.retry_unbuilt() == []
+    (tmp_path / "clora_judge_v2.py").write_text("def score(completion, prompt):\n    return 0.5\n")
+    assert h.processor.retry_unbuilt() == ["judged"] and h.processor.specs["judged"] == "python:clora_judge_v2:score"
+    assert h.feed(inter("d", tenant="judged")).reasons == {}
+    assert ("d", 0.5, "python:clora_judge_v2:score") in h.rewards()
 
 
 # ---------------------------------------------------------------------------------------------------------

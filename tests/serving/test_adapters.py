@@ -245,7 +245,11 @@ def test_a_version_asked_for_by_name_stays_loaded_a_while_after_its_last_request
         await adapters.drain()
         assert "acme@2" in engine.loaded.values(), "another tenant's versions take none of its room"
 
+        running = await adapters.acquire("acme", 2)  # a request still running as its tenant leaves
         await adapters.set_tenants(["globex"])
+        await adapters.drain()
+        assert set(engine.loaded.values()) == {"acme@2", "globex@1"}
+        running.release()
         await adapters.drain()
         assert set(engine.loaded.values()) == {"globex@1"}, "a tenant that left keeps nothing loaded"
 

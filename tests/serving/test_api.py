@@ -1665,6 +1665,51 @@ def test_a_stopping_server_ends_the_generations_left_after_its_grace_period_with
     assert w.events.logged == [], "nothing was answered whole"
 
 
+def test_a_stop_ends_a_stream_at_once_whatever_its_slow_client_has_not_read_yet():
+    """The engine's outputs are queued at its pace, whatever the client's: a stop behind 40 of them queued for a
+    slow client sent all 40 before its error, the engine's request running on meanwhile."""
+    from types import SimpleNamespace
+
+    w = World()
+
+    async def outputs(prompt, params):
+        for _ in range(40):
+            yield SimpleNamespace(outputs=[SimpleNamespace(
+                index=0, text="A", token_ids=[65], finish_reason=None,
+                logprobs=[{65: SimpleNamespace(logprob=-0.5, rank=1, decoded_token="A")}])])
+        w.llm.holding.set()
+        await asyncio.Event().wait()  # still generating
+
+    w.llm._outputs = outputs
+    body = json.dumps(chat(stream=True, max_tokens=1000)).encode()
+
+    async def scenario():
+        after_stop, stopped = [], []
+        messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+        async def receive():
+            with contextlib.suppress(StopIteration):
+                return next(messages)
+            await asyncio.Event().wait()
+
+        async def send(message):
+            if message["type"] == "http.response.body" and message.get("body"):
+                if stopped:
+                    after_stop.append(message["body"])
+                await asyncio.sleep(0.02)  # a slow client
+
+        app = asyncio.create_task(w.app(chat_scope(body), receive, send))
+        await asyncio.wait_for(w.llm.holding.wait(), 10)
+        stopped.append(True)
+        w.api.stop_generations()
+        await asyncio.wait_for(app, 10)
+        return after_stop
+
+    after_stop = asyncio.run(scenario())
+    content = sum(b'"content":"A"' in chunk for chunk in after_stop)
+    assert content <= 1 and any(b"server_stopping" in chunk for chunk in after_stop[:3])
+
+
 def test_a_stop_answers_the_running_stream_over_http_before_the_server_exits(monkeypatch):
     """The same through uvicorn, as `python -m serving` runs it (`watch`, a grace period of 0): the stream
     gets its error event and [DONE] long before uvicorn's own deadline would cut it off with neither (and
