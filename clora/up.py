@@ -449,21 +449,17 @@ def stack_specs(cfg, config_path: str | None, *, file_only: bool = False) -> tup
     return specs, ["compactor", "serving", *together(learners), *together(ingests), "broker"]
 
 
-def setup_problems(cfg) -> list[str]:
-    """What would keep `up`'s children from working, one line each, checked before anything starts: the
-    embedded broker somewhere else than kafka.bootstrap says (serving and ingest would never reach it), two
-    of its children given one port (port_clashes), and ports another process already holds (a child that
-    cannot bind its port exits, and a health check would see the other process answering)."""
-    return config_problems(cfg) + held_ports(cfg)
-
-
 def config_problems(cfg) -> list[str]:
-    """The part of `setup_problems` the config alone decides (exit 2: the config must change)."""
+    """What would keep `up`'s children from working that the config alone decides, one line each, checked
+    before anything starts (exit 2: the config must change): the embedded broker somewhere else than
+    kafka.bootstrap says (serving and ingest would never reach it), two of its children given one port."""
     return [p for p in [embedded_broker_problem(cfg)] if p is not None] + port_clashes(cfg)
 
 
 def held_ports(cfg) -> list[str]:
-    """The part of `setup_problems` another process causes: ports it holds now (exit 1: it may go away)."""
+    """What would keep `up`'s children from working that another process causes: ports it holds now (a child
+    that cannot bind its port exits, and a health check would see the other process answering; exit 1: it
+    may go away)."""
     problems = []
     if cfg.broker.embedded:
         problems += ports_in_use([("broker.port and kafka.bootstrap", cfg.broker.host, cfg.broker.port)])

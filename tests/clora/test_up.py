@@ -422,12 +422,12 @@ def test_up_refuses_an_embedded_broker_that_kafka_bootstrap_does_not_name(tmp_pa
     assert f"kafka.bootstrap is '127.0.0.1:9092' but the embedded broker listens on 127.0.0.1:{port}" in error
     external = Config.model_validate({"data_dir": str(tmp_path), "broker": {"embedded": False, "port": port},
                                       "serving": {"port": free_port_but(port)}})
-    assert up_module.setup_problems(external) == []  # the Kafka at kafka.bootstrap is used as it is
+    assert (up_module.config_problems(external) + up_module.held_ports(external)) == []  # the Kafka at kafka.bootstrap is used as it is
     for bootstrap in (f"localhost:{port}", f"kafka.example:9092,127.0.0.1:{port}",  # other names for it, as
                       f"PLAINTEXT://127.0.0.1:{port}", f" [::1]:9093 , localhost:{port}"):  # Kafka clients read them
         named = Config.model_validate({"data_dir": str(tmp_path), "broker": {"port": port},
                                        "kafka": {"bootstrap": bootstrap}, "serving": {"port": free_port_but(port)}})
-        assert up_module.setup_problems(named) == [], bootstrap
+        assert (up_module.config_problems(named) + up_module.held_ports(named)) == [], bootstrap
 
 
 def test_up_refuses_ingest_metrics_ports_that_are_taken_or_clash_with_its_own(tmp_path):
@@ -443,7 +443,7 @@ def test_up_refuses_ingest_metrics_ports_that_are_taken_or_clash_with_its_own(tm
             "data_dir": str(tmp_path), "broker": {"port": broker}, "serving": {"port": free_port_but(broker)},
             "kafka": {"bootstrap": f"127.0.0.1:{broker}"}, "ingest": {"processes": 3, "metrics_port": taken - 2},
         })
-        problems = up_module.setup_problems(cfg)
+        problems = (up_module.config_problems(cfg) + up_module.held_ports(cfg))
     finally:
         held.close()
     # member 2's port: held by another process (members 0 and 1 may or may not be free; only the held one is asserted)
@@ -452,13 +452,13 @@ def test_up_refuses_ingest_metrics_ports_that_are_taken_or_clash_with_its_own(tm
     clash = Config.model_validate({
         "data_dir": str(tmp_path), "broker": {"port": broker}, "serving": {"port": broker + 1},
         "kafka": {"bootstrap": f"127.0.0.1:{broker}"}, "ingest": {"processes": 2, "metrics_port": broker}})
-    assert [p for p in up_module.setup_problems(clash) if "puts an ingest process" in p] == [
+    assert [p for p in (up_module.config_problems(clash) + up_module.held_ports(clash)) if "puts an ingest process" in p] == [
         f"ingest.metrics_port {broker} puts an ingest process's metrics on port {port}, which serving or the broker "
         "listens on: set ingest.metrics_port to a free range" for port in (broker, broker + 1)]
     fine = Config.model_validate({
         "data_dir": str(tmp_path), "broker": {"port": broker}, "serving": {"port": free_port_but(broker)},
         "kafka": {"bootstrap": f"127.0.0.1:{broker}"}, "ingest": {"processes": 2}})  # metrics off: nothing to check
-    assert up_module.setup_problems(fine) == []
+    assert (up_module.config_problems(fine) + up_module.held_ports(fine)) == []
 
 
 def test_up_refuses_serving_on_the_embedded_brokers_port(tmp_path, monkeypatch):
@@ -481,7 +481,7 @@ def test_up_refuses_serving_on_the_embedded_brokers_port(tmp_path, monkeypatch):
         "listen: set serving.port to another port (or broker.port and kafka.bootstrap)"]
     external = Config.model_validate({"data_dir": str(tmp_path), "broker": {"embedded": False, "port": port},
                                       "serving": {"port": port}, "kafka": {"bootstrap": f"kafka.example:{port}"}})
-    assert up_module.setup_problems(external) == []  # no broker of its own: the port is serving's alone
+    assert (up_module.config_problems(external) + up_module.held_ports(external)) == []  # no broker of its own: the port is serving's alone
 
 
 def test_up_warns_of_ingest_processes_beyond_the_partitions_and_starts(tmp_path, monkeypatch):
